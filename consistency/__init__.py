@@ -1,1 +1,38 @@
-"""TensorHub consistency package."""
+"""Everything that talks to etcd: key schema, sessions, registries, watches, the revision floor.
+
+Depends only on etcd (through python3-etcd3's generated stubs) and the shared `tensorhub`
+error tree; never on `transport` or `ros`.
+"""
+
+from consistency.embedded import EtcdCluster
+from consistency.etcd import Etcd
+from consistency.floor import RevisionFloor, StaleRead
+from consistency.holders import HolderRegistry, SeedClaim
+from consistency.keys import DEFAULT_PREFIX, Keys
+from consistency.records import HolderRecord, HolderState, ShardRecord
+from consistency.session import Session
+from consistency.versions import Published, VersionInfo, VersionRegistry
+from consistency.watch import EventKind, KeyWatch, ModelWatch, WatchEvent, wait_for_version
+
+__all__ = [
+    "DEFAULT_PREFIX",
+    "Etcd",
+    "EtcdCluster",
+    "EventKind",
+    "HolderRecord",
+    "HolderRegistry",
+    "HolderState",
+    "KeyWatch",
+    "Keys",
+    "ModelWatch",
+    "Published",
+    "RevisionFloor",
+    "SeedClaim",
+    "Session",
+    "ShardRecord",
+    "StaleRead",
+    "VersionInfo",
+    "VersionRegistry",
+    "WatchEvent",
+    "wait_for_version",
+]

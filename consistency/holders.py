@@ -1,0 +1,220 @@
+"""The holder registry: who holds which version, under which lease; seeds and pins.
+
+A holder record lives under its holder's lease, so a dead holder's records vanish for
+everyone when the lease expires. Its create_revision is its fencing token: a state change
+compares it inside the transaction, so a holder that lost its lease (and whose record was
+recreated by a newer incarnation) cannot overwrite the newer record.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from consistency import ops
+from consistency.etcd import Etcd
+from consistency.keys import Keys
+from consistency.records import HolderRecord, HolderState
+from consistency.versions import VersionRegistry
+from tensorhub.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    LeaseLost,
+    RetentionViolation,
+    VersionNotFound,
+)
+from tensorhub.names import validate_name
+
+DEFAULT_TIMEOUT = 10.0
+
+
+@dataclass(frozen=True)
+class SeedClaim:
+    """The outcome of a seed election in one dc: who the seed is, and whether it is us."""
+
+    dc: str
+    seed: str
+    is_seed: bool
+    revision: int
+
+
+class HolderRegistry:
+    """Holder records, seed elections and pins for versions of models."""
+
+    def __init__(self, versions: VersionRegistry) -> None:
+        self.versions = versions
+        self.etcd: Etcd = versions.etcd
+        self.keys: Keys = versions.keys
+
+    # -- holders ---------------------------------------------------------------------------
+
+    def register(
+        self,
+        tenant: str,
+        model: str,
+        version: int,
+        record: HolderRecord,
+        *,
+        timeout: float | None = None,
+    ) -> int:
+        """Register (or re-register) a holder under its lease; returns its fencing token.
+
+        Fails with `VersionNotFound` if the version is not published: no holder record can
+        outlive or precede its version's manifest.
+        """
+        if record.session <= 0:
+            raise InvalidArgument("a holder record needs its session (lease) id")
+        key = self.keys.holder(tenant, model, version, record.holder)
+        result = self.etcd.txn(
+            [ops.exists(self.keys.manifest(tenant, model, version))],
+            [ops.put(key, record.encode(), lease=record.session), ops.get(key)],
+            timeout=timeout,
+        )
+        if not result.succeeded:
+            raise VersionNotFound(f"{model}@{version} is not published; cannot hold it")
+        return int(result.responses[1].response_range.kvs[0].create_revision)
+
+    def update_state(
+        self,
+        tenant: str,
+        model: str,
+        version: int,
+        record: HolderRecord,
+        fence: int,
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        """Change a holder's state (PARTIAL → COMPLETE) if its record is still at `fence`."""
+        key = self.keys.holder(tenant, model, version, record.holder)
+        result = self.etcd.txn(
+            [ops.create(key, "==", fence)],
+            [ops.put(key, record.encode(), lease=record.session)],
+            timeout=timeout,
+        )
+        if not result.succeeded:
+            raise LeaseLost(
+                f"holder {record.holder} of {model}@{version} lost its record (lease expired?)"
+            )
+
+    def list(
+        self, tenant: str, model: str, version: int, *, timeout: float | None = None
+    ) -> tuple[list[HolderRecord], int]:
+        """Live holders of a version and the revision of the read."""
+        result = self.etcd.range(
+            self.keys.holders(tenant, model, version), prefix=True, timeout=timeout
+        )
+        return [
+            HolderRecord.decode(kv.value, kv.create_revision) for kv in result.kvs
+        ], result.revision
+
+    def release(
+        self,
+        tenant: str,
+        model: str,
+        version: int,
+        holder: str,
+        *,
+        force: bool = False,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> int:
+        """Delete a holder's record; never silently drop a retained version's last complete holder.
+
+        The check is fenced: the transaction compares that another complete holder's record
+        is unchanged (or that `latest` has not moved), so a concurrent release of that other
+        holder cannot make both succeed. Returns the revision of the delete.
+        """
+        key = self.keys.holder(tenant, model, version, validate_name(holder, "holder"))
+        latest_key = self.keys.latest(tenant, model)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            remaining = deadline - time.monotonic()
+            snapshot = self.etcd.range(
+                self.keys.version(tenant, model, version), prefix=True, timeout=remaining
+            )
+            latest_kv, _ = self.etcd.get(latest_key, timeout=remaining)
+            mine = None
+            others = []
+            for kv in snapshot.kvs:
+                _, kind, name = self.keys.parse_version_key(tenant, model, kv.key.decode())
+                if kind == "h":
+                    if name == holder:
+                        mine = HolderRecord.decode(kv.value, kv.create_revision)
+                    elif HolderRecord.decode(kv.value).state is HolderState.COMPLETE:
+                        others.append(kv)
+            if mine is None:
+                return snapshot.revision  # nothing to release
+            compares = []
+            if not force and mine.complete and self._is_retained(tenant, model, version, remaining):
+                if not others:
+                    raise RetentionViolation(
+                        f"{holder} is the last complete holder of retained {model}@{version}; "
+                        "release with force=True, or set a spill target, to drop it"
+                    )
+                compares.append(ops.mod(others[0].key, "==", others[0].mod_revision))
+            compares.append(ops.mod(latest_key, "==", latest_kv.mod_revision if latest_kv else 0))
+            compares.append(ops.create(key, "==", mine.revision))
+            result = self.etcd.txn(compares, [ops.delete(key)], timeout=deadline - time.monotonic())
+            if result.succeeded:
+                return result.revision
+        raise DeadlineExceeded(f"release of {holder} from {model}@{version} did not settle in time")
+
+    def _is_retained(self, tenant: str, model: str, version: int, timeout: float) -> bool:
+        return version in self.versions.retained(tenant, model, timeout=timeout)
+
+    # -- seeds -----------------------------------------------------------------------------
+
+    def elect_seed(
+        self,
+        tenant: str,
+        model: str,
+        version: int,
+        dc: str,
+        holder: str,
+        session: int,
+        *,
+        timeout: float | None = None,
+    ) -> SeedClaim:
+        """Create-if-absent on `seed/{dc}` under our lease: the winner reads across the WAN."""
+        key = self.keys.seed(tenant, model, version, dc)
+        validate_name(holder, "holder")
+        result = self.etcd.txn(
+            [ops.absent(key), ops.exists(self.keys.manifest(tenant, model, version))],
+            [ops.put(key, holder, lease=session)],
+            [ops.get(key)],
+            timeout=timeout,
+        )
+        if result.succeeded:
+            return SeedClaim(dc, holder, True, result.revision)
+        kvs = result.responses[0].response_range.kvs
+        if not kvs:
+            raise VersionNotFound(f"{model}@{version} is not published")
+        seed = bytes(kvs[0].value).decode()
+        # A retried create may have been ours: the lease tells.
+        return SeedClaim(dc, seed, seed == holder and kvs[0].lease == session, result.revision)
+
+    # -- pins ------------------------------------------------------------------------------
+
+    def pin(
+        self,
+        tenant: str,
+        model: str,
+        version: int,
+        pin_id: str,
+        session: int,
+        *,
+        timeout: float | None = None,
+    ) -> int:
+        """Keep a version from being collected while a reader works on it (under its lease)."""
+        result = self.etcd.txn(
+            [ops.exists(self.keys.manifest(tenant, model, version))],
+            [ops.put(self.keys.pin(tenant, model, version, pin_id), b"", lease=session)],
+            timeout=timeout,
+        )
+        if not result.succeeded:
+            raise VersionNotFound(f"{model}@{version} is not published (or already collected)")
+        return result.revision
+
+    def unpin(
+        self, tenant: str, model: str, version: int, pin_id: str, *, timeout: float | None = None
+    ) -> int:
+        return self.etcd.delete(self.keys.pin(tenant, model, version, pin_id), timeout=timeout)

@@ -1,0 +1,116 @@
+"""The etcd key schema (DESIGN.md §2): every key TensorHub writes is built here, nowhere else.
+
+```
+{p}/t/{tenant}/m/{model}/latest
+{p}/t/{tenant}/m/{model}/v/{version:020d}/manifest
+{p}/t/{tenant}/m/{model}/v/{version:020d}/shard/{i}
+{p}/t/{tenant}/m/{model}/v/{version:020d}/h/{holder}
+{p}/t/{tenant}/m/{model}/v/{version:020d}/seed/{dc}
+{p}/t/{tenant}/m/{model}/v/{version:020d}/pin/{id}
+{p}/tenants/{tenant}
+```
+
+Every name is validated before it becomes part of a key, so no input can escape its tenant's
+prefix. Versions are zero-padded so that key order is version order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tensorhub.errors import InvalidArgument
+from tensorhub.names import validate_name, validate_version
+
+DEFAULT_PREFIX = "/tensorhub/v1"
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key builder for one deployment prefix."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        if not self.prefix.startswith("/") or self.prefix.endswith("/") or "//" in self.prefix:
+            raise InvalidArgument(
+                f"invalid key prefix {self.prefix!r}: must start with '/' and not end with '/'"
+            )
+
+    # -- tenants ---------------------------------------------------------------------------
+
+    def tenant_record(self, tenant: str) -> str:
+        return f"{self.prefix}/tenants/{validate_name(tenant, 'tenant')}"
+
+    def tenants(self) -> str:
+        return f"{self.prefix}/tenants/"
+
+    def tenant(self, tenant: str) -> str:
+        """Everything a tenant owns lives under this prefix."""
+        return f"{self.prefix}/t/{validate_name(tenant, 'tenant')}/"
+
+    # -- models ----------------------------------------------------------------------------
+
+    def models(self, tenant: str) -> str:
+        return f"{self.tenant(tenant)}m/"
+
+    def model(self, tenant: str, model: str) -> str:
+        return f"{self.models(tenant)}{validate_name(model, 'model')}/"
+
+    def latest(self, tenant: str, model: str) -> str:
+        return f"{self.model(tenant, model)}latest"
+
+    def versions(self, tenant: str, model: str) -> str:
+        return f"{self.model(tenant, model)}v/"
+
+    # -- one version -----------------------------------------------------------------------
+
+    def version(self, tenant: str, model: str, version: int) -> str:
+        return f"{self.versions(tenant, model)}{validate_version(version):020d}/"
+
+    def manifest(self, tenant: str, model: str, version: int) -> str:
+        return f"{self.version(tenant, model, version)}manifest"
+
+    def shards(self, tenant: str, model: str, version: int) -> str:
+        return f"{self.version(tenant, model, version)}shard/"
+
+    def shard(self, tenant: str, model: str, version: int, index: int) -> str:
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise InvalidArgument(f"invalid shard index {index!r}: must be an integer >= 0")
+        return f"{self.shards(tenant, model, version)}{index:06d}"
+
+    def holders(self, tenant: str, model: str, version: int) -> str:
+        return f"{self.version(tenant, model, version)}h/"
+
+    def holder(self, tenant: str, model: str, version: int, holder: str) -> str:
+        return f"{self.holders(tenant, model, version)}{validate_name(holder, 'holder')}"
+
+    def seed(self, tenant: str, model: str, version: int, dc: str) -> str:
+        return f"{self.version(tenant, model, version)}seed/{validate_name(dc, 'dc')}"
+
+    def pins(self, tenant: str, model: str, version: int) -> str:
+        return f"{self.version(tenant, model, version)}pin/"
+
+    def pin(self, tenant: str, model: str, version: int, pin_id: str) -> str:
+        return f"{self.pins(tenant, model, version)}{validate_name(pin_id, 'pin id')}"
+
+    # -- parsing ---------------------------------------------------------------------------
+
+    def parse_version_key(self, tenant: str, model: str, key: str) -> tuple[int, str, str]:
+        """Split a key under a model's `v/` prefix into (version, kind, name).
+
+        `kind` is `manifest`, `shard`, `h`, `seed` or `pin`; `name` is the last part (empty
+        for the manifest). Raises InvalidArgument for keys outside that shape.
+        """
+        base = self.versions(tenant, model)
+        if not key.startswith(base):
+            raise InvalidArgument(f"key {key!r} is not under {base!r}")
+        parts = key[len(base) :].split("/")
+        try:
+            version = int(parts[0])
+        except ValueError as exc:
+            raise InvalidArgument(f"key {key!r} has no version") from exc
+        if len(parts) == 2 and parts[1] == "manifest":
+            return version, "manifest", ""
+        if len(parts) == 3 and parts[1] in ("shard", "h", "seed", "pin"):
+            return version, parts[1], parts[2]
+        raise InvalidArgument(f"key {key!r} is not a version key")

@@ -1,0 +1,135 @@
+"""Typed builders for etcd requests: compares, puts, deletes, ranges and nested transactions.
+
+Thin wrappers over the generated `etcd3.etcdrpc` messages, so the registries read like the
+transactions they are (`mod(latest) == seen`, `put(key, value, lease)`), with prefixes
+expressed as `range_end` rather than by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from etcd3 import etcdrpc
+
+Op = Any  # an etcdrpc.RequestOp; the generated code carries no type information
+Cmp = Any  # an etcdrpc.Compare
+CmpOp = Literal["==", "!=", "<", ">"]
+
+_RESULT = {
+    "==": etcdrpc.Compare.EQUAL,
+    "!=": etcdrpc.Compare.NOT_EQUAL,
+    "<": etcdrpc.Compare.LESS,
+    ">": etcdrpc.Compare.GREATER,
+}
+
+
+def b(key: str | bytes) -> bytes:
+    """Keys and values as bytes (str is encoded as UTF-8)."""
+    return key.encode() if isinstance(key, str) else key
+
+
+def prefix_end(prefix: str | bytes) -> bytes:
+    """The `range_end` that makes a range (or compare) cover every key starting with `prefix`."""
+    raw = bytearray(b(prefix))
+    while raw:
+        if raw[-1] < 0xFF:
+            raw[-1] += 1
+            return bytes(raw)
+        raw.pop()
+    return b"\0"  # the whole keyspace
+
+
+@dataclass(frozen=True)
+class KV:
+    """One key-value with its revisions (`create_revision` is the fencing token)."""
+
+    key: bytes
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    version: int
+    lease: int
+
+    @classmethod
+    def from_pb(cls, kv: Any) -> KV:
+        return cls(
+            key=bytes(kv.key),
+            value=bytes(kv.value),
+            create_revision=int(kv.create_revision),
+            mod_revision=int(kv.mod_revision),
+            version=int(kv.version),
+            lease=int(kv.lease),
+        )
+
+
+def _compare(key: str | bytes, prefix: bool, result: CmpOp) -> Any:
+    cmp = etcdrpc.Compare()
+    cmp.key = b(key)
+    if prefix:
+        cmp.range_end = prefix_end(key)
+    cmp.result = _RESULT[result]
+    return cmp
+
+
+def mod(key: str | bytes, result: CmpOp, revision: int) -> Cmp:
+    """Compare a key's mod_revision (0 when absent)."""
+    cmp = _compare(key, False, result)
+    cmp.target = etcdrpc.Compare.MOD
+    cmp.mod_revision = revision
+    return cmp
+
+
+def create(key: str | bytes, result: CmpOp, revision: int) -> Cmp:
+    """Compare a key's create_revision (0 when absent): the ownership/fencing check."""
+    cmp = _compare(key, False, result)
+    cmp.target = etcdrpc.Compare.CREATE
+    cmp.create_revision = revision
+    return cmp
+
+
+def absent(key: str | bytes) -> Cmp:
+    """True when `key` does not exist."""
+    return create(key, "==", 0)
+
+
+def exists(key: str | bytes) -> Cmp:
+    """True when `key` exists."""
+    return create(key, ">", 0)
+
+
+def none_under(prefix: str | bytes) -> Cmp:
+    """True when no key starts with `prefix` (a range compare on version == 0)."""
+    cmp = _compare(prefix, True, "==")
+    cmp.target = etcdrpc.Compare.VERSION
+    cmp.version = 0
+    return cmp
+
+
+def put(key: str | bytes, value: str | bytes, lease: int = 0) -> Op:
+    return etcdrpc.RequestOp(
+        request_put=etcdrpc.PutRequest(key=b(key), value=b(value), lease=lease)
+    )
+
+
+def delete(key: str | bytes, *, prefix: bool = False) -> Op:
+    req = etcdrpc.DeleteRangeRequest(key=b(key))
+    if prefix:
+        req.range_end = prefix_end(key)
+    return etcdrpc.RequestOp(request_delete_range=req)
+
+
+def get(key: str | bytes, *, prefix: bool = False) -> Op:
+    req = etcdrpc.RangeRequest(key=b(key))
+    if prefix:
+        req.range_end = prefix_end(key)
+    return etcdrpc.RequestOp(request_range=req)
+
+
+def txn_request(compare: list[Cmp], success: list[Op], failure: list[Op] | None = None) -> Any:
+    return etcdrpc.TxnRequest(compare=compare, success=success, failure=failure or [])
+
+
+def nested(compare: list[Cmp], success: list[Op], failure: list[Op] | None = None) -> Op:
+    """A transaction inside a transaction's branch (etcd ≥ 3.3)."""
+    return etcdrpc.RequestOp(request_txn=txn_request(compare, success, failure))

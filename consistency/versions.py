@@ -1,0 +1,362 @@
+"""The version registry: publish (single and model-parallel), latest, list, retention.
+
+Publish is one etcd transaction that compares `latest`'s mod_revision with the one read, so
+two publishers racing for the same version cannot both win, and `latest` only ever moves up.
+Model-parallel ranks each write a shard record; `latest` moves only inside the transaction
+that finds every shard present (a nested transaction), so no reader ever sees a version with
+missing shards. Retention keeps the newest N complete versions; older ones are deleted unless
+a reader has pinned them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from consistency import ops
+from consistency.etcd import Etcd
+from consistency.keys import Keys
+from consistency.records import (
+    HolderRecord,
+    HolderState,
+    ShardRecord,
+    sharded_count,
+    sharded_marker,
+)
+from tensorhub.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    OutcomeUnknown,
+    StaleVersion,
+    TensorHubError,
+    Unavailable,
+    VersionNotFound,
+)
+from tensorhub.names import validate_name, validate_version
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RETAIN = 2
+DEFAULT_TIMEOUT = 10.0
+
+
+@dataclass(frozen=True)
+class Published:
+    """The outcome of a publish: the commit revision, and whether it moved `latest`."""
+
+    version: int
+    revision: int
+    visible: bool
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    """One version as read at `revision`: its manifest (or shard parts), holders and pins."""
+
+    version: int
+    manifest: bytes
+    shards: list[ShardRecord]
+    holders: list[HolderRecord]
+    pins: list[str]
+    seeds: dict[str, str]
+    revision: int
+    latest: int = 0
+    retained: bool = True
+    published_revision: int = 0
+
+    @property
+    def complete_holders(self) -> list[HolderRecord]:
+        return [h for h in self.holders if h.complete]
+
+
+@dataclass
+class _Latest:
+    version: int
+    mod_revision: int
+    revision: int
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+class VersionRegistry:
+    """Versions of models, per tenant, in etcd."""
+
+    def __init__(
+        self, etcd: Etcd, keys: Keys | None = None, *, retain: int = DEFAULT_RETAIN
+    ) -> None:
+        if retain < 1:
+            raise InvalidArgument(f"retain must be at least 1, got {retain}")
+        self.etcd = etcd
+        self.keys = keys or Keys()
+        self.retain = retain
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def latest(self, tenant: str, model: str, *, timeout: float | None = None) -> tuple[int, int]:
+        """(latest version or 0 if none, revision of the read). A linearizable read."""
+        state = self._read_latest(tenant, model, timeout)
+        return state.version, state.revision
+
+    def _read_latest(self, tenant: str, model: str, timeout: float | None) -> _Latest:
+        kv, revision = self.etcd.get(self.keys.latest(tenant, model), timeout=timeout)
+        if kv is None:
+            return _Latest(0, 0, revision)
+        return _Latest(int(kv.value), kv.mod_revision, revision)
+
+    def versions(self, tenant: str, model: str, *, timeout: float | None = None) -> list[int]:
+        """Published (complete) versions of a model, oldest first."""
+        found, _ = self._scan(tenant, model, timeout)
+        return sorted(v for v, complete in found.items() if complete)
+
+    def _scan(self, tenant: str, model: str, timeout: float | None) -> tuple[dict[int, bool], int]:
+        """Every version that has keys: version -> has a manifest (is published)."""
+        result = self.etcd.range(
+            self.keys.versions(tenant, model), prefix=True, keys_only=True, timeout=timeout
+        )
+        found: dict[int, bool] = {}
+        for kv in result.kvs:
+            version, kind, _ = self.keys.parse_version_key(tenant, model, kv.key.decode())
+            found[version] = found.get(version, False) or kind == "manifest"
+        return found, result.revision
+
+    def models(self, tenant: str, *, timeout: float | None = None) -> list[str]:
+        """Models of a tenant that have a `latest` key."""
+        base = self.keys.models(tenant)
+        result = self.etcd.range(base, prefix=True, keys_only=True, timeout=timeout)
+        names = {kv.key.decode()[len(base) :].split("/", 1)[0] for kv in result.kvs}
+        return sorted(n for n in names if n)
+
+    def describe(
+        self, tenant: str, model: str, version: int, *, timeout: float | None = None
+    ) -> VersionInfo:
+        """Everything about one version, read at one revision. `VersionNotFound` if unpublished."""
+        validate_version(version)
+        result = self.etcd.range(
+            self.keys.version(tenant, model, version), prefix=True, timeout=timeout
+        )
+        manifest: bytes | None = None
+        published_revision = 0
+        shards: list[ShardRecord] = []
+        holders: list[HolderRecord] = []
+        pins: list[str] = []
+        seeds: dict[str, str] = {}
+        for kv in result.kvs:
+            _, kind, name = self.keys.parse_version_key(tenant, model, kv.key.decode())
+            if kind == "manifest":
+                manifest, published_revision = kv.value, kv.create_revision
+            elif kind == "shard":
+                shards.append(ShardRecord.decode(kv.value))
+            elif kind == "h":
+                holders.append(HolderRecord.decode(kv.value, kv.create_revision))
+            elif kind == "pin":
+                pins.append(name)
+            elif kind == "seed":
+                seeds[name] = kv.value.decode()
+        if manifest is None:
+            raise VersionNotFound(f"{model}@{version} is not published (or no longer retained)")
+        count = sharded_count(manifest)
+        if count and (len(shards) != count or any(s.count != count for s in shards)):
+            raise VersionNotFound(f"{model}@{version} has inconsistent shard records")
+        return VersionInfo(
+            version, manifest, sorted(shards, key=lambda s: s.index), holders, pins, seeds,
+            result.revision, published_revision=published_revision,
+        )  # fmt: skip
+
+    # -- publish ---------------------------------------------------------------------------
+
+    def publish(
+        self,
+        tenant: str,
+        model: str,
+        version: int,
+        manifest: bytes,
+        holder: HolderRecord,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> Published:
+        """Publish `version` with its manifest and the publisher as first (COMPLETE) holder.
+
+        Raises `StaleVersion` if `version` is not newer than `latest`, and `OutcomeUnknown`
+        if etcd could not confirm the write before the deadline (check `latest()` after).
+        """
+        validate_version(version)
+        if sharded_count(manifest):
+            raise InvalidArgument("manifest bytes collide with the sharded-version marker")
+        holder = self._complete(holder)
+        keys = self.keys
+        manifest_key = keys.manifest(tenant, model, version)
+        holder_key = keys.holder(tenant, model, version, holder.holder)
+        latest_key = keys.latest(tenant, model)
+
+        def attempt(state: _Latest, remaining: float) -> tuple[bool, int, int]:
+            result = self.etcd.txn(
+                [ops.mod(latest_key, "==", state.mod_revision), ops.absent(manifest_key)],
+                [
+                    ops.put(latest_key, str(version)),
+                    ops.put(manifest_key, manifest),
+                    ops.put(holder_key, holder.encode(), lease=holder.session),
+                ],
+                timeout=remaining,
+            )
+            return result.succeeded, result.revision, result.attempts
+
+        return self._publish_loop(
+            tenant, model, version, holder, attempt, timeout, moves_latest=True
+        )
+
+    def publish_shard(
+        self,
+        tenant: str,
+        model: str,
+        version: int,
+        index: int,
+        count: int,
+        manifest: bytes,
+        holder: HolderRecord,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> Published:
+        """Publish one rank's shard of a model-parallel version.
+
+        The transaction writes the shard record and the rank's holder record; a nested
+        transaction moves `latest` only if every other shard is already present, so exactly
+        one rank (the last) makes the version visible. `Published.visible` says which.
+        """
+        validate_version(version)
+        if count < 1 or not 0 <= index < count:
+            raise InvalidArgument(f"shard index {index} out of range for {count} shards")
+        holder = self._complete(holder)
+        keys = self.keys
+        shard_key = keys.shard(tenant, model, version, index)
+        latest_key = keys.latest(tenant, model)
+        record = ShardRecord(index, count, holder.holder, manifest)
+        others = [
+            ops.exists(keys.shard(tenant, model, version, j)) for j in range(count) if j != index
+        ]
+
+        def attempt(state: _Latest, remaining: float) -> tuple[bool, int, int]:
+            result = self.etcd.txn(
+                [ops.mod(latest_key, "==", state.mod_revision), ops.absent(shard_key)],
+                [
+                    ops.put(shard_key, record.encode()),
+                    ops.put(
+                        keys.holder(tenant, model, version, holder.holder),
+                        holder.encode(),
+                        lease=holder.session,
+                    ),
+                    ops.nested(
+                        others,
+                        [
+                            ops.put(latest_key, str(version)),
+                            ops.put(keys.manifest(tenant, model, version), sharded_marker(count)),
+                        ],
+                    ),
+                ],
+                timeout=remaining,
+            )
+            moved = bool(result.succeeded and result.responses[-1].response_txn.succeeded)
+            state.extra["moved"] = int(moved)
+            return result.succeeded, result.revision, result.attempts
+
+        return self._publish_loop(
+            tenant, model, version, holder, attempt, timeout, moves_latest=False
+        )
+
+    def _publish_loop(
+        self,
+        tenant: str,
+        model: str,
+        version: int,
+        holder: HolderRecord,
+        attempt: Callable[[_Latest, float], tuple[bool, int, int]],
+        timeout: float,
+        *,
+        moves_latest: bool,
+    ) -> Published:
+        """Read latest, check staleness, try the transaction; repeat on a lost race.
+
+        A transaction that needed more than one attempt may already have been applied, so a
+        failed compare after it is checked for our own write (a retry-safe create).
+        """
+        deadline = time.monotonic() + timeout
+        ambiguous = False
+        holder_key = self.keys.holder(tenant, model, version, holder.holder)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                state = self._read_latest(tenant, model, remaining)
+                if ambiguous:
+                    mine = self._own_write(holder_key, holder, state, version, remaining)
+                    if mine is not None:
+                        return mine
+                if state.version >= version:
+                    raise StaleVersion(
+                        f"{model}@{version} is not newer than latest {model}@{state.version}"
+                    )
+                succeeded, revision, attempts = attempt(state, deadline - time.monotonic())
+            except (Unavailable, DeadlineExceeded) as exc:
+                if ambiguous:
+                    raise OutcomeUnknown(
+                        f"publish of {model}@{version} may or may not have happened: {exc}; "
+                        "check latest() or inspect"
+                    ) from exc
+                raise
+            ambiguous = ambiguous or attempts > 1
+            if succeeded:
+                visible = moves_latest or bool(state.extra.get("moved"))
+                if visible:
+                    self._collect_quietly(tenant, model)
+                return Published(version, revision, visible)
+        if ambiguous:
+            raise OutcomeUnknown(f"publish of {model}@{version} outcome unknown at its deadline")
+        raise DeadlineExceeded(
+            f"publish of {model}@{version} did not complete within {timeout:.1f}s"
+        )
+
+    def _own_write(
+        self, holder_key: str, holder: HolderRecord, state: _Latest, version: int, timeout: float
+    ) -> Published | None:
+        """If an earlier attempt of ours was applied, the Published it produced; else None."""
+        kv, _ = self.etcd.get(holder_key, timeout=timeout)
+        if kv is None or kv.lease != holder.session:
+            return None
+        return Published(version, kv.mod_revision, state.version >= version)
+
+    @staticmethod
+    def _complete(holder: HolderRecord) -> HolderRecord:
+        if holder.session <= 0:
+            raise InvalidArgument("a publisher's holder record needs its session (lease) id")
+        return holder.with_state(HolderState.COMPLETE)
+
+    # -- retention -------------------------------------------------------------------------
+
+    def retained(self, tenant: str, model: str, *, timeout: float | None = None) -> list[int]:
+        """The newest N published versions (their last holder may not drop them silently)."""
+        return self.versions(tenant, model, timeout=timeout)[-self.retain :]
+
+    def collect(self, tenant: str, model: str, *, timeout: float | None = None) -> list[int]:
+        """Delete versions older than the newest N published ones, except pinned ones."""
+        found, _ = self._scan(tenant, model, timeout)
+        published = sorted(v for v, complete in found.items() if complete)
+        if len(published) <= self.retain:
+            return []
+        oldest_kept = published[-self.retain]
+        deleted = []
+        for version in sorted(v for v in found if v < oldest_kept):
+            result = self.etcd.txn(
+                [ops.none_under(self.keys.pins(tenant, model, version))],
+                [ops.delete(self.keys.version(tenant, model, version), prefix=True)],
+                timeout=timeout,
+            )
+            if result.succeeded:
+                deleted.append(version)
+        return deleted
+
+    def _collect_quietly(self, tenant: str, model: str) -> None:
+        try:
+            self.collect(tenant, model)
+        except TensorHubError as exc:  # retention is best effort; the next publish retries it
+            log.warning("retention for %s/%s failed: %s", tenant, validate_name(model), exc)

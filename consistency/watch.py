@@ -1,0 +1,334 @@
+"""Watches that resume from an explicit revision, survive reconnects, and handle compaction.
+
+`KeyWatch` streams raw etcd events for a key or prefix from `start_revision` (always explicit:
+0 would mean "now" to etcd and silently skip history). When the stream breaks (a member died,
+the connection reset) it reopens on a member that answers, from the revision after the last
+event it delivered, so nothing is lost or repeated. When the start revision has been compacted,
+it re-lists: it yields one `Resync` holding every key under the watched range as read at a
+current revision R, then resumes from R + 1.
+
+`ModelWatch` turns a model's raw events into `WatchEvent`s (new versions, holder changes).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import grpc
+from etcd3 import etcdrpc
+
+from consistency import ops
+from consistency.etcd import Etcd
+from consistency.keys import Keys
+from consistency.ops import KV
+from consistency.records import HolderRecord
+from tensorhub.errors import DeadlineExceeded, InvalidArgument, TensorHubError
+
+log = logging.getLogger(__name__)
+
+_RECONNECT_BACKOFF = (0.05, 1.0)
+
+
+@dataclass(frozen=True)
+class RawEvent:
+    """One etcd change: a put (with the new KV) or a delete (KV holds only key and revision)."""
+
+    deleted: bool
+    kv: KV
+
+    @property
+    def revision(self) -> int:
+        return self.kv.mod_revision
+
+
+@dataclass(frozen=True)
+class Resync:
+    """After a compaction: the full state of the watched range at `revision`."""
+
+    revision: int
+    kvs: list[KV] = field(default_factory=list)
+
+
+class WatchClosed(TensorHubError):
+    """The watch was closed; no more events will come."""
+
+    code = "CANCELLED"
+
+
+class KeyWatch:
+    """A resumable watch on a key or prefix, delivering events exactly once, in order."""
+
+    def __init__(self, etcd: Etcd, key: str, *, prefix: bool, start_revision: int) -> None:
+        if start_revision <= 0:
+            raise InvalidArgument(
+                f"start_revision must be explicit and positive, got {start_revision} "
+                "(0 would mean 'now' to etcd and lose events)"
+            )
+        self._etcd = etcd
+        self._key = key
+        self._prefix = prefix
+        self.next_revision = start_revision
+        self.reconnects = 0
+        self._queue: queue.Queue[RawEvent | Resync | BaseException] = queue.Queue()
+        self._closed = threading.Event()
+        self._call: Any = None
+        self._call_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=f"watch-{key}", daemon=True)
+        self._thread.start()
+
+    # -- consumer side ---------------------------------------------------------------------
+
+    def get(self, timeout: float) -> RawEvent | Resync | None:
+        """The next event, or None if none arrives within `timeout` seconds."""
+        if self._closed.is_set() and self._queue.empty():
+            raise WatchClosed("watch closed")
+        try:
+            item = self._queue.get(timeout=max(timeout, 0.0))
+        except queue.Empty:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def __iter__(self) -> Iterator[RawEvent | Resync]:
+        """Blocks between events; ends when the watch is closed."""
+        while not self._closed.is_set():
+            event = self.get(0.5)
+            if event is not None:
+                yield event
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._call_lock:
+            if self._call is not None:
+                self._call.cancel()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> KeyWatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def force_reconnect(self) -> None:
+        """Break the current stream (as a member failure would); the watch resumes by itself."""
+        with self._call_lock:
+            if self._call is not None:
+                self._call.cancel()
+
+    # -- stream side -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        backoff = _RECONNECT_BACKOFF[0]
+        while not self._closed.is_set():
+            try:
+                self._stream_once()
+                backoff = _RECONNECT_BACKOFF[0]
+            except grpc.RpcError as exc:
+                if self._closed.is_set():
+                    return
+                if exc.code() != grpc.StatusCode.CANCELLED:
+                    log.info(
+                        "watch on %s broke (%s); resuming at %d",
+                        self._key,
+                        exc.code(),
+                        self.next_revision,
+                    )
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, _RECONNECT_BACKOFF[1])
+            except TensorHubError as exc:
+                log.info("watch on %s: re-list failed (%s); retrying", self._key, exc)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, _RECONNECT_BACKOFF[1])
+            except BaseException as exc:  # pragma: no cover - surfaced to the consumer
+                self._queue.put(exc)
+                return
+            self.reconnects += 1
+
+    def _stream_once(self) -> None:
+        create = etcdrpc.WatchCreateRequest(key=ops.b(self._key), start_revision=self.next_revision)
+        if self._prefix:
+            create.range_end = ops.prefix_end(self._key)
+        stop = threading.Event()
+
+        def requests() -> Iterator[Any]:
+            yield etcdrpc.WatchRequest(create_request=create)
+            stop.wait()  # keep the request side open until the stream ends
+
+        member, call = self._etcd.watch_stream(requests())
+        with self._call_lock:
+            if self._closed.is_set():
+                call.cancel()
+                return
+            self._call = call
+        try:
+            for response in call:
+                if response.compact_revision:
+                    self._resync()
+                    return  # reopen from the revision after the re-list
+                if response.canceled:
+                    return
+                last = 0
+                for event in response.events:
+                    kv = KV.from_pb(event.kv)
+                    self._queue.put(RawEvent(event.type == etcdrpc.Event.DELETE, kv))
+                    last = kv.mod_revision
+                if last:
+                    self.next_revision = last + 1
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                self._etcd.mark_failed(member)
+            raise
+        finally:
+            stop.set()
+            with self._call_lock:
+                self._call = None
+
+    def _resync(self) -> None:
+        result = self._etcd.range(self._key, prefix=self._prefix)
+        self._queue.put(Resync(result.revision, result.kvs))
+        self.next_revision = result.revision + 1
+
+
+class EventKind(StrEnum):
+    VERSION_PUBLISHED = "version_published"
+    HOLDER_UPDATED = "holder_updated"
+    HOLDER_REMOVED = "holder_removed"
+    RESYNC = "resync"
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """A change to a model: a new latest version, or a holder added/changed/removed.
+
+    A RESYNC event (after compaction) carries the model's latest version and every live
+    holder per version in `holders`; events after it continue from its revision.
+    """
+
+    kind: EventKind
+    version: int
+    revision: int
+    holder: HolderRecord | None = None
+    holder_name: str = ""
+    holders: dict[int, list[HolderRecord]] = field(default_factory=dict)
+
+
+class ModelWatch:
+    """New versions and holder changes of one model, from an explicit revision."""
+
+    def __init__(
+        self, etcd: Etcd, keys: Keys, tenant: str, model: str, *, start_revision: int
+    ) -> None:
+        self._keys = keys
+        self._tenant = tenant
+        self._model = model
+        self._latest_key = keys.latest(tenant, model)
+        self._raw = KeyWatch(
+            etcd, keys.model(tenant, model), prefix=True, start_revision=start_revision
+        )
+        self._pending: list[WatchEvent] = []
+
+    @property
+    def next_revision(self) -> int:
+        return self._raw.next_revision
+
+    def get(self, timeout: float) -> WatchEvent | None:
+        """The next model event, or None if none arrives within `timeout`."""
+        deadline = time.monotonic() + timeout
+        while not self._pending:
+            raw = self._raw.get(max(deadline - time.monotonic(), 0.0))
+            if raw is None:
+                return None
+            self._pending.extend(self._translate(raw))
+        return self._pending.pop(0)
+
+    def __iter__(self) -> Iterator[WatchEvent]:
+        while True:
+            try:
+                event = self.get(0.5)
+            except WatchClosed:
+                return
+            if event is not None:
+                yield event
+
+    def close(self) -> None:
+        self._raw.close()
+
+    def force_reconnect(self) -> None:
+        self._raw.force_reconnect()
+
+    def __enter__(self) -> ModelWatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _translate(self, raw: RawEvent | Resync) -> list[WatchEvent]:
+        if isinstance(raw, Resync):
+            return [self._resync_event(raw)]
+        key = raw.kv.key.decode()
+        if key == self._latest_key:
+            if raw.deleted:
+                return []
+            return [WatchEvent(EventKind.VERSION_PUBLISHED, int(raw.kv.value), raw.revision)]
+        try:
+            version, kind, name = self._keys.parse_version_key(self._tenant, self._model, key)
+        except InvalidArgument:
+            return []
+        if kind != "h":
+            return []
+        if raw.deleted:
+            return [WatchEvent(EventKind.HOLDER_REMOVED, version, raw.revision, holder_name=name)]
+        record = HolderRecord.decode(raw.kv.value, raw.kv.create_revision)
+        return [WatchEvent(EventKind.HOLDER_UPDATED, version, raw.revision, record, name)]
+
+    def _resync_event(self, raw: Resync) -> WatchEvent:
+        latest = 0
+        holders: dict[int, list[HolderRecord]] = {}
+        for kv in raw.kvs:
+            key = kv.key.decode()
+            if key == self._latest_key:
+                latest = int(kv.value)
+                continue
+            try:
+                version, kind, _ = self._keys.parse_version_key(self._tenant, self._model, key)
+            except InvalidArgument:
+                continue
+            if kind == "h":
+                holders.setdefault(version, []).append(
+                    HolderRecord.decode(kv.value, kv.create_revision)
+                )
+        return WatchEvent(EventKind.RESYNC, latest, raw.revision, holders=holders)
+
+
+def wait_for_version(
+    etcd: Etcd, keys: Keys, tenant: str, model: str, version: int, *, timeout: float
+) -> int:
+    """Block until `latest` of the model is at least `version`; returns the revision it was seen at.
+
+    Reads once, then watches `latest` from the revision after that read — waiting is watching,
+    never polling. Raises `DeadlineExceeded` at the deadline.
+    """
+    deadline = time.monotonic() + timeout
+    kv, revision = etcd.get(keys.latest(tenant, model), timeout=timeout)
+    if kv is not None and int(kv.value) >= version:
+        return kv.mod_revision
+    with KeyWatch(etcd, keys.latest(tenant, model), prefix=False, start_revision=revision + 1) as w:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DeadlineExceeded(f"{model}@{version} not visible within {timeout:.1f}s")
+            event = w.get(remaining)
+            if isinstance(event, Resync):
+                current = [int(k.value) for k in event.kvs]
+                if current and current[0] >= version:
+                    return event.revision
+            elif event is not None and not event.deleted and int(event.kv.value) >= version:
+                return event.revision
