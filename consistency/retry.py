@@ -39,7 +39,9 @@ class RetryPolicy:
         """A tenacity loop that retries transient etcd errors until `deadline` (monotonic)."""
         return tenacity.Retrying(
             retry=tenacity.retry_if_exception(is_retryable),
-            wait=tenacity.wait_exponential_jitter(initial=self.initial, max=self.maximum),
+            wait=tenacity.wait_exponential_jitter(
+                multiplier=self.initial, max=self.maximum, jitter=self.initial
+            ),
             stop=_stop_at(deadline),
             sleep=self.sleep,
             reraise=True,

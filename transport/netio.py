@@ -1,0 +1,91 @@
+"""Blocking socket I/O with timeouts, scatter-gather and no intermediate copies.
+
+Every call here blocks for at most the socket's timeout, which callers set from their
+deadline (`arm`). A timeout or a peer that closes early becomes `TransportError`, so a
+stalled or dead peer is always reported, never waited on forever.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+from tensorhub.errors import DeadlineExceeded, TransportError
+
+IOV_MAX = 1024  # Linux's limit on buffers per sendmsg/recvmsg_into call
+
+
+class Hasher(Protocol):
+    """What `recv_views` needs from a streaming checksum (xxhash.xxh3_64 fits)."""
+
+    def update(self, data: memoryview, /) -> None: ...
+
+
+def arm(sock: socket.socket, deadline: float, stall: float) -> None:
+    """Let the next blocking call on `sock` wait at most `stall` seconds and never past
+    `deadline` (a `time.monotonic()` value); raise `DeadlineExceeded` if it has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise DeadlineExceeded("deadline passed before the socket operation")
+    sock.settimeout(min(stall, left))
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytearray:
+    """Receive exactly `n` bytes (small frames: headers and request bodies)."""
+    buf = bytearray(n)
+    recv_views(sock, [memoryview(buf)])
+    return buf
+
+
+def recv_views(sock: socket.socket, views: Sequence[memoryview], hasher: Hasher | None = None) -> int:
+    """Fill `views` in order straight from the socket (recv_into / recvmsg_into), feeding
+    each received piece to `hasher` while it is still in cache. Returns bytes received."""
+    views = [v for v in views if len(v)]
+    total, i, pos, n = 0, 0, 0, len(views)  # i: current view, pos: offset inside it
+    try:
+        while i < n:
+            rest = views[i][pos:]
+            if len(rest) >= 65536 or i + 1 == n:
+                got = sock.recv_into(rest)
+            else:  # many small views: one syscall fills several of them
+                got = sock.recvmsg_into([rest, *views[i + 1 : i + IOV_MAX]])[0]
+            if got == 0:
+                raise TransportError("peer closed the connection mid-frame")
+            total += got
+            while got:
+                view = views[i]
+                take = min(got, len(view) - pos)
+                if hasher is not None:
+                    hasher.update(view[pos : pos + take])
+                pos += take
+                got -= take
+                if pos == len(view):
+                    i, pos = i + 1, 0
+    except TimeoutError as exc:
+        raise TransportError("peer stalled: no bytes within the stall timeout") from exc
+    except OSError as exc:
+        raise TransportError(f"receive failed: {exc}") from exc
+    return total
+
+
+def send_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
+    """Send `views` back to back with sendmsg (gather, no joins); partial sends resume."""
+    pending = [v for v in views if len(v)]
+    i, n = 0, len(pending)
+    try:
+        while i < n:
+            sent = sock.sendmsg(pending[i : i + IOV_MAX])
+            while sent:
+                head = pending[i]
+                if sent >= len(head):
+                    sent -= len(head)
+                    i += 1
+                else:
+                    pending[i] = head[sent:]
+                    sent = 0
+    except TimeoutError as exc:
+        raise TransportError("peer stopped reading within the stall timeout") from exc
+    except OSError as exc:
+        raise TransportError(f"send failed: {exc}") from exc

@@ -1,0 +1,239 @@
+"""Versions held in memory for serving: the holder side of the mutability contract.
+
+A `HeldVersion` wraps one version's tensors (never copied) with its layout, a per-chunk
+"present" bitmap (all set for a publisher, filled in as a reader receives — a PARTIAL
+holder), per-chunk checksums, and an in-flight read counter so `release` can refuse new
+reads and wait for running ones before the caller overwrites the memory.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
+import torch
+import xxhash
+
+from tensorhub.errors import AlreadyExists, DeadlineExceeded, InvalidArgument, VersionUnavailable
+from tensorhub.names import validate_name, validate_version
+from transport.layout import Layout, Segment
+from transport.staging import StagingBuffer
+
+Key = tuple[str, str, int]  # (tenant, model, version)
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """A writable byte memoryview over a contiguous CPU tensor's own storage (no copy)."""
+    flat = t.detach().reshape(-1).view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
+
+
+class HeldVersion:
+    """One version's tensors, held for serving. Thread-safe.
+
+    Tensors must be contiguous and all on one device; non-contiguous tensors are refused
+    (`InvalidArgument`) rather than silently copied, so a publisher never doubles its
+    memory behind the caller's back — pass `t.contiguous()` explicitly if needed.
+    """
+
+    def __init__(
+        self,
+        tenant: str,
+        model: str,
+        version: int,
+        layout: Layout,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        complete: bool,
+    ) -> None:
+        self.key: Key = (
+            validate_name(tenant, "tenant"),
+            validate_name(model, "model"),
+            validate_version(version),
+        )
+        layout.check_tensors(tensors)
+        self.layout = layout
+        self.tensors = {s.name: tensors[s.name] for s in layout.tensors}
+        devices = {t.device.type for t in self.tensors.values()}
+        if len(devices) > 1 or not devices <= {"cpu", "cuda"}:
+            raise InvalidArgument(f"tensors must all be on cpu or all on cuda, got {devices}")
+        self.on_cuda = devices == {"cuda"}
+        ordered = list(self.tensors.values())
+        self._flats = [t.detach().reshape(-1).view(torch.uint8) for t in ordered]
+        self._views = [] if self.on_cuda else [_byte_view(t) for t in ordered]
+        n = layout.num_chunks
+        self._segments: list[list[Segment] | None] = [None] * n
+        self._present = bytearray([1 if complete else 0]) * n
+        self._missing = 0 if complete else n
+        self._checksums: list[int | None] = [None] * n
+        self._cond = threading.Condition()
+        self._inflight = 0
+        self._released = False
+
+    @classmethod
+    def publisher(
+        cls, tenant: str, model: str, version: int, tensors: Mapping[str, torch.Tensor],
+        layout: Layout | None = None,
+    ) -> HeldVersion:
+        """A COMPLETE holder over a publisher's own tensors (the first source)."""
+        return cls(tenant, model, version, layout or Layout.from_tensors(tensors), tensors,
+                   complete=True)
+
+    @classmethod
+    def reader(
+        cls, tenant: str, model: str, version: int, layout: Layout,
+        tensors: Mapping[str, torch.Tensor],
+    ) -> HeldVersion:
+        """A PARTIAL holder whose chunks `fetch` fills in; checks tensors before any write."""
+        return cls(tenant, model, version, layout, tensors, complete=False)
+
+    # -- chunk state -------------------------------------------------------------------
+
+    @property
+    def complete(self) -> bool:
+        return self._missing == 0
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def missing(self) -> list[int]:
+        """Indices of chunks not received yet."""
+        with self._cond:
+            return [i for i, p in enumerate(self._present) if not p]
+
+    def is_present(self, index: int) -> bool:
+        return bool(self._present[index])
+
+    def wait_present(self, index: int, timeout: float) -> bool:
+        """Wait up to `timeout` s for chunk `index`; False if absent or released by then."""
+        end = time.monotonic() + timeout
+        with self._cond:
+            while not self._present[index] and not self._released:
+                left = end - time.monotonic()
+                if left <= 0 or not self._cond.wait(left):
+                    break
+            return bool(self._present[index]) and not self._released
+
+    def mark_present(self, index: int, checksum: int) -> None:
+        """Record chunk `index` as received and verified; wakes holders waiting on it."""
+        with self._cond:
+            if not self._present[index]:
+                self._present[index] = 1
+                self._missing -= 1
+            self._checksums[index] = checksum
+            self._cond.notify_all()
+
+    def segments(self, index: int) -> list[Segment]:
+        segs = self._segments[index]
+        if segs is None:
+            segs = self._segments[index] = self.layout.segments(index)
+        return segs
+
+    # -- bytes ---------------------------------------------------------------------------
+
+    def source_views(self, index: int, staging: StagingBuffer | None = None) -> list[memoryview]:
+        """The payload of chunk `index` as views over the tensors (CUDA: staged in `staging`)."""
+        segs = self.segments(index)
+        if self.on_cuda:
+            if staging is None:
+                raise InvalidArgument("a CUDA-resident version needs a staging buffer")
+            return [staging.gather(self._flats, segs)]
+        return [self._views[s.tensor][s.start : s.start + s.length] for s in segs]
+
+    def sink_views(self, index: int, staging: StagingBuffer | None = None) -> list[memoryview]:
+        """Where to receive chunk `index`: tensor memory itself (CUDA: the staging buffer)."""
+        if self.on_cuda:
+            if staging is None:
+                raise InvalidArgument("a CUDA-resident version needs a staging buffer")
+            return [staging.view[: self.layout.payload_bytes(index)]]
+        return self.source_views(index)
+
+    def commit(self, index: int, checksum: int, staging: StagingBuffer | None = None) -> None:
+        """Make a received, verified chunk visible (CUDA: copy it to the device first)."""
+        if self.on_cuda and staging is not None:
+            staging.scatter(self._flats, self.segments(index))
+        self.mark_present(index, checksum)
+
+    def checksum(self, index: int, staging: StagingBuffer | None = None) -> int:
+        """xxh3-64 of chunk `index`'s payload; computed once, then cached (the memory of an
+        advertised version does not change — the mutability contract)."""
+        cached = self._checksums[index]
+        if cached is None:
+            h = xxhash.xxh3_64()
+            for view in self.source_views(index, staging):
+                h.update(view)
+            cached = self._checksums[index] = int(h.intdigest())
+        return cached
+
+    def precompute_checksums(self) -> None:
+        """Compute every present chunk's checksum now (e.g. at publish), off the read path."""
+        staging = StagingBuffer(self.layout.chunk_size) if self.on_cuda else None
+        for i in range(self.layout.num_chunks):
+            if self._present[i]:
+                self.checksum(i, staging)
+
+    # -- reads in flight and release -----------------------------------------------------
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        """Count one read in flight; refused with `VersionUnavailable` once released."""
+        with self._cond:
+            if self._released:
+                raise VersionUnavailable(f"{self.key} is released on this holder")
+            self._inflight += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._inflight -= 1
+                self._cond.notify_all()
+
+    def release(self, timeout: float) -> None:
+        """Refuse new reads, then wait up to `timeout` s for reads in flight to finish.
+        Raises `DeadlineExceeded` if they do not (the version stays refused)."""
+        end = time.monotonic() + timeout
+        with self._cond:
+            self._released = True
+            self._cond.notify_all()
+            while self._inflight:
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise DeadlineExceeded(
+                        f"{self._inflight} read(s) of {self.key} still in flight after {timeout}s"
+                    )
+                self._cond.wait(left)
+
+
+class HolderStore:
+    """The versions this process serves, by (tenant, model, version). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[Key, HeldVersion] = {}
+
+    def add(self, held: HeldVersion) -> None:
+        with self._lock:
+            if held.key in self._held:
+                raise AlreadyExists(f"{held.key} is already held")
+            self._held[held.key] = held
+
+    def get(self, key: Key) -> HeldVersion | None:
+        with self._lock:
+            return self._held.get(key)
+
+    def keys(self) -> list[Key]:
+        with self._lock:
+            return list(self._held)
+
+    def release(self, key: Key, timeout: float) -> None:
+        """Release `key` (see `HeldVersion.release`), then forget it: the version is free."""
+        held = self.get(key)
+        if held is None:
+            return
+        held.release(timeout)
+        with self._lock:
+            if self._held.get(key) is held:
+                del self._held[key]

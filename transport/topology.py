@@ -1,0 +1,28 @@
+"""Topology labels of a process and the distance between two of them (DESIGN.md §3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SAME_HOST, SAME_RACK, SAME_DC, OTHER_DC = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where a process runs. Empty labels compare equal, so an unlabelled single-host
+    deployment sees every peer as same-host, which is what it is."""
+
+    dc: str = ""
+    rack: str = ""
+    host: str = ""
+
+
+def distance(a: Topology, b: Topology) -> int:
+    """0 same host, 1 same rack, 2 same dc, 3 other dc. Lower is preferred as a source."""
+    if a.dc != b.dc:
+        return OTHER_DC
+    if a.rack != b.rack:
+        return SAME_DC
+    if a.host != b.host:
+        return SAME_RACK
+    return SAME_HOST

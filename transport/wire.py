@@ -1,0 +1,226 @@
+"""The TCP data-plane wire protocol: framed, versioned, bounded (docs/transport.md).
+
+Every frame starts with a 12-byte header: magic `THUB`, wire version, frame type, flags
+(zero) and body length. A reader sends GET (which chunks of which version, with its read
+token); the holder answers one CHUNK per requested chunk — naming tenant, model, version,
+chunk index and offset, with the xxh3-64 of the payload — then the payload bytes, or one
+ERROR frame and closes. Anything malformed raises `TransportError`; decoding never trusts
+a length it has not bounded first.
+"""
+
+from __future__ import annotations
+
+import enum
+import socket
+import struct
+from dataclasses import dataclass
+
+from tensorhub.errors import (
+    InvalidArgument,
+    PermissionDenied,
+    TensorHubError,
+    TransportError,
+    VersionUnavailable,
+)
+from tensorhub.names import validate_name, validate_version
+from transport.netio import recv_exact
+
+MAGIC = b"THUB"
+WIRE_VERSION = 1
+HEADER = struct.Struct("!4sBBHI")  # magic, wire version, frame type, flags, body length
+GET_FIXED = struct.Struct("!QQIH")  # version, layout digest, wait ms, number of chunks
+CHUNK_FIXED = struct.Struct("!QIQQQ")  # version, chunk index, offset, payload length, xxh3
+ERROR_FIXED = struct.Struct("!H")  # error code
+MAX_BODY = 64 * 1024  # GET, CHUNK and ERROR bodies are small; payloads are bounded apart
+MAX_CHUNKS_PER_GET = 4096
+MAX_TOKEN = 4096
+
+
+class FrameType(enum.IntEnum):
+    GET = 1
+    CHUNK = 2
+    ERROR = 3
+
+
+class ErrorCode(enum.IntEnum):
+    """Why a holder refused; each maps to one error class on the reader side."""
+
+    BAD_FRAME = 1
+    UNSUPPORTED_VERSION = 2
+    TOO_LARGE = 3
+    DENIED = 4
+    NOT_HELD = 5
+    RELEASED = 6
+    LAYOUT_MISMATCH = 7
+    NOT_READY = 8
+    BUSY = 9
+    BAD_REQUEST = 10
+
+
+_ERROR_CLASS: dict[ErrorCode, type[TensorHubError]] = {
+    ErrorCode.DENIED: PermissionDenied,
+    ErrorCode.NOT_HELD: VersionUnavailable,
+    ErrorCode.RELEASED: VersionUnavailable,
+    ErrorCode.LAYOUT_MISMATCH: InvalidArgument,
+}
+
+
+@dataclass(frozen=True)
+class GetRequest:
+    """Ask for `chunks` of tenant/model@version laid out as `layout_digest`; a PARTIAL
+    holder may wait up to `wait_ms` for a chunk it does not have yet."""
+
+    tenant: str
+    model: str
+    version: int
+    layout_digest: int
+    token: bytes
+    chunks: tuple[int, ...]
+    wait_ms: int
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    """What a CHUNK frame says about the payload that follows it."""
+
+    tenant: str
+    model: str
+    version: int
+    index: int
+    offset: int
+    length: int
+    checksum: int
+
+
+def _pack_str(s: str) -> bytes:
+    raw = s.encode()
+    return struct.pack("!B", len(raw)) + raw
+
+
+def _frame(ftype: FrameType, body: bytes) -> bytes:
+    return HEADER.pack(MAGIC, WIRE_VERSION, ftype, 0, len(body)) + body
+
+
+def encode_get(req: GetRequest) -> bytes:
+    if not 0 < len(req.chunks) <= MAX_CHUNKS_PER_GET or len(req.token) > MAX_TOKEN:
+        raise InvalidArgument("GET must name 1..4096 chunks and a token under 4 KiB")
+    body = (
+        GET_FIXED.pack(req.version, req.layout_digest, req.wait_ms, len(req.chunks))
+        + _pack_str(req.tenant)
+        + _pack_str(req.model)
+        + struct.pack("!H", len(req.token))
+        + req.token
+        + struct.pack(f"!{len(req.chunks)}I", *req.chunks)
+    )
+    return _frame(FrameType.GET, body)
+
+
+def encode_chunk_header(h: ChunkHeader) -> bytes:
+    body = (
+        CHUNK_FIXED.pack(h.version, h.index, h.offset, h.length, h.checksum)
+        + _pack_str(h.tenant)
+        + _pack_str(h.model)
+    )
+    return _frame(FrameType.CHUNK, body)
+
+
+def encode_error(code: ErrorCode, message: str) -> bytes:
+    msg = message.encode()[:1024]
+    return _frame(FrameType.ERROR, ERROR_FIXED.pack(code) + struct.pack("!H", len(msg)) + msg)
+
+
+class _Cursor:
+    """Bounds-checked reads from a received body; any overrun is a protocol error."""
+
+    def __init__(self, body: bytes | bytearray) -> None:
+        self._body, self._pos = memoryview(body), 0
+
+    def take(self, n: int) -> memoryview:
+        if self._pos + n > len(self._body):
+            raise TransportError("truncated frame body")
+        out = self._body[self._pos : self._pos + n]
+        self._pos += n
+        return out
+
+    def unpack(self, st: struct.Struct) -> tuple[int, ...]:
+        return tuple(st.unpack(self.take(st.size)))
+
+    def string(self, kind: str) -> str:
+        (n,) = struct.unpack("!B", self.take(1))
+        try:
+            return validate_name(bytes(self.take(n)).decode(), kind)
+        except (UnicodeDecodeError, InvalidArgument) as exc:
+            raise TransportError(f"bad {kind} in frame") from exc
+
+    def done(self) -> None:
+        if self._pos != len(self._body):
+            raise TransportError("trailing bytes in frame body")
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """Why a frame header is unacceptable, and the code to answer it with."""
+
+    code: ErrorCode
+    message: str
+
+
+def parse_header(raw: bytes | bytearray) -> tuple[FrameType, int] | Rejection:
+    """Check a 12-byte header: magic, wire version, known type, bounded body length."""
+    magic, version, ftype, _flags, length = HEADER.unpack(raw)
+    if magic != MAGIC:
+        return Rejection(ErrorCode.BAD_FRAME, "bad magic: not a TensorHub data-plane frame")
+    if version != WIRE_VERSION:
+        return Rejection(ErrorCode.UNSUPPORTED_VERSION, f"wire version {version} unsupported")
+    if length > MAX_BODY:
+        return Rejection(ErrorCode.TOO_LARGE, f"frame body of {length} bytes exceeds {MAX_BODY}")
+    if ftype not in FrameType._value2member_map_:
+        return Rejection(ErrorCode.BAD_FRAME, f"unknown frame type {ftype}")
+    return FrameType(ftype), length
+
+
+def read_frame(sock: socket.socket) -> tuple[FrameType, bytearray]:
+    """Read one frame (header, then its bounded body); malformed is `TransportError`."""
+    parsed = parse_header(recv_exact(sock, HEADER.size))
+    if isinstance(parsed, Rejection):
+        raise TransportError(f"peer sent a bad frame: {parsed.message}")
+    ftype, length = parsed
+    return ftype, recv_exact(sock, length)
+
+
+def decode_get(body: bytearray) -> GetRequest:
+    try:
+        cur = _Cursor(body)
+        version, digest, wait_ms, n = cur.unpack(GET_FIXED)
+        tenant, model = cur.string("tenant"), cur.string("model")
+        (tlen,) = struct.unpack("!H", cur.take(2))
+        token = bytes(cur.take(tlen))
+        if not 0 < n <= MAX_CHUNKS_PER_GET:
+            raise TransportError(f"GET names {n} chunks")
+        chunks = struct.unpack(f"!{n}I", cur.take(4 * n))
+        cur.done()
+        validate_version(version)
+    except (TransportError, InvalidArgument, struct.error) as exc:
+        raise TransportError(f"malformed GET: {exc}") from exc
+    return GetRequest(tenant, model, version, digest, token, tuple(chunks), wait_ms)
+
+
+def decode_chunk_header(body: bytearray) -> ChunkHeader:
+    cur = _Cursor(body)
+    version, index, offset, length, checksum = cur.unpack(CHUNK_FIXED)
+    tenant, model = cur.string("tenant"), cur.string("model")
+    cur.done()
+    return ChunkHeader(tenant, model, version, index, offset, length, checksum)
+
+
+def raise_error_frame(body: bytearray) -> None:
+    """Turn a holder's ERROR frame into the matching named error and raise it."""
+    cur = _Cursor(body)
+    (raw,) = cur.unpack(ERROR_FIXED)
+    (n,) = struct.unpack("!H", cur.take(2))
+    message = bytes(cur.take(n)).decode(errors="replace")
+    try:
+        code = ErrorCode(raw)
+    except ValueError:
+        raise TransportError(f"holder error {raw}: {message}") from None
+    raise _ERROR_CLASS.get(code, TransportError)(f"holder refused ({code.name}): {message}")
