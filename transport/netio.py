@@ -39,7 +39,9 @@ def recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def recv_views(sock: socket.socket, views: Sequence[memoryview], hasher: Hasher | None = None) -> int:
+def recv_views(
+    sock: socket.socket, views: Sequence[memoryview], hasher: Hasher | None = None
+) -> int:
     """Fill `views` in order straight from the socket (recv_into / recvmsg_into), feeding
     each received piece to `hasher` while it is still in cache. Returns bytes received."""
     views = [v for v in views if len(v)]

@@ -122,8 +122,10 @@ class ChunkScheduler:
     def _steal(self, holder: str, max_chunks: int) -> None:
         mine = distance(self._me, self._sources[holder].topology)
         victims = [
-            h for h in self._live
-            if h != holder and distance(self._me, self._sources[h].topology) >= mine
+            h
+            for h in self._live
+            if h != holder
+            and distance(self._me, self._sources[h].topology) >= mine
             and len(self._queues[h]) > 1
         ]
         if not victims:

@@ -99,8 +99,9 @@ class HolderServer:
         listener = socket.create_server(self._bind, backlog=128)
         listener.settimeout(0.5)  # so the accept loop notices stop() promptly
         self._listener = listener
-        self._acceptor = threading.Thread(target=self._accept_loop, name="holder-accept",
-                                          daemon=True)
+        self._acceptor = threading.Thread(
+            target=self._accept_loop, name="holder-accept", daemon=True
+        )
         self._acceptor.start()
         return self
 
@@ -140,8 +141,9 @@ class HolderServer:
                 continue
             with self._lock:
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="holder-conn",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._serve, args=(conn,), name="holder-conn", daemon=True
+            ).start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -207,8 +209,13 @@ class HolderServer:
                     checksum = held.checksum(index, buf)
                     views = held.source_views(index, buf)
                     header = ChunkHeader(
-                        req.tenant, req.model, req.version, index,
-                        index * held.layout.chunk_size, sum(len(v) for v in views), checksum,
+                        req.tenant,
+                        req.model,
+                        req.version,
+                        index,
+                        index * held.layout.chunk_size,
+                        sum(len(v) for v in views),
+                        checksum,
                     )
                     if self.fault is not None:
                         header, views = self._misbehave(header, views)
@@ -229,8 +236,15 @@ class HolderServer:
         if fault.chunk_delay:
             self._stopped.wait(fault.chunk_delay)
         if fault.wrong_version:
-            header = ChunkHeader(header.tenant, header.model, header.version + 1, header.index,
-                                 header.offset, header.length, header.checksum)
+            header = ChunkHeader(
+                header.tenant,
+                header.model,
+                header.version + 1,
+                header.index,
+                header.offset,
+                header.length,
+                header.checksum,
+            )
         if fault.corrupt and header.length:
             data = bytearray(b"".join(views))
             data[len(data) // 2] ^= 0xFF

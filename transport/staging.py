@@ -20,7 +20,7 @@ class StagingBuffer:
 
     def __init__(self, size: int) -> None:
         self.tensor = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        self.view = memoryview(self.tensor.numpy())
+        self.view = self.tensor.numpy().data.cast("B")
 
     def gather(self, flats: Sequence[torch.Tensor], segments: Sequence[Segment]) -> memoryview:
         """Copy the device bytes of `segments` into this buffer; return the filled prefix."""

@@ -27,7 +27,7 @@ Key = tuple[str, str, int]  # (tenant, model, version)
 def _byte_view(t: torch.Tensor) -> memoryview:
     """A writable byte memoryview over a contiguous CPU tensor's own storage (no copy)."""
     flat = t.detach().reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    return flat.numpy().data.cast("B")
 
 
 class HeldVersion:
@@ -74,16 +74,25 @@ class HeldVersion:
 
     @classmethod
     def publisher(
-        cls, tenant: str, model: str, version: int, tensors: Mapping[str, torch.Tensor],
+        cls,
+        tenant: str,
+        model: str,
+        version: int,
+        tensors: Mapping[str, torch.Tensor],
         layout: Layout | None = None,
     ) -> HeldVersion:
         """A COMPLETE holder over a publisher's own tensors (the first source)."""
-        return cls(tenant, model, version, layout or Layout.from_tensors(tensors), tensors,
-                   complete=True)
+        return cls(
+            tenant, model, version, layout or Layout.from_tensors(tensors), tensors, complete=True
+        )
 
     @classmethod
     def reader(
-        cls, tenant: str, model: str, version: int, layout: Layout,
+        cls,
+        tenant: str,
+        model: str,
+        version: int,
+        layout: Layout,
         tensors: Mapping[str, torch.Tensor],
     ) -> HeldVersion:
         """A PARTIAL holder whose chunks `fetch` fills in; checks tensors before any write."""

@@ -1,0 +1,25 @@
+"""Which data-plane transports this process can use, in preference order."""
+
+from __future__ import annotations
+
+import enum
+
+
+class TransportKind(enum.Enum):
+    RDMA = "rdma"
+    TCP = "tcp"
+
+
+def available_transports() -> list[TransportKind]:
+    """Usable transports, best first: RDMA (only if `transport.rdma.rdma_available()`),
+    then TCP, which is always available. A missing or broken RDMA module is not an error."""
+    kinds: list[TransportKind] = []
+    try:
+        from transport import rdma
+
+        if rdma.rdma_available():
+            kinds.append(TransportKind.RDMA)
+    except ImportError:
+        pass
+    kinds.append(TransportKind.TCP)
+    return kinds

@@ -1,0 +1,317 @@
+"""Fetch one version from several holders straight into the destination tensors.
+
+`fetch` plans the missing chunks of `dest` across `sources` (nearest first), then runs
+`parallel` worker connections. Each worker asks its holder for a batch of chunks, receives
+every payload with recv_into directly into the destination memory while hashing it, checks
+the CHUNK header (tenant, model, version, index, offset, length) and the xxh3-64, and only
+then marks the chunk present — from that moment `dest` (registered in the local store by
+the caller) serves it to other readers. A holder that errs, sends bad bytes or stays
+silent for `stall_timeout` is dropped for this fetch and its unfinished chunks re-planned
+at once; only chunks not yet received are fetched again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import tenacity
+import xxhash
+
+from tensorhub.errors import (
+    DeadlineExceeded,
+    IntegrityError,
+    InvalidArgument,
+    PermissionDenied,
+    TensorHubError,
+    TransportError,
+    VersionUnavailable,
+)
+from tensorhub.names import validate_name, validate_version
+from transport.layout import Layout
+from transport.netio import arm, recv_views
+from transport.planner import ChunkScheduler, Source, rank
+from transport.staging import StagingBuffer
+from transport.store import HeldVersion
+from transport.topology import Topology
+from transport.wire import (
+    FrameType,
+    GetRequest,
+    decode_chunk_header,
+    encode_get,
+    raise_error_frame,
+    read_frame,
+)
+
+__all__ = ["FetchStats", "Source", "fetch"]
+
+DEFAULT_PARALLEL = 4
+DEFAULT_STALL = 5.0
+BATCH_BYTES = 64 * 1024 * 1024  # chunks asked for per GET: one round trip per ~64 MiB
+
+
+@dataclass
+class FetchStats:
+    """What one fetch moved, for tests and metrics. Bytes are payload bytes."""
+
+    bytes_per_source: dict[str, int] = field(default_factory=dict)
+    refetched_bytes: int = 0  # bytes of chunks received again after a failed attempt
+    discarded_bytes: int = 0  # bytes received in failed attempts (partial or rejected)
+    chunks: int = 0  # chunks received by this fetch
+    duration: float = 0.0
+    failed_sources: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_per_source.values())
+
+
+class _Fetch:
+    """The state shared by one fetch's workers."""
+
+    def __init__(
+        self,
+        tenant: str,
+        model: str,
+        version: int,
+        dest: HeldVersion,
+        token: bytes,
+        deadline: float,
+        stall: float,
+    ) -> None:
+        self.tenant, self.model, self.version = tenant, model, version
+        self.dest, self.layout, self.token = dest, dest.layout, token
+        self.deadline, self.stall = deadline, stall
+        self.stats = FetchStats()
+        self.touched: set[int] = set()  # chunks with bytes received in a failed attempt
+        self.lock = threading.Lock()
+        self.socks: set[socket.socket] = set()
+        self.aborted = False
+        self.batch = max(1, BATCH_BYTES // self.layout.chunk_size)
+
+    def abort(self) -> None:
+        """Cut every connection so workers stop promptly (the fetch has ended)."""
+        with self.lock:
+            self.aborted = True
+            socks = list(self.socks)
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def connect(self, source: Source) -> socket.socket:
+        """Connect with a short bounded retry (a holder may be just starting to listen)."""
+        retrying = tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(3)
+            | tenacity.stop_after_delay(
+                max(0.0, min(self.stall, self.deadline - time.monotonic()))
+            ),
+            wait=tenacity.wait_exponential(multiplier=0.02, max=0.2),
+            retry=tenacity.retry_if_exception_type(ConnectionRefusedError),
+            reraise=True,
+        )
+        try:
+            for attempt in retrying:
+                with attempt:
+                    left = self.deadline - time.monotonic()
+                    if left <= 0:
+                        raise DeadlineExceeded("fetch deadline passed while connecting")
+                    sock = socket.create_connection(
+                        (source.host, source.port), timeout=min(self.stall, left)
+                    )
+        except OSError as exc:
+            raise TransportError(f"cannot connect to {source.holder_id}: {exc}") from exc
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self.lock:
+            self.socks.add(sock)
+            if self.aborted:
+                sock.shutdown(socket.SHUT_RDWR)
+        return sock
+
+    def receive(self, sock: socket.socket, index: int, staging: StagingBuffer | None) -> int:
+        """Receive one CHUNK for `index` into `dest`, verify it, mark it present; returns its
+        payload bytes. A chunk that fails part-way is remembered in `touched`."""
+        arm(sock, self.deadline, self.stall)
+        ftype, body = read_frame(sock)
+        if ftype is FrameType.ERROR:
+            raise_error_frame(body)
+        if ftype is not FrameType.CHUNK:
+            raise TransportError(f"holder sent {ftype.name} where a CHUNK was due")
+        h = decode_chunk_header(body)
+        if (h.tenant, h.model, h.version) != (self.tenant, self.model, self.version):
+            raise IntegrityError(
+                f"holder sent {h.model}@{h.version} for {self.model}@{self.version}"
+            )
+        expected = self.layout.payload_bytes(index)
+        if (h.index, h.offset, h.length) != (index, index * self.layout.chunk_size, expected):
+            raise TransportError(f"holder sent chunk {h.index} ({h.length} B), wanted {index}")
+        hasher = xxhash.xxh3_64()
+        try:
+            recv_views(sock, self.dest.sink_views(index, staging), hasher)
+        except TransportError:
+            self.touched.add(index)
+            raise
+        if hasher.intdigest() != h.checksum:
+            self.touched.add(index)
+            with self.lock:
+                self.stats.discarded_bytes += expected
+            raise IntegrityError(f"chunk {index} failed its checksum")
+        self.dest.commit(index, h.checksum, staging)
+        return expected
+
+
+def _worker(f: _Fetch, sched: ChunkScheduler, source: Source) -> None:
+    sock: socket.socket | None = None
+    staging = StagingBuffer(f.layout.chunk_size) if f.dest.on_cuda else None
+    batch: list[int] = []
+    try:
+        while True:
+            batch = sched.take(source.holder_id, f.batch, f.deadline - time.monotonic())
+            if not batch or f.aborted:
+                return
+            if sock is None:
+                sock = f.connect(source)
+            arm(sock, f.deadline, f.stall)
+            sock.sendall(
+                encode_get(
+                    GetRequest(
+                        f.tenant,
+                        f.model,
+                        f.version,
+                        f.layout.digest,
+                        f.token,
+                        tuple(batch),
+                        int(f.stall * 500),  # a PARTIAL holder may wait stall/2 for a chunk
+                    )
+                )
+            )
+            while batch:
+                index = batch[0]
+                n = f.receive(sock, index, staging)
+                with f.lock:
+                    stats = f.stats
+                    stats.bytes_per_source[source.holder_id] = (
+                        stats.bytes_per_source.get(source.holder_id, 0) + n
+                    )
+                    stats.chunks += 1
+                    if index in f.touched:
+                        stats.refetched_bytes += n
+                sched.finished(batch.pop(0))
+    except TransportError as exc:
+        if "NOT_READY" in str(exc):  # a PARTIAL holder lacks it for now: ask again later
+            sched.requeue(source.holder_id, batch)
+        else:
+            sched.fail(source.holder_id, batch, exc)
+    except (TensorHubError, OSError) as exc:
+        sched.fail(source.holder_id, batch, exc)
+    finally:
+        if sock is not None:
+            with f.lock:
+                f.socks.discard(sock)
+            sock.close()
+
+
+def _final_error(sched: ChunkScheduler, what: str) -> TensorHubError:
+    reasons = list(sched.failures.values())
+    summary = "; ".join(f"{h}: {e}" for h, e in sched.failures.items()) or "no sources"
+    if any(isinstance(e, IntegrityError) for e in reasons):
+        return IntegrityError(f"{what}: no holder had intact bytes ({summary})")
+    if reasons and all(isinstance(e, PermissionDenied) for e in reasons):
+        return PermissionDenied(f"{what}: every holder refused the read token ({summary})")
+    if reasons and all(isinstance(e, DeadlineExceeded) for e in reasons):
+        return DeadlineExceeded(f"{what}: deadline passed ({summary})")
+    return VersionUnavailable(f"{what}: no holder left ({summary})")
+
+
+def _round(f: _Fetch, sources: Sequence[Source], me: Topology, parallel: int) -> ChunkScheduler:
+    """Fetch the missing chunks from `sources` until done, no source is left, or deadline."""
+    missing = f.dest.missing()
+    sched = ChunkScheduler(missing, f.layout.payload_bytes, sources, me)
+    per_source = max(1, math.ceil(parallel / max(1, len(sources))))
+    threads = [
+        threading.Thread(
+            target=_worker, args=(f, sched, s), name=f"fetch-{s.holder_id}", daemon=True
+        )
+        for s in rank(me, sources)
+        for _ in range(per_source)
+    ]
+    f.aborted = False
+    for t in threads:
+        t.start()
+    try:
+        sched.wait(f.deadline - time.monotonic())
+    finally:
+        f.abort()
+        sched.wake()
+        for t in threads:
+            t.join(timeout=max(0.1, f.stall))
+    for holder, exc in sched.failures.items():
+        f.stats.failed_sources[holder] = repr(exc)
+    return sched
+
+
+def fetch(
+    tenant: str,
+    model: str,
+    version: int,
+    layout: Layout,
+    dest: HeldVersion,
+    sources: Sequence[Source],
+    *,
+    token: bytes,
+    deadline: float,
+    me: Topology,
+    refresh_sources: Callable[[], Sequence[Source]] | None = None,
+    parallel: int = DEFAULT_PARALLEL,
+    stall_timeout: float = DEFAULT_STALL,
+) -> FetchStats:
+    """Fill `dest`'s missing chunks of tenant/model@version from `sources` before
+    `deadline` (a time.monotonic() value). Raises `VersionUnavailable` when no holder is
+    left, `IntegrityError` when the only bytes on offer were bad, `DeadlineExceeded` when
+    time ran out; never blocks past `deadline`."""
+    validate_name(tenant, "tenant")
+    validate_name(model, "model")
+    validate_version(version)
+    if dest.key != (tenant, model, version) or dest.layout.digest != layout.digest:
+        raise InvalidArgument("dest does not hold this tenant/model/version/layout")
+    if parallel < 1 or stall_timeout <= 0:
+        raise InvalidArgument("parallel must be >= 1 and stall_timeout > 0")
+    start = time.monotonic()
+    what = f"fetch {model}@{version}"
+    f = _Fetch(tenant, model, version, dest, token, deadline, stall_timeout)
+    suspects: set[str] = set()
+    current = list(sources)
+    rounds = tenacity.Retrying(
+        stop=tenacity.stop_after_attempt(4)
+        | tenacity.stop_after_delay(max(0.0, deadline - time.monotonic())),
+        wait=tenacity.wait_exponential(multiplier=0.05, max=1.0),
+        retry=tenacity.retry_if_exception(
+            lambda e: refresh_sources is not None and isinstance(e, VersionUnavailable)
+        ),
+        reraise=True,
+        sleep=lambda s: time.sleep(min(s, max(0.0, deadline - time.monotonic()))),
+    )
+    for attempt in rounds:
+        with attempt:
+            usable = [s for s in current if s.holder_id not in suspects]
+            if not dest.complete and not usable:
+                raise VersionUnavailable(f"{what}: no holder left")
+            if not dest.complete:
+                sched = _round(f, usable, me, parallel)
+                suspects.update(sched.failures)
+                if not dest.complete:
+                    if time.monotonic() >= deadline:
+                        raise DeadlineExceeded(
+                            f"{what}: deadline passed with {len(dest.missing())} chunks missing"
+                        )
+                    err = _final_error(sched, what)
+                    if refresh_sources is None or not isinstance(err, VersionUnavailable):
+                        raise err
+                    current = list(refresh_sources())
+                    raise err
+    f.stats.duration = time.monotonic() - start
+    return f.stats
