@@ -43,7 +43,7 @@ class Session:
             self.id, self.ttl = etcd.lease_grant(ttl)
         else:
             remaining = etcd.lease_ttl(lease_id)
-            if remaining <= 0:
+            if remaining < 0:  # -1: etcd does not know it; 0 is "alive, under a second left"
                 raise LeaseLost(f"session {lease_id:x} has expired")
             self.id = lease_id
         self.done = threading.Event()

@@ -23,6 +23,7 @@ from typing import Any
 
 import grpc
 from etcd3 import etcdrpc
+from etcd3.etcdrpc import kv_pb2
 
 from consistency import ops
 from consistency.etcd import Etcd
@@ -178,7 +179,7 @@ class KeyWatch:
                 last = 0
                 for event in response.events:
                     kv = KV.from_pb(event.kv)
-                    self._queue.put(RawEvent(event.type == etcdrpc.Event.DELETE, kv))
+                    self._queue.put(RawEvent(event.type == kv_pb2.Event.DELETE, kv))
                     last = kv.mod_revision
                 if last:
                     self.next_revision = last + 1

@@ -1,0 +1,145 @@
+"""Holder registry: register, fenced state changes, release rules, seeds, pins, expiry."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from consistency import (
+    Etcd,
+    EventKind,
+    HolderRecord,
+    HolderRegistry,
+    HolderState,
+    ModelWatch,
+    Session,
+    VersionRegistry,
+)
+from tensorhub.errors import LeaseLost, RetentionViolation, VersionNotFound
+
+
+def rec(session: Session, name: str, state: HolderState = HolderState.PARTIAL) -> HolderRecord:
+    return HolderRecord(
+        name, {"tcp": "127.0.0.1:9"}, {"dc": "dc1", "host": name}, state, session.id
+    )
+
+
+@pytest.fixture
+def published(etcd: Etcd, versions: VersionRegistry):  # type: ignore[no-untyped-def]
+    trainer = Session(etcd, ttl=5)
+    versions.publish("t", "m", 1, b"manifest", rec(trainer, "trainer"))
+    yield trainer
+    trainer.close()
+
+
+def test_register_partial_then_complete(
+    etcd: Etcd, holders: HolderRegistry, published: Session
+) -> None:
+    with Session(etcd, ttl=5) as reader:
+        record = rec(reader, "reader")
+        fence = holders.register("t", "m", 1, record)
+        listed, _ = holders.list("t", "m", 1)
+        states = {h.holder: h.state for h in listed}
+        assert states == {"trainer": HolderState.COMPLETE, "reader": HolderState.PARTIAL}
+        holders.update_state("t", "m", 1, record.with_state(HolderState.COMPLETE), fence)
+        listed, _ = holders.list("t", "m", 1)
+        assert all(h.complete for h in listed)
+        assert next(h for h in listed if h.holder == "reader").revision == fence
+
+
+def test_register_for_unpublished_version_fails(etcd: Etcd, holders: HolderRegistry) -> None:
+    with Session(etcd, ttl=5) as s, pytest.raises(VersionNotFound):
+        holders.register("t", "m", 9, rec(s, "reader"))
+
+
+def test_stale_fence_cannot_overwrite_a_newer_incarnation(
+    etcd: Etcd, holders: HolderRegistry, published: Session
+) -> None:
+    old = Session(etcd, ttl=5)
+    fence_old = holders.register("t", "m", 1, rec(old, "reader"))
+    old.close()  # the old incarnation's record is gone with its lease
+    new = Session(etcd, ttl=5)
+    holders.register("t", "m", 1, rec(new, "reader"))
+    with pytest.raises(LeaseLost):
+        holders.update_state("t", "m", 1, rec(old, "reader", HolderState.COMPLETE), fence_old)
+    listed, _ = holders.list("t", "m", 1)
+    assert next(h for h in listed if h.holder == "reader").session == new.id
+    new.close()
+
+
+def test_last_complete_holder_of_retained_version_cannot_release(
+    etcd: Etcd, holders: HolderRegistry, published: Session
+) -> None:
+    with pytest.raises(RetentionViolation, match="last complete holder"):
+        holders.release("t", "m", 1, "trainer")
+    assert [h.holder for h in holders.list("t", "m", 1)[0]] == ["trainer"]
+    with Session(etcd, ttl=5) as reader:
+        record = rec(reader, "reader")
+        fence = holders.register("t", "m", 1, record)
+        holders.update_state("t", "m", 1, record.with_state(HolderState.COMPLETE), fence)
+        holders.release("t", "m", 1, "trainer")
+        assert [h.holder for h in holders.list("t", "m", 1)[0]] == ["reader"]
+        with pytest.raises(RetentionViolation):
+            holders.release("t", "m", 1, "reader")
+        holders.release("t", "m", 1, "reader", force=True)
+        assert holders.list("t", "m", 1)[0] == []
+
+
+def test_partial_holders_release_freely(
+    etcd: Etcd, holders: HolderRegistry, published: Session
+) -> None:
+    with Session(etcd, ttl=5) as reader:
+        holders.register("t", "m", 1, rec(reader, "reader"))
+        holders.release("t", "m", 1, "reader")
+        assert [h.holder for h in holders.list("t", "m", 1)[0]] == ["trainer"]
+
+
+def test_unretained_versions_release_freely(
+    etcd: Etcd, versions: VersionRegistry, holders: HolderRegistry, published: Session
+) -> None:
+    with Session(etcd, ttl=5) as other:
+        holders.pin("t", "m", 1, "keep", other.id)  # keep v1 around past retention
+        for v in (2, 3):
+            versions.publish("t", "m", v, b"m", rec(other, "t2"))
+        assert 1 not in versions.retained("t", "m")
+        holders.release("t", "m", 1, "trainer")
+        assert holders.list("t", "m", 1)[0] == []
+
+
+def test_seed_election_one_winner_per_dc(
+    etcd: Etcd, holders: HolderRegistry, published: Session
+) -> None:
+    a, b = Session(etcd, ttl=1), Session(etcd, ttl=5)
+    claim_a = holders.elect_seed("t", "m", 1, "dc2", "reader-a", a.id)
+    claim_b = holders.elect_seed("t", "m", 1, "dc2", "reader-b", b.id)
+    assert claim_a.is_seed
+    assert claim_a.seed == "reader-a"
+    assert not claim_b.is_seed
+    assert claim_b.seed == "reader-a"
+    assert holders.elect_seed("t", "m", 1, "dc3", "reader-b", b.id).is_seed
+    a.orphan()  # the seed dies: its lease expires and another reader takes the role
+    deadline = time.monotonic() + 5
+    while not holders.elect_seed("t", "m", 1, "dc2", "reader-b", b.id).is_seed:
+        assert time.monotonic() < deadline, "seed role not free after the seed's lease expired"
+        time.sleep(0.2)
+    b.close()
+
+
+@pytest.mark.timeout(30)
+def test_lease_expiry_removes_a_dead_holder_and_the_watch_reports_it(
+    etcd: Etcd, versions: VersionRegistry, holders: HolderRegistry, published: Session
+) -> None:
+    dead = Session(etcd, ttl=1)
+    holders.register("t", "m", 1, rec(dead, "doomed"))
+    _, revision = holders.list("t", "m", 1)
+    with ModelWatch(etcd, versions.keys, "t", "m", start_revision=revision + 1) as watch:
+        dead.orphan()  # the process "dies": no more renewals
+        start = time.monotonic()
+        event = watch.get(timeout=1 + 2)
+        elapsed = time.monotonic() - start
+    assert event is not None, "no delete event within TTL + 2 s"
+    assert event.kind is EventKind.HOLDER_REMOVED
+    assert event.holder_name == "doomed"
+    assert elapsed <= 3
+    assert [h.holder for h in holders.list("t", "m", 1)[0]] == ["trainer"]
