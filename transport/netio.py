@@ -8,6 +8,7 @@ stalled or dead peer is always reported, never waited on forever.
 from __future__ import annotations
 
 import socket
+import struct
 import time
 from collections.abc import Sequence
 from typing import Protocol
@@ -23,13 +24,26 @@ class Hasher(Protocol):
     def update(self, data: memoryview, /) -> None: ...
 
 
+def set_kernel_timeout(sock: socket.socket, seconds: float) -> None:
+    """Bound every send/recv on `sock` by `seconds` with SO_RCVTIMEO/SO_SNDTIMEO.
+
+    The socket stays in blocking mode, so a large recv with MSG_WAITALL or a large sendmsg
+    is one syscall, not a poll()+call pair per fragment as with `settimeout`; a timeout
+    surfaces as EAGAIN, which the helpers here turn into `TransportError`."""
+    sock.settimeout(None)
+    secs = max(seconds, 0.001)
+    tv = struct.pack("ll", int(secs), int((secs % 1) * 1_000_000))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
 def arm(sock: socket.socket, deadline: float, stall: float) -> None:
-    """Let the next blocking call on `sock` wait at most `stall` seconds and never past
-    `deadline` (a `time.monotonic()` value); raise `DeadlineExceeded` if it has passed."""
+    """Let each following blocking call on `sock` wait at most `stall` seconds and never
+    past `deadline` (a `time.monotonic()` value); raise `DeadlineExceeded` if it passed."""
     left = deadline - time.monotonic()
     if left <= 0:
         raise DeadlineExceeded("deadline passed before the socket operation")
-    sock.settimeout(min(stall, left))
+    set_kernel_timeout(sock, min(stall, left))
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytearray:
@@ -65,7 +79,7 @@ def recv_views(
                 got -= take
                 if pos == len(view):
                     i, pos = i + 1, 0
-    except TimeoutError as exc:
+    except (TimeoutError, BlockingIOError) as exc:
         raise TransportError("peer stalled: no bytes within the stall timeout") from exc
     except OSError as exc:
         raise TransportError(f"receive failed: {exc}") from exc
@@ -87,7 +101,7 @@ def send_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
                 else:
                     pending[i] = head[sent:]
                     sent = 0
-    except TimeoutError as exc:
+    except (TimeoutError, BlockingIOError) as exc:
         raise TransportError("peer stopped reading within the stall timeout") from exc
     except OSError as exc:
         raise TransportError(f"send failed: {exc}") from exc

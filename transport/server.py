@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tensorhub.errors import TensorHubError, TransportError, VersionUnavailable
-from transport.netio import recv_exact, send_views
+from transport.netio import recv_exact, send_views, set_kernel_timeout
 from transport.staging import StagingBuffer
 from transport.store import HeldVersion, HolderStore
 from transport.wire import (
@@ -147,7 +147,7 @@ class HolderServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            conn.settimeout(self._io_timeout)
+            set_kernel_timeout(conn, self._io_timeout)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             staging: list[StagingBuffer] = []  # created on first CUDA chunk
             while not self._stopped.is_set():
