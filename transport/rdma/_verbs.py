@@ -35,14 +35,7 @@ class Verbs:
 @functools.cache
 def _load() -> Verbs | str:
     try:
-        import pyverbs.addr as addr
-        import pyverbs.cq as cq
-        import pyverbs.device as device
-        import pyverbs.enums as enums
-        import pyverbs.mr as mr
-        import pyverbs.pd as pd
-        import pyverbs.qp as qp
-        import pyverbs.wr as wr
+        from pyverbs import addr, cq, device, enums, mr, pd, qp, wr
         from pyverbs.pyverbs_error import PyverbsError
     except ImportError as ex:
         return f"pyverbs not installed ({ex})"

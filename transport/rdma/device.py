@@ -7,6 +7,7 @@ queue pairs. Closing the device releases everything created from it.
 
 from __future__ import annotations
 
+import errno
 import threading
 from typing import Any
 
@@ -68,7 +69,9 @@ class RdmaDevice:
         TransportError: pyverbs is missing, the device does not open, or the port is not ACTIVE.
     """
 
-    def __init__(self, name: str | None = None, port: int | None = None, gid_index: int | None = None):
+    def __init__(
+        self, name: str | None = None, port: int | None = None, gid_index: int | None = None
+    ):
         v = _verbs.load()
         if name is None:
             found = probe()
@@ -89,7 +92,9 @@ class RdmaDevice:
             pattr = self.ctx.query_port(port)
             if pattr.state != v.enums.IBV_PORT_ACTIVE:
                 raise TransportError(f"RDMA device {name!r} port {port} is not ACTIVE")
-            self.gid_index = _pick_gid_index(v, self.ctx, port, pattr) if gid_index is None else gid_index
+            self.gid_index = (
+                _pick_gid_index(v, self.ctx, port, pattr) if gid_index is None else gid_index
+            )
             self.gid = str(self.ctx.query_gid(port, self.gid_index).gid)
             self.lid = int(pattr.lid)
             self.mtu = mtu_bytes(pattr.active_mtu)
@@ -117,7 +122,11 @@ class RdmaDevice:
         try:
             return self.verbs.mr.MR(self.pd, length, access, address=address)
         except self.verbs.error as ex:
-            raise _verbs.verbs_error(f"registering {length} bytes at {address:#x}", ex) from ex
+            what = f"registering {length} bytes at {address:#x}"
+            if getattr(ex, "error_code", None) == errno.ENOMEM:
+                # Registration pins pages; the usual cause is RLIMIT_MEMLOCK, not real memory.
+                what += " (raise the locked-memory limit: `ulimit -l unlimited` or CAP_IPC_LOCK)"
+            raise _verbs.verbs_error(what, ex) from ex
 
     def allocate(self, length: int, access: int) -> Any:
         """Register a new page-aligned buffer that pyverbs owns (freed when the MR closes)."""

@@ -98,7 +98,9 @@ class RdmaExporter:
             if mr is None:
                 regions.append(RegionInfo(name=name, addr=0, rkey=0, length=0))
             else:
-                regions.append(RegionInfo(name=name, addr=int(mr.buf), rkey=int(mr.rkey), length=nbytes))
+                regions.append(
+                    RegionInfo(name=name, addr=int(mr.buf), rkey=int(mr.rkey), length=nbytes)
+                )
         return tuple(regions)
 
     def accept(self, peer: QpInfo) -> RdmaDescriptor:
