@@ -108,6 +108,10 @@ class HeldVersion:
     def released(self) -> bool:
         return self._released
 
+    @property
+    def reads_in_flight(self) -> int:
+        return self._inflight
+
     def missing(self) -> list[int]:
         """Indices of chunks not received yet."""
         with self._cond:
