@@ -40,6 +40,7 @@ from transport.staging import StagingBuffer
 from transport.store import HeldVersion
 from transport.topology import Topology
 from transport.wire import (
+    NOT_READY_TEXT,
     FrameType,
     GetRequest,
     decode_chunk_header,
@@ -164,55 +165,73 @@ class _Fetch:
         return expected
 
 
-def _worker(f: _Fetch, sched: ChunkScheduler, source: Source) -> None:
-    sock: socket.socket | None = None
-    staging = StagingBuffer(f.layout.chunk_size) if f.dest.on_cuda else None
-    batch: list[int] = []
-    try:
-        while True:
-            batch = sched.take(source.holder_id, f.batch, f.deadline - time.monotonic())
-            if not batch or f.aborted:
-                return
-            if sock is None:
-                sock = f.connect(source)
-            arm(sock, f.deadline, f.stall)
-            sock.sendall(
-                encode_get(
-                    GetRequest(
-                        f.tenant,
-                        f.model,
-                        f.version,
-                        f.layout.digest,
-                        f.token,
-                        tuple(batch),
-                        int(f.stall * 500),  # a PARTIAL holder may wait stall/2 for a chunk
-                    )
-                )
-            )
-            while batch:
-                index = batch[0]
-                n = f.receive(sock, index, staging)
-                with f.lock:
-                    stats = f.stats
-                    stats.bytes_per_source[source.holder_id] = (
-                        stats.bytes_per_source.get(source.holder_id, 0) + n
-                    )
-                    stats.chunks += 1
-                    if index in f.touched:
-                        stats.refetched_bytes += n
-                sched.finished(batch.pop(0))
-    except TransportError as exc:
-        if "NOT_READY" in str(exc):  # a PARTIAL holder lacks it for now: ask again later
-            sched.requeue(source.holder_id, batch)
-        else:
-            sched.fail(source.holder_id, batch, exc)
-    except (TensorHubError, OSError) as exc:
-        sched.fail(source.holder_id, batch, exc)
-    finally:
-        if sock is not None:
+def _pull(
+    f: _Fetch,
+    sched: ChunkScheduler,
+    source: Source,
+    conn: list[socket.socket],
+    batch: list[int],
+    staging: StagingBuffer | None,
+) -> None:
+    """Request and receive batches from `source` until no work is left for it, connecting
+    on the first batch (into `conn`). `batch` holds the chunks asked for and not yet
+    received, for the caller to re-plan if this raises."""
+    while True:
+        batch[:] = sched.take(source.holder_id, f.batch, f.deadline - time.monotonic())
+        if not batch or f.aborted:
+            return
+        if not conn:
+            conn.append(f.connect(source))
+        sock = conn[0]
+        arm(sock, f.deadline, f.stall)
+        wait_ms = int(f.stall * 500)  # a PARTIAL holder may wait stall/2 for a chunk
+        request = GetRequest(
+            f.tenant, f.model, f.version, f.layout.digest, f.token, tuple(batch), wait_ms
+        )
+        sock.sendall(encode_get(request))
+        while batch:
+            index = batch[0]
+            n = f.receive(sock, index, staging)
             with f.lock:
-                f.socks.discard(sock)
-            sock.close()
+                stats = f.stats
+                stats.bytes_per_source[source.holder_id] = (
+                    stats.bytes_per_source.get(source.holder_id, 0) + n
+                )
+                stats.chunks += 1
+                if index in f.touched:
+                    stats.refetched_bytes += n
+            sched.finished(batch.pop(0))
+
+
+def _worker(f: _Fetch, sched: ChunkScheduler, source: Source) -> None:
+    """One connection's worth of work against `source`; reconnects only after NOT_READY
+    (a PARTIAL holder that lacks a chunk yet), and gives the holder up on anything else
+    or on a second NOT_READY without progress in between."""
+    staging = StagingBuffer(f.layout.chunk_size) if f.dest.on_cuda else None
+    strikes = 0
+    while not f.aborted:
+        batch: list[int] = []
+        conn: list[socket.socket] = []
+        received = f.stats.bytes_per_source.get(source.holder_id, 0)
+        try:
+            _pull(f, sched, source, conn, batch, staging)
+            return
+        except TransportError as exc:
+            progress = f.stats.bytes_per_source.get(source.holder_id, 0) != received
+            strikes = 1 if progress else strikes + 1
+            if NOT_READY_TEXT in str(exc) and strikes < 2:
+                sched.requeue(source.holder_id, batch)
+                continue
+            sched.fail(source.holder_id, batch, exc)
+            return
+        except (TensorHubError, OSError) as exc:
+            sched.fail(source.holder_id, batch, exc)
+            return
+        finally:
+            for sock in conn:
+                with f.lock:
+                    f.socks.discard(sock)
+                sock.close()
 
 
 def _final_error(sched: ChunkScheduler, what: str) -> TensorHubError:

@@ -57,6 +57,8 @@ class ErrorCode(enum.IntEnum):
     BAD_REQUEST = 10
 
 
+NOT_READY_TEXT = f"({ErrorCode.NOT_READY.name})"  # in the TransportError a NOT_READY raises
+
 _ERROR_CLASS: dict[ErrorCode, type[TensorHubError]] = {
     ErrorCode.DENIED: PermissionDenied,
     ErrorCode.NOT_HELD: VersionUnavailable,

@@ -179,3 +179,22 @@ def test_release_deadline_exceeded_while_read_runs(holders: StartHolder) -> None
         held.release(timeout=0.05)
     reader.join(timeout=10)
     assert held.released
+
+
+def test_partial_holder_without_progress_is_given_up() -> None:
+    """A PARTIAL holder whose own fetch never progresses answers NOT_READY; the reader
+    gives it up after a stall timeout without progress, long before the deadline."""
+    model = make_model(3, tiny=10)
+    layout = Layout.from_tensors(model, chunk_size=CHUNK)
+    store = HolderStore()
+    store.add(HeldVersion.reader(TENANT, MODEL, 1, layout, layout.allocate()))
+    with HolderServer(store, allow_all) as server:
+        start = time.monotonic()
+        with pytest.raises(VersionUnavailable):
+            _fetch(
+                layout,
+                [Source("a", *server.address)],
+                stall_timeout=0.4,
+                deadline=time.monotonic() + 20,
+            )
+        assert time.monotonic() - start < 3
