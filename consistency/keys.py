@@ -7,7 +7,9 @@
 {p}/t/{tenant}/m/{model}/v/{version:020d}/h/{holder}
 {p}/t/{tenant}/m/{model}/v/{version:020d}/seed/{dc}
 {p}/t/{tenant}/m/{model}/v/{version:020d}/pin/{id}
+{p}/t/{tenant}/s/{session:x}                           (marks a lease as the tenant's)
 {p}/tenants/{tenant}
+{p}/hub/secret
 ```
 
 Every name is validated before it becomes part of a key, so no input can escape its tenant's
@@ -43,6 +45,19 @@ class Keys:
 
     def tenants(self) -> str:
         return f"{self.prefix}/tenants/"
+
+    def hub_secret(self) -> str:
+        """The hub replicas' shared secret (read-token keys derive from it)."""
+        return f"{self.prefix}/hub/secret"
+
+    def sessions(self, tenant: str) -> str:
+        return f"{self.tenant(tenant)}s/"
+
+    def session(self, tenant: str, session_id: int) -> str:
+        """Marks a session (lease) as the tenant's; attached to that lease."""
+        if isinstance(session_id, bool) or not isinstance(session_id, int) or session_id <= 0:
+            raise InvalidArgument(f"invalid session id {session_id!r}")
+        return f"{self.sessions(tenant)}{session_id:x}"
 
     def tenant(self, tenant: str) -> str:
         """Everything a tenant owns lives under this prefix."""

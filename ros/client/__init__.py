@@ -1,0 +1,1 @@
+"""The client SDK: `ros.connect(...)` returns a `Hub` (see DESIGN.md §6)."""

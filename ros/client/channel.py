@@ -1,0 +1,107 @@
+"""The gRPC channel to the hub: several replicas, failover and retries in the service config.
+
+All replica addresses go into one channel target (`ipv4:a:p,b:p`) with `pick_first`, so the
+channel moves to another replica when the one in use fails; idempotent methods are retried on
+UNAVAILABLE by gRPC itself (`retryPolicy` in the service config). `Publish` is deliberately not
+in that list: a retried publish whose first attempt landed would look stale, so the SDK
+recovers it explicitly (`ros.client.hub`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import socket
+from collections.abc import Sequence
+
+import grpc
+
+from tensorhub.errors import InvalidArgument
+
+SERVICE = "tensorhub.v1.TensorHub"
+RETRIED_METHODS = (
+    "OpenSession", "CloseSession", "Latest", "Resolve", "RegisterHolder", "UpdateHolder",
+    "ReleaseHolder", "Pin", "Unpin", "ElectSeed", "ListModels", "Inspect",
+)  # fmt: skip
+
+SERVICE_CONFIG = json.dumps(
+    {
+        "loadBalancingConfig": [{"pick_first": {}}],
+        "methodConfig": [
+            {
+                "name": [{"service": SERVICE, "method": m} for m in RETRIED_METHODS],
+                "retryPolicy": {
+                    "maxAttempts": 5,
+                    "initialBackoff": "0.05s",
+                    "maxBackoff": "1s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ],
+    }
+)
+
+
+def parse_address(address: str, *, allow_zero: bool = False) -> tuple[str, int]:
+    """`host:port` (or `[v6]:port`) → (host, port); `InvalidArgument` for anything else.
+
+    Port 0 ("pick a free one") is accepted only where we bind, with `allow_zero`.
+    """
+    host, sep, port = address.rpartition(":")
+    lowest = 0 if allow_zero else 1
+    if not sep or not host or not port.isdigit() or not lowest <= int(port) < 65536:
+        raise InvalidArgument(f"invalid address {address!r}: expected HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def channel_target(endpoints: Sequence[str]) -> str:
+    """One target naming every replica by IP, for `pick_first` failover across them."""
+    if not endpoints:
+        raise InvalidArgument("at least one hub address is needed")
+    v4: list[str] = []
+    v6: list[str] = []
+    for address in endpoints:
+        host, port = parse_address(address)
+        for ip in _resolve(host):
+            if ipaddress.ip_address(ip).version == 4:
+                v4.append(f"{ip}:{port}")
+            else:
+                v6.append(f"[{ip}]:{port}")
+    if v4:
+        return "ipv4:" + ",".join(dict.fromkeys(v4))
+    return "ipv6:" + ",".join(dict.fromkeys(v6))
+
+
+def _resolve(host: str) -> list[str]:
+    try:
+        ipaddress.ip_address(host)
+        return [host]
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise InvalidArgument(f"cannot resolve hub host {host!r}: {exc}") from exc
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
+def open_channel(
+    endpoints: Sequence[str], *, tls_ca: bytes | None = None, tls_server_name: str | None = None
+) -> grpc.Channel:
+    options: list[tuple[str, object]] = [
+        ("grpc.service_config", SERVICE_CONFIG),
+        ("grpc.enable_retries", 1),
+        ("grpc.max_receive_message_length", 64 << 20),
+        ("grpc.max_send_message_length", 64 << 20),
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+    ]
+    target = channel_target(endpoints)
+    if tls_ca is None:
+        return grpc.insecure_channel(target, options=options)
+    if tls_server_name:
+        options.append(("grpc.ssl_target_name_override", tls_server_name))
+    return grpc.secure_channel(target, grpc.ssl_channel_credentials(tls_ca), options=options)

@@ -1,0 +1,129 @@
+"""What publish and fetch return: handles on a version this client holds and serves.
+
+Both obey the mutability contract: `release()` first deletes the holder record (so no new
+reader is sent here), then refuses new reads on the data plane and waits (bounded) for reads
+in flight, and only then says the memory is free to overwrite.
+"""
+
+from __future__ import annotations
+
+import time
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import torch
+
+from consistency.watch import EventKind
+from ros.metrics import SDK_TRAINER_STALL
+from tensorhub.errors import DeadlineExceeded
+from transport.reader import FetchStats
+
+if TYPE_CHECKING:
+    from ros.client.hub import Hub
+
+DEFAULT_RELEASE_TIMEOUT = 30.0
+
+
+class _Handle:
+    def __init__(
+        self, hub: Hub, model: str, version: int, tensors: dict[str, torch.Tensor]
+    ) -> None:
+        self._hub = hub
+        self.model = model
+        self.version = version
+        self.tensors = tensors
+        self.released = False
+
+    def release(self, *, force: bool = False, timeout: float = DEFAULT_RELEASE_TIMEOUT) -> None:
+        """Stop serving this version; afterwards its memory may be overwritten.
+
+        Raises `RetentionViolation` if this is the last complete holder of a retained version
+        (nothing is changed then) unless `force=True`.
+        """
+        if not self.released:
+            self._hub._release(self.model, self.version, force=force, timeout=timeout)
+            self.released = True
+
+    def __enter__(self) -> _Handle:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release(force=True)
+
+
+class Publication(_Handle):
+    """A version this client published: `version`, the commit `revision`, and `visible`."""
+
+    def __init__(
+        self,
+        hub: Hub,
+        model: str,
+        version: int,
+        tensors: dict[str, torch.Tensor],
+        revision: int,
+        visible: bool = True,
+    ) -> None:
+        super().__init__(hub, model, version, tensors)
+        self.revision = revision
+        self.visible = visible
+
+    def __repr__(self) -> str:
+        return f"Publication({self.model}@{self.version}, revision={self.revision})"
+
+    def wait_replicated(self, k: int, *, timeout: float = 60.0) -> int:
+        """Block until `k` other holders are COMPLETE; returns how many are (trainer stall).
+
+        Watches holder changes from the publish revision (never polls). Raises
+        `DeadlineExceeded` at the deadline.
+        """
+        start = time.monotonic()
+        deadline = start + timeout
+        complete: set[str] = set()
+        me = self._hub.holder_name
+        with self._hub.watch(self.model, since=self.revision) as events:
+            while len(complete) < k:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise DeadlineExceeded(
+                        f"{self.model}@{self.version}: {len(complete)} of {k} replicas complete "
+                        f"after {timeout:.1f}s"
+                    )
+                event = events.get(remaining)
+                if event is None or event.version != self.version:
+                    continue
+                if event.kind is EventKind.HOLDER_UPDATED and event.holder is not None:
+                    if event.holder.complete and event.holder.holder != me:
+                        complete.add(event.holder.holder)
+                elif event.kind is EventKind.HOLDER_REMOVED:
+                    complete.discard(event.holder_name)
+                elif event.kind is EventKind.RESYNC:
+                    complete = {
+                        h.holder
+                        for h in event.holders.get(self.version, [])
+                        if h.complete and h.holder != me
+                    }
+        SDK_TRAINER_STALL.observe(time.monotonic() - start)
+        return len(complete)
+
+
+class Held(_Handle):
+    """A version this client fetched: `version`, `tensors`, and the fetch's `stats`."""
+
+    def __init__(
+        self,
+        hub: Hub,
+        model: str,
+        version: int,
+        tensors: dict[str, torch.Tensor],
+        stats: FetchStats,
+    ) -> None:
+        super().__init__(hub, model, version, tensors)
+        self.stats = stats
+
+    def __repr__(self) -> str:
+        return f"Held({self.model}@{self.version}, {len(self.tensors)} tensors)"

@@ -1,0 +1,96 @@
+"""The client's session: a lease granted by the hub, kept alive over a hub stream.
+
+The session id is the etcd lease id, so when the hub replica carrying the keepalive stream
+dies, the stream is reopened (the channel fails over to another replica) and that replica
+renews the same lease. If no renewal succeeds before the TTL runs out, the session is lost:
+`lost` is set and `on_lost` runs, so the client stops serving at once and re-registers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+
+from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from ros.proto.tensorhub.v1 import hub_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class ClientSession:
+    """Keeps one hub session alive in a background thread."""
+
+    def __init__(
+        self,
+        stub: hub_pb2_grpc.TensorHubStub,
+        metadata: tuple[tuple[str, str], ...],
+        opened: pb.OpenSessionResponse,
+        on_lost: Callable[[ClientSession], None] | None = None,
+    ) -> None:
+        self.id = int(opened.session_id)
+        self.ttl = int(opened.ttl_seconds)
+        self.read_key = bytes(opened.read_key)
+        self._stub = stub
+        self._metadata = metadata
+        self._on_lost = on_lost
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._expires_at = time.monotonic() + self.ttl
+        self._thread = threading.Thread(
+            target=self._run, name=f"hub-session-{self.id:x}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def interval(self) -> float:
+        return max(self.ttl / 3.0, 0.2)
+
+    def _requests(self, stop: threading.Event) -> Iterator[pb.KeepAliveRequest]:
+        while not stop.is_set() and not self._stop.is_set():
+            yield pb.KeepAliveRequest(session_id=self.id)
+            stop.wait(self.interval)
+            if time.monotonic() >= self._expires_at and not self.lost.is_set():
+                # The stream is open but silent (a hung replica): the lease is gone by now.
+                self._lose("no renewal before the TTL ran out")
+                return
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and not self.lost.is_set():
+            stream_stop = threading.Event()
+            try:
+                call = self._stub.KeepAlive(self._requests(stream_stop), metadata=self._metadata)
+                for response in call:
+                    if response.ttl_seconds <= 0:
+                        self._lose("lease expired")
+                        return
+                    self._expires_at = time.monotonic() + response.ttl_seconds
+                    if self._stop.is_set():
+                        call.cancel()
+                        return
+            except grpc.RpcError as exc:
+                if self._stop.is_set() or self.lost.is_set():
+                    return
+                log.info("session %x: keepalive stream broke (%s); reopening", self.id, exc.code())
+            finally:
+                stream_stop.set()
+            if time.monotonic() >= self._expires_at:
+                self._lose("no renewal before the TTL ran out")
+                return
+            self._stop.wait(0.1)
+
+    def _lose(self, why: str) -> None:
+        if self.lost.is_set():
+            return
+        log.warning("session %x lost: %s", self.id, why)
+        self.lost.set()
+        if self._on_lost is not None:
+            self._on_lost(self)
+
+    def stop(self) -> None:
+        """Stop renewing (the lease then expires by itself unless the hub revokes it)."""
+        self._stop.set()
+        self._thread.join(timeout=2)

@@ -1,0 +1,163 @@
+"""A watch on a model through the hub that survives hub failover without losing or repeating
+an event: it remembers the revision of the last event and reopens from the one after it,
+and it refuses events older than the client's revision floor."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+
+from consistency.floor import RevisionFloor
+from consistency.records import HolderRecord, HolderState
+from consistency.watch import EventKind, WatchEvent
+from ros.errors import from_rpc_error
+from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from ros.proto.tensorhub.v1 import hub_pb2_grpc
+from tensorhub.errors import TensorHubError
+
+log = logging.getLogger(__name__)
+
+_KINDS = {
+    pb.WatchEvent.VERSION_PUBLISHED: EventKind.VERSION_PUBLISHED,
+    pb.WatchEvent.HOLDER_UPDATED: EventKind.HOLDER_UPDATED,
+    pb.WatchEvent.HOLDER_REMOVED: EventKind.HOLDER_REMOVED,
+    pb.WatchEvent.RESYNC: EventKind.RESYNC,
+}
+_RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+
+
+def holder_from_message(h: pb.Holder) -> HolderRecord:
+    state = HolderState.COMPLETE if h.state == pb.COMPLETE else HolderState.PARTIAL
+    return HolderRecord(h.name, dict(h.endpoints), dict(h.topology), state, h.session_id, h.fence)
+
+
+def event_from_message(m: pb.WatchEvent) -> WatchEvent:
+    holders: dict[int, list[HolderRecord]] = {}
+    for version, h in zip(m.holder_versions, m.holders, strict=False):
+        holders.setdefault(int(version), []).append(holder_from_message(h))
+    return WatchEvent(
+        kind=_KINDS[m.kind],
+        version=int(m.version),
+        revision=int(m.revision),
+        holder=holder_from_message(m.holder) if m.HasField("holder") else None,
+        holder_name=m.holder_name,
+        holders=holders,
+    )
+
+
+class HubWatch:
+    """Events of one model from `start_revision`, across hub replica failures."""
+
+    def __init__(
+        self,
+        stub: hub_pb2_grpc.TensorHubStub,
+        metadata: tuple[tuple[str, str], ...],
+        model: str,
+        start_revision: int,
+        floor: RevisionFloor,
+    ) -> None:
+        self._stub = stub
+        self._metadata = metadata
+        self._model = model
+        self.next_revision = start_revision
+        self._last_revision = start_revision - 1
+        self._seen: set[tuple[EventKind, int, str]] = set()
+        self._floor = floor
+        self.reconnects = 0
+        self._queue: queue.Queue[WatchEvent | TensorHubError] = queue.Queue()
+        self._closed = threading.Event()
+        self._call: Any = None
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=f"hub-watch-{model}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        backoff = 0.05
+        while not self._closed.is_set():
+            request = pb.WatchRequest(model=self._model, start_revision=self.next_revision)
+            try:
+                call = self._stub.Watch(request, metadata=self._metadata)
+                with self._lock:
+                    self._call = call
+                if self._closed.is_set():
+                    call.cancel()
+                    return
+                for message in call:
+                    self._deliver(event_from_message(message))
+                    backoff = 0.05
+            except grpc.RpcError as exc:
+                if self._closed.is_set():
+                    return
+                if exc.code() not in _RETRY_CODES:
+                    self._queue.put(from_rpc_error(exc))
+                    return
+                log.info(
+                    "watch %s: stream broke (%s); resuming at %d",
+                    self._model,
+                    exc.code(),
+                    self.next_revision,
+                )
+            self.reconnects += 1
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 1.0)
+
+    def _deliver(self, event: WatchEvent) -> None:
+        """Queue `event` unless it was delivered before a reconnect.
+
+        One etcd revision can carry several events (a publish writes `latest` and a holder
+        record together), so a stream that breaks mid-revision resumes *at* that revision,
+        and the events of it already delivered are recognised by their identity.
+        """
+        ident = (
+            event.kind,
+            event.version,
+            event.holder_name or (event.holder.holder if event.holder else ""),
+        )
+        if event.revision < self._last_revision:
+            return
+        if event.revision == self._last_revision and ident in self._seen:
+            return
+        if event.revision > self._last_revision:
+            self._last_revision = event.revision
+            self._seen = set()
+        self._seen.add(ident)
+        self._floor.observe(event.revision)
+        self.next_revision = (
+            event.revision + 1 if event.kind is EventKind.RESYNC else event.revision
+        )
+        self._queue.put(event)
+
+    def get(self, timeout: float) -> WatchEvent | None:
+        """The next event, or None if none comes within `timeout` seconds."""
+        try:
+            item = self._queue.get(timeout=max(timeout, 0.0))
+        except queue.Empty:
+            return None
+        if isinstance(item, TensorHubError):
+            raise item
+        return item
+
+    def __iter__(self) -> Iterator[WatchEvent]:
+        while not self._closed.is_set():
+            event = self.get(0.5)
+            if event is not None:
+                yield event
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            if self._call is not None:
+                self._call.cancel()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> HubWatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

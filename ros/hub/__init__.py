@@ -1,0 +1,1 @@
+"""The hub: a stateless gRPC service over etcd (`tensorhub serve`)."""

@@ -1,0 +1,26 @@
+"""Prometheus metrics of the hub and the SDK (one registry per process, defined once here)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+HUB_REQUESTS = Counter(
+    "tensorhub_hub_requests_total", "Hub RPCs by method and status code", ["method", "code"]
+)
+HUB_LATENCY = Histogram("tensorhub_hub_request_seconds", "Hub RPC latency", ["method"])
+HUB_SESSIONS = Gauge(
+    "tensorhub_hub_sessions_open", "Sessions opened through this replica and not closed"
+)
+HUB_WATCHES = Gauge("tensorhub_hub_watches_active", "Watch streams being served by this replica")
+
+SDK_BYTES_FETCHED = Counter(
+    "tensorhub_sdk_bytes_fetched_total", "Bytes received by fetches, by source holder", ["source"]
+)
+SDK_BYTES_SERVED = Counter(
+    "tensorhub_sdk_bytes_served_total", "Bytes this client served to readers"
+)
+SDK_FETCH_SECONDS = Histogram("tensorhub_sdk_fetch_seconds", "Time of a whole fetch")
+SDK_PUBLISH_SECONDS = Histogram("tensorhub_sdk_publish_seconds", "Time of a publish call")
+SDK_TRAINER_STALL = Histogram(
+    "tensorhub_sdk_trainer_stall_seconds", "Time a trainer spent in wait_replicated"
+)

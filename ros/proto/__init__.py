@@ -1,0 +1,1 @@
+"""Protos of the hub service and their generated Python code (`make proto` regenerates)."""

@@ -1,0 +1,39 @@
+"""Regenerate the Python code for the hub's protos (`make proto`; a test checks it is current).
+
+Protos are compiled with the repository root as the include path, so each registers in
+protobuf's descriptor pool under `ros/proto/tensorhub/v1/...`, a name that can never clash
+with etcd's own `kv.proto`/`rpc.proto` (which python3-etcd3 registers too).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PROTO_DIR = ROOT / "ros" / "proto" / "tensorhub" / "v1"
+
+
+def protos() -> list[Path]:
+    return sorted(PROTO_DIR.glob("*.proto"))
+
+
+def generate(out_dir: Path = ROOT) -> None:
+    """Run grpc_tools.protoc for every proto, writing *_pb2.py, *_pb2.pyi, *_pb2_grpc.py."""
+    from grpc_tools import protoc
+
+    for proto in protos():
+        args = [
+            "protoc",
+            f"-I{ROOT}",
+            f"--python_out={out_dir}",
+            f"--pyi_out={out_dir}",
+            f"--grpc_python_out={out_dir}",
+            str(proto.relative_to(ROOT)),
+        ]
+        if protoc.main(args) != 0:
+            sys.exit(f"protoc failed for {proto}")
+
+
+if __name__ == "__main__":
+    generate()

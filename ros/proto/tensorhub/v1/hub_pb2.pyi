@@ -1,0 +1,423 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class HolderState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    HOLDER_STATE_UNSPECIFIED: _ClassVar[HolderState]
+    PARTIAL: _ClassVar[HolderState]
+    COMPLETE: _ClassVar[HolderState]
+HOLDER_STATE_UNSPECIFIED: HolderState
+PARTIAL: HolderState
+COMPLETE: HolderState
+
+class Holder(_message.Message):
+    __slots__ = ("name", "endpoints", "topology", "state", "session_id", "fence")
+    class EndpointsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class TopologyEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    endpoints: _containers.ScalarMap[str, str]
+    topology: _containers.ScalarMap[str, str]
+    state: HolderState
+    session_id: int
+    fence: int
+    def __init__(self, name: _Optional[str] = ..., endpoints: _Optional[_Mapping[str, str]] = ..., topology: _Optional[_Mapping[str, str]] = ..., state: _Optional[_Union[HolderState, str]] = ..., session_id: _Optional[int] = ..., fence: _Optional[int] = ...) -> None: ...
+
+class TensorEntry(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "offset", "nbytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    nbytes: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class Manifest(_message.Message):
+    __slots__ = ("tensors", "total_bytes", "chunk_size", "chunk_xxh3", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_XXH3_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorEntry]
+    total_bytes: int
+    chunk_size: int
+    chunk_xxh3: _containers.RepeatedScalarFieldContainer[int]
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., chunk_size: _Optional[int] = ..., chunk_xxh3: _Optional[_Iterable[int]] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("ttl_seconds",)
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ttl_seconds: int
+    def __init__(self, ttl_seconds: _Optional[int] = ...) -> None: ...
+
+class OpenSessionResponse(_message.Message):
+    __slots__ = ("session_id", "ttl_seconds", "read_key", "revision")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    READ_KEY_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    ttl_seconds: int
+    read_key: bytes
+    revision: int
+    def __init__(self, session_id: _Optional[int] = ..., ttl_seconds: _Optional[int] = ..., read_key: _Optional[bytes] = ..., revision: _Optional[int] = ...) -> None: ...
+
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    def __init__(self, session_id: _Optional[int] = ...) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("session_id", "ttl_seconds")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    ttl_seconds: int
+    def __init__(self, session_id: _Optional[int] = ..., ttl_seconds: _Optional[int] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    def __init__(self, session_id: _Optional[int] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PublishRequest(_message.Message):
+    __slots__ = ("model", "version", "manifest", "holder", "shard_index", "shard_count")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    manifest: Manifest
+    holder: Holder
+    shard_index: int
+    shard_count: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ...) -> None: ...
+
+class PublishResponse(_message.Message):
+    __slots__ = ("version", "revision", "visible")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    VISIBLE_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    revision: int
+    visible: bool
+    def __init__(self, version: _Optional[int] = ..., revision: _Optional[int] = ..., visible: _Optional[bool] = ...) -> None: ...
+
+class LatestRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class LatestResponse(_message.Message):
+    __slots__ = ("version", "revision")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    revision: int
+    def __init__(self, version: _Optional[int] = ..., revision: _Optional[int] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ("model", "start_revision")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    START_REVISION_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    start_revision: int
+    def __init__(self, model: _Optional[str] = ..., start_revision: _Optional[int] = ...) -> None: ...
+
+class WatchEvent(_message.Message):
+    __slots__ = ("kind", "version", "revision", "holder", "holder_name", "holders", "holder_versions")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[WatchEvent.Kind]
+        VERSION_PUBLISHED: _ClassVar[WatchEvent.Kind]
+        HOLDER_UPDATED: _ClassVar[WatchEvent.Kind]
+        HOLDER_REMOVED: _ClassVar[WatchEvent.Kind]
+        RESYNC: _ClassVar[WatchEvent.Kind]
+    KIND_UNSPECIFIED: WatchEvent.Kind
+    VERSION_PUBLISHED: WatchEvent.Kind
+    HOLDER_UPDATED: WatchEvent.Kind
+    HOLDER_REMOVED: WatchEvent.Kind
+    RESYNC: WatchEvent.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_NAME_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    kind: WatchEvent.Kind
+    version: int
+    revision: int
+    holder: Holder
+    holder_name: str
+    holders: _containers.RepeatedCompositeFieldContainer[Holder]
+    holder_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kind: _Optional[_Union[WatchEvent.Kind, str]] = ..., version: _Optional[int] = ..., revision: _Optional[int] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., holder_name: _Optional[str] = ..., holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., holder_versions: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ResolveRequest(_message.Message):
+    __slots__ = ("model", "version")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class ResolveResponse(_message.Message):
+    __slots__ = ("version", "manifest", "holders", "read_token", "token_expiry_unix", "revision", "shards")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    READ_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_EXPIRY_UNIX_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    manifest: Manifest
+    holders: _containers.RepeatedCompositeFieldContainer[Holder]
+    read_token: bytes
+    token_expiry_unix: int
+    revision: int
+    shards: _containers.RepeatedCompositeFieldContainer[Manifest]
+    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., read_token: _Optional[bytes] = ..., token_expiry_unix: _Optional[int] = ..., revision: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[Manifest, _Mapping]]] = ...) -> None: ...
+
+class RegisterHolderRequest(_message.Message):
+    __slots__ = ("model", "version", "holder")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    holder: Holder
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ...) -> None: ...
+
+class RegisterHolderResponse(_message.Message):
+    __slots__ = ("fence", "revision")
+    FENCE_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    fence: int
+    revision: int
+    def __init__(self, fence: _Optional[int] = ..., revision: _Optional[int] = ...) -> None: ...
+
+class UpdateHolderRequest(_message.Message):
+    __slots__ = ("model", "version", "holder")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    holder: Holder
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ...) -> None: ...
+
+class UpdateHolderResponse(_message.Message):
+    __slots__ = ("revision",)
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    revision: int
+    def __init__(self, revision: _Optional[int] = ...) -> None: ...
+
+class ReleaseHolderRequest(_message.Message):
+    __slots__ = ("model", "version", "holder", "force")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    holder: str
+    force: bool
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., holder: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class ReleaseHolderResponse(_message.Message):
+    __slots__ = ("revision",)
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    revision: int
+    def __init__(self, revision: _Optional[int] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("model", "version", "pin_id", "session_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    pin_id: str
+    session_id: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., pin_id: _Optional[str] = ..., session_id: _Optional[int] = ...) -> None: ...
+
+class PinResponse(_message.Message):
+    __slots__ = ("revision",)
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    revision: int
+    def __init__(self, revision: _Optional[int] = ...) -> None: ...
+
+class UnpinRequest(_message.Message):
+    __slots__ = ("model", "version", "pin_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    pin_id: str
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., pin_id: _Optional[str] = ...) -> None: ...
+
+class UnpinResponse(_message.Message):
+    __slots__ = ("revision",)
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    revision: int
+    def __init__(self, revision: _Optional[int] = ...) -> None: ...
+
+class ElectSeedRequest(_message.Message):
+    __slots__ = ("model", "version", "dc", "holder", "session_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DC_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    dc: str
+    holder: str
+    session_id: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., dc: _Optional[str] = ..., holder: _Optional[str] = ..., session_id: _Optional[int] = ...) -> None: ...
+
+class ElectSeedResponse(_message.Message):
+    __slots__ = ("seed", "is_seed", "revision")
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    IS_SEED_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    seed: str
+    is_seed: bool
+    revision: int
+    def __init__(self, seed: _Optional[str] = ..., is_seed: _Optional[bool] = ..., revision: _Optional[int] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelSummary(_message.Message):
+    __slots__ = ("name", "latest", "versions")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LATEST_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    latest: int
+    versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., latest: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models", "revision")
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelSummary]
+    revision: int
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelSummary, _Mapping]]] = ..., revision: _Optional[int] = ...) -> None: ...
+
+class InspectRequest(_message.Message):
+    __slots__ = ("model", "version")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class InspectResponse(_message.Message):
+    __slots__ = ("version", "latest", "manifest", "holders", "pins", "seeds", "published_revision", "revision", "retained")
+    class SeedsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LATEST_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    PINS_FIELD_NUMBER: _ClassVar[int]
+    SEEDS_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_REVISION_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    latest: int
+    manifest: Manifest
+    holders: _containers.RepeatedCompositeFieldContainer[Holder]
+    pins: _containers.RepeatedScalarFieldContainer[str]
+    seeds: _containers.ScalarMap[str, str]
+    published_revision: int
+    revision: int
+    retained: bool
+    def __init__(self, version: _Optional[int] = ..., latest: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., pins: _Optional[_Iterable[str]] = ..., seeds: _Optional[_Mapping[str, str]] = ..., published_revision: _Optional[int] = ..., revision: _Optional[int] = ..., retained: _Optional[bool] = ...) -> None: ...
+
+class Quotas(_message.Message):
+    __slots__ = ("max_models", "max_retained_versions", "max_sessions")
+    MAX_MODELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RETAINED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    max_models: int
+    max_retained_versions: int
+    max_sessions: int
+    def __init__(self, max_models: _Optional[int] = ..., max_retained_versions: _Optional[int] = ..., max_sessions: _Optional[int] = ...) -> None: ...
+
+class CreateTenantRequest(_message.Message):
+    __slots__ = ("name", "quotas")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    QUOTAS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    quotas: Quotas
+    def __init__(self, name: _Optional[str] = ..., quotas: _Optional[_Union[Quotas, _Mapping]] = ...) -> None: ...
+
+class CreateTenantResponse(_message.Message):
+    __slots__ = ("name", "token")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    token: str
+    def __init__(self, name: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...

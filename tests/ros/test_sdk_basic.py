@@ -1,0 +1,51 @@
+"""The SDK end to end in one process: publish, latest, fetch (new and in place), release."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import ros
+
+
+def model(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(256, 64, generator=g),
+        "layer.0.bias": torch.randn(64, generator=g),
+        "head.weight": torch.randn(10, 64, generator=g).to(torch.bfloat16),
+        "step": torch.tensor(seed, dtype=torch.int64),
+    }
+
+
+def test_publish_fetch_release(connect: Callable[..., ros.Hub]) -> None:
+    trainer, reader = connect(), connect()
+    weights = model(1)
+    pub = trainer.publish("policy", 1, weights)
+    assert pub.version == 1
+    assert reader.latest("policy") == 1
+    held = reader.fetch("policy", "latest", timeout=30)
+    assert held.version == 1
+    for name, tensor in weights.items():
+        assert torch.equal(held.tensors[name], tensor), name
+    assert pub.wait_replicated(1, timeout=10) >= 1
+    pub.release()
+    held.release(force=True)
+
+
+def test_fetch_into_validates_before_writing(connect: Callable[..., ros.Hub]) -> None:
+    trainer, reader = connect(), connect()
+    trainer.publish("policy", 1, model(1))
+    target = model(2)
+    target["embed.weight"] = torch.zeros(255, 64)
+    before = {k: v.clone() for k, v in target.items()}
+    with pytest.raises(ros.InvalidArgument, match="shape"):
+        reader.fetch("policy", 1, into=target)
+    for name in before:
+        assert torch.equal(before[name], target[name])
+    good = model(3)
+    held = reader.fetch("policy", 1, into=good)
+    assert held.tensors["embed.weight"].data_ptr() == good["embed.weight"].data_ptr()
+    assert torch.equal(good["layer.0.bias"], model(1)["layer.0.bias"])
