@@ -1,0 +1,147 @@
+"""`tensorhub ls`, `inspect MODEL@V`, `holders MODEL@V`: read-only views of a tenant's data."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+from typing import Any
+
+import grpc
+
+from ros.cli.common import add_hub_flags, hub_stub, print_json, print_table, tenant_metadata
+from ros.errors import from_rpc_error
+from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from tensorhub.errors import InvalidArgument
+from tensorhub.names import validate_name
+
+_STATES = {pb.PARTIAL: "PARTIAL", pb.COMPLETE: "COMPLETE"}
+
+
+def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    if name in ("inspect", "holders"):
+        parser.add_argument(
+            "target", metavar="MODEL@V", help="a model and version (MODEL alone: latest)"
+        )
+    add_hub_flags(parser)
+    parser.set_defaults(query=name)
+
+
+def parse_target(target: str) -> tuple[str, int]:
+    model, sep, version = target.partition("@")
+    validate_name(model, "model")
+    if not sep or version == "latest":
+        return model, 0
+    if not version.isdigit() or int(version) <= 0:
+        raise InvalidArgument(f"invalid version in {target!r}: expected MODEL@N with N > 0")
+    return model, int(version)
+
+
+def _call(args: argparse.Namespace, method: str, request: Any) -> Any:
+    stub, channel = hub_stub(args)
+    try:
+        return getattr(stub, method)(request, timeout=args.timeout, metadata=tenant_metadata(args))
+    except grpc.RpcError as exc:
+        raise from_rpc_error(exc) from None
+    finally:
+        channel.close()
+
+
+def _holder_rows(holders: Any) -> list[dict[str, Any]]:
+    return [
+        {
+            "name": h.name,
+            "state": _STATES.get(h.state, "?"),
+            "endpoints": dict(h.endpoints),
+            "topology": dict(h.topology),
+            "session": f"{h.session_id:x}",
+            "fence": h.fence,
+        }
+        for h in holders
+    ]
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.query == "ls":
+        response = _call(args, "ListModels", pb.ListModelsRequest())
+        models = [
+            {"model": m.name, "latest": m.latest, "versions": list(m.versions)}
+            for m in response.models
+        ]
+        if args.json:
+            print_json({"models": models, "revision": response.revision})
+        elif not models:
+            print("no models")
+        else:
+            print_table(
+                ["MODEL", "LATEST", "RETAINED VERSIONS"],
+                [[m["model"], m["latest"], ",".join(map(str, m["versions"]))] for m in models],
+            )
+        return 0
+    model, version = parse_target(args.target)
+    info = _call(args, "Inspect", pb.InspectRequest(model=model, version=version))
+    holders = _holder_rows(info.holders)
+    if args.query == "holders":
+        if args.json:
+            print_json(
+                {
+                    "model": model,
+                    "version": info.version,
+                    "holders": holders,
+                    "revision": info.revision,
+                }
+            )
+        else:
+            print_table(
+                ["HOLDER", "STATE", "ENDPOINT", "TOPOLOGY", "SESSION"],
+                [
+                    [
+                        h["name"],
+                        h["state"],
+                        ",".join(f"{k}={v}" for k, v in h["endpoints"].items()),
+                        ",".join(f"{k}={v}" for k, v in sorted(h["topology"].items())) or "-",
+                        h["session"],
+                    ]
+                    for h in holders
+                ],
+            )
+        return 0
+    manifest = info.manifest
+    data = {
+        "model": model,
+        "version": info.version,
+        "latest": info.latest,
+        "retained": info.retained,
+        "published_revision": info.published_revision,
+        "tensors": len(manifest.tensors),
+        "bytes": manifest.total_bytes,
+        "chunks": len(manifest.chunk_xxh3),
+        "chunk_size": manifest.chunk_size,
+        "holders": holders,
+        "pins": list(info.pins),
+        "seeds": dict(info.seeds),
+        "revision": info.revision,
+    }
+    if args.json:
+        print_json(data)
+        return 0
+    print(f"{model}@{info.version}  (latest {info.latest}{', retained' if info.retained else ''})")
+    print(f"  published at revision {info.published_revision}; read at revision {info.revision}")
+    size, chunk = _size(manifest.total_bytes), _size(manifest.chunk_size)
+    print(f"  {data['tensors']} tensors, {size} in {data['chunks']} chunks of {chunk}")
+    complete = sum(1 for h in holders if h["state"] == "COMPLETE")
+    print(f"  holders: {len(holders)} ({complete} complete)")
+    for h in holders:
+        print(f"    {h['name']:<32} {h['state']:<8} {','.join(h['endpoints'].values())}")
+    if data["pins"]:
+        print(f"  pinned by: {', '.join(data['pins'])}")
+    print(f"  as of {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}")
+    return 0
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"

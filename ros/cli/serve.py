@@ -1,0 +1,101 @@
+"""`tensorhub serve`: run one hub replica until SIGINT/SIGTERM.
+
+Without `--etcd`, starts one embedded etcd member in a temporary directory (development);
+without `--admin-token`, generates one and prints it. Several replicas over the same etcd
+(and the same `--prefix`) serve the same data; any of them can serve any client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+from prometheus_client import start_http_server
+
+from consistency import EtcdCluster, Keys
+from consistency.keys import DEFAULT_PREFIX
+from ros.hub.server import HubServer
+
+
+def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    parser.add_argument(
+        "--listen",
+        default="127.0.0.1:7600",
+        help="HOST:PORT to serve gRPC on (default %(default)s)",
+    )
+    parser.add_argument(
+        "--etcd", help="etcd endpoints HOST:PORT[,HOST:PORT]; default: start an embedded member"
+    )
+    parser.add_argument(
+        "--admin-token",
+        default=os.environ.get("TENSORHUB_ADMIN_TOKEN"),
+        help="admin token for tenant creation (env TENSORHUB_ADMIN_TOKEN); "
+        "default: generate and print one",
+    )
+    parser.add_argument(
+        "--prefix", default=DEFAULT_PREFIX, help="etcd key prefix (default %(default)s)"
+    )
+    parser.add_argument(
+        "--retain",
+        type=int,
+        default=2,
+        help="versions kept readable per model (default %(default)s)",
+    )
+    parser.add_argument(
+        "--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port"
+    )
+    parser.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS")
+    parser.add_argument("--tls-key", type=Path, help="PEM private key for --tls-cert")
+    parser.add_argument(
+        "--ready-file",
+        type=Path,
+        help="write the bound address and etcd endpoints here as JSON once serving",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    admin_token = args.admin_token or secrets.token_urlsafe(24)
+    embedded: EtcdCluster | None = None
+    if args.etcd:
+        endpoints = [e for e in args.etcd.split(",") if e]
+    else:
+        embedded = EtcdCluster(size=1).start()
+        endpoints = embedded.endpoints
+        print(f"embedded etcd at {endpoints[0]} (data in {embedded.root})", flush=True)
+    credentials = None
+    if args.tls_cert or args.tls_key:
+        if not (args.tls_cert and args.tls_key):
+            print("error: --tls-cert and --tls-key go together", file=sys.stderr)
+            return 2
+        credentials = grpc.ssl_server_credentials(
+            [(args.tls_key.read_bytes(), args.tls_cert.read_bytes())]
+        )
+    try:
+        server = HubServer(
+            endpoints, listen=args.listen, admin_token=admin_token, keys=Keys(args.prefix),
+            retain=args.retain, credentials=credentials,
+        ).start()  # fmt: skip
+        if args.metrics_port:
+            start_http_server(args.metrics_port)
+        print(f"hub serving on {server.address}", flush=True)
+        if not args.admin_token:
+            print(f"admin token: {admin_token}", flush=True)
+        if args.ready_file:
+            args.ready_file.write_text(json.dumps({"address": server.address, "etcd": endpoints}))
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+        print("shutting down", flush=True)
+        server.stop(grace=2.0)
+    finally:
+        if embedded is not None:
+            embedded.stop()
+    return 0
