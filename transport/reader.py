@@ -84,8 +84,10 @@ class _Fetch:
         token: bytes,
         deadline: float,
         stall: float,
+        expected: Sequence[int] | None = None,
     ) -> None:
         self.tenant, self.model, self.version = tenant, model, version
+        self.expected = expected
         self.dest, self.layout, self.token = dest, dest.layout, token
         self.deadline, self.stall = deadline, stall
         self.stats = FetchStats()
@@ -161,6 +163,12 @@ class _Fetch:
             with self.lock:
                 self.stats.discarded_bytes += expected
             raise IntegrityError(f"chunk {index} failed its checksum")
+        if self.expected is not None and h.checksum != self.expected[index]:
+            # Intact on the wire but not what was published: the holder's memory changed.
+            self.touched.add(index)
+            with self.lock:
+                self.stats.discarded_bytes += expected
+            raise IntegrityError(f"chunk {index} differs from the published version")
         self.dest.commit(index, h.checksum, staging)
         return expected
 
@@ -287,21 +295,26 @@ def fetch(
     refresh_sources: Callable[[], Sequence[Source]] | None = None,
     parallel: int = DEFAULT_PARALLEL,
     stall_timeout: float = DEFAULT_STALL,
+    expected: Sequence[int] | None = None,
 ) -> FetchStats:
     """Fill `dest`'s missing chunks of tenant/model@version from `sources` before
     `deadline` (a time.monotonic() value). Raises `VersionUnavailable` when no holder is
     left, `IntegrityError` when the only bytes on offer were bad, `DeadlineExceeded` when
-    time ran out; never blocks past `deadline`."""
+    time ran out; never blocks past `deadline`. `expected`, when given, is the publisher's
+    xxh3 of every chunk (from the manifest): a chunk that is intact on the wire but differs
+    from it is treated like a corrupt one and fetched elsewhere."""
     validate_name(tenant, "tenant")
     validate_name(model, "model")
     validate_version(version)
     if dest.key != (tenant, model, version) or dest.layout.digest != layout.digest:
         raise InvalidArgument("dest does not hold this tenant/model/version/layout")
+    if expected is not None and len(expected) != layout.num_chunks:
+        raise InvalidArgument(f"{len(expected)} expected checksums for {layout.num_chunks} chunks")
     if parallel < 1 or stall_timeout <= 0:
         raise InvalidArgument("parallel must be >= 1 and stall_timeout > 0")
     start = time.monotonic()
     what = f"fetch {model}@{version}"
-    f = _Fetch(tenant, model, version, dest, token, deadline, stall_timeout)
+    f = _Fetch(tenant, model, version, dest, token, deadline, stall_timeout, expected)
     suspects: set[str] = set()
     current = list(sources)
     rounds = tenacity.Retrying(

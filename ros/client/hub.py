@@ -24,7 +24,7 @@ from consistency.floor import RevisionFloor, StaleRead
 from consistency.records import HolderRecord
 from ros.client.channel import open_channel, parse_address
 from ros.client.handles import DEFAULT_RELEASE_TIMEOUT, Held, Publication
-from ros.client.manifest import layout_of, manifest_of, verify_against
+from ros.client.manifest import layout_of, manifest_of
 from ros.client.session import ClientSession
 from ros.client.watch import HubWatch, holder_from_message
 from ros.errors import from_rpc_error
@@ -34,7 +34,6 @@ from ros.proto.tensorhub.v1 import hub_pb2_grpc
 from ros.tokens import ReadTokenVerifier
 from tensorhub.errors import (
     DeadlineExceeded,
-    IntegrityError,
     InvalidArgument,
     OutcomeUnknown,
     TensorHubError,
@@ -43,7 +42,7 @@ from tensorhub.errors import (
 )
 from tensorhub.names import validate_name, validate_version
 from transport.layout import Layout
-from transport.planner import Source
+from transport.planner import Candidate, Source, pipeline_sources
 from transport.reader import fetch as transport_fetch
 from transport.server import HolderServer
 from transport.store import HeldVersion, HolderStore
@@ -352,22 +351,29 @@ class Hub:
             again = self._rpc("Resolve", pb.ResolveRequest(model=model, version=version))
             return self._sources(again.holders)
 
+        # Pipelined replication: now that we are registered (our fence orders us after
+        # every earlier reader), read from one predecessor rather than all from the publisher.
+        ordered = self._rpc("Resolve", pb.ResolveRequest(model=model, version=version))
+        first = pipeline_sources(self.topology, fence, self._candidates(ordered.holders))
         stats = transport_fetch(
-            self.tenant, model, version, held.layout, held, self._sources(resolved.holders),
+            self.tenant, model, version, held.layout, held,
+            first or self._sources(resolved.holders),
             token=bytes(resolved.read_token), deadline=deadline, me=self.topology,
-            refresh_sources=refresh,
+            refresh_sources=refresh, expected=list(resolved.manifest.chunk_xxh3),
         )  # fmt: skip
-        bad = verify_against(held, resolved.manifest)
-        if bad:
-            raise IntegrityError(
-                f"{model}@{version}: chunks {bad[:8]} differ from the published checksums"
-            )
         update = pb.UpdateHolderRequest(
             model=model, version=version, holder=self._holder_pb(True, fence)
         )
         self._rpc("UpdateHolder", update)
         self._rpc("Unpin", pb.UnpinRequest(model=model, version=version, pin_id=self.holder_name))
         return stats
+
+    def _candidates(self, holders: Sequence[pb.Holder]) -> list[Candidate]:
+        by_name = {h.name: h for h in holders}
+        return [
+            Candidate(s, int(by_name[s.holder_id].fence), by_name[s.holder_id].state == pb.COMPLETE)
+            for s in self._sources(holders)
+        ]
 
     def _sources(self, holders: Sequence[pb.Holder]) -> list[Source]:
         sources = []

@@ -45,8 +45,3 @@ def layout_of(manifest: pb.Manifest) -> Layout:
             f"manifest has {len(manifest.chunk_xxh3)} checksums for {layout.num_chunks} chunks"
         )
     return layout
-
-
-def verify_against(held: HeldVersion, manifest: pb.Manifest) -> list[int]:
-    """Indices of chunks whose bytes differ from the publisher's checksums."""
-    return [i for i, expected in enumerate(manifest.chunk_xxh3) if held.checksum(i) != expected]

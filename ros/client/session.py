@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 
@@ -39,6 +40,7 @@ class ClientSession:
         self._on_lost = on_lost
         self.lost = threading.Event()
         self._stop = threading.Event()
+        self._call: Any = None  # the live KeepAlive call, cancelled by stop()
         self._expires_at = time.monotonic() + self.ttl
         self._thread = threading.Thread(
             target=self._run, name=f"hub-session-{self.id:x}", daemon=True
@@ -63,6 +65,9 @@ class ClientSession:
             stream_stop = threading.Event()
             try:
                 call = self._stub.KeepAlive(self._requests(stream_stop), metadata=self._metadata)
+                self._call = call
+                if self._stop.is_set():
+                    call.cancel()
                 for response in call:
                     if response.ttl_seconds <= 0:
                         self._lose("lease expired")
@@ -93,4 +98,7 @@ class ClientSession:
     def stop(self) -> None:
         """Stop renewing (the lease then expires by itself unless the hub revokes it)."""
         self._stop.set()
+        call = self._call
+        if call is not None:
+            call.cancel()
         self._thread.join(timeout=2)

@@ -32,7 +32,9 @@ def make_tenant(hub_server: HubServer) -> Callable[[str], str]:
 
 
 @pytest.fixture
-def connect(hub_server: HubServer, make_tenant: Callable[[str], str]) -> Iterator[Callable[..., ros.Hub]]:
+def connect(
+    hub_server: HubServer, make_tenant: Callable[[str], str]
+) -> Iterator[Callable[..., ros.Hub]]:
     tokens: dict[str, str] = {}
     opened: list[ros.Hub] = []
 

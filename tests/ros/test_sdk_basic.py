@@ -43,8 +43,8 @@ def test_fetch_into_validates_before_writing(connect: Callable[..., ros.Hub]) ->
     before = {k: v.clone() for k, v in target.items()}
     with pytest.raises(ros.InvalidArgument, match="shape"):
         reader.fetch("policy", 1, into=target)
-    for name in before:
-        assert torch.equal(before[name], target[name])
+    for name, tensor in before.items():
+        assert torch.equal(tensor, target[name])
     good = model(3)
     held = reader.fetch("policy", 1, into=good)
     assert held.tensors["embed.weight"].data_ptr() == good["embed.weight"].data_ptr()

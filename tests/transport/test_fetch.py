@@ -198,3 +198,27 @@ def test_partial_holder_without_progress_is_given_up() -> None:
                 deadline=time.monotonic() + 20,
             )
         assert time.monotonic() - start < 3
+
+
+def _published_checksums(model: dict[str, torch.Tensor], layout: Layout) -> list[int]:
+    held = HeldVersion.publisher(TENANT, MODEL, 1, model, layout)
+    return [held.checksum(i) for i in range(layout.num_chunks)]
+
+
+def test_holder_whose_memory_drifted_is_caught_by_published_checksums(holders: StartHolder) -> None:
+    """Bytes that are intact on the wire but not what was published (the holder overwrote
+    advertised memory) fail the end-to-end check and are fetched from another holder."""
+    model = make_model(5, tiny=50)
+    layout = Layout.from_tensors(model, chunk_size=CHUNK)
+    expected = _published_checksums(model, layout)
+    drifted = {k: v + 1 for k, v in model.items()}  # every chunk drifted; own checksums consistent
+    bad = holders(drifted, layout, name="drifted")[2]
+    good = holders(model, layout, name="good")[2]
+    dest, stats = _fetch(layout, [bad, good], expected=expected)
+    assert _same(dest.tensors, model)
+    assert "differs from the published version" in stats.failed_sources["drifted"]
+    with pytest.raises(IntegrityError, match="published"):
+        _fetch(layout, [bad], expected=expected)
+    # without the published checksums the drift would have gone unnoticed
+    dest, _ = _fetch(layout, [bad])
+    assert not _same(dest.tensors, model)
