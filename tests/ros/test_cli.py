@@ -1,0 +1,99 @@
+"""The `tensorhub` CLI as a user runs it: serve, tenant create, ls, inspect, holders."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import ros
+from consistency import EtcdCluster, Keys
+from tests.ros.helpers import make_model
+
+ADMIN = "cli-admin"
+
+
+def tensorhub(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ros.cli", *args],
+        check=False, capture_output=True, text=True, timeout=60,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+@pytest.fixture
+def served(etcd_cluster: EtcdCluster, keys: Keys, tmp_path: Path) -> Iterator[str]:
+    ready = tmp_path / "ready.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ros.cli", "serve", "--listen", "127.0.0.1:0",
+         "--etcd", ",".join(etcd_cluster.endpoints), "--admin-token", ADMIN,
+         "--prefix", keys.prefix, "--ready-file", str(ready)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else "serve exited"
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    yield json.loads(ready.read_text())["address"]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=15) == 0
+
+
+@pytest.mark.timeout(120)
+def test_cli_round_trip(served: str) -> None:
+    created = tensorhub(
+        "tenant", "create", "team-a", "--hub", served, "--admin-token", ADMIN, "--json"
+    )
+    assert created.returncode == 0, created.stderr
+    token = json.loads(created.stdout)
+    assert token["tenant"] == "team-a"
+    env = {"TENSORHUB_HUB": served, "TENSORHUB_TENANT": "team-a", "TENSORHUB_TOKEN": token["token"]}
+    empty = tensorhub("ls", env=env)
+    assert empty.returncode == 0
+    assert "no models" in empty.stdout
+    with ros.connect(served, tenant="team-a", token=token["token"], name="trainer-0") as hub:
+        hub.publish("policy", 3, make_model(3))
+        listed = tensorhub("ls", "--json", env=env)
+        assert json.loads(listed.stdout)["models"] == [
+            {"model": "policy", "latest": 3, "versions": [3]}
+        ]
+        shown = tensorhub("inspect", "policy@3", env=env)
+        assert shown.returncode == 0
+        assert "policy@3  (latest 3, retained)" in shown.stdout
+        assert "trainer-0" in shown.stdout
+        holders = json.loads(tensorhub("holders", "policy", "--json", env=env).stdout)
+        assert [h["name"] for h in holders["holders"]] == ["trainer-0"]
+        assert holders["holders"][0]["state"] == "COMPLETE"
+    missing = tensorhub("inspect", "policy@9", env=env)
+    assert missing.returncode == 1
+    assert "VersionNotFound" in missing.stderr
+    bad = tensorhub("inspect", "../x@1", env=env)
+    assert bad.returncode == 1
+    assert "InvalidName" in bad.stderr
+    denied = tensorhub("ls", env={**env, "TENSORHUB_TOKEN": "team-a.wrong"})
+    assert denied.returncode == 1
+    assert "PermissionDenied" in denied.stderr
+    again = tensorhub("tenant", "create", "team-a", "--hub", served, "--admin-token", ADMIN)
+    assert again.returncode == 1
+    assert "AlreadyExists" in again.stderr
+
+
+def test_help_is_helpful() -> None:
+    top = tensorhub("--help")
+    assert top.returncode == 0
+    for command in ("serve", "tenant", "ls", "inspect", "holders", "demo", "bench", "chaos"):
+        assert command in top.stdout
+    serve = tensorhub("serve", "--help")
+    assert "--etcd" in serve.stdout
+    assert "--admin-token" in serve.stdout
+    no_hub = tensorhub("ls", env={"TENSORHUB_HUB": "", "TENSORHUB_TOKEN": "x.y"})
+    assert no_hub.returncode == 1
+    assert "--hub" in no_hub.stderr
