@@ -261,7 +261,12 @@ class HubServicer(hub_pb2_grpc.TensorHubServicer):
         )
         try:
             while context.is_active():
-                event = watch.get(timeout=0.25)
+                try:
+                    event = watch.get(timeout=0.25)
+                except Exception:
+                    if context.is_active():
+                        raise
+                    return  # cancelled by a stopping server, whose etcd client may be closed
                 if event is not None:
                     yield event_to_pb(event)
         finally:
