@@ -12,9 +12,8 @@ held = hub.fetch("policy", "latest", into=model.state_dict())
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-from ros.client.handles import Held, Publication
-from ros.client.hub import Hub
 from tensorhub.errors import (
     AlreadyExists,
     DeadlineExceeded,
@@ -34,6 +33,21 @@ from tensorhub.errors import (
     VersionUnavailable,
 )
 
+if TYPE_CHECKING:
+    from ros.client.handles import Held, Publication
+    from ros.client.hub import Hub
+
+_LAZY = {"Hub": "ros.client.hub", "Held": "ros.client.handles", "Publication": "ros.client.handles"}
+
+
+def __getattr__(name: str) -> Any:
+    """Import the SDK (and torch) only when it is used, so `tensorhub ls` starts fast."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'ros' has no attribute {name!r}")
+
 
 def connect(
     endpoints: str | Sequence[str],
@@ -45,6 +59,8 @@ def connect(
     **options: object,
 ) -> Hub:
     """Connect to the hub (one address or several replicas) as `tenant`; see `Hub`."""
+    from ros.client.hub import Hub
+
     return Hub(endpoints, tenant=tenant, token=token, topology=topology, listen=listen, **options)  # type: ignore[arg-type]
 
 

@@ -29,7 +29,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(wanted: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; only `wanted`'s module is imported (the others may pull in torch).
+
+    With no command on the line (`tensorhub --help`), no command module is imported.
+    """
     parser = argparse.ArgumentParser(
         prog="tensorhub",
         description="TensorHub: move RL weights from trainers to rollouts, served by holders.",
@@ -41,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module_name, help_text) in COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=help_text)
+        if name != wanted:
+            continue
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:  # a command whose module is not installed here
@@ -52,8 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    wanted = next((w for w in words if w in COMMANDS), None)
+    parser = build_parser(wanted)
+    args = parser.parse_args(words)
     logging.basicConfig(
         level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
