@@ -1,0 +1,120 @@
+"""The demo's rollout process: watch for versions, fetch each in place, generate, report.
+
+Per version: release the previous one (stop serving it), fetch the new one into the
+policy's own tensors (`into=`, no second copy), serve it to the other rollouts until the
+next version, sample actions for a batch of contexts and send them back with their rewards.
+The rollout chosen by `--kill-a-rollout-at` freezes itself mid-fetch and tells the driver,
+which SIGKILLs it: a holder dying with a PARTIAL version, for real.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+
+import torch
+
+import ros
+from consistency.watch import EventKind
+from ros.client.handles import Held
+from ros.demo.channel import Link
+from ros.demo.config import MODEL, DemoConfig, rollout_name
+from ros.demo.policy import build_policy, contexts, digest, rewards, sample
+from ros.integrations.pytorch import fetch_module
+from tensorhub.errors import RetentionViolation, TensorHubError
+
+
+def batch_seed(cfg: DemoConfig, version: int, index: int) -> int:
+    return cfg.seed * 1_000_003 + version * 1_000 + index
+
+
+def freeze_mid_fetch(hub: ros.Hub, link: Link, version: int, done: threading.Event) -> None:
+    """Wait until the fetch of `version` has some but not all chunks, report, then SIGSTOP
+    this whole process so the driver's SIGKILL lands mid-fetch (not after it)."""
+    key = (hub.tenant, MODEL, version)
+    while not done.is_set():
+        held = hub._store.get(key)  # the version being filled: the demo's view of progress
+        if held is not None:
+            chunks = held.layout.num_chunks
+            missing = len(held.missing())
+            if 0 < missing < chunks:
+                link.send({"type": "mid_fetch", "version": version, "done": 1 - missing / chunks})
+                os.kill(os.getpid(), signal.SIGSTOP)
+                return
+        time.sleep(0.0002)
+
+
+def release_previous(held: Held | None, timeout: float) -> None:
+    if held is None:
+        return
+    try:
+        held.release(timeout=timeout)
+    except RetentionViolation:
+        # Only if the hub retains more than the latest version: the in-place update cannot
+        # keep the old one, so drop it knowingly.
+        held.release(force=True, timeout=timeout)
+
+
+def run_rollout(cfg: DemoConfig, index: int) -> int:
+    torch.set_num_threads(1)
+    name = rollout_name(index)
+    link = Link(cfg.driver_port, name)
+    policy = build_policy(cfg.model_mb, cfg.seed, initialise=False)
+    hub = ros.connect(
+        cfg.hub, tenant=cfg.tenant, token=cfg.token, name=name, session_ttl=cfg.session_ttl
+    )
+    held: Held | None = None
+    current = 0
+    try:
+        with hub.watch(MODEL) as events:
+            link.send({"type": "ready"})
+            while True:
+                if not link.inbox.empty() and link.inbox.get()["type"] in ("stop", "eof"):
+                    break
+                event = events.get(0.2)
+                if event is None or event.kind is not EventKind.VERSION_PUBLISHED:
+                    continue
+                if event.version <= current:
+                    continue
+                version = current = event.version
+                seen = time.time()
+                release_previous(held, cfg.step_timeout)
+                held = None
+                link.send({"type": "fetching", "version": version})
+                done = threading.Event()
+                if name == cfg.victim and version == cfg.kill_at:
+                    threading.Thread(
+                        target=freeze_mid_fetch, args=(hub, link, version, done), daemon=True
+                    ).start()
+                try:
+                    held = fetch_module(hub, MODEL, policy, version, timeout=cfg.step_timeout)
+                except TensorHubError as exc:
+                    link.send({"type": "fetch_failed", "version": version, "error": repr(exc)})
+                    continue
+                finally:
+                    done.set()
+                link.send(
+                    {"type": "fetched", "version": version, "t_seen": seen, "t": time.time(),
+                     "fetch_s": held.stats.duration, "sources": held.stats.bytes_per_source,
+                     "failed_sources": held.stats.failed_sources,
+                     "refetched": held.stats.refetched_bytes,
+                     "digest": digest(policy.state_dict())}
+                )  # fmt: skip
+                seed = batch_seed(cfg, version, index)
+                ctx = contexts(seed, cfg.batch)
+                actions = sample(policy, ctx, seed + 1)
+                link.send(
+                    {"type": "rewards", "version": version, "seed": seed,
+                     "actions": actions.tolist(), "reward": float(rewards(ctx, actions).mean())}
+                )  # fmt: skip
+        return 0
+    finally:
+        if held is not None:
+            # closing the session below removes the record anyway
+            with contextlib.suppress(TensorHubError):
+                held.release(force=True, timeout=5.0)
+        hub.close()
+        link.close()

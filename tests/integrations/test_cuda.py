@@ -1,0 +1,34 @@
+"""CUDA tensors on both sides: publish from GPU memory, fetch in place into GPU memory."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import ros
+from ros.integrations.pytorch import fetch_module, publish_module
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine"),
+]
+
+
+def test_module_cuda_to_cuda(connect: Callable[..., ros.Hub]) -> None:
+    trainer, rollout = connect(), connect()
+    torch.manual_seed(0)
+    source = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 64)).cuda()
+    target = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 64)).cuda()
+    pub = publish_module(trainer, "gpu", 1, source)
+    held = fetch_module(rollout, "gpu", target, timeout=60)
+    for name, tensor in source.state_dict().items():
+        got = target.state_dict()[name]
+        assert got.is_cuda, name
+        assert torch.equal(got, tensor), name
+    x = torch.randn(4, 256, device="cuda")
+    assert torch.equal(target(x), source(x))
+    pub.release(force=True)
+    held.release(force=True)
