@@ -176,3 +176,38 @@ class ChunkScheduler:
     def wake(self) -> None:
         with self._cond:
             self._cond.notify_all()
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A holder as a reader sees it when its fetch starts: where to read (`source`), when
+    it registered (`fence`, its record's create revision: a total order) and its state."""
+
+    source: Source
+    fence: int
+    complete: bool
+
+
+def pipeline_sources(me: Topology, fence: int, holders: Sequence[Candidate]) -> list[Source]:
+    """Pipelined replication: the one holder that a reader registered at revision `fence`
+    reads from, so that readers starting together do not all split the publisher's uplink.
+
+    Among the holders nearest to `me` that are complete or registered before this reader,
+    readers form chains rooted at the complete holders (newest first, so the publisher is
+    used last), in registration order: the p-th PARTIAL reader of that tier reads from
+    entry p of [complete..., earlier PARTIAL readers...]; with no complete holder in the
+    tier, from the PARTIAL reader just before it. Every chain link carries the version once,
+    so N readers finish in about one transfer time. Across datacenters the first reader of
+    a dc is the only one that reads over the WAN; the others chain behind it. Returns []
+    when there is no candidate (the caller then falls back to every holder).
+    """
+    before = [h for h in holders if h.complete or h.fence < fence]
+    tier = {s.holder_id for s in nearest_tier(me, [h.source for h in before])}
+    if not tier:
+        return []
+    mine = [h for h in before if h.source.holder_id in tier]
+    complete = sorted((h for h in mine if h.complete), key=lambda h: -h.fence)
+    partial = sorted((h for h in mine if not h.complete), key=lambda h: h.fence)
+    chain = complete + partial
+    index = len(partial) if complete else len(partial) - 1
+    return [chain[index].source]
