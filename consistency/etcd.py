@@ -22,7 +22,7 @@ from etcd3 import etcdrpc
 
 from consistency import ops
 from consistency.ops import KV, Cmp, Op
-from consistency.retry import DEFAULT_POLICY, RetryPolicy, is_retryable
+from consistency.retry import DEFAULT_POLICY, RetryPolicy, is_deadline, is_retryable
 from tensorhub.errors import DeadlineExceeded, TensorHubError, Unavailable
 
 T = TypeVar("T")
@@ -288,7 +288,7 @@ class LeaseNotFound(TensorHubError):
 def _translate(exc: grpc.RpcError, budget: float) -> TensorHubError:
     code = exc.code()
     details = exc.details() or ""
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+    if is_deadline(exc):
         return DeadlineExceeded(f"etcd did not answer within {budget:.1f}s ({details})")
     if code == grpc.StatusCode.UNAVAILABLE:
         return Unavailable(f"no etcd member answered within {budget:.1f}s: {details}")

@@ -22,9 +22,24 @@ RETRYABLE_CODES: tuple[grpc.StatusCode, ...] = (
 )
 
 
+def is_deadline(exc: grpc.RpcError) -> bool:
+    """True when the call's deadline ran out, whether the client or the server noticed first.
+
+    etcd 3.4 hands a deadline that expired inside the server back as UNKNOWN "context deadline
+    exceeded" (how gRPC renders Go's context error), about as often as the client's own
+    DEADLINE_EXCEEDED wins the race; both mean the same thing.
+    """
+    code = exc.code()
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return True
+    return code == grpc.StatusCode.UNKNOWN and "context deadline exceeded" in (exc.details() or "")
+
+
 def is_retryable(exc: BaseException) -> bool:
-    """True for gRPC errors whose code is in `RETRYABLE_CODES`."""
-    return isinstance(exc, grpc.RpcError) and exc.code() in RETRYABLE_CODES
+    """True for gRPC errors whose code is in `RETRYABLE_CODES`, or that are a deadline."""
+    if not isinstance(exc, grpc.RpcError):
+        return False
+    return exc.code() in RETRYABLE_CODES or is_deadline(exc)
 
 
 @dataclass(frozen=True)
@@ -43,7 +58,8 @@ class RetryPolicy:
                 multiplier=self.initial, max=self.maximum, jitter=self.initial
             ),
             stop=_stop_at(deadline),
-            sleep=self.sleep,
+            # A backoff never sleeps past the deadline: the last try gets what is left.
+            sleep=lambda seconds: self.sleep(max(0.0, min(seconds, deadline - time.monotonic()))),
             reraise=True,
         )
 
