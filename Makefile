@@ -44,7 +44,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy -p tensorhub -p consistency -p transport -p ros
+	$(VENV)/bin/mypy -p tensorhub -p consistency -p transport -p ros -p chaos
 
 check: lint typecheck test
 

@@ -1,0 +1,244 @@
+"""The history checker: the six invariants of DESIGN.md §4, proved or refuted from a history.
+
+Each check returns `Violation`s that name the operations proving them. Unknown outcomes
+(`info`) are treated as "may or may not have happened": a write of unknown outcome may
+explain a read, but never obliges one. Reads (`latest`) carry the etcd revision they were
+served at, so visibility is checked by version and by revision.
+
+1. torn reads: a fetched version's content hash equals the published one;
+2. linearizable visibility: a `latest` that starts after `publish(v)` returned sees ≥ v
+   (and a revision ≥ the publish's), and only versions some publish may have written;
+3. monotonic reads: per client, `latest` (and watched versions) never go backwards;
+4. nothing acknowledged is lost: `chaos.checker_lost`;
+5. no hangs: every completed call ended within its deadline (plus `grace`);
+6. isolation: no intruder probe was allowed.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from chaos.history import FAIL, INFO, OK, Op
+
+INVARIANTS = {
+    "torn-read": 1,
+    "stale-read": 2,
+    "phantom-read": 2,
+    "non-monotonic": 3,
+    "lost-version": 4,
+    "past-deadline": 5,
+    "cross-tenant": 6,
+}
+
+
+@dataclass(frozen=True)
+class FaultWindow:
+    """One injected fault: what, on whom, and from when to when (monotonic seconds)."""
+
+    name: str
+    scope: str  # holder | global | client
+    target: str  # worker name (no incarnation) or a component ("hub 0")
+    start: float
+    end: float
+
+    def overlaps(self, lo: float, hi: float) -> bool:
+        return self.start <= hi and self.end >= lo
+
+
+@dataclass
+class Violation:
+    kind: str
+    message: str
+    ops: list[Op] = field(default_factory=list)
+
+    @property
+    def invariant(self) -> int:
+        return INVARIANTS[self.kind]
+
+    def to_json(self, start: float = 0.0) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "invariant": self.invariant,
+            "message": self.message,
+            "ops": [op.brief(start) for op in self.ops],
+        }
+
+
+@dataclass
+class Facts:
+    """Everything the checker reads: the operations and what the run did around them."""
+
+    ops: list[Op]
+    faults: list[FaultWindow] = field(default_factory=list)
+    incarnations: dict[str, tuple[float, float]] = field(default_factory=dict)
+    retain: int = 2
+    session_ttl: float = 5.0
+    grace: float = 2.0
+
+
+def check(facts: Facts) -> list[Violation]:
+    """Run every check; violations are ordered by invariant."""
+    from chaos.checker_lost import check_lost
+
+    found = [
+        *check_torn(facts.ops),
+        *check_visibility(facts.ops),
+        *check_monotonic(facts.ops),
+        *check_lost(facts),
+        *check_deadlines(facts),
+        *check_isolation(facts.ops),
+    ]
+    return sorted(found, key=lambda v: v.invariant)
+
+
+def _publishes(ops: Iterable[Op]) -> dict[int, list[Op]]:
+    by_version: dict[int, list[Op]] = defaultdict(list)
+    for op in ops:
+        if op.f == "publish":
+            by_version[int(op.args["version"])].append(op)
+    return by_version
+
+
+def check_torn(ops: list[Op]) -> list[Violation]:
+    """Every completed fetch of v has the content of the publish of v that took effect."""
+    publishes = _publishes(ops)
+    out = []
+    for op in ops:
+        if op.f != "fetch" or op.outcome != OK:
+            continue
+        version = int(op.value["version"])
+        candidates = [p for p in publishes.get(version, []) if p.outcome == OK]
+        candidates = candidates or [p for p in publishes.get(version, []) if p.outcome == INFO]
+        if not any(p.args["hash"] == op.value["hash"] for p in candidates):
+            what = "differs from every publish of it" if candidates else "was never published"
+            out.append(
+                Violation("torn-read", f"fetched policy@{version} {what}", [op, *candidates])
+            )
+    return out
+
+
+def check_visibility(ops: list[Op]) -> list[Violation]:
+    """Linearizable `latest`: never older than a publish acknowledged before it began,
+    and never a version that no publish may have written."""
+    acked = sorted((p for p in ops if p.f == "publish" and p.outcome == OK), key=lambda p: p.end)
+    ends = [p.end for p in acked]
+    best: list[Op] = []  # best[i]: the highest acknowledged publish among acked[: i + 1]
+    for p in acked:
+        if not best or int(p.args["version"]) > int(best[-1].args["version"]):
+            best.append(p)
+        else:
+            best.append(best[-1])
+    by_revision: list[Op] = []
+    for p in acked:
+        newer = not by_revision or int(p.value["revision"]) > int(by_revision[-1].value["revision"])
+        by_revision.append(p if newer else by_revision[-1])
+    publishes = _publishes(ops)
+    out = []
+    for op in ops:
+        if op.f not in ("latest", "watch") or op.outcome != OK:
+            continue
+        version, revision = int(op.value["version"]), int(op.value["revision"])
+        if version:
+            possible = [
+                p for p in publishes.get(version, []) if p.outcome != FAIL and p.invoke <= op.end
+            ]
+            if not possible:
+                out.append(
+                    Violation(
+                        "phantom-read",
+                        f"{op.f} saw policy@{version}, which no publish may have written",
+                        [op, *publishes.get(version, [])],
+                    )
+                )
+        if op.f != "latest":
+            continue
+        i = bisect.bisect_left(ends, op.invoke) - 1
+        if i < 0:
+            continue
+        top, newest = best[i], by_revision[i]
+        if version < int(top.args["version"]):
+            out.append(
+                Violation(
+                    "stale-read",
+                    f"latest returned {version} after publish of {top.args['version']} "
+                    "had returned",
+                    [top, op],
+                )
+            )
+        elif revision < int(newest.value["revision"]):
+            out.append(
+                Violation(
+                    "stale-read",
+                    f"latest answered at revision {revision}, older than publish revision "
+                    f"{newest.value['revision']} acknowledged before it began",
+                    [newest, op],
+                )
+            )
+    return out
+
+
+def check_monotonic(ops: list[Op]) -> list[Violation]:
+    """Per client: versions and revisions of `latest` never decrease; watched versions rise."""
+    out = []
+    last: dict[tuple[str, str], Op] = {}
+    for op in sorted(ops, key=lambda o: o.end):
+        if op.f not in ("latest", "watch") or op.outcome != OK:
+            continue
+        key = (op.client, op.f)
+        prev = last.get(key)
+        last[key] = op
+        if prev is None:
+            continue
+        v0, v1 = int(prev.value["version"]), int(op.value["version"])
+        r0, r1 = int(prev.value["revision"]), int(op.value["revision"])
+        backwards = (v1 < v0 or r1 < r0) if op.f == "latest" else (v1 <= v0 or r1 <= r0)
+        if backwards:
+            out.append(
+                Violation(
+                    "non-monotonic",
+                    f"{op.client} saw {op.f} go from {v0}@rev{r0} to {v1}@rev{r1}",
+                    [prev, op],
+                )
+            )
+    return out
+
+
+def check_deadlines(facts: Facts) -> list[Violation]:
+    """Every completed call returned (result or named error) by its deadline + grace.
+
+    Calls of a process that was SIGSTOPped meanwhile are exempt: a frozen process cannot
+    look at its clock.
+    """
+    out = []
+    for op in facts.ops:
+        if op.complete is None or op.timeout <= 0:
+            continue
+        took = op.complete - op.invoke
+        if took <= op.timeout + facts.grace:
+            continue
+        frozen = any(
+            f.name == "pause-holder" and f.target == op.worker and f.overlaps(op.invoke, op.end)
+            for f in facts.faults
+        )
+        if not frozen:
+            out.append(
+                Violation(
+                    "past-deadline",
+                    f"{op.f} took {took:.2f}s with a {op.timeout:.1f}s deadline",
+                    [op],
+                )
+            )
+    return out
+
+
+def check_isolation(ops: list[Op]) -> list[Violation]:
+    """No probe of the other tenant's data, on the hub or a holder port, succeeded."""
+    return [
+        Violation("cross-tenant", f"probe {op.args.get('probe')}: {op.value.get('detail')}", [op])
+        for op in ops
+        if op.f == "probe" and op.outcome == OK and op.value.get("result") == "allowed"
+    ]

@@ -1,0 +1,201 @@
+"""The cluster under test: 3 etcd members, 2 hub replicas (processes), proxies, tenants.
+
+Every address is on loopback, or on the veth of a namespace the run made. Clients reach
+each hub replica through a `Proxy`, so a failpoint can blackhole or delay it; a killed hub
+restarts on the same port, so the clients' address lists stay valid. `close()` stops
+everything this object started, and is safe after a partial start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from chaos.proxy import Proxy
+from consistency import Etcd, EtcdCluster, Keys
+from consistency.embedded import free_port
+from ros.hub.server import HubServer
+from ros.hub.tenants import TenantStore
+from tensorhub.errors import DeadlineExceeded, TensorHubError
+
+HUB_START_TIMEOUT = 40.0
+
+
+class HubProcess:
+    """One `tensorhub serve` process on a fixed port, restartable after a kill."""
+
+    def __init__(
+        self, index: int, etcd: list[str], port: int, admin: str, prefix: str, root: Path
+    ) -> None:
+        self.index, self.etcd, self.port = index, etcd, port
+        self.admin, self.prefix, self.root = admin, prefix, root
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def start(self, timeout: float = HUB_START_TIMEOUT) -> HubProcess:
+        ready = self.root / f"hub{self.index}.ready"
+        ready.unlink(missing_ok=True)
+        args = [
+            sys.executable, "-c", "import sys; from ros.cli import main; sys.exit(main())",
+            "serve", "--etcd", ",".join(self.etcd), "--listen", self.address,
+            "--admin-token", self.admin, "--prefix", self.prefix, "--ready-file", str(ready),
+        ]  # fmt: skip
+        with (self.root / f"hub{self.index}.log").open("ab") as log:
+            self.process = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+        deadline = time.monotonic() + timeout
+        while not ready.exists():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise DeadlineExceeded(
+                    f"hub {self.index} did not start; see {self.root / f'hub{self.index}.log'}"
+                )
+            time.sleep(0.05)
+        return self
+
+    def kill(self) -> None:
+        proc, self.process = self.process, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        proc, self.process = self.process, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+class ChaosCluster:
+    """3 etcd members, 2 hubs + one proxy per hub, with tenants `team-a` (victim) and `team-b`."""
+
+    TENANT, INTRUDER = "team-a", "team-b"
+
+    def __init__(self, root: Path, *, hubs: int = 2, etcd_members: int = 3) -> None:
+        self.root = root
+        self.prefix = f"/chaos/{root.name}"
+        self.keys = Keys(self.prefix)
+        self.admin = secrets.token_urlsafe(18)
+        self.etcd = EtcdCluster(etcd_members, data_root=str(root / "etcd"))
+        self.hubs: list[HubProcess] = []
+        self.hub_proxies: list[Proxy] = []
+        self.tokens: dict[str, str] = {}
+        self.client: Etcd | None = None
+        self._n_hubs = hubs
+        self._stale_etcd: EtcdCluster | None = None
+        self._stale_hub: HubServer | None = None
+
+    def start(self) -> ChaosCluster:
+        self.etcd.start()
+        self.client = Etcd(self.etcd.endpoints, timeout=5.0)
+        tenants = TenantStore(self.client, self.keys)
+        tenants.hub_secret()
+        for name in (self.TENANT, self.INTRUDER):
+            self.tokens[name] = tenants.create(name)
+        for i in range(self._n_hubs):
+            hub = HubProcess(
+                i, self.etcd.endpoints, free_port(), self.admin, self.prefix, self.root
+            )
+            self.hubs.append(hub)
+            self.hub_proxies.append(Proxy(("127.0.0.1", 0), ("127.0.0.1", hub.port)).start())
+        for hub in self.hubs:
+            hub.start()
+        return self
+
+    @property
+    def hub_addresses(self) -> list[str]:
+        """What clients dial: the proxies in front of the replicas."""
+        return [p.address for p in self.hub_proxies]
+
+    def etcd_client(self) -> Etcd:
+        if self.client is None:
+            raise TensorHubError("the cluster is not started")
+        return self.client
+
+    def holder_leases(self, holder_prefix: str) -> set[int]:
+        """The leases of every holder record whose holder name starts with `holder_prefix`."""
+        model_prefix = f"{self.keys.tenant(self.TENANT)}m/"
+        result = self.etcd_client().range(model_prefix, prefix=True, timeout=5.0)
+        return {
+            kv.lease for kv in result.kvs if f"/h/{holder_prefix}".encode() in kv.key and kv.lease
+        }
+
+    # -- a stale replica (split brain): a hub over a frozen copy of the data ----------------
+
+    def prepare_stale(self) -> None:
+        """Start the (empty) etcd member a stale replica will serve from, ahead of time."""
+        if self._stale_etcd is None:
+            self._stale_etcd = EtcdCluster(1, data_root=str(self.root / "stale-etcd")).start()
+
+    def start_stale_hub(self) -> str:
+        """Copy every key into the stale etcd member and serve it by a third hub replica.
+
+        The copy's revisions count from 1, so all of its answers are older than anything a
+        client has seen from the real cluster: what a replica back from a long partition
+        with old state would say. The replica runs in this process (it starts in a moment).
+        """
+        self.stop_stale_hub()
+        self.prepare_stale()
+        if self._stale_etcd is None:
+            raise TensorHubError("stale etcd did not start")
+        kvs = self.etcd_client().range(self.prefix + "/", prefix=True, timeout=5.0).kvs
+        with Etcd(self._stale_etcd.endpoints, timeout=5.0) as copy:
+            for kv in kvs:
+                copy.put(kv.key, kv.value)
+        self._stale_hub = HubServer(
+            self._stale_etcd.endpoints, listen="127.0.0.1:0", admin_token=self.admin,
+            keys=self.keys,
+        ).start()  # fmt: skip
+        return self._stale_hub.address
+
+    def stop_stale_hub(self) -> None:
+        hub, self._stale_hub = self._stale_hub, None
+        if hub is not None:
+            hub.stop(grace=0.2)
+
+    def close(self) -> None:
+        self.stop_stale_hub()
+        if self._stale_etcd is not None:
+            self._stale_etcd.stop()
+        for proxy in self.hub_proxies:
+            with contextlib.suppress(OSError):
+                proxy.stop()
+        for hub in self.hubs:
+            hub.stop()
+        if self.client is not None:
+            self.client.close()
+        self.etcd.stop()
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "etcd": self.etcd.endpoints,
+            "hubs": [h.address for h in self.hubs],
+            "hub_proxies": self.hub_addresses,
+            "prefix": self.prefix,
+        }
+
+
+def write_start_file(path: Path, end: float) -> None:
+    """Tell every worker (and every restarted one) when the run ends."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"end": end}))
+    tmp.rename(path)

@@ -1,0 +1,278 @@
+"""Failpoints: each a small object with `name`, `available()`, `inject()`, `recover()`.
+
+`inject(rng)` picks a target, breaks it and returns the target's name; `recover()` undoes
+it. `scope` tells the checker whom a fault may legitimately hurt: `holder` (the targeted
+holder's versions and, for a pause, its own calls), `global` (every call of the run) or
+`client` (only the targeted client). A failpoint that cannot run here says why in `reason`
+and is skipped, never faked.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+from dataclasses import dataclass, field
+
+from chaos.cluster import ChaosCluster
+from chaos.netns import Namespace
+from chaos.processes import WorkerProcess
+from chaos.proxy import Proxy
+from tensorhub.errors import TensorHubError
+
+
+class NoTarget(TensorHubError):
+    """No process is in a state this failpoint can act on right now."""
+
+    code = "FAILED_PRECONDITION"
+
+
+@dataclass
+class Env:
+    """What failpoints act on."""
+
+    cluster: ChaosCluster
+    workers: list[WorkerProcess]
+    holder_proxies: dict[str, Proxy]  # worker name -> proxy in front of its data plane
+    poller_proxies: list[Proxy] = field(default_factory=list)
+    netns: Namespace | None = None
+    netns_worker: str = ""
+
+    def holders(self, rng: random.Random) -> WorkerProcess:
+        live = [w for w in self.workers if w.holder and w.alive and not w.paused]
+        if not live:
+            raise NoTarget("no live holder")
+        return rng.choice(live)
+
+
+class Failpoint:
+    name = ""
+    scope = "global"
+    reason = ""
+
+    def __init__(self, env: Env) -> None:
+        self.env = env
+        self.target = ""
+
+    def available(self) -> bool:
+        return not self.reason
+
+    def inject(self, rng: random.Random) -> str:
+        raise NotImplementedError
+
+    def recover(self) -> None:
+        raise NotImplementedError
+
+
+class KillHolder(Failpoint):
+    """SIGKILL a trainer or rollout process mid-transfer; recovery starts a new incarnation."""
+
+    name, scope = "kill-holder", "holder"
+
+    def inject(self, rng: random.Random) -> str:
+        worker = self.env.holders(rng)
+        self.target = worker.name
+        worker.kill()
+        return worker.client
+
+    def recover(self) -> None:
+        for w in self.env.workers:
+            if w.name == self.target and not w.alive:
+                w.spawn()
+
+
+class PauseHolder(Failpoint):
+    """SIGSTOP a holder (a gray failure: its sockets stay open, nothing answers); SIGCONT."""
+
+    name, scope = "pause-holder", "holder"
+
+    def inject(self, rng: random.Random) -> str:
+        worker = self.env.holders(rng)
+        self.target = worker.name
+        worker.pause()
+        return worker.client
+
+    def recover(self) -> None:
+        for w in self.env.workers:
+            if w.name == self.target:
+                w.resume()
+
+
+class KillEtcdLeader(Failpoint):
+    """SIGKILL the etcd leader; recovery restarts it from its data dir."""
+
+    name = "kill-etcd-leader"
+
+    def inject(self, rng: random.Random) -> str:
+        self.index = self.env.cluster.etcd.leader(timeout=10.0)
+        self.env.cluster.etcd.kill(self.index)
+        return f"etcd m{self.index}"
+
+    def recover(self) -> None:
+        self.env.cluster.etcd.restart(self.index, timeout=30.0)
+
+
+class KillHub(Failpoint):
+    """SIGKILL one hub replica; recovery restarts it on the same port."""
+
+    name = "kill-hub"
+
+    def inject(self, rng: random.Random) -> str:
+        self.index = rng.randrange(len(self.env.cluster.hubs))
+        self.env.cluster.hubs[self.index].kill()
+        return f"hub {self.index}"
+
+    def recover(self) -> None:
+        self.env.cluster.hubs[self.index].start()
+
+
+class _ProxyFault(Failpoint):
+    mode, delay = "blackhole", 0.0
+
+    def _pick(self, rng: random.Random) -> tuple[str, Proxy]:
+        raise NotImplementedError
+
+    def inject(self, rng: random.Random) -> str:
+        self.target, self.proxy = self._pick(rng)
+        self.proxy.set(self.mode, self.delay)
+        return self.target
+
+    def recover(self) -> None:
+        self.proxy.set("pass")
+
+
+class _HolderLink(_ProxyFault):
+    scope = "holder"
+
+    def _pick(self, rng: random.Random) -> tuple[str, Proxy]:
+        worker = self.env.holders(rng)
+        return worker.name, self.env.holder_proxies[worker.name]
+
+
+class _HubLink(_ProxyFault):
+    def _pick(self, rng: random.Random) -> tuple[str, Proxy]:
+        index = rng.randrange(len(self.env.cluster.hub_proxies))
+        return f"hub {index}", self.env.cluster.hub_proxies[index]
+
+
+class BlackholeHolder(_HolderLink):
+    """Drop all traffic to and from one holder's data plane (TCP proxy holds every byte)."""
+
+    name = "blackhole-holder"
+
+
+class DelayHolder(_HolderLink):
+    """Delay every read forwarded to or from one holder's data plane by 150 ms."""
+
+    name, mode, delay = "delay-holder", "delay", 0.15
+
+
+class BlackholeHub(_HubLink):
+    """Drop all traffic between clients and one hub replica."""
+
+    name = "blackhole-hub"
+
+
+class DelayHub(_HubLink):
+    """Delay every read forwarded between clients and one hub replica by 100 ms."""
+
+    name, mode, delay = "delay-hub", "delay", 0.1
+
+
+class SqueezeLink(Failpoint):
+    """`tc tbf` on the veth of the namespace a publisher runs in: 2 Mbit/s both ways."""
+
+    name, scope = "squeeze-link", "holder"
+
+    def __init__(self, env: Env) -> None:
+        super().__init__(env)
+        if env.netns is None:
+            self.reason = "no network namespace in this run (needs root, `ip` and `tc`)"
+
+    def inject(self, rng: random.Random) -> str:
+        if self.env.netns is None:
+            raise NoTarget(self.reason)
+        self.env.netns.squeeze("2mbit")
+        self.target = self.env.netns_worker
+        return f"{self.target} ({self.env.netns.name})"
+
+    def recover(self) -> None:
+        if self.env.netns is not None:
+            self.env.netns.unsqueeze()
+
+
+class CorruptHolder(Failpoint):
+    """One holder flips a byte in every chunk it sends (its memory stays intact)."""
+
+    name, scope = "corrupt-holder", "holder"
+
+    def inject(self, rng: random.Random) -> str:
+        worker = self.env.holders(rng)
+        self.target = worker.name
+        worker.send(signal.SIGUSR1)
+        return worker.client
+
+    def recover(self) -> None:
+        for w in self.env.workers:
+            if w.name == self.target:
+                w.send(signal.SIGUSR2)
+
+
+class ExpireLease(Failpoint):
+    """Revoke a holder's session lease early (as if its renewals were lost): its records go."""
+
+    name, scope = "expire-lease", "holder"
+
+    def inject(self, rng: random.Random) -> str:
+        holders = [w for w in self.env.workers if w.holder and w.alive]
+        rng.shuffle(holders)
+        etcd = self.env.cluster.etcd_client()
+        for worker in holders:
+            leases = self.env.cluster.holder_leases(f"{worker.name}-g{worker.gen}-")
+            if leases:
+                for lease in leases:
+                    etcd.lease_revoke(lease, timeout=5.0)
+                self.target = worker.name
+                return f"{worker.client} (lease {', '.join(f'{x:x}' for x in leases)})"
+        raise NoTarget("no holder has a record right now")
+
+    def recover(self) -> None:
+        """Nothing to undo: the client notices and re-registers under a new session."""
+
+
+class StaleReplica(Failpoint):
+    """Route the poller to a hub serving a frozen copy of the data (split brain).
+
+    Its answers carry revisions older than the poller has seen, so the revision floor must
+    refuse them (invariant 3); with the floor switched off, the checker must see `latest`
+    go backwards.
+    """
+
+    name, scope = "stale-replica", "client"
+
+    def __init__(self, env: Env) -> None:
+        super().__init__(env)
+        if not env.poller_proxies:
+            self.reason = "no poller in this run"
+        else:
+            env.cluster.prepare_stale()
+
+    def inject(self, rng: random.Random) -> str:
+        address = self.env.cluster.start_stale_hub()
+        host, port = address.rsplit(":", 1)
+        for proxy in self.env.poller_proxies:
+            proxy.switch((host, int(port)))
+        self.target = "poller-0"
+        return f"poller-0 -> stale hub {address}"
+
+    def recover(self) -> None:
+        for proxy, hub in zip(self.env.poller_proxies, self.env.cluster.hub_proxies, strict=False):
+            host, port = hub.address.rsplit(":", 1)
+            proxy.switch((host, int(port)))
+        self.env.cluster.stop_stale_hub()
+
+
+ALL: tuple[type[Failpoint], ...] = (
+    KillHolder, PauseHolder, KillEtcdLeader, KillHub, BlackholeHolder, DelayHolder,
+    BlackholeHub, DelayHub, SqueezeLink, CorruptHolder, ExpireLease, StaleReplica,
+)  # fmt: skip
+NAMES = tuple(fp.name for fp in ALL)

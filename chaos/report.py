@@ -1,0 +1,130 @@
+"""The report of a chaos run: a human summary, and the full record as JSON.
+
+The summary lists the faults injected with their times, the operations by kind and outcome,
+what each invariant was checked against, and every violation with the operations that prove
+it. The JSON has all of that plus the whole history.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+from chaos.checker import INVARIANTS
+from chaos.history import OK
+from chaos.runner import FaultRecord, RunResult
+
+SHOWN_PER_KIND = 5
+INVARIANT_NAMES = {
+    1: "no torn reads",
+    2: "linearizable visibility",
+    3: "monotonic reads",
+    4: "nothing acknowledged is lost",
+    5: "no hangs (deadlines)",
+    6: "isolation",
+}
+
+
+def op_counts(result: RunResult) -> dict[str, dict[str, int]]:
+    counts: dict[str, Counter[str]] = defaultdict(Counter)
+    for op in result.ops:
+        counts[op.f][op.outcome] += 1
+        if op.f == "probe" and op.outcome == OK:
+            counts[op.f][f"probe:{op.value.get('result')}"] += 1
+    return {f: dict(sorted(c.items())) for f, c in sorted(counts.items())}
+
+
+def checked(result: RunResult) -> dict[str, int]:
+    """How much evidence each invariant was checked against."""
+    ok = [op for op in result.ops if op.outcome == OK]
+    return {
+        "fetches compared with published content (1)": sum(op.f == "fetch" for op in ok),
+        "latest reads checked for visibility (2, 3)": sum(op.f == "latest" for op in ok),
+        "watch events checked (2, 3)": sum(op.f == "watch" for op in ok),
+        "acknowledged publishes": sum(op.f == "publish" for op in ok),
+        "failed fetches examined for loss (4)": sum(
+            op.f == "fetch" and op.outcome == "fail" for op in result.ops
+        ),
+        "completed calls checked against deadlines (5)": sum(
+            op.complete is not None and op.timeout > 0 for op in result.ops
+        ),
+        "cross-tenant probes refused (6)": sum(
+            op.f == "probe" and op.value.get("result") == "refused" for op in ok
+        ),
+    }
+
+
+def summary(result: RunResult) -> str:
+    c = result.config
+    lines = [
+        f"chaos run: seed {c.seed}, {c.duration:.0f}s, "
+        f"planted bug: {c.planted or 'none'}, work dir {result.workdir}",
+        "",
+        "faults injected:",
+    ]
+    for f in result.faults:
+        span = f"{f.start - result.start:7.2f}s .. {f.end - result.start:7.2f}s"
+        note = f"  ({f.error})" if f.error else ""
+        lines.append(f"  {span}  {f.name:<17} {f.target}{note}")
+    if not result.faults:
+        lines.append("  (none)")
+    for name, reason in sorted(result.skipped.items()):
+        lines.append(f"  skipped {name}: {reason}")
+    lines += ["", "operations (kind: outcome counts):"]
+    for kind, counts in op_counts(result).items():
+        lines.append(f"  {kind:<12} " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    restarts = [i for i in result.incarnations if i["how"] and i["how"] != "exit 0"]
+    if restarts:
+        lines += ["", "processes that did not end normally:"]
+        lines += [f"  {i['client']}: {i['how']}" for i in restarts]
+    lines += ["", "checked:"]
+    lines += [f"  {k}: {v}" for k, v in checked(result).items()]
+    lines += ["", f"violations: {len(result.violations)}"]
+    shown: Counter[str] = Counter()
+    for v in result.violations:
+        shown[v.kind] += 1
+        if shown[v.kind] == SHOWN_PER_KIND + 1:
+            more = sum(x.kind == v.kind for x in result.violations) - SHOWN_PER_KIND
+            lines.append(f"  ... {more} more {v.kind} (all of them are in the JSON report)")
+        if shown[v.kind] > SHOWN_PER_KIND:
+            continue
+        lines.append(f"  [{v.invariant}: {INVARIANT_NAMES[v.invariant]}] {v.kind}: {v.message}")
+        lines += [f"      {op.brief(result.start)}" for op in v.ops]
+    return "\n".join(lines)
+
+
+def to_json(result: RunResult) -> dict[str, Any]:
+    c = result.config
+    return {
+        "seed": c.seed,
+        "duration": c.duration,
+        "planted": c.planted,
+        "cluster": result.cluster,
+        "faults": [_fault_json(f, result.start) for f in result.faults],
+        "skipped": result.skipped,
+        "operations": op_counts(result),
+        "checked": checked(result),
+        "invariants": {str(k): v for k, v in INVARIANT_NAMES.items()},
+        "violation_kinds": INVARIANTS,
+        "violations": [v.to_json(result.start) for v in result.violations],
+        "incarnations": result.incarnations,
+        "history": [op.to_json() for op in result.ops],
+        "start": result.start,
+    }
+
+
+def _fault_json(f: FaultRecord, start: float) -> dict[str, Any]:
+    return {
+        "name": f.name,
+        "scope": f.scope,
+        "target": f.target,
+        "start": f.start - start,
+        "end": f.end - start,
+        "error": f.error,
+    }
+
+
+def write_json(result: RunResult, path: Path) -> None:
+    path.write_text(json.dumps(to_json(result), indent=1))
