@@ -107,7 +107,14 @@ class EtcdCluster:
         return self
 
     def stop(self) -> None:
-        """Stop every member (SIGTERM, then SIGKILL after 5 s) and remove the data dir we made."""
+        """Stop every member (SIGTERM, then SIGKILL after 5 s) and remove the data dir we made.
+
+        All members get SIGTERM at once: a member stopping alone can wait for peers that
+        are about to go too.
+        """
+        for member in self.members:
+            if member.process is not None and member.process.poll() is None:
+                member.process.terminate()
         for member in self.members:
             self._terminate(member)
         if self._own_root:

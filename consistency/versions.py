@@ -288,22 +288,32 @@ class VersionRegistry:
                 break
             try:
                 state = self._read_latest(tenant, model, remaining)
-                if ambiguous:
-                    mine = self._own_write(holder_key, holder, state, version, remaining)
-                    if mine is not None:
-                        return mine
-                if state.version >= version:
-                    raise StaleVersion(
-                        f"{model}@{version} is not newer than latest {model}@{state.version}"
-                    )
-                succeeded, revision, attempts = attempt(state, deadline - time.monotonic())
+                mine = (
+                    self._own_write(holder_key, holder, state, version, remaining)
+                    if ambiguous
+                    else None
+                )
             except (Unavailable, DeadlineExceeded) as exc:
                 if ambiguous:
                     raise OutcomeUnknown(
                         f"publish of {model}@{version} may or may not have happened: {exc}; "
                         "check latest() or inspect"
                     ) from exc
-                raise
+                raise  # nothing was sent yet: nothing was written
+            if mine is not None:
+                return mine
+            if state.version >= version:
+                raise StaleVersion(
+                    f"{model}@{version} is not newer than latest {model}@{state.version}"
+                )
+            try:
+                succeeded, revision, attempts = attempt(state, deadline - time.monotonic())
+            except (Unavailable, DeadlineExceeded) as exc:
+                # The transaction may have reached etcd before its reply was lost.
+                raise OutcomeUnknown(
+                    f"publish of {model}@{version} may or may not have happened: {exc}; "
+                    "check latest() or inspect"
+                ) from exc
             ambiguous = ambiguous or attempts > 1
             if succeeded:
                 visible = moves_latest or bool(state.extra.get("moved"))

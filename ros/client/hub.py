@@ -237,7 +237,7 @@ class Hub:
         try:
             response: pb.PublishResponse = self._rpc("Publish", request, timeout)
             return response
-        except (Unavailable, DeadlineExceeded) as exc:
+        except (Unavailable, DeadlineExceeded, OutcomeUnknown) as exc:
             try:
                 info = self._rpc(
                     "Inspect", pb.InspectRequest(model=request.model, version=request.version)
