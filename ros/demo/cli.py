@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -66,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed, kill_at=args.kill_at, step_timeout=args.step_timeout,
         session_ttl=args.session_ttl,
     )  # fmt: skip
+    # SIGTERM tears down like Ctrl-C does (workers, hub and etcd are stopped on the way out).
+    signal.signal(signal.SIGTERM, _terminate)
     report = DemoRun(cfg, Display()).run()
     print_summary(report, sys.stdout)
     if args.json is not None:
@@ -75,3 +78,7 @@ def run(args: argparse.Namespace) -> int:
         plot(report, args.plot)
         print(f"plot written to {args.plot}")
     return 0 if report.ok else 1
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")

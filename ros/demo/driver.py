@@ -47,6 +47,7 @@ class DemoRun:
         self.alive: set[str] = set()
         self.steps: dict[int, Step] = {}
         self.done = False
+        self.interrupted = False
         self.killed_at: float | None = None
         self._batch_items: dict[int, list[dict[str, Any]]] = {}
         self._sent: set[int] = set()
@@ -57,10 +58,14 @@ class DemoRun:
         start = time.monotonic()
         try:
             with contextlib.ExitStack() as stack:
-                self._start(stack)
-                self._loop()
-                self._await_vanished()
-                self._stop_workers()
+                try:
+                    self._start(stack)
+                    self._loop()
+                    self._await_vanished()
+                    self._stop_workers()
+                except KeyboardInterrupt:
+                    self.interrupted = True  # tear down fast: etcd got the Ctrl-C too
+                    raise
         except TensorHubError as exc:
             self.report.errors.append(f"{type(exc).__name__}: {exc}")
         finally:
@@ -84,7 +89,7 @@ class DemoRun:
             self.cfg, hub=server.address, tenant=TENANT, token=token, driver_port=self.driver.port
         )
         self.observer = ros.connect(server.address, tenant=TENANT, token=token, name="observer")
-        stack.callback(self.observer.close)
+        stack.callback(lambda: None if self.interrupted else self.observer.close())
         self.watch: HubWatch = stack.enter_context(self.observer.watch(MODEL))
         stack.callback(self._kill_all)
         env = self.cfg.to_env()
@@ -92,7 +97,10 @@ class DemoRun:
         for name in names:
             args = ["trainer"] if name == TRAINER else ["rollout", name.rsplit("-", 1)[1]]
             self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "ros.demo.worker", *args], env=env, stdin=subprocess.DEVNULL
+                [sys.executable, "-m", "ros.demo.worker", *args],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # Ctrl-C reaches the driver only; it kills them
             )
         self.display.status(f"starting the trainer and {self.cfg.rollouts} rollouts ...")
         ready: set[str] = set()

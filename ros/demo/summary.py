@@ -81,6 +81,7 @@ def plot(report: Report, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     steps = [s.step for s in report.steps]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
@@ -93,6 +94,7 @@ def plot(report: Report, path: Path) -> None:
     bottom.plot(steps, [s.reward for s in report.steps], marker="o", color="green")
     bottom.set_ylabel("mean reward")
     bottom.set_xlabel("step")
+    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -63,3 +63,15 @@ def test_config_rejects_bad_flags() -> None:
         DemoConfig(rollouts=1, kill_at=1)
     with pytest.raises(InvalidArgument, match="a step in"):
         DemoConfig(steps=3, kill_at=4)
+
+
+def test_plot_without_matplotlib_fails_clearly_before_running(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from ros.cli import build_parser
+    from ros.demo import summary
+
+    args = build_parser("demo").parse_args(["demo", "--plot", str(tmp_path / "p.png")])
+    monkeypatch.setattr(summary.importlib.util, "find_spec", lambda name: None)
+    assert args.run(args) == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err
