@@ -1,0 +1,109 @@
+"""`tensorhub bench NAME|all`: benchmarks side by side with their baselines.
+
+`transport` is the existing loopback benchmark (`bench.transport.main`, its own flags);
+`fanout`, `elastic`, `crossdc`, `failover` and `metadata` run on emulated hosts (root
+needed); `sim` is the cluster-scale simulator (`bench.sim.cli`); `all` runs every emulated
+benchmark and a shortened `transport` in sequence and writes one JSON report.
+Human table by default; `--json PATH` writes the figures (`-` for stdout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from bench import crossdc, elastic, failover, fanout, metadata
+from bench.common import Options, add_options, options
+from bench.emu.netns import NeedsRoot
+from bench.report import Result, table
+
+EMULATED: dict[str, Callable[[Options], Result]] = {
+    "fanout": fanout.run,
+    "elastic": elastic.run,
+    "crossdc": crossdc.run,
+    "failover": failover.run,
+    "metadata": metadata.run,
+}
+CROSSDC_MB = 16  # the inter-dc link is 5x slower: a smaller model keeps the run short
+ALL_TRANSPORT = ["--size-mb", "256", "--repeat", "2"]
+NAMES = [*EMULATED, "transport", "sim", "all"]
+
+
+def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    parser.add_argument("name", choices=NAMES, help="which benchmark (or all)")
+    parser.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags")
+
+
+def _parse(name: str, rest: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=f"tensorhub bench {name}")
+    add_options(ap, CROSSDC_MB if name == "crossdc" else 32)
+    ap.add_argument("--json", metavar="PATH", help="write the figures as JSON (- = stdout)")
+    return ap.parse_args(rest)
+
+
+def _transport(extra: list[str]) -> Result:
+    """The existing transport benchmark, its JSON read back into a Result."""
+    from bench import transport
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "transport.json"
+        start = time.monotonic()
+        transport.main([*extra, "--json", str(path)])
+        data = json.loads(path.read_text())
+    res = Result("transport", "tensorhub bench transport " + " ".join(extra))
+    res.add("TensorHub TCP / plain socket (loopback)", data["ratio"], f">= {data['target']}")
+    res.add("TensorHub TCP", data["tensorhub_GBps"], unit="GB/s")
+    res.details = data
+    res.seconds = time.monotonic() - start
+    return res
+
+
+def _emit(results: list[Result], path: str | None) -> None:
+    print(table(results))
+    if path:
+        report = {
+            "generated_unix": time.time(),
+            "ok": all(r.ok for r in results),
+            "results": [r.to_dict() for r in results],
+        }
+        text = json.dumps(report, indent=2, default=str)
+        if path == "-":
+            print(text)
+        else:
+            Path(path).write_text(text)
+
+
+def run(args: argparse.Namespace) -> int:
+    name, rest = args.name, list(args.rest)
+    if name == "transport":
+        from bench import transport
+
+        return transport.main(rest)
+    if name == "sim":
+        from bench.sim import cli as sim_cli
+
+        return sim_cli.main(rest)
+    opts_ns = _parse(name, rest)
+    if os.geteuid() != 0:
+        print(f"tensorhub bench {name}: {NeedsRoot.__doc__}", file=sys.stderr)
+        return 2
+    opts = options(opts_ns)
+    if name != "all":
+        _emit([EMULATED[name](opts)], opts_ns.json)
+        return 0
+    results: list[Result] = []
+    for bench_name, fn in EMULATED.items():
+        each = opts if bench_name != "crossdc" else Options(opts.rate_mbit, CROSSDC_MB,
+                                                            opts.chunk_kb)  # fmt: skip
+        print(f"== {bench_name} ...", file=sys.stderr, flush=True)
+        results.append(fn(each))
+    print("== transport ...", file=sys.stderr, flush=True)
+    results.append(_transport(ALL_TRANSPORT))
+    _emit(results, opts_ns.json)
+    return 0 if all(r.ok for r in results) else 1

@@ -1,0 +1,1 @@
+"""Emulated hosts: namespaces, shaped links, and the processes that run in them."""

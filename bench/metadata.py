@@ -1,0 +1,75 @@
+"""`tensorhub bench metadata`: publish-to-visible latency at 100 watchers, and `latest`
+calls per second through two hub replicas.
+
+Four emulated hosts open 25 SDK watches each (100 in all), alternating between two hub
+replicas over one etcd; a fifth host publishes `VERSIONS` small versions. Latency: from
+the start of `publish` to the moment each watcher's stream yields the new version (every
+namespace shares CLOCK_MONOTONIC). Then the four hosts call `latest` from 4 threads each
+for `LOAD_SECONDS`, and, as the ceiling on the same channels, the gRPC health check (an
+RPC that does no work). Target: p99 <= 50 ms.
+"""
+
+from __future__ import annotations
+
+import time
+
+from bench.common import MODEL, Options
+from bench.emu.cluster import Cluster, settle
+from bench.emu.control import broadcast
+from bench.report import Result
+
+WATCHERS_PER_HOST = 25
+HOSTS = 4
+VERSIONS = 40
+GAP = 0.05
+LOAD_SECONDS = 3.0
+THREADS = 4
+TINY = 128 * 1024
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ranked = sorted(values)
+    return ranked[min(len(ranked) - 1, round(q * (len(ranked) - 1)))]
+
+
+def run(opts: Options) -> Result:
+    res = Result("metadata", "tensorhub bench metadata" + opts.flags())
+    started = time.monotonic()
+    with Cluster({1: 1 + HOSTS}, opts.rate_mbit, replicas=2) as c:
+        publisher, watchers = c.parts[0], c.parts[1:]
+        broadcast(watchers, "watchers", 120, model=MODEL, count=WATCHERS_PER_HOST)
+        settle(0.5)
+        published: dict[int, float] = {}
+        for v in range(1, VERSIONS + 1):
+            answer = publisher.call("publish", model=MODEL, version=v, nbytes=TINY, seed=v,
+                                    chunk=64 * 1024)  # fmt: skip
+            published[v] = answer["t0"]
+            if v > 2:
+                publisher.call("release", version=v - 2)
+            time.sleep(GAP)
+        settle(1.0)
+        seen = broadcast(watchers, "seen_versions", 60)
+        lat = [
+            (t - published[v]) * 1000 for reply in seen for v, t in reply["seen"] if v in published
+        ]
+        load = broadcast(watchers, "rpc_load", 60, model=MODEL, threads=THREADS,
+                         seconds=LOAD_SECONDS, kind="latest")  # fmt: skip
+        ceiling = broadcast(watchers, "rpc_load", 60, model=MODEL, threads=THREADS,
+                            seconds=LOAD_SECONDS, kind="health")  # fmt: skip
+    expected = HOSTS * WATCHERS_PER_HOST * VERSIONS
+    latest_rate = sum(r["calls"] for r in load) / LOAD_SECONDS
+    health_rate = sum(r["calls"] for r in ceiling) / LOAD_SECONDS
+    res.add("publish-to-visible p50", _percentile(lat, 0.5), unit="ms")
+    res.add("publish-to-visible p99", _percentile(lat, 0.99), "<= 50", unit="ms")
+    res.add("events delivered / expected", len(lat) / expected, ">= 1")
+    res.add("latest calls/s (2 replicas)", latest_rate, unit="/s")
+    res.add("latest / empty-RPC ceiling", latest_rate / health_rate)
+    res.details = {
+        "watchers": HOSTS * WATCHERS_PER_HOST,
+        "versions": VERSIONS,
+        "latency_ms_max": max(lat) if lat else None,
+        "latest_per_s": latest_rate,
+        "health_per_s": health_rate,
+    }
+    res.seconds = time.monotonic() - started
+    return res

@@ -1,0 +1,1 @@
+"""Cluster-scale flow simulator whose scheduling decisions come from `transport.planner`."""

@@ -1,0 +1,41 @@
+"""The simulator against the emulated-host benchmark at small scale: the same topology
+(one trainer, 4 readers, every link at its tbf rate less Ethernet/IP/TCP framing), the same
+model and chunk size; the simulated time until every reader is done must be within 25 %
+of the measured one. Needs root (skipped otherwise)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from bench.common import MODEL, Options, span, verify
+from bench.emu.cluster import Cluster
+from bench.emu.control import broadcast
+from bench.sim.scenarios import Cluster as SimCluster
+from bench.sim.scenarios import Params, tensorhub_fetch
+
+READERS = 4
+PAYLOAD = 1448 / 1514  # TCP payload per Ethernet frame (tbf counts whole frames)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="emulated hosts need root (netns, tc)")
+def test_simulator_matches_the_emulated_fanout() -> None:
+    opts = Options(size_mb=16)
+    with Cluster({1: 1 + READERS}, opts.rate_mbit) as c:
+        sat = c.saturation(c.parts, opts.nbytes)
+        trainer, pool = c.parts[0], c.parts[1:]
+        pub = trainer.call("publish", model=MODEL, version=1, nbytes=opts.nbytes,
+                           seed=opts.seed, chunk=opts.chunk)  # fmt: skip
+        got = broadcast(pool, "fetch", 120, model=MODEL, version=1)
+        verify(pub["digest"], got, "readers")
+        measured = span(got, pub["t0"])
+    assert sat.saturated, sat.to_dict()
+    goodput = opts.rate_Bps * PAYLOAD  # what TCP payload can get through tbf at this rate
+    p = Params(gpus=1 + READERS, gpus_per_host=1, nic_gbps=goodput * 8 / 1e9,
+               model_gb=opts.nbytes / 1e9, chunk_mb=opts.chunk / 1e6)  # fmt: skip
+    sim = SimCluster(p, {1: 1 + READERS})
+    flows = tensorhub_fetch(sim, list(range(1, 1 + READERS)), [0], 1)
+    simulated = sim.net.run()
+    assert all(fs[0].done for fs in flows.values())
+    assert simulated == pytest.approx(measured, rel=0.25), (simulated, measured)
