@@ -8,6 +8,7 @@ stalled or dead peer is always reported, never waited on forever.
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 import time
 from collections.abc import Sequence
@@ -60,10 +61,11 @@ def recv_views(
     each received piece to `hasher` while it is still in cache. Returns bytes received."""
     views = [v for v in views if len(v)]
     total, i, pos, n = 0, 0, 0, len(views)  # i: current view, pos: offset inside it
+    one_at_a_time = isinstance(sock, ssl.SSLSocket)  # TLS has no recvmsg_into
     try:
         while i < n:
             rest = views[i][pos:]
-            if len(rest) >= 65536 or i + 1 == n:
+            if len(rest) >= 65536 or i + 1 == n or one_at_a_time:
                 got = sock.recv_into(rest)
             else:  # many small views: one syscall fills several of them
                 got = sock.recvmsg_into([rest, *views[i + 1 : i + IOV_MAX]])[0]
@@ -91,6 +93,10 @@ def send_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
     pending = [v for v in views if len(v)]
     i, n = 0, len(pending)
     try:
+        if isinstance(sock, ssl.SSLSocket):  # TLS has no sendmsg: one buffer at a time
+            for view in pending:
+                sock.sendall(view)
+            return
         while i < n:
             sent = sock.sendmsg(pending[i : i + IOV_MAX])
             while sent:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +40,7 @@ from transport.netio import arm, recv_views
 from transport.planner import ChunkScheduler, Source, rank
 from transport.staging import StagingBuffer
 from transport.store import HeldVersion
+from transport.tls import TlsConfig
 from transport.topology import Topology
 from transport.wire import (
     NOT_READY_TEXT,
@@ -86,9 +88,11 @@ class _Fetch:
         deadline: float,
         stall: float,
         expected: Sequence[int] | None = None,
+        tls: TlsConfig | None = None,
     ) -> None:
         self.tenant, self.model, self.version = tenant, model, version
         self.expected = expected
+        self.tls = tls.client_context() if tls is not None else None
         self.dest, self.layout, self.token = dest, dest.layout, token
         self.deadline, self.stall = deadline, stall
         self.stats = FetchStats()
@@ -130,6 +134,14 @@ class _Fetch:
         except OSError as exc:
             raise TransportError(f"cannot connect to {source.holder_id}: {exc}") from exc
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.tls is not None:  # the handshake is bounded by the connect timeout
+            try:
+                sock = self.tls.wrap_socket(sock)
+            except (ssl.SSLError, OSError) as exc:
+                sock.close()
+                raise TransportError(
+                    f"TLS handshake with {source.holder_id} failed: {exc}"
+                ) from exc
         with self.lock:
             self.socks.add(sock)
             if self.aborted:
@@ -299,13 +311,15 @@ def fetch(
     parallel: int = DEFAULT_PARALLEL,
     stall_timeout: float = DEFAULT_STALL,
     expected: Sequence[int] | None = None,
+    tls: TlsConfig | None = None,
 ) -> FetchStats:
     """Fill `dest`'s missing chunks of tenant/model@version from `sources` before
     `deadline` (a time.monotonic() value). Raises `VersionUnavailable` when no holder is
     left, `IntegrityError` when the only bytes on offer were bad, `DeadlineExceeded` when
     time ran out; never blocks past `deadline`. `expected`, when given, is the publisher's
     xxh3 of every chunk (from the manifest): a chunk that is intact on the wire but differs
-    from it is treated like a corrupt one and fetched elsewhere."""
+    from it is treated like a corrupt one and fetched elsewhere. `tls` makes every
+    connection mutual TLS (holders must serve TLS with a certificate from the same CA)."""
     validate_name(tenant, "tenant")
     validate_name(model, "model")
     validate_version(version)
@@ -317,7 +331,7 @@ def fetch(
         raise InvalidArgument("parallel must be >= 1 and stall_timeout > 0")
     start = time.monotonic()
     what = f"fetch {model}@{version}"
-    f = _Fetch(tenant, model, version, dest, token, deadline, stall_timeout, expected)
+    f = _Fetch(tenant, model, version, dest, token, deadline, stall_timeout, expected, tls)
     suspects: set[str] = set()
     current = list(sources)
     rounds = tenacity.Retrying(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import ssl
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from tensorhub.errors import TensorHubError, TransportError, VersionUnavailable
 from transport.netio import recv_exact, send_views, set_kernel_timeout
 from transport.staging import StagingBuffer
 from transport.store import HeldVersion, HolderStore
+from transport.tls import TlsConfig
 from transport.wire import (
     HEADER,
     ChunkHeader,
@@ -76,8 +78,10 @@ class HolderServer:
         io_timeout: float = 30.0,
         max_chunk_wait: float = 30.0,
         fault: Fault | None = None,
+        tls: TlsConfig | None = None,
     ) -> None:
         self.store, self.verifier, self.fault = store, verifier, fault
+        self._tls = tls.server_context() if tls is not None else None
         self._bind = (host, port)
         self._max_wait = max_chunk_wait
         self._io_timeout = io_timeout
@@ -147,6 +151,8 @@ class HolderServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
+            if self._tls is not None:
+                conn = self._handshake(conn)
             set_kernel_timeout(conn, self._io_timeout)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             staging: list[StagingBuffer] = []  # created on first CUDA chunk
@@ -177,6 +183,21 @@ class HolderServer:
                 self._conns.discard(conn)
             conn.close()
             self._slots.release()
+
+    def _handshake(self, raw: socket.socket) -> socket.socket:
+        """Wrap an accepted connection in TLS (bounded by the I/O timeout); a peer without
+        a certificate from our CA fails here, before it can send a request."""
+        if self._tls is None:
+            return raw
+        raw.settimeout(self._io_timeout)
+        try:
+            conn = self._tls.wrap_socket(raw, server_side=True)
+        except (ssl.SSLError, OSError) as exc:
+            raise TransportError(f"TLS handshake failed: {exc}") from exc
+        with self._lock:
+            self._conns.discard(raw)
+            self._conns.add(conn)
+        return conn
 
     def _lookup(self, req: GetRequest) -> HeldVersion:
         try:

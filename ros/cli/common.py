@@ -12,6 +12,7 @@ from typing import Any
 from ros.client.channel import open_channel
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
 from tensorhub.errors import InvalidArgument
+from transport.tls import TlsConfig
 
 
 def add_hub_flags(parser: argparse.ArgumentParser, *, tenant: bool = True) -> None:
@@ -36,7 +37,8 @@ def add_hub_flags(parser: argparse.ArgumentParser, *, tenant: bool = True) -> No
 def hub_stub(args: argparse.Namespace) -> tuple[hub_pb2_grpc.TensorHubStub, Any]:
     if not args.hub:
         raise InvalidArgument("no hub address: pass --hub HOST:PORT or set TENSORHUB_HUB")
-    channel = open_channel([a for a in args.hub.split(",") if a])
+    tls = TlsConfig(ca=args.tls_ca) if args.tls_ca else None
+    channel = open_channel([a for a in args.hub.split(",") if a], tls=tls)
     return hub_pb2_grpc.TensorHubStub(channel), channel  # type: ignore[no-untyped-call]
 
 

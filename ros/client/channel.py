@@ -13,10 +13,12 @@ import ipaddress
 import json
 import socket
 from collections.abc import Sequence
+from pathlib import Path
 
 import grpc
 
 from tensorhub.errors import InvalidArgument
+from transport.tls import TlsConfig
 
 SERVICE = "tensorhub.v1.TensorHub"
 RETRIED_METHODS = (
@@ -87,8 +89,10 @@ def _resolve(host: str) -> list[str]:
 
 
 def open_channel(
-    endpoints: Sequence[str], *, tls_ca: bytes | None = None, tls_server_name: str | None = None
+    endpoints: Sequence[str], *, tls: TlsConfig | None = None, tls_server_name: str | None = None
 ) -> grpc.Channel:
+    """A channel to every replica; with `tls`, verified against its CA (and presenting our
+    certificate, for hubs that require client certificates)."""
     options: list[tuple[str, object]] = [
         ("grpc.service_config", SERVICE_CONFIG),
         ("grpc.enable_retries", 1),
@@ -100,8 +104,13 @@ def open_channel(
         ("grpc.keepalive_timeout_ms", 5_000),
     ]
     target = channel_target(endpoints)
-    if tls_ca is None:
+    if tls is None:
         return grpc.insecure_channel(target, options=options)
     if tls_server_name:
         options.append(("grpc.ssl_target_name_override", tls_server_name))
-    return grpc.secure_channel(target, grpc.ssl_channel_credentials(tls_ca), options=options)
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=Path(tls.ca).read_bytes(),
+        private_key=Path(tls.key).read_bytes() if tls.key else None,
+        certificate_chain=Path(tls.cert).read_bytes() if tls.cert else None,
+    )
+    return grpc.secure_channel(target, credentials, options=options)

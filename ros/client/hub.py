@@ -46,6 +46,7 @@ from transport.planner import Candidate, Source, pipeline_sources
 from transport.reader import fetch as transport_fetch
 from transport.server import HolderServer
 from transport.store import HeldVersion, HolderStore
+from transport.tls import TlsConfig
 from transport.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ class Hub:
         name: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         session_ttl: int = 10,
-        tls_ca: bytes | None = None,
+        tls: TlsConfig | None = None,
     ) -> None:
         addresses = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         self.tenant = validate_name(tenant, "tenant")
@@ -86,7 +87,8 @@ class Hub:
         self._listen = parse_address(listen, allow_zero=True)
         self._advertise = advertise
         self._metadata = (("authorization", f"Bearer {token}"),)
-        self._channel = open_channel(addresses, tls_ca=tls_ca)
+        self._tls = tls
+        self._channel = open_channel(addresses, tls=tls)
         self._stub = hub_pb2_grpc.TensorHubStub(self._channel)  # type: ignore[no-untyped-call]
         self.floor = RevisionFloor()
         self._lock = threading.RLock()
@@ -160,7 +162,9 @@ class Hub:
         with self._lock:
             if self._server is None:
                 host, port = self._listen
-                self._server = HolderServer(self._store, self._verifier, host, port).start()
+                self._server = HolderServer(
+                    self._store, self._verifier, host, port, tls=self._tls
+                ).start()
             return self._server
 
     def _endpoint(self) -> str:
@@ -359,7 +363,7 @@ class Hub:
             self.tenant, model, version, held.layout, held,
             first or self._sources(resolved.holders),
             token=bytes(resolved.read_token), deadline=deadline, me=self.topology,
-            refresh_sources=refresh, expected=list(resolved.manifest.chunk_xxh3),
+            refresh_sources=refresh, expected=list(resolved.manifest.chunk_xxh3), tls=self._tls,
         )  # fmt: skip
         update = pb.UpdateHolderRequest(
             model=model, version=version, holder=self._holder_pb(True, fence)
