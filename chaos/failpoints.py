@@ -9,8 +9,10 @@ and is skipped, never faked.
 
 from __future__ import annotations
 
+import os
 import random
 import signal
+import time
 from dataclasses import dataclass, field
 
 from chaos.cluster import ChaosCluster
@@ -67,8 +69,20 @@ class KillHolder(Failpoint):
     """SIGKILL a trainer or rollout process mid-transfer; recovery starts a new incarnation."""
 
     name, scope = "kill-holder", "holder"
+    wait_for_transfer = 3.0
 
     def inject(self, rng: random.Random) -> str:
+        """Prefer a reader caught in the middle of a fetch (a PARTIAL holder that is also
+        serving the chunks it has); look for one for a few seconds, else take any holder."""
+        deadline = time.monotonic() + self.wait_for_transfer
+        while time.monotonic() < deadline:
+            busy = [w for w in self.env.workers if w.alive and not w.paused and _mid_fetch(w)]
+            if busy:
+                worker = rng.choice(busy)
+                self.target = worker.name
+                worker.kill()
+                return f"{worker.client} (mid-fetch)"
+            time.sleep(0.01)
         worker = self.env.holders(rng)
         self.target = worker.name
         worker.kill()
@@ -78,6 +92,20 @@ class KillHolder(Failpoint):
         for w in self.env.workers:
             if w.name == self.target and not w.alive:
                 w.spawn()
+
+
+def _mid_fetch(worker: WorkerProcess) -> bool:
+    """Whether the worker's last history record is the invoke of a fetch."""
+    if worker.role != "reader":
+        return False
+    try:
+        with worker.history_path().open("rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 2048))
+            last = fh.read().rstrip(b"\n").rsplit(b"\n", 1)[-1]
+    except OSError:
+        return False
+    return b'"type":"invoke"' in last and b'"f":"fetch"' in last
 
 
 class PauseHolder(Failpoint):

@@ -232,7 +232,8 @@ class _Run:
 def run(config: RunConfig) -> RunResult:
     """Do one chaos run and check its history; raises only if the run itself cannot start."""
     _validate(config)
-    with contextlib.ExitStack() as stack:
+    stack = contextlib.ExitStack()
+    try:
         r = _Run(config, stack)
         _say(config, f"work dir {r.root}")
         env = r.setup()
@@ -258,7 +259,8 @@ def run(config: RunConfig) -> RunResult:
             config, start, finished, r.faults, skipped, ops, violations, incarnations,
             str(r.root), r.cluster.describe(),
         )  # fmt: skip
-    raise InvalidArgument("unreachable")  # pragma: no cover  (the with-block returns)
+    finally:
+        stack.close()
 
 
 def _split(address: str) -> tuple[str, int]:
