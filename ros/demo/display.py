@@ -19,14 +19,17 @@ def short(name: str) -> str:
 
 
 def flows(step: Step) -> str:
-    """Who fetched from whom: `r0<T 40.0MB  r1<r0 24.0MB+T 16.0MB`."""
+    """Who fetched from whom: `r0<T 40.0MB  r1<r0 24.0MB+T 16.0MB (lost r3)` — a lost
+    source is a holder that failed during this fetch (its chunks were re-planned)."""
     parts = []
     for reader in sorted(step.fetches):
-        sources = step.fetches[reader].sources
+        fetch = step.fetches[reader]
         got = "+".join(
-            f"{short(s)} {n / MB:.1f}MB" for s, n in sorted(sources.items(), key=lambda i: -i[1])
+            f"{short(s)} {n / MB:.1f}MB"
+            for s, n in sorted(fetch.sources.items(), key=lambda i: -i[1])
         )
-        parts.append(f"{short(reader)}<{got or '-'}")
+        lost = ",".join(short(s) for s in sorted(fetch.failed_sources))
+        parts.append(f"{short(reader)}<{got or '-'}" + (f" (lost {lost})" if lost else ""))
     return "  ".join(parts)
 
 
