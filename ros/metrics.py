@@ -9,8 +9,10 @@ HUB_REQUESTS = Counter(
 )
 HUB_LATENCY = Histogram("tensorhub_hub_request_seconds", "Hub RPC latency", ["method"])
 HUB_SESSIONS = Gauge(
-    "tensorhub_hub_sessions_open", "Sessions opened through this replica and not closed"
+    "tensorhub_hub_sessions_active",
+    "Sessions whose keepalive stream is attached to this replica (sum over replicas: all)",
 )
+HUB_SESSIONS_OPENED = Counter("tensorhub_hub_sessions_opened_total", "Sessions opened here")
 HUB_WATCHES = Gauge("tensorhub_hub_watches_active", "Watch streams being served by this replica")
 
 SDK_BYTES_FETCHED = Counter(

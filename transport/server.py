@@ -79,9 +79,11 @@ class HolderServer:
         max_chunk_wait: float = 30.0,
         fault: Fault | None = None,
         tls: TlsConfig | None = None,
+        on_served: Callable[[int], None] | None = None,
     ) -> None:
         self.store, self.verifier, self.fault = store, verifier, fault
         self._tls = tls.server_context() if tls is not None else None
+        self._on_served = on_served  # called with each chunk's payload bytes (metrics)
         self._bind = (host, port)
         self._max_wait = max_chunk_wait
         self._io_timeout = io_timeout
@@ -241,6 +243,8 @@ class HolderServer:
                     if self.fault is not None:
                         header, views = self._misbehave(header, views)
                     send_views(conn, [memoryview(encode_chunk_header(header)), *views])
+                    if self._on_served is not None:
+                        self._on_served(header.length)
         except VersionUnavailable as exc:
             raise _Refuse(ErrorCode.RELEASED, str(exc)) from exc
         except TensorHubError as exc:

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import sys
 from collections.abc import Sequence
 
+from ros.logs import configure as configure_logging
 from tensorhub.errors import TensorHubError
 
 # command -> (module, one-line help). Each module has `add_arguments(parser)` and `run(args)`.
@@ -42,6 +42,7 @@ def build_parser(wanted: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument(
         "-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)"
     )
+    parser.add_argument("--log-json", action="store_true", help="log JSON lines (structured logs)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module_name, help_text) in COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=help_text)
@@ -62,10 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     wanted = next((w for w in words if w in COMMANDS), None)
     parser = build_parser(wanted)
     args = parser.parse_args(words)
-    logging.basicConfig(
-        level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(args.verbose, args.log_json)
     if getattr(args, "unavailable", None):
         print(args.unavailable, file=sys.stderr)
         return 2

@@ -29,6 +29,11 @@ def add_hub_flags(parser: argparse.ArgumentParser, *, tenant: bool = True) -> No
             "--token", default=os.environ.get("TENSORHUB_TOKEN"), help="env TENSORHUB_TOKEN"
         )
     parser.add_argument(
+        "--tls-ca",
+        default=os.environ.get("TENSORHUB_TLS_CA"),
+        help="CA certificate (PEM) of a TLS hub (env TENSORHUB_TLS_CA)",
+    )
+    parser.add_argument(
         "--timeout", type=float, default=10.0, help="deadline of each call, seconds"
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -28,7 +28,12 @@ from ros.client.manifest import layout_of, manifest_of
 from ros.client.session import ClientSession
 from ros.client.watch import HubWatch, holder_from_message
 from ros.errors import from_rpc_error
-from ros.metrics import SDK_BYTES_FETCHED, SDK_FETCH_SECONDS, SDK_PUBLISH_SECONDS
+from ros.metrics import (
+    SDK_BYTES_FETCHED,
+    SDK_BYTES_SERVED,
+    SDK_FETCH_SECONDS,
+    SDK_PUBLISH_SECONDS,
+)
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
 from ros.tokens import ReadTokenVerifier
@@ -163,8 +168,9 @@ class Hub:
             if self._server is None:
                 host, port = self._listen
                 self._server = HolderServer(
-                    self._store, self._verifier, host, port, tls=self._tls
-                ).start()
+                    self._store, self._verifier, host, port, tls=self._tls,
+                    on_served=SDK_BYTES_SERVED.inc,
+                ).start()  # fmt: skip
             return self._server
 
     def _endpoint(self) -> str:

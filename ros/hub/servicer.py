@@ -28,7 +28,13 @@ from consistency import (
 from ros.errors import ERROR_METADATA_KEY, status_of
 from ros.hub.convert import event_to_pb, holder_from_pb, holder_to_pb
 from ros.hub.tenants import Quotas, Tenant, TenantStore
-from ros.metrics import HUB_LATENCY, HUB_REQUESTS, HUB_SESSIONS, HUB_WATCHES
+from ros.metrics import (
+    HUB_LATENCY,
+    HUB_REQUESTS,
+    HUB_SESSIONS,
+    HUB_SESSIONS_OPENED,
+    HUB_WATCHES,
+)
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
 from ros.tokens import issue_read_token, token_hash
@@ -155,7 +161,7 @@ class HubServicer(hub_pb2_grpc.TensorHubServicer):
         revision = self.etcd.put(
             self.keys.session(tenant.name, session.id), b"", lease=session.id, timeout=timeout
         )
-        HUB_SESSIONS.inc()
+        HUB_SESSIONS_OPENED.inc()
         return pb.OpenSessionResponse(
             session_id=session.id,
             ttl_seconds=session.ttl,
@@ -169,12 +175,16 @@ class HubServicer(hub_pb2_grpc.TensorHubServicer):
     ) -> Iterator[pb.KeepAliveResponse]:
         tenant = self._tenant(context)
         owned: set[int] = set()
-        for request in requests:
-            if request.session_id not in owned:
-                self._own_session(tenant, request.session_id, MAX_CALL_SECONDS)
-                owned.add(request.session_id)
-            ttl = self.etcd.lease_keepalive(request.session_id, timeout=MAX_CALL_SECONDS)
-            yield pb.KeepAliveResponse(session_id=request.session_id, ttl_seconds=ttl)
+        HUB_SESSIONS.inc()
+        try:
+            for request in requests:
+                if request.session_id not in owned:
+                    self._own_session(tenant, request.session_id, MAX_CALL_SECONDS)
+                    owned.add(request.session_id)
+                ttl = self.etcd.lease_keepalive(request.session_id, timeout=MAX_CALL_SECONDS)
+                yield pb.KeepAliveResponse(session_id=request.session_id, ttl_seconds=ttl)
+        finally:
+            HUB_SESSIONS.dec()
 
     @unary
     def CloseSession(
@@ -184,7 +194,6 @@ class HubServicer(hub_pb2_grpc.TensorHubServicer):
         timeout = self._timeout(context)
         self._own_session(tenant, request.session_id, timeout)
         self.etcd.lease_revoke(request.session_id, timeout=timeout)
-        HUB_SESSIONS.dec()
         return pb.CloseSessionResponse()
 
     # -- versions --------------------------------------------------------------------------

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -87,6 +89,14 @@ def test_publish_and_fetch_over_tls(tls_hub: HubServer, pki: tuple[TlsConfig, Tl
             dest = HeldVersion.reader("team-a", "policy", 1, layout, layout.allocate())
             fetch("team-a", "policy", 1, layout, dest, source, token=read_token,
                   deadline=time.monotonic() + 5, me=Topology(), tls=tls)  # fmt: skip
+
+        listed = subprocess.run(
+            [sys.executable, "-m", "ros.cli", "ls", "--hub", tls_hub.address, "--token", token,
+             "--tls-ca", ours.ca, "--json"],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert listed.returncode == 0, listed.stderr
+        assert json.loads(listed.stdout)["models"][0]["model"] == "policy"
 
         raw_fetch(ours)  # control: the right CA and certificate read fine
         with pytest.raises(ros.TensorHubError):
