@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from consistency import ops
@@ -83,13 +84,21 @@ class VersionRegistry:
     """Versions of models, per tenant, in etcd."""
 
     def __init__(
-        self, etcd: Etcd, keys: Keys | None = None, *, retain: int = DEFAULT_RETAIN
+        self,
+        etcd: Etcd,
+        keys: Keys | None = None,
+        *,
+        retain: int = DEFAULT_RETAIN,
+        collector: Executor | None = None,
     ) -> None:
+        """`collector`, when given, runs retention after a publish in the background, so a
+        publish returns as soon as its transaction commits (the hub passes one)."""
         if retain < 1:
             raise InvalidArgument(f"retain must be at least 1, got {retain}")
         self.etcd = etcd
         self.keys = keys or Keys()
         self.retain = retain
+        self._collector = collector
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -317,7 +326,9 @@ class VersionRegistry:
             ambiguous = ambiguous or attempts > 1
             if succeeded:
                 visible = moves_latest or bool(state.extra.get("moved"))
-                if visible:
+                if visible and self._collector is not None:
+                    self._collector.submit(self._collect_quietly, tenant, model)
+                elif visible:
                     self._collect_quietly(tenant, model)
                 return Published(version, revision, visible)
         if ambiguous:

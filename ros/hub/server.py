@@ -72,6 +72,7 @@ class HubServer:
     def stop(self, grace: float = 1.0) -> None:
         self._health.enter_graceful_shutdown()
         self._server.stop(grace).wait(timeout=grace + 5)
+        self.servicer.close()
         self.etcd.close()
 
     def wait(self) -> None:

@@ -12,6 +12,7 @@ import hmac
 import logging
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
@@ -105,7 +106,14 @@ class HubServicer(hub_pb2_grpc.TensorHubServicer):
         self.tenants = TenantStore(etcd, keys)
         self._admin_hash = token_hash(admin_token)
         self._default_retain = default_retain
+        # Retention runs after a publish has answered, off the publisher's critical path.
+        self._collector = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retention")
         self.tenants.hub_secret()  # create it at start-up, not in the first caller's deadline
+
+    def close(self) -> None:
+        """Stop the background retention worker (pending collections are dropped: the next
+        publish of each model runs its retention again)."""
+        self._collector.shutdown(wait=False, cancel_futures=True)
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -126,7 +134,7 @@ class HubServicer(hub_pb2_grpc.TensorHubServicer):
 
     def _versions(self, tenant: Tenant) -> VersionRegistry:
         retain = min(self._default_retain, tenant.quotas.max_retained_versions)
-        return VersionRegistry(self.etcd, self.keys, retain=retain)
+        return VersionRegistry(self.etcd, self.keys, retain=retain, collector=self._collector)
 
     def _holders(self, tenant: Tenant) -> HolderRegistry:
         return HolderRegistry(self._versions(tenant))
