@@ -22,12 +22,12 @@ from consistency import (
     HolderRegistry,
     HolderState,
     Keys,
-    ModelWatch,
     Session,
     VersionRegistry,
 )
 from ros.errors import ERROR_METADATA_KEY, status_of
-from ros.hub.convert import event_to_pb, holder_from_pb, holder_to_pb
+from ros.hub.convert import holder_from_pb, holder_to_pb
+from ros.hub.fanout import WatchFanout
 from ros.hub.tenants import Quotas, Tenant, TenantStore
 from ros.metrics import (
     HUB_LATENCY,
@@ -108,12 +108,14 @@ class HubServicer(hub_pb2_grpc.TensorHubServicer):
         self._default_retain = default_retain
         # Retention runs after a publish has answered, off the publisher's critical path.
         self._collector = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retention")
+        self._fanout = WatchFanout(etcd, keys)
         self.tenants.hub_secret()  # create it at start-up, not in the first caller's deadline
 
     def close(self) -> None:
         """Stop the background retention worker (pending collections are dropped: the next
         publish of each model runs its retention again)."""
         self._collector.shutdown(wait=False, cancel_futures=True)
+        self._fanout.close()
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -273,21 +275,19 @@ class HubServicer(hub_pb2_grpc.TensorHubServicer):
         if request.start_revision <= 0:
             raise InvalidArgument("start_revision must be explicit and positive")
         HUB_WATCHES.inc()
-        watch = ModelWatch(
-            self.etcd, self.keys, tenant.name, model, start_revision=request.start_revision
-        )
+        sub = self._fanout.subscribe(tenant.name, model, request.start_revision)
         try:
             while context.is_active():
                 try:
-                    event = watch.get(timeout=0.25)
+                    message = sub.get(timeout=0.25)
                 except Exception:
                     if context.is_active():
                         raise
                     return  # cancelled by a stopping server, whose etcd client may be closed
-                if event is not None:
-                    yield event_to_pb(event)
+                if message is not None:
+                    yield message
         finally:
-            watch.close()
+            self._fanout.unsubscribe(tenant.name, model, sub)
             HUB_WATCHES.dec()
 
     @unary
