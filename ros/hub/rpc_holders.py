@@ -1,0 +1,89 @@
+"""Holder handlers: register, update (fenced), release, pins and seed elections."""
+
+from __future__ import annotations
+
+import grpc
+
+from ros.hub.convert import holder_from_pb
+from ros.hub.rpc import HubBase, unary
+from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from tensorhub.names import validate_name, validate_version
+
+
+class HolderRPCs(HubBase):
+    """Holder handlers: register, update (fenced), release, pins and seed elections."""
+
+    @unary
+    def RegisterHolder(
+        self, request: pb.RegisterHolderRequest, context: grpc.ServicerContext
+    ) -> pb.RegisterHolderResponse:
+        tenant = self._tenant(context)
+        timeout = self._timeout(context)
+        holder = holder_from_pb(request.holder)
+        self._own_session(tenant, holder.session, timeout)
+        fence = self._holders(tenant).register(
+            tenant.name,
+            validate_name(request.model, "model"),
+            validate_version(request.version),
+            holder,
+            timeout=timeout,
+        )
+        return pb.RegisterHolderResponse(fence=fence, revision=fence)
+
+    @unary
+    def UpdateHolder(
+        self, request: pb.UpdateHolderRequest, context: grpc.ServicerContext
+    ) -> pb.UpdateHolderResponse:
+        tenant = self._tenant(context)
+        timeout = self._timeout(context)
+        holder = holder_from_pb(request.holder)
+        self._own_session(tenant, holder.session, timeout)
+        self._holders(tenant).update_state(
+            tenant.name, validate_name(request.model, "model"), validate_version(request.version),
+            holder, request.holder.fence, timeout=timeout,
+        )  # fmt: skip
+        return pb.UpdateHolderResponse()
+
+    @unary
+    def ReleaseHolder(
+        self, request: pb.ReleaseHolderRequest, context: grpc.ServicerContext
+    ) -> pb.ReleaseHolderResponse:
+        tenant = self._tenant(context)
+        revision = self._holders(tenant).release(
+            tenant.name, validate_name(request.model, "model"), validate_version(request.version),
+            request.holder, force=request.force, timeout=self._timeout(context),
+        )  # fmt: skip
+        return pb.ReleaseHolderResponse(revision=revision)
+
+    @unary
+    def Pin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinResponse:
+        tenant = self._tenant(context)
+        timeout = self._timeout(context)
+        self._own_session(tenant, request.session_id, timeout)
+        revision = self._holders(tenant).pin(
+            tenant.name, validate_name(request.model, "model"), validate_version(request.version),
+            request.pin_id, request.session_id, timeout=timeout,
+        )  # fmt: skip
+        return pb.PinResponse(revision=revision)
+
+    @unary
+    def Unpin(self, request: pb.UnpinRequest, context: grpc.ServicerContext) -> pb.UnpinResponse:
+        tenant = self._tenant(context)
+        revision = self._holders(tenant).unpin(
+            tenant.name, validate_name(request.model, "model"), validate_version(request.version),
+            request.pin_id, timeout=self._timeout(context),
+        )  # fmt: skip
+        return pb.UnpinResponse(revision=revision)
+
+    @unary
+    def ElectSeed(
+        self, request: pb.ElectSeedRequest, context: grpc.ServicerContext
+    ) -> pb.ElectSeedResponse:
+        tenant = self._tenant(context)
+        timeout = self._timeout(context)
+        self._own_session(tenant, request.session_id, timeout)
+        claim = self._holders(tenant).elect_seed(
+            tenant.name, validate_name(request.model, "model"), validate_version(request.version),
+            request.dc, request.holder, request.session_id, timeout=timeout,
+        )  # fmt: skip
+        return pb.ElectSeedResponse(seed=claim.seed, is_seed=claim.is_seed, revision=claim.revision)

@@ -1,0 +1,183 @@
+"""Version handlers: publish, latest, watch, resolve (with a read token), list, inspect."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+
+from consistency import HolderState, VersionRegistry
+from ros.hub.convert import holder_from_pb, holder_to_pb
+from ros.hub.rpc import HubBase, streaming, unary
+from ros.hub.tenants import Tenant
+from ros.metrics import HUB_WATCHES
+from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from ros.tokens import issue_read_token
+from tensorhub.errors import InvalidArgument, QuotaExceeded, VersionNotFound
+from tensorhub.names import validate_name, validate_version
+
+MAX_MANIFEST_BYTES = 16 << 20
+
+
+class VersionRPCs(HubBase):
+    """Version handlers: publish, latest, watch, resolve (with a read token), list, inspect."""
+
+    @unary
+    def Publish(
+        self, request: pb.PublishRequest, context: grpc.ServicerContext
+    ) -> pb.PublishResponse:
+        tenant = self._tenant(context)
+        timeout = self._timeout(context)
+        model = validate_name(request.model, "model")
+        version = validate_version(request.version)
+        manifest = request.manifest.SerializeToString()
+        if len(manifest) > MAX_MANIFEST_BYTES:
+            raise InvalidArgument(
+                f"manifest is {len(manifest)} bytes; the limit is {MAX_MANIFEST_BYTES}"
+            )
+        if not request.manifest.tensors:
+            raise InvalidArgument("manifest lists no tensors")
+        holder = holder_from_pb(request.holder, default_state=HolderState.COMPLETE)
+        self._own_session(tenant, holder.session, timeout)
+        versions = self._versions(tenant)
+        self._check_model_quota(tenant, versions, model, timeout)
+        if request.shard_count:
+            published = versions.publish_shard(
+                tenant.name,
+                model,
+                version,
+                request.shard_index,
+                request.shard_count,
+                manifest,
+                holder,
+                timeout=timeout,
+            )
+        else:
+            published = versions.publish(
+                tenant.name, model, version, manifest, holder, timeout=timeout
+            )
+        return pb.PublishResponse(
+            version=published.version, revision=published.revision, visible=published.visible
+        )
+
+    def _check_model_quota(
+        self, tenant: Tenant, versions: VersionRegistry, model: str, timeout: float
+    ) -> None:
+        kv, _ = self.etcd.get(self.keys.latest(tenant.name, model), timeout=timeout)
+        if kv is not None:
+            return
+        models = versions.models(tenant.name, timeout=timeout)
+        if model not in models and len(models) >= tenant.quotas.max_models:
+            raise QuotaExceeded(
+                f"tenant {tenant.name} has {len(models)} models (quota {tenant.quotas.max_models})"
+            )
+
+    @unary
+    def Latest(self, request: pb.LatestRequest, context: grpc.ServicerContext) -> pb.LatestResponse:
+        tenant = self._tenant(context)
+        version, revision = self._versions(tenant).latest(
+            tenant.name, validate_name(request.model, "model"), timeout=self._timeout(context)
+        )
+        return pb.LatestResponse(version=version, revision=revision)
+
+    @streaming
+    def Watch(
+        self, request: pb.WatchRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.WatchEvent]:
+        tenant = self._tenant(context)
+        model = validate_name(request.model, "model")
+        if request.start_revision <= 0:
+            raise InvalidArgument("start_revision must be explicit and positive")
+        HUB_WATCHES.inc()
+        sub = self._fanout.subscribe(tenant.name, model, request.start_revision)
+        try:
+            while context.is_active():
+                try:
+                    message = sub.get(timeout=0.25)
+                except Exception:
+                    if context.is_active():
+                        raise
+                    return  # cancelled by a stopping server, whose etcd client may be closed
+                if message is not None:
+                    yield message
+        finally:
+            self._fanout.unsubscribe(tenant.name, model, sub)
+            HUB_WATCHES.dec()
+
+    @unary
+    def Resolve(
+        self, request: pb.ResolveRequest, context: grpc.ServicerContext
+    ) -> pb.ResolveResponse:
+        tenant = self._tenant(context)
+        timeout = self._timeout(context)
+        model = validate_name(request.model, "model")
+        versions = self._versions(tenant)
+        version = request.version
+        if version == 0:
+            version, _ = versions.latest(tenant.name, model, timeout=timeout)
+            if version == 0:
+                raise VersionNotFound(f"{model} has no published version")
+        info = versions.describe(tenant.name, model, validate_version(version), timeout=timeout)
+        token, expiry = issue_read_token(
+            self.tenants.read_key(tenant.name), tenant.name, model, version
+        )
+        response = pb.ResolveResponse(
+            version=version,
+            holders=[holder_to_pb(h) for h in info.holders],
+            read_token=token,
+            token_expiry_unix=expiry,
+            revision=info.revision,
+        )
+        if info.shards:
+            for shard in info.shards:
+                response.shards.append(pb.Manifest.FromString(shard.manifest))
+        else:
+            response.manifest.ParseFromString(info.manifest)
+        return response
+
+    @unary
+    def ListModels(
+        self, request: pb.ListModelsRequest, context: grpc.ServicerContext
+    ) -> pb.ListModelsResponse:
+        tenant = self._tenant(context)
+        timeout = self._timeout(context)
+        versions = self._versions(tenant)
+        response = pb.ListModelsResponse()
+        for model in versions.models(tenant.name, timeout=timeout):
+            latest, revision = versions.latest(tenant.name, model, timeout=timeout)
+            response.models.append(
+                pb.ModelSummary(
+                    name=model,
+                    latest=latest,
+                    versions=versions.versions(tenant.name, model, timeout=timeout),
+                )
+            )
+            response.revision = max(response.revision, revision)
+        if not response.revision:
+            response.revision = self.etcd.get(self.keys.tenant(tenant.name), timeout=timeout)[1]
+        return response
+
+    @unary
+    def Inspect(
+        self, request: pb.InspectRequest, context: grpc.ServicerContext
+    ) -> pb.InspectResponse:
+        tenant = self._tenant(context)
+        timeout = self._timeout(context)
+        model = validate_name(request.model, "model")
+        versions = self._versions(tenant)
+        latest, _ = versions.latest(tenant.name, model, timeout=timeout)
+        version = request.version or latest
+        info = versions.describe(tenant.name, model, validate_version(version), timeout=timeout)
+        response = pb.InspectResponse(
+            version=version,
+            latest=latest,
+            holders=[holder_to_pb(h) for h in info.holders],
+            pins=info.pins,
+            seeds=info.seeds,
+            published_revision=info.published_revision,
+            revision=info.revision,
+            retained=version in versions.retained(tenant.name, model, timeout=timeout),
+        )
+        if not info.shards:
+            response.manifest.ParseFromString(info.manifest)
+        return response
