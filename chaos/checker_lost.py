@@ -1,13 +1,14 @@
 """Invariant 4: a published, retained version stays fetchable while one holder of it lives.
 
-A fetch of v that failed with `VersionUnavailable` or `VersionNotFound` is a violation when
-the history proves a healthy holder of v existed for the whole fetch, and v was retained:
+A fetch of v that failed with `VersionUnavailable`, `VersionNotFound` or `IntegrityError` is
+a violation when the history proves a healthy holder of v existed for the whole fetch, and v
+was retained:
 
 - a holder is a client that published v (acknowledged) or fetched it completely, from that
   moment until it began to release v or its incarnation ended;
 - healthy: no fault aimed at it overlapped the fetch or the `session_ttl` before it (a
   lost session takes its records with it, legitimately), and no run-wide fault (hub, etcd)
-  did either;
+  and no fault aimed at the reader itself did either;
 - retained: fewer than `retain` newer versions may have been published (any publish not
   definitely failed counts) before the fetch ended.
 
@@ -23,7 +24,10 @@ from dataclasses import dataclass
 from chaos.checker import Facts, Violation
 from chaos.history import FAIL, OK, Op
 
-LOST_ERRORS = ("VersionUnavailable", "VersionNotFound")
+# What a reader gets when the system gave up on a version. `IntegrityError` is included: by
+# its definition (tensorhub/errors.py) it means no holder had intact bytes, so it is false
+# while a healthy holder had them.
+LOST_ERRORS = ("VersionUnavailable", "VersionNotFound", "IntegrityError")
 
 
 @dataclass(frozen=True)
@@ -71,7 +75,10 @@ def check_lost(facts: Facts) -> list[Violation]:
         if len(newer) >= facts.retain:
             continue
         quiet_from = op.invoke - facts.session_ttl - 1.0
-        if any(f.scope == "global" and f.overlaps(quiet_from, op.complete) for f in facts.faults):
+        if any(
+            (f.scope == "global" or f.target == op.worker) and f.overlaps(quiet_from, op.complete)
+            for f in facts.faults
+        ):
             continue
         for hold in all_holds.get(version, []):
             if hold.client == op.client or hold.start > op.invoke or hold.end < op.complete:

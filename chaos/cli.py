@@ -15,6 +15,7 @@ from types import FrameType
 
 from chaos import runner
 from chaos.failpoints import NAMES
+from chaos.recheck import recheck
 from chaos.report import summary, write_json
 from tensorhub.planted import KNOWN
 
@@ -30,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     )
     p.add_argument("--json", type=Path, help="also write the full report (with history) here")
     p.add_argument("--keep", action="store_true", help="keep the work dir (histories, logs)")
+    c = sub.add_parser("check", help="run the checker again over a saved --json report")
+    c.add_argument("report", type=Path, help="a report written by `chaos run --json`")
     p.add_argument(
         "--planted-bug",
         choices=KNOWN,
@@ -43,7 +46,9 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """`chaos run` (the only subcommand)."""
+    """`chaos run` or `chaos check`."""
+    if args.chaos_command == "check":
+        return _check(args.report)
     faults = None
     if args.faults:
         faults = [f.strip() for f in args.faults.split(",") if f.strip()]
@@ -63,3 +68,13 @@ def run(args: argparse.Namespace) -> int:
         write_json(result, args.json)
         print(f"\nfull report: {args.json}")
     return 1 if result.violations else 0
+
+
+def _check(report: Path) -> int:
+    violations, start = recheck(report)
+    print(f"{report}: {len(violations)} violation(s)")
+    for v in violations:
+        print(f"  [{v.invariant}] {v.kind}: {v.message}")
+        for op in v.ops:
+            print(f"      {op.brief(start)}")
+    return 1 if violations else 0

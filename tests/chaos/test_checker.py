@@ -3,6 +3,7 @@ operations that prove it, and the legitimate look-alikes are not."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from chaos.checker import Facts, FaultWindow, Violation, check
@@ -165,3 +166,31 @@ def test_loss_is_excused_by_a_fault_a_release_a_death_or_retention() -> None:
     assert check(Facts([pub, failed], [], {"p#1": (0.0, 10.2)})) == []
     newer = [publish("p#1", 2, 1.0, 1.1), publish("p#1", 3, 2.0, 2.1)]
     assert check(Facts([pub, *newer, failed], [], alive)) == []
+
+
+def test_integrity_error_while_a_healthy_holder_had_good_bytes_is_a_loss() -> None:
+    pub = publish("p#1", 1, 0.0, 0.1)
+    failed = fetch("r#1", 1, 10.0, 10.5, error="IntegrityError: no holder had intact bytes")
+    corrupt_peer = FaultWindow("corrupt-holder", "holder", "q", 9.0, 11.0)
+    found = check(Facts([pub, failed], [corrupt_peer], {"p#1": (0.0, 60.0)}))
+    assert kinds(found) == ["lost-version"]
+    own_lease = FaultWindow("expire-lease", "holder", "r", 9.0, 9.5)
+    assert check(Facts([pub, failed], [own_lease], {"p#1": (0.0, 60.0)})) == []
+
+
+def test_a_saved_report_is_checked_again(tmp_path: Path) -> None:
+    from chaos.recheck import recheck
+    from chaos.report import write_json
+    from chaos.runner import RunConfig, RunResult
+
+    ops = [
+        publish("p#1", 1, -1.0, -0.9),
+        publish("p#1", 2, 0.0, 0.1),
+        latest("l#1", 0.2, 0.3, 1, 5),
+    ]
+    incarnations = [{"client": c, "started": 0.0, "ended": 1.0, "how": "exit 0"}
+                    for c in ("p#1", "l#1")]  # fmt: skip
+    result = RunResult(RunConfig(), 0.0, 1.0, [], {}, ops, [], incarnations, "")
+    write_json(result, tmp_path / "run.json")
+    violations, _ = recheck(tmp_path / "run.json")
+    assert {v.kind for v in violations} == {"stale-read"}
