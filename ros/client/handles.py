@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -19,14 +19,25 @@ from tensorhub.errors import DeadlineExceeded
 from transport.reader import FetchStats
 
 if TYPE_CHECKING:
-    from ros.client.hub import Hub
+    from ros.client.watch import HubWatch
+
+
+class Owner(Protocol):
+    """What a handle needs of the client that created it."""
+
+    holder_name: str
+
+    def watch(self, model: str, *, since: int | None = None) -> HubWatch: ...
+
+    def _release(self, model: str, version: int, *, force: bool, timeout: float = ...) -> None: ...
+
 
 DEFAULT_RELEASE_TIMEOUT = 30.0
 
 
 class _Handle:
     def __init__(
-        self, hub: Hub, model: str, version: int, tensors: dict[str, torch.Tensor]
+        self, hub: Owner, model: str, version: int, tensors: dict[str, torch.Tensor]
     ) -> None:
         self._hub = hub
         self.model = model
@@ -61,7 +72,7 @@ class Publication(_Handle):
 
     def __init__(
         self,
-        hub: Hub,
+        hub: Owner,
         model: str,
         version: int,
         tensors: dict[str, torch.Tensor],
@@ -116,7 +127,7 @@ class Held(_Handle):
 
     def __init__(
         self,
-        hub: Hub,
+        hub: Owner,
         model: str,
         version: int,
         tensors: dict[str, torch.Tensor],

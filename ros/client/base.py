@@ -1,0 +1,225 @@
+"""What the SDK's `Hub` is built on: the channel and session, the revision floor, and the
+holder server that serves every version this client publishes or fetches."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from consistency.floor import RevisionFloor, StaleRead
+from ros.client.channel import open_channel, parse_address
+from ros.client.handles import DEFAULT_RELEASE_TIMEOUT
+from ros.client.session import ClientSession
+from ros.client.watch import HubWatch
+from ros.errors import from_rpc_error
+from ros.metrics import SDK_BYTES_SERVED
+from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from ros.proto.tensorhub.v1 import hub_pb2_grpc
+from ros.tokens import ReadTokenVerifier
+from tensorhub.errors import InvalidArgument, TensorHubError
+from tensorhub.names import validate_name
+from transport.server import HolderServer
+from transport.store import HolderStore
+from transport.tls import TlsConfig
+from transport.topology import Topology
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = 10.0
+T = TypeVar("T")
+
+
+def default_holder_name() -> str:
+    """`{host}-{pid}-{random}`, squeezed into the name pattern."""
+    host = re.sub(r"[^a-z0-9._-]", "-", socket.gethostname().lower()).strip("-.")[:40] or "host"
+    return f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+class ClientBase:
+    """Connection state and plumbing shared by the publish and fetch sides."""
+
+    def __init__(
+        self,
+        endpoints: str | Sequence[str],
+        *,
+        tenant: str,
+        token: str,
+        topology: Mapping[str, str] | None = None,
+        listen: str = "127.0.0.1:0",
+        advertise: str | None = None,
+        name: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        session_ttl: int = 10,
+        tls: TlsConfig | None = None,
+    ) -> None:
+        addresses = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        self.tenant = validate_name(tenant, "tenant")
+        self.holder_name = validate_name(name or default_holder_name(), "holder")
+        self.topology = Topology(**dict(topology or {}))
+        self.timeout = timeout
+        self._listen = parse_address(listen, allow_zero=True)
+        self._advertise = advertise
+        self._metadata = (("authorization", f"Bearer {token}"),)
+        self._tls = tls
+        self._channel = open_channel(addresses, tls=tls)
+        self._stub = hub_pb2_grpc.TensorHubStub(self._channel)  # type: ignore[no-untyped-call]
+        self.floor = RevisionFloor()
+        self._lock = threading.RLock()
+        self._store = HolderStore()
+        self._server: HolderServer | None = None
+        self._fences: dict[tuple[str, int], int] = {}
+        self._session_ttl = session_ttl
+        self._closed = False
+        self.session = self._open_session()
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    def _rpc(self, method: str, request: Any, timeout: float | None = None) -> Any:
+        """Call a unary method with a deadline; errors come back as TensorHubErrors."""
+        try:
+            return getattr(self._stub, method)(
+                request,
+                timeout=self.timeout if timeout is None else timeout,
+                metadata=self._metadata,
+            )
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    def _fresh(
+        self, call: Callable[[float], T], revision_of: Callable[[T], int], timeout: float
+    ) -> T:
+        """Repeat a read until its answer is not older than our revision floor (or the deadline)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            answer = call(max(deadline - time.monotonic(), 0.01))
+            try:
+                self.floor.accept(revision_of(answer))
+                return answer
+            except StaleRead:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.05)
+
+    def _open_session(self) -> ClientSession:
+        opened = self._rpc("OpenSession", pb.OpenSessionRequest(ttl_seconds=self._session_ttl))
+        self.floor.observe(opened.revision)
+        return ClientSession(self._stub, self._metadata, opened, on_lost=self._session_lost)
+
+    def _session_lost(self, lost: ClientSession) -> None:
+        """Stop serving at once, then re-register everything under a new session."""
+        threading.Thread(target=self._recover, name="hub-session-recover", daemon=True).start()
+
+    def _recover(self) -> None:
+        if self._closed:
+            return
+        try:
+            with self._lock:
+                self.session = self._open_session()
+                for key in self._store.keys():  # noqa: SIM118  (a method, not a dict)
+                    held = self._store.get(key)
+                    _, model, version = key
+                    if held is None or held.released:
+                        continue
+                    fence = self._register(model, version, complete=held.complete)
+                    self._fences[(model, version)] = fence
+        except TensorHubError as exc:
+            log.error("could not re-register after losing the session: %s", exc)
+
+    def _verifier(self, tenant: str, model: str, version: int, token: bytes) -> bool:
+        session = self.session
+        if session.lost.is_set():
+            return False  # a client that lost its session stops serving at once
+        return ReadTokenVerifier(session.read_key, self.tenant)(tenant, model, version, token)
+
+    def _holder_server(self) -> HolderServer:
+        with self._lock:
+            if self._server is None:
+                host, port = self._listen
+                self._server = HolderServer(
+                    self._store, self._verifier, host, port, tls=self._tls,
+                    on_served=SDK_BYTES_SERVED.inc,
+                ).start()  # fmt: skip
+            return self._server
+
+    def _endpoint(self) -> str:
+        host, port = self._holder_server().address
+        if self._advertise:
+            host = self._advertise
+        elif host in ("0.0.0.0", "::"):
+            host = socket.gethostbyname(socket.gethostname())
+        return f"{host}:{port}"
+
+    def _holder_pb(self, complete: bool, fence: int = 0) -> pb.Holder:
+        labels = {k: v for k, v in vars(self.topology).items() if v}
+        return pb.Holder(
+            name=self.holder_name,
+            endpoints={"tcp": self._endpoint()},
+            topology=labels,
+            state=pb.COMPLETE if complete else pb.PARTIAL,
+            session_id=self.session.id,
+            fence=fence,
+        )
+
+    def _register(self, model: str, version: int, *, complete: bool) -> int:
+        request = pb.RegisterHolderRequest(
+            model=model, version=version, holder=self._holder_pb(complete)
+        )
+        response = self._rpc("RegisterHolder", request)
+        self.floor.observe(response.revision)
+        return int(response.fence)
+
+    # -- watching ------------------------------------------------------------------------
+
+    def watch(self, model: str, *, since: int | None = None) -> HubWatch:
+        """New versions and holder changes of `model` from revision `since` (default: now).
+
+        Iterate it, or call `get(timeout)`; close it (or use `with`) when done.
+        """
+        validate_name(model, "model")
+        if since is None:
+            since = int(self._rpc("Latest", pb.LatestRequest(model=model)).revision) + 1
+        elif since <= 0:
+            raise InvalidArgument("since must be a positive revision")
+        return HubWatch(self._stub, self._metadata, model, since, self.floor)
+
+    # -- release and lifecycle ---------------------------------------------------------
+
+    def _release(
+        self, model: str, version: int, *, force: bool, timeout: float = DEFAULT_RELEASE_TIMEOUT
+    ) -> None:
+        """Delete our holder record, then refuse new reads and wait for reads in flight."""
+        request = pb.ReleaseHolderRequest(
+            model=model, version=version, holder=self.holder_name, force=force
+        )
+        response = self._rpc("ReleaseHolder", request)
+        self.floor.observe(response.revision)
+        self._store.release((self.tenant, model, version), timeout)
+        self._fences.pop((model, version), None)
+
+    def close(self) -> None:
+        """Stop serving, end the session (its records vanish at once), close the channel."""
+        if self._closed:
+            return
+        self._closed = True
+        for key in self._store.keys():  # noqa: SIM118  (a method, not a dict)
+            try:
+                self._store.release(key, 5.0)
+            except TensorHubError as exc:
+                log.warning("closing: %s", exc)
+        self.session.stop()
+        try:
+            self._rpc("CloseSession", pb.CloseSessionRequest(session_id=self.session.id), 5.0)
+        except TensorHubError as exc:
+            log.info("closing: session not revoked (%s); it expires within its TTL", exc)
+        if self._server is not None:
+            self._server.stop()
+        self._channel.close()

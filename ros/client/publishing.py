@@ -1,0 +1,111 @@
+"""The publish side of the SDK: a version served from the publisher's own memory."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+
+import torch
+
+from ros.client.base import ClientBase
+from ros.client.handles import Publication
+from ros.client.manifest import manifest_of
+from ros.metrics import SDK_PUBLISH_SECONDS
+from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from tensorhub.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    OutcomeUnknown,
+    TensorHubError,
+    Unavailable,
+    VersionNotFound,
+)
+from tensorhub.names import validate_name, validate_version
+from transport.layout import Layout
+from transport.store import HeldVersion
+
+log = logging.getLogger(__name__)
+
+
+class PublishMixin(ClientBase):
+    """`publish` and its retry-safe recovery when the hub's reply is lost."""
+
+    def publish(
+        self,
+        model: str,
+        version: int,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        chunk_size: int | None = None,
+        timeout: float | None = None,
+    ) -> Publication:
+        """Publish `version` of `model`, served from these tensors' own memory.
+
+        Raises `StaleVersion` if `version` is not newer than latest (nothing written), and
+        `OutcomeUnknown` if the hub could not confirm the write (check `latest()`).
+        Non-contiguous tensors are copied once into contiguous memory (and logged).
+        """
+        validate_name(model, "model")
+        validate_version(version)
+        start = time.monotonic()
+        own = _contiguous(tensors)
+        layout = (
+            Layout.from_tensors(own) if chunk_size is None else Layout.from_tensors(own, chunk_size)
+        )
+        held = HeldVersion.publisher(self.tenant, model, version, own, layout)
+        manifest = manifest_of(held)
+        self._holder_server()
+        self._store.add(held)
+        request = pb.PublishRequest(
+            model=model, version=version, manifest=manifest, holder=self._holder_pb(complete=True)
+        )
+        try:
+            response = self._publish_rpc(request, timeout)
+        except BaseException:
+            self._store.release(held.key, 0.0)
+            raise
+        self.floor.observe(response.revision)
+        SDK_PUBLISH_SECONDS.observe(time.monotonic() - start)
+        return Publication(
+            self, model, version, own, int(response.revision), bool(response.visible)
+        )
+
+    def _publish_rpc(self, request: pb.PublishRequest, timeout: float | None) -> pb.PublishResponse:
+        """Publish once; if the reply is lost, find out from the hub whether it landed."""
+        try:
+            response: pb.PublishResponse = self._rpc("Publish", request, timeout)
+            return response
+        except (Unavailable, DeadlineExceeded, OutcomeUnknown) as exc:
+            try:
+                info = self._rpc(
+                    "Inspect", pb.InspectRequest(model=request.model, version=request.version)
+                )
+            except VersionNotFound:
+                raise OutcomeUnknown(
+                    f"publish of {request.model}@{request.version} not confirmed ({exc}); "
+                    "it did not land by the time of the check; publish again"
+                ) from exc
+            except TensorHubError as inner:
+                raise OutcomeUnknown(
+                    f"publish of {request.model}@{request.version}: {exc}; {inner}"
+                ) from exc
+            if any(
+                h.name == self.holder_name and h.session_id == self.session.id for h in info.holders
+            ):
+                return pb.PublishResponse(
+                    version=request.version, revision=info.published_revision, visible=True
+                )
+            raise OutcomeUnknown(f"publish of {request.model}@{request.version}: {exc}") from exc
+
+
+def _contiguous(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    own: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidArgument(f"{name!r} is not a tensor")
+        own[name] = tensor.detach()
+        if not own[name].is_contiguous():
+            log.info("tensor %r is not contiguous: publishing a contiguous copy", name)
+            own[name] = own[name].contiguous()
+    return own
