@@ -82,14 +82,17 @@ class Network:
 
     def _rates(self, active: list[Flow]) -> None:
         """Max-min fair rates by progressive filling; pipelined flows that have caught up
-        are capped by their upstream's rate (three passes settle chains)."""
+        are capped by their upstream's rate. A cap depends on the upstream's rate from the
+        pass before, so the passes repeat until no rate changes: a chain of depth d needs d
+        passes (a fixed number of passes left the end of long chains at stale rates)."""
         n = len(active)
         capacity = np.array(self.capacity, dtype=float)
         incidence = np.zeros((len(capacity), n))
         for i, f in enumerate(active):
             incidence[list(f.links), i] = 1.0
         rate = np.zeros(n)
-        for _ in range(3):
+        for _ in range(n + 1):
+            previous = np.array([f.rate for f in active])
             cap = np.full(n, np.inf)
             for i, f in enumerate(active):
                 if f.upstream is not None and f.available() - f.sent <= EPS * max(f.size, 1):
@@ -109,6 +112,8 @@ class Network:
                 frozen |= incidence[full].any(axis=0) | (cap - rate <= EPS)
             for f, r in zip(active, rate, strict=True):
                 f.rate = float(r)
+            if np.allclose(rate, previous, rtol=1e-9, atol=EPS):
+                break
 
     def run(self, until: float = float("inf")) -> float:
         """Advance until nothing is left to do (or `until`); returns the time."""
