@@ -188,26 +188,57 @@ class Candidate:
     complete: bool
 
 
-def pipeline_sources(me: Topology, fence: int, holders: Sequence[Candidate]) -> list[Source]:
-    """Pipelined replication: the one holder that a reader registered at revision `fence`
-    reads from, so that readers starting together do not all split the publisher's uplink.
+def _groups(t: Topology) -> tuple[tuple[str, ...], ...]:
+    """The keys under which a holder at `t` is found, nearest first (same host, rack, dc,
+    anywhere): one key per `distance` tier."""
+    return ((t.dc, t.rack, t.host), (t.dc, t.rack), (t.dc,), ())
 
-    Among the holders nearest to `me` that are complete or registered before this reader,
-    readers form chains rooted at the complete holders (newest first, so the publisher is
-    used last), in registration order: the p-th PARTIAL reader of that tier reads from
-    entry p of [complete..., earlier PARTIAL readers...]; with no complete holder in the
-    tier, from the PARTIAL reader just before it. Every chain link carries the version once,
-    so N readers finish in about one transfer time. Across datacenters the first reader of
-    a dc is the only one that reads over the WAN; the others chain behind it. Returns []
-    when there is no candidate (the caller then falls back to every holder).
+
+def pipeline_plan(holders: Sequence[Candidate]) -> dict[str, Source]:
+    """Pipelined replication for every PARTIAL reader in `holders`: the one holder each reads
+    from, so that readers starting together neither split the publisher's uplink nor pile
+    onto one peer's.
+
+    Readers are taken in registration order (`fence`). Each reads from the holder that, in
+    its nearest topology tier among the complete holders and the readers registered before
+    it, feeds the fewest readers so far; ties go to complete holders (newest first, so the
+    publisher is used last), then to the reader furthest along. The result is chains rooted
+    at the complete holders, one reader per uplink, each a tier as local as possible: N
+    readers finish in about one transfer time, and across datacenters only a dc's first
+    reader reads over the WAN. Every reader computes the same plan from the same snapshot.
     """
+    ordered = sorted(holders, key=lambda h: (not h.complete, h.fence, h.source.holder_id))
+    groups: dict[tuple[str, ...], list[Candidate]] = {}
+    children: dict[str, int] = {}
+
+    def add(h: Candidate) -> None:
+        children.setdefault(h.source.holder_id, 0)
+        for key in _groups(h.source.topology):
+            groups.setdefault(key, []).append(h)
+
+    def rank_key(h: Candidate) -> tuple[int, int, int]:
+        order = -h.fence if h.complete else h.fence
+        return (children[h.source.holder_id], 0 if h.complete else 1, order)
+
+    assignment: dict[str, Source] = {}
+    for h in ordered:
+        if h.complete:
+            add(h)
+            continue
+        tier = next((groups[k] for k in _groups(h.source.topology) if groups.get(k)), [])
+        if tier:
+            source = min(tier, key=rank_key)
+            children[source.source.holder_id] += 1
+            assignment[h.source.holder_id] = source.source
+        add(h)
+    return assignment
+
+
+def pipeline_sources(me: Topology, fence: int, holders: Sequence[Candidate]) -> list[Source]:
+    """The one holder that a reader at `me`, registered at revision `fence`, reads from
+    (see `pipeline_plan`); [] when there is no candidate (the caller then uses every holder).
+    `holders` must not include the reader itself."""
+    myself = Candidate(Source("\0self", "", 0, me), fence, False)
     before = [h for h in holders if h.complete or h.fence < fence]
-    tier = {s.holder_id for s in nearest_tier(me, [h.source for h in before])}
-    if not tier:
-        return []
-    mine = [h for h in before if h.source.holder_id in tier]
-    complete = sorted((h for h in mine if h.complete), key=lambda h: -h.fence)
-    partial = sorted((h for h in mine if not h.complete), key=lambda h: h.fence)
-    chain = complete + partial
-    index = len(partial) if complete else len(partial) - 1
-    return [chain[index].source]
+    chosen = pipeline_plan([*before, myself]).get(myself.source.holder_id)
+    return [] if chosen is None else [chosen]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.sim.engine import Flow, Network
-from transport.planner import Candidate, Source, pipeline_sources, plan
+from transport.planner import Candidate, Source, pipeline_plan, plan
 from transport.topology import Topology
 
 GB = 1e9
@@ -114,18 +114,18 @@ def tensorhub_fetch(
     PARTIAL holder are pipelined behind that holder's flow."""
     cand = [Candidate(_source(h, c.topo[h]), 0, True) for h in holders]
     cand += [Candidate(_source(h, c.topo[h]), 1 + k, False) for k, h in enumerate(earlier)]
+    first = 1 + len(earlier)
+    cand += [Candidate(_source(r, c.topo[r]), first + k, False) for k, r in enumerate(readers)]
+    sources = pipeline_plan(cand)  # what each reader's own pipeline_sources call would pick
     flows = {} if flows is None else flows
-    for k, r in enumerate(readers):
-        fence = 1 + len(earlier) + k
-        picked = pipeline_sources(c.topo[r], fence, cand)
-        src = int(picked[0].holder_id[1:])
+    for r in readers:
+        src = int(sources[f"h{r}"].holder_id[1:])
         flows[r] = []
         for s in range(slices):
             upstream = flows[src][s] if src in flows else None
             size = c.p.rail_bytes / slices
             f = Flow(c.path(src, r), size, upstream=upstream, lag=c.p.chunk, tag=f"{src}>{r}")
             flows[r].append(c.net.add(f))
-        cand.append(Candidate(_source(r, c.topo[r]), fence, False))
     return flows
 
 

@@ -42,7 +42,7 @@ def test_a_pipelined_chain_adds_one_chunk_time_per_hop() -> None:
 
 
 def test_tensorhub_choices_are_the_real_planner() -> None:
-    assert scenarios.pipeline_sources is planner.pipeline_sources
+    assert scenarios.pipeline_plan is planner.pipeline_plan
     assert scenarios.plan is planner.plan
     p = Params(gpus=32, gpus_per_host=8, model_gb=1.0, trainer_fraction=0.25)
     c = Cluster(p, {1: p.hosts})

@@ -12,7 +12,15 @@ from hypothesis import strategies as st
 from tensorhub.errors import InvalidArgument
 from transport.backend import TransportKind, available_transports
 from transport.layout import ALIGN, Layout
-from transport.planner import ChunkScheduler, Source, plan, rank
+from transport.planner import (
+    Candidate,
+    ChunkScheduler,
+    Source,
+    pipeline_plan,
+    pipeline_sources,
+    plan,
+    rank,
+)
 from transport.topology import Topology, distance
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool]
@@ -134,3 +142,43 @@ def test_available_transports_ends_with_tcp() -> None:
     kinds = available_transports()
     assert kinds[-1] is TransportKind.TCP
     assert kinds.count(TransportKind.TCP) == 1
+
+
+def _cand(name: str, fence: int, complete: bool, dc: str = "dc1", rack: str = "r0") -> Candidate:
+    return Candidate(Source(name, "127.0.0.1", 1, Topology(dc, rack, name)), fence, complete)
+
+
+def test_pipeline_plan_chains_readers_one_per_uplink() -> None:
+    trainer = _cand("t", 0, True)
+    readers = [_cand(f"r{i}", i + 1, False) for i in range(5)]
+    chosen = pipeline_plan([trainer, *readers])
+    assert [chosen[f"r{i}"].holder_id for i in range(5)] == ["t", "r0", "r1", "r2", "r3"]
+
+
+def test_pipeline_plan_spreads_chains_over_complete_holders_newest_first() -> None:
+    holders = [_cand("trainer", 0, True), _cand("old-a", 5, True), _cand("old-b", 6, True)]
+    joiners = [_cand(f"j{i}", 10 + i, False) for i in range(5)]
+    chosen = pipeline_plan([*holders, *joiners])
+    sources = [chosen[f"j{i}"].holder_id for i in range(5)]
+    assert sources[:3] == ["old-b", "old-a", "trainer"]  # the publisher is used last
+    fed = [sources.count(h) for h in {*sources}]
+    assert max(fed) == 1  # no holder feeds two readers while another feeds none
+
+
+def test_pipeline_plan_keeps_chains_local_and_crosses_a_dc_once() -> None:
+    trainer = _cand("t", 0, True, dc="dc1", rack="a")
+    remote = [_cand(f"x{i}", i + 1, False, dc="dc2", rack=f"k{i % 2}") for i in range(6)]
+    chosen = pipeline_plan([trainer, *remote])
+    crossing = [r for r, s in chosen.items() if s.holder_id == "t"]
+    assert crossing == ["x0"]  # only the first reader of dc2 reads over the WAN
+    # and readers of one rack read from their own rack once it has a holder
+    assert chosen["x3"].topology.rack == "k1"
+    assert chosen["x4"].topology.rack == "k0"
+
+
+def test_pipeline_sources_agrees_with_the_plan() -> None:
+    trainer = _cand("t", 0, True)
+    earlier = [_cand(f"r{i}", i + 1, False) for i in range(3)]
+    me = Topology("dc1", "r0", "me")
+    assert pipeline_sources(me, 4, [trainer, *earlier])[0].holder_id == "r2"
+    assert pipeline_sources(me, 4, []) == []
