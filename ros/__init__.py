@@ -14,24 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from tensorhub.errors import (
-    AlreadyExists,
-    DeadlineExceeded,
-    IntegrityError,
-    InvalidArgument,
-    InvalidName,
-    LeaseLost,
-    OutcomeUnknown,
-    PermissionDenied,
-    QuotaExceeded,
-    RetentionViolation,
-    StaleVersion,
-    TensorHubError,
-    TransportError,
-    Unavailable,
-    VersionNotFound,
-    VersionUnavailable,
-)
+import tensorhub as _errors
+from tensorhub import *  # noqa: F403  (the one error tree, re-exported for SDK users)
 
 if TYPE_CHECKING:
     from ros.client.handles import Held, Publication
@@ -64,25 +48,4 @@ def connect(
     return Hub(endpoints, tenant=tenant, token=token, topology=topology, listen=listen, **options)  # type: ignore[arg-type]
 
 
-__all__ = [
-    "AlreadyExists",
-    "DeadlineExceeded",
-    "Held",
-    "Hub",
-    "IntegrityError",
-    "InvalidArgument",
-    "InvalidName",
-    "LeaseLost",
-    "OutcomeUnknown",
-    "PermissionDenied",
-    "Publication",
-    "QuotaExceeded",
-    "RetentionViolation",
-    "StaleVersion",
-    "TensorHubError",
-    "TransportError",
-    "Unavailable",
-    "VersionNotFound",
-    "VersionUnavailable",
-    "connect",
-]
+__all__ = [*_errors.__all__, "Held", "Hub", "Publication", "connect"]  # noqa: PLE0604

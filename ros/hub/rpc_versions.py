@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from consistency import HolderState, VersionRegistry
+from consistency import HolderState, VersionInfo, VersionRegistry
 from ros.hub.convert import holder_from_pb, holder_to_pb
 from ros.hub.rpc import HubBase, streaming, unary
 from ros.hub.tenants import Tenant
@@ -111,13 +111,8 @@ class VersionRPCs(HubBase):
         tenant = self._tenant(context)
         timeout = self._timeout(context)
         model = validate_name(request.model, "model")
-        versions = self._versions(tenant)
-        version = request.version
-        if version == 0:
-            version, _ = versions.latest(tenant.name, model, timeout=timeout)
-            if version == 0:
-                raise VersionNotFound(f"{model} has no published version")
-        info = versions.describe(tenant.name, model, validate_version(version), timeout=timeout)
+        info, _ = self._describe(tenant, model, request.version, timeout)
+        version = info.version
         token, expiry = issue_read_token(
             self.tenants.read_key(tenant.name), tenant.name, model, version
         )
@@ -165,9 +160,8 @@ class VersionRPCs(HubBase):
         timeout = self._timeout(context)
         model = validate_name(request.model, "model")
         versions = self._versions(tenant)
-        latest, _ = versions.latest(tenant.name, model, timeout=timeout)
-        version = request.version or latest
-        info = versions.describe(tenant.name, model, validate_version(version), timeout=timeout)
+        info, latest = self._describe(tenant, model, request.version, timeout, need_latest=True)
+        version = info.version
         response = pb.InspectResponse(
             version=version,
             latest=latest,
@@ -181,3 +175,24 @@ class VersionRPCs(HubBase):
         if not info.shards:
             response.manifest.ParseFromString(info.manifest)
         return response
+
+    def _describe(
+        self,
+        tenant: Tenant,
+        model: str,
+        requested: int,
+        timeout: float,
+        *,
+        need_latest: bool = False,
+    ) -> tuple[VersionInfo, int]:
+        """The version asked for (0: the latest) and the latest version (read only if needed)."""
+        latest = 0
+        if requested == 0 or need_latest:
+            latest, _ = self._versions(tenant).latest(tenant.name, model, timeout=timeout)
+        version = requested or latest
+        if version == 0:
+            raise VersionNotFound(f"{model} has no published version")
+        info = self._versions(tenant).describe(
+            tenant.name, model, validate_version(version), timeout=timeout
+        )
+        return info, latest
