@@ -241,6 +241,15 @@ class HolderStore:
         with self._lock:
             return list(self._held)
 
+    def replace(self, held: HeldVersion, timeout: float) -> None:
+        """Serve `held` in place of the version with the same key, with no gap in between,
+        then release the old one (waiting up to `timeout` for its reads in flight)."""
+        with self._lock:
+            old = self._held.get(held.key)
+            self._held[held.key] = held
+        if old is not None and old is not held:
+            old.release(timeout)
+
     def release(self, key: Key, timeout: float) -> None:
         """Release `key` (see `HeldVersion.release`), then forget it: the version is free."""
         held = self.get(key)

@@ -19,16 +19,17 @@ from consistency.floor import RevisionFloor, StaleRead
 from ros.client.channel import open_channel, parse_address
 from ros.client.handles import DEFAULT_RELEASE_TIMEOUT
 from ros.client.session import ClientSession
+from ros.client.spill import map_safetensors, write_safetensors
 from ros.client.watch import HubWatch
 from ros.errors import from_rpc_error
 from ros.metrics import SDK_BYTES_SERVED
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
 from ros.tokens import ReadTokenVerifier
-from tensorhub.errors import InvalidArgument, TensorHubError
+from tensorhub.errors import IntegrityError, InvalidArgument, TensorHubError
 from tensorhub.names import validate_name
 from transport.server import HolderServer
-from transport.store import HolderStore
+from transport.store import HeldVersion, HolderStore
 from transport.tls import TlsConfig
 from transport.topology import Topology
 
@@ -191,12 +192,43 @@ class ClientBase:
             raise InvalidArgument("since must be a positive revision")
         return HubWatch(self._stub, self._metadata, model, since, self.floor)
 
+    def _spill(
+        self, model: str, version: int, path: str | os.PathLike[str], timeout: float
+    ) -> None:
+        key = (self.tenant, model, version)
+        held = self._store.get(key)
+        if held is None or not held.complete:
+            raise InvalidArgument(f"{model}@{version} is not held complete here: nothing to spill")
+        write_safetensors(path, held.tensors)
+        mapped = HeldVersion.publisher(
+            self.tenant, model, version, map_safetensors(path), held.layout
+        )
+        mapped.precompute_checksums()
+        for index in range(held.layout.num_chunks):
+            if mapped.checksum(index) != held.checksum(index):
+                raise IntegrityError(f"spill of {model}@{version} to {path}: chunk {index} differs")
+        self._store.replace(mapped, timeout)
+        log.info("%s@%d spilled to %s; serving it from there", model, version, path)
+
     # -- release and lifecycle ---------------------------------------------------------
 
     def _release(
-        self, model: str, version: int, *, force: bool, timeout: float = DEFAULT_RELEASE_TIMEOUT
+        self,
+        model: str,
+        version: int,
+        *,
+        force: bool,
+        timeout: float = DEFAULT_RELEASE_TIMEOUT,
+        spill: str | os.PathLike[str] | None = None,
     ) -> None:
-        """Delete our holder record, then refuse new reads and wait for reads in flight."""
+        """Delete our holder record, then refuse new reads and wait for reads in flight.
+
+        With `spill`, the version is written to that safetensors file and served from it
+        from now on (the holder record stays): the caller's memory is free all the same.
+        """
+        if spill is not None:
+            self._spill(model, version, spill, timeout)
+            return
         request = pb.ReleaseHolderRequest(
             model=model, version=version, holder=self.holder_name, force=force
         )

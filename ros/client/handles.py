@@ -7,6 +7,7 @@ in flight, and only then says the memory is free to overwrite.
 
 from __future__ import annotations
 
+import os
 import time
 from types import TracebackType
 from typing import TYPE_CHECKING, Protocol
@@ -29,7 +30,15 @@ class Owner(Protocol):
 
     def watch(self, model: str, *, since: int | None = None) -> HubWatch: ...
 
-    def _release(self, model: str, version: int, *, force: bool, timeout: float = ...) -> None: ...
+    def _release(
+        self,
+        model: str,
+        version: int,
+        *,
+        force: bool,
+        timeout: float = ...,
+        spill: str | os.PathLike[str] | None = ...,
+    ) -> None: ...
 
 
 DEFAULT_RELEASE_TIMEOUT = 30.0
@@ -45,14 +54,21 @@ class _Handle:
         self.tensors = tensors
         self.released = False
 
-    def release(self, *, force: bool = False, timeout: float = DEFAULT_RELEASE_TIMEOUT) -> None:
-        """Stop serving this version; afterwards its memory may be overwritten.
+    def release(
+        self,
+        *,
+        force: bool = False,
+        timeout: float = DEFAULT_RELEASE_TIMEOUT,
+        spill: str | os.PathLike[str] | None = None,
+    ) -> None:
+        """Stop serving this version from its tensors; afterwards their memory may be overwritten.
 
         Raises `RetentionViolation` if this is the last complete holder of a retained version
-        (nothing is changed then) unless `force=True`.
+        (nothing is changed then) unless `force=True`, or unless `spill` names a safetensors
+        file: the version is then written there and served from the file from now on.
         """
         if not self.released:
-            self._hub._release(self.model, self.version, force=force, timeout=timeout)
+            self._hub._release(self.model, self.version, force=force, timeout=timeout, spill=spill)
             self.released = True
 
     def __enter__(self) -> _Handle:

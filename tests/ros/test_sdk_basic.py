@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import ros
 
@@ -49,3 +51,26 @@ def test_fetch_into_validates_before_writing(connect: Callable[..., ros.Hub]) ->
     held = reader.fetch("policy", 1, into=good)
     assert held.tensors["embed.weight"].data_ptr() == good["embed.weight"].data_ptr()
     assert torch.equal(good["layer.0.bias"], model(1)["layer.0.bias"])
+
+
+def test_last_holder_spills_to_safetensors_and_keeps_serving(
+    connect: Callable[..., ros.Hub], tmp_path: Path
+) -> None:
+    trainer, reader = connect(), connect()
+    weights = model(5)
+    expected = {k: v.clone() for k, v in weights.items()}
+    pub = trainer.publish("policy", 1, weights)
+    with pytest.raises(ros.RetentionViolation, match="last complete holder"):
+        pub.release()
+    target = tmp_path / "policy-1.safetensors"
+    pub.release(spill=target)
+    for tensor in weights.values():  # the trainer's memory is free again: overwrite it
+        tensor.zero_()
+    held = reader.fetch("policy", 1, timeout=30)
+    for name, tensor in expected.items():
+        assert torch.equal(held.tensors[name], tensor), name
+    assert trainer.holder_name in [h.holder for h in reader.holders("policy", 1)]
+    loaded = load_file(str(target))  # a standard safetensors file
+    assert loaded.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(loaded[name], tensor), name
