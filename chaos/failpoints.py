@@ -40,7 +40,7 @@ class Env:
     netns_worker: str = ""
 
     def holders(self, rng: random.Random) -> WorkerProcess:
-        live = [w for w in self.workers if w.holder and w.alive and not w.paused]
+        live = [w for w in self.workers if w.holder and w.alive and w.ready and not w.paused]
         if not live:
             raise NoTarget("no live holder")
         return rng.choice(live)

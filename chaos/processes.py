@@ -55,6 +55,14 @@ class WorkerProcess:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    @property
+    def ready(self) -> bool:
+        """The current incarnation has its signal handlers in place (it said so)."""
+        try:
+            return self.history_path().with_suffix(".ready").read_text() == str(self.gen)
+        except OSError:
+            return False
+
     def spawn(self) -> None:
         self.gen += 1
         spec = {**self.spec, "name": self.name, "gen": self.gen, "role": self.role}

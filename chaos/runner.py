@@ -179,8 +179,7 @@ class _Run:
             w.spawn()
         deadline = time.monotonic() + READY_TIMEOUT
         for w in self.workers:
-            ready = w.history_path().with_suffix(".ready")
-            while not ready.exists():
+            while not w.ready:
                 if not w.alive or time.monotonic() > deadline:
                     raise TensorHubError(f"worker {w.name} did not start; see {self.root}")
                 time.sleep(0.05)

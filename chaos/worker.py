@@ -61,9 +61,12 @@ class Worker:
         self.rng = random.Random(f"{spec['seed']}/{self.name}")
         self.rec = Recorder(Path(spec["history"]), self.name)
         self.stopping = threading.Event()
-        Path(spec["history"]).with_suffix(".ready").touch()  # imports done: ready to start
-        self.end = _wait_start(Path(spec["start_file"]))
         self.hub: ros.Hub | None = None
+        self.corrupt = False  # the corrupt-holder failpoint's switch, applied once connected
+        _faults(self)  # before saying ready: a signal must never find the default handler
+        ready = Path(spec["history"]).with_suffix(".ready")
+        ready.write_text(str(spec["gen"]))  # this incarnation is ready to start
+        self.end = _wait_start(Path(spec["start_file"]))
 
     def running(self) -> bool:
         return not self.stopping.is_set() and time.monotonic() < self.end
@@ -79,12 +82,17 @@ class Worker:
                     name=f"{spec['name']}-g{spec['gen']}-{self.rng.randrange(16**4):04x}",
                     timeout=LATEST_TIMEOUT, session_ttl=int(spec.get("session_ttl", 5)),
                 )  # fmt: skip
+                self.apply_faults()
                 return self.hub
             except TensorHubError as exc:
                 if not self.running():
                     raise
                 print(f"{self.name}: connect failed ({exc}); retrying", file=sys.stderr)
                 time.sleep(0.5)
+
+    def apply_faults(self) -> None:
+        if self.hub is not None:
+            self.hub._holder_server().fault = Fault(corrupt=True) if self.corrupt else None
 
     def call(self, f: str, timeout: float, fn: Callable[[], dict[str, Any]], **args: Any) -> Any:
         """Run one read-like operation with history: any error is a definite `fail`."""
@@ -229,8 +237,8 @@ def _faults(w: Worker) -> None:
     """SIGUSR1: this holder starts returning corrupted chunk bytes; SIGUSR2: it stops."""
 
     def set_corrupt(on: bool) -> None:
-        if w.hub is not None:
-            w.hub._holder_server().fault = Fault(corrupt=True) if on else None
+        w.corrupt = on
+        w.apply_faults()
 
     signal.signal(signal.SIGUSR1, lambda *_: set_corrupt(True))
     signal.signal(signal.SIGUSR2, lambda *_: set_corrupt(False))
@@ -240,7 +248,6 @@ def _faults(w: Worker) -> None:
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
     w = Worker(spec)
-    _faults(w)
     roles: dict[str, Callable[[Worker], None]] = {
         "publisher": publisher, "reader": reader, "watcher": watcher, "poller": poller,
     }  # fmt: skip
