@@ -13,7 +13,6 @@ current revision R, then resumes from R + 1.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -30,6 +29,7 @@ from consistency.etcd import Etcd
 from consistency.keys import Keys
 from consistency.ops import KV
 from consistency.records import HolderRecord
+from consistency.stream import StreamClosed, StreamPump
 from tensorhub.errors import DeadlineExceeded, InvalidArgument, TensorHubError
 
 log = logging.getLogger(__name__)
@@ -57,13 +57,10 @@ class Resync:
     kvs: list[KV] = field(default_factory=list)
 
 
-class WatchClosed(TensorHubError):
-    """The watch was closed; no more events will come."""
-
-    code = "CANCELLED"
+WatchClosed = StreamClosed  # the name the watch API has always raised
 
 
-class KeyWatch:
+class KeyWatch(StreamPump[RawEvent | Resync]):
     """A resumable watch on a key or prefix, delivering events exactly once, in order."""
 
     def __init__(self, etcd: Etcd, key: str, *, prefix: bool, start_revision: int) -> None:
@@ -72,57 +69,12 @@ class KeyWatch:
                 f"start_revision must be explicit and positive, got {start_revision} "
                 "(0 would mean 'now' to etcd and lose events)"
             )
+        super().__init__(f"watch-{key}")
         self._etcd = etcd
         self._key = key
         self._prefix = prefix
         self.next_revision = start_revision
-        self.reconnects = 0
-        self._queue: queue.Queue[RawEvent | Resync | BaseException] = queue.Queue()
-        self._closed = threading.Event()
-        self._call: Any = None
-        self._call_lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name=f"watch-{key}", daemon=True)
-        self._thread.start()
-
-    # -- consumer side ---------------------------------------------------------------------
-
-    def get(self, timeout: float) -> RawEvent | Resync | None:
-        """The next event, or None if none arrives within `timeout` seconds."""
-        if self._closed.is_set() and self._queue.empty():
-            raise WatchClosed("watch closed")
-        try:
-            item = self._queue.get(timeout=max(timeout, 0.0))
-        except queue.Empty:
-            return None
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def __iter__(self) -> Iterator[RawEvent | Resync]:
-        """Blocks between events; ends when the watch is closed."""
-        while not self._closed.is_set():
-            event = self.get(0.5)
-            if event is not None:
-                yield event
-
-    def close(self) -> None:
-        self._closed.set()
-        with self._call_lock:
-            if self._call is not None:
-                self._call.cancel()
-        self._thread.join(timeout=5)
-
-    def __enter__(self) -> KeyWatch:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def force_reconnect(self) -> None:
-        """Break the current stream (as a member failure would); the watch resumes by itself."""
-        with self._call_lock:
-            if self._call is not None:
-                self._call.cancel()
+        self._start()
 
     # -- stream side -----------------------------------------------------------------------
 
@@ -149,7 +101,7 @@ class KeyWatch:
                 time.sleep(backoff)
                 backoff = min(backoff * 2, _RECONNECT_BACKOFF[1])
             except BaseException as exc:  # pragma: no cover - surfaced to the consumer
-                self._queue.put(exc)
+                self._put(exc)
                 return
             self.reconnects += 1
 
@@ -164,11 +116,8 @@ class KeyWatch:
             stop.wait()  # keep the request side open until the stream ends
 
         member, call = self._etcd.watch_stream(requests())
-        with self._call_lock:
-            if self._closed.is_set():
-                call.cancel()
-                return
-            self._call = call
+        if not self._attach(call):
+            return
         try:
             for response in call:
                 if response.compact_revision:
@@ -179,7 +128,7 @@ class KeyWatch:
                 last = 0
                 for event in response.events:
                     kv = KV.from_pb(event.kv)
-                    self._queue.put(RawEvent(event.type == kv_pb2.Event.DELETE, kv))
+                    self._put(RawEvent(event.type == kv_pb2.Event.DELETE, kv))
                     last = kv.mod_revision
                 if last:
                     self.next_revision = last + 1
@@ -189,12 +138,11 @@ class KeyWatch:
             raise
         finally:
             stop.set()
-            with self._call_lock:
-                self._call = None
+            self._detach()
 
     def _resync(self) -> None:
         result = self._etcd.range(self._key, prefix=self._prefix)
-        self._queue.put(Resync(result.revision, result.kvs))
+        self._put(Resync(result.revision, result.kvs))
         self.next_revision = result.revision + 1
 
 

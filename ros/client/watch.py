@@ -5,21 +5,17 @@ and it refuses events older than the client's revision floor."""
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
-from collections.abc import Iterator
-from typing import Any
 
 import grpc
 
 from consistency.floor import RevisionFloor
 from consistency.records import HolderRecord, HolderState
+from consistency.stream import StreamPump
 from consistency.watch import EventKind, WatchEvent
 from ros.errors import from_rpc_error
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
-from tensorhub.errors import TensorHubError
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +47,7 @@ def event_from_message(m: pb.WatchEvent) -> WatchEvent:
     )
 
 
-class HubWatch:
+class HubWatch(StreamPump[WatchEvent]):
     """Events of one model from `start_revision`, across hub replica failures."""
 
     def __init__(
@@ -62,6 +58,7 @@ class HubWatch:
         start_revision: int,
         floor: RevisionFloor,
     ) -> None:
+        super().__init__(f"hub-watch-{model}")
         self._stub = stub
         self._metadata = metadata
         self._model = model
@@ -69,13 +66,7 @@ class HubWatch:
         self._last_revision = start_revision - 1
         self._seen: set[tuple[EventKind, int, str]] = set()
         self._floor = floor
-        self.reconnects = 0
-        self._queue: queue.Queue[WatchEvent | TensorHubError] = queue.Queue()
-        self._closed = threading.Event()
-        self._call: Any = None
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name=f"hub-watch-{model}", daemon=True)
-        self._thread.start()
+        self._start()
 
     def _run(self) -> None:
         backoff = 0.05
@@ -83,10 +74,7 @@ class HubWatch:
             request = pb.WatchRequest(model=self._model, start_revision=self.next_revision)
             try:
                 call = self._stub.Watch(request, metadata=self._metadata)
-                with self._lock:
-                    self._call = call
-                if self._closed.is_set():
-                    call.cancel()
+                if not self._attach(call):
                     return
                 for message in call:
                     self._deliver(event_from_message(message))
@@ -95,7 +83,7 @@ class HubWatch:
                 if self._closed.is_set():
                     return
                 if exc.code() not in _RETRY_CODES:
-                    self._queue.put(from_rpc_error(exc))
+                    self._put(from_rpc_error(exc))
                     return
                 log.info(
                     "watch %s: stream broke (%s); resuming at %d",
@@ -131,33 +119,4 @@ class HubWatch:
         self.next_revision = (
             event.revision + 1 if event.kind is EventKind.RESYNC else event.revision
         )
-        self._queue.put(event)
-
-    def get(self, timeout: float) -> WatchEvent | None:
-        """The next event, or None if none comes within `timeout` seconds."""
-        try:
-            item = self._queue.get(timeout=max(timeout, 0.0))
-        except queue.Empty:
-            return None
-        if isinstance(item, TensorHubError):
-            raise item
-        return item
-
-    def __iter__(self) -> Iterator[WatchEvent]:
-        while not self._closed.is_set():
-            event = self.get(0.5)
-            if event is not None:
-                yield event
-
-    def close(self) -> None:
-        self._closed.set()
-        with self._lock:
-            if self._call is not None:
-                self._call.cancel()
-        self._thread.join(timeout=5)
-
-    def __enter__(self) -> HubWatch:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._put(event)
