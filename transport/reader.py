@@ -334,33 +334,42 @@ def fetch(
     f = _Fetch(tenant, model, version, dest, token, deadline, stall_timeout, expected, tls)
     suspects: set[str] = set()
     current = list(sources)
+    # A round that ends with holders unreachable (VersionUnavailable) or with bad bytes from
+    # every holder it tried (IntegrityError) is repeated with a fresh holder list, less the
+    # suspects: a pipelined reader that starts from one predecessor must fall back to the
+    # other holders when that predecessor fails it, whichever way it fails.
+    retryable = (VersionUnavailable, IntegrityError)
     rounds = tenacity.Retrying(
         stop=tenacity.stop_after_attempt(4)
         | tenacity.stop_after_delay(max(0.0, deadline - time.monotonic())),
         wait=tenacity.wait_exponential(multiplier=0.05, max=1.0),
         retry=tenacity.retry_if_exception(
-            lambda e: refresh_sources is not None and isinstance(e, VersionUnavailable)
+            lambda e: refresh_sources is not None and isinstance(e, retryable)
         ),
         reraise=True,
         sleep=lambda s: time.sleep(min(s, max(0.0, deadline - time.monotonic()))),
     )
+    last: TensorHubError | None = None
     for attempt in rounds:
         with attempt:
+            if dest.complete:
+                break
             usable = [s for s in current if s.holder_id not in suspects]
-            if not dest.complete and not usable:
-                raise VersionUnavailable(f"{what}: no holder left")
-            if not dest.complete:
+            if usable:
                 sched = _round(f, usable, me, parallel)
                 suspects.update(sched.failures)
-                if not dest.complete:
-                    if time.monotonic() >= deadline:
-                        raise DeadlineExceeded(
-                            f"{what}: deadline passed with {len(dest.missing())} chunks missing"
-                        )
-                    err = _final_error(sched, what)
-                    if refresh_sources is None or not isinstance(err, VersionUnavailable):
-                        raise err
-                    current = list(refresh_sources())
-                    raise err
+                if dest.complete:
+                    break
+                if time.monotonic() >= deadline:
+                    raise DeadlineExceeded(
+                        f"{what}: deadline passed with {len(dest.missing())} chunks missing"
+                    )
+                last = _final_error(sched, what)
+            elif not isinstance(last, IntegrityError):  # keep the most telling reason
+                last = VersionUnavailable(f"{what}: no holder left")
+            if refresh_sources is None or not isinstance(last, retryable):
+                raise last
+            current = list(refresh_sources())
+            raise last
     f.stats.duration = time.monotonic() - start
     return f.stats

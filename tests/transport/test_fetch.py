@@ -222,3 +222,19 @@ def test_holder_whose_memory_drifted_is_caught_by_published_checksums(holders: S
     # without the published checksums the drift would have gone unnoticed
     dest, _ = _fetch(layout, [bad])
     assert not _same(dest.tensors, model)
+
+
+def test_a_corrupt_first_source_falls_back_to_the_refreshed_holders(holders: StartHolder) -> None:
+    """A pipelined reader starts from one predecessor; when that one sends bad bytes, the
+    fetch must go on with the other holders (the refreshed list), not fail (invariant 4)."""
+    model = make_model(6, tiny=50)
+    layout = Layout.from_tensors(model, chunk_size=CHUNK)
+    bad = holders(model, layout, name="predecessor", fault=Fault(corrupt=True))[2]
+    good = holders(model, layout, name="publisher")[2]
+    dest, stats = _fetch(layout, [bad], refresh_sources=lambda: [bad, good])
+    assert _same(dest.tensors, model)
+    assert "IntegrityError" in stats.failed_sources["predecessor"]
+    assert stats.bytes_per_source.get("publisher", 0) > 0
+    # with nobody good to fall back to, the error still says what went wrong
+    with pytest.raises(IntegrityError):
+        _fetch(layout, [bad], refresh_sources=lambda: [bad])
