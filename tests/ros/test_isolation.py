@@ -169,3 +169,16 @@ def test_holder_port_refuses_foreign_expired_and_wrong_version_tokens(
     # and the control: a correct token reads fine
     good, _ = issue_read_token(a_key, "team-a", "policy", 1)
     _read(a, "team-a", good)
+
+
+def test_an_expired_session_is_named_lease_lost(
+    hub_server: HubServer, two_tenants: tuple[ros.Hub, ros.Hub, ros.Publication]
+) -> None:
+    a, _, _ = two_tenants
+    hub_server.etcd.lease_revoke(a.session.id)  # as if a's renewals had been lost
+    stub = _stub(hub_server)
+    request = pb.PinRequest(model="policy", version=1, pin_id="p", session_id=a.session.id)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Pin(request, metadata=a._metadata, timeout=5)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "expired or was revoked" in (info.value.details() or "")
