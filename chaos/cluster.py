@@ -19,7 +19,7 @@ from pathlib import Path
 
 from chaos.proxy import Proxy
 from consistency import Etcd, EtcdCluster, Keys
-from consistency.embedded import free_port
+from consistency.embedded import free_port, stop_process
 from ros.hub.server import HubServer
 from ros.hub.tenants import TenantStore
 from tensorhub.errors import DeadlineExceeded, TensorHubError
@@ -75,14 +75,8 @@ class HubProcess:
 
     def stop(self) -> None:
         proc, self.process = self.process, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+        if proc is not None:
+            stop_process(proc)
 
 
 class ChaosCluster:

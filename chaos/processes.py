@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from chaos.netns import Namespace
+from consistency.embedded import stop_process
 
 
 @dataclass
@@ -118,14 +119,7 @@ class WorkerProcess:
             return
         except subprocess.TimeoutExpired:
             pass
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-            self._ended("SIGTERM at the end")
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
-            self._ended("SIGKILL at the end")
+        self._ended(f"{stop_process(proc)} at the end")
 
     def reap(self) -> None:
         """Note an incarnation that died by itself (a crash is reported, never hidden)."""

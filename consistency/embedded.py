@@ -21,6 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from consistency.etcdbin import find_etcd_binary
 from tensorhub.errors import DeadlineExceeded, TensorHubError
@@ -221,16 +222,26 @@ class EtcdCluster:
 
     @staticmethod
     def _terminate(member: Member) -> None:
-        proc = member.process
-        member.process = None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+        proc, member.process = member.process, None
+        if proc is not None:
+            stop_process(proc)
+
+
+def stop_process(proc: subprocess.Popen[Any], grace: float = 5.0) -> str:
+    """SIGTERM, then SIGKILL if it has not exited after `grace` seconds (every wait bounded).
+
+    Returns how it ended: "exited" (before we asked), "SIGTERM" or "SIGKILL".
+    """
+    if proc.poll() is not None:
+        return "exited"
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace)
+        return "SIGTERM"
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=5)
+        return "SIGKILL"
 
 
 def _healthy(member: Member) -> bool:
