@@ -36,7 +36,8 @@ proto: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/tensorhub demo
 
-test: $(STAMP)
+# The whole suite: style and types first (seconds), then every test.
+test: lint typecheck
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
@@ -44,9 +45,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy -p tensorhub -p consistency -p transport -p ros -p chaos
+	$(VENV)/bin/mypy -p tensorhub -p consistency -p transport -p ros -p chaos -p bench
 
-check: lint typecheck test
+check: test
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
