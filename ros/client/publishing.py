@@ -39,13 +39,20 @@ class PublishMixin(ClientBase):
         *,
         chunk_size: int | None = None,
         timeout: float | None = None,
+        shard: tuple[int, int] | None = None,
     ) -> Publication:
         """Publish `version` of `model`, served from these tensors' own memory.
 
         Raises `StaleVersion` if `version` is not newer than latest (nothing written), and
         `OutcomeUnknown` if the hub could not confirm the write (check `latest()`).
         Non-contiguous tensors are copied once into contiguous memory (and logged).
+
+        Model-parallel trainers pass `shard=(rank, ranks)`: each rank publishes its own
+        tensors, and the version becomes visible (`Publication.visible`) with the last rank's
+        publish, never before every shard is there.
         """
+        if shard is not None and not (isinstance(shard, tuple) and len(shard) == 2):
+            raise InvalidArgument(f"shard must be (index, count), got {shard!r}")
         validate_name(model, "model")
         validate_version(version)
         start = time.monotonic()
@@ -60,6 +67,8 @@ class PublishMixin(ClientBase):
         request = pb.PublishRequest(
             model=model, version=version, manifest=manifest, holder=self._holder_pb(complete=True)
         )
+        if shard is not None:
+            request.shard_index, request.shard_count = shard
         try:
             response = self._publish_rpc(request, timeout)
         except BaseException:
@@ -77,6 +86,10 @@ class PublishMixin(ClientBase):
             response: pb.PublishResponse = self._rpc("Publish", request, timeout)
             return response
         except (Unavailable, DeadlineExceeded, OutcomeUnknown) as exc:
+            if request.shard_count:  # an invisible shard cannot be looked up: say so
+                raise OutcomeUnknown(
+                    f"shard {request.shard_index} of {request.model}@{request.version}: {exc}"
+                ) from exc
             try:
                 info = self._rpc(
                     "Inspect", pb.InspectRequest(model=request.model, version=request.version)

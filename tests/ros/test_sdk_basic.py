@@ -74,3 +74,21 @@ def test_last_holder_spills_to_safetensors_and_keeps_serving(
     assert loaded.keys() == expected.keys()
     for name, tensor in expected.items():
         assert torch.equal(loaded[name], tensor), name
+
+
+def test_model_parallel_publish_becomes_visible_with_the_last_rank(
+    connect: Callable[..., ros.Hub],
+) -> None:
+    ranks = [connect() for _ in range(3)]
+    watcher = connect()
+    parts = [{f"layer.{r}.weight": torch.full((64,), float(r))} for r in range(3)]
+    first = ranks[2].publish("policy", 1, parts[2], shard=(2, 3))
+    second = ranks[0].publish("policy", 1, parts[0], shard=(0, 3))
+    assert not first.visible
+    assert not second.visible
+    assert watcher.latest("policy") == 0  # not before every shard is there
+    last = ranks[1].publish("policy", 1, parts[1], shard=(1, 3))
+    assert last.visible
+    assert watcher.latest("policy") == 1
+    with pytest.raises(ros.InvalidArgument, match="model-parallel"):
+        watcher.fetch("policy", 1, timeout=5)  # resharding readers: not implemented (docs)
