@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any, Generic, Self, TypeVar
 
@@ -24,7 +25,7 @@ class StreamClosed(TensorHubError):
     code = "CANCELLED"
 
 
-class StreamPump(Generic[T]):
+class StreamPump(ABC, Generic[T]):
     """Base of the watches: a queue filled by one thread, drained by the consumer."""
 
     def __init__(self, name: str) -> None:
@@ -38,8 +39,9 @@ class StreamPump(Generic[T]):
     def _start(self) -> None:
         self._thread.start()
 
-    def _run(self) -> None:  # pragma: no cover - every subclass defines it
-        raise NotImplementedError
+    @abstractmethod
+    def _run(self) -> None:
+        """The pump: open calls, `_attach` each, `_put` what they bring, until closed."""
 
     # -- pump side -------------------------------------------------------------------------
 

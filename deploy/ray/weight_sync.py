@@ -19,18 +19,23 @@ import torch
 import ros
 
 
+def _connect(hub: str, tenant: str, token: str) -> ros.Hub:
+    """This actor's connection: its holder port on every interface, advertised by its IP."""
+    return ros.connect(
+        hub,
+        tenant=tenant,
+        token=token,
+        listen="0.0.0.0:0",
+        advertise=socket.gethostbyname(socket.gethostname()),
+        topology={"host": socket.gethostname()},
+    )
+
+
 @ray.remote
 class Trainer:
     def __init__(self, hub: str, tenant: str, token: str) -> None:
         self.model = torch.nn.Linear(1024, 1024)
-        self.hub = ros.connect(
-            hub,
-            tenant=tenant,
-            token=token,
-            listen="0.0.0.0:0",
-            advertise=socket.gethostbyname(socket.gethostname()),
-            topology={"host": socket.gethostname()},
-        )
+        self.hub = _connect(hub, tenant, token)
 
     def step(self, version: int) -> int:
         with torch.no_grad():
@@ -45,14 +50,7 @@ class Trainer:
 class Rollout:
     def __init__(self, hub: str, tenant: str, token: str) -> None:
         self.model = torch.nn.Linear(1024, 1024)
-        self.hub = ros.connect(
-            hub,
-            tenant=tenant,
-            token=token,
-            listen="0.0.0.0:0",
-            advertise=socket.gethostbyname(socket.gethostname()),
-            topology={"host": socket.gethostname()},
-        )
+        self.hub = _connect(hub, tenant, token)
         self.held: ros.Held | None = None
 
     def refresh(self, version: int) -> int:
