@@ -64,10 +64,20 @@ def run(opts: Options) -> Result:
     res.add("events delivered / expected", len(lat) / expected, ">= 1")
     res.add("latest calls/s (2 replicas)", latest_rate, unit="/s")
     res.add("latest / empty-RPC ceiling", latest_rate / health_rate)
+    by_version: dict[int, list[float]] = {}
+    for reply in seen:
+        for v, t in reply["seen"]:
+            if v in published:
+                by_version.setdefault(v, []).append((t - published[v]) * 1000)
     res.details = {
         "watchers": HOSTS * WATCHERS_PER_HOST,
         "versions": VERSIONS,
         "latency_ms_max": max(lat) if lat else None,
+        # where the tail comes from: each version's fastest, median and slowest watcher
+        "latency_ms_by_version": {
+            v: [round(min(x), 1), round(_percentile(x, 0.5), 1), round(max(x), 1)]
+            for v, x in sorted(by_version.items())
+        },
         "latest_per_s": latest_rate,
         "health_per_s": health_rate,
     }
