@@ -113,6 +113,8 @@ class ClientBase:
     def _open_session(self) -> ClientSession:
         opened = self._rpc("OpenSession", pb.OpenSessionRequest(ttl_seconds=self._session_ttl))
         self.floor.observe(opened.revision)
+        # Built once per session, not on every read request the holder server checks.
+        self._read_tokens = ReadTokenVerifier(bytes(opened.read_key), self.tenant)
         return ClientSession(self._stub, self._metadata, opened, on_lost=self._session_lost)
 
     def _session_lost(self, lost: ClientSession) -> None:
@@ -139,7 +141,7 @@ class ClientBase:
         session = self.session
         if session.lost.is_set():
             return False  # a client that lost its session stops serving at once
-        return ReadTokenVerifier(session.read_key, self.tenant)(tenant, model, version, token)
+        return self._read_tokens(tenant, model, version, token)
 
     def _holder_server(self) -> HolderServer:
         with self._lock:
