@@ -186,13 +186,12 @@ class VersionRPCs(HubBase):
         need_latest: bool = False,
     ) -> tuple[VersionInfo, int]:
         """The version asked for (0: the latest) and the latest version (read only if needed)."""
+        versions = self._versions(tenant)
         latest = 0
         if requested == 0 or need_latest:
-            latest, _ = self._versions(tenant).latest(tenant.name, model, timeout=timeout)
+            latest, _ = versions.latest(tenant.name, model, timeout=timeout)
         version = requested or latest
         if version == 0:
             raise VersionNotFound(f"{model} has no published version")
-        info = self._versions(tenant).describe(
-            tenant.name, model, validate_version(version), timeout=timeout
-        )
+        info = versions.describe(tenant.name, model, validate_version(version), timeout=timeout)
         return info, latest
