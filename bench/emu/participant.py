@@ -92,7 +92,7 @@ class Participant:
         return {}
 
     def _watch(self, model: str, ready: threading.Barrier) -> None:
-        with self._hub().watch(model) as events:
+        with self._hub().watch(model, versions_only=True) as events:
             ready.wait(timeout=60)
             for event in events:
                 if event.kind is EventKind.VERSION_PUBLISHED:

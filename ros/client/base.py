@@ -182,9 +182,13 @@ class ClientBase:
 
     # -- watching ------------------------------------------------------------------------
 
-    def watch(self, model: str, *, since: int | None = None) -> HubWatch:
+    def watch(
+        self, model: str, *, since: int | None = None, versions_only: bool = False
+    ) -> HubWatch:
         """New versions and holder changes of `model` from revision `since` (default: now).
 
+        With `versions_only`, the hub sends only new versions (and resyncs): what a rollout
+        waiting for weights needs, without one message per holder change of every reader.
         Iterate it, or call `get(timeout)`; close it (or use `with`) when done.
         """
         validate_name(model, "model")
@@ -192,7 +196,7 @@ class ClientBase:
             since = int(self._rpc("Latest", pb.LatestRequest(model=model)).revision) + 1
         elif since <= 0:
             raise InvalidArgument("since must be a positive revision")
-        return HubWatch(self._stub, self._metadata, model, since, self.floor)
+        return HubWatch(self._stub, self._metadata, model, since, self.floor, versions_only)
 
     def _spill(
         self, model: str, version: int, path: str | os.PathLike[str], timeout: float

@@ -28,7 +28,9 @@ class Owner(Protocol):
 
     holder_name: str
 
-    def watch(self, model: str, *, since: int | None = None) -> HubWatch: ...
+    def watch(
+        self, model: str, *, since: int | None = None, versions_only: bool = False
+    ) -> HubWatch: ...
 
     def _release(
         self,

@@ -57,11 +57,13 @@ class HubWatch(StreamPump[WatchEvent]):
         model: str,
         start_revision: int,
         floor: RevisionFloor,
+        versions_only: bool = False,
     ) -> None:
         super().__init__(f"hub-watch-{model}")
         self._stub = stub
         self._metadata = metadata
         self._model = model
+        self._versions_only = versions_only
         self.next_revision = start_revision
         self._last_revision = start_revision - 1
         self._seen: set[tuple[EventKind, int, str]] = set()
@@ -71,7 +73,11 @@ class HubWatch(StreamPump[WatchEvent]):
     def _run(self) -> None:
         backoff = 0.05
         while not self._closed.is_set():
-            request = pb.WatchRequest(model=self._model, start_revision=self.next_revision)
+            request = pb.WatchRequest(
+                model=self._model,
+                start_revision=self.next_revision,
+                versions_only=self._versions_only,
+            )
             try:
                 call = self._stub.Watch(request, metadata=self._metadata)
                 if not self._attach(call):

@@ -25,11 +25,20 @@ log = logging.getLogger(__name__)
 MAX_BACKLOG = 10_000  # events queued for one subscriber before it is cut off
 
 
+_VERSION_KINDS = (pb.WatchEvent.VERSION_PUBLISHED, pb.WatchEvent.RESYNC)
+
+
+def wanted(message: pb.WatchEvent, versions_only: bool) -> bool:
+    """Whether a stream with this filter receives `message` (RESYNC always goes through)."""
+    return not versions_only or message.kind in _VERSION_KINDS
+
+
 class Subscription:
     """The events of one Watch stream, from its start revision on."""
 
-    def __init__(self, start_revision: int) -> None:
+    def __init__(self, start_revision: int, versions_only: bool = False) -> None:
         self.start_revision = start_revision
+        self.versions_only = versions_only
         self._queue: queue.Queue[pb.WatchEvent | TensorHubError] = queue.Queue(MAX_BACKLOG)
         self._on_close: list[object] = []
         self.closed = False
@@ -58,13 +67,18 @@ class Subscription:
 class _PrivateSubscription(Subscription):
     """A subscription with its own etcd watch, for a start revision the shared one has passed."""
 
-    def __init__(self, etcd: Etcd, keys: Keys, tenant: str, model: str, start: int) -> None:
-        super().__init__(start)
+    def __init__(
+        self, etcd: Etcd, keys: Keys, tenant: str, model: str, start: int, versions_only: bool
+    ) -> None:
+        super().__init__(start, versions_only)
         self._watch = ModelWatch(etcd, keys, tenant, model, start_revision=start)
 
     def get(self, timeout: float) -> pb.WatchEvent | None:
         event = self._watch.get(timeout)
-        return None if event is None else event_to_pb(event)
+        if event is None:
+            return None
+        message = event_to_pb(event)
+        return message if wanted(message, self.versions_only) else None
 
     def close(self) -> None:
         super().close()
@@ -99,7 +113,9 @@ class _SharedWatch:
         with self.lock:
             self.delivered_through = event.revision
             for sub in list(self.subscribers):
-                if event.revision >= sub.start_revision and not sub.offer(message):
+                if event.revision < sub.start_revision or not wanted(message, sub.versions_only):
+                    continue
+                if not sub.offer(message):
                     self.subscribers.discard(sub)
                     sub.offer(Unavailable("watch subscriber fell too far behind; resume it"))
 
@@ -120,8 +136,11 @@ class WatchFanout:
         self._lock = threading.Lock()
         self._shared: dict[tuple[str, str], _SharedWatch] = {}
 
-    def subscribe(self, tenant: str, model: str, start_revision: int) -> Subscription:
-        """Events of tenant/model from `start_revision` (explicit, > 0) on."""
+    def subscribe(
+        self, tenant: str, model: str, start_revision: int, versions_only: bool = False
+    ) -> Subscription:
+        """Events of tenant/model from `start_revision` (explicit, > 0) on; with
+        `versions_only`, only new versions (and resyncs)."""
         with self._lock:
             shared = self._shared.get((tenant, model))
             if shared is None or shared.failed:
@@ -130,10 +149,12 @@ class WatchFanout:
                 shared.thread.start()
             with shared.lock:
                 if start_revision > shared.delivered_through:
-                    sub = Subscription(start_revision)
+                    sub = Subscription(start_revision, versions_only)
                     shared.subscribers.add(sub)
                     return sub
-        return _PrivateSubscription(self._etcd, self._keys, tenant, model, start_revision)
+        return _PrivateSubscription(
+            self._etcd, self._keys, tenant, model, start_revision, versions_only
+        )
 
     def unsubscribe(self, tenant: str, model: str, sub: Subscription) -> None:
         """Drop a subscription; a shared watch left with none is closed."""

@@ -89,7 +89,9 @@ class VersionRPCs(HubBase):
         if request.start_revision <= 0:
             raise InvalidArgument("start_revision must be explicit and positive")
         HUB_WATCHES.inc()
-        sub = self._fanout.subscribe(tenant.name, model, request.start_revision)
+        sub = self._fanout.subscribe(
+            tenant.name, model, request.start_revision, request.versions_only
+        )
         try:
             while context.is_active():
                 try:

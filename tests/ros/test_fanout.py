@@ -57,3 +57,34 @@ def test_a_late_start_revision_gets_a_private_replay(
     fanout.unsubscribe("team-a", "policy", replay)
     fanout.unsubscribe("team-a", "policy", live)
     assert ("team-a", "policy") not in fanout._shared
+
+
+def test_a_versions_only_watch_gets_new_versions_and_no_holder_churn(
+    hub_server: HubServer, connect: Callable[..., ros.Hub]
+) -> None:
+    trainer, reader, client = connect(), connect(), connect()
+    since = trainer.publish("policy", 1, make_model(1)).revision + 1
+    full = client.watch("policy", since=since)
+    lean = client.watch("policy", since=since, versions_only=True)
+    for v in (2, 3):
+        trainer.publish("policy", v, make_model(v))
+        reader.fetch("policy", v).release()  # a reader: PARTIAL, COMPLETE, then removed
+    every: list[EventKind] = []
+    while EventKind.VERSION_PUBLISHED not in every or every.count(EventKind.HOLDER_REMOVED) < 2:
+        event = full.get(timeout=10)
+        assert event is not None, f"the full watch saw only {every}"
+        every.append(event.kind)
+    assert EventKind.HOLDER_UPDATED in every  # the unfiltered stream does carry the churn
+    versions = []
+    for _ in range(2):
+        event = lean.get(timeout=10)
+        assert event is not None
+        assert event.kind is EventKind.VERSION_PUBLISHED, event
+        versions.append(event.version)
+    assert versions == [2, 3]
+    assert lean.get(timeout=0.5) is None  # nothing else came: no holder events at all
+    # a filtered stream that asks for history gets the same filter on its private replay
+    replay = client.watch("policy", since=since, versions_only=True)
+    assert [replay.get(timeout=10).version for _ in range(2)] == [2, 3]  # type: ignore[union-attr]
+    for watch in (full, lean, replay):
+        watch.close()

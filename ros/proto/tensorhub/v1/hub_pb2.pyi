@@ -164,12 +164,14 @@ class LatestResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("model", "start_revision")
+    __slots__ = ("model", "start_revision", "versions_only")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     START_REVISION_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_ONLY_FIELD_NUMBER: _ClassVar[int]
     model: str
     start_revision: int
-    def __init__(self, model: _Optional[str] = ..., start_revision: _Optional[int] = ...) -> None: ...
+    versions_only: bool
+    def __init__(self, model: _Optional[str] = ..., start_revision: _Optional[int] = ..., versions_only: _Optional[bool] = ...) -> None: ...
 
 class WatchEvent(_message.Message):
     __slots__ = ("kind", "version", "revision", "holder", "holder_name", "holders", "holder_versions")
