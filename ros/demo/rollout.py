@@ -69,7 +69,7 @@ def run_rollout(cfg: DemoConfig, index: int) -> int:
     held: Held | None = None
     current = 0
     try:
-        with hub.watch(MODEL) as events:
+        with hub.watch(MODEL, versions_only=True) as events:
             link.send({"type": "ready"})
             while True:
                 if not link.inbox.empty() and link.inbox.get()["type"] in ("stop", "eof"):
