@@ -25,6 +25,7 @@ from bench.emu import baseline_ops
 from bench.emu.model import digest, make_model
 from consistency.watch import EventKind
 from ros.client.handles import Held, Publication
+from ros.client.watch import HubWatch
 
 
 class Participant:
@@ -36,6 +37,7 @@ class Participant:
         self.pubs: dict[int, Publication] = {}
         self.helds: dict[int, Held] = {}
         self.seen: list[tuple[int, float]] = []
+        self.watches: list[HubWatch] = []
         self.lock = threading.Lock()
 
     def _hub(self) -> ros.Hub:
@@ -83,21 +85,31 @@ class Participant:
                 handle.release(force=True)
         return {}
 
-    def watchers(self, model: str, count: int) -> Any:
-        """Open `count` watches of `model` that record when each new version shows up."""
+    def watchers(self, model: str, count: int, versions_only: bool = True) -> Any:
+        """Open `count` watches of `model` that record when each new version shows up
+        (`versions_only`: the filtered watch a rollout uses; else every holder event too)."""
         ready = threading.Barrier(count + 1)
         for _ in range(count):
-            threading.Thread(target=self._watch, args=(model, ready), daemon=True).start()
+            watch = self._hub().watch(model, versions_only=versions_only)
+            self.watches.append(watch)
+            threading.Thread(target=self._watch, args=(watch, ready), daemon=True).start()
         ready.wait(timeout=60)
         return {}
 
-    def _watch(self, model: str, ready: threading.Barrier) -> None:
-        with self._hub().watch(model, versions_only=True) as events:
-            ready.wait(timeout=60)
-            for event in events:
-                if event.kind is EventKind.VERSION_PUBLISHED:
-                    with self.lock:
-                        self.seen.append((event.version, time.monotonic()))
+    def _watch(self, events: HubWatch, ready: threading.Barrier) -> None:
+        ready.wait(timeout=60)
+        for event in events:
+            if event.kind is EventKind.VERSION_PUBLISHED:
+                with self.lock:
+                    self.seen.append((event.version, time.monotonic()))
+
+    def stop_watchers(self) -> Any:
+        """Close every watch opened by `watchers` and forget what they saw."""
+        for watch in self.watches:
+            watch.close()
+        with self.lock:
+            self.watches, self.seen = [], []
+        return {}
 
     def seen_versions(self) -> Any:
         with self.lock:
@@ -142,6 +154,7 @@ def main() -> int:
             "release",
             "watchers",
             "seen_versions",
+            "stop_watchers",
             "rpc_load",
             "ping",
         )
