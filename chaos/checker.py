@@ -7,7 +7,9 @@ served at, so visibility is checked by version and by revision.
 
 1. torn reads: a fetched version's content hash equals the published one;
 2. linearizable visibility: a `latest` that starts after `publish(v)` returned sees ≥ v
-   (and a revision ≥ the publish's), and only versions some publish may have written;
+   (and a revision ≥ the publish's), and only versions some publish may have written; a
+   watcher sees every acknowledged publish between the revision it started at and its last
+   event (and, if it asked for versions only, nothing else);
 3. monotonic reads: per client, `latest` (and watched versions) never go backwards;
 4. nothing acknowledged is lost: `chaos.checker_lost`;
 5. no hangs: every completed call ended within its deadline (plus `grace`);
@@ -28,6 +30,8 @@ INVARIANTS = {
     "torn-read": 1,
     "stale-read": 2,
     "phantom-read": 2,
+    "missed-watch": 2,
+    "watch-filter": 2,
     "non-monotonic": 3,
     "lost-version": 4,
     "past-deadline": 5,
@@ -87,6 +91,7 @@ def check(facts: Facts) -> list[Violation]:
     found = [
         *check_torn(facts.ops),
         *check_visibility(facts.ops),
+        *check_watch_gaps(facts.ops),
         *check_monotonic(facts.ops),
         *check_lost(facts),
         *check_deadlines(facts),
@@ -176,6 +181,53 @@ def check_visibility(ops: list[Op]) -> list[Violation]:
                     f"latest answered at revision {revision}, older than publish revision "
                     f"{newest.value['revision']} acknowledged before it began",
                     [newest, op],
+                )
+            )
+    return out
+
+
+def check_watch_gaps(ops: list[Op]) -> list[Violation]:
+    """Every acknowledged publish committed at a revision a watcher's stream covered was
+    delivered to it. A watcher reopens a broken stream at the revision after its last event
+    (`watch-open` records the start), so its coverage runs from its first open's revision to
+    its last event; a RESYNC (after a compaction) excuses the revisions it jumped over."""
+    acked = [(int(p.value["revision"]), p) for p in ops if p.f == "publish" and p.outcome == OK]
+    by_client: dict[str, list[Op]] = defaultdict(list)
+    for op in ops:
+        if op.f in ("watch-open", "watch", "watch-resync", "watch-unwanted") and op.outcome == OK:
+            by_client[op.client].append(op)
+    out = []
+    for client, mine in by_client.items():
+        mine.sort(key=lambda o: (o.invoke, o.id))
+        opens = [int(o.value["since"]) for o in mine if o.f == "watch-open"]
+        events = [o for o in mine if o.f in ("watch", "watch-resync")]
+        out += [
+            Violation("watch-filter", f"{client} asked for versions only and got {o.value}", [o])
+            for o in mine
+            if o.f == "watch-unwanted"
+        ]
+        if not opens or not events:
+            continue
+        seen = {int(o.value["revision"]) for o in events if o.f == "watch"}
+        excused: list[tuple[int, int]] = []
+        previous = opens[0] - 1
+        for o in events:
+            revision = int(o.value["revision"])
+            if o.f == "watch-resync":
+                excused.append((previous, revision))
+            previous = revision
+        last = max(int(o.value["revision"]) for o in events)
+        for revision, p in acked:
+            if not opens[0] <= revision <= last or revision in seen:
+                continue
+            if any(lo < revision <= hi for lo, hi in excused):
+                continue
+            out.append(
+                Violation(
+                    "missed-watch",
+                    f"{client} never saw policy@{p.args['version']} (revision {revision}), "
+                    f"inside the range it watched ({opens[0]}..{last})",
+                    [p],
                 )
             )
     return out

@@ -43,7 +43,7 @@ class RunConfig:
     planted: str = ""  # a test-only bug to plant in the clients (tensorhub.planted)
     readers: int = 2
     publishers: int = 2
-    watchers: int = 1
+    watchers: int = 2  # watcher-1 asks for versions only
     pollers: int = 1
     intruders: int = 1
     hold: tuple[float, float] = (1.5, 3.0)  # how long a fault lasts

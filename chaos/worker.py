@@ -192,15 +192,26 @@ def reader(w: Worker) -> None:
 
 
 def watcher(w: Worker) -> None:
+    """Follow the model's versions from one start revision to the end of the run.
+
+    A broken stream is reopened where it left off (`since`), so the history claims
+    continuous coverage: the checker requires every acknowledged publish from the first
+    open's revision to the last event to have been seen. Odd-numbered watchers ask for
+    `versions_only`, so the hub's filter is exercised under the same faults.
+    """
     hub = w.connect()
+    versions_only = int(w.spec["name"].rsplit("-", 1)[-1]) % 2 == 1
     since: int | None = None
     while w.running():
         try:
-            watch = hub.watch(MODEL, since=since)
+            watch = hub.watch(MODEL, since=since, versions_only=versions_only)
         except TensorHubError as exc:
             w.rec.instant("watch-error", error=error_name(exc))
             w.pause(0.2, 0.5)
             continue
+        if since is None:
+            since = watch.next_revision
+        w.rec.instant("watch-open", since=since, versions_only=versions_only)
         with watch:
             while w.running():
                 try:
@@ -213,6 +224,10 @@ def watcher(w: Worker) -> None:
                 since = event.revision + 1
                 if event.kind is EventKind.VERSION_PUBLISHED:
                     w.rec.instant("watch", version=event.version, revision=event.revision)
+                elif event.kind is EventKind.RESYNC:
+                    w.rec.instant("watch-resync", version=event.version, revision=event.revision)
+                elif versions_only:
+                    w.rec.instant("watch-unwanted", kind=event.kind.name, revision=event.revision)
 
 
 def poller(w: Worker) -> None:

@@ -194,3 +194,50 @@ def test_a_saved_report_is_checked_again(tmp_path: Path) -> None:
     write_json(result, tmp_path / "run.json")
     violations, _ = recheck(tmp_path / "run.json")
     assert {v.kind for v in violations} == {"stale-read"}
+
+
+def watch_open(client: str, t: float, since: int, versions_only: bool = False) -> Op:
+    return op(client, "watch-open", t, t, timeout=0.0, since=since, versions_only=versions_only)
+
+
+def watched(client: str, t: float, version: int, revision: int, f: str = "watch") -> Op:
+    return op(client, f, t, t, timeout=0.0, version=version, revision=revision)
+
+
+def test_a_watcher_that_skipped_an_acknowledged_publish_is_reported() -> None:
+    ops = [
+        watch_open("w#1", 0.0, since=5),
+        publish("p#1", 1, 0.1, 0.2),  # revision 10
+        publish("p#1", 2, 0.3, 0.4),  # revision 20: never delivered
+        publish("p#1", 3, 0.5, 0.6),  # revision 30
+        watched("w#1", 0.25, 1, 10),
+        watched("w#1", 0.65, 3, 30),
+    ]
+    found = check(Facts(ops))
+    assert kinds(found) == ["missed-watch"]
+    assert "policy@2" in found[0].message
+    assert found[0].ops[0].args["version"] == 2
+
+
+def test_publishes_outside_the_watched_range_or_excused_by_a_resync_are_not_missed() -> None:
+    ops = [
+        publish("p#1", 1, 0.0, 0.1),  # revision 10: before the watch started (since=15)
+        watch_open("w#1", 0.15, since=15),
+        publish("p#1", 2, 0.2, 0.3),  # revision 20: jumped over by the resync at 25
+        watched("w#1", 0.4, 2, 25, f="watch-resync"),
+        publish("p#1", 3, 0.5, 0.6),  # revision 30
+        watched("w#1", 0.65, 3, 30),
+        publish("p#1", 4, 0.7, 0.8),  # revision 40: after the last event (run ended)
+        publish("p#1", 5, 0.7, None, outcome=INFO),  # unknown outcome: never required
+    ]
+    assert check(Facts(ops)) == []
+
+
+def test_a_versions_only_watcher_that_got_a_holder_event_is_reported() -> None:
+    ops = [
+        watch_open("w#1", 0.0, since=5, versions_only=True),
+        publish("p#1", 1, 0.1, 0.2),
+        watched("w#1", 0.25, 1, 10),
+        op("w#1", "watch-unwanted", 0.26, 0.26, timeout=0.0, kind="HOLDER_UPDATED", revision=10),
+    ]
+    assert kinds(check(Facts(ops))) == ["watch-filter"]
