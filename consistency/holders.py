@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from consistency import ops
 from consistency.etcd import Etcd
 from consistency.keys import Keys
-from consistency.records import HolderRecord, HolderState
+from consistency.records import HolderRecord, HolderState, sharded_count
 from consistency.versions import VersionRegistry
 from tensorhub.errors import (
     DeadlineExceeded,
@@ -26,6 +26,18 @@ from tensorhub.errors import (
 from tensorhub.names import validate_name
 
 DEFAULT_TIMEOUT = 10.0
+
+
+def _check_shard(model: str, version: int, shard: int | None, count: int) -> None:
+    """A holder names a shard exactly when the version is model-parallel, and in range."""
+    if count and shard is None:
+        raise InvalidArgument(
+            f"{model}@{version} is model-parallel ({count} shards): a holder must name its shard"
+        )
+    if not count and shard is not None:
+        raise InvalidArgument(f"{model}@{version} is not model-parallel: a holder has no shard")
+    if shard is not None and shard >= count:
+        raise InvalidArgument(f"shard {shard} out of range: {model}@{version} has {count}")
 
 
 @dataclass(frozen=True)
@@ -60,10 +72,16 @@ class HolderRegistry:
         """Register (or re-register) a holder under its lease; returns its fencing token.
 
         Fails with `VersionNotFound` if the version is not published: no holder record can
-        outlive or precede its version's manifest.
+        outlive or precede its version's manifest. A holder of a model-parallel version must
+        name the one shard it holds (`record.shard`), and a holder of a whole version must not.
         """
         if record.session <= 0:
             raise InvalidArgument("a holder record needs its session (lease) id")
+        manifest_key = self.keys.manifest(tenant, model, version)
+        manifest, _ = self.etcd.get(manifest_key, timeout=timeout)
+        if manifest is None:
+            raise VersionNotFound(f"{model}@{version} is not published; cannot hold it")
+        _check_shard(model, version, record.shard, sharded_count(manifest.value))
         key = self.keys.holder(tenant, model, version, record.holder)
         result = self.etcd.txn(
             [ops.exists(self.keys.manifest(tenant, model, version))],
@@ -84,8 +102,19 @@ class HolderRegistry:
         *,
         timeout: float | None = None,
     ) -> None:
-        """Change a holder's state (PARTIAL → COMPLETE) if its record is still at `fence`."""
+        """Change a holder's state (PARTIAL → COMPLETE) if its record is still at `fence`.
+
+        The shard a record names never changes: an update naming another one is refused.
+        """
         key = self.keys.holder(tenant, model, version, record.holder)
+        current, _ = self.etcd.get(key, timeout=timeout)
+        if current is not None and current.create_revision == fence:
+            held = HolderRecord.decode(current.value).shard
+            if held != record.shard:
+                raise InvalidArgument(
+                    f"holder {record.holder} holds shard {held} of {model}@{version}, "
+                    f"not {record.shard}"
+                )
         result = self.etcd.txn(
             [ops.create(key, "==", fence)],
             [ops.put(key, record.encode(), lease=record.session)],
@@ -133,21 +162,26 @@ class HolderRegistry:
             )
             latest_kv, _ = self.etcd.get(latest_key, timeout=remaining)
             mine = None
-            others = []
+            complete = []
             for kv in snapshot.kvs:
                 _, kind, name = self.keys.parse_version_key(tenant, model, kv.key.decode())
                 if kind == "h":
+                    record = HolderRecord.decode(kv.value, kv.create_revision)
                     if name == holder:
-                        mine = HolderRecord.decode(kv.value, kv.create_revision)
-                    elif HolderRecord.decode(kv.value).state is HolderState.COMPLETE:
-                        others.append(kv)
+                        mine = record
+                    elif record.state is HolderState.COMPLETE:
+                        complete.append((kv, record.shard))
             if mine is None:
                 return snapshot.revision  # nothing to release
+            # of a model-parallel version, only holders of the same shard can stand in
+            others = [kv for kv, shard in complete if shard == mine.shard]
             compares = []
             if not force and mine.complete and self._is_retained(tenant, model, version, remaining):
                 if not others:
                     raise RetentionViolation(
-                        f"{holder} is the last complete holder of retained {model}@{version}; "
+                        f"{holder} is the last complete holder of "
+                        f"{'' if mine.shard is None else f'shard {mine.shard} of '}"
+                        f"retained {model}@{version}; "
                         "release with force=True, or set a spill target, to drop it"
                     )
                 compares.append(ops.mod(others[0].key, "==", others[0].mod_revision))

@@ -27,7 +27,9 @@ class HolderRecord:
     """Who holds a version, where to read it, and under which session (lease).
 
     `revision` is the etcd create_revision of the record: the holder's fencing token. It is
-    filled in when a record is read back (it cannot be known before the write).
+    filled in when a record is read back (it cannot be known before the write). `shard` is
+    the index of the one shard a holder of a model-parallel version holds (None: the whole
+    version); readers of shard i read only from holders of shard i.
     """
 
     holder: str
@@ -36,9 +38,12 @@ class HolderRecord:
     state: HolderState = HolderState.PARTIAL
     session: int = 0
     revision: int = 0
+    shard: int | None = None
 
     def __post_init__(self) -> None:
         validate_name(self.holder, "holder")
+        if self.shard is not None and (not isinstance(self.shard, int) or self.shard < 0):
+            raise InvalidArgument(f"invalid shard index {self.shard!r}: must be an integer >= 0")
         if not isinstance(self.state, HolderState):
             object.__setattr__(self, "state", HolderState(self.state))
 
@@ -53,6 +58,8 @@ class HolderRecord:
         data = asdict(self)
         data["state"] = self.state.value
         del data["revision"]  # derived from the key's create_revision on read
+        if self.shard is None:
+            del data["shard"]  # whole-version records stay as they always were
         return json.dumps(data, sort_keys=True).encode()
 
     @classmethod
@@ -66,6 +73,7 @@ class HolderRecord:
                 state=HolderState(data["state"]),
                 session=int(data["session"]),
                 revision=revision,
+                shard=None if data.get("shard") is None else int(data["shard"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgument(f"malformed holder record: {exc}") from exc

@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from consistency import ops
 from consistency.etcd import Etcd
@@ -192,6 +192,8 @@ class VersionRegistry:
         validate_version(version)
         if sharded_count(manifest):
             raise InvalidArgument("manifest bytes collide with the sharded-version marker")
+        if holder.shard is not None:
+            raise InvalidArgument("a holder of a whole version cannot name a shard")
         holder = self._complete(holder)
         keys = self.keys
         manifest_key = keys.manifest(tenant, model, version)
@@ -235,7 +237,9 @@ class VersionRegistry:
         validate_version(version)
         if count < 1 or not 0 <= index < count:
             raise InvalidArgument(f"shard index {index} out of range for {count} shards")
-        holder = self._complete(holder)
+        if holder.shard is not None and holder.shard != index:
+            raise InvalidArgument(f"holder names shard {holder.shard} but publishes shard {index}")
+        holder = replace(self._complete(holder), shard=index)
         keys = self.keys
         shard_key = keys.shard(tenant, model, version, index)
         latest_key = keys.latest(tenant, model)

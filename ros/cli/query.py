@@ -55,6 +55,7 @@ def _holder_rows(holders: Any) -> list[dict[str, Any]]:
             "topology": dict(h.topology),
             "session": f"{h.session_id:x}",
             "fence": h.fence,
+            "shard": h.shard if h.HasField("shard") else None,
         }
         for h in holders
     ]
@@ -91,11 +92,14 @@ def run(args: argparse.Namespace) -> int:
                 }
             )
         else:
+            sharded = any(h["shard"] is not None for h in holders)  # a model-parallel version
             print_table(
-                ["HOLDER", "STATE", "ENDPOINT", "TOPOLOGY", "SESSION"],
+                ["HOLDER", *(["SHARD"] if sharded else []), "STATE", "ENDPOINT", "TOPOLOGY",
+                 "SESSION"],
                 [
                     [
                         h["name"],
+                        *([h["shard"]] if sharded else []),
                         h["state"],
                         ",".join(f"{k}={v}" for k, v in h["endpoints"].items()),
                         ",".join(f"{k}={v}" for k, v in sorted(h["topology"].items())) or "-",
@@ -103,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
                     ]
                     for h in holders
                 ],
-            )
+            )  # fmt: skip
         return 0
     manifest = info.manifest
     data = {

@@ -78,6 +78,7 @@ class ClientBase:
         self._store = HolderStore()
         self._server: HolderServer | None = None
         self._fences: dict[tuple[str, int], int] = {}
+        self._shards: dict[tuple[str, int], int] = {}  # model-parallel versions held: shard
         self._session_ttl = session_ttl
         self._closed = False
         self.session = self._open_session()
@@ -132,7 +133,8 @@ class ClientBase:
                     _, model, version = key
                     if held is None or held.released:
                         continue
-                    fence = self._register(model, version, complete=held.complete)
+                    shard = self._shards.get((model, version))
+                    fence = self._register(model, version, complete=held.complete, shard=shard)
                     self._fences[(model, version)] = fence
         except TensorHubError as exc:
             log.error("could not re-register after losing the session: %s", exc)
@@ -161,7 +163,7 @@ class ClientBase:
             host = socket.gethostbyname(socket.gethostname())
         return f"{host}:{port}"
 
-    def _holder_pb(self, complete: bool, fence: int = 0) -> pb.Holder:
+    def _holder_pb(self, complete: bool, fence: int = 0, shard: int | None = None) -> pb.Holder:
         labels = {k: v for k, v in vars(self.topology).items() if v}
         return pb.Holder(
             name=self.holder_name,
@@ -170,11 +172,14 @@ class ClientBase:
             state=pb.COMPLETE if complete else pb.PARTIAL,
             session_id=self.session.id,
             fence=fence,
+            shard=shard,
         )
 
-    def _register(self, model: str, version: int, *, complete: bool) -> int:
+    def _register(
+        self, model: str, version: int, *, complete: bool, shard: int | None = None
+    ) -> int:
         request = pb.RegisterHolderRequest(
-            model=model, version=version, holder=self._holder_pb(complete)
+            model=model, version=version, holder=self._holder_pb(complete, shard=shard)
         )
         response = self._rpc("RegisterHolder", request)
         self.floor.observe(response.revision)
@@ -242,6 +247,7 @@ class ClientBase:
         self.floor.observe(response.revision)
         self._store.release((self.tenant, model, version), timeout)
         self._fences.pop((model, version), None)
+        self._shards.pop((model, version), None)
 
     def close(self) -> None:
         """Stop serving, end the session (its records vanish at once), close the channel."""

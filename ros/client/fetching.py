@@ -37,12 +37,19 @@ class FetchMixin(ClientBase):
         *,
         into: Mapping[str, torch.Tensor] | None = None,
         timeout: float = DEFAULT_FETCH_TIMEOUT,
+        shard: int | None = None,
     ) -> Held:
         """Read `model@version` from its holders, in place into `into` or into new tensors.
 
         With `into`, names, dtypes and shapes must match the manifest or `InvalidArgument`
         is raised before any byte is written. The fetched version is served to others until
         `release()`d. Raises `VersionUnavailable` if no holder is left, before the deadline.
+
+        A model-parallel version (published with `shard=(rank, ranks)`) is fetched one shard
+        at a time: `shard=i` reads rank i's tensors from the holders of shard i (its
+        publisher and earlier readers of it), and this client then serves shard i. This is
+        the layout-preserving case (reader rank i needs trainer rank i's tensors); resharding
+        into a different layout is not supported.
         """
         validate_name(model, "model")
         number = 0 if version == "latest" else validate_version(version)
@@ -54,12 +61,8 @@ class FetchMixin(ClientBase):
             min(timeout, self.timeout),
         )
         version = int(resolved.version)
-        if resolved.shards:
-            raise InvalidArgument(
-                f"{model}@{version} is model-parallel ({len(resolved.shards)} shards); "
-                "fetching sharded versions is not supported by this SDK yet"
-            )
-        layout = layout_of(resolved.manifest)
+        manifest = _pick_shard(model, version, resolved, shard)
+        layout = layout_of(manifest)
         if into is not None:
             layout.check_tensors(into)
             self._check_not_held(into)
@@ -70,14 +73,14 @@ class FetchMixin(ClientBase):
         self._holder_server()
         self._store.add(held)
         try:
-            stats = self._fill(model, version, held, resolved, deadline)
+            stats = self._fill(model, version, held, resolved, manifest, shard, deadline)
         except BaseException:
             self._abandon(model, version, held)
             raise
         for source, nbytes in stats.bytes_per_source.items():
             SDK_BYTES_FETCHED.labels(source).inc(nbytes)
         SDK_FETCH_SECONDS.observe(time.monotonic() - start)
-        return Held(self, model, version, tensors, stats)
+        return Held(self, model, version, tensors, stats, shard)
 
     def _fill(
         self,
@@ -85,31 +88,39 @@ class FetchMixin(ClientBase):
         version: int,
         held: HeldVersion,
         resolved: pb.ResolveResponse,
+        manifest: pb.Manifest,
+        shard: int | None,
         deadline: float,
     ) -> Any:
         pin = pb.PinRequest(
             model=model, version=version, pin_id=self.holder_name, session_id=self.session.id
         )
         self._rpc("Pin", pin)
-        fence = self._register(model, version, complete=False)
+        fence = self._register(model, version, complete=False, shard=shard)
         self._fences[(model, version)] = fence
+        if shard is not None:
+            self._shards[(model, version)] = shard
+
+        def holders_of(response: pb.ResolveResponse) -> list[pb.Holder]:
+            """Only holders of our shard have our bytes (all of them, for a whole version)."""
+            return [h for h in response.holders if _shard_of(h) == shard]
 
         def refresh() -> list[Source]:
             again = self._rpc("Resolve", pb.ResolveRequest(model=model, version=version))
-            return self._sources(again.holders)
+            return self._sources(holders_of(again))
 
         # Pipelined replication: now that we are registered (our fence orders us after
         # every earlier reader), read from one predecessor rather than all from the publisher.
         ordered = self._rpc("Resolve", pb.ResolveRequest(model=model, version=version))
-        first = pipeline_sources(self.topology, fence, self._candidates(ordered.holders))
+        first = pipeline_sources(self.topology, fence, self._candidates(holders_of(ordered)))
         stats = transport_fetch(
             self.tenant, model, version, held.layout, held,
-            first or self._sources(resolved.holders),
+            first or self._sources(holders_of(resolved)),
             token=bytes(resolved.read_token), deadline=deadline, me=self.topology,
-            refresh_sources=refresh, expected=list(resolved.manifest.chunk_xxh3), tls=self._tls,
+            refresh_sources=refresh, expected=list(manifest.chunk_xxh3), tls=self._tls,
         )  # fmt: skip
         update = pb.UpdateHolderRequest(
-            model=model, version=version, holder=self._holder_pb(True, fence)
+            model=model, version=version, holder=self._holder_pb(True, fence, shard)
         )
         self._rpc("UpdateHolder", update)
         self._rpc("Unpin", pb.UnpinRequest(model=model, version=version, pin_id=self.holder_name))
@@ -165,3 +176,28 @@ class FetchMixin(ClientBase):
             except TensorHubError as exc:  # the lease removes them anyway when we go
                 log.info("cleanup %s of %s@%d failed: %s", method, model, version, exc)
         self._fences.pop((model, version), None)
+        self._shards.pop((model, version), None)
+
+
+def _shard_of(holder: pb.Holder) -> int | None:
+    return holder.shard if holder.HasField("shard") else None
+
+
+def _pick_shard(
+    model: str, version: int, resolved: pb.ResolveResponse, shard: int | None
+) -> pb.Manifest:
+    """The manifest to read: the whole version's, or shard `shard`'s of a model-parallel one."""
+    count = len(resolved.shards)
+    if not count:
+        if shard is not None:
+            raise InvalidArgument(f"{model}@{version} is not model-parallel: omit shard")
+        return resolved.manifest
+    if shard is None:
+        raise InvalidArgument(
+            f"{model}@{version} is model-parallel ({count} shards): fetch one with shard=i "
+            f"(0 <= i < {count}); resharding into another layout is not supported"
+        )
+    if isinstance(shard, bool) or not isinstance(shard, int) or not 0 <= shard < count:
+        raise InvalidArgument(f"shard {shard!r} out of range: {model}@{version} has {count}")
+    manifest: pb.Manifest = resolved.shards[shard]
+    return manifest

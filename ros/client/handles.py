@@ -96,10 +96,12 @@ class Publication(_Handle):
         tensors: dict[str, torch.Tensor],
         revision: int,
         visible: bool = True,
+        shard: int | None = None,
     ) -> None:
         super().__init__(hub, model, version, tensors)
         self.revision = revision
         self.visible = visible
+        self.shard = shard  # model-parallel: the rank's shard
 
     def __repr__(self) -> str:
         return f"Publication({self.model}@{self.version}, revision={self.revision})"
@@ -107,8 +109,9 @@ class Publication(_Handle):
     def wait_replicated(self, k: int, *, timeout: float = 60.0) -> int:
         """Block until `k` other holders are COMPLETE; returns how many are (trainer stall).
 
-        Watches holder changes from the publish revision (never polls). Raises
-        `DeadlineExceeded` at the deadline.
+        For a shard of a model-parallel version, only holders of that shard count. Watches
+        holder changes from the publish revision (never polls). Raises `DeadlineExceeded` at
+        the deadline.
         """
         start = time.monotonic()
         deadline = start + timeout
@@ -126,6 +129,8 @@ class Publication(_Handle):
                 if event is None or event.version != self.version:
                     continue
                 if event.kind is EventKind.HOLDER_UPDATED and event.holder is not None:
+                    if event.holder.shard != self.shard:
+                        continue
                     if event.holder.complete and event.holder.holder != me:
                         complete.add(event.holder.holder)
                 elif event.kind is EventKind.HOLDER_REMOVED:
@@ -134,7 +139,7 @@ class Publication(_Handle):
                     complete = {
                         h.holder
                         for h in event.holders.get(self.version, [])
-                        if h.complete and h.holder != me
+                        if h.complete and h.holder != me and h.shard == self.shard
                     }
         SDK_TRAINER_STALL.observe(time.monotonic() - start)
         return len(complete)
@@ -150,9 +155,11 @@ class Held(_Handle):
         version: int,
         tensors: dict[str, torch.Tensor],
         stats: FetchStats,
+        shard: int | None = None,
     ) -> None:
         super().__init__(hub, model, version, tensors)
         self.stats = stats
+        self.shard = shard  # model-parallel: the one shard fetched
 
     def __repr__(self) -> str:
         return f"Held({self.model}@{self.version}, {len(self.tensors)} tensors)"

@@ -64,8 +64,12 @@ class PublishMixin(ClientBase):
         manifest = manifest_of(held)
         self._holder_server()
         self._store.add(held)
+        index = None if shard is None else shard[0]
         request = pb.PublishRequest(
-            model=model, version=version, manifest=manifest, holder=self._holder_pb(complete=True)
+            model=model,
+            version=version,
+            manifest=manifest,
+            holder=self._holder_pb(complete=True, shard=index),
         )
         if shard is not None:
             request.shard_index, request.shard_count = shard
@@ -75,9 +79,11 @@ class PublishMixin(ClientBase):
             self._store.release(held.key, 0.0)
             raise
         self.floor.observe(response.revision)
+        if index is not None:
+            self._shards[(model, version)] = index
         SDK_PUBLISH_SECONDS.observe(time.monotonic() - start)
         return Publication(
-            self, model, version, own, int(response.revision), bool(response.visible)
+            self, model, version, own, int(response.revision), bool(response.visible), index
         )
 
     def _publish_rpc(self, request: pb.PublishRequest, timeout: float | None) -> pb.PublishResponse:

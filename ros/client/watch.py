@@ -30,7 +30,10 @@ _RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.Stat
 
 def holder_from_message(h: pb.Holder) -> HolderRecord:
     state = HolderState.COMPLETE if h.state == pb.COMPLETE else HolderState.PARTIAL
-    return HolderRecord(h.name, dict(h.endpoints), dict(h.topology), state, h.session_id, h.fence)
+    shard = h.shard if h.HasField("shard") else None
+    return HolderRecord(
+        h.name, dict(h.endpoints), dict(h.topology), state, h.session_id, h.fence, shard
+    )
 
 
 def event_from_message(m: pb.WatchEvent) -> WatchEvent:

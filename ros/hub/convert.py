@@ -25,6 +25,7 @@ def holder_to_pb(record: HolderRecord) -> pb.Holder:
         state=_STATE_TO_PB[record.state],
         session_id=record.session,
         fence=record.revision,
+        shard=record.shard,
     )
 
 
@@ -50,6 +51,7 @@ def holder_from_pb(
         state=state,
         session=message.session_id,
         revision=message.fence,
+        shard=message.shard if message.HasField("shard") else None,
     )
 
 

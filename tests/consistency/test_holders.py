@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -16,7 +17,7 @@ from consistency import (
     Session,
     VersionRegistry,
 )
-from tensorhub.errors import LeaseLost, RetentionViolation, VersionNotFound
+from tensorhub.errors import InvalidArgument, LeaseLost, RetentionViolation, VersionNotFound
 
 
 def rec(session: Session, name: str, state: HolderState = HolderState.PARTIAL) -> HolderRecord:
@@ -143,3 +144,34 @@ def test_lease_expiry_removes_a_dead_holder_and_the_watch_reports_it(
     assert event.holder_name == "doomed"
     assert elapsed <= 3
     assert [h.holder for h in holders.list("t", "m", 1)[0]] == ["trainer"]
+
+
+def test_holders_of_a_model_parallel_version_name_their_shard(
+    etcd: Etcd, versions: VersionRegistry, holders: HolderRegistry
+) -> None:
+    ranks = [Session(etcd, ttl=5) for _ in range(2)]
+    for i, session in enumerate(ranks):
+        versions.publish_shard("t", "mp", 1, i, 2, f"part{i}".encode(), rec(session, f"rank{i}"))
+    listed, _ = holders.list("t", "mp", 1)
+    assert {h.holder: h.shard for h in listed} == {"rank0": 0, "rank1": 1}  # set by publish
+    with Session(etcd, ttl=5) as reader:
+        with pytest.raises(InvalidArgument, match="must name its shard"):
+            holders.register("t", "mp", 1, rec(reader, "reader"))
+        with pytest.raises(InvalidArgument, match="out of range"):
+            holders.register("t", "mp", 1, replace(rec(reader, "reader"), shard=2))
+        fence = holders.register("t", "mp", 1, replace(rec(reader, "reader"), shard=1))
+        moved = replace(rec(reader, "reader", HolderState.COMPLETE), shard=0)
+        with pytest.raises(InvalidArgument, match="holds shard 1"):
+            holders.update_state("t", "mp", 1, moved, fence)  # a record's shard never changes
+        holders.update_state("t", "mp", 1, replace(moved, shard=1), fence)
+        # the last-holder rule counts holders of the same shard only: rank 0 is still the
+        # only complete holder of shard 0, although the reader completed shard 1
+        with pytest.raises(RetentionViolation, match="shard 0"):
+            holders.release("t", "mp", 1, "rank0")
+        holders.release("t", "mp", 1, "rank1")  # the reader stands in for shard 1
+    with Session(etcd, ttl=5) as other:
+        versions.publish("t", "whole", 1, b"manifest", rec(other, "trainer"))
+        with pytest.raises(InvalidArgument, match="not model-parallel"):
+            holders.register("t", "whole", 1, replace(rec(other, "x"), shard=0))
+    for session in ranks:
+        session.close()

@@ -91,4 +91,4 @@ def test_model_parallel_publish_becomes_visible_with_the_last_rank(
     assert last.visible
     assert watcher.latest("policy") == 1
     with pytest.raises(ros.InvalidArgument, match="model-parallel"):
-        watcher.fetch("policy", 1, timeout=5)  # resharding readers: not implemented (docs)
+        watcher.fetch("policy", 1, timeout=5)  # one shard at a time: test_sharded_fetch.py

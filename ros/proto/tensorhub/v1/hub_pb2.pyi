@@ -17,7 +17,7 @@ PARTIAL: HolderState
 COMPLETE: HolderState
 
 class Holder(_message.Message):
-    __slots__ = ("name", "endpoints", "topology", "state", "session_id", "fence")
+    __slots__ = ("name", "endpoints", "topology", "state", "session_id", "fence", "shard")
     class EndpointsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -38,13 +38,15 @@ class Holder(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     FENCE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
     name: str
     endpoints: _containers.ScalarMap[str, str]
     topology: _containers.ScalarMap[str, str]
     state: HolderState
     session_id: int
     fence: int
-    def __init__(self, name: _Optional[str] = ..., endpoints: _Optional[_Mapping[str, str]] = ..., topology: _Optional[_Mapping[str, str]] = ..., state: _Optional[_Union[HolderState, str]] = ..., session_id: _Optional[int] = ..., fence: _Optional[int] = ...) -> None: ...
+    shard: int
+    def __init__(self, name: _Optional[str] = ..., endpoints: _Optional[_Mapping[str, str]] = ..., topology: _Optional[_Mapping[str, str]] = ..., state: _Optional[_Union[HolderState, str]] = ..., session_id: _Optional[int] = ..., fence: _Optional[int] = ..., shard: _Optional[int] = ...) -> None: ...
 
 class TensorEntry(_message.Message):
     __slots__ = ("name", "dtype", "shape", "offset", "nbytes")
