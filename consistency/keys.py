@@ -8,6 +8,7 @@
 {p}/t/{tenant}/m/{model}/v/{version:020d}/seed/{dc}
 {p}/t/{tenant}/m/{model}/v/{version:020d}/pin/{id}
 {p}/t/{tenant}/s/{session:x}                           (marks a lease as the tenant's)
+{p}/t/{tenant}/quota/{what}                            (fence of a counted create: models, sessions)
 {p}/tenants/{tenant}
 {p}/hub/secret
 ```
@@ -52,6 +53,10 @@ class Keys:
 
     def sessions(self, tenant: str) -> str:
         return f"{self.tenant(tenant)}s/"
+
+    def quota_fence(self, tenant: str, what: str) -> str:
+        """Bumped by every create counted against a quota (`consistency.quota`)."""
+        return f"{self.tenant(tenant)}quota/{validate_name(what, 'quota')}"
 
     def session(self, tenant: str, session_id: int) -> str:
         """Marks a session (lease) as the tenant's; attached to that lease."""

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from consistency import ops
 from consistency.etcd import Etcd
@@ -78,6 +79,16 @@ class _Latest:
     mod_revision: int
     revision: int
     extra: dict[str, int] = field(default_factory=dict)
+
+
+Admit = Callable[[float], tuple[list[ops.Cmp], list[ops.Op]]]
+
+
+def _admission(admit: Admit | None, state: _Latest, timeout: float) -> tuple[list[Any], list[Any]]:
+    """Compares and puts a model-creating publish adds (none once the model has `latest`)."""
+    if admit is None or state.mod_revision:
+        return [], []
+    return admit(timeout)
 
 
 class VersionRegistry:
@@ -183,11 +194,14 @@ class VersionRegistry:
         holder: HolderRecord,
         *,
         timeout: float = DEFAULT_TIMEOUT,
+        admit_model: Admit | None = None,
     ) -> Published:
         """Publish `version` with its manifest and the publisher as first (COMPLETE) holder.
 
         Raises `StaleVersion` if `version` is not newer than `latest`, and `OutcomeUnknown`
         if etcd could not confirm the write before the deadline (check `latest()` after).
+        `admit_model` (a `CountedCreate`'s admit) is asked while the model has no `latest`
+        yet; what it returns joins the transaction, so a model quota holds under races.
         """
         validate_version(version)
         if sharded_count(manifest):
@@ -201,9 +215,11 @@ class VersionRegistry:
         latest_key = keys.latest(tenant, model)
 
         def attempt(state: _Latest, remaining: float) -> tuple[bool, int, int]:
+            guard, bump = _admission(admit_model, state, remaining)
             result = self.etcd.txn(
-                [ops.mod(latest_key, "==", state.mod_revision), ops.absent(manifest_key)],
+                [ops.mod(latest_key, "==", state.mod_revision), ops.absent(manifest_key), *guard],
                 [
+                    *bump,
                     ops.put(latest_key, str(version)),
                     ops.put(manifest_key, manifest),
                     ops.put(holder_key, holder.encode(), lease=holder.session),
@@ -227,8 +243,9 @@ class VersionRegistry:
         holder: HolderRecord,
         *,
         timeout: float = DEFAULT_TIMEOUT,
+        admit_model: Admit | None = None,
     ) -> Published:
-        """Publish one rank's shard of a model-parallel version.
+        """Publish one rank's shard of a model-parallel version (`admit_model`: as `publish`).
 
         The transaction writes the shard record and the rank's holder record; a nested
         transaction moves `latest` only if every other shard is already present, so exactly
@@ -249,9 +266,11 @@ class VersionRegistry:
         ]
 
         def attempt(state: _Latest, remaining: float) -> tuple[bool, int, int]:
+            guard, bump = _admission(admit_model, state, remaining)
             result = self.etcd.txn(
-                [ops.mod(latest_key, "==", state.mod_revision), ops.absent(shard_key)],
+                [ops.mod(latest_key, "==", state.mod_revision), ops.absent(shard_key), *guard],
                 [
+                    *bump,
                     ops.put(shard_key, record.encode()),
                     ops.put(
                         keys.holder(tenant, model, version, holder.holder),

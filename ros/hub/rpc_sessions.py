@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterator
 
 import grpc
 
-from consistency import Session
+from consistency import Session, ops
+from consistency.quota import CountedCreate
 from ros.hub.rpc import MAX_CALL_SECONDS, HubBase, streaming, unary
+from ros.hub.tenants import Tenant
 from ros.metrics import HUB_SESSIONS, HUB_SESSIONS_OPENED
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
-from tensorhub.errors import InvalidArgument, QuotaExceeded
+from tensorhub.errors import DeadlineExceeded, InvalidArgument, TensorHubError
+
+log = logging.getLogger(__name__)
 
 MAX_SESSION_TTL = 300
 
@@ -27,19 +33,12 @@ class SessionRPCs(HubBase):
         ttl = request.ttl_seconds or 10
         if not 1 <= ttl <= MAX_SESSION_TTL:
             raise InvalidArgument(f"session TTL must be 1..{MAX_SESSION_TTL} s, got {ttl}")
-        count = len(
-            self.etcd.range(
-                self.keys.sessions(tenant.name), prefix=True, keys_only=True, timeout=timeout
-            ).kvs
-        )
-        if count >= tenant.quotas.max_sessions:
-            raise QuotaExceeded(
-                f"tenant {tenant.name} has {count} sessions (quota {tenant.quotas.max_sessions})"
-            )
         session = Session(self.etcd, ttl=ttl, keepalive=False)
-        revision = self.etcd.put(
-            self.keys.session(tenant.name, session.id), b"", lease=session.id, timeout=timeout
-        )
+        try:
+            revision = self._mark_session(tenant, session.id, timeout)
+        except BaseException:
+            self._revoke_quietly(session.id)
+            raise
         HUB_SESSIONS_OPENED.inc()
         return pb.OpenSessionResponse(
             session_id=session.id,
@@ -47,6 +46,35 @@ class SessionRPCs(HubBase):
             read_key=self.tenants.read_key(tenant.name),
             revision=revision,
         )
+
+    def _mark_session(self, tenant: Tenant, session_id: int, timeout: float) -> int:
+        """Mark the lease as the tenant's, within its session quota (race-free: see
+        `consistency.quota`); returns the revision of the mark."""
+        sessions = self.keys.sessions(tenant.name)
+        quota = CountedCreate(
+            self.etcd,
+            self.keys.quota_fence(tenant.name, "sessions"),
+            tenant.quotas.max_sessions,
+            lambda t: [
+                kv.key.decode()
+                for kv in self.etcd.range(sessions, prefix=True, keys_only=True, timeout=t).kvs
+            ],
+            f"sessions of tenant {tenant.name}",
+        )
+        mark = ops.put(self.keys.session(tenant.name, session_id), b"", lease=session_id)
+        deadline = time.monotonic() + timeout
+        while (remaining := deadline - time.monotonic()) > 0:
+            guard, bump = quota.admit(remaining)
+            result = self.etcd.txn(guard, [*bump, mark], timeout=deadline - time.monotonic())
+            if result.succeeded:
+                return result.revision
+        raise DeadlineExceeded("opening a session: the session count kept changing")
+
+    def _revoke_quietly(self, session_id: int) -> None:
+        try:
+            self.etcd.lease_revoke(session_id, timeout=5.0)
+        except TensorHubError as exc:  # it expires within its TTL anyway
+            log.info("could not revoke refused session %x: %s", session_id, exc)
 
     @streaming
     def KeepAlive(

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 
-from consistency import HolderState, VersionInfo, VersionRegistry
+from consistency import HolderState, VersionInfo
+from consistency.quota import CountedCreate
 from ros.hub.convert import holder_from_pb, holder_to_pb
 from ros.hub.rpc import HubBase, streaming, unary
 from ros.hub.tenants import Tenant
 from ros.metrics import HUB_WATCHES
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.tokens import issue_read_token
-from tensorhub.errors import InvalidArgument, QuotaExceeded, VersionNotFound
+from tensorhub.errors import InvalidArgument, VersionNotFound
 from tensorhub.names import validate_name, validate_version
 
 MAX_MANIFEST_BYTES = 16 << 20
@@ -40,7 +42,17 @@ class VersionRPCs(HubBase):
         holder = holder_from_pb(request.holder, default_state=HolderState.COMPLETE)
         self._own_session(tenant, holder.session, timeout)
         versions = self._versions(tenant)
-        self._check_model_quota(tenant, versions, model, timeout)
+        quota = CountedCreate(
+            self.etcd,
+            self.keys.quota_fence(tenant.name, "models"),
+            tenant.quotas.max_models,
+            lambda t: versions.models(tenant.name, timeout=t),
+            f"models of tenant {tenant.name}",
+        )
+
+        def admit(remaining: float) -> tuple[list[Any], list[Any]]:
+            return quota.admit(remaining, model)
+
         if request.shard_count:
             published = versions.publish_shard(
                 tenant.name,
@@ -51,26 +63,15 @@ class VersionRPCs(HubBase):
                 manifest,
                 holder,
                 timeout=timeout,
+                admit_model=admit,
             )
         else:
             published = versions.publish(
-                tenant.name, model, version, manifest, holder, timeout=timeout
+                tenant.name, model, version, manifest, holder, timeout=timeout, admit_model=admit
             )
         return pb.PublishResponse(
             version=published.version, revision=published.revision, visible=published.visible
         )
-
-    def _check_model_quota(
-        self, tenant: Tenant, versions: VersionRegistry, model: str, timeout: float
-    ) -> None:
-        kv, _ = self.etcd.get(self.keys.latest(tenant.name, model), timeout=timeout)
-        if kv is not None:
-            return
-        models = versions.models(tenant.name, timeout=timeout)
-        if model not in models and len(models) >= tenant.quotas.max_models:
-            raise QuotaExceeded(
-                f"tenant {tenant.name} has {len(models)} models (quota {tenant.quotas.max_models})"
-            )
 
     @unary
     def Latest(self, request: pb.LatestRequest, context: grpc.ServicerContext) -> pb.LatestResponse:

@@ -1,0 +1,52 @@
+"""Quotas without a check-then-create race.
+
+Counting keys and then creating one is two steps: two creates that both count `limit - 1`
+both pass, and the tenant ends one over its quota. Here every counted create also bumps a
+per-tenant fence key, and its transaction compares the fence's mod_revision with the one
+read *before* the count. A create that committed after that read bumped the fence, so the
+later transaction fails and counts again; one that committed before it is in the count.
+Deletions (an expired session) do not bump the fence: they can only make a count too high,
+never too low, so a quota is never exceeded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+
+from consistency import ops
+from consistency.etcd import Etcd
+from tensorhub.errors import QuotaExceeded
+
+
+class CountedCreate:
+    """Admission of creates counted against `limit`, guarded by the key `fence`.
+
+    `members(timeout)` lists what counts (model names, session keys).
+    """
+
+    def __init__(
+        self,
+        etcd: Etcd,
+        fence: str,
+        limit: int,
+        members: Callable[[float], Collection[str]],
+        what: str,
+    ) -> None:
+        self._etcd = etcd
+        self._fence = fence
+        self._limit = limit
+        self._members = members
+        self._what = what
+
+    def admit(self, timeout: float, name: str | None = None) -> tuple[list[ops.Cmp], list[ops.Op]]:
+        """The compares and puts to add to the creating transaction, or `QuotaExceeded` if
+        the quota is full. Nothing to add if `name` already counts (nothing new is created).
+        Call again (a fresh count) after the transaction fails."""
+        kv, _ = self._etcd.get(self._fence, timeout=timeout)
+        seen = kv.mod_revision if kv is not None else 0
+        members = self._members(timeout)  # read after the fence: anything newer bumps it
+        if name is not None and name in members:
+            return [], []
+        if len(members) >= self._limit:
+            raise QuotaExceeded(f"{len(members)} {self._what} (quota {self._limit})")
+        return [ops.mod(self._fence, "==", seen)], [ops.put(self._fence, b"")]
