@@ -125,19 +125,24 @@ class ClientBase:
     def _recover(self) -> None:
         if self._closed:
             return
-        try:
-            with self._lock:
+        with self._lock:
+            try:
                 self.session = self._open_session()
-                for key in self._store.keys():  # noqa: SIM118  (a method, not a dict)
-                    held = self._store.get(key)
-                    _, model, version = key
-                    if held is None or held.released:
-                        continue
-                    shard = self._shards.get((model, version))
+            except TensorHubError as exc:
+                log.error("could not open a new session after losing one: %s", exc)
+                return
+            for key in self._store.keys():  # noqa: SIM118  (a method, not a dict)
+                held = self._store.get(key)
+                _, model, version = key
+                if held is None or held.released:
+                    continue
+                shard = self._shards.get((model, version))
+                try:  # one version's failure must not keep the others unregistered
                     fence = self._register(model, version, complete=held.complete, shard=shard)
-                    self._fences[(model, version)] = fence
-        except TensorHubError as exc:
-            log.error("could not re-register after losing the session: %s", exc)
+                except TensorHubError as exc:
+                    log.error("could not re-register %s@%d: %s", model, version, exc)
+                    continue
+                self._fences[(model, version)] = fence
 
     def _verifier(self, tenant: str, model: str, version: int, token: bytes) -> bool:
         session = self.session

@@ -3,12 +3,15 @@ of that shard, becomes one, and the retention and replication rules count per sh
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import pytest
 import torch
 
 import ros
+from consistency import HolderRecord
+from ros.hub.server import HubServer
 
 
 def part(rank: int) -> dict[str, torch.Tensor]:
@@ -84,3 +87,38 @@ def test_replication_and_the_last_holder_rule_count_holders_of_the_same_shard(
     reader_of_0.fetch("policy", 1, shard=0, timeout=30)
     assert pubs[0].wait_replicated(1, timeout=10) == 1
     pubs[0].release()  # now the reader of shard 0 stands in
+
+
+def test_a_client_that_lost_its_session_re_registers_what_it_holds_with_its_shard(
+    connect: Callable[..., ros.Hub], hub_server: HubServer
+) -> None:
+    trainers = [connect() for _ in range(2)]
+    pubs = [t.publish("mp", 1, part(i), shard=(i, 2)) for i, t in enumerate(trainers)]
+    whole = connect().publish("policy", 1, part(7))
+    reader = connect(session_ttl=2)
+    reader.fetch("mp", 1, shard=1, timeout=30)
+    reader.fetch("policy", 1, timeout=30)
+    lost = reader.session.id
+    hub_server.etcd.lease_revoke(lost)  # its records vanish with the lease
+    deadline = time.monotonic() + 15
+    while reader.session.id == lost or len(_records_of(reader, "mp")) < 1:
+        assert time.monotonic() < deadline, "the client did not recover its session"
+        time.sleep(0.1)
+    while not _records_of(reader, "policy"):
+        assert time.monotonic() < deadline, "the whole version was not re-registered"
+        time.sleep(0.1)
+    (mp,) = _records_of(reader, "mp")
+    (pol,) = _records_of(reader, "policy")
+    assert (mp.shard, mp.complete, mp.session) == (1, True, reader.session.id)
+    assert (pol.shard, pol.complete, pol.session) == (None, True, reader.session.id)
+    pubs[1].release(force=True)  # the recovered reader is now the only holder of shard 1
+    whole.release(force=True)
+    late = connect()
+    got = late.fetch("mp", 1, shard=1, timeout=30)
+    assert set(got.stats.bytes_per_source) == {reader.holder_name}
+    for name, tensor in part(1).items():
+        assert torch.equal(got.tensors[name], tensor), name
+
+
+def _records_of(client: ros.Hub, model: str) -> list[HolderRecord]:
+    return [h for h in client.holders(model, 1) if h.holder == client.holder_name]

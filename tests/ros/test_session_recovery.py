@@ -1,0 +1,38 @@
+"""A client whose session is lost stops serving and re-registers what it holds under a new
+session (DESIGN.md §3), one version at a time: a version that vanished meanwhile does not
+keep the others unregistered."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import ros
+from ros.hub.server import HubServer
+from tests.ros.helpers import make_model
+
+
+def test_recovery_re_registers_every_version_still_published(
+    connect: Callable[..., ros.Hub], hub_server: HubServer
+) -> None:
+    trainer = connect()
+    first = trainer.publish("policy", 1, make_model(1))
+    trainer.publish("other", 1, make_model(2))
+    reader = connect(session_ttl=2)
+    old = reader.fetch("policy", 1, timeout=30)  # registered first, so re-registered first
+    kept = reader.fetch("other", 1, timeout=30)
+    first.release()
+    for v in (2, 3):  # retention (2 versions) deletes policy@1 under the reader's feet
+        trainer.publish("policy", v, make_model(v)).release(force=True)
+    lost = reader.session.id
+    hub_server.etcd.lease_revoke(lost)
+    deadline = time.monotonic() + 15
+    while reader.holder_name not in [h.holder for h in reader.holders("other", 1)]:
+        assert time.monotonic() < deadline, "other@1 was never re-registered"
+        time.sleep(0.1)
+    assert reader.session.id != lost
+    (record,) = [h for h in reader.holders("other", 1) if h.holder == reader.holder_name]
+    assert record.complete
+    assert record.session == reader.session.id
+    assert old.version == 1
+    assert kept.version == 1
