@@ -26,7 +26,7 @@ from ros.metrics import SDK_BYTES_SERVED
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
 from ros.tokens import ReadTokenVerifier
-from tensorhub.errors import IntegrityError, InvalidArgument, TensorHubError
+from tensorhub.errors import IntegrityError, InvalidArgument, LeaseLost, TensorHubError
 from tensorhub.names import validate_name
 from transport.server import HolderServer
 from transport.store import HeldVersion, HolderStore
@@ -86,7 +86,12 @@ class ClientBase:
     # -- plumbing --------------------------------------------------------------------------
 
     def _rpc(self, method: str, request: Any, timeout: float | None = None) -> Any:
-        """Call a unary method with a deadline; errors come back as TensorHubErrors."""
+        """Call a unary method with a deadline; errors come back as TensorHubErrors.
+
+        `LeaseLost` means the hub found our session gone: recovery (a new session, every
+        held version re-registered) starts at once instead of when the next renewal fails.
+        """
+        session: ClientSession | None = getattr(self, "session", None)  # none while opening
         try:
             return getattr(self._stub, method)(
                 request,
@@ -94,7 +99,10 @@ class ClientBase:
                 metadata=self._metadata,
             )
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
+            error = from_rpc_error(exc)
+            if isinstance(error, LeaseLost) and session is not None:
+                session.expire(f"the hub answered {method} with: {error}")
+            raise error from None
 
     def _fresh(
         self, call: Callable[[float], T], revision_of: Callable[[T], int], timeout: float

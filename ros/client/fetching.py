@@ -119,6 +119,8 @@ class FetchMixin(ClientBase):
             token=bytes(resolved.read_token), deadline=deadline, me=self.topology,
             refresh_sources=refresh, expected=list(manifest.chunk_xxh3), tls=self._tls,
         )  # fmt: skip
+        # a session lost meanwhile re-registered us under a new fence: complete that record
+        fence = self._fences.get((model, version), fence)
         update = pb.UpdateHolderRequest(
             model=model, version=version, holder=self._holder_pb(True, fence, shard)
         )

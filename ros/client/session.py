@@ -87,6 +87,10 @@ class ClientSession:
                 return
             self._stop.wait(0.1)
 
+    def expire(self, why: str) -> None:
+        """Declare the session lost now (the hub said so); idempotent."""
+        self._lose(why)
+
     def _lose(self, why: str) -> None:
         if self.lost.is_set():
             return

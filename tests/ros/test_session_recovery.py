@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import pytest
+
 import ros
 from ros.hub.server import HubServer
 from tests.ros.helpers import make_model
@@ -36,3 +38,21 @@ def test_recovery_re_registers_every_version_still_published(
     assert record.session == reader.session.id
     assert old.version == 1
     assert kept.version == 1
+
+
+def test_a_lease_lost_answer_starts_recovery_without_waiting_for_the_next_renewal(
+    connect: Callable[..., ros.Hub], hub_server: HubServer
+) -> None:
+    trainer = connect()
+    trainer.publish("policy", 1, make_model(1))
+    reader = connect(session_ttl=60)  # renewals every 20 s: far later than this test
+    lost = reader.session.id
+    hub_server.etcd.lease_revoke(lost)
+    with pytest.raises(ros.LeaseLost):
+        reader.fetch("policy", 1, timeout=10)  # the hub says the session is gone
+    deadline = time.monotonic() + 5
+    while reader.session.id == lost:
+        assert time.monotonic() < deadline, "no recovery within 5 s of the LeaseLost answer"
+        time.sleep(0.05)
+    held = reader.fetch("policy", 1, timeout=30)  # the next call works under the new session
+    assert held.version == 1
