@@ -20,8 +20,15 @@ from tensorhub import *  # noqa: F403  (the one error tree, re-exported for SDK 
 if TYPE_CHECKING:
     from ros.client.handles import Held, Publication
     from ros.client.hub import Hub
+    from ros.client.slices import Slice, SliceFetch
 
-_LAZY = {"Hub": "ros.client.hub", "Held": "ros.client.handles", "Publication": "ros.client.handles"}
+_LAZY = {
+    "Hub": "ros.client.hub",
+    "Held": "ros.client.handles",
+    "Publication": "ros.client.handles",
+    "Slice": "ros.client.slices",
+    "SliceFetch": "ros.client.slices",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -48,4 +55,4 @@ def connect(
     return Hub(endpoints, tenant=tenant, token=token, topology=topology, listen=listen, **options)  # type: ignore[arg-type]
 
 
-__all__ = [*_errors.__all__, "Held", "Hub", "Publication", "connect"]  # noqa: PLE0604
+__all__ = [*_errors.__all__, "Held", "Hub", "Publication", "Slice", "SliceFetch", "connect"]  # noqa: PLE0604

@@ -48,8 +48,8 @@ class FetchMixin(ClientBase):
         A model-parallel version (published with `shard=(rank, ranks)`) is fetched one shard
         at a time: `shard=i` reads rank i's tensors from the holders of shard i (its
         publisher and earlier readers of it), and this client then serves shard i. This is
-        the layout-preserving case (reader rank i needs trainer rank i's tensors); resharding
-        into a different layout is not supported.
+        the layout-preserving case (reader rank i needs trainer rank i's tensors). Readers
+        in another layout use `fetch_slices`.
         """
         validate_name(model, "model")
         number = 0 if version == "latest" else validate_version(version)
@@ -197,7 +197,7 @@ def _pick_shard(
     if shard is None:
         raise InvalidArgument(
             f"{model}@{version} is model-parallel ({count} shards): fetch one with shard=i "
-            f"(0 <= i < {count}); resharding into another layout is not supported"
+            f"(0 <= i < {count}), or read blocks in another layout with fetch_slices"
         )
     if isinstance(shard, bool) or not isinstance(shard, int) or not 0 <= shard < count:
         raise InvalidArgument(f"shard {shard!r} out of range: {model}@{version} has {count}")

@@ -4,15 +4,16 @@ The control plane goes through the hub (gRPC); weight bytes go holder → reader
 the data plane (`transport`). Every client that holds a version runs a small holder server,
 started on first use, so whatever it published or fetched is served to others until released.
 The pieces: `ros.client.base` (channel, session, holder server), `ros.client.publishing`,
-`ros.client.fetching`.
+`ros.client.fetching`, `ros.client.slices` (reading another layout's blocks).
 """
 
 from __future__ import annotations
 
 from consistency.records import HolderRecord
 from ros.client.base import DEFAULT_TIMEOUT, ClientBase, default_holder_name
-from ros.client.fetching import DEFAULT_FETCH_TIMEOUT, FetchMixin
+from ros.client.fetching import DEFAULT_FETCH_TIMEOUT
 from ros.client.publishing import PublishMixin
+from ros.client.slices import SliceMixin
 from ros.client.watch import holder_from_message
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.names import validate_name
@@ -20,7 +21,7 @@ from tensorhub.names import validate_name
 __all__ = ["DEFAULT_FETCH_TIMEOUT", "DEFAULT_TIMEOUT", "ClientBase", "Hub", "default_holder_name"]
 
 
-class Hub(PublishMixin, FetchMixin):
+class Hub(PublishMixin, SliceMixin):
     """A connection to the hub for one tenant. Thread-safe. Close it (or use `with`)."""
 
     def latest(self, model: str, *, timeout: float | None = None) -> int:

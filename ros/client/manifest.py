@@ -7,20 +7,36 @@ one holder claims to have sent.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import InvalidArgument
+from transport.boxes import Box
 from transport.layout import Layout, TensorSpec
 from transport.store import HeldVersion
 
+Placements = Mapping[str, tuple[Sequence[int], Sequence[int]]]
 
-def manifest_of(held: HeldVersion) -> pb.Manifest:
-    """The manifest of a version held complete in memory (computes chunk checksums)."""
+
+def manifest_of(held: HeldVersion, placements: Placements | None = None) -> pb.Manifest:
+    """The manifest of a version held complete in memory (computes chunk checksums).
+
+    `placements` maps a tensor name to (global shape, offsets): the block of a global
+    tensor that this (model-parallel) rank holds. Checked before anything is computed.
+    """
     layout = held.layout
+    boxes = _check_placements(layout, placements or {})
     held.precompute_checksums()
     return pb.Manifest(
         tensors=[
             pb.TensorEntry(
-                name=s.name, dtype=s.dtype, shape=list(s.shape), offset=s.offset, nbytes=s.nbytes
+                name=s.name,
+                dtype=s.dtype,
+                shape=list(s.shape),
+                offset=s.offset,
+                nbytes=s.nbytes,
+                global_shape=list(boxes[s.name][0]) if s.name in boxes else [],
+                global_offsets=list(boxes[s.name][1].offsets) if s.name in boxes else [],
             )
             for s in layout.tensors
         ],
@@ -28,6 +44,37 @@ def manifest_of(held: HeldVersion) -> pb.Manifest:
         chunk_size=layout.chunk_size,
         chunk_xxh3=[held.checksum(i) for i in range(layout.num_chunks)],
     )
+
+
+def _check_placements(
+    layout: Layout, placements: Placements
+) -> dict[str, tuple[tuple[int, ...], Box]]:
+    shapes = {s.name: s.shape for s in layout.tensors}
+    out: dict[str, tuple[tuple[int, ...], Box]] = {}
+    for name, (global_shape, offsets) in placements.items():
+        if name not in shapes:
+            raise InvalidArgument(f"placement for {name!r}, which is not among the tensors")
+        glob = tuple(int(d) for d in global_shape)
+        box = Box(tuple(int(o) for o in offsets), shapes[name])
+        if not box.within(glob):
+            raise InvalidArgument(
+                f"tensor {name!r} of shape {shapes[name]} at offsets {box.offsets} does not fit "
+                f"in its global shape {glob}"
+            )
+        out[name] = (glob, box)
+    return out
+
+
+def placement_of(entry: pb.TensorEntry) -> tuple[tuple[int, ...], Box]:
+    """The global shape of a manifest entry's tensor and the box this entry holds of it."""
+    shape = tuple(int(d) for d in entry.shape)
+    if not entry.global_shape:
+        return shape, Box((0,) * len(shape), shape)
+    glob = tuple(int(d) for d in entry.global_shape)
+    box = Box(tuple(int(o) for o in entry.global_offsets), shape)
+    if not box.within(glob):
+        raise InvalidArgument(f"manifest entry {entry.name!r}: its block exceeds {glob}")
+    return glob, box
 
 
 def layout_of(manifest: pb.Manifest) -> Layout:

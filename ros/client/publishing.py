@@ -10,7 +10,7 @@ import torch
 
 from ros.client.base import ClientBase
 from ros.client.handles import Publication
-from ros.client.manifest import manifest_of
+from ros.client.manifest import Placements, manifest_of
 from ros.metrics import SDK_PUBLISH_SECONDS
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import (
@@ -40,6 +40,7 @@ class PublishMixin(ClientBase):
         chunk_size: int | None = None,
         timeout: float | None = None,
         shard: tuple[int, int] | None = None,
+        placements: Placements | None = None,
     ) -> Publication:
         """Publish `version` of `model`, served from these tensors' own memory.
 
@@ -49,8 +50,13 @@ class PublishMixin(ClientBase):
 
         Model-parallel trainers pass `shard=(rank, ranks)`: each rank publishes its own
         tensors, and the version becomes visible (`Publication.visible`) with the last rank's
-        publish, never before every shard is there.
+        publish, never before every shard is there. `placements` maps a tensor name to
+        (global shape, offsets): the block of the global tensor this rank holds (tensors
+        without one are whole, e.g. replicated). With them, readers in another layout read
+        their own blocks with `fetch_slices`.
         """
+        if placements and shard is None:
+            raise InvalidArgument("placements describe a model-parallel shard: pass shard too")
         if shard is not None and not (isinstance(shard, tuple) and len(shard) == 2):
             raise InvalidArgument(f"shard must be (index, count), got {shard!r}")
         validate_name(model, "model")
@@ -61,7 +67,7 @@ class PublishMixin(ClientBase):
             Layout.from_tensors(own) if chunk_size is None else Layout.from_tensors(own, chunk_size)
         )
         held = HeldVersion.publisher(self.tenant, model, version, own, layout)
-        manifest = manifest_of(held)
+        manifest = manifest_of(held, placements)
         self._holder_server()
         self._store.add(held)
         index = None if shard is None else shard[0]

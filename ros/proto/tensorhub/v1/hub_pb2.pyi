@@ -49,18 +49,22 @@ class Holder(_message.Message):
     def __init__(self, name: _Optional[str] = ..., endpoints: _Optional[_Mapping[str, str]] = ..., topology: _Optional[_Mapping[str, str]] = ..., state: _Optional[_Union[HolderState, str]] = ..., session_id: _Optional[int] = ..., fence: _Optional[int] = ..., shard: _Optional[int] = ...) -> None: ...
 
 class TensorEntry(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "offset", "nbytes")
+    __slots__ = ("name", "dtype", "shape", "offset", "nbytes", "global_shape", "global_offsets")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     offset: int
     nbytes: int
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    global_shape: _containers.RepeatedScalarFieldContainer[int]
+    global_offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., global_shape: _Optional[_Iterable[int]] = ..., global_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Manifest(_message.Message):
     __slots__ = ("tensors", "total_bytes", "chunk_size", "chunk_xxh3", "metadata")

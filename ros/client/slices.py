@@ -1,0 +1,219 @@
+"""Reading a model-parallel version in another layout (resharding, DESIGN.md §7.4).
+
+Trainer ranks publish their shards with placements (the block of each global tensor a rank
+holds). A reader in another layout — TP 8 → TP 32, or TP 2 → one whole model — names the
+block it wants of each global tensor (`Slice`), and `fetch_slices` reads, from the holders
+of each source shard, only the chunks that contain its intersection with that block, checks
+them against the publisher's checksums, and copies the intersection into place.
+
+Source shards are read one at a time into a staging copy of that shard's layout, of which
+only the needed chunks are filled; the peak extra memory is one source shard. A reader of
+slices does not become a holder (what it holds is no published layout); readers in the
+publisher's own layout use `fetch(shard=i)` and do.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ros.client.fetching import DEFAULT_FETCH_TIMEOUT, FetchMixin
+from ros.client.manifest import layout_of, placement_of
+from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from tensorhub.errors import InvalidArgument
+from tensorhub.names import validate_name, validate_version
+from transport.boxes import Box, byte_span, chunks_for
+from transport.layout import TensorSpec, dtype_name
+from transport.reader import fetch as transport_fetch
+from transport.store import HeldVersion
+
+
+@dataclass(frozen=True)
+class Slice:
+    """The block of a global tensor a reader wants: `tensor` (its extent: tensor.shape) is
+    filled with the global tensor's elements from `offsets` on."""
+
+    tensor: torch.Tensor
+    offsets: Sequence[int]
+    global_shape: Sequence[int]
+
+    @property
+    def box(self) -> Box:
+        return Box(tuple(int(o) for o in self.offsets), tuple(self.tensor.shape))
+
+
+@dataclass
+class SliceFetch:
+    """What `fetch_slices` read: the version, and bytes per source holder."""
+
+    version: int
+    bytes_per_source: dict[str, int] = field(default_factory=dict)
+    chunks: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_per_source.values())
+
+
+@dataclass
+class _Copy:
+    name: str
+    source: Box  # the block the source shard holds
+    part: Box  # the intersection to copy
+
+
+class SliceMixin(FetchMixin):
+    """`fetch_slices`: read blocks of a model-parallel version's tensors in any layout."""
+
+    def fetch_slices(
+        self,
+        model: str,
+        version: int | str = "latest",
+        slices: Mapping[str, Slice] | None = None,
+        *,
+        timeout: float = DEFAULT_FETCH_TIMEOUT,
+    ) -> SliceFetch:
+        """Fill every `Slice` with its block of `model@version`, read from the holders of the
+        shards that hold it. Checks names, dtypes, global shapes and bounds before any byte
+        moves (`InvalidArgument`); a block the shards do not cover exactly is refused too.
+        """
+        validate_name(model, "model")
+        if not slices:
+            raise InvalidArgument("fetch_slices needs at least one slice")
+        number = 0 if version == "latest" else validate_version(version)
+        deadline = time.monotonic() + timeout
+        resolved = self._fresh(
+            lambda t: self._rpc("Resolve", pb.ResolveRequest(model=model, version=number), t),
+            lambda r: int(r.revision),
+            min(timeout, self.timeout),
+        )
+        found = int(resolved.version)
+        parts = list(resolved.shards) or [resolved.manifest]
+        plan = _plan(model, found, parts, slices)
+        result = SliceFetch(found)
+        pin = pb.PinRequest(
+            model=model, version=found, pin_id=self.holder_name, session_id=self.session.id
+        )
+        self._rpc("Pin", pin)
+        try:
+            for index, copies in plan.items():
+                self._read_part(
+                    model, found, resolved, index, parts[index], copies, slices, deadline, result
+                )
+        finally:
+            unpin = pb.UnpinRequest(model=model, version=found, pin_id=self.holder_name)
+            self._rpc("Unpin", unpin)
+        return result
+
+    def _read_part(
+        self,
+        model: str,
+        version: int,
+        resolved: pb.ResolveResponse,
+        index: int,
+        manifest: pb.Manifest,
+        copies: list[_Copy],
+        slices: Mapping[str, Slice],
+        deadline: float,
+        result: SliceFetch,
+    ) -> None:
+        """Fetch the chunks of one source shard that `copies` need, then copy them out."""
+        layout = layout_of(manifest)
+        specs = {s.name: s for s in layout.tensors}
+        needed: set[int] = set()
+        for c in copies:
+            spec = specs[c.name]
+            first, end = byte_span(c.source, c.part, _itemsize(spec))
+            needed.update(chunks_for(layout, spec, first, end))
+        staging = HeldVersion.reader(self.tenant, model, version, layout, layout.allocate())
+        for chunk in range(layout.num_chunks):
+            if chunk not in needed:
+                staging.mark_present(chunk, 0)  # never served: staging is not in the store
+        sharded = bool(resolved.shards)
+        holders = [
+            h for h in resolved.holders if not sharded or (h.HasField("shard") and h.shard == index)
+        ]
+        stats = transport_fetch(
+            self.tenant, model, version, layout, staging, self._sources(holders),
+            token=bytes(resolved.read_token), deadline=deadline, me=self.topology,
+            expected=list(manifest.chunk_xxh3), tls=self._tls,
+        )  # fmt: skip
+        for source, nbytes in stats.bytes_per_source.items():
+            result.bytes_per_source[source] = result.bytes_per_source.get(source, 0) + nbytes
+        result.chunks += stats.chunks
+        for c in copies:
+            target = slices[c.name]
+            target.tensor[c.part.slices_in(target.box)] = staging.tensors[c.name][
+                c.part.slices_in(c.source)
+            ]
+
+
+def _itemsize(spec: TensorSpec) -> int:
+    return spec.nbytes // max(1, _numel(spec.shape))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _entry(manifest: pb.Manifest, name: str) -> pb.TensorEntry | None:
+    for entry in manifest.tensors:
+        if entry.name == name:
+            return entry
+    return None
+
+
+def _plan(
+    model: str, version: int, parts: list[pb.Manifest], slices: Mapping[str, Slice]
+) -> dict[int, list[_Copy]]:
+    """Which blocks to copy from which source shard, each slice covered exactly once: the
+    blocks of a split tensor add up to it; a whole (replicated) one is read from one shard."""
+    plan: dict[int, list[_Copy]] = {}
+    for name, want in slices.items():
+        box = want.box
+        covered = 0
+        known = False
+        for index, manifest in enumerate(parts):
+            entry = _entry(manifest, name)
+            if entry is None:
+                continue
+            known = True
+            glob, held = placement_of(entry)
+            _check_slice(model, version, name, want, entry, glob)
+            common = held.intersect(box)
+            if covered >= box.volume or common is None or common.volume == 0:
+                continue
+            plan.setdefault(index, []).append(_Copy(name, held, common))
+            covered += common.volume
+        if not known:
+            raise InvalidArgument(f"{model}@{version} has no tensor {name!r}")
+        if covered != box.volume:
+            raise InvalidArgument(
+                f"{name!r}: the shards of {model}@{version} cover {covered} of the "
+                f"{box.volume} elements asked for (overlapping or missing blocks)"
+            )
+    return plan
+
+
+def _check_slice(
+    model: str,
+    version: int,
+    name: str,
+    want: Slice,
+    entry: pb.TensorEntry,
+    glob: tuple[int, ...],
+) -> None:
+    if tuple(int(d) for d in want.global_shape) != glob:
+        raise InvalidArgument(
+            f"{name!r}: global shape {tuple(want.global_shape)} asked, {model}@{version} has {glob}"
+        )
+    if dtype_name(want.tensor.dtype) != entry.dtype:
+        raise InvalidArgument(f"{name!r}: dtype {want.tensor.dtype}, published {entry.dtype}")
+    if not want.box.within(glob):
+        raise InvalidArgument(f"{name!r}: block {want.box} is outside the global shape {glob}")
