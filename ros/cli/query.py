@@ -109,17 +109,18 @@ def run(args: argparse.Namespace) -> int:
                 ],
             )  # fmt: skip
         return 0
-    manifest = info.manifest
+    parts = list(info.shards) or [info.manifest]  # a model-parallel version: one per shard
     data = {
         "model": model,
         "version": info.version,
         "latest": info.latest,
         "retained": info.retained,
         "published_revision": info.published_revision,
-        "tensors": len(manifest.tensors),
-        "bytes": manifest.total_bytes,
-        "chunks": len(manifest.chunk_xxh3),
-        "chunk_size": manifest.chunk_size,
+        "shards": len(info.shards),
+        "tensors": sum(len(m.tensors) for m in parts),
+        "bytes": sum(m.total_bytes for m in parts),
+        "chunks": sum(len(m.chunk_xxh3) for m in parts),
+        "chunk_size": parts[0].chunk_size,
         "holders": holders,
         "pins": list(info.pins),
         "seeds": dict(info.seeds),
@@ -130,12 +131,14 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"{model}@{info.version}  (latest {info.latest}{', retained' if info.retained else ''})")
     print(f"  published at revision {info.published_revision}; read at revision {info.revision}")
-    size, chunk = _size(manifest.total_bytes), _size(manifest.chunk_size)
-    print(f"  {data['tensors']} tensors, {size} in {data['chunks']} chunks of {chunk}")
+    size, chunk = _size(data["bytes"]), _size(data["chunk_size"])
+    shards = f" in {data['shards']} shards" if data["shards"] else ""
+    print(f"  {data['tensors']} tensors{shards}, {size} in {data['chunks']} chunks of {chunk}")
     complete = sum(1 for h in holders if h["state"] == "COMPLETE")
     print(f"  holders: {len(holders)} ({complete} complete)")
     for h in holders:
-        print(f"    {h['name']:<32} {h['state']:<8} {','.join(h['endpoints'].values())}")
+        part = "" if h["shard"] is None else f" shard {h['shard']}"
+        print(f"    {h['name']:<32} {h['state']:<8} {','.join(h['endpoints'].values())}{part}")
     if data["pins"]:
         print(f"  pinned by: {', '.join(data['pins'])}")
     print(f"  as of {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}")

@@ -175,7 +175,10 @@ class VersionRPCs(HubBase):
             revision=info.revision,
             retained=version in versions.retained(tenant.name, model, timeout=timeout),
         )
-        if not info.shards:
+        if info.shards:
+            for shard in info.shards:
+                response.shards.append(pb.Manifest.FromString(shard.manifest))
+        else:
             response.manifest.ParseFromString(info.manifest)
         return response
 

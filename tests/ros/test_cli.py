@@ -72,6 +72,18 @@ def test_cli_round_trip(served: str) -> None:
         holders = json.loads(tensorhub("holders", "policy", "--json", env=env).stdout)
         assert [h["name"] for h in holders["holders"]] == ["trainer-0"]
         assert holders["holders"][0]["state"] == "COMPLETE"
+        with ros.connect(served, tenant="team-a", token=token["token"], name="rank-1") as rank:
+            # a model-parallel version: the listing shows each holder's shard, and inspect
+            # adds the shards up
+            hub.publish("mp", 1, make_model(1), shard=(0, 2))
+            rank.publish("mp", 1, make_model(2), shard=(1, 2))
+            table = tensorhub("holders", "mp@1", env=env).stdout
+            assert table.splitlines()[0].split()[:2] == ["HOLDER", "SHARD"]
+            assert any(line.split()[:2] == ["rank-1", "1"] for line in table.splitlines())
+            shown = json.loads(tensorhub("inspect", "mp@1", "--json", env=env).stdout)
+            assert shown["shards"] == 2
+            assert shown["tensors"] == 2 * len(make_model(1))
+            assert "in 2 shards" in tensorhub("inspect", "mp@1", env=env).stdout
     missing = tensorhub("inspect", "policy@9", env=env)
     assert missing.returncode == 1
     assert "VersionNotFound" in missing.stderr

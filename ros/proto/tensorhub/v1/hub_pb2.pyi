@@ -376,7 +376,7 @@ class InspectRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class InspectResponse(_message.Message):
-    __slots__ = ("version", "latest", "manifest", "holders", "pins", "seeds", "published_revision", "revision", "retained")
+    __slots__ = ("version", "latest", "manifest", "holders", "pins", "seeds", "published_revision", "revision", "retained", "shards")
     class SeedsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -393,6 +393,7 @@ class InspectResponse(_message.Message):
     PUBLISHED_REVISION_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     RETAINED_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     version: int
     latest: int
     manifest: Manifest
@@ -402,7 +403,8 @@ class InspectResponse(_message.Message):
     published_revision: int
     revision: int
     retained: bool
-    def __init__(self, version: _Optional[int] = ..., latest: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., pins: _Optional[_Iterable[str]] = ..., seeds: _Optional[_Mapping[str, str]] = ..., published_revision: _Optional[int] = ..., revision: _Optional[int] = ..., retained: _Optional[bool] = ...) -> None: ...
+    shards: _containers.RepeatedCompositeFieldContainer[Manifest]
+    def __init__(self, version: _Optional[int] = ..., latest: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., pins: _Optional[_Iterable[str]] = ..., seeds: _Optional[_Mapping[str, str]] = ..., published_revision: _Optional[int] = ..., revision: _Optional[int] = ..., retained: _Optional[bool] = ..., shards: _Optional[_Iterable[_Union[Manifest, _Mapping]]] = ...) -> None: ...
 
 class Quotas(_message.Message):
     __slots__ = ("max_models", "max_retained_versions", "max_sessions")
