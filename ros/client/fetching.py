@@ -103,7 +103,7 @@ class FetchMixin(ClientBase):
 
         def holders_of(response: pb.ResolveResponse) -> list[pb.Holder]:
             """Only holders of our shard have our bytes (all of them, for a whole version)."""
-            return [h for h in response.holders if _shard_of(h) == shard]
+            return [h for h in response.holders if holder_shard(h) == shard]
 
         def refresh() -> list[Source]:
             again = self._rpc("Resolve", pb.ResolveRequest(model=model, version=version))
@@ -181,7 +181,8 @@ class FetchMixin(ClientBase):
         self._shards.pop((model, version), None)
 
 
-def _shard_of(holder: pb.Holder) -> int | None:
+def holder_shard(holder: pb.Holder) -> int | None:
+    """The shard a holder of a model-parallel version holds (None: the whole version)."""
     return holder.shard if holder.HasField("shard") else None
 
 

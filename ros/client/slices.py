@@ -20,13 +20,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ros.client.fetching import DEFAULT_FETCH_TIMEOUT, FetchMixin
+from ros.client.fetching import DEFAULT_FETCH_TIMEOUT, FetchMixin, holder_shard
 from ros.client.manifest import layout_of, placement_of
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import InvalidArgument
 from tensorhub.names import validate_name, validate_version
 from transport.boxes import Box, byte_span, chunks_for
 from transport.layout import TensorSpec, dtype_name
+from transport.planner import Source
 from transport.reader import fetch as transport_fetch
 from transport.store import HeldVersion
 
@@ -47,11 +48,13 @@ class Slice:
 
 @dataclass
 class SliceFetch:
-    """What `fetch_slices` read: the version, and bytes per source holder."""
+    """What `fetch_slices` read: the version, bytes per source holder, and the holders
+    that failed (and why) before their chunks were read elsewhere."""
 
     version: int
     bytes_per_source: dict[str, int] = field(default_factory=dict)
     chunks: int = 0
+    failed_sources: dict[str, str] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -133,17 +136,26 @@ class SliceMixin(FetchMixin):
             if chunk not in needed:
                 staging.mark_present(chunk, 0)  # never served: staging is not in the store
         sharded = bool(resolved.shards)
-        holders = [
-            h for h in resolved.holders if not sharded or (h.HasField("shard") and h.shard == index)
-        ]
+
+        def holders_of(response: pb.ResolveResponse) -> list[Source]:
+            """The holders of this source shard (every holder, for a whole version)."""
+            return self._sources(
+                [h for h in response.holders if not sharded or holder_shard(h) == index]
+            )
+
+        def refresh() -> list[Source]:  # a holder failed: ask again who holds the shard
+            again = self._rpc("Resolve", pb.ResolveRequest(model=model, version=version))
+            return holders_of(again)
+
         stats = transport_fetch(
-            self.tenant, model, version, layout, staging, self._sources(holders),
+            self.tenant, model, version, layout, staging, holders_of(resolved),
             token=bytes(resolved.read_token), deadline=deadline, me=self.topology,
-            expected=list(manifest.chunk_xxh3), tls=self._tls,
+            refresh_sources=refresh, expected=list(manifest.chunk_xxh3), tls=self._tls,
         )  # fmt: skip
         for source, nbytes in stats.bytes_per_source.items():
             result.bytes_per_source[source] = result.bytes_per_source.get(source, 0) + nbytes
         result.chunks += stats.chunks
+        result.failed_sources.update(stats.failed_sources)
         for c in copies:
             target = slices[c.name]
             target.tensor[c.part.slices_in(target.box)] = staging.tensors[c.name][

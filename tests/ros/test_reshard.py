@@ -53,7 +53,9 @@ def publish_tp(connect: Callable[..., ros.Hub], ranks: int) -> list[ros.Hub]:
     return trainers
 
 
-def read_tp(reader: ros.Hub, rank: int, ranks: int) -> tuple[dict[str, torch.Tensor], int]:
+def read_tp(
+    reader: ros.Hub, rank: int, ranks: int
+) -> tuple[dict[str, torch.Tensor], ros.SliceFetch]:
     full = global_model()
     out, slices = {}, {}
     for name, tensor in full.items():
@@ -62,7 +64,7 @@ def read_tp(reader: ros.Hub, rank: int, ranks: int) -> tuple[dict[str, torch.Ten
         slices[name] = ros.Slice(out[name], offsets, tuple(tensor.shape))
     got = reader.fetch_slices("policy", 1, slices, timeout=30)
     assert got.version == 1
-    return out, got.total_bytes
+    return out, got
 
 
 @pytest.mark.parametrize("reader_ranks", [4, 1, 2])
@@ -84,8 +86,8 @@ def test_a_reader_fetches_only_the_chunks_of_its_block(connect: Callable[..., ro
     publish_tp(connect, 2)
     reader = connect()
     whole = sum(t.numel() * t.element_size() for t in global_model().values())
-    _, quarter = read_tp(reader, 0, 4)
-    _, everything = read_tp(reader, 0, 1)
+    quarter = read_tp(reader, 0, 4)[1].total_bytes
+    everything = read_tp(reader, 0, 1)[1].total_bytes
     assert everything >= whole  # every byte of the model, from both shards
     assert quarter < everything * 0.75  # a TP-4 rank reads far less than the whole model
 
@@ -149,3 +151,20 @@ def test_a_whole_version_can_be_read_in_blocks_too(connect: Callable[..., ros.Hu
             offsets, shape = block(name, rank, 4)
             index = tuple(slice(o, o + s) for o, s in zip(offsets, shape, strict=True))
             assert torch.equal(tensor, full[name][index]), (name, rank)
+
+
+def test_a_dead_holder_of_a_source_shard_is_replaced_by_another(
+    connect: Callable[..., ros.Hub],
+) -> None:
+    trainers = publish_tp(connect, 2)
+    standby = connect()
+    standby.fetch("policy", 1, shard=0, timeout=30)  # a second holder of shard 0
+    assert trainers[0]._server is not None
+    trainers[0]._server.stop()  # shard 0's publisher stops serving; its record stays
+    reader = connect()
+    got, stats = read_tp(reader, 0, 1)  # the whole model: both shards
+    for name, tensor in global_model().items():
+        assert torch.equal(got[name], tensor), name
+    assert trainers[0].holder_name in stats.failed_sources  # it was tried, and failed over
+    assert trainers[0].holder_name not in stats.bytes_per_source
+    assert stats.bytes_per_source.get(standby.holder_name, 0) > 0
