@@ -26,7 +26,13 @@ from ros.metrics import SDK_BYTES_SERVED
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
 from ros.tokens import ReadTokenVerifier
-from tensorhub.errors import IntegrityError, InvalidArgument, LeaseLost, TensorHubError
+from tensorhub.errors import (
+    AlreadyExists,
+    IntegrityError,
+    InvalidArgument,
+    LeaseLost,
+    TensorHubError,
+)
 from tensorhub.names import validate_name
 from transport.server import HolderServer
 from transport.store import HeldVersion, HolderStore
@@ -157,6 +163,18 @@ class ClientBase:
         if session.lost.is_set():
             return False  # a client that lost its session stops serving at once
         return self._read_tokens(tenant, model, version, token)
+
+    def _hold(self, held: HeldVersion, shard: int | None) -> None:
+        """Add `held` to what this client serves; a client holds one copy (one shard) of a
+        version, so a second one is refused with a message that says what to do."""
+        _, model, version = held.key
+        if self._store.get(held.key) is not None:
+            what = f"{model}@{version}" + ("" if shard is None else f" (asked: shard {shard})")
+            raise AlreadyExists(
+                f"this client already holds {what}: release it first; model-parallel "
+                "ranks use one client each"
+            )
+        self._store.add(held)
 
     def _holder_server(self) -> HolderServer:
         with self._lock:

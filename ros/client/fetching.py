@@ -71,7 +71,7 @@ class FetchMixin(ClientBase):
             tensors = layout.allocate()
         held = HeldVersion.reader(self.tenant, model, version, layout, tensors)
         self._holder_server()
-        self._store.add(held)
+        self._hold(held, shard)
         try:
             stats = self._fill(model, version, held, resolved, manifest, shard, deadline)
         except BaseException:

@@ -69,7 +69,7 @@ class PublishMixin(ClientBase):
         held = HeldVersion.publisher(self.tenant, model, version, own, layout)
         manifest = manifest_of(held, placements)
         self._holder_server()
-        self._store.add(held)
+        self._hold(held, None if shard is None else shard[0])
         index = None if shard is None else shard[0]
         request = pb.PublishRequest(
             model=model,

@@ -54,11 +54,13 @@ def publish_state_dict(
     *,
     chunk_size: int | None = None,
     timeout: float | None = None,
+    shard: tuple[int, int] | None = None,
 ) -> Publication:
     """Publish `state` as `model@version`, tied tensors once; served from `state`'s memory
-    (release the publication before changing it)."""
+    (release the publication before changing it). A model-parallel rank passes
+    `shard=(rank, ranks)` with its own part of the state."""
     unique, _ = dedupe_tied(state)
-    return hub.publish(model, version, unique, chunk_size=chunk_size, timeout=timeout)
+    return hub.publish(model, version, unique, chunk_size=chunk_size, timeout=timeout, shard=shard)
 
 
 def publish_module(
@@ -69,11 +71,13 @@ def publish_module(
     *,
     chunk_size: int | None = None,
     timeout: float | None = None,
+    shard: tuple[int, int] | None = None,
 ) -> Publication:
     """Publish a module's `state_dict()` (parameters and persistent buffers)."""
     return publish_state_dict(
-        hub, model, version, module.state_dict(), chunk_size=chunk_size, timeout=timeout
-    )
+        hub, model, version, module.state_dict(), chunk_size=chunk_size, timeout=timeout,
+        shard=shard,
+    )  # fmt: skip
 
 
 def fetch_state_dict(
@@ -83,12 +87,14 @@ def fetch_state_dict(
     *,
     into: Mapping[str, torch.Tensor],
     timeout: float = DEFAULT_FETCH_TIMEOUT,
+    shard: int | None = None,
 ) -> Held:
     """Fetch `model@version` in place into `into` (tied like the publisher's state).
 
     Names, dtypes and shapes must match, or `InvalidArgument` is raised before any byte is
     written. The version is served to others until the returned `Held` is released; release
-    it before the next fetch into the same memory.
+    it before the next fetch into the same memory. Of a model-parallel version, rank
+    `shard`'s part (in the publisher's layout; see `Hub.fetch_slices` for another one).
     """
     unique, _ = dedupe_tied(into)
     staged = {name: t for name, t in unique.items() if not t.is_contiguous()}
@@ -96,7 +102,7 @@ def fetch_state_dict(
         name: torch.empty_like(t, memory_format=torch.contiguous_format) if name in staged else t
         for name, t in unique.items()
     }
-    held = hub.fetch(model, version, into=target, timeout=timeout)
+    held = hub.fetch(model, version, into=target, timeout=timeout, shard=shard)
     with torch.no_grad():
         for name, tensor in staged.items():
             tensor.copy_(held.tensors[name])
@@ -110,6 +116,9 @@ def fetch_module(
     version: int | str = "latest",
     *,
     timeout: float = DEFAULT_FETCH_TIMEOUT,
+    shard: int | None = None,
 ) -> Held:
     """Fetch `model@version` in place into `module`'s own parameters and buffers."""
-    return fetch_state_dict(hub, model, version, into=module.state_dict(), timeout=timeout)
+    return fetch_state_dict(
+        hub, model, version, into=module.state_dict(), timeout=timeout, shard=shard
+    )

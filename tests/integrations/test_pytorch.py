@@ -97,3 +97,28 @@ def test_plain_fetch_of_a_tied_module_has_the_first_name_only(
     assert torch.equal(held.tensors["embed.weight"], source.head.weight)
     pub.release(force=True)
     held.release(force=True)
+
+
+def test_model_parallel_ranks_publish_and_fetch_their_own_modules(
+    connect: Callable[..., ros.Hub],
+) -> None:
+    """Two pipeline stages (different modules) publish as shards; each reader stage fetches
+    its own stage's module in place."""
+    stages = [nn.Linear(8, 16), nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 4))]
+    trainers = [connect() for _ in stages]
+    for rank, (trainer, stage) in enumerate(zip(trainers, stages, strict=True)):
+        publish_module(trainer, "pp", 1, stage, shard=(rank, len(stages)))
+    readers = [nn.Linear(8, 16), nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 4))]
+    client = connect()
+    for rank, stage in enumerate(readers):
+        with torch.no_grad():
+            for p in stage.parameters():
+                p.zero_()
+        fetch_module(connect(), "pp", stage, 1, timeout=30, shard=rank)  # one client a rank
+        for name, tensor in stages[rank].state_dict().items():
+            assert torch.equal(stage.state_dict()[name], tensor), (rank, name)
+    with pytest.raises(ros.InvalidArgument, match="model-parallel"):
+        fetch_module(client, "pp", nn.Linear(8, 16), 1, timeout=10)  # which stage? say so
+    fetch_module(client, "pp", nn.Linear(8, 16), 1, timeout=30, shard=0)
+    with pytest.raises(ros.AlreadyExists, match="one client each"):
+        fetch_module(client, "pp", readers[1], 1, timeout=10, shard=1)
