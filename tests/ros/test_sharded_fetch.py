@@ -122,3 +122,22 @@ def test_a_client_that_lost_its_session_re_registers_what_it_holds_with_its_shar
 
 def _records_of(client: ros.Hub, model: str) -> list[HolderRecord]:
     return [h for h in client.holders(model, 1) if h.holder == client.holder_name]
+
+
+def test_a_dead_holder_of_the_shard_fails_over_to_holders_of_that_shard_only(
+    connect: Callable[..., ros.Hub],
+) -> None:
+    trainers = [connect() for _ in range(2)]
+    for i, t in enumerate(trainers):
+        t.publish("policy", 1, part(i), shard=(i, 2))
+    of_0, of_1 = connect(), connect()
+    of_0.fetch("policy", 1, shard=0, timeout=30)
+    of_1.fetch("policy", 1, shard=1, timeout=30)
+    assert trainers[1]._server is not None
+    trainers[1]._server.stop()  # shard 1's publisher stops serving; its record stays
+    reader = connect()
+    held = reader.fetch("policy", 1, shard=1, timeout=30)
+    for name, tensor in part(1).items():
+        assert torch.equal(held.tensors[name], tensor), name
+    assert set(held.stats.bytes_per_source) == {of_1.holder_name}
+    assert set(held.stats.failed_sources) <= {trainers[1].holder_name}  # never a shard-0 one
