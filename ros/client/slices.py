@@ -26,7 +26,7 @@ from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import InvalidArgument
 from tensorhub.names import validate_name, validate_version
 from transport.boxes import Box, byte_span, chunks_for
-from transport.layout import TensorSpec, dtype_name
+from transport.layout import dtype_name, torch_dtype
 from transport.planner import Source
 from transport.reader import fetch as transport_fetch
 from transport.store import HeldVersion
@@ -75,13 +75,15 @@ class SliceMixin(FetchMixin):
         self,
         model: str,
         version: int | str = "latest",
-        slices: Mapping[str, Slice] | None = None,
         *,
+        slices: Mapping[str, Slice],
         timeout: float = DEFAULT_FETCH_TIMEOUT,
     ) -> SliceFetch:
         """Fill every `Slice` with its block of `model@version`, read from the holders of the
         shards that hold it. Checks names, dtypes, global shapes and bounds before any byte
         moves (`InvalidArgument`); a block the shards do not cover exactly is refused too.
+        An error after that (no holder left, the deadline) may leave the slices partly
+        written.
         """
         validate_name(model, "model")
         if not slices:
@@ -129,7 +131,7 @@ class SliceMixin(FetchMixin):
         needed: set[int] = set()
         for c in copies:
             spec = specs[c.name]
-            first, end = byte_span(c.source, c.part, _itemsize(spec))
+            first, end = byte_span(c.source, c.part, torch_dtype(spec.dtype).itemsize)
             needed.update(chunks_for(layout, spec, first, end))
         staging = HeldVersion.reader(self.tenant, model, version, layout, layout.allocate())
         for chunk in range(layout.num_chunks):
@@ -163,36 +165,19 @@ class SliceMixin(FetchMixin):
             ]
 
 
-def _itemsize(spec: TensorSpec) -> int:
-    return spec.nbytes // max(1, _numel(spec.shape))
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _entry(manifest: pb.Manifest, name: str) -> pb.TensorEntry | None:
-    for entry in manifest.tensors:
-        if entry.name == name:
-            return entry
-    return None
-
-
 def _plan(
     model: str, version: int, parts: list[pb.Manifest], slices: Mapping[str, Slice]
 ) -> dict[int, list[_Copy]]:
     """Which blocks to copy from which source shard, each slice covered exactly once: the
     blocks of a split tensor add up to it; a whole (replicated) one is read from one shard."""
     plan: dict[int, list[_Copy]] = {}
+    entries = [{e.name: e for e in manifest.tensors} for manifest in parts]
     for name, want in slices.items():
         box = want.box
         covered = 0
         known = False
-        for index, manifest in enumerate(parts):
-            entry = _entry(manifest, name)
+        for index, by_name in enumerate(entries):
+            entry = by_name.get(name)
             if entry is None:
                 continue
             known = True

@@ -62,7 +62,7 @@ def read_tp(
         offsets, shape = block(name, rank, ranks)
         out[name] = torch.empty(shape, dtype=tensor.dtype)
         slices[name] = ros.Slice(out[name], offsets, tuple(tensor.shape))
-    got = reader.fetch_slices("policy", 1, slices, timeout=30)
+    got = reader.fetch_slices("policy", 1, slices=slices, timeout=30)
     assert got.version == 1
     return out, got
 
@@ -104,7 +104,7 @@ def test_bad_slices_are_refused_before_any_byte_moves(connect: Callable[..., ros
     }
     for what, slices in cases.items():
         try:
-            reader.fetch_slices("policy", 1, slices, timeout=10)
+            reader.fetch_slices("policy", 1, slices=slices, timeout=10)
         except ros.InvalidArgument:
             continue
         pytest.fail(f"{what}: accepted")
@@ -129,9 +129,9 @@ def test_blocks_that_do_not_cover_the_slice_are_refused(connect: Callable[..., r
     reader = connect()
     whole = {"w": ros.Slice(torch.empty(40, 4), (0, 0), (40, 4))}
     with pytest.raises(ros.InvalidArgument, match="cover 128 of the 160 elements"):
-        reader.fetch_slices("gappy", 1, whole, timeout=10)
+        reader.fetch_slices("gappy", 1, slices=whole, timeout=10)
     top = torch.empty(24, 4)
-    reader.fetch_slices("gappy", 1, {"w": ros.Slice(top, (0, 0), (40, 4))}, timeout=10)
+    reader.fetch_slices("gappy", 1, slices={"w": ros.Slice(top, (0, 0), (40, 4))}, timeout=10)
     assert torch.equal(top, torch.zeros(24, 4))
 
 
@@ -146,7 +146,7 @@ def test_a_whole_version_can_be_read_in_blocks_too(connect: Callable[..., ros.Hu
             offsets, shape = block(name, rank, 4)
             got[name] = torch.empty(shape, dtype=full[name].dtype)
             slices[name] = ros.Slice(got[name], offsets, tuple(full[name].shape))
-        reader.fetch_slices("whole", 1, slices, timeout=30)
+        reader.fetch_slices("whole", 1, slices=slices, timeout=30)
         for name, tensor in got.items():
             offsets, shape = block(name, rank, 4)
             index = tuple(slice(o, o + s) for o, s in zip(offsets, shape, strict=True))
