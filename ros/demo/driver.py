@@ -30,6 +30,10 @@ TENANT = "demo"
 STARTUP_TIMEOUT = 120.0  # workers import torch and build the model first
 
 
+# Messages about one version's step; one that arrives before the step exists waits for it.
+_ABOUT_A_STEP = ("released", "fetched", "fetch_failed", "rewards", "trained", "mid_fetch")
+
+
 class DemoFailed(TensorHubError):
     """A worker failed or the run could not go on (the report says why)."""
 
@@ -51,6 +55,9 @@ class DemoRun:
         self.killed_at: float | None = None
         self._batch_items: dict[int, list[dict[str, Any]]] = {}
         self._sent: set[int] = set()
+        # A rollout's report can beat the trainer's "published" for the same version (they
+        # come over different sockets): kept here until the step exists, never dropped.
+        self._early: dict[int, list[tuple[str, dict[str, Any]]]] = {}
 
     # -- set-up ----------------------------------------------------------------------------
 
@@ -145,12 +152,17 @@ class DemoRun:
         kind = m["type"]
         version = int(m.get("version", 0))
         step = self.steps.get(version)
+        if step is None and kind in _ABOUT_A_STEP:
+            self._early.setdefault(version, []).append((sender, m))
+            return True
         if kind == "published":
             self.steps[version] = Step(
                 version, version, int(m["bytes"]), str(m["digest"]), float(m["t"]),
                 publish_s=float(m["publish_s"]),
             )  # fmt: skip
             self.display.status(f"v{version}: published, waiting for one replica ...")
+            for early_sender, early in self._early.pop(version, []):
+                self._handle(early_sender, early)
         elif kind == "released" and step is not None:
             step.trainer_stall_s = float(m["stall_s"])
         elif kind == "fetching":
