@@ -95,6 +95,14 @@ class LeaseLost(TensorHubError):
     code = "FAILED_PRECONDITION"
 
 
+class SessionExpired(LeaseLost):
+    """The session a call presented no longer exists (expired or revoked).
+
+    A `LeaseLost` about the session itself, not about one record: the SDK starts its
+    recovery (a new session, every held version re-registered) when it sees this.
+    """
+
+
 class TransportError(TensorHubError):
     """A data-plane connection failed, or a peer broke the wire protocol."""
 

@@ -30,7 +30,7 @@ from tensorhub.errors import (
     AlreadyExists,
     IntegrityError,
     InvalidArgument,
-    LeaseLost,
+    SessionExpired,
     TensorHubError,
 )
 from tensorhub.names import validate_name
@@ -94,8 +94,9 @@ class ClientBase:
     def _rpc(self, method: str, request: Any, timeout: float | None = None) -> Any:
         """Call a unary method with a deadline; errors come back as TensorHubErrors.
 
-        `LeaseLost` means the hub found our session gone: recovery (a new session, every
+        `SessionExpired` means the hub found our session gone: recovery (a new session, every
         held version re-registered) starts at once instead of when the next renewal fails.
+        (Another `LeaseLost`, about one holder record, leaves the session alone.)
         """
         session: ClientSession | None = getattr(self, "session", None)  # none while opening
         try:
@@ -106,7 +107,7 @@ class ClientBase:
             )
         except grpc.RpcError as exc:
             error = from_rpc_error(exc)
-            if isinstance(error, LeaseLost) and session is not None:
+            if isinstance(error, SessionExpired) and session is not None:
                 session.expire(f"the hub answered {method} with: {error}")
             raise error from None
 

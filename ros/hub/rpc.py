@@ -23,7 +23,7 @@ from ros.errors import ERROR_METADATA_KEY, status_of
 from ros.hub.fanout import WatchFanout
 from ros.hub.tenants import Tenant, TenantStore
 from ros.metrics import HUB_LATENCY, HUB_REQUESTS
-from tensorhub.errors import DeadlineExceeded, LeaseLost, PermissionDenied, TensorHubError
+from tensorhub.errors import DeadlineExceeded, PermissionDenied, SessionExpired, TensorHubError
 
 log = logging.getLogger(__name__)
 
@@ -114,14 +114,16 @@ class HubBase:
         """Refuse to attach records to a lease that is not one of this tenant's sessions.
 
         A lease that no longer exists at all is the caller's own expired (or revoked) session
-        as far as it can tell: `LeaseLost` says so, and that it must open a new one. A live
-        lease that is not this tenant's is `PermissionDenied`.
+        as far as it can tell: `SessionExpired` (a `LeaseLost`) says so, and that it must open
+        a new one. A live lease that is not this tenant's is `PermissionDenied`.
         """
         kv, _ = self.etcd.get(self.keys.session(tenant.name, session_id), timeout=timeout)
         if kv is not None:
             return
         if self.etcd.lease_ttl(session_id, timeout=timeout) < 0:
-            raise LeaseLost(f"session {session_id:x} has expired or was revoked: open a new one")
+            raise SessionExpired(
+                f"session {session_id:x} has expired or was revoked: open a new one"
+            )
         raise PermissionDenied(f"session {session_id:x} is not an open session of this tenant")
 
 
