@@ -12,6 +12,7 @@ import contextlib
 import os
 import random
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -102,9 +103,20 @@ class _Run:
         self.rng = random.Random(config.seed)
         self.root = Path(tempfile.mkdtemp(prefix=f"tensorhub-chaos-{os.getpid()}-"))
         if not config.keep:
-            stack.callback(shutil.rmtree, self.root, True)
+            stack.push(self._remove_unless_failed)
         self.workers: list[WorkerProcess] = []
         self.faults: list[FaultRecord] = []
+
+    def _remove_unless_failed(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> bool:
+        """Remove the work dir after a run; keep it when the run failed, because the error
+        may point at its logs (a hub or etcd member that did not start)."""
+        if exc_type is None:
+            shutil.rmtree(self.root, True)
+        else:
+            print(f"kept the work dir for its logs: {self.root}", file=sys.stderr)
+        return False
 
     def _proxy(self, listen: tuple[str, int], upstream: tuple[str, int]) -> Proxy:
         proxy = Proxy(listen, upstream).start()
