@@ -126,11 +126,7 @@ class VersionRPCs(HubBase):
             token_expiry_unix=expiry,
             revision=info.revision,
         )
-        if info.shards:
-            for shard in info.shards:
-                response.shards.append(pb.Manifest.FromString(shard.manifest))
-        else:
-            response.manifest.ParseFromString(info.manifest)
+        _put_manifests(response, info)
         return response
 
     @unary
@@ -175,11 +171,7 @@ class VersionRPCs(HubBase):
             revision=info.revision,
             retained=version in versions.retained(tenant.name, model, timeout=timeout),
         )
-        if info.shards:
-            for shard in info.shards:
-                response.shards.append(pb.Manifest.FromString(shard.manifest))
-        else:
-            response.manifest.ParseFromString(info.manifest)
+        _put_manifests(response, info)
         return response
 
     def _describe(
@@ -201,3 +193,12 @@ class VersionRPCs(HubBase):
             raise VersionNotFound(f"{model} has no published version")
         info = versions.describe(tenant.name, model, validate_version(version), timeout=timeout)
         return info, latest
+
+
+def _put_manifests(response: pb.ResolveResponse | pb.InspectResponse, info: VersionInfo) -> None:
+    """The version's manifest, or one manifest per shard of a model-parallel version."""
+    if info.shards:
+        for shard in info.shards:
+            response.shards.append(pb.Manifest.FromString(shard.manifest))
+    else:
+        response.manifest.ParseFromString(info.manifest)
