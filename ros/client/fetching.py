@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -100,24 +100,16 @@ class FetchMixin(ClientBase):
         self._fences[(model, version)] = fence
         if shard is not None:
             self._shards[(model, version)] = shard
-
-        def holders_of(response: pb.ResolveResponse) -> list[pb.Holder]:
-            """Only holders of our shard have our bytes (all of them, for a whole version)."""
-            return [h for h in response.holders if holder_shard(h) == shard]
-
-        def refresh() -> list[Source]:
-            again = self._rpc("Resolve", pb.ResolveRequest(model=model, version=version))
-            return self._sources(holders_of(again))
-
         # Pipelined replication: now that we are registered (our fence orders us after
         # every earlier reader), read from one predecessor rather than all from the publisher.
         ordered = self._rpc("Resolve", pb.ResolveRequest(model=model, version=version))
-        first = pipeline_sources(self.topology, fence, self._candidates(holders_of(ordered)))
+        first = pipeline_sources(self.topology, fence, self._candidates(holders_of(ordered, shard)))
         stats = transport_fetch(
             self.tenant, model, version, held.layout, held,
-            first or self._sources(holders_of(resolved)),
+            first or self._sources(holders_of(resolved, shard)),
             token=bytes(resolved.read_token), deadline=deadline, me=self.topology,
-            refresh_sources=refresh, expected=list(manifest.chunk_xxh3), tls=self._tls,
+            refresh_sources=self._refresher(model, version, shard),
+            expected=list(manifest.chunk_xxh3), tls=self._tls,
         )  # fmt: skip
         # a session lost meanwhile re-registered us under a new fence: complete that record
         fence = self._fences.get((model, version), fence)
@@ -127,6 +119,15 @@ class FetchMixin(ClientBase):
         self._rpc("UpdateHolder", update)
         self._rpc("Unpin", pb.UnpinRequest(model=model, version=version, pin_id=self.holder_name))
         return stats
+
+    def _refresher(self, model: str, version: int, shard: int | None) -> Callable[[], list[Source]]:
+        """What a fetch calls when a holder failed: ask again who holds (this shard of) it."""
+
+        def refresh() -> list[Source]:
+            again = self._rpc("Resolve", pb.ResolveRequest(model=model, version=version))
+            return self._sources(holders_of(again, shard))
+
+        return refresh
 
     def _candidates(self, holders: Sequence[pb.Holder]) -> list[Candidate]:
         by_name = {h.name: h for h in holders}
@@ -184,6 +185,11 @@ class FetchMixin(ClientBase):
 def holder_shard(holder: pb.Holder) -> int | None:
     """The shard a holder of a model-parallel version holds (None: the whole version)."""
     return holder.shard if holder.HasField("shard") else None
+
+
+def holders_of(response: pb.ResolveResponse, shard: int | None) -> list[pb.Holder]:
+    """The holders that have these bytes: of shard `shard`, or of the whole version (None)."""
+    return [h for h in response.holders if holder_shard(h) == shard]
 
 
 def _pick_shard(

@@ -20,14 +20,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ros.client.fetching import DEFAULT_FETCH_TIMEOUT, FetchMixin, holder_shard
+from ros.client.fetching import DEFAULT_FETCH_TIMEOUT, FetchMixin, holders_of
 from ros.client.manifest import layout_of, placement_of
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import InvalidArgument
 from tensorhub.names import validate_name, validate_version
 from transport.boxes import Box, byte_span, chunks_for
 from transport.layout import dtype_name, torch_dtype
-from transport.planner import Source
 from transport.reader import fetch as transport_fetch
 from transport.store import HeldVersion
 
@@ -137,22 +136,13 @@ class SliceMixin(FetchMixin):
         for chunk in range(layout.num_chunks):
             if chunk not in needed:
                 staging.mark_present(chunk, 0)  # never served: staging is not in the store
-        sharded = bool(resolved.shards)
-
-        def holders_of(response: pb.ResolveResponse) -> list[Source]:
-            """The holders of this source shard (every holder, for a whole version)."""
-            return self._sources(
-                [h for h in response.holders if not sharded or holder_shard(h) == index]
-            )
-
-        def refresh() -> list[Source]:  # a holder failed: ask again who holds the shard
-            again = self._rpc("Resolve", pb.ResolveRequest(model=model, version=version))
-            return holders_of(again)
-
+        shard = index if resolved.shards else None
         stats = transport_fetch(
-            self.tenant, model, version, layout, staging, holders_of(resolved),
+            self.tenant, model, version, layout, staging,
+            self._sources(holders_of(resolved, shard)),
             token=bytes(resolved.read_token), deadline=deadline, me=self.topology,
-            refresh_sources=refresh, expected=list(manifest.chunk_xxh3), tls=self._tls,
+            refresh_sources=self._refresher(model, version, shard),
+            expected=list(manifest.chunk_xxh3), tls=self._tls,
         )  # fmt: skip
         for source, nbytes in stats.bytes_per_source.items():
             result.bytes_per_source[source] = result.bytes_per_source.get(source, 0) + nbytes
