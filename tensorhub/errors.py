@@ -71,6 +71,26 @@ class QuotaExceeded(TensorHubError):
     code = "RESOURCE_EXHAUSTED"
 
 
+class Overloaded(TensorHubError):
+    """A hub replica refused a stream at one of its stream limits (per replica or per
+    tenant): nothing was opened. Back off with jitter and retry, possibly on another replica.
+    Not a `QuotaExceeded`: no tenant quota is full, the replica is."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+class StorageFull(TensorHubError):
+    """etcd raised its NOSPACE alarm: it refuses every write until compaction and a defrag
+    free space (the hub's compactor does both, then disarms the alarm). Nothing was written."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+class ManifestTooLarge(InvalidArgument):
+    """A manifest is larger than the documented maximum (`consistency.manifests`): nothing
+    was written. Use larger chunks, or publish the model in shards."""
+
+
 class DeadlineExceeded(TensorHubError):
     """The call's deadline passed before it completed."""
 

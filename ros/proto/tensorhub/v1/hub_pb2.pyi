@@ -210,15 +210,34 @@ class WatchEvent(_message.Message):
     def __init__(self, kind: _Optional[_Union[WatchEvent.Kind, str]] = ..., version: _Optional[int] = ..., revision: _Optional[int] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., holder_name: _Optional[str] = ..., holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., holder_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ResolveRequest(_message.Message):
-    __slots__ = ("model", "version")
+    __slots__ = ("model", "version", "shard", "omit_manifest", "topology", "fence", "holder", "min_revision")
+    class TopologyEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    OMIT_MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    MIN_REVISION_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+    shard: int
+    omit_manifest: bool
+    topology: _containers.ScalarMap[str, str]
+    fence: int
+    holder: str
+    min_revision: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., shard: _Optional[int] = ..., omit_manifest: _Optional[bool] = ..., topology: _Optional[_Mapping[str, str]] = ..., fence: _Optional[int] = ..., holder: _Optional[str] = ..., min_revision: _Optional[int] = ...) -> None: ...
 
 class ResolveResponse(_message.Message):
-    __slots__ = ("version", "manifest", "holders", "read_token", "token_expiry_unix", "revision", "shards")
+    __slots__ = ("version", "manifest", "holders", "read_token", "token_expiry_unix", "revision", "shards", "shard_count", "total_holders", "manifest_digest", "manifest_omitted")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     HOLDERS_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +245,10 @@ class ResolveResponse(_message.Message):
     TOKEN_EXPIRY_UNIX_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_OMITTED_FIELD_NUMBER: _ClassVar[int]
     version: int
     manifest: Manifest
     holders: _containers.RepeatedCompositeFieldContainer[Holder]
@@ -233,7 +256,11 @@ class ResolveResponse(_message.Message):
     token_expiry_unix: int
     revision: int
     shards: _containers.RepeatedCompositeFieldContainer[Manifest]
-    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., read_token: _Optional[bytes] = ..., token_expiry_unix: _Optional[int] = ..., revision: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[Manifest, _Mapping]]] = ...) -> None: ...
+    shard_count: int
+    total_holders: int
+    manifest_digest: bytes
+    manifest_omitted: bool
+    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., read_token: _Optional[bytes] = ..., token_expiry_unix: _Optional[int] = ..., revision: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[Manifest, _Mapping]]] = ..., shard_count: _Optional[int] = ..., total_holders: _Optional[int] = ..., manifest_digest: _Optional[bytes] = ..., manifest_omitted: _Optional[bool] = ...) -> None: ...
 
 class RegisterHolderRequest(_message.Message):
     __slots__ = ("model", "version", "holder")
@@ -246,12 +273,16 @@ class RegisterHolderRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ...) -> None: ...
 
 class RegisterHolderResponse(_message.Message):
-    __slots__ = ("fence", "revision")
+    __slots__ = ("fence", "revision", "candidates", "total_holders")
     FENCE_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_HOLDERS_FIELD_NUMBER: _ClassVar[int]
     fence: int
     revision: int
-    def __init__(self, fence: _Optional[int] = ..., revision: _Optional[int] = ...) -> None: ...
+    candidates: _containers.RepeatedCompositeFieldContainer[Holder]
+    total_holders: int
+    def __init__(self, fence: _Optional[int] = ..., revision: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., total_holders: _Optional[int] = ...) -> None: ...
 
 class UpdateHolderRequest(_message.Message):
     __slots__ = ("model", "version", "holder")
@@ -368,15 +399,21 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelSummary, _Mapping]]] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class InspectRequest(_message.Message):
-    __slots__ = ("model", "version")
+    __slots__ = ("model", "version", "page_size", "page_token", "omit_manifest")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    OMIT_MANIFEST_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    omit_manifest: bool
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., omit_manifest: _Optional[bool] = ...) -> None: ...
 
 class InspectResponse(_message.Message):
-    __slots__ = ("version", "latest", "manifest", "holders", "pins", "seeds", "published_revision", "revision", "retained", "shards")
+    __slots__ = ("version", "latest", "manifest", "holders", "pins", "seeds", "published_revision", "revision", "retained", "shards", "next_page_token", "total_holders", "shard_count")
     class SeedsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -394,6 +431,9 @@ class InspectResponse(_message.Message):
     REVISION_FIELD_NUMBER: _ClassVar[int]
     RETAINED_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
     version: int
     latest: int
     manifest: Manifest
@@ -404,7 +444,10 @@ class InspectResponse(_message.Message):
     revision: int
     retained: bool
     shards: _containers.RepeatedCompositeFieldContainer[Manifest]
-    def __init__(self, version: _Optional[int] = ..., latest: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., pins: _Optional[_Iterable[str]] = ..., seeds: _Optional[_Mapping[str, str]] = ..., published_revision: _Optional[int] = ..., revision: _Optional[int] = ..., retained: _Optional[bool] = ..., shards: _Optional[_Iterable[_Union[Manifest, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    total_holders: int
+    shard_count: int
+    def __init__(self, version: _Optional[int] = ..., latest: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., pins: _Optional[_Iterable[str]] = ..., seeds: _Optional[_Mapping[str, str]] = ..., published_revision: _Optional[int] = ..., revision: _Optional[int] = ..., retained: _Optional[bool] = ..., shards: _Optional[_Iterable[_Union[Manifest, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., total_holders: _Optional[int] = ..., shard_count: _Optional[int] = ...) -> None: ...
 
 class Quotas(_message.Message):
     __slots__ = ("max_models", "max_retained_versions", "max_sessions")
