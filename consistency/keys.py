@@ -11,6 +11,7 @@
 {p}/t/{tenant}/quota/{what}                            (fence of a counted create: models, sessions)
 {p}/tenants/{tenant}
 {p}/hub/secret
+{p}/hub/compactor                                      (the elected compactor; under its lease)
 ```
 
 Every name is validated before it becomes part of a key, so no input can escape its tenant's
@@ -50,6 +51,10 @@ class Keys:
     def hub_secret(self) -> str:
         """The hub replicas' shared secret (read-token keys derive from it)."""
         return f"{self.prefix}/hub/secret"
+
+    def hub_compactor(self) -> str:
+        """Names the one hub replica that compacts etcd; attached to that replica's lease."""
+        return f"{self.prefix}/hub/compactor"
 
     def sessions(self, tenant: str) -> str:
         return f"{self.tenant(tenant)}s/"
