@@ -14,6 +14,24 @@ HUB_SESSIONS = Gauge(
 )
 HUB_SESSIONS_OPENED = Counter("tensorhub_hub_sessions_opened_total", "Sessions opened here")
 HUB_WATCHES = Gauge("tensorhub_hub_watches_active", "Watch streams being served by this replica")
+HUB_STREAMS_ACTIVE = Gauge(
+    "tensorhub_hub_streams_active",
+    "Streams open on this replica by kind (keepalive, watch, private_watch: a replay)",
+    ["kind"],
+)
+HUB_STREAM_LIMIT = Gauge(
+    "tensorhub_hub_stream_limit",
+    "Stream limits of this replica by scope (replica, tenant, private_watch)",
+    ["scope"],
+)
+HUB_STREAMS_REFUSED = Counter(
+    "tensorhub_hub_streams_refused_total",
+    "Streams refused with Overloaded, by the limit that was reached",
+    ["scope"],
+)
+HUB_INTERNAL_ERRORS = Counter(
+    "tensorhub_hub_internal_errors_total", "Handler failures that were not a TensorHubError"
+)
 
 SDK_BYTES_FETCHED = Counter(
     "tensorhub_sdk_bytes_fetched_total", "Bytes received by fetches, by source holder", ["source"]

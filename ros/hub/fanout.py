@@ -5,18 +5,28 @@ Without sharing, 100 clients watching one model cost the replica 100 etcd watch 
 shared watch has not passed yet simply joins it, and receives each event already converted
 to its protobuf message; a stream that asks for older history gets a private watch that
 replays it (`start_revision` stays exact either way: nothing is lost or repeated).
-A subscriber that falls too far behind is cut off; its client resumes from its last revision.
+
+Watch streams are coroutines on the hub's event loop (`ros.hub.server`); the shared watch's
+pump thread (one per model, not per stream) hands each event to every subscriber's queue and
+wakes its coroutine with `loop.call_soon_threadsafe`. A subscriber's backlog is bounded
+(`MAX_BACKLOG`): one that falls that far behind is cut off with `Unavailable`, and its client
+resumes from its last revision. Private replays each hold an etcd watch and two threads, so
+a replica runs at most `Limits.max_private_watches` of them at once (`Overloaded` past that).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-import queue
 import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 from consistency import Etcd, Keys, ModelWatch
 from consistency.watch import WatchClosed, WatchEvent
 from ros.hub.convert import event_to_pb
+from ros.hub.limits import Limits, StreamLimits
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import TensorHubError, Unavailable
 
@@ -34,55 +44,121 @@ def wanted(message: pb.WatchEvent, versions_only: bool) -> bool:
 
 
 class Subscription:
-    """The events of one Watch stream, from its start revision on."""
+    """The events of one Watch stream, from its start revision on: filled by a pump thread,
+    drained by the stream's coroutine on `loop`."""
 
-    def __init__(self, start_revision: int, versions_only: bool = False) -> None:
+    def __init__(
+        self, start_revision: int, versions_only: bool, loop: asyncio.AbstractEventLoop
+    ) -> None:
         self.start_revision = start_revision
         self.versions_only = versions_only
-        self._queue: queue.Queue[pb.WatchEvent | TensorHubError] = queue.Queue(MAX_BACKLOG)
-        self._on_close: list[object] = []
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._items: deque[pb.WatchEvent] = deque()
+        self._error: TensorHubError | None = None
+        self._ready = asyncio.Event()
         self.closed = False
 
-    def offer(self, item: pb.WatchEvent | TensorHubError) -> bool:
-        """Queue an item; False if the subscriber is too far behind (it is then failed)."""
-        try:
-            self._queue.put_nowait(item)
-            return True
-        except queue.Full:
-            return False
+    def offer(self, item: pb.WatchEvent) -> bool:
+        """Queue an event (from any thread); False if the subscriber already has
+        `MAX_BACKLOG` waiting (it is too far behind: the caller cuts it off)."""
+        with self._lock:
+            if len(self._items) >= MAX_BACKLOG:
+                return False
+            wake = not self._items
+            self._items.append(item)
+        if wake:
+            self._wake()
+        return True
 
-    def get(self, timeout: float) -> pb.WatchEvent | None:
-        try:
-            item = self._queue.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        if isinstance(item, TensorHubError):
-            raise item
-        return item
+    def fail(self, exc: TensorHubError) -> None:
+        """End the subscription with `exc`, raised to the stream at its next read (events
+        still queued are dropped: the client resumes after the last one it received)."""
+        with self._lock:
+            if self._error is None:
+                self._error = exc
+        self._wake()
+
+    def _wake(self) -> None:
+        # A closed loop means the hub is stopping: nobody is waiting any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._ready.set)
+
+    async def next(self) -> pb.WatchEvent:
+        """The next event (waiting on the loop, no thread), or the error that ended it."""
+        while True:
+            with self._lock:
+                if self._error is not None:
+                    raise self._error
+                if self._items:
+                    return self._items.popleft()
+                self._ready.clear()
+            await self._ready.wait()
 
     def close(self) -> None:
         self.closed = True
 
 
 class _PrivateSubscription(Subscription):
-    """A subscription with its own etcd watch, for a start revision the shared one has passed."""
+    """A subscription with its own etcd watch, for a start revision the shared one has
+    passed; a forwarder thread moves the watch's events into the subscription's queue."""
 
     def __init__(
-        self, etcd: Etcd, keys: Keys, tenant: str, model: str, start: int, versions_only: bool
+        self,
+        etcd: Etcd,
+        keys: Keys,
+        tenant: str,
+        model: str,
+        start: int,
+        versions_only: bool,
+        loop: asyncio.AbstractEventLoop,
+        streams: StreamLimits,
     ) -> None:
-        super().__init__(start, versions_only)
-        self._watch = ModelWatch(etcd, keys, tenant, model, start_revision=start)
+        super().__init__(start, versions_only, loop)
+        streams.acquire_private()
+        self._streams = streams
+        self._released = False
+        self._stop = threading.Event()
+        try:
+            self._watch = ModelWatch(etcd, keys, tenant, model, start_revision=start)
+        except BaseException:
+            self._release()
+            raise
+        self._thread = threading.Thread(target=self._forward, name=f"replay-{model}", daemon=True)
+        self._thread.start()
 
-    def get(self, timeout: float) -> pb.WatchEvent | None:
-        event = self._watch.get(timeout)
-        if event is None:
-            return None
-        message = event_to_pb(event)
-        return message if wanted(message, self.versions_only) else None
+    def _forward(self) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    event = self._watch.get(0.5)
+                except WatchClosed:
+                    return
+                except TensorHubError as exc:
+                    self.fail(exc)
+                    return
+                if event is None:
+                    continue
+                message = event_to_pb(event)
+                if wanted(message, self.versions_only) and not self.offer(message):
+                    self.fail(Unavailable("watch subscriber fell too far behind; resume it"))
+                    return
+        finally:
+            self._watch.close()
+            self._release()
+
+    def _release(self) -> None:
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        self._streams.release_private()
 
     def close(self) -> None:
+        """Stop the replay; its thread closes the etcd watch and frees the slot (the stream's
+        coroutine does not wait for that)."""
         super().close()
-        self._watch.close()
+        self._stop.set()
 
 
 class _SharedWatch:
@@ -117,30 +193,40 @@ class _SharedWatch:
                     continue
                 if not sub.offer(message):
                     self.subscribers.discard(sub)
-                    sub.offer(Unavailable("watch subscriber fell too far behind; resume it"))
+                    sub.fail(Unavailable("watch subscriber fell too far behind; resume it"))
 
     def _fail(self, exc: TensorHubError) -> None:
         with self.lock:
             self.failed = True
             for sub in self.subscribers:
-                sub.offer(exc)
+                sub.fail(exc)
             self.subscribers.clear()
 
 
 class WatchFanout:
     """Shared watches of this replica, by (tenant, model)."""
 
-    def __init__(self, etcd: Etcd, keys: Keys) -> None:
+    def __init__(self, etcd: Etcd, keys: Keys, streams: StreamLimits | None = None) -> None:
         self._etcd = etcd
         self._keys = keys
+        self._streams = streams or StreamLimits(Limits())
         self._lock = threading.Lock()
         self._shared: dict[tuple[str, str], _SharedWatch] = {}
+        # Closing an etcd watch joins its thread: done here, never on the event loop.
+        self._closer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fanout-close")
 
     def subscribe(
-        self, tenant: str, model: str, start_revision: int, versions_only: bool = False
+        self,
+        tenant: str,
+        model: str,
+        start_revision: int,
+        versions_only: bool,
+        loop: asyncio.AbstractEventLoop,
     ) -> Subscription:
-        """Events of tenant/model from `start_revision` (explicit, > 0) on; with
-        `versions_only`, only new versions (and resyncs)."""
+        """Events of tenant/model from `start_revision` (explicit, > 0) on, delivered to a
+        coroutine on `loop`; with `versions_only`, only new versions (and resyncs). Never
+        blocks on etcd: a new watch only starts its threads. `Overloaded` if a private
+        replay is needed and the replica runs its limit of them."""
         with self._lock:
             shared = self._shared.get((tenant, model))
             if shared is None or shared.failed:
@@ -149,15 +235,17 @@ class WatchFanout:
                 shared.thread.start()
             with shared.lock:
                 if start_revision > shared.delivered_through:
-                    sub = Subscription(start_revision, versions_only)
+                    sub = Subscription(start_revision, versions_only, loop)
                     shared.subscribers.add(sub)
                     return sub
         return _PrivateSubscription(
-            self._etcd, self._keys, tenant, model, start_revision, versions_only
-        )
+            self._etcd, self._keys, tenant, model, start_revision, versions_only, loop,
+            self._streams,
+        )  # fmt: skip
 
     def unsubscribe(self, tenant: str, model: str, sub: Subscription) -> None:
-        """Drop a subscription; a shared watch left with none is closed."""
+        """Drop a subscription; a shared watch left with none is closed (in the background:
+        this never blocks, so a stream's coroutine may call it as it ends)."""
         sub.close()
         with self._lock:
             shared = self._shared.get((tenant, model))
@@ -169,10 +257,15 @@ class WatchFanout:
             if idle:
                 del self._shared[(tenant, model)]
         if shared is not None and idle:
-            shared.watch.close()
+            try:
+                self._closer.submit(shared.watch.close)
+            except RuntimeError:  # closer shut down: the hub is stopping
+                shared.watch.close()
 
     def close(self) -> None:
+        """Close every shared watch (waiting for their threads) and the closer."""
         with self._lock:
             shared, self._shared = list(self._shared.values()), {}
+        self._closer.shutdown(wait=True)
         for watch in shared:
             watch.watch.close()

@@ -1,101 +1,208 @@
-"""What every hub handler shares: error mapping decorators, authentication, deadlines,
-and the registries confined to the caller's tenant.
+"""What every hub handler shares: the call snapshot, error mapping decorators,
+authentication, deadlines, and the registries confined to the caller's tenant.
+
+The hub serves on `grpc.aio` (see `ros.hub.server`): streams are coroutines, so they cost
+memory, not threads. Unary handler bodies stay synchronous (they call the blocking etcd
+client); `unary` runs each in ONE bounded worker pool, handing it a `CallContext` (the
+call's metadata and deadline, read once on the event loop) instead of the aio context, which
+must not be touched from another thread. A call whose deadline has passed by the time it
+would run is refused, not run.
 
 Every handler runs under a deadline (the caller's, capped at `MAX_CALL_SECONDS`), maps errors
-through `ros.errors`, and answers with the etcd revision it read or wrote at. The hub keeps
-no state of its own beyond caches: any replica can serve any call.
+through `ros.errors` (the class name travels in the `tensorhub-error` trailing metadata; an
+unexpected exception is logged and answered INTERNAL), and answers with the etcd revision it
+read or wrote at. The hub keeps no state of its own beyond caches: any replica can serve any
+call.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hmac
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-import grpc
+import grpc.aio
 
 from consistency import Etcd, HolderRegistry, Keys, VersionRegistry
+from consistency.keepalive import LeaseKeeper
 from ros.errors import ERROR_METADATA_KEY, status_of
 from ros.hub.fanout import WatchFanout
+from ros.hub.limits import Limits, StreamLimits
 from ros.hub.tenants import Tenant, TenantStore
-from ros.metrics import HUB_LATENCY, HUB_REQUESTS
+from ros.metrics import HUB_INTERNAL_ERRORS, HUB_LATENCY, HUB_REQUESTS
 from tensorhub.errors import DeadlineExceeded, PermissionDenied, SessionExpired, TensorHubError
 
 log = logging.getLogger(__name__)
 
 MAX_CALL_SECONDS = 30.0
-F = TypeVar("F", bound=Callable[..., Any])
+S = TypeVar("S", bound="HubBase")
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+T = TypeVar("T")
+AioContext = grpc.aio.ServicerContext[Any, Any]
 
 
-def _abort(context: grpc.ServicerContext, method: str, exc: TensorHubError) -> None:
+class CallContext:
+    """What a synchronous handler body may know of its call: the invocation metadata and
+    the deadline, snapshotted on the event loop (the aio context is not thread-safe).
+
+    It answers `invocation_metadata()` and `time_remaining()` like a gRPC context does, so
+    `bearer`, `HubBase._tenant` and `HubBase._timeout` read it the same way.
+    """
+
+    def __init__(self, metadata: Sequence[tuple[str, str | bytes]], deadline: float | None):
+        self.metadata = tuple(metadata)
+        self.deadline = deadline  # time.monotonic() at which the caller gives up; None: never
+
+    @classmethod
+    def of(cls, context: AioContext) -> CallContext:
+        """Snapshot an aio context (call on the event loop)."""
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        metadata = [(m[0], m[1]) for m in context.invocation_metadata() or ()]
+        return cls(metadata, deadline)
+
+    def invocation_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
+        return self.metadata
+
+    def time_remaining(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+
+class InternalError(TensorHubError):
+    """A handler failed with an exception that is not a TensorHubError: a bug, logged."""
+
+    code = "INTERNAL"
+
+
+async def _abort(context: AioContext, method: str, exc: TensorHubError) -> None:
     code = status_of(exc)
     HUB_REQUESTS.labels(method, code.name).inc()
     log.info("rpc %s failed: %s: %s", method, type(exc).__name__, exc)
     context.set_trailing_metadata(((ERROR_METADATA_KEY, type(exc).__name__),))
-    context.abort(code, str(exc))
+    await context.abort(code, str(exc))
 
 
-def unary(fn: F) -> F:
-    """Wrap a unary handler: timing, status metrics, error mapping."""
+def _internal(method: str, exc: Exception) -> InternalError:
+    HUB_INTERNAL_ERRORS.inc()
+    log.error("rpc %s failed unexpectedly", method, exc_info=exc)
+    return InternalError(f"internal error in {method}: {type(exc).__name__}")
+
+
+def unary(
+    fn: Callable[[S, Req, CallContext], Resp],
+) -> Callable[[S, Req, AioContext], Coroutine[Any, Any, Resp]]:
+    """Make a synchronous handler body an aio handler: run it in the replica's bounded
+    worker pool with a `CallContext`; timing, status metrics, error mapping."""
 
     @functools.wraps(fn)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+    async def wrapper(self: S, request: Req, context: AioContext) -> Resp:
         start = time.monotonic()
+        call = CallContext.of(context)
+        error: TensorHubError
         try:
-            response = fn(self, request, context)
+            response = await self._blocking(fn, self, request, call, deadline_of=call)
         except TensorHubError as exc:
-            _abort(context, fn.__name__, exc)
-        HUB_REQUESTS.labels(fn.__name__, "OK").inc()
-        HUB_LATENCY.labels(fn.__name__).observe(time.monotonic() - start)
-        return response
+            error = exc
+        except Exception as exc:  # a bug: answered INTERNAL, not UNKNOWN
+            error = _internal(fn.__name__, exc)
+        else:
+            HUB_REQUESTS.labels(fn.__name__, "OK").inc()
+            HUB_LATENCY.labels(fn.__name__).observe(time.monotonic() - start)
+            return response
+        await _abort(context, fn.__name__, error)
+        raise error  # not reached: abort raises
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper
 
 
-def streaming(fn: F) -> F:
-    """Wrap a streaming handler (a generator) with the same error mapping."""
+def streaming(
+    fn: Callable[[S, Req, AioContext], AsyncGenerator[Resp, None]],
+) -> Callable[[S, Req, AioContext], AsyncGenerator[Resp, None]]:
+    """Wrap a streaming handler (an async generator) with the same error mapping. The
+    handler is closed as soon as its stream ends (cancelled, or the client went away), so
+    its `finally` blocks give back stream slots at once, not when it is garbage-collected."""
 
     @functools.wraps(fn)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+    async def wrapper(self: S, request: Req, context: AioContext) -> AsyncGenerator[Resp, None]:
+        error: TensorHubError
+        stream = fn(self, request, context)
         try:
-            yield from fn(self, request, context)
+            async for item in stream:
+                yield item
+            return
         except TensorHubError as exc:
-            _abort(context, fn.__name__, exc)
+            error = exc
+        except Exception as exc:  # a bug: answered INTERNAL, not UNKNOWN
+            error = _internal(fn.__name__, exc)
+        finally:
+            await stream.aclose()
+        await _abort(context, fn.__name__, error)
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper
 
 
 class HubBase:
     """State and plumbing shared by the handler groups (sessions, versions, holders)."""
 
-    def __init__(self, etcd: Etcd, keys: Keys, *, default_retain: int = 2) -> None:
+    def __init__(
+        self, etcd: Etcd, keys: Keys, *, default_retain: int = 2, limits: Limits | None = None
+    ) -> None:
         self.etcd = etcd
         self.keys = keys
         self.tenants = TenantStore(etcd, keys)
         self._default_retain = default_retain
+        self.limits = limits or Limits()
+        self.streams = StreamLimits(self.limits)
+        # Every blocking handler body runs here: a fixed number of threads, whatever the load.
+        self._workers = ThreadPoolExecutor(
+            max_workers=self.limits.workers, thread_name_prefix="hub-worker"
+        )
         # Retention runs after a publish has answered, off the publisher's critical path.
         self._collector = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retention")
-        self._fanout = WatchFanout(etcd, keys)
+        self._fanout = WatchFanout(etcd, keys, self.streams)
+        self._leases = LeaseKeeper(etcd)
         self.tenants.hub_secret()  # create it at start-up, not in the first caller's deadline
 
     def close(self) -> None:
-        """Stop the background retention worker (pending collections are dropped: the next
-        publish of each model runs its retention again) and the shared watches."""
+        """Stop the workers, the background retention worker (pending collections are
+        dropped: the next publish of each model runs its retention again), the shared
+        watches and the lease keepalive stream."""
+        self._workers.shutdown(wait=False, cancel_futures=True)
         self._collector.shutdown(wait=False, cancel_futures=True)
         self._fanout.close()
+        self._leases.close()
 
-    def _tenant(self, context: grpc.ServicerContext) -> Tenant:
+    async def _blocking(
+        self, fn: Callable[..., T], *args: Any, deadline_of: CallContext | None = None
+    ) -> T:
+        """Run `fn(*args)` in the worker pool and await it. With `deadline_of`, refuse to
+        start it once that call's deadline has passed (it may have waited in the queue)."""
+
+        def run() -> T:
+            remaining = None if deadline_of is None else deadline_of.time_remaining()
+            if remaining is not None and remaining <= 0:
+                raise DeadlineExceeded("the call's deadline passed before the hub could act")
+            return fn(*args)
+
+        remaining = None if deadline_of is None else deadline_of.time_remaining()
+        if remaining is not None and remaining <= 0:
+            raise DeadlineExceeded("the call's deadline passed before the hub could act")
+        return await asyncio.get_running_loop().run_in_executor(self._workers, run)
+
+    def _tenant(self, context: CallContext) -> Tenant:
         token = bearer(context)
         if token is None:
             raise PermissionDenied("no tenant token: send 'authorization: Bearer <token>'")
         return self.tenants.authenticate(token)
 
     @staticmethod
-    def _timeout(context: grpc.ServicerContext) -> float:
+    def _timeout(context: CallContext) -> float:
         remaining = context.time_remaining()
         if remaining is None:
             return MAX_CALL_SECONDS
@@ -127,7 +234,7 @@ class HubBase:
         raise PermissionDenied(f"session {session_id:x} is not an open session of this tenant")
 
 
-def bearer(context: grpc.ServicerContext) -> str | None:
+def bearer(context: CallContext) -> str | None:
     for key, value in context.invocation_metadata():
         if key == "authorization":
             text = value if isinstance(value, str) else value.decode()

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import grpc
-
 from ros.hub.convert import holder_from_pb
-from ros.hub.rpc import HubBase, unary
+from ros.hub.rpc import CallContext, HubBase, unary
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.names import validate_name, validate_version
 
@@ -15,7 +13,7 @@ class HolderRPCs(HubBase):
 
     @unary
     def RegisterHolder(
-        self, request: pb.RegisterHolderRequest, context: grpc.ServicerContext
+        self, request: pb.RegisterHolderRequest, context: CallContext
     ) -> pb.RegisterHolderResponse:
         tenant = self._tenant(context)
         timeout = self._timeout(context)
@@ -32,7 +30,7 @@ class HolderRPCs(HubBase):
 
     @unary
     def UpdateHolder(
-        self, request: pb.UpdateHolderRequest, context: grpc.ServicerContext
+        self, request: pb.UpdateHolderRequest, context: CallContext
     ) -> pb.UpdateHolderResponse:
         tenant = self._tenant(context)
         timeout = self._timeout(context)
@@ -46,7 +44,7 @@ class HolderRPCs(HubBase):
 
     @unary
     def ReleaseHolder(
-        self, request: pb.ReleaseHolderRequest, context: grpc.ServicerContext
+        self, request: pb.ReleaseHolderRequest, context: CallContext
     ) -> pb.ReleaseHolderResponse:
         tenant = self._tenant(context)
         revision = self._holders(tenant).release(
@@ -56,7 +54,7 @@ class HolderRPCs(HubBase):
         return pb.ReleaseHolderResponse(revision=revision)
 
     @unary
-    def Pin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinResponse:
+    def Pin(self, request: pb.PinRequest, context: CallContext) -> pb.PinResponse:
         tenant = self._tenant(context)
         timeout = self._timeout(context)
         self._own_session(tenant, request.session_id, timeout)
@@ -67,7 +65,7 @@ class HolderRPCs(HubBase):
         return pb.PinResponse(revision=revision)
 
     @unary
-    def Unpin(self, request: pb.UnpinRequest, context: grpc.ServicerContext) -> pb.UnpinResponse:
+    def Unpin(self, request: pb.UnpinRequest, context: CallContext) -> pb.UnpinResponse:
         tenant = self._tenant(context)
         revision = self._holders(tenant).unpin(
             tenant.name, validate_name(request.model, "model"), validate_version(request.version),
@@ -76,9 +74,7 @@ class HolderRPCs(HubBase):
         return pb.UnpinResponse(revision=revision)
 
     @unary
-    def ElectSeed(
-        self, request: pb.ElectSeedRequest, context: grpc.ServicerContext
-    ) -> pb.ElectSeedResponse:
+    def ElectSeed(self, request: pb.ElectSeedRequest, context: CallContext) -> pb.ElectSeedResponse:
         tenant = self._tenant(context)
         timeout = self._timeout(context)
         self._own_session(tenant, request.session_id, timeout)

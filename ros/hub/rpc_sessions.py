@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Iterator
-
-import grpc
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from consistency import Session, ops
 from consistency.quota import CountedCreate
-from ros.hub.rpc import MAX_CALL_SECONDS, HubBase, streaming, unary
+from ros.hub.rpc import MAX_CALL_SECONDS, AioContext, CallContext, HubBase, streaming, unary
 from ros.hub.tenants import Tenant
 from ros.metrics import HUB_SESSIONS, HUB_SESSIONS_OPENED
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
@@ -19,6 +18,7 @@ from tensorhub.errors import DeadlineExceeded, InvalidArgument, TensorHubError
 log = logging.getLogger(__name__)
 
 MAX_SESSION_TTL = 300
+RENEW_SECONDS = 10.0  # deadline of one renewal on the shared etcd keepalive stream
 
 
 class SessionRPCs(HubBase):
@@ -26,7 +26,7 @@ class SessionRPCs(HubBase):
 
     @unary
     def OpenSession(
-        self, request: pb.OpenSessionRequest, context: grpc.ServicerContext
+        self, request: pb.OpenSessionRequest, context: CallContext
     ) -> pb.OpenSessionResponse:
         tenant = self._tenant(context)
         timeout = self._timeout(context)
@@ -77,25 +77,35 @@ class SessionRPCs(HubBase):
             log.info("could not revoke refused session %x: %s", session_id, exc)
 
     @streaming
-    def KeepAlive(
-        self, requests: Iterator[pb.KeepAliveRequest], context: grpc.ServicerContext
-    ) -> Iterator[pb.KeepAliveResponse]:
-        tenant = self._tenant(context)
+    async def KeepAlive(
+        self, requests: AsyncIterator[pb.KeepAliveRequest], context: AioContext
+    ) -> AsyncGenerator[pb.KeepAliveResponse, None]:
+        """Renew sessions as their owner asks, as a coroutine: each renewal goes over the
+        replica's one shared etcd keepalive stream (`consistency.keepalive`), so a stream
+        costs no thread and no etcd stream of its own. The first renewal of each session id
+        checks that it is one of the caller's sessions."""
+        call = CallContext.of(context)
+        tenant = await self._blocking(self._tenant, call)
         owned: set[int] = set()
-        HUB_SESSIONS.inc()
-        try:
-            for request in requests:
-                if request.session_id not in owned:
-                    self._own_session(tenant, request.session_id, MAX_CALL_SECONDS)
-                    owned.add(request.session_id)
-                ttl = self.etcd.lease_keepalive(request.session_id, timeout=MAX_CALL_SECONDS)
-                yield pb.KeepAliveResponse(session_id=request.session_id, ttl_seconds=ttl)
-        finally:
-            HUB_SESSIONS.dec()
+        with self.streams.stream("keepalive", tenant.name):
+            HUB_SESSIONS.inc()
+            try:
+                async for request in requests:
+                    if request.session_id not in owned:
+                        await self._blocking(
+                            self._own_session, tenant, request.session_id, MAX_CALL_SECONDS
+                        )
+                        owned.add(request.session_id)
+                    ttl = await asyncio.wrap_future(
+                        self._leases.renew(request.session_id, RENEW_SECONDS)
+                    )
+                    yield pb.KeepAliveResponse(session_id=request.session_id, ttl_seconds=ttl)
+            finally:
+                HUB_SESSIONS.dec()
 
     @unary
     def CloseSession(
-        self, request: pb.CloseSessionRequest, context: grpc.ServicerContext
+        self, request: pb.CloseSessionRequest, context: CallContext
     ) -> pb.CloseSessionResponse:
         tenant = self._tenant(context)
         timeout = self._timeout(context)

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import AsyncGenerator
 from typing import Any
-
-import grpc
 
 from consistency import HolderState, VersionInfo
 from consistency.quota import CountedCreate
 from ros.hub.convert import holder_from_pb, holder_to_pb
-from ros.hub.rpc import HubBase, streaming, unary
+from ros.hub.rpc import AioContext, CallContext, HubBase, streaming, unary
 from ros.hub.tenants import Tenant
 from ros.metrics import HUB_WATCHES
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
@@ -25,9 +24,7 @@ class VersionRPCs(HubBase):
     """Version handlers: publish, latest, watch, resolve (with a read token), list, inspect."""
 
     @unary
-    def Publish(
-        self, request: pb.PublishRequest, context: grpc.ServicerContext
-    ) -> pb.PublishResponse:
+    def Publish(self, request: pb.PublishRequest, context: CallContext) -> pb.PublishResponse:
         tenant = self._tenant(context)
         timeout = self._timeout(context)
         model = validate_name(request.model, "model")
@@ -74,7 +71,7 @@ class VersionRPCs(HubBase):
         )
 
     @unary
-    def Latest(self, request: pb.LatestRequest, context: grpc.ServicerContext) -> pb.LatestResponse:
+    def Latest(self, request: pb.LatestRequest, context: CallContext) -> pb.LatestResponse:
         tenant = self._tenant(context)
         version, revision = self._versions(tenant).latest(
             tenant.name, validate_name(request.model, "model"), timeout=self._timeout(context)
@@ -82,35 +79,37 @@ class VersionRPCs(HubBase):
         return pb.LatestResponse(version=version, revision=revision)
 
     @streaming
-    def Watch(
-        self, request: pb.WatchRequest, context: grpc.ServicerContext
-    ) -> Iterator[pb.WatchEvent]:
-        tenant = self._tenant(context)
+    async def Watch(
+        self, request: pb.WatchRequest, context: AioContext
+    ) -> AsyncGenerator[pb.WatchEvent, None]:
+        """Events of one model from an explicit revision, as an async generator: the
+        shared (or private) etcd watch of `ros.hub.fanout` hands them to this stream's
+        queue on the event loop; no thread waits for this stream."""
+        call = CallContext.of(context)
+        tenant = await self._blocking(self._tenant, call)
         model = validate_name(request.model, "model")
         if request.start_revision <= 0:
             raise InvalidArgument("start_revision must be explicit and positive")
-        HUB_WATCHES.inc()
-        sub = self._fanout.subscribe(
-            tenant.name, model, request.start_revision, request.versions_only
-        )
-        try:
-            while context.is_active():
-                try:
-                    message = sub.get(timeout=0.25)
-                except Exception:
-                    if context.is_active():
-                        raise
-                    return  # cancelled by a stopping server, whose etcd client may be closed
-                if message is not None:
-                    yield message
-        finally:
-            self._fanout.unsubscribe(tenant.name, model, sub)
-            HUB_WATCHES.dec()
+        with self.streams.stream("watch", tenant.name):
+            # Joining (or creating) a watch only starts its threads: quick enough for the loop,
+            # and a stream cancelled meanwhile cannot leave a subscription behind.
+            sub = self._fanout.subscribe(
+                tenant.name,
+                model,
+                request.start_revision,
+                request.versions_only,
+                asyncio.get_running_loop(),
+            )
+            HUB_WATCHES.inc()
+            try:
+                while True:
+                    yield await sub.next()
+            finally:
+                HUB_WATCHES.dec()
+                self._fanout.unsubscribe(tenant.name, model, sub)
 
     @unary
-    def Resolve(
-        self, request: pb.ResolveRequest, context: grpc.ServicerContext
-    ) -> pb.ResolveResponse:
+    def Resolve(self, request: pb.ResolveRequest, context: CallContext) -> pb.ResolveResponse:
         tenant = self._tenant(context)
         timeout = self._timeout(context)
         model = validate_name(request.model, "model")
@@ -131,7 +130,7 @@ class VersionRPCs(HubBase):
 
     @unary
     def ListModels(
-        self, request: pb.ListModelsRequest, context: grpc.ServicerContext
+        self, request: pb.ListModelsRequest, context: CallContext
     ) -> pb.ListModelsResponse:
         tenant = self._tenant(context)
         timeout = self._timeout(context)
@@ -152,9 +151,7 @@ class VersionRPCs(HubBase):
         return response
 
     @unary
-    def Inspect(
-        self, request: pb.InspectRequest, context: grpc.ServicerContext
-    ) -> pb.InspectResponse:
+    def Inspect(self, request: pb.InspectRequest, context: CallContext) -> pb.InspectResponse:
         tenant = self._tenant(context)
         timeout = self._timeout(context)
         model = validate_name(request.model, "model")

@@ -1,26 +1,60 @@
-"""Run the hub: a gRPC server with the TensorHub service, health checking and reflection."""
+"""Run the hub: a `grpc.aio` server with the TensorHub service, health checking and reflection.
+
+A replica must hold thousands of clients, each a session keepalive (a bidi stream) and a
+versions-only watch (a server stream): DESIGN §8 asks for 2,000 on 2 cores. On gRPC's
+synchronous server every open stream pins a pool thread, so a 256-thread pool stopped
+answering anything at ~140 clients. Here the server runs on its own asyncio event loop in
+one dedicated thread: streams are coroutines (memory, not threads), unary handler bodies run
+in one bounded worker pool (`ros.hub.rpc.unary`), session renewals share one etcd keepalive
+stream (`consistency.keepalive`) and watches share one etcd watch per model
+(`ros.hub.fanout`). The thread count is therefore fixed by configuration, not by load; the
+stream counts are bounded by explicit limits (`ros.hub.limits`).
+
+`HubServer` keeps a synchronous API (construct, `start()`, `stop(grace)`, `wait()`), so
+tests, the chaos cluster, the demo and `tensorhub serve` run it in-process as before.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from concurrent import futures
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import grpc
+import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer as AioHealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from consistency import Etcd, Keys
+from ros.hub.limits import (
+    DEFAULT_MAX_PRIVATE_WATCHES,
+    DEFAULT_MAX_STREAMS,
+    DEFAULT_MAX_STREAMS_PER_TENANT,
+    DEFAULT_WORKERS,
+    Limits,
+)
 from ros.hub.servicer import HubServicer
 from ros.proto.tensorhub.v1 import hub_pb2, hub_pb2_grpc
+from tensorhub.errors import DeadlineExceeded
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = hub_pb2.DESCRIPTOR.services_by_name["TensorHub"].full_name
 MAX_MESSAGE_BYTES = 64 << 20
+MAX_QUEUED_UNARY = 4096  # unary calls admitted beyond the stream limit (gRPC's own backstop)
+T = TypeVar("T")
 
 
 class HubServer:
-    """One hub replica. Stateless: start as many as you like over the same etcd."""
+    """One hub replica. Stateless: start as many as you like over the same etcd.
+
+    `max_workers` threads run the unary handler bodies; `max_streams` and
+    `max_streams_per_tenant` bound the KeepAlive and Watch streams open at once, and
+    `max_private_watches` the watches replaying old revisions (see `ros.hub.limits`).
+    """
 
     def __init__(
         self,
@@ -30,50 +64,115 @@ class HubServer:
         admin_token: str,
         keys: Keys | None = None,
         retain: int = 2,
-        max_workers: int = 256,
+        max_workers: int = DEFAULT_WORKERS,
         credentials: grpc.ServerCredentials | None = None,
+        max_streams: int = DEFAULT_MAX_STREAMS,
+        max_streams_per_tenant: int = DEFAULT_MAX_STREAMS_PER_TENANT,
+        max_private_watches: int = DEFAULT_MAX_PRIVATE_WATCHES,
     ) -> None:
+        self.limits = Limits(
+            max_streams=max_streams,
+            max_streams_per_tenant=max_streams_per_tenant,
+            max_private_watches=max_private_watches,
+            workers=max_workers,
+        )
         self.etcd = Etcd(etcd_endpoints)
         self.keys = keys or Keys()
-        self.servicer = HubServicer(
-            self.etcd, self.keys, admin_token=admin_token, default_retain=retain
-        )
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="hub"),
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ],
-            maximum_concurrent_rpcs=max_workers * 4,
-        )
-        hub_pb2_grpc.add_TensorHubServicer_to_server(self.servicer, self._server)  # type: ignore[no-untyped-call]
-        self._health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
-        )
-        if credentials is None:
-            self.port = self._server.add_insecure_port(listen)
-        else:
-            self.port = self._server.add_secure_port(listen, credentials)
+        self._stopped = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name="hub-loop", daemon=True)
+        try:
+            self.servicer = HubServicer(
+                self.etcd, self.keys, admin_token=admin_token, default_retain=retain,
+                limits=self.limits,
+            )  # fmt: skip
+            self._thread.start()
+            self.port = self._call(self._build(listen, credentials), timeout=30.0)
+        except BaseException:
+            self._end_loop()
+            self.etcd.close()
+            raise
         self.host = listen.rsplit(":", 1)[0]
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    # -- the event loop thread -------------------------------------------------------------
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+            self._loop.close()
+
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
+        """Run `coro` on the hub's loop and wait for its result (from any other thread)."""
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout=timeout)
+        except TimeoutError as exc:
+            future.cancel()
+            raise DeadlineExceeded(f"the hub's event loop did not answer in {timeout}s") from exc
+
+    def _end_loop(self) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+        elif not self._loop.is_closed():
+            self._loop.close()
+
+    async def _build(self, listen: str, credentials: grpc.ServerCredentials | None) -> int:
+        """Create the aio server on the loop (it binds to the running loop) and its port."""
+        self._server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ],
+            maximum_concurrent_rpcs=self.limits.max_streams + MAX_QUEUED_UNARY,
+        )
+        hub_pb2_grpc.add_TensorHubServicer_to_server(self.servicer, self._server)  # type: ignore[no-untyped-call]
+        self._health = AioHealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
+        )
+        if credentials is None:
+            return self._server.add_insecure_port(listen)
+        return self._server.add_secure_port(listen, credentials)
+
+    async def _start(self) -> None:
+        await self._server.start()
+        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+
+    async def _shutdown(self, grace: float) -> None:
+        await self._health.enter_graceful_shutdown()
+        await self._server.stop(grace)
+
+    # -- the synchronous API ---------------------------------------------------------------
+
     def start(self) -> HubServer:
-        self._server.start()
-        self._health.set("", health_pb2.HealthCheckResponse.SERVING)
-        self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        """Start serving; returns self."""
+        self._call(self._start(), timeout=30.0)
         log.info("hub serving on %s", self.address)
         return self
 
     def stop(self, grace: float = 1.0) -> None:
-        self._health.enter_graceful_shutdown()
-        self._server.stop(grace).wait(timeout=grace + 5)
-        self.servicer.close()
-        self.etcd.close()
+        """Refuse new calls, give open ones `grace` seconds, cancel the rest, and release
+        everything (workers, shared watches, the keepalive stream, the etcd client)."""
+        if self._stopped.is_set():
+            return
+        try:
+            self._call(self._shutdown(grace), timeout=grace + 5)
+        finally:
+            self.servicer.close()
+            self._end_loop()
+            self.etcd.close()
+            self._stopped.set()
 
     def wait(self) -> None:
-        self._server.wait_for_termination()
+        """Block until `stop` has run."""
+        self._stopped.wait()

@@ -6,10 +6,9 @@ registries in `consistency`; see `ros.hub.rpc` for what they share.
 
 from __future__ import annotations
 
-import grpc
-
 from consistency import Etcd, Keys
-from ros.hub.rpc import bearer, same, unary
+from ros.hub.limits import Limits
+from ros.hub.rpc import CallContext, bearer, same, unary
 from ros.hub.rpc_holders import HolderRPCs
 from ros.hub.rpc_sessions import SessionRPCs
 from ros.hub.rpc_versions import VersionRPCs
@@ -24,14 +23,20 @@ class HubServicer(SessionRPCs, VersionRPCs, HolderRPCs, hub_pb2_grpc.TensorHubSe
     """Handlers of `tensorhub.v1.TensorHub`."""
 
     def __init__(
-        self, etcd: Etcd, keys: Keys, *, admin_token: str, default_retain: int = 2
+        self,
+        etcd: Etcd,
+        keys: Keys,
+        *,
+        admin_token: str,
+        default_retain: int = 2,
+        limits: Limits | None = None,
     ) -> None:
-        super().__init__(etcd, keys, default_retain=default_retain)
+        super().__init__(etcd, keys, default_retain=default_retain, limits=limits)
         self._admin_hash = token_hash(admin_token)
 
     @unary
     def CreateTenant(
-        self, request: pb.CreateTenantRequest, context: grpc.ServicerContext
+        self, request: pb.CreateTenantRequest, context: CallContext
     ) -> pb.CreateTenantResponse:
         token = bearer(context)
         if token is None or not same(token_hash(token), self._admin_hash):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 import ros
 from consistency import EventKind
-from ros.hub.fanout import WatchFanout, _PrivateSubscription
+from ros.hub.fanout import Subscription, WatchFanout, _PrivateSubscription
 from ros.hub.server import HubServer
+from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tests.ros.helpers import make_model
 
 
@@ -37,26 +39,30 @@ def test_a_late_start_revision_gets_a_private_replay(
     trainer = connect()
     first = trainer.publish("policy", 1, make_model(1))
     fanout: WatchFanout = hub_server.servicer._fanout
-    live = fanout.subscribe("team-a", "policy", first.revision + 1)
+    loop = asyncio.new_event_loop()  # subscribers are drained by a coroutine, as in the hub
+
+    def get(sub: Subscription) -> pb.WatchEvent:
+        return loop.run_until_complete(asyncio.wait_for(sub.next(), 10))
+
+    live = fanout.subscribe("team-a", "policy", first.revision + 1, False, loop)
     trainer.publish("policy", 2, make_model(2))
-    message = None
-    while message is None or message.kind != message.VERSION_PUBLISHED:
-        message = live.get(timeout=10)
-        assert message is not None
+    message = get(live)
+    while message.kind != message.VERSION_PUBLISHED:
+        message = get(live)
     assert message.version == 2
     # the shared watch has passed version 2; asking from version 1's revision replays it
-    replay = fanout.subscribe("team-a", "policy", first.revision)
+    replay = fanout.subscribe("team-a", "policy", first.revision, False, loop)
     assert isinstance(replay, _PrivateSubscription)
     versions = []
     while len(versions) < 2:
-        got = replay.get(timeout=10)
-        assert got is not None
+        got = get(replay)
         if got.kind == got.VERSION_PUBLISHED:
             versions.append(got.version)
     assert versions == [1, 2]
     fanout.unsubscribe("team-a", "policy", replay)
     fanout.unsubscribe("team-a", "policy", live)
     assert ("team-a", "policy") not in fanout._shared
+    loop.close()
 
 
 def test_a_versions_only_watch_gets_new_versions_and_no_holder_churn(
