@@ -83,7 +83,12 @@ class EtcdCluster:
         election_ms: int = 500,
         start_timeout: float = 30.0,
         binary: str | None = None,
+        extra_args: list[str] | None = None,
     ) -> None:
+        """`extra_args` are passed to every member as they are (tests use them for small
+        quotas, e.g. `["--quota-backend-bytes=4194304"]`). Auto-compaction stays off unless
+        they turn it on: the hub's `consistency.compactor.Compactor` compacts instead, so
+        one elected replica decides what history watches can still resume from."""
         if size < 1:
             raise ValueError("an etcd cluster needs at least one member")
         self._binary = binary or find_etcd_binary()
@@ -92,6 +97,7 @@ class EtcdCluster:
         self._heartbeat_ms = heartbeat_ms
         self._election_ms = election_ms
         self._start_timeout = start_timeout
+        self._extra_args = list(extra_args or [])
         self.token = f"tensorhub-{os.getpid()}-{time.monotonic_ns()}"
         self.members = [
             Member(f"m{i}", free_port(), free_port(), self.root / f"m{i}") for i in range(size)
@@ -197,6 +203,7 @@ class EtcdCluster:
             "--election-timeout", str(self._election_ms),
             "--logger", "zap",
             "--log-level", "warn",
+            *self._extra_args,
         ]  # fmt: skip
         log = open(member.data_dir / "etcd.log", "ab")  # noqa: SIM115  (owned by the child)
         try:

@@ -23,7 +23,7 @@ from etcd3 import etcdrpc
 from consistency import ops
 from consistency.ops import KV, Cmp, Op
 from consistency.retry import DEFAULT_POLICY, RetryPolicy, is_deadline, is_retryable
-from tensorhub.errors import DeadlineExceeded, TensorHubError, Unavailable
+from tensorhub.errors import DeadlineExceeded, StorageFull, TensorHubError, Unavailable
 
 T = TypeVar("T")
 
@@ -39,6 +39,34 @@ class RevisionCompacted(TensorHubError):
     def __init__(self, message: str, compact_revision: int) -> None:
         super().__init__(message)
         self.compact_revision = compact_revision
+
+
+@dataclass(frozen=True)
+class MemberStatus:
+    """One member's maintenance status: who it is, who leads, and how big its database is.
+
+    `db_size` is the backend file's size (what etcd's quota counts); `db_size_in_use` is the
+    part holding live pages (the rest is freed by a defragment). etcd reports the latter from
+    3.4 on; it is None when the member does not. `errors` lists the member's active alarms
+    as etcd words them (3.4+; empty before).
+    """
+
+    endpoint: str
+    member_id: int
+    leader: int
+    version: str
+    db_size: int
+    db_size_in_use: int | None
+    raft_index: int
+    errors: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Alarm:
+    """An active cluster alarm: the member that raised it and its type (`NOSPACE`, `CORRUPT`)."""
+
+    member_id: int
+    kind: str
 
 
 @dataclass(frozen=True)
@@ -273,6 +301,76 @@ class Etcd:
         response = self.call(lambda m, t: m.maintenance.Status(request, timeout=t), timeout=timeout)
         return int(response.header.member_id), int(response.leader)
 
+    def call_member(
+        self, endpoint: str, fn: Callable[[_Endpoint, float], T], *, timeout: float | None = None
+    ) -> T:
+        """Run `fn` on the member at `endpoint` only (no failover), retrying until the deadline.
+
+        For calls that are about one member (status, defragment): answering from another
+        member would be a wrong answer, not a failover.
+        """
+        budget = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + budget
+        target = endpoint.removeprefix("http://")
+        member = next((m for m in self._members if m.target == target), None)
+        if member is None:
+            raise ValueError(f"{endpoint!r} is not one of this client's endpoints")
+        try:
+            for attempt in self.policy.retrying(deadline):
+                with attempt:
+                    return fn(member, max(deadline - time.monotonic(), 0.01))
+        except grpc.RpcError as exc:
+            raise _translate(exc, budget) from exc
+        raise DeadlineExceeded(f"etcd member {target} did not answer within {budget:.1f}s")
+
+    def member_status(self, endpoint: str, *, timeout: float | None = None) -> MemberStatus:
+        """Maintenance status of the member at `endpoint`, database sizes included."""
+        request = etcdrpc.StatusRequest()
+        response = self.call_member(
+            endpoint, lambda m, t: m.maintenance.Status(request, timeout=t), timeout=timeout
+        )
+        # The vendored stubs predate etcd 3.4's fields; protobuf keeps them as unknown fields.
+        extra = _scan_fields(response.SerializeToString())
+        in_use = extra.get(9)
+        errors = extra.get(8)
+        return MemberStatus(
+            endpoint=endpoint,
+            member_id=int(response.header.member_id),
+            leader=int(response.leader),
+            version=str(response.version),
+            db_size=int(response.dbSize),
+            db_size_in_use=in_use[-1] if in_use and isinstance(in_use[-1], int) else None,
+            raft_index=int(response.raftIndex),
+            errors=tuple(e.decode(errors="replace") for e in errors or () if isinstance(e, bytes)),
+        )
+
+    def defragment(self, endpoint: str, *, timeout: float = 60.0) -> None:
+        """Defragment the member at `endpoint`: it stops serving while it rewrites its file.
+
+        Call one member at a time, so a quorum keeps serving. Not retried on another member.
+        """
+        request = etcdrpc.DefragmentRequest()
+        self.call_member(
+            endpoint, lambda m, t: m.maintenance.Defragment(request, timeout=t), timeout=timeout
+        )
+
+    def alarms(self, *, timeout: float | None = None) -> list[Alarm]:
+        """The cluster's active alarms (NOSPACE: a member's database hit its quota)."""
+        request = etcdrpc.AlarmRequest(
+            action=etcdrpc.AlarmRequest.GET, memberID=0, alarm=etcdrpc.NONE
+        )
+        response = self.call(lambda m, t: m.maintenance.Alarm(request, timeout=t), timeout=timeout)
+        return [Alarm(int(a.memberID), etcdrpc.AlarmType.Name(a.alarm)) for a in response.alarms]
+
+    def disarm(self, alarm: Alarm, *, timeout: float | None = None) -> None:
+        """Deactivate one alarm; etcd raises it again on the next write if it still applies."""
+        request = etcdrpc.AlarmRequest(
+            action=etcdrpc.AlarmRequest.DEACTIVATE,
+            memberID=alarm.member_id,
+            alarm=etcdrpc.AlarmType.Value(alarm.kind),
+        )
+        self.call(lambda m, t: m.maintenance.Alarm(request, timeout=t), timeout=timeout)
+
     def watch_stream(self, requests: Iterator[Any]) -> tuple[_Endpoint, Any]:
         """Open a raw watch stream on the current member (used by `consistency.watch`)."""
         member = self.member()
@@ -296,4 +394,49 @@ def _translate(exc: grpc.RpcError, budget: float) -> TensorHubError:
         return LeaseNotFound(details)
     if code == grpc.StatusCode.OUT_OF_RANGE and "compacted" in details:
         return RevisionCompacted(details, 0)
+    if "database space exceeded" in details:
+        # NOSPACE: RESOURCE_EXHAUSTED from the quota check and the capped applier; matched on
+        # the words too, since some paths hand it back as UNKNOWN.
+        return StorageFull(f"etcd is out of space (NOSPACE alarm): {details}")
     return TensorHubError(f"etcd error {code.name}: {details}")
+
+
+def _scan_fields(data: bytes) -> dict[int, list[int | bytes]]:
+    """Top-level fields of a protobuf message by number: varints as ints, the rest as bytes.
+
+    Enough wire format to read fields that the vendored stubs do not declare.
+    """
+    fields: dict[int, list[int | bytes]] = {}
+    pos = 0
+
+    def varint() -> int:
+        nonlocal pos
+        value = shift = 0
+        while True:
+            byte = data[pos]
+            pos += 1
+            value |= (byte & 0x7F) << shift
+            shift += 7
+            if not byte & 0x80:
+                return value
+
+    try:
+        while pos < len(data):
+            tag = varint()
+            number, wire = tag >> 3, tag & 7
+            item: int | bytes
+            if wire == 0:
+                item = varint()
+            elif wire == 2:
+                length = varint()
+                item, pos = data[pos : pos + length], pos + length
+            elif wire == 1:
+                item, pos = data[pos : pos + 8], pos + 8
+            elif wire == 5:
+                item, pos = data[pos : pos + 4], pos + 4
+            else:
+                break  # groups: not used by etcd
+            fields.setdefault(number, []).append(item)
+    except IndexError:
+        pass  # a truncated message: keep what was read
+    return fields
