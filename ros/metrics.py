@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from consistency.compactor import CompactorStatus
 
 HUB_REQUESTS = Counter(
     "tensorhub_hub_requests_total", "Hub RPCs by method and status code", ["method", "code"]
@@ -14,24 +19,26 @@ HUB_SESSIONS = Gauge(
 )
 HUB_SESSIONS_OPENED = Counter("tensorhub_hub_sessions_opened_total", "Sessions opened here")
 HUB_WATCHES = Gauge("tensorhub_hub_watches_active", "Watch streams being served by this replica")
-HUB_STREAMS_ACTIVE = Gauge(
-    "tensorhub_hub_streams_active",
-    "Streams open on this replica by kind (keepalive, watch, private_watch: a replay)",
-    ["kind"],
+
+# etcd history (consistency.compactor): `CompactorMetrics` below sets these from each replica's
+# compactor; sizes and the compacted revision come from the replica that holds the role.
+ETCD_DB_SIZE = Gauge(
+    "tensorhub_etcd_db_size_bytes", "Largest etcd member database file (what the quota counts)"
 )
-HUB_STREAM_LIMIT = Gauge(
-    "tensorhub_hub_stream_limit",
-    "Stream limits of this replica by scope (replica, tenant, private_watch)",
-    ["scope"],
+ETCD_DB_SIZE_IN_USE = Gauge(
+    "tensorhub_etcd_db_size_in_use_bytes", "Live part of that member's database (etcd 3.4+)"
 )
-HUB_STREAMS_REFUSED = Counter(
-    "tensorhub_hub_streams_refused_total",
-    "Streams refused with Overloaded, by the limit that was reached",
-    ["scope"],
+ETCD_STORAGE_FULL = Gauge(
+    "tensorhub_etcd_storage_full", "1 while etcd's NOSPACE alarm is raised (writes refused)"
 )
-HUB_INTERNAL_ERRORS = Counter(
-    "tensorhub_hub_internal_errors_total", "Handler failures that were not a TensorHubError"
+ETCD_COMPACTED_REVISION = Gauge(
+    "tensorhub_etcd_compacted_revision", "Revision the compactor last compacted etcd to"
 )
+ETCD_COMPACTOR_LEADER = Gauge(
+    "tensorhub_etcd_compactor_leader", "1 on the replica that holds the compactor role"
+)
+ETCD_COMPACTIONS = Counter("tensorhub_etcd_compactions_total", "Compactions this replica ran")
+ETCD_DEFRAGS = Counter("tensorhub_etcd_defrags_total", "Member defragments this replica ran")
 
 SDK_BYTES_FETCHED = Counter(
     "tensorhub_sdk_bytes_fetched_total", "Bytes received by fetches, by source holder", ["source"]
@@ -44,3 +51,26 @@ SDK_PUBLISH_SECONDS = Histogram("tensorhub_sdk_publish_seconds", "Time of a publ
 SDK_TRAINER_STALL = Histogram(
     "tensorhub_sdk_trainer_stall_seconds", "Time a trainer spent in wait_replicated"
 )
+
+
+class CompactorMetrics:
+    """Exports a compactor's snapshots: pass an instance as `Compactor(on_tick=...)`.
+
+    The counters follow the compactor's own counts (one instance per compactor).
+    """
+
+    def __init__(self) -> None:
+        self._compactions = 0
+        self._defrags = 0
+
+    def __call__(self, status: CompactorStatus) -> None:
+        ETCD_STORAGE_FULL.set(int(status.storage_full))
+        ETCD_COMPACTOR_LEADER.set(int(status.leader))
+        if status.leader:
+            ETCD_DB_SIZE.set(status.db_size)
+            if status.db_size_in_use is not None:
+                ETCD_DB_SIZE_IN_USE.set(status.db_size_in_use)
+            ETCD_COMPACTED_REVISION.set(status.compacted_revision)
+        ETCD_COMPACTIONS.inc(max(status.compactions - self._compactions, 0))
+        ETCD_DEFRAGS.inc(max(status.defrags - self._defrags, 0))
+        self._compactions, self._defrags = status.compactions, status.defrags
