@@ -40,6 +40,25 @@ ETCD_COMPACTOR_LEADER = Gauge(
 ETCD_COMPACTIONS = Counter("tensorhub_etcd_compactions_total", "Compactions this replica ran")
 ETCD_DEFRAGS = Counter("tensorhub_etcd_defrags_total", "Member defragments this replica ran")
 
+HUB_STREAMS_ACTIVE = Gauge(
+    "tensorhub_hub_streams_active",
+    "Streams open on this replica by kind (keepalive, watch, private_watch: a replay)",
+    ["kind"],
+)
+HUB_STREAM_LIMIT = Gauge(
+    "tensorhub_hub_stream_limit",
+    "Stream limits of this replica by scope (replica, tenant, private_watch)",
+    ["scope"],
+)
+HUB_STREAMS_REFUSED = Counter(
+    "tensorhub_hub_streams_refused_total",
+    "Streams refused with Overloaded, by the limit that was reached",
+    ["scope"],
+)
+HUB_INTERNAL_ERRORS = Counter(
+    "tensorhub_hub_internal_errors_total", "Handler failures that were not a TensorHubError"
+)
+
 SDK_BYTES_FETCHED = Counter(
     "tensorhub_sdk_bytes_fetched_total", "Bytes received by fetches, by source holder", ["source"]
 )
