@@ -9,6 +9,7 @@ from consistency.etcd import Etcd
 from consistency.floor import RevisionFloor, StaleRead
 from consistency.holders import HolderRegistry, SeedClaim
 from consistency.keys import DEFAULT_PREFIX, Keys
+from consistency.manifests import ManifestHeader
 from consistency.records import HolderRecord, HolderState, ShardRecord
 from consistency.session import Session
 from consistency.versions import Published, VersionInfo, VersionRegistry
@@ -24,6 +25,7 @@ __all__ = [
     "HolderState",
     "KeyWatch",
     "Keys",
+    "ManifestHeader",
     "ModelWatch",
     "Published",
     "RevisionFloor",

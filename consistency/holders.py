@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from consistency import ops
 from consistency.etcd import Etcd
 from consistency.keys import Keys
-from consistency.records import HolderRecord, HolderState, sharded_count
+from consistency.records import HolderRecord, HolderState, PartHeader
 from consistency.versions import VersionRegistry
 from tensorhub.errors import (
     DeadlineExceeded,
@@ -81,7 +81,7 @@ class HolderRegistry:
         manifest, _ = self.etcd.get(manifest_key, timeout=timeout)
         if manifest is None:
             raise VersionNotFound(f"{model}@{version} is not published; cannot hold it")
-        _check_shard(model, version, record.shard, sharded_count(manifest.value))
+        _check_shard(model, version, record.shard, PartHeader.decode(manifest.value).shards)
         key = self.keys.holder(tenant, model, version, record.holder)
         result = self.etcd.txn(
             [ops.exists(self.keys.manifest(tenant, model, version))],

@@ -2,11 +2,13 @@
 
 ```
 {p}/t/{tenant}/m/{model}/latest
-{p}/t/{tenant}/m/{model}/v/{version:020d}/manifest
+{p}/t/{tenant}/m/{model}/v/{version:020d}/manifest               (header: size, digest, pages)
 {p}/t/{tenant}/m/{model}/v/{version:020d}/shard/{i}
 {p}/t/{tenant}/m/{model}/v/{version:020d}/h/{holder}
 {p}/t/{tenant}/m/{model}/v/{version:020d}/seed/{dc}
 {p}/t/{tenant}/m/{model}/v/{version:020d}/pin/{id}
+{p}/t/{tenant}/mp/{model}/{version:020d}/{part}/{writer}/{page:06d}   (manifest pages)
+{p}/t/{tenant}/mp/{model}/{version:020d}/arrived       (shard counter: its version counts)
 {p}/t/{tenant}/s/{session:x}                           (marks a lease as the tenant's)
 {p}/t/{tenant}/quota/{what}                            (fence of a counted create: models, sessions)
 {p}/tenants/{tenant}
@@ -16,6 +18,12 @@
 
 Every name is validated before it becomes part of a key, so no input can escape its tenant's
 prefix. Versions are zero-padded so that key order is version order.
+
+Manifest pages (`consistency.manifests`) live under `mp/`, outside the model's prefix `m/{model}/`
+that watches cover, so megabytes of pages never flow through a watch; `part` is `whole` or
+the shard index (`{i:06d}`), `writer` a random id per publish attempt, so racing publishers of
+one version never write the same page key. Retention deletes `mp/{model}/{version}/` in the
+same transaction as `v/{version}/`.
 """
 
 from __future__ import annotations
@@ -117,6 +125,34 @@ class Keys:
 
     def pin(self, tenant: str, model: str, version: int, pin_id: str) -> str:
         return f"{self.pins(tenant, model, version)}{validate_name(pin_id, 'pin id')}"
+
+    # -- manifest pages (outside the watched model prefix) --------------------------------
+
+    def manifest_pages(self, tenant: str, model: str, version: int) -> str:
+        """Everything paged for one version: its manifest pages and its shard counter."""
+        return (
+            f"{self.tenant(tenant)}mp/{validate_name(model, 'model')}/"
+            f"{validate_version(version):020d}/"
+        )
+
+    def manifest_part(self, tenant: str, model: str, version: int, part: int | None) -> str:
+        """The pages of the whole version's manifest (`part` None) or of shard `part`'s."""
+        if part is None:
+            return f"{self.manifest_pages(tenant, model, version)}whole/"
+        if isinstance(part, bool) or not isinstance(part, int) or part < 0:
+            raise InvalidArgument(f"invalid shard index {part!r}: must be an integer >= 0")
+        return f"{self.manifest_pages(tenant, model, version)}{part:06d}/"
+
+    def manifest_writer(
+        self, tenant: str, model: str, version: int, part: int | None, writer: str
+    ) -> str:
+        """One publish attempt's pages of a part (`writer`: its random id)."""
+        part_prefix = self.manifest_part(tenant, model, version, part)
+        return f"{part_prefix}{validate_name(writer, 'writer')}/"
+
+    def shard_arrivals(self, tenant: str, model: str, version: int) -> str:
+        """Put once by every shard's publish: its etcd `version` counts the shards arrived."""
+        return f"{self.manifest_pages(tenant, model, version)}arrived"
 
     # -- parsing ---------------------------------------------------------------------------
 

@@ -98,6 +98,14 @@ def exists(key: str | bytes) -> Cmp:
     return create(key, ">", 0)
 
 
+def version(key: str | bytes, result: CmpOp, count: int) -> Cmp:
+    """Compare a key's version: how many times it was put since created (0 when absent)."""
+    cmp = _compare(key, False, result)
+    cmp.target = etcdrpc.Compare.VERSION
+    cmp.version = count
+    return cmp
+
+
 def none_under(prefix: str | bytes) -> Cmp:
     """True when no key starts with `prefix` (a range compare on version == 0)."""
     cmp = _compare(prefix, True, "==")
@@ -106,10 +114,24 @@ def none_under(prefix: str | bytes) -> Cmp:
     return cmp
 
 
-def put(key: str | bytes, value: str | bytes, lease: int = 0) -> Op:
-    return etcdrpc.RequestOp(
-        request_put=etcdrpc.PutRequest(key=b(key), value=b(value), lease=lease)
-    )
+def value(key: str | bytes, result: CmpOp, expected: str | bytes) -> Cmp:
+    """Compare a key's value (etcd fails any value compare on an absent key)."""
+    cmp = _compare(key, False, result)
+    cmp.target = etcdrpc.Compare.VALUE
+    cmp.value = b(expected)
+    return cmp
+
+
+def put(
+    key: str | bytes, value: str | bytes = b"", lease: int = 0, *, ignore_value: bool = False
+) -> Op:
+    """Put `value` under `lease` (0: none). `ignore_value` keeps the stored value without
+    resending it: the put then only (re)sets the lease, e.g. detaches a key from one with
+    lease 0. etcd refuses it for a key that does not exist."""
+    request = etcdrpc.PutRequest(key=b(key), lease=lease, ignore_value=ignore_value)
+    if not ignore_value:
+        request.value = b(value)
+    return etcdrpc.RequestOp(request_put=request)
 
 
 def delete(key: str | bytes, *, prefix: bool = False) -> Op:
@@ -119,8 +141,9 @@ def delete(key: str | bytes, *, prefix: bool = False) -> Op:
     return etcdrpc.RequestOp(request_delete_range=req)
 
 
-def get(key: str | bytes, *, prefix: bool = False) -> Op:
-    req = etcdrpc.RangeRequest(key=b(key))
+def get(key: str | bytes, *, prefix: bool = False, count_only: bool = False) -> Op:
+    """Read a key or a prefix inside a transaction (`count_only`: just how many keys)."""
+    req = etcdrpc.RangeRequest(key=b(key), count_only=count_only)
     if prefix:
         req.range_end = prefix_end(key)
     return etcdrpc.RequestOp(request_range=req)

@@ -1,7 +1,8 @@
 """Small records stored as etcd values: holder records, shard records, seed claims.
 
 JSON, so an operator can read them with `etcdctl get`. Manifests are opaque bytes to this
-package (the SDK owns their protobuf format); everything here is metadata about holders.
+package (the SDK owns their protobuf format); what is here is metadata about holders and
+where a manifest's bytes are (`PartHeader`: one JSON line, then any inline manifest bytes).
 """
 
 from __future__ import annotations
@@ -79,53 +80,105 @@ class HolderRecord:
             raise InvalidArgument(f"malformed holder record: {exc}") from exc
 
 
+HEADER_FORMAT = 1  # the `format` of a manifest header; a reader refuses any other
+
+
+@dataclass(frozen=True)
+class PartHeader:
+    """Where one manifest (a whole version's, or one shard's) is, and how to check it.
+
+    `size` bytes with SHA-256 `digest`, stored either `inline` (small manifests: no pages)
+    or in `pages` pages written by publish attempt `writer` (`consistency.manifests`).
+    The header of a model-parallel version itself holds no manifest, only `shards`.
+    """
+
+    size: int
+    digest: bytes
+    pages: int = 0
+    writer: str = ""
+    inline: bytes = b""
+    shards: int = 0
+
+    def fields(self) -> dict[str, Any]:
+        """The JSON part of the encoding (the inline bytes follow it raw)."""
+        return {
+            "format": HEADER_FORMAT,
+            "size": self.size,
+            "sha256": self.digest.hex(),
+            "pages": self.pages,
+            "writer": self.writer,
+            "shards": self.shards,
+        }
+
+    def encode(self) -> bytes:
+        """One JSON line, then the inline manifest bytes as they are (no hex, no base64)."""
+        return _frame(self.fields(), self.inline)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> PartHeader:
+        return cls.from_fields(*_unframe(raw, "manifest header"))
+
+    @classmethod
+    def from_fields(cls, data: dict[str, Any], inline: bytes) -> PartHeader:
+        try:
+            if int(data["format"]) != HEADER_FORMAT:
+                raise ValueError(f"unknown format {data['format']!r}")
+            header = cls(
+                size=int(data["size"]),
+                digest=bytes.fromhex(str(data["sha256"])),
+                pages=int(data["pages"]),
+                writer=str(data["writer"]),
+                inline=inline,
+                shards=int(data.get("shards", 0)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidArgument(f"malformed manifest header: {exc}") from exc
+        if header.pages and inline:
+            raise InvalidArgument("malformed manifest header: both pages and inline bytes")
+        return header
+
+
 @dataclass(frozen=True)
 class ShardRecord:
-    """One model-parallel rank's part of a version: its manifest part and who wrote it."""
+    """One model-parallel rank's part of a version: its manifest's header and who wrote it.
+
+    `manifest` is not stored in the record: `VersionRegistry.describe` fills it with the
+    part's bytes, read from the header's inline bytes or pages.
+    """
 
     index: int
     count: int
     holder: str
-    manifest: bytes
+    part: PartHeader
+    manifest: bytes = field(default=b"", compare=False, repr=False)
 
     def encode(self) -> bytes:
-        return json.dumps(
-            {
-                "index": self.index,
-                "count": self.count,
-                "holder": self.holder,
-                "manifest": self.manifest.hex(),
-            },
-            sort_keys=True,
-        ).encode()
+        data = {"index": self.index, "count": self.count, "holder": self.holder}
+        return _frame({**self.part.fields(), **data}, self.part.inline)
 
     @classmethod
     def decode(cls, raw: bytes) -> ShardRecord:
-        data = _load(raw, "shard record")
+        data, inline = _unframe(raw, "shard record")
         try:
             return cls(
                 index=int(data["index"]),
                 count=int(data["count"]),
                 holder=str(data["holder"]),
-                manifest=bytes.fromhex(str(data["manifest"])),
+                part=PartHeader.from_fields(data, inline),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgument(f"malformed shard record: {exc}") from exc
 
 
-def sharded_marker(count: int) -> bytes:
-    """The `manifest` value of a model-parallel version: its parts are the shard records."""
-    return json.dumps({"sharded": count}).encode()
+def _frame(data: dict[str, Any], tail: bytes) -> bytes:
+    return json.dumps(data, sort_keys=True).encode() + b"\n" + tail
 
 
-def sharded_count(manifest: bytes) -> int:
-    """The shard count if `manifest` is a sharded marker, else 0."""
-    if not manifest.startswith(b'{"sharded"'):
-        return 0
-    try:
-        return int(json.loads(manifest)["sharded"])
-    except (ValueError, KeyError, TypeError):
-        return 0
+def _unframe(raw: bytes, what: str) -> tuple[dict[str, Any], bytes]:
+    head, newline, tail = raw.partition(b"\n")
+    if not newline:
+        raise InvalidArgument(f"malformed {what}: no header line")
+    return _load(head, what), tail
 
 
 def _load(raw: bytes, what: str) -> dict[str, Any]:

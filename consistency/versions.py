@@ -2,10 +2,13 @@
 
 Publish is one etcd transaction that compares `latest`'s mod_revision with the one read, so
 two publishers racing for the same version cannot both win, and `latest` only ever moves up.
-Model-parallel ranks each write a shard record; `latest` moves only inside the transaction
-that finds every shard present (a nested transaction), so no reader ever sees a version with
-missing shards. Retention keeps the newest N complete versions; older ones are deleted unless
-a reader has pinned them.
+A manifest too big for one etcd value is paged first (`consistency.manifests`) and its pages
+are committed by the same transaction. Model-parallel ranks each write a shard record and
+bump a per-version counter; a nested transaction moves `latest` only in the transaction that
+finds every other shard counted, so no reader ever sees a version with missing shards, and no
+transaction compares more than its own keys (4,096 shards within etcd's 128 ops).
+Retention keeps the newest N complete versions; older ones are deleted unless a reader has
+pinned them.
 """
 
 from __future__ import annotations
@@ -20,13 +23,14 @@ from typing import Any
 from consistency import ops
 from consistency.etcd import Etcd
 from consistency.keys import Keys
-from consistency.records import (
-    HolderRecord,
-    HolderState,
-    ShardRecord,
-    sharded_count,
-    sharded_marker,
+from consistency.manifests import (
+    ManifestHeader,
+    ManifestStore,
+    Staged,
+    check_manifest_size,
+    check_shard_count,
 )
+from consistency.records import HolderRecord, HolderState, PartHeader, ShardRecord
 from tensorhub.errors import (
     DeadlineExceeded,
     InvalidArgument,
@@ -110,6 +114,7 @@ class VersionRegistry:
         self.keys = keys or Keys()
         self.retain = retain
         self._collector = collector
+        self.manifests = ManifestStore(etcd, self.keys)
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -155,8 +160,7 @@ class VersionRegistry:
         result = self.etcd.range(
             self.keys.version(tenant, model, version), prefix=True, timeout=timeout
         )
-        manifest: bytes | None = None
-        published_revision = 0
+        top: ops.KV | None = None
         shards: list[ShardRecord] = []
         holders: list[HolderRecord] = []
         pins: list[str] = []
@@ -164,7 +168,7 @@ class VersionRegistry:
         for kv in result.kvs:
             _, kind, name = self.keys.parse_version_key(tenant, model, kv.key.decode())
             if kind == "manifest":
-                manifest, published_revision = kv.value, kv.create_revision
+                top = kv
             elif kind == "shard":
                 shards.append(ShardRecord.decode(kv.value))
             elif kind == "h":
@@ -173,15 +177,43 @@ class VersionRegistry:
                 pins.append(name)
             elif kind == "seed":
                 seeds[name] = kv.value.decode()
-        if manifest is None:
+        if top is None:
             raise VersionNotFound(f"{model}@{version} is not published (or no longer retained)")
-        count = sharded_count(manifest)
+        head = PartHeader.decode(top.value)
+        count = head.shards
         if count and (len(shards) != count or any(s.count != count for s in shards)):
             raise VersionNotFound(f"{model}@{version} has inconsistent shard records")
+        shards.sort(key=lambda s: s.index)
+        parts: dict[int | None, PartHeader] = {s.index: s.part for s in shards} or {None: head}
+        loaded = self.manifests.load(
+            tenant, model, version, parts, result.revision, timeout=timeout
+        )
         return VersionInfo(
-            version, manifest, sorted(shards, key=lambda s: s.index), holders, pins, seeds,
-            result.revision, published_revision=published_revision,
+            version, b"" if count else loaded[None],
+            [replace(s, manifest=loaded[s.index]) for s in shards], holders, pins, seeds,
+            result.revision, published_revision=top.create_revision,
         )  # fmt: skip
+
+    def header(
+        self, tenant: str, model: str, version: int, *, timeout: float | None = None
+    ) -> ManifestHeader:
+        """A published version's manifest header (sizes, digests, shards), without pages."""
+        validate_version(version)
+        return self.manifests.header(tenant, model, version, timeout=timeout)
+
+    def manifest(
+        self,
+        tenant: str,
+        model: str,
+        version: int,
+        shard: int | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> bytes:
+        """A published version's manifest (or shard `shard`'s), checked: `VersionNotFound`
+        if it is gone, `IntegrityError` if its bytes do not match the header."""
+        validate_version(version)
+        return self.manifests.read(tenant, model, version, shard, timeout=timeout)
 
     # -- publish ---------------------------------------------------------------------------
 
@@ -198,14 +230,14 @@ class VersionRegistry:
     ) -> Published:
         """Publish `version` with its manifest and the publisher as first (COMPLETE) holder.
 
-        Raises `StaleVersion` if `version` is not newer than `latest`, and `OutcomeUnknown`
-        if etcd could not confirm the write before the deadline (check `latest()` after).
-        `admit_model` (a `CountedCreate`'s admit) is asked while the model has no `latest`
-        yet; what it returns joins the transaction, so a model quota holds under races.
+        Raises `StaleVersion` if `version` is not newer than `latest`, `ManifestTooLarge`
+        (before any write) past `MAX_MANIFEST_BYTES`, and `OutcomeUnknown` if etcd could not
+        confirm the write before the deadline (check `latest()` after). `admit_model` (a
+        `CountedCreate`'s admit) is asked while the model has no `latest` yet; what it
+        returns joins the transaction, so a model quota holds under races.
         """
         validate_version(version)
-        if sharded_count(manifest):
-            raise InvalidArgument("manifest bytes collide with the sharded-version marker")
+        check_manifest_size(len(manifest))
         if holder.shard is not None:
             raise InvalidArgument("a holder of a whole version cannot name a shard")
         holder = self._complete(holder)
@@ -213,24 +245,38 @@ class VersionRegistry:
         manifest_key = keys.manifest(tenant, model, version)
         holder_key = keys.holder(tenant, model, version, holder.holder)
         latest_key = keys.latest(tenant, model)
+        deadline = time.monotonic() + timeout
+        staged = self.manifests.stage(
+            tenant, model, version, None, manifest, holder.session, timeout=timeout
+        )
+        header = staged.header.encode()
 
         def attempt(state: _Latest, remaining: float) -> tuple[bool, int, int]:
             guard, bump = _admission(admit_model, state, remaining)
             result = self.etcd.txn(
-                [ops.mod(latest_key, "==", state.mod_revision), ops.absent(manifest_key), *guard],
+                [
+                    ops.mod(latest_key, "==", state.mod_revision),
+                    ops.absent(manifest_key),
+                    *guard,
+                    *staged.compares,
+                ],
                 [
                     *bump,
                     ops.put(latest_key, str(version)),
-                    ops.put(manifest_key, manifest),
+                    ops.put(manifest_key, header),
                     ops.put(holder_key, holder.encode(), lease=holder.session),
+                    *staged.commits,
                 ],
+                staged.count_op(),
                 timeout=remaining,
             )
+            staged.check_pages(result, f"{model}@{version}")
             return result.succeeded, result.revision, result.attempts
 
-        return self._publish_loop(
-            tenant, model, version, holder, attempt, timeout, moves_latest=True
-        )
+        return self._publish_staged(
+            tenant, model, version, holder, attempt, deadline, staged, manifest_key, header,
+            moves_latest=True,
+        )  # fmt: skip
 
     def publish_shard(
         self,
@@ -247,53 +293,101 @@ class VersionRegistry:
     ) -> Published:
         """Publish one rank's shard of a model-parallel version (`admit_model`: as `publish`).
 
-        The transaction writes the shard record and the rank's holder record; a nested
-        transaction moves `latest` only if every other shard is already present, so exactly
-        one rank (the last) makes the version visible. `Published.visible` says which.
+        The transaction writes the shard record, the rank's holder record and the shard's
+        manifest pages, and puts the version's `arrived` counter, whose etcd `version` then
+        counts the shards committed. A nested transaction moves `latest` only if the counter
+        had counted `count - 1` shards before this one (nested compares see the state before
+        the transaction), so exactly one rank (the last) makes the version visible, with one
+        compare whatever the shard count. `Published.visible` says which.
         """
         validate_version(version)
-        if count < 1 or not 0 <= index < count:
+        check_shard_count(count)
+        if not 0 <= index < count:
             raise InvalidArgument(f"shard index {index} out of range for {count} shards")
         if holder.shard is not None and holder.shard != index:
             raise InvalidArgument(f"holder names shard {holder.shard} but publishes shard {index}")
+        check_manifest_size(len(manifest), f"the manifest of shard {index}")
         holder = replace(self._complete(holder), shard=index)
         keys = self.keys
         shard_key = keys.shard(tenant, model, version, index)
         latest_key = keys.latest(tenant, model)
-        record = ShardRecord(index, count, holder.holder, manifest)
-        others = [
-            ops.exists(keys.shard(tenant, model, version, j)) for j in range(count) if j != index
-        ]
+        arrived = keys.shard_arrivals(tenant, model, version)
+        deadline = time.monotonic() + timeout
+        staged = self.manifests.stage(
+            tenant, model, version, index, manifest, holder.session, timeout=timeout
+        )
+        record = ShardRecord(index, count, holder.holder, staged.header).encode()
+        last = ops.version(arrived, "==", count - 1)
 
         def attempt(state: _Latest, remaining: float) -> tuple[bool, int, int]:
             guard, bump = _admission(admit_model, state, remaining)
             result = self.etcd.txn(
-                [ops.mod(latest_key, "==", state.mod_revision), ops.absent(shard_key), *guard],
+                [
+                    ops.mod(latest_key, "==", state.mod_revision),
+                    ops.absent(shard_key),
+                    *guard,
+                    *staged.compares,
+                ],
                 [
                     *bump,
-                    ops.put(shard_key, record.encode()),
+                    ops.put(shard_key, record),
+                    ops.put(arrived, b""),
                     ops.put(
                         keys.holder(tenant, model, version, holder.holder),
                         holder.encode(),
                         lease=holder.session,
                     ),
+                    *staged.commits,
                     ops.nested(
-                        others,
+                        [last],
                         [
                             ops.put(latest_key, str(version)),
-                            ops.put(keys.manifest(tenant, model, version), sharded_marker(count)),
+                            ops.put(
+                                keys.manifest(tenant, model, version),
+                                PartHeader(0, b"", shards=count).encode(),
+                            ),
                         ],
                     ),
                 ],
+                staged.count_op(),
                 timeout=remaining,
             )
+            staged.check_pages(result, f"shard {index} of {model}@{version}")
             moved = bool(result.succeeded and result.responses[-1].response_txn.succeeded)
             state.extra["moved"] = int(moved)
             return result.succeeded, result.revision, result.attempts
 
-        return self._publish_loop(
-            tenant, model, version, holder, attempt, timeout, moves_latest=False
-        )
+        return self._publish_staged(
+            tenant, model, version, holder, attempt, deadline, staged, shard_key, record,
+            moves_latest=False,
+        )  # fmt: skip
+
+    def _publish_staged(
+        self,
+        tenant: str,
+        model: str,
+        version: int,
+        holder: HolderRecord,
+        attempt: Callable[[_Latest, float], tuple[bool, int, int]],
+        deadline: float,
+        staged: Staged,
+        owner_key: str,
+        owner_value: bytes,
+        *,
+        moves_latest: bool,
+    ) -> Published:
+        """`_publish_loop` for a staged manifest: pages of a publish that definitely failed
+        are deleted at once (not left under the session's lease for as long as it lives)."""
+        try:
+            return self._publish_loop(
+                tenant, model, version, holder, attempt, deadline - time.monotonic(),
+                moves_latest=moves_latest,
+            )  # fmt: skip
+        except OutcomeUnknown:
+            raise  # the pages may be live now; if not, they go with the lease
+        except Exception:
+            self.manifests.discard(staged, owner_key, owner_value, DEFAULT_TIMEOUT / 2)
+            raise
 
     def _publish_loop(
         self,
@@ -392,7 +486,10 @@ class VersionRegistry:
         for version in sorted(v for v in found if v < oldest_kept):
             result = self.etcd.txn(
                 [ops.none_under(self.keys.pins(tenant, model, version))],
-                [ops.delete(self.keys.version(tenant, model, version), prefix=True)],
+                [
+                    ops.delete(self.keys.version(tenant, model, version), prefix=True),
+                    ops.delete(self.keys.manifest_pages(tenant, model, version), prefix=True),
+                ],
                 timeout=timeout,
             )
             if result.succeeded:

@@ -7,6 +7,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from consistency import HolderState, VersionInfo
+from consistency.manifests import check_manifest_size, check_shard_count
 from consistency.quota import CountedCreate
 from ros.hub.convert import holder_from_pb, holder_to_pb
 from ros.hub.rpc import AioContext, CallContext, HubBase, streaming, unary
@@ -16,8 +17,6 @@ from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.tokens import issue_read_token
 from tensorhub.errors import InvalidArgument, VersionNotFound
 from tensorhub.names import validate_name, validate_version
-
-MAX_MANIFEST_BYTES = 16 << 20
 
 
 class VersionRPCs(HubBase):
@@ -29,11 +28,10 @@ class VersionRPCs(HubBase):
         timeout = self._timeout(context)
         model = validate_name(request.model, "model")
         version = validate_version(request.version)
+        if request.shard_count:  # bounds first: a limit answers before any work is done
+            check_shard_count(request.shard_count)
+        check_manifest_size(request.manifest.ByteSize())
         manifest = request.manifest.SerializeToString()
-        if len(manifest) > MAX_MANIFEST_BYTES:
-            raise InvalidArgument(
-                f"manifest is {len(manifest)} bytes; the limit is {MAX_MANIFEST_BYTES}"
-            )
         if not request.manifest.tensors:
             raise InvalidArgument("manifest lists no tensors")
         holder = holder_from_pb(request.holder, default_state=HolderState.COMPLETE)

