@@ -21,6 +21,12 @@ from prometheus_client import start_http_server
 
 from consistency import EtcdCluster, Keys
 from consistency.keys import DEFAULT_PREFIX
+from ros.hub.limits import (
+    DEFAULT_MAX_PRIVATE_WATCHES,
+    DEFAULT_MAX_STREAMS,
+    DEFAULT_MAX_STREAMS_PER_TENANT,
+    DEFAULT_WORKERS,
+)
 from ros.hub.server import HubServer
 
 
@@ -54,6 +60,40 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS")
     parser.add_argument("--tls-key", type=Path, help="PEM private key for --tls-cert")
     parser.add_argument(
+        "--max-streams",
+        type=int,
+        default=DEFAULT_MAX_STREAMS,
+        help="KeepAlive and Watch streams this replica serves at once; past it a new stream "
+        "is refused at once with Overloaded (RESOURCE_EXHAUSTED) (default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-streams-per-tenant",
+        type=int,
+        default=DEFAULT_MAX_STREAMS_PER_TENANT,
+        help="streams one tenant may hold open on this replica, so no tenant can take every "
+        "slot (default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-private-watches",
+        type=int,
+        default=DEFAULT_MAX_PRIVATE_WATCHES,
+        help="watches replaying history from an old revision at once (each has its own etcd "
+        "watch) (default %(default)s)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=DEFAULT_WORKERS,
+        help="threads running unary calls (streams need none) (default %(default)s)",
+    )
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=2.0,
+        help="seconds open calls get to finish on SIGINT/SIGTERM before they are cancelled "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
         "--ready-file",
         type=Path,
         help="write the bound address and etcd endpoints here as JSON once serving",
@@ -80,7 +120,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         server = HubServer(
             endpoints, listen=args.listen, admin_token=admin_token, keys=Keys(args.prefix),
-            retain=args.retain, credentials=credentials,
+            retain=args.retain, credentials=credentials, max_workers=args.workers,
+            max_streams=args.max_streams, max_streams_per_tenant=args.max_streams_per_tenant,
+            max_private_watches=args.max_private_watches,
         ).start()  # fmt: skip
         if args.metrics_port:
             start_http_server(args.metrics_port)
@@ -94,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(sig, lambda *_: stop.set())
         stop.wait()
         print("shutting down", flush=True)
-        server.stop(grace=2.0)
+        server.stop(grace=args.grace)
     finally:
         if embedded is not None:
             embedded.stop()

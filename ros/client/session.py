@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from ros.client.backoff import is_overloaded, overload_delay
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
 
@@ -61,14 +62,17 @@ class ClientSession:
                 return
 
     def _run(self) -> None:
+        refusals = 0  # consecutive Overloaded refusals of the stream
         while not self._stop.is_set() and not self.lost.is_set():
             stream_stop = threading.Event()
+            delay = 0.1
             try:
                 call = self._stub.KeepAlive(self._requests(stream_stop), metadata=self._metadata)
                 self._call = call
                 if self._stop.is_set():
                     call.cancel()
                 for response in call:
+                    refusals = 0
                     if response.ttl_seconds <= 0:
                         self._lose("lease expired")
                         return
@@ -79,13 +83,21 @@ class ClientSession:
             except grpc.RpcError as exc:
                 if self._stop.is_set() or self.lost.is_set():
                     return
-                log.info("session %x: keepalive stream broke (%s); reopening", self.id, exc.code())
+                if is_overloaded(exc):
+                    # The replica is at its stream limit: back off with full jitter, but
+                    # retry before the lease would run out (halving what is left).
+                    left = self._expires_at - time.monotonic()
+                    delay = max(min(overload_delay(refusals), left / 2), 0.05)
+                    refusals += 1
+                    log.info("session %x: hub overloaded; retrying in %.2fs", self.id, delay)
+                else:
+                    log.info("session %x: keepalive stream broke (%s); reopening", self.id, exc)
             finally:
                 stream_stop.set()
             if time.monotonic() >= self._expires_at:
                 self._lose("no renewal before the TTL ran out")
                 return
-            self._stop.wait(0.1)
+            self._stop.wait(delay)
 
     def expire(self, why: str) -> None:
         """Declare the session lost now (the hub said so); idempotent."""

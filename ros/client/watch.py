@@ -5,7 +5,6 @@ and it refuses events older than the client's revision floor."""
 from __future__ import annotations
 
 import logging
-import time
 
 import grpc
 
@@ -13,6 +12,7 @@ from consistency.floor import RevisionFloor
 from consistency.records import HolderRecord, HolderState
 from consistency.stream import StreamPump
 from consistency.watch import EventKind, WatchEvent
+from ros.client.backoff import is_overloaded, overload_delay
 from ros.errors import from_rpc_error
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
@@ -75,7 +75,9 @@ class HubWatch(StreamPump[WatchEvent]):
 
     def _run(self) -> None:
         backoff = 0.05
+        refusals = 0  # consecutive Overloaded refusals of the stream
         while not self._closed.is_set():
+            delay = backoff
             request = pb.WatchRequest(
                 model=self._model,
                 start_revision=self.next_revision,
@@ -88,21 +90,30 @@ class HubWatch(StreamPump[WatchEvent]):
                 for message in call:
                     self._deliver(event_from_message(message))
                     backoff = 0.05
+                    refusals = 0
             except grpc.RpcError as exc:
                 if self._closed.is_set():
                     return
-                if exc.code() not in _RETRY_CODES:
+                if is_overloaded(exc):
+                    # The replica is at its stream limit: exponential backoff, full jitter.
+                    delay = overload_delay(refusals)
+                    refusals += 1
+                    log.info("watch %s: hub overloaded; retrying in %.2fs", self._model, delay)
+                elif exc.code() not in _RETRY_CODES:
                     self._put(from_rpc_error(exc))
                     return
-                log.info(
-                    "watch %s: stream broke (%s); resuming at %d",
-                    self._model,
-                    exc.code(),
-                    self.next_revision,
-                )
+                else:
+                    log.info(
+                        "watch %s: stream broke (%s); resuming at %d",
+                        self._model,
+                        exc.code(),
+                        self.next_revision,
+                    )
             self.reconnects += 1
-            time.sleep(backoff)
-            backoff = min(backoff * 2, 1.0)
+            if self._closed.wait(delay):
+                return
+            if not refusals:
+                backoff = min(backoff * 2, 1.0)
 
     def _deliver(self, event: WatchEvent) -> None:
         """Queue `event` unless it was delivered before a reconnect.

@@ -1,0 +1,36 @@
+"""How the SDK waits before reopening a stream the hub refused with `Overloaded`.
+
+A replica at its stream limit refuses new KeepAlive and Watch streams at once. If every
+refused client retried on a short fixed loop, a replica coming back, or one that lost a
+neighbour, would be hit by the whole crowd in lock-step. Exponential backoff with *full
+jitter* (a uniform draw in [0, min(cap, base * 2**attempt)]) spreads the retries out, so the
+load on the replica falls as it stays overloaded instead of synchronizing.
+"""
+
+from __future__ import annotations
+
+import random
+
+import grpc
+
+from ros.errors import from_rpc_error
+from tensorhub.errors import Overloaded
+
+OVERLOAD_BASE = 0.2  # seconds: the first retry waits up to this
+OVERLOAD_CAP = 5.0  # seconds: no retry waits longer than this
+
+
+def overload_delay(
+    attempt: int, *, base: float = OVERLOAD_BASE, cap: float = OVERLOAD_CAP
+) -> float:
+    """Seconds to wait before retry number `attempt` (0 for the first) of a refused stream."""
+    return random.uniform(0.0, min(cap, base * 2.0 ** min(attempt, 30)))
+
+
+def is_overloaded(exc: grpc.RpcError) -> bool:
+    """Whether a failed call is the hub's `Overloaded` refusal (not a quota, not a crash)."""
+    return (
+        isinstance(exc, grpc.Call)
+        and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        and isinstance(from_rpc_error(exc), Overloaded)
+    )
