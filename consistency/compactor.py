@@ -82,8 +82,9 @@ class Compactor:
     host:pid). `poll`: seconds between checks of the role and the alarms. A member is
     defragmented after a compaction when its free space is at least `defrag_free_bytes` and
     at least `defrag_free_ratio` of its file. `on_storage_full(flag)` is called when the
-    NOSPACE state changes; `on_tick(status)` after every check (metrics). Both run on the
-    compactor's thread and must not block.
+    NOSPACE state changes; `on_tick(status)` after every check (metrics,
+    `ros.metrics.CompactorMetrics`). Both run on the compactor's thread and must neither
+    block nor raise.
     """
 
     def __init__(
@@ -192,7 +193,8 @@ class Compactor:
     def tick(self) -> None:
         """One check: hold or seek the role, watch the alarm, and compact / defrag when due.
 
-        The background thread calls this every `poll` seconds; tests may call it directly.
+        The background thread calls this every `poll` seconds; a compactor that was not
+        started may be driven by calling it directly.
         """
         full = any(a.kind == "NOSPACE" for a in self._etcd.alarms())
         self._set_storage_full(full)
@@ -326,7 +328,14 @@ class Compactor:
                 break
             if not (force or self._pays(member)):
                 continue
-            self._etcd.defragment(member.endpoint, timeout=self._defrag_timeout)
+            try:
+                self._etcd.defragment(member.endpoint, timeout=self._defrag_timeout)
+            except TensorHubError as exc:  # one member down must not keep the others full
+                log.warning("compactor: defragment of %s failed (%s)", member.endpoint, exc)
+                with self._lock:
+                    self._counts["errors"] += 1
+                    self._last_error = f"{type(exc).__name__}: {exc}"
+                continue
             log.info("compactor: defragmented %s", member.endpoint)
             with self._lock:
                 self._counts["defrags"] += 1
