@@ -4,6 +4,7 @@ Depends only on etcd (through python3-etcd3's generated stubs) and the shared `t
 error tree; never on `transport` or `ros`.
 """
 
+from consistency.compactor import Compactor, CompactorStatus
 from consistency.embedded import EtcdCluster
 from consistency.etcd import Etcd
 from consistency.floor import RevisionFloor, StaleRead
@@ -17,6 +18,8 @@ from consistency.watch import EventKind, KeyWatch, ModelWatch, WatchEvent, wait_
 
 __all__ = [
     "DEFAULT_PREFIX",
+    "Compactor",
+    "CompactorStatus",
     "Etcd",
     "EtcdCluster",
     "EventKind",
