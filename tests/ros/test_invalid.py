@@ -10,6 +10,7 @@ import torch
 
 import ros
 from consistency import Etcd
+from consistency.manifests import MAX_MANIFEST_BYTES, MAX_SHARDS
 from ros.hub.server import HubServer
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
@@ -98,7 +99,8 @@ def test_raw_rpcs_get_invalid_argument_with_a_message(
     before = snap()
     manifest = pb.Manifest(tensors=[entry])
     bad_holder = pb.Holder(name="BAD NAME", session_id=client.session.id)
-    huge = pb.Manifest(tensors=[entry], metadata={"blob": "x" * (20 << 20)})
+    # over MAX_MANIFEST_BYTES (48 MiB), under the hub's 64 MiB gRPC messages
+    huge = pb.Manifest(tensors=[entry], metadata={"blob": "x" * (MAX_MANIFEST_BYTES + 1)})
     cases = {
         "version": pb.PublishRequest(model="policy", version=-3, manifest=manifest, holder=holder),
         "holder": pb.PublishRequest(
@@ -108,12 +110,19 @@ def test_raw_rpcs_get_invalid_argument_with_a_message(
             model="policy", version=9, manifest=pb.Manifest(), holder=holder
         ),
         "oversized": pb.PublishRequest(model="policy", version=9, manifest=huge, holder=holder),
+        "shards": pb.PublishRequest(
+            model="policy", version=9, manifest=manifest, holder=holder, shard_count=MAX_SHARDS + 1
+        ),
     }
     for what, request in cases.items():
         with pytest.raises(grpc.RpcError) as info:
             stub.Publish(request, metadata=md, timeout=10)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, what
         assert info.value.details(), what
+        if what == "oversized":
+            assert f"the limit is {MAX_MANIFEST_BYTES} bytes" in (info.value.details() or "")
+        if what == "shards":
+            assert f"1 to {MAX_SHARDS} shards" in (info.value.details() or "")
     assert snap() == before
 
 
