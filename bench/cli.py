@@ -2,8 +2,9 @@
 
 `transport` is the existing loopback benchmark (`bench.transport.main`, its own flags);
 `fanout`, `elastic`, `crossdc`, `failover` and `metadata` run on emulated hosts (root
-needed); `sim` is the cluster-scale simulator (`bench.sim.cli`); `all` runs every emulated
-benchmark and a shortened `transport` in sequence and writes one JSON report.
+needed); `sim` is the cluster-scale simulator (`bench.sim.cli`); `scale` is the scale
+envelope on loopback (`bench.scale.cli`, its own flags); `all` runs every emulated benchmark,
+a shortened `transport` and a shortened `scale` in sequence and writes one JSON report.
 Human table by default; `--json PATH` writes the figures (`-` for stdout).
 """
 
@@ -32,7 +33,10 @@ EMULATED: dict[str, Callable[[Options], Result]] = {
 }
 CROSSDC_MB = 16  # the inter-dc link is 5x slower: a smaller model keeps the run short
 ALL_TRANSPORT = ["--size-mb", "256", "--repeat", "2"]
-NAMES = [*EMULATED, "transport", "sim", "all"]
+# `bench all` keeps scale to a few minutes: the two ends of the clients sweep, a shorter history
+ALL_SCALE = ["--clients", "100,2000", "--history-steps", "3000", "--history-seconds", "120",
+             "--history-sample-every", "250"]  # fmt: skip
+NAMES = [*EMULATED, "transport", "sim", "scale", "all"]
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
@@ -89,6 +93,10 @@ def run(args: argparse.Namespace) -> int:
         from bench.sim import cli as sim_cli
 
         return sim_cli.main(rest)
+    if name == "scale":
+        from bench.scale import cli as scale_cli
+
+        return scale_cli.main(rest)
     opts_ns = _parse(name, rest)
     if os.geteuid() != 0:
         print(f"tensorhub bench {name}: {NeedsRoot.__doc__}", file=sys.stderr)
@@ -105,5 +113,8 @@ def run(args: argparse.Namespace) -> int:
         results.append(fn(each))
     print("== transport ...", file=sys.stderr, flush=True)
     results.append(_transport(ALL_TRANSPORT))
+    from bench.scale import cli as scale_cli
+
+    results.extend(scale_cli.results(scale_cli.parse(ALL_SCALE)))
     _emit(results, opts_ns.json)
     return 0 if all(r.ok for r in results) else 1

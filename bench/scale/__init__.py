@@ -1,0 +1,12 @@
+"""`tensorhub bench scale`: the scale envelope of DESIGN.md §8, measured on one machine.
+
+Parts (each its own etcd and hub process, all on loopback, every wait bounded):
+
+- `clients` (`sessions`, `load`, `clients`, `ceiling`): N clients per replica, each a session,
+  a KeepAlive stream and a versions-only Watch, against the hub and against a minimal
+  grpc.aio ceiling server with the same client processes in the same run.
+- `holders`: Resolve at 16 and 1,024 holders of one version; one step of 1,024 readers.
+- `manifest`: publish and fetch one version of 100,000 tensors in 300,000 chunks.
+- `history`: thousands of steps with the hub's compactor; etcd's DB size must stay flat.
+- `shards`: one version of 4,096 shards at etcd's default --max-txn-ops.
+"""

@@ -1,0 +1,112 @@
+"""The ceiling for the clients benchmark: a minimal grpc.aio server with the hub's service.
+
+It does the least a hub could: OpenSession hands out a number, KeepAlive echoes, Watch
+streams wait on an in-memory queue, Publish puts one WatchEvent into every open stream's
+queue, and Latest answers an empty reply. The same client processes, on the same stubs and
+messages, run against it and against the hub in one run, so the hub's fan-out and unary
+latencies are read as multiples of this floor on the same machine at the same moment.
+
+`python -m bench.scale.ceiling --listen 127.0.0.1:0 --ready-file F` runs it until SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+
+from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from ros.proto.tensorhub.v1 import hub_pb2_grpc
+
+QUEUE_LIMIT = 1024  # a stream further behind than this is cut off, as the hub does
+
+
+class Ceiling(hub_pb2_grpc.TensorHubServicer):
+    """The few TensorHub methods the clients benchmark calls, each doing no real work."""
+
+    def __init__(self) -> None:
+        self._streams: set[asyncio.Queue[pb.WatchEvent]] = set()
+        self._ids = itertools.count(1)
+        self._latest = 0
+
+    async def OpenSession(  # noqa: N802
+        self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> pb.OpenSessionResponse:
+        return pb.OpenSessionResponse(
+            session_id=next(self._ids), ttl_seconds=request.ttl_seconds or 10, revision=1
+        )
+
+    async def KeepAlive(  # noqa: N802
+        self,
+        requests: AsyncIterator[pb.KeepAliveRequest],
+        context: grpc.aio.ServicerContext[object, object],
+    ) -> AsyncIterator[pb.KeepAliveResponse]:
+        async for request in requests:
+            yield pb.KeepAliveResponse(session_id=request.session_id, ttl_seconds=10)
+
+    async def Watch(  # noqa: N802
+        self, request: pb.WatchRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> AsyncIterator[pb.WatchEvent]:
+        queue: asyncio.Queue[pb.WatchEvent] = asyncio.Queue(QUEUE_LIMIT)
+        self._streams.add(queue)
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            self._streams.discard(queue)
+
+    async def Publish(  # noqa: N802
+        self, request: pb.PublishRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> pb.PublishResponse:
+        """Fan one event out to every open stream (the one message the hub must send)."""
+        self._latest = max(self._latest, request.version)
+        event = pb.WatchEvent(
+            kind=pb.WatchEvent.VERSION_PUBLISHED, version=request.version, revision=request.version
+        )
+        for queue in list(self._streams):
+            if queue.full():
+                self._streams.discard(queue)
+            else:
+                queue.put_nowait(event)
+        return pb.PublishResponse(version=request.version, revision=request.version, visible=True)
+
+    async def Latest(  # noqa: N802
+        self, request: pb.LatestRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> pb.LatestResponse:
+        return pb.LatestResponse(version=self._latest, revision=self._latest)
+
+
+async def serve(listen: str, ready_file: Path | None) -> None:
+    """Serve until SIGINT/SIGTERM; write the bound address to `ready_file` once serving."""
+    server = grpc.aio.server()
+    hub_pb2_grpc.add_TensorHubServicer_to_server(Ceiling(), server)  # type: ignore[no-untyped-call]
+    port = server.add_insecure_port(listen)
+    await server.start()
+    host = listen.rsplit(":", 1)[0]
+    if ready_file is not None:
+        ready_file.write_text(json.dumps({"address": f"{host}:{port}"}))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(1.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.scale.ceiling")
+    ap.add_argument("--listen", default="127.0.0.1:0")
+    ap.add_argument("--ready-file", type=Path)
+    args = ap.parse_args(argv)
+    asyncio.run(serve(args.listen, args.ready_file))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
