@@ -149,15 +149,21 @@ class ManifestStore:
         compares: list[ops.Cmp] = []
         commits: list[ops.Op] = []
         view = memoryview(manifest)
-        for page, start in enumerate(range(0, len(manifest), PAGE_BYTES)):
-            key = f"{prefix}{page:06d}"
-            self.etcd.txn(
-                [],
-                [ops.put(key, bytes(view[start : start + PAGE_BYTES]), lease)],
-                timeout=max(deadline - time.monotonic(), 0.01),
-            )  # a retried put writes the same bytes: idempotent
-            compares.append(ops.exists(key))
-            commits.append(ops.put(key, ignore_value=True))  # lease 0: detached, bytes kept
+        try:
+            for page, start in enumerate(range(0, len(manifest), PAGE_BYTES)):
+                key = f"{prefix}{page:06d}"
+                self.etcd.txn(
+                    [],
+                    [ops.put(key, bytes(view[start : start + PAGE_BYTES]), lease)],
+                    timeout=max(deadline - time.monotonic(), 0.01),
+                )  # a retried put writes the same bytes: idempotent
+                compares.append(ops.exists(key))
+                commits.append(ops.put(key, ignore_value=True))  # lease 0: detached, bytes kept
+        except TensorHubError:
+            # No header names these pages yet: deleting them is always safe (and if etcd is
+            # unreachable now, they go with the lease).
+            self._drop(prefix, [], [ops.delete(prefix, prefix=True)], [])
+            raise
         header = PartHeader(len(manifest), digest, pages=len(compares), writer=writer)
         return Staged(header, compares, commits, prefix)
 
@@ -170,15 +176,27 @@ class ManifestStore:
         if not staged.prefix:
             return
         drop = ops.delete(staged.prefix, prefix=True)
+        self._drop(
+            staged.prefix,
+            [ops.absent(owner_key)],
+            [drop],
+            [ops.nested([ops.value(owner_key, "!=", owner_value)], [drop])],
+            timeout,
+        )
+
+    def _drop(
+        self,
+        prefix: str,
+        compare: list[ops.Cmp],
+        success: list[ops.Op],
+        failure: list[ops.Op],
+        timeout: float = 5.0,
+    ) -> None:
+        """Delete staged pages, best effort: what is left goes when the lease does."""
         try:
-            self.etcd.txn(
-                [ops.absent(owner_key)],
-                [drop],
-                [ops.nested([ops.value(owner_key, "!=", owner_value)], [drop])],
-                timeout=timeout,
-            )
+            self.etcd.txn(compare, success, failure, timeout=timeout)
         except TensorHubError as exc:
-            log.warning("could not delete staged manifest pages %s: %s", staged.prefix, exc)
+            log.warning("could not delete staged manifest pages %s: %s", prefix, exc)
 
     # -- read ------------------------------------------------------------------------------
 

@@ -28,7 +28,15 @@ from consistency.manifests import (
 )
 from consistency.quota import CountedCreate
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
-from tensorhub.errors import InvalidArgument, LeaseLost, ManifestTooLarge, StaleVersion
+from tensorhub.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    LeaseLost,
+    ManifestTooLarge,
+    OutcomeUnknown,
+    StaleVersion,
+    Unavailable,
+)
 
 
 @pytest.fixture
@@ -281,3 +289,58 @@ def test_a_shard_at_the_size_limit_fits_one_transaction_with_the_quota_fence(
     assert published.visible
     assert versions.header("t", "max", 1).shards[0].pages == MAX_MANIFEST_PAGES
     assert versions.manifest("t", "max", 1, 0) == manifest
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_paged_publishes_through_a_leader_kill_are_whole_or_absent() -> None:
+    """Publishes of paged manifests while the leader dies: retried (ambiguous) attempts find
+    their own success, every acknowledged version reads back byte-identical, every version
+    that shows at all is complete, and no page outlives the session unless its version shows."""
+    keys = Keys("/test/paged-kill")
+    acked: list[int] = []
+    unknown: list[int] = []
+
+    def manifest(version: int) -> bytes:
+        return bytes([version % 256]) * (PAGE_BYTES + version)  # two pages each
+
+    with EtcdCluster(size=3) as cluster:
+        leader = cluster.leader(timeout=30)
+        endpoints = cluster.endpoints
+        first = [endpoints[leader]] + [e for i, e in enumerate(endpoints) if i != leader]
+        with Etcd(first, timeout=5) as etcd:
+            versions = VersionRegistry(etcd, keys, retain=1000)
+            stop = threading.Event()
+            with Session(etcd, ttl=10) as session:
+
+                def publish_until_stopped() -> None:
+                    version = 0
+                    while not stop.is_set():
+                        version += 1
+                        try:
+                            versions.publish(
+                                "t", "m", version, manifest(version), rec(session.id), timeout=5
+                            )
+                        except (OutcomeUnknown, Unavailable, DeadlineExceeded):
+                            unknown.append(version)
+                            continue
+                        acked.append(version)
+
+                thread = threading.Thread(target=publish_until_stopped, daemon=True)
+                thread.start()
+                _wait_until(lambda: len(acked) >= 5, timeout=30)
+                cluster.kill(leader)
+                killed_at = len(acked)
+                _wait_until(lambda: len(acked) >= killed_at + 5, timeout=60)
+                stop.set()
+                thread.join(timeout=20)
+                assert not thread.is_alive()
+            # The session is closed (its lease revoked): staged pages of publishes that did
+            # not commit are gone with it.
+            shown = versions.versions("t", "m")
+            assert set(acked) <= set(shown) <= set(acked) | set(unknown)
+            for version in shown:
+                assert versions.manifest("t", "m", version) == manifest(version)
+            everything = etcd.range(f"{keys.tenant('t')}mp/m/", prefix=True, keys_only=True)
+            paged = {int(kv.key.decode().split("/")[-4]) for kv in everything.kvs}
+            assert paged == set(shown)
