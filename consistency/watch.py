@@ -8,11 +8,19 @@ it re-lists: it yields one `Resync` holding every key under the watched range as
 current revision R, then resumes from R + 1.
 
 `ModelWatch` turns a model's raw events into `WatchEvent`s (new versions, holder changes).
+
+Progress (opt-in, `progress=True`): a cache fed by a watch must know how current it is even
+when nothing under its range changes. Such a watch also yields `Progress(revision)`: after
+the events of each etcd response (every event up to that revision has been delivered), and
+for every etcd progress notification, which `request_progress()` asks for on the watch's own
+stream (`WatchRequest.progress_request`, etcd 3.4 and 3.5). A watch without the flag never
+yields one, so consumers that only want events (the hub's fan-out) never see them.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -57,13 +65,36 @@ class Resync:
     kvs: list[KV] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Progress:
+    """Every event of the watched range up to `revision` has been delivered (opt-in).
+
+    `notified`: it came from an etcd progress notification (not after events of a response);
+    see `_UNSYNCED_GRACE` for why a careful consumer confirms one with the next.
+    """
+
+    revision: int
+    notified: bool = False
+
+
 WatchClosed = StreamClosed  # the name the watch API has always raised
 
+# etcd releases before the fix of etcd-io/etcd#15220 answer a progress request on a side
+# channel with the store's revision, even for a watcher still catching up from an older
+# start revision (etcd syncs those every 100 ms). A notification that arrives this soon
+# after a watch was (re)created from the past is therefore not trusted.
+_UNSYNCED_GRACE = 0.25
 
-class KeyWatch(StreamPump[RawEvent | Resync]):
-    """A resumable watch on a key or prefix, delivering events exactly once, in order."""
 
-    def __init__(self, etcd: Etcd, key: str, *, prefix: bool, start_revision: int) -> None:
+class KeyWatch(StreamPump[RawEvent | Resync | Progress]):
+    """A resumable watch on a key or prefix, delivering events exactly once, in order.
+
+    With `progress=True` it also yields `Progress` items (see the module docstring).
+    """
+
+    def __init__(
+        self, etcd: Etcd, key: str, *, prefix: bool, start_revision: int, progress: bool = False
+    ) -> None:
         if start_revision <= 0:
             raise InvalidArgument(
                 f"start_revision must be explicit and positive, got {start_revision} "
@@ -73,8 +104,21 @@ class KeyWatch(StreamPump[RawEvent | Resync]):
         self._etcd = etcd
         self._key = key
         self._prefix = prefix
+        self._progress = progress
+        # the live stream's request side: True asks for progress, False ends it
+        self._requests: queue.Queue[bool] = queue.Queue()
+        self._trusted_from = 0.0  # monotonic time from which progress notifications count
         self.next_revision = start_revision
         self._start()
+
+    def request_progress(self) -> None:
+        """Ask etcd for a progress notification on this watch's stream (needs `progress`).
+
+        It arrives as a `Progress` item, unless the stream is reconnecting (ask again) or
+        etcd has nothing to report for a watcher still catching up."""
+        if not self._progress:
+            raise InvalidArgument("request_progress needs a watch created with progress=True")
+        self._requests.put(True)
 
     # -- stream side -----------------------------------------------------------------------
 
@@ -110,10 +154,20 @@ class KeyWatch(StreamPump[RawEvent | Resync]):
         if self._prefix:
             create.range_end = ops.prefix_end(self._key)
         stop = threading.Event()
+        requested: queue.Queue[bool] = queue.Queue()
+        self._requests = requested  # progress asked while reconnecting went to the old one
 
         def requests() -> Iterator[Any]:
             yield etcdrpc.WatchRequest(create_request=create)
-            stop.wait()  # keep the request side open until the stream ends
+            # keep the request side open until the stream ends; send progress requests
+            while not stop.is_set():
+                try:
+                    ask = requested.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                if not ask or stop.is_set():
+                    return
+                yield etcdrpc.WatchRequest(progress_request=etcdrpc.WatchProgressRequest())
 
         member, call = self._etcd.watch_stream(requests())
         if not self._attach(call):
@@ -125,6 +179,13 @@ class KeyWatch(StreamPump[RawEvent | Resync]):
                     return  # reopen from the revision after the re-list
                 if response.canceled:
                     return
+                if response.created:
+                    # A watcher created at a revision etcd has already passed catches up
+                    # in the background: do not trust progress before it can have.
+                    behind = int(response.header.revision) >= self.next_revision
+                    grace = _UNSYNCED_GRACE if behind else 0.0
+                    self._trusted_from = time.monotonic() + grace
+                    continue
                 last = 0
                 for event in response.events:
                     kv = KV.from_pb(event.kv)
@@ -132,18 +193,29 @@ class KeyWatch(StreamPump[RawEvent | Resync]):
                     last = kv.mod_revision
                 if last:
                     self.next_revision = last + 1
+                    if self._progress:
+                        self._put(Progress(last))
+                elif self._progress and time.monotonic() >= self._trusted_from:
+                    revision = int(response.header.revision)
+                    if revision >= self.next_revision - 1:
+                        self._put(Progress(revision, notified=True))
         except grpc.RpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 self._etcd.mark_failed(member)
             raise
         finally:
             stop.set()
+            requested.put(False)  # wake the request side so it ends with the stream
             self._detach()
 
     def _resync(self) -> None:
         result = self._etcd.range(self._key, prefix=self._prefix)
         self._put(Resync(result.revision, result.kvs))
         self.next_revision = result.revision + 1
+
+    def close(self) -> None:
+        self._requests.put(False)
+        super().close()
 
 
 class EventKind(StrEnum):
@@ -170,19 +242,35 @@ class WatchEvent:
 
 
 class ModelWatch:
-    """New versions and holder changes of one model, from an explicit revision."""
+    """New versions and holder changes of one model, from an explicit revision.
+
+    With `progress=True`, `get_item` also passes up the raw watch's `Progress` items and
+    `request_progress` asks etcd for one; `get` (what the hub's fan-out uses) never returns
+    them either way.
+    """
 
     def __init__(
-        self, etcd: Etcd, keys: Keys, tenant: str, model: str, *, start_revision: int
+        self,
+        etcd: Etcd,
+        keys: Keys,
+        tenant: str,
+        model: str,
+        *,
+        start_revision: int,
+        progress: bool = False,
     ) -> None:
         self._keys = keys
         self._tenant = tenant
         self._model = model
         self._latest_key = keys.latest(tenant, model)
         self._raw = KeyWatch(
-            etcd, keys.model(tenant, model), prefix=True, start_revision=start_revision
+            etcd,
+            keys.model(tenant, model),
+            prefix=True,
+            start_revision=start_revision,
+            progress=progress,
         )
-        self._pending: list[WatchEvent] = []
+        self._pending: list[WatchEvent | Progress] = []
 
     @property
     def next_revision(self) -> int:
@@ -191,12 +279,26 @@ class ModelWatch:
     def get(self, timeout: float) -> WatchEvent | None:
         """The next model event, or None if none arrives within `timeout`."""
         deadline = time.monotonic() + timeout
+        while True:
+            item = self.get_item(max(deadline - time.monotonic(), 0.0))
+            if item is None or isinstance(item, WatchEvent):
+                return item
+
+    def get_item(self, timeout: float) -> WatchEvent | Progress | None:
+        """The next model event or (with `progress`) `Progress`, or None after `timeout`."""
+        deadline = time.monotonic() + timeout
         while not self._pending:
             raw = self._raw.get(max(deadline - time.monotonic(), 0.0))
             if raw is None:
                 return None
+            if isinstance(raw, Progress):
+                return raw
             self._pending.extend(self._translate(raw))
         return self._pending.pop(0)
+
+    def request_progress(self) -> None:
+        """Ask etcd for a `Progress` item (the watch must have been made with `progress`)."""
+        self._raw.request_progress()
 
     def __iter__(self) -> Iterator[WatchEvent]:
         while True:
@@ -279,5 +381,7 @@ def wait_for_version(
                 current = [int(k.value) for k in event.kvs]
                 if current and current[0] >= version:
                     return event.revision
-            elif event is not None and not event.deleted and int(event.kv.value) >= version:
+            elif (
+                isinstance(event, RawEvent) and not event.deleted and int(event.kv.value) >= version
+            ):
                 return event.revision
