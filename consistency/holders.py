@@ -74,6 +74,8 @@ class HolderRegistry:
         Fails with `VersionNotFound` if the version is not published: no holder record can
         outlive or precede its version's manifest. A holder of a model-parallel version must
         name the one shard it holds (`record.shard`), and a holder of a whole version must not.
+        A PARTIAL record also pins the version (`pin/{holder}`, same lease) until the holder
+        turns COMPLETE or is released.
         """
         if record.session <= 0:
             raise InvalidArgument("a holder record needs its session (lease) id")
@@ -83,10 +85,15 @@ class HolderRegistry:
             raise VersionNotFound(f"{model}@{version} is not published; cannot hold it")
         _check_shard(model, version, record.shard, PartHeader.decode(manifest.value).shards)
         key = self.keys.holder(tenant, model, version, record.holder)
+        writes = [ops.put(key, record.encode(), lease=record.session), ops.get(key)]
+        if not record.complete:
+            # A PARTIAL record pins its version (same lease, same transaction): retention
+            # cannot collect a version while a reader is still filling it, and the reader
+            # needs no Pin/Unpin writes of its own. COMPLETE (or release) drops the pin.
+            pin = self.keys.pin(tenant, model, version, record.holder)
+            writes.append(ops.put(pin, b"", lease=record.session))
         result = self.etcd.txn(
-            [ops.exists(self.keys.manifest(tenant, model, version))],
-            [ops.put(key, record.encode(), lease=record.session), ops.get(key)],
-            timeout=timeout,
+            [ops.exists(self.keys.manifest(tenant, model, version))], writes, timeout=timeout
         )
         if not result.succeeded:
             raise VersionNotFound(f"{model}@{version} is not published; cannot hold it")
@@ -102,7 +109,8 @@ class HolderRegistry:
         *,
         timeout: float | None = None,
     ) -> None:
-        """Change a holder's state (PARTIAL → COMPLETE) if its record is still at `fence`.
+        """Change a holder's state (PARTIAL → COMPLETE) if its record is still at `fence`;
+        COMPLETE drops the pin its PARTIAL registration took (in the same transaction).
 
         The shard a record names never changes: an update naming another one is refused.
         """
@@ -115,11 +123,10 @@ class HolderRegistry:
                     f"holder {record.holder} holds shard {held} of {model}@{version}, "
                     f"not {record.shard}"
                 )
-        result = self.etcd.txn(
-            [ops.create(key, "==", fence)],
-            [ops.put(key, record.encode(), lease=record.session)],
-            timeout=timeout,
-        )
+        writes = [ops.put(key, record.encode(), lease=record.session)]
+        if record.complete:  # the pin a PARTIAL registration took is not needed any more
+            writes.append(ops.delete(self.keys.pin(tenant, model, version, record.holder)))
+        result = self.etcd.txn([ops.create(key, "==", fence)], writes, timeout=timeout)
         if not result.succeeded:
             raise LeaseLost(
                 f"holder {record.holder} of {model}@{version} lost its record (lease expired?)"
@@ -187,7 +194,10 @@ class HolderRegistry:
                 compares.append(ops.mod(others[0].key, "==", others[0].mod_revision))
             compares.append(ops.mod(latest_key, "==", latest_kv.mod_revision if latest_kv else 0))
             compares.append(ops.create(key, "==", mine.revision))
-            result = self.etcd.txn(compares, [ops.delete(key)], timeout=deadline - time.monotonic())
+            pin = self.keys.pin(tenant, model, version, holder)  # a PARTIAL record's pin
+            result = self.etcd.txn(
+                compares, [ops.delete(key), ops.delete(pin)], timeout=deadline - time.monotonic()
+            )
             if result.succeeded:
                 return result.revision
         raise DeadlineExceeded(f"release of {holder} from {model}@{version} did not settle in time")

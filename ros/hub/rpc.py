@@ -32,7 +32,9 @@ from consistency import Etcd, HolderRegistry, Keys, VersionRegistry
 from consistency.keepalive import LeaseKeeper
 from ros.errors import ERROR_METADATA_KEY, status_of
 from ros.hub.fanout import WatchFanout
+from ros.hub.holder_index import HolderIndex
 from ros.hub.limits import Limits, StreamLimits
+from ros.hub.manifest_cache import ManifestCache
 from ros.hub.tenants import Tenant, TenantStore
 from ros.metrics import HUB_INTERNAL_ERRORS, HUB_LATENCY, HUB_REQUESTS
 from tensorhub.errors import DeadlineExceeded, PermissionDenied, SessionExpired, TensorHubError
@@ -167,6 +169,9 @@ class HubBase:
         self._collector = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retention")
         self._fanout = WatchFanout(etcd, keys, self.streams)
         self._leases = LeaseKeeper(etcd)
+        # Resolve's view of who holds what (caches only: see ros.hub.holder_index).
+        self._holder_index = HolderIndex(etcd, keys)
+        self._manifest_cache = ManifestCache()
         self.tenants.hub_secret()  # create it at start-up, not in the first caller's deadline
 
     def close(self) -> None:
@@ -177,6 +182,7 @@ class HubBase:
         self._collector.shutdown(wait=False, cancel_futures=True)
         self._fanout.close()
         self._leases.close()
+        self._holder_index.close()
 
     async def _blocking(
         self, fn: Callable[..., T], *args: Any, deadline_of: CallContext | None = None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ros.hub.convert import holder_from_pb
+from ros.hub.convert import holder_from_pb, holder_to_pb
 from ros.hub.rpc import CallContext, HubBase, unary
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.names import validate_name, validate_version
@@ -19,14 +19,22 @@ class HolderRPCs(HubBase):
         timeout = self._timeout(context)
         holder = holder_from_pb(request.holder)
         self._own_session(tenant, holder.session, timeout)
-        fence = self._holders(tenant).register(
-            tenant.name,
-            validate_name(request.model, "model"),
-            validate_version(request.version),
-            holder,
-            timeout=timeout,
-        )
-        return pb.RegisterHolderResponse(fence=fence, revision=fence)
+        model = validate_name(request.model, "model")
+        version = validate_version(request.version)
+        fence = self._holders(tenant).register(tenant.name, model, version, holder, timeout=timeout)
+        response = pb.RegisterHolderResponse(fence=fence, revision=fence)
+        if not holder.complete:
+            # What a Resolve with the new fence would answer: the reader plans its pipeline
+            # over these (its predecessor among them) without a second Resolve.
+            found = self._holder_index.candidates(
+                tenant.name, model, version, holder.shard,
+                min_revision=fence, timeout=timeout, topology=holder.topology,
+                fence=fence, exclude=holder.holder,
+            )  # fmt: skip
+            response.candidates.extend(holder_to_pb(h) for h in found.candidates)
+            response.total_holders = found.total
+            response.revision = max(fence, found.revision)
+        return response
 
     @unary
     def UpdateHolder(

@@ -6,8 +6,10 @@ import asyncio
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from consistency import HolderState, VersionInfo
-from consistency.manifests import check_manifest_size, check_shard_count
+from etcd3 import etcdrpc
+
+from consistency import HolderRecord, HolderState, ops
+from consistency.manifests import ManifestHeader, check_manifest_size, check_shard_count
 from consistency.quota import CountedCreate
 from ros.hub.convert import holder_from_pb, holder_to_pb
 from ros.hub.rpc import AioContext, CallContext, HubBase, streaming, unary
@@ -17,6 +19,9 @@ from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.tokens import issue_read_token
 from tensorhub.errors import InvalidArgument, VersionNotFound
 from tensorhub.names import validate_name, validate_version
+
+DEFAULT_PAGE_SIZE = 500  # holders per Inspect page when the caller names no size
+MAX_PAGE_SIZE = 5000  # the most holders one Inspect page lists
 
 
 class VersionRPCs(HubBase):
@@ -108,22 +113,44 @@ class VersionRPCs(HubBase):
 
     @unary
     def Resolve(self, request: pb.ResolveRequest, context: CallContext) -> pb.ResolveResponse:
+        """At most `MAX_CANDIDATES` holders of `model@version` for the caller (nearest
+        first, its pipeline predecessor among them), a read token and, unless the caller
+        has it (`omit_manifest`), the manifest: O(K log N) from this replica's holder index,
+        at least as fresh as `min_revision` (docs/hub.md, "Resolve")."""
         tenant = self._tenant(context)
         timeout = self._timeout(context)
         model = validate_name(request.model, "model")
-        info, _ = self._describe(tenant, model, request.version, timeout)
-        version = info.version
+        shard = request.shard if request.HasField("shard") else None
+        floor = request.min_revision
+        version = request.version
+        if version == 0:
+            version, moved = self._latest_kv(tenant, model, timeout)
+            floor = max(floor, moved)  # the index must have seen that version appear
+        validate_version(version)
+        found = self._holder_index.candidates(
+            tenant.name, model, version, shard,
+            min_revision=floor, timeout=timeout, topology=dict(request.topology),
+            fence=request.fence, exclude=request.holder,
+        )  # fmt: skip
+        header = self._header(tenant, model, version, timeout)
+        _check_shard(model, version, shard, header.shard_count)
         token, expiry = issue_read_token(
             self.tenants.read_key(tenant.name), tenant.name, model, version
         )
         response = pb.ResolveResponse(
             version=version,
-            holders=[holder_to_pb(h) for h in info.holders],
+            holders=[holder_to_pb(h) for h in found.candidates],
             read_token=token,
             token_expiry_unix=expiry,
-            revision=info.revision,
-        )
-        _put_manifests(response, info)
+            revision=found.revision,
+            shard_count=header.shard_count,
+            total_holders=found.total if shard is not None or not header.shard_count
+            else found.total_all,
+            manifest_digest=_digest(header, shard),
+            manifest_omitted=request.omit_manifest,
+        )  # fmt: skip
+        if not request.omit_manifest:
+            self._put_manifests(response, tenant, model, version, header, shard, timeout)
         return response
 
     @unary
@@ -150,50 +177,122 @@ class VersionRPCs(HubBase):
 
     @unary
     def Inspect(self, request: pb.InspectRequest, context: CallContext) -> pb.InspectResponse:
+        """Everything about one version, with its holders listed by name, one page at a
+        time (`page_size`, at most `MAX_PAGE_SIZE`; `page_token`: the last name of the
+        previous page). Each page is one etcd read-only transaction (one revision)."""
         tenant = self._tenant(context)
         timeout = self._timeout(context)
         model = validate_name(request.model, "model")
+        if request.page_size < 0:
+            raise InvalidArgument(f"page_size must not be negative, got {request.page_size}")
+        size = min(request.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+        after = validate_name(request.page_token, "page token") if request.page_token else ""
         versions = self._versions(tenant)
-        info, latest = self._describe(tenant, model, request.version, timeout, need_latest=True)
-        version = info.version
+        latest, _ = versions.latest(tenant.name, model, timeout=timeout)
+        version = request.version or latest
+        if version == 0:
+            raise VersionNotFound(f"{model} has no published version")
+        validate_version(version)
+        header = self._header(tenant, model, version, timeout)
+        keys = self.keys
+        holders = keys.holders(tenant.name, model, version)
+        end = ops.prefix_end(holders)
+        start = f"{holders}{after}\0" if after else holders
+        page = etcdrpc.RangeRequest(key=ops.b(start), range_end=end, limit=size + 1)
+        count = etcdrpc.RangeRequest(key=ops.b(holders), range_end=end, count_only=True)
+        pins = keys.pins(tenant.name, model, version)
+        seeds = f"{keys.version(tenant.name, model, version)}seed/"
+        result = self.etcd.txn(
+            [],
+            [
+                ops.get(keys.manifest(tenant.name, model, version)),
+                etcdrpc.RequestOp(request_range=page),
+                etcdrpc.RequestOp(request_range=count),
+                etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(
+                    key=ops.b(pins), range_end=ops.prefix_end(pins), keys_only=True)),
+                ops.get(seeds, prefix=True),
+            ],
+            timeout=timeout,
+        )  # fmt: skip
+        top, listed, counted, pinned, seeded = (r.response_range for r in result.responses)
+        if not top.kvs:
+            raise VersionNotFound(f"{model}@{version} is not published (or no longer retained)")
+        records = [HolderRecord.decode(kv.value, kv.create_revision) for kv in listed.kvs]
         response = pb.InspectResponse(
             version=version,
             latest=latest,
-            holders=[holder_to_pb(h) for h in info.holders],
-            pins=info.pins,
-            seeds=info.seeds,
-            published_revision=info.published_revision,
-            revision=info.revision,
+            holders=[holder_to_pb(h) for h in records[:size]],
+            pins=[bytes(kv.key).decode().rsplit("/", 1)[1] for kv in pinned.kvs],
+            seeds={
+                bytes(kv.key).decode().rsplit("/", 1)[1]: bytes(kv.value).decode()
+                for kv in seeded.kvs
+            },
+            published_revision=header.published_revision,
+            revision=result.revision,
             retained=version in versions.retained(tenant.name, model, timeout=timeout),
+            next_page_token=records[size - 1].holder if len(records) > size else "",
+            total_holders=int(counted.count),
+            shard_count=header.shard_count,
         )
-        _put_manifests(response, info)
+        if not request.omit_manifest:
+            self._put_manifests(response, tenant, model, version, header, None, timeout)
         return response
 
-    def _describe(
+    def _latest_kv(self, tenant: Tenant, model: str, timeout: float) -> tuple[int, int]:
+        """(latest version, the revision `latest` was moved at): one linearizable get."""
+        kv, _ = self.etcd.get(self.keys.latest(tenant.name, model), timeout=timeout)
+        if kv is None:
+            raise VersionNotFound(f"{model} has no published version")
+        return int(kv.value), kv.mod_revision
+
+    def _header(self, tenant: Tenant, model: str, version: int, timeout: float) -> ManifestHeader:
+        """The version's manifest header (shards, digests), cached: it never changes."""
+        versions = self._versions(tenant)
+        return self._manifest_cache.header(
+            (tenant.name, model, version),
+            lambda: versions.header(tenant.name, model, version, timeout=timeout),
+        )
+
+    def _put_manifests(
         self,
+        response: pb.ResolveResponse | pb.InspectResponse,
         tenant: Tenant,
         model: str,
-        requested: int,
+        version: int,
+        header: ManifestHeader,
+        shard: int | None,
         timeout: float,
-        *,
-        need_latest: bool = False,
-    ) -> tuple[VersionInfo, int]:
-        """The version asked for (0: the latest) and the latest version (read only if needed)."""
+    ) -> None:
+        """The manifest asked for: the whole version's, shard `shard`'s, or (a model-parallel
+        version, no shard asked) one per shard; each read from etcd once per replica."""
         versions = self._versions(tenant)
-        latest = 0
-        if requested == 0 or need_latest:
-            latest, _ = versions.latest(tenant.name, model, timeout=timeout)
-        version = requested or latest
-        if version == 0:
-            raise VersionNotFound(f"{model} has no published version")
-        info = versions.describe(tenant.name, model, validate_version(version), timeout=timeout)
-        return info, latest
+
+        def part(index: int | None) -> pb.Manifest:
+            return self._manifest_cache.manifest(
+                (tenant.name, model, version, index),
+                lambda: versions.manifest(tenant.name, model, version, index, timeout=timeout),
+            )
+
+        if header.shard_count and shard is None:
+            for index in range(header.shard_count):
+                response.shards.append(part(index))
+        else:
+            response.manifest.CopyFrom(part(shard))
 
 
-def _put_manifests(response: pb.ResolveResponse | pb.InspectResponse, info: VersionInfo) -> None:
-    """The version's manifest, or one manifest per shard of a model-parallel version."""
-    if info.shards:
-        for shard in info.shards:
-            response.shards.append(pb.Manifest.FromString(shard.manifest))
-    else:
-        response.manifest.ParseFromString(info.manifest)
+def _check_shard(model: str, version: int, shard: int | None, count: int) -> None:
+    """A shard may be asked for only of a model-parallel version, and in range."""
+    if shard is None:
+        return
+    if not count:
+        raise InvalidArgument(f"{model}@{version} is not model-parallel: omit shard")
+    if not 0 <= shard < count:
+        raise InvalidArgument(f"shard {shard} out of range: {model}@{version} has {count}")
+
+
+def _digest(header: ManifestHeader, shard: int | None) -> bytes:
+    """SHA-256 of the manifest asked for (of a model-parallel version without a shard: of
+    its shards' digests in order)."""
+    if shard is not None:
+        return header.shards[shard].digest
+    return header.digest
