@@ -22,6 +22,12 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         parser.add_argument(
             "target", metavar="MODEL@V", help="a model and version (MODEL alone: latest)"
         )
+        parser.add_argument(
+            "--page-size",
+            type=int,
+            default=0,
+            help="holders per request to the hub (default: the hub's, 500; at most 5000)",
+        )
     add_hub_flags(parser)
     parser.set_defaults(query=name)
 
@@ -44,6 +50,19 @@ def _call(args: argparse.Namespace, method: str, request: Any) -> Any:
         raise from_rpc_error(exc) from None
     finally:
         channel.close()
+
+
+def _inspect(args: argparse.Namespace, model: str, version: int) -> Any:
+    """Inspect with every holder: the hub lists them in pages (of `--page-size`); follow them."""
+    request = pb.InspectRequest(model=model, version=version, page_size=args.page_size)
+    info = _call(args, "Inspect", request)
+    request.version, request.omit_manifest = info.version, True
+    while info.next_page_token:
+        request.page_token = info.next_page_token
+        page = _call(args, "Inspect", request)
+        info.holders.extend(page.holders)
+        info.next_page_token, info.revision = page.next_page_token, page.revision
+    return info
 
 
 def _holder_rows(holders: Any) -> list[dict[str, Any]]:
@@ -79,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
             )
         return 0
     model, version = parse_target(args.target)
-    info = _call(args, "Inspect", pb.InspectRequest(model=model, version=version))
+    info = _inspect(args, model, version)
     holders = _holder_rows(info.holders)
     if args.query == "holders":
         if args.json:

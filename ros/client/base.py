@@ -18,6 +18,7 @@ import grpc
 from consistency.floor import RevisionFloor, StaleRead
 from ros.client.channel import open_channel, parse_address
 from ros.client.handles import DEFAULT_RELEASE_TIMEOUT
+from ros.client.manifest_cache import CachedManifest, ManifestCache
 from ros.client.session import ClientSession
 from ros.client.spill import map_safetensors, write_safetensors
 from ros.client.watch import HubWatch
@@ -85,6 +86,7 @@ class ClientBase:
         self._server: HolderServer | None = None
         self._fences: dict[tuple[str, int], int] = {}
         self._shards: dict[tuple[str, int], int] = {}  # model-parallel versions held: shard
+        self._manifests = ManifestCache()  # by (model, version, shard): they never change
         self._session_ttl = session_ttl
         self._closed = False
         self.session = self._open_session()
@@ -210,12 +212,84 @@ class ClientBase:
     def _register(
         self, model: str, version: int, *, complete: bool, shard: int | None = None
     ) -> int:
+        return int(self._register_holder(model, version, complete=complete, shard=shard).fence)
+
+    def _register_holder(
+        self, model: str, version: int, *, complete: bool, shard: int | None = None
+    ) -> pb.RegisterHolderResponse:
+        """Register our holder record; a PARTIAL one's answer carries its `candidates`."""
         request = pb.RegisterHolderRequest(
             model=model, version=version, holder=self._holder_pb(complete, shard=shard)
         )
-        response = self._rpc("RegisterHolder", request)
+        response: pb.RegisterHolderResponse = self._rpc("RegisterHolder", request)
         self.floor.observe(response.revision)
-        return int(response.fence)
+        return response
+
+    def _inspect(
+        self, model: str, version: int, timeout: float | None = None
+    ) -> pb.InspectResponse:
+        """`Inspect` with every holder: the pages followed (the first carries the manifest),
+        each at least as fresh as our revision floor; the revision is the last page's."""
+        budget = self.timeout if timeout is None else timeout
+        request = pb.InspectRequest(model=model, version=version)
+        info: pb.InspectResponse = self._fresh(
+            lambda t: self._rpc("Inspect", request, t), lambda r: int(r.revision), budget
+        )
+        request.version, request.omit_manifest = info.version, True
+        while info.next_page_token:
+            request.page_token = info.next_page_token
+            page: pb.InspectResponse = self._fresh(
+                lambda t: self._rpc("Inspect", request, t), lambda r: int(r.revision), budget
+            )
+            info.holders.extend(page.holders)
+            info.next_page_token, info.revision = page.next_page_token, page.revision
+            info.total_holders = page.total_holders
+        return info
+
+    def _resolve(
+        self,
+        model: str,
+        version: int,
+        *,
+        shard: int | None = None,
+        fence: int = 0,
+        timeout: float | None = None,
+        manifest: bool = True,
+    ) -> pb.ResolveResponse:
+        """Resolve `model@version` (0: latest) for this client: its topology, fence and
+        name (never among the candidates), at least as fresh as our revision floor.
+
+        The manifest is asked for only when `manifest` and not cached (by model, version,
+        shard: it never changes); the answer then always carries it, from the hub or from
+        the cache (checked against the hub's digest: a mismatch asks once more in full).
+        """
+        cached = self._manifests.get((model, version, shard)) if version else None
+        omit = cached is not None or not manifest
+        request = pb.ResolveRequest(
+            model=model, version=version, shard=shard, omit_manifest=omit,
+            topology={k: v for k, v in vars(self.topology).items() if v},
+            fence=fence, holder=self.holder_name, min_revision=self.floor.value,
+        )  # fmt: skip
+        budget = self.timeout if timeout is None else timeout
+        answer: pb.ResolveResponse = self._fresh(
+            lambda t: self._rpc("Resolve", request, t), lambda r: int(r.revision), budget
+        )
+        if not manifest:
+            return answer
+        key = (model, int(answer.version), shard)
+        if answer.manifest_omitted:
+            cached = self._manifests.get(key)
+            if cached is not None and cached.digest == bytes(answer.manifest_digest):
+                cached.fill(answer)
+                return answer
+            # evicted meanwhile, or not what the hub has: ask once more, with the manifest
+            self._manifests.pop(key)
+            request.version, request.omit_manifest = answer.version, False
+            answer = self._fresh(
+                lambda t: self._rpc("Resolve", request, t), lambda r: int(r.revision), budget
+            )
+        self._manifests.put(key, CachedManifest.of(answer))
+        return answer
 
     # -- watching ------------------------------------------------------------------------
 

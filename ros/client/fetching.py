@@ -53,13 +53,10 @@ class FetchMixin(ClientBase):
         """
         validate_name(model, "model")
         number = 0 if version == "latest" else validate_version(version)
+        check_shard_arg(shard)
         start = time.monotonic()
         deadline = start + timeout
-        resolved = self._fresh(
-            lambda t: self._rpc("Resolve", pb.ResolveRequest(model=model, version=number), t),
-            lambda r: int(r.revision),
-            min(timeout, self.timeout),
-        )
+        resolved = self._resolve(model, number, shard=shard, timeout=min(timeout, self.timeout))
         version = int(resolved.version)
         manifest = _pick_shard(model, version, resolved, shard)
         layout = layout_of(manifest)
@@ -92,21 +89,20 @@ class FetchMixin(ClientBase):
         shard: int | None,
         deadline: float,
     ) -> Any:
-        pin = pb.PinRequest(
-            model=model, version=version, pin_id=self.holder_name, session_id=self.session.id
-        )
-        self._rpc("Pin", pin)
-        fence = self._register(model, version, complete=False, shard=shard)
+        # Our PARTIAL record also pins the version against retention (no Pin of our own),
+        # and its answer carries the candidates for our fence: no second Resolve.
+        registered = self._register_holder(model, version, complete=False, shard=shard)
+        fence = int(registered.fence)
         self._fences[(model, version)] = fence
         if shard is not None:
             self._shards[(model, version)] = shard
         # Pipelined replication: now that we are registered (our fence orders us after
         # every earlier reader), read from one predecessor rather than all from the publisher.
-        ordered = self._rpc("Resolve", pb.ResolveRequest(model=model, version=version))
-        first = pipeline_sources(self.topology, fence, self._candidates(holders_of(ordered, shard)))
+        candidates = list(registered.candidates) or holders_of(resolved, shard)
+        first = pipeline_sources(self.topology, fence, self._candidates(candidates))
         stats = transport_fetch(
             self.tenant, model, version, held.layout, held,
-            first or self._sources(holders_of(resolved, shard)),
+            first or self._sources(candidates),
             token=bytes(resolved.read_token), deadline=deadline, me=self.topology,
             refresh_sources=self._refresher(model, version, shard),
             expected=list(manifest.chunk_xxh3), tls=self._tls,
@@ -116,15 +112,16 @@ class FetchMixin(ClientBase):
         update = pb.UpdateHolderRequest(
             model=model, version=version, holder=self._holder_pb(True, fence, shard)
         )
-        self._rpc("UpdateHolder", update)
-        self._rpc("Unpin", pb.UnpinRequest(model=model, version=version, pin_id=self.holder_name))
+        self._rpc("UpdateHolder", update)  # also drops the pin our PARTIAL record held
         return stats
 
     def _refresher(self, model: str, version: int, shard: int | None) -> Callable[[], list[Source]]:
-        """What a fetch calls when a holder failed: ask again who holds (this shard of) it."""
+        """What a fetch calls when a holder failed: ask again who holds (this shard of) it,
+        as seen from our fence and topology; the manifest is not sent again."""
 
         def refresh() -> list[Source]:
-            again = self._rpc("Resolve", pb.ResolveRequest(model=model, version=version))
+            fence = self._fences.get((model, version), 0)
+            again = self._resolve(model, version, shard=shard, fence=fence, manifest=False)
             return self._sources(holders_of(again, shard))
 
         return refresh
@@ -165,19 +162,13 @@ class FetchMixin(ClientBase):
             self._store.release(held.key, 1.0)
         except TensorHubError as exc:
             log.warning("abandoning %s@%d: %s", model, version, exc)
-        for method, request in (
-            (
-                "ReleaseHolder",
-                pb.ReleaseHolderRequest(
-                    model=model, version=version, holder=self.holder_name, force=True
-                ),
-            ),
-            ("Unpin", pb.UnpinRequest(model=model, version=version, pin_id=self.holder_name)),
-        ):
-            try:
-                self._rpc(method, request)
-            except TensorHubError as exc:  # the lease removes them anyway when we go
-                log.info("cleanup %s of %s@%d failed: %s", method, model, version, exc)
+        request = pb.ReleaseHolderRequest(
+            model=model, version=version, holder=self.holder_name, force=True
+        )
+        try:  # deletes our record and the pin it held
+            self._rpc("ReleaseHolder", request)
+        except TensorHubError as exc:  # the lease removes them anyway when we go
+            log.info("cleanup of %s@%d failed: %s", model, version, exc)
         self._fences.pop((model, version), None)
         self._shards.pop((model, version), None)
 
@@ -195,8 +186,9 @@ def holders_of(response: pb.ResolveResponse, shard: int | None) -> list[pb.Holde
 def _pick_shard(
     model: str, version: int, resolved: pb.ResolveResponse, shard: int | None
 ) -> pb.Manifest:
-    """The manifest to read: the whole version's, or shard `shard`'s of a model-parallel one."""
-    count = len(resolved.shards)
+    """The manifest to read: the whole version's, or shard `shard`'s of a model-parallel one
+    (a Resolve with `shard` answers only that shard's manifest, in `manifest`)."""
+    count = resolved.shard_count or len(resolved.shards)
     if not count:
         if shard is not None:
             raise InvalidArgument(f"{model}@{version} is not model-parallel: omit shard")
@@ -206,7 +198,13 @@ def _pick_shard(
             f"{model}@{version} is model-parallel ({count} shards): fetch one with shard=i "
             f"(0 <= i < {count}), or read blocks in another layout with fetch_slices"
         )
-    if isinstance(shard, bool) or not isinstance(shard, int) or not 0 <= shard < count:
+    if not 0 <= shard < count:
         raise InvalidArgument(f"shard {shard!r} out of range: {model}@{version} has {count}")
-    manifest: pb.Manifest = resolved.shards[shard]
+    manifest: pb.Manifest = resolved.shards[shard] if resolved.shards else resolved.manifest
     return manifest
+
+
+def check_shard_arg(shard: int | None) -> None:
+    """Refuse a shard that is no index before asking the hub (a bool is no index)."""
+    if shard is not None and (isinstance(shard, bool) or not isinstance(shard, int) or shard < 0):
+        raise InvalidArgument(f"shard {shard!r} out of range: a shard is an integer >= 0")

@@ -37,14 +37,10 @@ class Hub(PublishMixin, SliceMixin):
     def inspect(
         self, model: str, version: int = 0, *, timeout: float | None = None
     ) -> pb.InspectResponse:
-        """Everything about one version (default: the latest)."""
+        """Everything about one version (default: the latest), with every holder (the hub
+        answers them in pages; this follows them)."""
         validate_name(model, "model")
-        info: pb.InspectResponse = self._fresh(
-            lambda t: self._rpc("Inspect", pb.InspectRequest(model=model, version=version), t),
-            lambda r: int(r.revision),
-            self.timeout if timeout is None else timeout,
-        )
-        return info
+        return self._inspect(model, version, timeout)
 
     def holders(self, model: str, version: int) -> list[HolderRecord]:
         return [holder_from_message(h) for h in self.inspect(model, version).holders]

@@ -103,9 +103,7 @@ class PublishMixin(ClientBase):
                     f"shard {request.shard_index} of {request.model}@{request.version}: {exc}"
                 ) from exc
             try:
-                info = self._rpc(
-                    "Inspect", pb.InspectRequest(model=request.model, version=request.version)
-                )
+                info = self._inspect(request.model, request.version)
             except VersionNotFound:
                 raise OutcomeUnknown(
                     f"publish of {request.model}@{request.version} not confirmed ({exc}); "

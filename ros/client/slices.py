@@ -14,6 +14,7 @@ publisher's own layout use `fetch(shard=i)` and do.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -89,18 +90,15 @@ class SliceMixin(FetchMixin):
             raise InvalidArgument("fetch_slices needs at least one slice")
         number = 0 if version == "latest" else validate_version(version)
         deadline = time.monotonic() + timeout
-        resolved = self._fresh(
-            lambda t: self._rpc("Resolve", pb.ResolveRequest(model=model, version=number), t),
-            lambda r: int(r.revision),
-            min(timeout, self.timeout),
-        )
+        resolved = self._resolve(model, number, timeout=min(timeout, self.timeout))
         found = int(resolved.version)
         parts = list(resolved.shards) or [resolved.manifest]
         plan = _plan(model, found, parts, slices)
         result = SliceFetch(found)
-        pin = pb.PinRequest(
-            model=model, version=found, pin_id=self.holder_name, session_id=self.session.id
-        )
+        # A reader of slices is no holder, so it pins the version itself; the pin is its
+        # own (not the holder name, whose pin a concurrent fetch of the version may hold).
+        pin_id = f"slices-{secrets.token_hex(6)}"
+        pin = pb.PinRequest(model=model, version=found, pin_id=pin_id, session_id=self.session.id)
         self._rpc("Pin", pin)
         try:
             for index, copies in plan.items():
@@ -108,7 +106,7 @@ class SliceMixin(FetchMixin):
                     model, found, resolved, index, parts[index], copies, slices, deadline, result
                 )
         finally:
-            unpin = pb.UnpinRequest(model=model, version=found, pin_id=self.holder_name)
+            unpin = pb.UnpinRequest(model=model, version=found, pin_id=pin_id)
             self._rpc("Unpin", unpin)
         return result
 
@@ -137,9 +135,13 @@ class SliceMixin(FetchMixin):
             if chunk not in needed:
                 staging.mark_present(chunk, 0)  # never served: staging is not in the store
         shard = index if resolved.shards else None
+        # the holders of this shard (a Resolve answers candidates of one shard only)
+        holders = resolved if shard is None else self._resolve(
+            model, version, shard=shard, manifest=False
+        )  # fmt: skip
         stats = transport_fetch(
             self.tenant, model, version, layout, staging,
-            self._sources(holders_of(resolved, shard)),
+            self._sources(holders_of(holders, shard)),
             token=bytes(resolved.read_token), deadline=deadline, me=self.topology,
             refresh_sources=self._refresher(model, version, shard),
             expected=list(manifest.chunk_xxh3), tls=self._tls,
