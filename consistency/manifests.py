@@ -21,7 +21,7 @@ raise). So a manifest of more than `INLINE_BYTES` is cut into pages of at most `
 
 Bounds, checked before anything is written: `MAX_MANIFEST_BYTES` (48 pages of 1 MiB, under
 the hub's 64 MiB message limit) and `MAX_SHARDS`. The largest transaction is a shard's publish
-of a model's first version: 3 + 48 compares; 4 puts, the quota fence, 48 page re-puts and a
+of a model's first version: 4 + 48 compares; 4 puts, the quota fence, 48 page re-puts and a
 nested transaction of 2 (etcd counts those against the parent's 128), well under 128.
 """
 

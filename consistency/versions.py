@@ -271,7 +271,9 @@ class VersionRegistry:
         counts the shards committed. A nested transaction moves `latest` only if the counter
         had counted `count - 1` shards before this one (nested compares see the state before
         the transaction), so exactly one rank (the last) makes the version visible, with one
-        compare whatever the shard count. `Published.visible` says which.
+        compare whatever the shard count. `Published.visible` says which. The counter's value
+        is the shard count: a rank that names another count than the ranks before it gets
+        `InvalidArgument` and writes nothing.
         """
         validate_version(version)
         check_shard_count(count)
@@ -297,9 +299,22 @@ class VersionRegistry:
                 ),
             ],
         )
+
+        def agree(remaining: float) -> list[ops.Cmp]:
+            """The compare that this rank's shard count is every earlier rank's."""
+            kv, _ = self.etcd.get(arrived, timeout=remaining)
+            if kv is None:
+                return [ops.absent(arrived)]
+            if kv.value != str(count).encode():
+                raise InvalidArgument(
+                    f"shard {index} says {model}@{version} has {count} shards; "
+                    f"the shards published before it say {kv.value.decode()}"
+                )
+            return [ops.value(arrived, "==", str(count))]  # equal values: no contention
+
         return self._publish_staged(
             tenant, model, version, holder, staged, keys.shard(tenant, model, version, index),
-            record, [ops.put(arrived, b"")], [last], deadline, admit_model,
+            record, [ops.put(arrived, str(count))], [last], deadline, admit_model, agree,
         )  # fmt: skip
 
     def _publish_staged(
@@ -315,12 +330,14 @@ class VersionRegistry:
         last: list[ops.Op],
         deadline: float,
         admit_model: Admit | None,
+        agree: Callable[[float], list[ops.Cmp]] | None = None,
     ) -> Published:
         """The publish transaction around a staged manifest, in `_publish_loop`.
 
         It creates `own_key` (the header, or the shard record) and the holder record, with
         `puts`, the pages' commits, and `last` (a shard's nested transaction that moves
-        `latest`; without one, `puts` move it). Pages of a publish that definitely failed
+        `latest`; without one, `puts` move it), under `agree`'s compares (asked before each
+        attempt; they may refuse it). Pages of a publish that definitely failed
         are deleted at once, not left under the session's lease for as long as it lives.
         """
         latest_key = self.keys.latest(tenant, model)
@@ -333,6 +350,8 @@ class VersionRegistry:
 
         def attempt(state: _Latest, remaining: float) -> tuple[bool, int, int]:
             guard, bump = _admission(admit_model, state, remaining)
+            if agree is not None:
+                guard = [*guard, *agree(remaining)]
             result = self.etcd.txn(
                 [
                     ops.mod(latest_key, "==", state.mod_revision),

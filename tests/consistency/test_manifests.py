@@ -355,3 +355,14 @@ def test_a_publish_under_a_dead_session_writes_nothing(
     with pytest.raises(LeaseNotFound):
         versions.publish("t", "gone", 1, b"g" * (2 * PAGE_BYTES), rec(lease), timeout=5)
     assert _everything(etcd, versions.keys) == []
+
+
+def test_a_rank_naming_another_shard_count_is_refused_and_writes_nothing(
+    etcd: Etcd, versions: VersionRegistry, session: Session
+) -> None:
+    versions.publish_shard("t", "mix", 1, 0, 2, b"p" * 2048, rec(session.id, "r0"))
+    before = _everything(etcd, versions.keys)
+    with pytest.raises(InvalidArgument, match="say 2"):
+        versions.publish_shard("t", "mix", 1, 1, 3, b"q" * 2048, rec(session.id, "r1"))
+    assert _everything(etcd, versions.keys) == before  # its pages too
+    assert versions.publish_shard("t", "mix", 1, 1, 2, b"q", rec(session.id, "r1")).visible
