@@ -103,8 +103,7 @@ def _fill_clients(res: Result, data: dict[str, Any]) -> None:
         errors = (
             int(hub.get("versions_missing_somewhere", 0))
             + sum(hub.get("publish_failures", {}).values())
-            + sum(hub.get("stream_errors", {}).values())
-            + sum(hub.get("connect_errors", {}).values())
+            + sum(hub.get("stream_errors", {}).values())  # connect errors included
             + sum(hub.get("latest_errors", {}).values())
             + (1 if "failed" in hub else 0)
         )
@@ -133,6 +132,8 @@ def _fill_clients(res: Result, data: dict[str, Any]) -> None:
             ("Latest p99", "latest_p99_ms"),
         ):
             res.add(f"N={n}: hub {label}", hub.get(key), unit="ms")
+        res.add(f"N={n}: hub sessions all open after", hub.get("connect_s"), unit="s")
+        res.add(f"N={n}: hub renewals later than ttl/3", hub.get("keepalive_late"), unit="renewals")
         res.add(f"N={n}: ceiling fan-out p50", ceil.get("all_visible_p50_ms"), unit="ms")
         res.add(f"N={n}: ceiling fan-out p99", ceil.get("all_visible_p99_ms"), unit="ms")
         res.add(f"N={n}: ceiling unary p99", ceil.get("latest_p99_ms"), unit="ms")

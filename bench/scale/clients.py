@@ -72,6 +72,7 @@ class Clients:
         self.clients: list[_Client] = []
         self.errors: Counter[str] = Counter()
         self.keepalive_ms: list[float] = []
+        self.keepalive_late = 0
 
     async def connect(self) -> dict[str, Any]:
         """Open every client (bounded by `connect_seconds`); how many got a session."""
@@ -111,25 +112,36 @@ class Clients:
         }
 
     async def _keepalive(self, client: _Client, stub: hub_pb2_grpc.TensorHubStub) -> None:
+        """Renew every ttl/3. A renewal answered later than that is counted as late; one not
+        answered before the lease would expire (ttl after the last renewal) loses the
+        session: an error, and this client stops renewing."""
         period = self.ttl / 3.0
         call = stub.KeepAlive(metadata=self.metadata)
+        renewed = time.monotonic()
         try:
             while True:
                 t0 = time.monotonic()
+                left = max(0.01, renewed + self.ttl - t0)
                 await asyncio.wait_for(
-                    call.write(pb.KeepAliveRequest(session_id=client.session)), period
+                    call.write(pb.KeepAliveRequest(session_id=client.session)), left
                 )
-                reply = await asyncio.wait_for(call.read(), period)
+                reply = await asyncio.wait_for(call.read(), max(0.01, renewed + self.ttl - t0))
                 if not isinstance(reply, pb.KeepAliveResponse):  # the stream ended
                     self.errors["keepalive: ended"] += 1
                     return
-                self.keepalive_ms.append((time.monotonic() - t0) * 1000)
+                renewed = time.monotonic()
+                took = renewed - t0
+                self.keepalive_ms.append(took * 1000)
+                self.keepalive_late += took > period
                 client.keepalives += 1
-                await asyncio.sleep(max(0.0, period - (time.monotonic() - t0)))
+                await asyncio.sleep(max(0.0, period - took))
         except asyncio.CancelledError:
             call.cancel()
             raise
-        except (TimeoutError, grpc.aio.AioRpcError) as exc:
+        except TimeoutError:
+            self.errors["keepalive: session expired unrenewed"] += 1
+            call.cancel()
+        except grpc.aio.AioRpcError as exc:
             self.errors[f"keepalive: {_code(exc)}"] += 1
             call.cancel()
 
@@ -159,6 +171,7 @@ class Clients:
             "errors": dict(self.errors),
             "keepalive_ms": self.keepalive_ms[-2000:],
             "keepalives": sum(c.keepalives for c in self.clients),
+            "keepalive_late": self.keepalive_late,
         }
 
     async def close(self) -> None:

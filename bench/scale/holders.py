@@ -4,10 +4,10 @@
 Holders are registered through the hub's RegisterHolder under a few sessions. The Resolve
 caller is itself the newest PARTIAL holder and sends its topology, fence and name (the
 fields a pipelining reader sends), so the hub answers with its bounded candidate set. The
-step is the SDK's fetch path (ros/client/fetching.py) call by call — Resolve, Pin,
-RegisterHolder PARTIAL, Resolve with the new fence (skipped when RegisterHolder already
-answers with candidates), UpdateHolder COMPLETE, Unpin — and each reader then releases the
-version it held before; etcd writes per step are the etcd revision's delta.
+step is the SDK's fetch path (ros/client/fetching.py, as of issue 11) call by call: Resolve,
+RegisterHolder PARTIAL (its record pins the version; its answer carries the candidates, and
+only a hub that sends none gets a second Resolve), UpdateHolder COMPLETE; each reader then
+releases the version it held before. etcd writes per step are the etcd revision's delta.
 """
 
 from __future__ import annotations
@@ -100,16 +100,13 @@ async def _step(hub: Hub, sessions: list[int], readers: list[str]) -> dict[str, 
         session, me = sessions[i % len(sessions)], _topology(i)
         calls = 0
         await hub.call("Resolve", resolve_request(model=MODEL, version=2, topology=me, holder=name))
-        await hub.call(
-            "Pin", pb.PinRequest(model=MODEL, version=2, pin_id=name, session_id=session)
-        )
         reg = await hub.call(
             "RegisterHolder",
             pb.RegisterHolderRequest(
                 model=MODEL, version=2, holder=holder(name, session, complete=False, topology=me)
             ),
         )
-        calls += 3
+        calls += 2
         if not len(getattr(reg, "candidates", ())):
             await hub.call(
                 "Resolve",
@@ -131,11 +128,10 @@ async def _step(hub: Hub, sessions: list[int], readers: list[str]) -> dict[str, 
                 holder=holder(name, session, complete=True, fence=int(reg.fence), topology=me),
             ),
         )
-        await hub.call("Unpin", pb.UnpinRequest(model=MODEL, version=2, pin_id=name))
         await hub.call(
             "ReleaseHolder", pb.ReleaseHolderRequest(model=MODEL, version=1, holder=name)
         )
-        counts[name] = calls + 3
+        counts[name] = calls + 2
 
     results = await bounded(
         [functools.partial(reader, i, n) for i, n in enumerate(readers)], CONCURRENCY

@@ -239,6 +239,8 @@ def _round(
         latest_errors=probe.get("errors", {}),
         keepalive_p99_ms=percentile(keepalive_ms, 0.99),
         keepalives=sum(int(r.get("keepalives", 0)) for r in reports),
+        keepalive_late=sum(int(r.get("keepalive_late", 0)) for r in reports),
+        keepalive_max_ms=max(keepalive_ms) if keepalive_ms else None,
         stream_errors=dict(stream_errors),
         rss_mb=after.rss_mb,
         threads=after.threads,
