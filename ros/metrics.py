@@ -58,6 +58,14 @@ HUB_STREAMS_REFUSED = Counter(
 HUB_INTERNAL_ERRORS = Counter(
     "tensorhub_hub_internal_errors_total", "Handler failures that were not a TensorHubError"
 )
+HUB_INDEXED_MODELS = Gauge(
+    "tensorhub_hub_indexed_models", "Models in this replica's holder index (Resolve's view)"
+)
+HUB_RESOLVE_READS = Counter(
+    "tensorhub_hub_resolve_etcd_reads_total",
+    "Candidate lookups answered by a direct etcd read, not the holder index, by why",
+    ["reason"],
+)
 
 SDK_BYTES_FETCHED = Counter(
     "tensorhub_sdk_bytes_fetched_total", "Bytes received by fetches, by source holder", ["source"]

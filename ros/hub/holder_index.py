@@ -34,6 +34,7 @@ from consistency.etcd import RevisionCompacted
 from consistency.ops import KV
 from consistency.records import HolderRecord
 from consistency.watch import KeyWatch, Progress, RawEvent, Resync, WatchClosed
+from ros.metrics import HUB_INDEXED_MODELS, HUB_RESOLVE_READS
 from tensorhub.errors import InvalidArgument, TensorHubError, VersionNotFound
 
 log = logging.getLogger(__name__)
@@ -424,6 +425,7 @@ class HolderIndex:
             found = index.lookup(version, part, topology=topology, fence=fence, exclude=exclude)
             if found.published:
                 return found
+        HUB_RESOLVE_READS.labels("behind" if index is None else "unknown_version").inc()
         return self._read(tenant, model, version, part, timeout, topology, fence, exclude)
 
     def _read(
@@ -497,15 +499,21 @@ class HolderIndex:
                 break
             del self._models[key]
             dropped.append(oldest)
+        self._count()
         return dropped
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._models)
 
+    def _count(self) -> None:
+        """Export how many models are indexed (called with the lock held)."""
+        HUB_INDEXED_MODELS.set(len(self._models))
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
             indexes, self._models = list(self._models.values()), OrderedDict()
+            self._count()
         for index in indexes:
             index.close()
