@@ -35,7 +35,7 @@ from consistency.ops import KV
 from consistency.records import HolderRecord
 from consistency.watch import KeyWatch, Progress, RawEvent, Resync, WatchClosed
 from ros.metrics import HUB_INDEXED_MODELS, HUB_RESOLVE_READS
-from tensorhub.errors import InvalidArgument, TensorHubError, VersionNotFound
+from tensorhub.errors import InvalidArgument, TensorHubError, Unavailable, VersionNotFound
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +106,6 @@ class HolderSet:
                 del run[at]
             if not group.complete and not group.partial:
                 del self.groups[key]
-
-    def by_name(self) -> list[HolderRecord]:
-        return [self.records[n] for n in sorted(self.records)]
 
 
 def _walk(run: list[_Entry], below: int) -> Iterator[_Entry]:
@@ -303,7 +300,7 @@ class ModelIndex:
                 self._versions.clear()
                 continue
             return listing.revision
-        raise TensorHubError(f"could not index {model}: its history is being compacted")
+        raise Unavailable(f"could not index {model}: its history is being compacted")
 
     def _pump(self) -> None:
         while True:
@@ -483,7 +480,7 @@ class HolderIndex:
         for old in stale:
             old.close()
         if result is None:
-            raise TensorHubError("the holder index is closed")
+            raise Unavailable("the holder index is closed")
         return result
 
     def _evictions(self, keep: tuple[str, str]) -> list[ModelIndex]:
