@@ -108,7 +108,7 @@ def _fill_clients(res: Result, data: dict[str, Any]) -> None:
             + (1 if "failed" in hub else 0)
         )
         res.add(
-            f"N={n}: versions seen by every watcher / asked",
+            f"N={n}: versions seen by every open watch / asked",
             (published - int(hub.get("versions_missing_somewhere", 0)))
             / max(1, int(hub.get("versions_asked", 1))),
             ">= 1" if target else "",
