@@ -1,9 +1,10 @@
 """The cluster under test: 3 etcd members, 2 hub replicas (processes), proxies, tenants.
 
 Every address is on loopback, or on the veth of a namespace the run made. Clients reach
-each hub replica through a `Proxy`, so a failpoint can blackhole or delay it; a killed hub
-restarts on the same port, so the clients' address lists stay valid. `close()` stops
-everything this object started, and is safe after a partial start.
+each hub replica through a `Proxy`, so a failpoint can blackhole or delay it. A hub binds
+port 0 and reports the port it got in its ready file; its proxy forwards there, so a killed
+hub restarts on whatever port is free and the clients' address lists (the proxies) stay
+valid. `close()` stops everything this object started, and is safe after a partial start.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from chaos.proxy import Proxy
 from consistency import Etcd, EtcdCluster, Keys
-from consistency.embedded import free_port, stop_process
+from consistency.embedded import stop_process
 from ros.hub.server import HubServer
 from ros.hub.tenants import TenantStore
 from tensorhub.errors import DeadlineExceeded, TensorHubError
@@ -28,18 +29,26 @@ HUB_START_TIMEOUT = 40.0
 
 
 class HubProcess:
-    """One `tensorhub serve` process on a fixed port, restartable after a kill."""
+    """One `tensorhub serve` process, restartable after a kill.
 
-    def __init__(
-        self, index: int, etcd: list[str], port: int, admin: str, prefix: str, root: Path
-    ) -> None:
-        self.index, self.etcd, self.port = index, etcd, port
+    It listens on port 0 and `start()` reads the port it bound from its ready file, so no
+    other process can take the port between choosing and binding it (a port chosen free
+    beforehand could be, and the hub then exited at once with "Failed to bind").
+    """
+
+    def __init__(self, index: int, etcd: list[str], admin: str, prefix: str, root: Path) -> None:
+        self.index, self.etcd = index, etcd
         self.admin, self.prefix, self.root = admin, prefix, root
+        self.port = 0  # the port the current (or last) incarnation bound
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.root / f"hub{self.index}.log"
 
     @property
     def alive(self) -> bool:
@@ -48,23 +57,29 @@ class HubProcess:
     def start(self, timeout: float = HUB_START_TIMEOUT) -> HubProcess:
         ready = self.root / f"hub{self.index}.ready"
         ready.unlink(missing_ok=True)
+        # `--admin-token=VALUE`, not two words: a token may begin with "-" (token_urlsafe
+        # does one time in 64), and argparse then takes it for an option and exits.
         args = [
             sys.executable, "-c", "import sys; from ros.cli import main; sys.exit(main())",
-            "serve", "--etcd", ",".join(self.etcd), "--listen", self.address,
-            "--admin-token", self.admin, "--prefix", self.prefix, "--ready-file", str(ready),
+            "serve", "--etcd", ",".join(self.etcd), "--listen", "127.0.0.1:0",
+            f"--admin-token={self.admin}", "--prefix", self.prefix, "--ready-file", str(ready),
         ]  # fmt: skip
-        with (self.root / f"hub{self.index}.log").open("ab") as log:
+        with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
                 args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
             )
         deadline = time.monotonic() + timeout
-        while not ready.exists():
-            if self.process.poll() is not None or time.monotonic() > deadline:
+        while (port := _bound_port(ready)) is None:
+            code = self.process.poll()
+            if code is not None or time.monotonic() > deadline:
                 self.kill()
+                how = f"exited with {code}" if code is not None else f"not ready in {timeout:.0f}s"
                 raise DeadlineExceeded(
-                    f"hub {self.index} did not start; see {self.root / f'hub{self.index}.log'}"
+                    f"hub {self.index} did not start ({how}); see {self.log_path}:\n"
+                    f"{_tail(self.log_path)}"
                 )
             time.sleep(0.05)
+        self.port = port
         return self
 
     def kill(self) -> None:
@@ -106,14 +121,17 @@ class ChaosCluster:
         for name in (self.TENANT, self.INTRUDER):
             self.tokens[name] = tenants.create(name)
         for i in range(self._n_hubs):
-            hub = HubProcess(
-                i, self.etcd.endpoints, free_port(), self.admin, self.prefix, self.root
-            )
+            hub = HubProcess(i, self.etcd.endpoints, self.admin, self.prefix, self.root)
             self.hubs.append(hub)
-            self.hub_proxies.append(Proxy(("127.0.0.1", 0), ("127.0.0.1", hub.port)).start())
-        for hub in self.hubs:
             hub.start()
+            self.hub_proxies.append(Proxy(("127.0.0.1", 0), ("127.0.0.1", hub.port)).start())
         return self
+
+    def restart_hub(self, index: int) -> None:
+        """Start a killed hub again (on a port it binds afresh) and point its proxy there."""
+        hub = self.hubs[index]
+        hub.start()
+        self.hub_proxies[index].switch(("127.0.0.1", hub.port))
 
     @property
     def hub_addresses(self) -> list[str]:
@@ -186,6 +204,21 @@ class ChaosCluster:
             "hub_proxies": self.hub_addresses,
             "prefix": self.prefix,
         }
+
+
+def _bound_port(ready: Path) -> int | None:
+    """The port a hub wrote to its ready file, or None while there is no (whole) file yet."""
+    try:
+        return int(json.loads(ready.read_text())["address"].rsplit(":", 1)[1])
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return None
+
+
+def _tail(path: Path, lines: int = 12) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
 
 
 def write_start_file(path: Path, end: float) -> None:

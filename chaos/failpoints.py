@@ -140,7 +140,7 @@ class KillEtcdLeader(Failpoint):
 
 
 class KillHub(Failpoint):
-    """SIGKILL one hub replica; recovery restarts it on the same port."""
+    """SIGKILL one hub replica; recovery restarts it (its proxy, the clients' address, stays)."""
 
     name = "kill-hub"
 
@@ -150,7 +150,7 @@ class KillHub(Failpoint):
         return f"hub {self.index}"
 
     def recover(self) -> None:
-        self.env.cluster.hubs[self.index].start()
+        self.env.cluster.restart_hub(self.index)
 
 
 class _ProxyFault(Failpoint):

@@ -111,8 +111,9 @@ class _Run:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
     ) -> bool:
         """Remove the work dir after a run; keep it when the run failed, because the error
-        may point at its logs (a hub or etcd member that did not start)."""
-        if exc_type is None:
+        may point at its logs (a hub or etcd member that did not start). Ctrl-C and SIGTERM
+        (KeyboardInterrupt) still clean up."""
+        if exc_type is None or issubclass(exc_type, KeyboardInterrupt):
             shutil.rmtree(self.root, True)
         else:
             print(f"kept the work dir for its logs: {self.root}", file=sys.stderr)
@@ -245,33 +246,43 @@ def run(config: RunConfig) -> RunResult:
     _validate(config)
     stack = contextlib.ExitStack()
     try:
-        r = _Run(config, stack)
-        _say(config, f"work dir {r.root}")
-        env = r.setup()
-        _say(config, "cluster up: 3 etcd members, 2 hubs; starting workers")
-        start = r.start_workers()
-        end = start + config.duration
-        _say(config, f"running for {config.duration:.0f}s (seed {config.seed})")
-        skipped = r.nemesis(env, start, end)
-        r._sleep_until(end)
-        for w in r.workers:
-            w.finish(max(0.0, end + END_GRACE - time.monotonic()))
-        finished = time.monotonic()
-        ops = load_ops(w.history_path() for w in r.workers if w.history_path().exists())
-        incarnations = [vars(i) for w in r.workers for i in w.incarnations]
-        facts = Facts(
-            ops,
-            [FaultWindow(f.name, f.scope, f.target, f.start, f.end) for f in r.faults],
-            {i["client"]: (i["started"], i["ended"] or finished) for i in incarnations},
-            session_ttl=config.session_ttl,
-        )
-        violations = check(facts)
-        return RunResult(
-            config, start, finished, r.faults, skipped, ops, violations, incarnations,
-            str(r.root), r.cluster.describe(),
-        )  # fmt: skip
-    finally:
-        stack.close()
+        result = _execute(config, stack)
+    except BaseException as exc:
+        # The exit callbacks must see the error: `_remove_unless_failed` keeps the work dir
+        # then (`stack.close()` would tell them the run went well, and delete the logs).
+        stack.__exit__(type(exc), exc, exc.__traceback__)
+        raise
+    stack.close()
+    return result
+
+
+def _execute(config: RunConfig, stack: contextlib.ExitStack) -> RunResult:
+    """The run itself; every cleanup it needs is pushed onto `stack`."""
+    r = _Run(config, stack)
+    _say(config, f"work dir {r.root}")
+    env = r.setup()
+    _say(config, "cluster up: 3 etcd members, 2 hubs; starting workers")
+    start = r.start_workers()
+    end = start + config.duration
+    _say(config, f"running for {config.duration:.0f}s (seed {config.seed})")
+    skipped = r.nemesis(env, start, end)
+    r._sleep_until(end)
+    for w in r.workers:
+        w.finish(max(0.0, end + END_GRACE - time.monotonic()))
+    finished = time.monotonic()
+    ops = load_ops(w.history_path() for w in r.workers if w.history_path().exists())
+    incarnations = [vars(i) for w in r.workers for i in w.incarnations]
+    facts = Facts(
+        ops,
+        [FaultWindow(f.name, f.scope, f.target, f.start, f.end) for f in r.faults],
+        {i["client"]: (i["started"], i["ended"] or finished) for i in incarnations},
+        session_ttl=config.session_ttl,
+    )
+    violations = check(facts)
+    return RunResult(
+        config, start, finished, r.faults, skipped, ops, violations, incarnations,
+        str(r.root), r.cluster.describe(),
+    )  # fmt: skip
 
 
 def _split(address: str) -> tuple[str, int]:

@@ -132,8 +132,9 @@ class Cluster:
         for dc in self.emu.hosts_per_dc:
             for i in range(self.replicas):
                 ready = self.logs / f"hub-{dc}-{i}.json"
+                # `--admin-token=`: a token may begin with "-", which argparse would refuse.
                 argv = [sys.executable, "-m", "ros.cli", "serve", "--etcd", etcd,
-                        "--listen", f"{self.emu.gateway(dc)}:0", "--admin-token", admin,
+                        "--listen", f"{self.emu.gateway(dc)}:0", f"--admin-token={admin}",
                         "--ready-file", str(ready)]  # fmt: skip
                 log = (self.logs / f"hub-{dc}-{i}.log").open("ab")
                 proc = subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import shutil
+from pathlib import Path
 
 import pytest
 
+from chaos import runner
+from chaos.cluster import ChaosCluster
+from chaos.runner import RunConfig
 from ros.cli import main
+from tensorhub.errors import DeadlineExceeded
 
 
 def test_unknown_failpoint_is_refused_before_anything_starts(
@@ -17,24 +21,43 @@ def test_unknown_failpoint_is_refused_before_anything_starts(
     assert "unknown failpoint" in capsys.readouterr().err
 
 
-def test_a_run_that_fails_keeps_its_work_dir_for_the_logs_it_points_at(
-    capsys: pytest.CaptureFixture[str],
+def _failing_start(
+    monkeypatch: pytest.MonkeyPatch, error: BaseException
+) -> tuple[RunConfig, list[str]]:
+    """A run whose cluster fails to start with `error` (no namespace, no real cluster)."""
+
+    def start(self: ChaosCluster) -> ChaosCluster:
+        raise error
+
+    monkeypatch.setattr(runner, "unavailable_reason", lambda: "not in this test")
+    monkeypatch.setattr(ChaosCluster, "start", start)
+    said: list[str] = []
+    return RunConfig(duration=5, progress=said.append), said
+
+
+def _work_dir(said: list[str]) -> Path:
+    (line,) = [s for s in said if s.startswith("work dir ")]
+    return Path(line.removeprefix("work dir "))
+
+
+def test_a_run_that_fails_at_start_up_keeps_its_work_dir_and_says_where(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from chaos.runner import RunConfig, _Run
+    """Through `runner.run` itself: its cleanup once ran as `stack.close()`, which tells the
+    exit callbacks there was no error, so the dir the error pointed at was deleted anyway."""
+    config, said = _failing_start(monkeypatch, DeadlineExceeded("hub 0 did not start; see …"))
+    with pytest.raises(DeadlineExceeded):
+        runner.run(config)
+    root = _work_dir(said)
+    try:
+        assert root.is_dir()
+        assert f"kept the work dir for its logs: {root}" in capsys.readouterr().err
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
-    with contextlib.ExitStack() as stack:
-        done = _Run(RunConfig(), stack)
-    assert not done.root.exists()  # a run that ended normally cleans up
-    runs: list[_Run] = []
 
-    def fail_during_start_up() -> None:
-        with contextlib.ExitStack() as stack:
-            runs.append(_Run(RunConfig(), stack))
-            raise RuntimeError("hub 0 did not start; see hub0.log")
-
-    with pytest.raises(RuntimeError):
-        fail_during_start_up()
-    (failed,) = runs
-    assert failed.root.exists()
-    assert str(failed.root) in capsys.readouterr().err
-    shutil.rmtree(failed.root)
+def test_an_interrupted_run_still_removes_its_work_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+    config, said = _failing_start(monkeypatch, KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        runner.run(config)
+    assert not _work_dir(said).exists()
