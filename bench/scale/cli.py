@@ -141,6 +141,8 @@ def _fill_clients(res: Result, data: dict[str, Any]) -> None:
             res.add(f"N={n}: {who} RSS", r.get("rss_mb"), unit="MB")
             res.add(f"N={n}: {who} threads", r.get("threads"), unit="threads")
             res.add(f"N={n}: {who} CPU per version", r.get("cpu_s_per_version"), unit="s")
+            res.add(f"N={n}: {who} CPU between publishes (renewals)", r.get("idle_cpu_s_per_s"),
+                    unit="s/s")  # fmt: skip
 
 
 def _fill_holders(res: Result, data: dict[str, Any]) -> None:
