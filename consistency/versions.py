@@ -95,6 +95,13 @@ def _admission(admit: Admit | None, state: _Latest, timeout: float) -> tuple[lis
     return admit(timeout)
 
 
+def _unknown(model: str, version: int, exc: Exception) -> OutcomeUnknown:
+    return OutcomeUnknown(
+        f"publish of {model}@{version} may or may not have happened: {exc}; "
+        "check latest() or inspect"
+    )
+
+
 class VersionRegistry:
     """Versions of models, per tenant, in etcd."""
 
@@ -415,10 +422,7 @@ class VersionRegistry:
                 )
             except (Unavailable, DeadlineExceeded) as exc:
                 if ambiguous:
-                    raise OutcomeUnknown(
-                        f"publish of {model}@{version} may or may not have happened: {exc}; "
-                        "check latest() or inspect"
-                    ) from exc
+                    raise _unknown(model, version, exc) from exc
                 raise  # nothing was sent yet: nothing was written
             if mine is not None:
                 return mine
@@ -430,10 +434,7 @@ class VersionRegistry:
                 succeeded, revision, attempts = attempt(state, deadline - time.monotonic())
             except (Unavailable, DeadlineExceeded) as exc:
                 # The transaction may have reached etcd before its reply was lost.
-                raise OutcomeUnknown(
-                    f"publish of {model}@{version} may or may not have happened: {exc}; "
-                    "check latest() or inspect"
-                ) from exc
+                raise _unknown(model, version, exc) from exc
             ambiguous = ambiguous or attempts > 1
             if succeeded:
                 visible = moves_latest or bool(state.extra.get("moved"))
