@@ -130,6 +130,11 @@ class HubServer:
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                # C-core sheds calls that arrive faster than the loop accepts them once 1,000
+                # wait (all of them past 3,000): a crowd of clients reconnecting at once would
+                # lose streams that our own limits admit. Our limits decide instead.
+                ("grpc.server.max_pending_requests", self.limits.max_streams),
+                ("grpc.server.max_pending_requests_hard_limit", 2 * self.limits.max_streams),
             ],
             maximum_concurrent_rpcs=self.limits.max_streams + MAX_QUEUED_UNARY,
         )
