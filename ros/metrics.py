@@ -66,6 +66,16 @@ HUB_RESOLVE_READS = Counter(
     "Candidate lookups answered by a direct etcd read, not the holder index, by why",
     ["reason"],
 )
+HUB_PUBLISH_LIMIT = Gauge(
+    "tensorhub_hub_publish_limit",
+    "Publish limits checked before any write (manifest_bytes, shards; consistency.manifests)",
+    ["limit"],
+)
+HUB_PUBLISHES_REFUSED = Counter(
+    "tensorhub_hub_publishes_refused_total",
+    "Publishes refused at a limit before any write, by the limit",
+    ["limit"],
+)
 
 SDK_BYTES_FETCHED = Counter(
     "tensorhub_sdk_bytes_fetched_total", "Bytes received by fetches, by source holder", ["source"]

@@ -9,12 +9,18 @@ from typing import Any
 from etcd3 import etcdrpc
 
 from consistency import HolderRecord, HolderState, ops
-from consistency.manifests import ManifestHeader, check_manifest_size, check_shard_count
+from consistency.manifests import (
+    MAX_MANIFEST_BYTES,
+    MAX_SHARDS,
+    ManifestHeader,
+    check_manifest_size,
+    check_shard_count,
+)
 from consistency.quota import CountedCreate
 from ros.hub.convert import holder_from_pb, holder_to_pb
 from ros.hub.rpc import AioContext, CallContext, HubBase, streaming, unary
 from ros.hub.tenants import Tenant
-from ros.metrics import HUB_WATCHES
+from ros.metrics import HUB_PUBLISH_LIMIT, HUB_PUBLISHES_REFUSED, HUB_WATCHES
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.tokens import issue_read_token
 from tensorhub.errors import InvalidArgument, VersionNotFound
@@ -33,9 +39,7 @@ class VersionRPCs(HubBase):
         timeout = self._timeout(context)
         model = validate_name(request.model, "model")
         version = validate_version(request.version)
-        if request.shard_count:  # bounds first: a limit answers before any work is done
-            check_shard_count(request.shard_count)
-        check_manifest_size(request.manifest.ByteSize())
+        _check_publish_limits(request)  # bounds first: a limit answers before any work
         manifest = request.manifest.SerializeToString()
         if not request.manifest.tensors:
             raise InvalidArgument("manifest lists no tensors")
@@ -278,6 +282,24 @@ class VersionRPCs(HubBase):
                 response.shards.append(part(index))
         else:
             response.manifest.CopyFrom(part(shard))
+
+
+HUB_PUBLISH_LIMIT.labels("manifest_bytes").set(MAX_MANIFEST_BYTES)
+HUB_PUBLISH_LIMIT.labels("shards").set(MAX_SHARDS)
+
+
+def _check_publish_limits(request: pb.PublishRequest) -> None:
+    """DESIGN.md §8's bounds, before any work: `InvalidArgument` past `MAX_SHARDS`,
+    `ManifestTooLarge` past `MAX_MANIFEST_BYTES` (counted in the refusal metric by limit)."""
+    limit = "shards"
+    try:
+        if request.shard_count:
+            check_shard_count(request.shard_count)
+        limit = "manifest_bytes"
+        check_manifest_size(request.manifest.ByteSize())
+    except InvalidArgument:
+        HUB_PUBLISHES_REFUSED.labels(limit).inc()
+        raise
 
 
 def _check_shard(model: str, version: int, shard: int | None, count: int) -> None:
