@@ -59,16 +59,20 @@ class Subscription:
         self._ready = asyncio.Event()
         self.closed = False
 
-    def offer(self, item: pb.WatchEvent) -> bool:
+    def offer(self, item: pb.WatchEvent, wakes: list[Subscription] | None = None) -> bool:
         """Queue an event (from any thread); False if the subscriber already has
-        `MAX_BACKLOG` waiting (it is too far behind: the caller cuts it off)."""
+        `MAX_BACKLOG` waiting (it is too far behind: the caller cuts it off). With `wakes`,
+        a subscriber to wake is added there (see `wake_all`) instead of woken now."""
         with self._lock:
             if len(self._items) >= MAX_BACKLOG:
                 return False
             wake = not self._items
             self._items.append(item)
         if wake:
-            self._wake()
+            if wakes is None:
+                self._wake()
+            else:
+                wakes.append(self)
         return True
 
     def fail(self, exc: TensorHubError) -> None:
@@ -84,6 +88,17 @@ class Subscription:
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._ready.set)
 
+    @staticmethod
+    def wake_all(subs: list[Subscription]) -> None:
+        """Wake many subscribers with one hop per event loop, not one each: an event for
+        2,000 watchers of a model is one `call_soon_threadsafe`, not 2,000."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = {}
+        for sub in subs:
+            by_loop.setdefault(sub._loop, []).append(sub._ready)
+        for loop, events in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # closed: the hub is stopping
+                loop.call_soon_threadsafe(_set_all, events)
+
     async def next(self) -> pb.WatchEvent:
         """The next event (waiting on the loop, no thread), or the error that ended it."""
         while True:
@@ -97,6 +112,11 @@ class Subscription:
 
     def close(self) -> None:
         self.closed = True
+
+
+def _set_all(events: list[asyncio.Event]) -> None:
+    for event in events:
+        event.set()
 
 
 class _PrivateSubscription(Subscription):
@@ -186,14 +206,16 @@ class _SharedWatch:
 
     def _hand_out(self, event: WatchEvent) -> None:
         message = event_to_pb(event)
+        wakes: list[Subscription] = []
         with self.lock:
             self.delivered_through = event.revision
             for sub in list(self.subscribers):
                 if event.revision < sub.start_revision or not wanted(message, sub.versions_only):
                     continue
-                if not sub.offer(message):
+                if not sub.offer(message, wakes):
                     self.subscribers.discard(sub)
                     sub.fail(Unavailable("watch subscriber fell too far behind; resume it"))
+        Subscription.wake_all(wakes)
 
     def _fail(self, exc: TensorHubError) -> None:
         with self.lock:
