@@ -109,6 +109,13 @@ class Unavailable(TensorHubError):
     code = "UNAVAILABLE"
 
 
+class InternalError(TensorHubError):
+    """The hub failed with an unexpected error (a bug, logged there): not the caller's
+    fault, and not a lost write either; retrying may or may not help."""
+
+    code = "INTERNAL"
+
+
 class LeaseLost(TensorHubError):
     """The session's lease expired or was revoked; its records are gone."""
 

@@ -37,7 +37,13 @@ from ros.hub.limits import Limits, StreamLimits
 from ros.hub.manifest_cache import ManifestCache
 from ros.hub.tenants import Tenant, TenantStore
 from ros.metrics import HUB_INTERNAL_ERRORS, HUB_LATENCY, HUB_REQUESTS
-from tensorhub.errors import DeadlineExceeded, PermissionDenied, SessionExpired, TensorHubError
+from tensorhub.errors import (
+    DeadlineExceeded,
+    InternalError,
+    PermissionDenied,
+    SessionExpired,
+    TensorHubError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +80,6 @@ class CallContext:
 
     def time_remaining(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.monotonic()
-
-
-class InternalError(TensorHubError):
-    """A handler failed with an exception that is not a TensorHubError: a bug, logged."""
-
-    code = "INTERNAL"
 
 
 async def _abort(context: AioContext, method: str, exc: TensorHubError) -> None:

@@ -25,11 +25,13 @@ from prometheus_client import REGISTRY
 import ros
 from consistency import Etcd, EtcdCluster, Keys
 from ros.errors import ERROR_METADATA_KEY, from_rpc_error
+from ros.hub.rpc import CallContext, unary
 from ros.hub.server import HubServer
+from ros.hub.servicer import HubServicer
 from ros.hub.tenants import TenantStore
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
-from tensorhub.errors import Overloaded
+from tensorhub.errors import InternalError, Overloaded
 from tests.ros.conftest import ADMIN
 from tests.ros.helpers import make_model
 
@@ -277,3 +279,39 @@ def test_serve_help_lists_the_stream_limits() -> None:
     ).stdout  # fmt: skip
     for flag in ("--max-streams", "--max-streams-per-tenant", "--workers", "--grace"):
         assert flag in out
+
+
+class _Failing(HubServicer):
+    """The real servicer with one handler body that fails the way a bug would."""
+
+    @unary
+    def Latest(self, request: pb.LatestRequest, context: CallContext) -> pb.LatestResponse:  # noqa: N802 - the proto's name
+        raise ValueError("a bug, not a TensorHubError")
+
+
+def test_an_unexpected_failure_answers_internal_with_its_name(
+    etcd_cluster: EtcdCluster, keys: Keys
+) -> None:
+    async def main() -> None:
+        etcd = Etcd(etcd_cluster.endpoints)
+        servicer = _Failing(etcd, keys, admin_token=ADMIN)
+        server = grpc.aio.server()
+        hub_pb2_grpc.add_TensorHubServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        token = TenantStore(etcd, keys).create("team-x")
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        stub = hub_pb2_grpc.TensorHubStub(channel)  # type: ignore[no-untyped-call]
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Latest(pb.LatestRequest(model="m"), metadata=_meta(token), timeout=5)
+            assert info.value.code() == grpc.StatusCode.INTERNAL  # not UNKNOWN
+            assert _refusal(info.value) == "InternalError"
+            assert isinstance(from_rpc_error(info.value), InternalError)
+        finally:
+            await channel.close(None)
+            await server.stop(0)
+            servicer.close()
+            etcd.close()
+
+    asyncio.run(main())
