@@ -214,7 +214,7 @@ class ManifestStore:
             timeout=timeout,
         )
         top, shard_kvs = (_kvs(r) for r in result.responses)
-        return self._header(model, version, top, [ShardRecord.decode(kv.value) for kv in shard_kvs])
+        return self.parse(model, version, top, [ShardRecord.decode(kv.value) for kv in shard_kvs])
 
     def read(
         self,
@@ -310,7 +310,7 @@ class ManifestStore:
         return data
 
     @staticmethod
-    def _header(
+    def parse(
         model: str, version: int, top: list[KV], records: list[ShardRecord]
     ) -> ManifestHeader:
         """A `ManifestHeader` from the version's header key and all its shard records."""

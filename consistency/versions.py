@@ -38,7 +38,6 @@ from tensorhub.errors import (
     StaleVersion,
     TensorHubError,
     Unavailable,
-    VersionNotFound,
 )
 from tensorhub.names import validate_name, validate_version
 
@@ -184,21 +183,17 @@ class VersionRegistry:
                 pins.append(name)
             elif kind == "seed":
                 seeds[name] = kv.value.decode()
-        if top is None:
-            raise VersionNotFound(f"{model}@{version} is not published (or no longer retained)")
-        head = PartHeader.decode(top.value)
-        count = head.shards
-        if count and (len(shards) != count or any(s.count != count for s in shards)):
-            raise VersionNotFound(f"{model}@{version} has inconsistent shard records")
+        header = self.manifests.parse(model, version, [top] if top else [], shards)
         shards.sort(key=lambda s: s.index)
-        parts: dict[int | None, PartHeader] = {s.index: s.part for s in shards} or {None: head}
+        parts: dict[int | None, PartHeader] = {s.index: s.part for s in shards}
+        if header.whole is not None:
+            parts = {None: header.whole}
         loaded = self.manifests.load(
             tenant, model, version, parts, result.revision, timeout=timeout
         )
         return VersionInfo(
-            version, b"" if count else loaded[None],
-            [replace(s, manifest=loaded[s.index]) for s in shards], holders, pins, seeds,
-            result.revision, published_revision=top.create_revision,
+            version, loaded.get(None, b""), [replace(s, manifest=loaded[s.index]) for s in shards],
+            holders, pins, seeds, result.revision, published_revision=header.published_revision,
         )  # fmt: skip
 
     def header(
