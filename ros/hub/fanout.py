@@ -157,6 +157,11 @@ class _PrivateSubscription(Subscription):
                 except TensorHubError as exc:
                     self.fail(exc)
                     return
+                except Exception as exc:  # e.g. the etcd channel closed under a stopping hub
+                    if not self._stop.is_set():
+                        log.warning("watch replay failed: %r", exc)
+                        self.fail(Unavailable(f"watch replay failed ({exc}); resume it"))
+                    return
                 if event is None:
                     continue
                 message = event_to_pb(event)
@@ -179,6 +184,10 @@ class _PrivateSubscription(Subscription):
         coroutine does not wait for that)."""
         super().close()
         self._stop.set()
+
+    def join(self, timeout: float) -> None:
+        """Wait for the replay's thread to end (after `close`)."""
+        self._thread.join(timeout)
 
 
 class _SharedWatch:
@@ -234,6 +243,7 @@ class WatchFanout:
         self._streams = streams or StreamLimits(Limits())
         self._lock = threading.Lock()
         self._shared: dict[tuple[str, str], _SharedWatch] = {}
+        self._replays: set[_PrivateSubscription] = set()
         # Closing an etcd watch joins its thread: done here, never on the event loop.
         self._closer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fanout-close")
 
@@ -260,16 +270,21 @@ class WatchFanout:
                     sub = Subscription(start_revision, versions_only, loop)
                     shared.subscribers.add(sub)
                     return sub
-        return _PrivateSubscription(
+        replay = _PrivateSubscription(
             self._etcd, self._keys, tenant, model, start_revision, versions_only, loop,
             self._streams,
         )  # fmt: skip
+        with self._lock:
+            self._replays.add(replay)
+        return replay
 
     def unsubscribe(self, tenant: str, model: str, sub: Subscription) -> None:
         """Drop a subscription; a shared watch left with none is closed (in the background:
         this never blocks, so a stream's coroutine may call it as it ends)."""
         sub.close()
         with self._lock:
+            if isinstance(sub, _PrivateSubscription):
+                self._replays.discard(sub)
             shared = self._shared.get((tenant, model))
             if shared is None:
                 return
@@ -285,9 +300,15 @@ class WatchFanout:
                 shared.watch.close()
 
     def close(self) -> None:
-        """Close every shared watch (waiting for their threads) and the closer."""
+        """Close every shared watch and replay (waiting for their threads) and the closer,
+        so none of them is left using the etcd client after the hub closes it."""
         with self._lock:
             shared, self._shared = list(self._shared.values()), {}
+            replays, self._replays = list(self._replays), set()
+        for replay in replays:
+            replay.close()
         self._closer.shutdown(wait=True)
         for watch in shared:
             watch.watch.close()
+        for replay in replays:
+            replay.join(timeout=5)

@@ -102,7 +102,7 @@ class StreamLimits:
                 HUB_STREAMS_REFUSED.labels("private_watch").inc()
                 raise Overloaded(
                     f"this hub replica replays its limit of {self.limits.max_private_watches} "
-                    "watches from old revisions at once; retry later"
+                    "watches from old revisions at once (--max-private-watches); retry later"
                 )
             self._private += 1
         HUB_STREAMS_ACTIVE.labels("private_watch").inc()

@@ -315,3 +315,44 @@ def test_an_unexpected_failure_answers_internal_with_its_name(
             etcd.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_replays_from_old_revisions_are_bounded(etcd_cluster: EtcdCluster, keys: Keys) -> None:
+    server = HubServer(
+        etcd_cluster.endpoints, admin_token=ADMIN, keys=keys, max_private_watches=1
+    ).start()
+    metadata = _meta(TenantStore(server.etcd, server.keys).create("tenant-p"))
+    latest = keys.latest("tenant-p", "m")
+
+    async def main() -> None:
+        channel = grpc.aio.insecure_channel(server.address)
+        stub = hub_pb2_grpc.TensorHubStub(channel)  # type: ignore[no-untyped-call]
+
+        def watch(start: int) -> grpc.aio.UnaryStreamCall[pb.WatchRequest, pb.WatchEvent]:
+            return stub.Watch(pb.WatchRequest(model="m", start_revision=start), metadata=metadata)  # type: ignore[no-any-return]
+
+        first = server.etcd.put(latest, "1")
+        live = watch(first + 1)  # joins (creates) the shared watch
+        await _wait_for(lambda: server.servicer.streams.active() == 1, 10, "the live watch")
+        server.etcd.put(latest, "2")
+        assert (await asyncio.wait_for(live.read(), 10)).version == 2  # the shared one passed
+        replay = watch(first)  # older than the shared watch: a private replay, the only slot
+        assert (await asyncio.wait_for(replay.read(), 10)).version == 1
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await asyncio.wait_for(watch(first).read(), 10)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert _refusal(info.value) == "Overloaded"
+        assert "--max-private-watches" in (info.value.details() or "")
+        replay.cancel()
+        await asyncio.sleep(1.0)  # its thread closes the etcd watch and frees the slot
+        again = watch(first)
+        assert (await asyncio.wait_for(again.read(), 10)).version == 1
+        for call in (live, again):
+            call.cancel()
+        await channel.close(None)
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.stop(grace=0.2)
