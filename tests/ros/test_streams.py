@@ -356,3 +356,37 @@ def test_replays_from_old_revisions_are_bounded(etcd_cluster: EtcdCluster, keys:
         asyncio.run(main())
     finally:
         server.stop(grace=0.2)
+
+
+@pytest.mark.timeout(60)
+def test_the_sdk_waits_out_an_overloaded_hub_and_then_watches(
+    etcd_cluster: EtcdCluster, keys: Keys
+) -> None:
+    server = HubServer(
+        etcd_cluster.endpoints, admin_token=ADMIN, keys=keys, max_streams_per_tenant=2
+    ).start()
+    token = TenantStore(server.etcd, server.keys).create("tenant-o")
+    client = ros.connect(server.address, tenant="tenant-o", token=token)  # its keepalive: 1
+    channel = grpc.insecure_channel(server.address)
+    try:
+        stub = hub_pb2_grpc.TensorHubStub(channel)  # type: ignore[no-untyped-call]
+        since = server.etcd.put(keys.latest("tenant-o", "m"), "1") + 1
+        hog = stub.Watch(pb.WatchRequest(model="m", start_revision=since), metadata=_meta(token))
+        deadline = time.monotonic() + 10
+        while server.servicer.streams.active("tenant-o") < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        watch = client.watch("m", since=since)  # refused (Overloaded): the SDK backs off
+        time.sleep(1.0)
+        assert watch.get(timeout=0.1) is None
+        assert watch.reconnects >= 1
+        hog.cancel()  # a slot frees; the SDK's next try gets it
+        server.etcd.put(keys.latest("tenant-o", "m"), "2")
+        event = watch.get(timeout=15)
+        assert event is not None
+        assert event.version == 2
+        watch.close()
+    finally:
+        channel.close()
+        client.close()
+        server.stop(grace=0.2)
