@@ -390,3 +390,33 @@ def test_the_sdk_waits_out_an_overloaded_hub_and_then_watches(
         channel.close()
         client.close()
         server.stop(grace=0.2)
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_session_keepalive_retries_before_its_lease_runs_out(
+    etcd_cluster: EtcdCluster, keys: Keys
+) -> None:
+    server = HubServer(
+        etcd_cluster.endpoints, admin_token=ADMIN, keys=keys, max_streams_per_tenant=1
+    ).start()
+    token = TenantStore(server.etcd, server.keys).create("tenant-k")
+    channel = grpc.insecure_channel(server.address)
+    try:
+        stub = hub_pb2_grpc.TensorHubStub(channel)  # type: ignore[no-untyped-call]
+        hog = stub.Watch(pb.WatchRequest(model="m", start_revision=1), metadata=_meta(token))
+        deadline = time.monotonic() + 10
+        while server.servicer.streams.active("tenant-k") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        client = ros.connect(server.address, tenant="tenant-k", token=token, session_ttl=3)
+        try:
+            time.sleep(1.0)  # its keepalive stream is refused meanwhile, and retried
+            hog.cancel()
+            time.sleep(3.5)  # past the TTL: only a renewal after the refusals keeps it
+            assert not client.session.lost.is_set()
+            assert server.etcd.lease_ttl(client.session.id) > 0
+        finally:
+            client.close()
+    finally:
+        channel.close()
+        server.stop(grace=0.2)
