@@ -2,7 +2,7 @@
 
 Prints each figure with its target and verdict (the table every benchmark prints). Ratios
 are taken within one run: the clients part measures its ceiling server at each N with the
-same client processes, just before or after the hub at that N. Targets apply at the largest
+same client processes, just before the hub at that N. Targets apply at the largest
 N of the run (2,000 by default: DESIGN.md §8 asks for 2,000 clients on one replica).
 """
 
@@ -214,6 +214,8 @@ def _fill_shards(res: Result, data: dict[str, Any]) -> None:
 
 
 def _clients(args: argparse.Namespace) -> dict[str, Any]:
+    """At each N: the ceiling, then the hub, measured by the same client processes."""
+    from bench.scale.clients import Fleet
     from bench.scale.load import RoundSpec
     from bench.scale.sessions import ceiling_round, hub_round, summary
     from consistency.embedded import EtcdCluster
@@ -221,24 +223,25 @@ def _clients(args: argparse.Namespace) -> dict[str, Any]:
     rounds = []
     with EtcdCluster(size=1) as etcd:
         for n in [int(x) for x in args.clients.split(",") if x]:
-            spec = RoundSpec(
-                clients=n,
-                versions=args.versions,
-                gap=args.gap,
-                workers=args.workers,
-                ttl=args.ttl,
-                connect_seconds=args.connect_seconds,
-            )
-            for name in ("ceiling", "hub"):
-                t0 = time.monotonic()
-                r = (
-                    ceiling_round(spec, _log)
-                    if name == "ceiling"
-                    else hub_round(etcd.endpoints, spec, _log, tree=args.hub_tree)
-                )
-                r["round_s"] = round(time.monotonic() - t0, 1)
-                _log(summary(r))
-                rounds.append(r)
+            spec = RoundSpec(clients=n, versions=args.versions, gap=args.gap,
+                             workers=args.workers, ttl=args.ttl,
+                             connect_seconds=args.connect_seconds)  # fmt: skip
+            fleet = Fleet(args.workers)
+            try:
+                for name in ("ceiling", "hub"):
+                    t0 = time.monotonic()
+                    if name == "ceiling":
+                        r = ceiling_round(spec, _log, fleet)
+                    else:
+                        r = hub_round(etcd.endpoints, spec, _log, tree=args.hub_tree, fleet=fleet)
+                    r["round_s"] = round(time.monotonic() - t0, 1)
+                    _log(summary(r))
+                    rounds.append(r)
+                    if r.get("fleet_broken"):  # the next round gets fresh processes
+                        fleet.close()
+                        fleet = Fleet(args.workers)
+            finally:
+                fleet.close()
     return {"rounds": rounds, "hub_tree": args.hub_tree}
 
 

@@ -96,20 +96,32 @@ def run_round(
     spec: RoundSpec,
     first_version: int,
     log: Callable[[str], None],
+    fleet: Fleet | None = None,
 ) -> dict[str, Any]:
     """Connect `spec.clients` clients, publish a warm-up version and `spec.versions` more,
     and return what was measured (see the module docstring); never raises for a server
-    that stopped answering, it reports that instead."""
+    that stopped answering, it reports that instead.
+
+    With `fleet`, its client processes are used and left running with their clients closed
+    (so the ceiling and the hub at one N are measured by the same processes); a fleet that
+    stopped answering is reported as `fleet_broken` and must be replaced. Without one, the
+    round starts and ends its own.
+    """
     out: dict[str, Any] = {"clients": spec.clients, "server": server.name}
-    fleet = Fleet(spec.workers)
+    own = fleet is None
+    used = Fleet(spec.workers) if fleet is None else fleet
     try:
-        _round(fleet, server, publish, token, spec, first_version, log, out)
+        _round(used, server, publish, token, spec, first_version, log, out)
+        if not own:
+            used.call("close", [{}] * len(used.workers), 60.0)
     except WorkerLost as exc:
         out["failed"] = str(exc)
+        out["fleet_broken"] = True
     finally:
-        closer = threading.Thread(target=fleet.close, daemon=True)
-        closer.start()
-        closer.join(timeout=30)
+        if own:
+            closer = threading.Thread(target=used.close, daemon=True)
+            closer.start()
+            closer.join(timeout=30)
     out["server_alive"] = server.alive
     return out
 
@@ -124,7 +136,7 @@ def _round(
     log: Callable[[str], None],
     out: dict[str, Any],
 ) -> None:
-    counts = _split(spec.clients, spec.workers)
+    counts = _split(spec.clients, len(fleet.workers))
     each = [
         {
             "target": server.address,

@@ -13,6 +13,7 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
+from bench.scale.clients import Fleet
 from bench.scale.load import (
     MODEL,
     Publisher,
@@ -52,8 +53,10 @@ def hub_round(
     log: Log,
     tree: str | None = None,
     extra: list[str] | None = None,
+    fleet: Fleet | None = None,
 ) -> dict[str, Any]:
-    """One round on a fresh hub (`tree`: another checkout's hub code)."""
+    """One round on a fresh hub (`tree`: another checkout's hub code), with `fleet`'s client
+    processes if given (see `run_round`)."""
     admin = secrets.token_urlsafe(16)
     try:
         server = hub_server(etcd, admin, tree=tree, extra=extra).start()
@@ -66,7 +69,7 @@ def hub_round(
         except Exception as exc:  # reported as this round's failure
             return {"clients": spec.clients, "server": "hub", "failed": f"publisher: {exc}"}
         try:
-            out = run_round(server, publish, token, spec, 1, log)
+            out = run_round(server, publish, token, spec, 1, log, fleet)
         finally:
             if not with_deadline(close, 20.0):
                 log("  the publisher's close did not finish in 20 s (hub not answering)")
@@ -76,7 +79,7 @@ def hub_round(
         server.stop()
 
 
-def ceiling_round(spec: RoundSpec, log: Log) -> dict[str, Any]:
+def ceiling_round(spec: RoundSpec, log: Log, fleet: Fleet | None = None) -> dict[str, Any]:
     """The same round on a fresh ceiling server."""
     server: Server = ceiling_server()
     try:
@@ -85,7 +88,7 @@ def ceiling_round(spec: RoundSpec, log: Log) -> dict[str, Any]:
         return {"clients": spec.clients, "server": "ceiling", "failed": str(exc)}
     publish, close = ceiling_publisher(server.address)
     try:
-        return run_round(server, publish, "ceiling.none", spec, 1, log)
+        return run_round(server, publish, "ceiling.none", spec, 1, log, fleet)
     finally:
         close()
         server.stop()
