@@ -263,6 +263,8 @@ class RegistryMachine(RuleBasedStateMachine):
         else:
             assert fence > self.model.gone.get(key, 0)  # a new incarnation, a new token
         self.model.holders[key] = _Holder(HolderState.PARTIAL, slot, fence)
+        # A PARTIAL record pins its version under the same lease (retention needs no Pin).
+        self.model.pins[(version, holder)] = slot
 
     @rule(pick=picks)
     def mark_complete(self, pick: int) -> None:
@@ -273,6 +275,7 @@ class RegistryMachine(RuleBasedStateMachine):
         record = self._record(key[1], held.slot, HolderState.COMPLETE)
         self.holders.update_state(TENANT, MODEL, key[0], record, held.fence, timeout=CALL_TIMEOUT)
         held.state = HolderState.COMPLETE
+        self.model.pins.pop(key, None)  # COMPLETE drops the pin its PARTIAL record took
 
     @rule(pick=picks, slot=slots)
     def update_with_stale_fence(self, pick: int, slot: Slot) -> None:
@@ -311,6 +314,7 @@ class RegistryMachine(RuleBasedStateMachine):
             event("release: forced" if force else "release: allowed")
             call()
             self.model.drop_holder(key)
+            self.model.pins.pop(key, None)  # and the pin of a PARTIAL record with it
 
     # -- leases ----------------------------------------------------------------------------
 
