@@ -86,10 +86,15 @@ class HubServer:
                 self.etcd, self.keys, admin_token=admin_token, default_retain=retain,
                 limits=self.limits,
             )  # fmt: skip
+        except BaseException:
+            self.etcd.close()
+            raise
+        try:
             self._thread.start()
             self.port = self._call(self._build(listen, credentials), timeout=30.0)
-        except BaseException:
+        except BaseException:  # e.g. the port is taken: leave no thread or stream behind
             self._end_loop()
+            self.servicer.close()
             self.etcd.close()
             raise
         self.host = listen.rsplit(":", 1)[0]
