@@ -20,6 +20,7 @@ import grpc
 from prometheus_client import start_http_server
 
 from consistency import EtcdCluster, Keys
+from consistency.compactor import DEFAULT_INTERVAL as DEFAULT_COMPACT_INTERVAL
 from consistency.keys import DEFAULT_PREFIX
 from ros.hub.limits import (
     DEFAULT_MAX_PRIVATE_WATCHES,
@@ -87,6 +88,15 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         help="threads running unary calls (streams need none) (default %(default)s)",
     )
     parser.add_argument(
+        "--compact-interval",
+        type=float,
+        default=DEFAULT_COMPACT_INTERVAL,
+        metavar="SECONDS",
+        help="seconds between etcd compactions, done by the one replica elected for it; it "
+        "compacts behind the revision seen one interval earlier, defragments when that pays "
+        "and disarms a NOSPACE alarm once space is free (0: off) (default %(default)s)",
+    )
+    parser.add_argument(
         "--grace",
         type=float,
         default=2.0,
@@ -123,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
             retain=args.retain, credentials=credentials, max_workers=args.workers,
             max_streams=args.max_streams, max_streams_per_tenant=args.max_streams_per_tenant,
             max_private_watches=args.max_private_watches,
+            compact_interval=args.compact_interval,
         ).start()  # fmt: skip
         if args.metrics_port:
             start_http_server(args.metrics_port)

@@ -29,6 +29,8 @@ from grpc_health.v1._async import HealthServicer as AioHealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from consistency import Etcd, Keys
+from consistency.compactor import DEFAULT_INTERVAL as DEFAULT_COMPACT_INTERVAL
+from consistency.compactor import Compactor
 from ros.hub.limits import (
     DEFAULT_MAX_PRIVATE_WATCHES,
     DEFAULT_MAX_STREAMS,
@@ -37,12 +39,16 @@ from ros.hub.limits import (
     Limits,
 )
 from ros.hub.servicer import HubServicer
+from ros.metrics import CompactorMetrics
 from ros.proto.tensorhub.v1 import hub_pb2, hub_pb2_grpc
 from tensorhub.errors import DeadlineExceeded
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = hub_pb2.DESCRIPTOR.services_by_name["TensorHub"].full_name
+# Health of writes alone: NOT_SERVING while etcd's NOSPACE alarm refuses every write (reads,
+# watches and renewals still work, so the service itself stays SERVING for load balancers).
+WRITES_HEALTH_NAME = f"{SERVICE_NAME}/writes"
 MAX_MESSAGE_BYTES = 64 << 20
 MAX_QUEUED_UNARY = 4096  # unary calls admitted beyond the stream limit (gRPC's own backstop)
 T = TypeVar("T")
@@ -54,6 +60,8 @@ class HubServer:
     `max_workers` threads run the unary handler bodies; `max_streams` and
     `max_streams_per_tenant` bound the KeepAlive and Watch streams open at once, and
     `max_private_watches` the watches replaying old revisions (see `ros.hub.limits`).
+    `compact_interval`: seconds between etcd compactions by the one replica elected to do
+    them (`consistency.compactor`; 0 turns this replica's compactor off).
     """
 
     def __init__(
@@ -69,6 +77,7 @@ class HubServer:
         max_streams: int = DEFAULT_MAX_STREAMS,
         max_streams_per_tenant: int = DEFAULT_MAX_STREAMS_PER_TENANT,
         max_private_watches: int = DEFAULT_MAX_PRIVATE_WATCHES,
+        compact_interval: float = DEFAULT_COMPACT_INTERVAL,
     ) -> None:
         self.limits = Limits(
             max_streams=max_streams,
@@ -92,6 +101,10 @@ class HubServer:
         try:
             self._thread.start()
             self.port = self._call(self._build(listen, credentials), timeout=30.0)
+            self.compactor = Compactor(
+                self.etcd, self.keys, interval=compact_interval,
+                on_storage_full=self._storage_full_changed, on_tick=CompactorMetrics(),
+            )  # fmt: skip
         except BaseException:  # e.g. the port is taken: leave no thread or stream behind
             self._end_loop()
             self.servicer.close()
@@ -157,6 +170,20 @@ class HubServer:
         await self._server.start()
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        await self._health.set(WRITES_HEALTH_NAME, health_pb2.HealthCheckResponse.SERVING)
+
+    def _storage_full_changed(self, full: bool) -> None:
+        """The compactor's thread saw the NOSPACE alarm raised or cleared: show it in health
+        (it must neither block nor raise there)."""
+        if self._stopped.is_set() or self._loop.is_closed():
+            return
+        state = (
+            health_pb2.HealthCheckResponse.NOT_SERVING
+            if full
+            else health_pb2.HealthCheckResponse.SERVING
+        )
+        log.warning("etcd storage %s", "is full (NOSPACE): writes refused" if full else "ok")
+        asyncio.run_coroutine_threadsafe(self._health.set(WRITES_HEALTH_NAME, state), self._loop)
 
     async def _shutdown(self, grace: float) -> None:
         await self._health.enter_graceful_shutdown()
@@ -167,6 +194,7 @@ class HubServer:
     def start(self) -> HubServer:
         """Start serving; returns self."""
         self._call(self._start(), timeout=30.0)
+        self.compactor.start()
         log.info("hub serving on %s", self.address)
         return self
 
@@ -176,6 +204,7 @@ class HubServer:
         if self._stopped.is_set():
             return
         try:
+            self.compactor.stop()
             self._call(self._shutdown(grace), timeout=grace + 5)
         finally:
             self.servicer.close()

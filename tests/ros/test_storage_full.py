@@ -1,0 +1,93 @@
+"""A hub over an etcd whose NOSPACE alarm is raised: publishers get `StorageFull` (not an
+"etcd error"), the hub's writes health says NOT_SERVING, and once the hub's own compactor has
+compacted, defragmented and disarmed, publishing works again with no operator involved.
+
+The etcd is the test's own small-quota member (a quota is per member), filled through the SDK.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import ros
+from consistency import EtcdCluster, Keys
+from ros.hub.server import WRITES_HEALTH_NAME, HubServer
+from ros.hub.tenants import TenantStore
+from tensorhub.errors import StorageFull
+
+QUOTA = 4 << 20
+
+
+def wait_until(what: str, check: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:.0f}s: {what}")
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def small_hub(etcd_cluster: EtcdCluster) -> Iterator[HubServer]:
+    process = etcd_cluster.members[0].process
+    assert process is not None
+    binary = str(process.args[0])  # type: ignore[index]
+    extra = [f"--quota-backend-bytes={QUOTA}"]
+    with EtcdCluster(size=1, extra_args=extra, binary=binary) as cluster:
+        # The compactor is armed but slow: it must not compact before the test fills etcd.
+        server = HubServer(
+            cluster.endpoints, admin_token="admin", keys=Keys("/test/full"), compact_interval=30.0
+        ).start()
+        try:
+            yield server
+        finally:
+            server.stop(grace=0.2)
+
+
+def _writes_health(server: HubServer) -> int:
+    with grpc.insecure_channel(server.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        request = health_pb2.HealthCheckRequest(service=WRITES_HEALTH_NAME)
+        return int(stub.Check(request, timeout=5).status)
+
+
+@pytest.mark.timeout(90)
+def test_publish_gets_storage_full_and_works_again_after_the_compactor(
+    small_hub: HubServer,
+) -> None:
+    token = TenantStore(small_hub.etcd, small_hub.keys).create("team-a")
+    hub = ros.connect(small_hub.address, tenant="team-a", token=token)
+    try:
+        # 16k float32 tensors: a ~600 KB manifest per version, paged in etcd. Retention keeps
+        # 2 versions live; without compaction the history of the rest fills the quota.
+        tensors = {f"t{i}": torch.zeros(1) for i in range(16_000)}
+        full = None
+        for version in range(1, 200):
+            try:
+                hub.publish("policy", version, tensors).release(force=True)
+            except StorageFull as exc:
+                full = exc
+                break
+        assert full is not None, "the small quota never filled"
+        serving = health_pb2.HealthCheckResponse.SERVING
+        wait_until("writes health NOT_SERVING", lambda: _writes_health(small_hub) != serving, 20)
+        assert hub.latest("policy") == version - 1  # reads still work under NOSPACE
+
+        def publishes() -> bool:
+            try:
+                hub.publish("policy", version + 100, {"w": torch.ones(4)}).release(force=True)
+            except StorageFull:
+                return False
+            return True
+
+        wait_until("a publish succeeds again", publishes, 60)
+        assert hub.latest("policy") == version + 100
+        wait_until("writes health SERVING", lambda: _writes_health(small_hub) == serving, 20)
+        assert small_hub.compactor.status().disarms >= 1
+    finally:
+        hub.close()
