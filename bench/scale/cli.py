@@ -175,11 +175,13 @@ def _fill_manifest(res: Result, data: dict[str, Any]) -> None:
     )
     if not ok:
         res.note = str(data["failed"])[:300]
-        return
-    res.add("publish time", data["publish_s"], unit="s")
-    res.add("fetch time", data["fetch_s"], unit="s")
-    res.add("etcd writes for the version", data["etcd_writes"], unit="revisions")
-    res.add("etcd DB growth for the version", data["etcd_db_bytes_delta"] / 2**20, unit="MiB")
+    res.add("publish time", data.get("publish_s"), unit="s")
+    res.add("fetch time", data.get("fetch_s"), unit="s")
+    res.add("etcd writes for the version", data.get("etcd_writes"), unit="revisions")
+    written = data.get("etcd_bytes_written")
+    res.add("etcd bytes written for the version", None if written is None else written / 2**20,
+            unit="MiB")  # fmt: skip
+    res.add("etcd keys written for the version", data.get("etcd_keys_written"), unit="keys")
 
 
 def _fill_history(res: Result, data: dict[str, Any]) -> None:

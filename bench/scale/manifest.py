@@ -3,9 +3,10 @@ against an etcd at its default 1.5 MiB request limit.
 
 The SDK's smallest chunk is `transport.layout.MIN_CHUNK` (4 KiB), so 300,000 chunks are
 1.2 GB: 100,000 uint8 tensors of 12 KiB, all views of one buffer. The reader is a second SDK
-client in this process. Figures: publish time, fetch time, etcd writes (revision delta) and
-bytes (dbSize delta) for the version. A hub that cannot store such a manifest (before paged
-manifests) answers with an error, which is reported as the part's failure, not raised.
+client in this process. Figures: publish time, fetch time, etcd writes (revision delta), the
+keys and bytes (key + value) the publish left in etcd, and the DB file's growth. A publish
+or fetch that fails (e.g. a hub without paged manifests) is reported as the part's failure,
+with what was measured before it, not raised.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from bench.scale.procs import etcd_bytes_since
 from bench.scale.world import World
 from transport.layout import ALIGN, MIN_CHUNK
 
@@ -50,6 +52,8 @@ def run(tensors: int = 100_000, chunks: int = 300_000, timeout: float = 300.0) -
             st1 = world.status()
             out["etcd_writes"] = st1["revision"] - st0["revision"]
             out["etcd_db_bytes_delta"] = st1["db_size"] - st0["db_size"]
+            keys, size = etcd_bytes_since(world.etcd_endpoint, st0["revision"])
+            out["etcd_keys_written"], out["etcd_bytes_written"] = keys, size
             t1 = time.monotonic()
             try:
                 held = reader.fetch(MODEL, 1, timeout=timeout)

@@ -7,6 +7,7 @@ killed and reported as `ServerStartError`.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -210,3 +211,19 @@ def etcd_pid(endpoint: str) -> int:
             if cmd and cmd[0].endswith(b"etcd") and any(f":{port}".encode() in c for c in cmd):
                 return int(proc.name)
     return 0
+
+
+def etcd_bytes_since(endpoint: str, revision: int, timeout: float = 60.0) -> tuple[int, int]:
+    """(keys, bytes of key + value) of every key last written after `revision`: what a write
+    (e.g. one publish) left in etcd, read through the JSON gateway."""
+    body = json.dumps({"key": base64.b64encode(b"\0").decode(),
+                       "range_end": base64.b64encode(b"\0").decode(),
+                       "min_mod_revision": revision + 1}).encode()  # fmt: skip
+    req = urllib.request.Request(f"http://{endpoint}/v3/kv/range", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        data: dict[str, Any] = json.loads(resp.read())
+    kvs = data.get("kvs", [])
+    size = sum(len(base64.b64decode(kv.get("key", ""))) + len(base64.b64decode(kv.get("value", "")))
+               for kv in kvs)  # fmt: skip
+    return len(kvs), size
