@@ -73,6 +73,7 @@ class Clients:
         self.errors: Counter[str] = Counter()
         self.keepalive_ms: list[float] = []
         self.keepalive_late = 0
+        self.connecting = False
 
     async def connect(self) -> dict[str, Any]:
         """Open every client (bounded by `connect_seconds`); how many got a session."""
@@ -104,7 +105,9 @@ class Clients:
                     asyncio.create_task(self._watch(client, stub, int(opened.revision) + 1)),
                 ]
 
+        self.connecting = True
         await asyncio.gather(*(one(i) for i in range(self.count)))
+        self.connecting = False
         return {
             "sessions": sum(1 for c in self.clients if c.session),
             "connect_s": time.monotonic() - start,
@@ -139,7 +142,8 @@ class Clients:
             call.cancel()
             raise
         except TimeoutError:
-            self.errors["keepalive: session expired unrenewed"] += 1
+            when = " while the others connected" if self.connecting else ""
+            self.errors[f"keepalive: session expired unrenewed{when}"] += 1
             call.cancel()
         except grpc.aio.AioRpcError as exc:
             self.errors[f"keepalive: {_code(exc)}"] += 1
