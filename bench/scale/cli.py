@@ -191,6 +191,10 @@ def _fill_history(res: Result, data: dict[str, Any]) -> None:
     res.add("failed RPCs", sum(data["failures"].values()), "<= 0")
     res.add("DB in-use, first sample", samples[0]["db_size_in_use"] / 2**20, unit="MiB")
     res.add("DB in-use, last sample", samples[-1]["db_size_in_use"] / 2**20, unit="MiB")
+    res.add("history kept at the last sample", samples[-1].get("retained_revisions"),
+            unit="revisions")  # fmt: skip
+    res.add("etcd keys, first sample", samples[0].get("keys"), unit="keys")
+    res.add("etcd keys, last sample", samples[-1].get("keys"), unit="keys")
     res.add(
         "revisions per step",
         (samples[-1]["revision"] - samples[0]["revision"]) / max(1, data["steps"]),

@@ -20,6 +20,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from bench.scale.procs import etcd_key_count
 from bench.scale.rpc import Hub, failures, first_error, holder, tiny_manifest
 from bench.scale.world import World, serve_flags
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
@@ -29,9 +30,9 @@ READERS = 8
 TTL = 60
 
 
-def compacted(endpoint: str) -> bool:
-    """Whether etcd has compacted away revision 2 (a range at it is then refused)."""
-    body = json.dumps({"key": base64.b64encode(b"\0").decode(), "revision": 2}).encode()
+def readable(endpoint: str, revision: int) -> bool:
+    """Whether etcd still serves reads at `revision` (a compacted one is refused)."""
+    body = json.dumps({"key": base64.b64encode(b"\0").decode(), "revision": revision}).encode()
     req = urllib.request.Request(
         f"http://{endpoint}/v3/kv/range",
         data=body,
@@ -41,9 +42,26 @@ def compacted(endpoint: str) -> bool:
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
             resp.read()
-        return False
+        return True
     except urllib.error.HTTPError as exc:
-        return "compacted" in exc.read().decode(errors="replace")
+        return "compacted" not in exc.read().decode(errors="replace")
+
+
+def compacted(endpoint: str) -> bool:
+    """Whether etcd has compacted away revision 2."""
+    return not readable(endpoint, 2)
+
+
+def oldest_readable(endpoint: str, current: int) -> int:
+    """The oldest revision etcd still serves (binary search, about 17 reads at 100k)."""
+    lo, hi = 1, max(1, current)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if readable(endpoint, mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 async def _keepalive(hub: Hub, sessions: list[int], stop: asyncio.Event) -> None:
@@ -119,6 +137,10 @@ async def _run(world: World, steps: int, seconds: float, sample_every: int) -> d
                     "db_size": st["db_size"],
                     "revision": st["revision"],
                     "compacted": compacted(world.etcd_endpoint),
+                    "keys": etcd_key_count(world.etcd_endpoint),
+                    # history kept: the compactor keeps one to two intervals of it
+                    "retained_revisions": st["revision"]
+                    - oldest_readable(world.etcd_endpoint, st["revision"]),
                 }
             )
 

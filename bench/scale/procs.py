@@ -227,3 +227,14 @@ def etcd_bytes_since(endpoint: str, revision: int, timeout: float = 60.0) -> tup
     size = sum(len(base64.b64decode(kv.get("key", ""))) + len(base64.b64decode(kv.get("value", "")))
                for kv in kvs)  # fmt: skip
     return len(kvs), size
+
+
+def etcd_key_count(endpoint: str, timeout: float = 30.0) -> int:
+    """How many keys etcd holds (all prefixes): a leak shows here, not only in DB size."""
+    body = json.dumps({"key": base64.b64encode(b"\0").decode(),
+                       "range_end": base64.b64encode(b"\0").decode(),
+                       "count_only": True}).encode()  # fmt: skip
+    req = urllib.request.Request(f"http://{endpoint}/v3/kv/range", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return int(json.loads(resp.read()).get("count", 0))
