@@ -26,6 +26,7 @@ import grpc
 
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
+from tensorhub.errors import TensorHubError
 
 OPEN_CONCURRENCY = 16  # OpenSession calls in flight per worker while a round connects
 CALL_SECONDS = 10.0
@@ -33,8 +34,10 @@ PROBE_TIMEOUT = 2.0
 CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1)]  # a TCP connection per client
 
 
-class WorkerLost(Exception):
+class WorkerLost(TensorHubError):
     """A client worker process did not answer a command before its deadline."""
+
+    code = "UNAVAILABLE"
 
 
 def _code(exc: BaseException) -> str:
@@ -283,7 +286,10 @@ class Fleet:
         for conn in conns:
             if not conn.poll(max(0.0, deadline - time.monotonic())):
                 raise WorkerLost(f"a client worker did not answer within {timeout:.0f}s")
-            out.append(conn.recv())
+            try:
+                out.append(conn.recv())
+            except (EOFError, OSError) as exc:  # the worker process died
+                raise WorkerLost(f"a client worker exited: {exc!r}") from exc
         return out
 
     def call(
