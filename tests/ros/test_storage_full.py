@@ -7,6 +7,7 @@ The etcd is the test's own small-quota member (a quota is per member), filled th
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -56,11 +57,33 @@ def _writes_health(server: HubServer) -> int:
         return int(stub.Check(request, timeout=5).status)
 
 
+def _watch_writes_health(server: HubServer, seen: list[int]) -> Callable[[], None]:
+    """Record every status of the writes health name (the compactor may clear NOSPACE
+    within one poll, faster than a Check loop would catch it); returns the stop."""
+    channel = grpc.insecure_channel(server.address)
+    request = health_pb2.HealthCheckRequest(service=WRITES_HEALTH_NAME)
+    stream = health_pb2_grpc.HealthStub(channel).Watch(request, timeout=80)
+
+    def pump() -> None:
+        try:
+            for reply in stream:
+                seen.append(int(reply.status))
+        except grpc.RpcError:
+            pass  # cancelled at the end of the test
+        finally:
+            channel.close()
+
+    threading.Thread(target=pump, daemon=True).start()
+    return stream.cancel  # type: ignore[no-any-return]
+
+
 @pytest.mark.timeout(90)
 def test_publish_gets_storage_full_and_works_again_after_the_compactor(
     small_hub: HubServer,
 ) -> None:
     token = TenantStore(small_hub.etcd, small_hub.keys).create("team-a")
+    statuses: list[int] = []
+    stop_watching = _watch_writes_health(small_hub, statuses)
     hub = ros.connect(small_hub.address, tenant="team-a", token=token)
     try:
         # 16k float32 tensors: a ~600 KB manifest per version, paged in etcd. Retention keeps
@@ -75,7 +98,8 @@ def test_publish_gets_storage_full_and_works_again_after_the_compactor(
                 break
         assert full is not None, "the small quota never filled"
         serving = health_pb2.HealthCheckResponse.SERVING
-        wait_until("writes health NOT_SERVING", lambda: _writes_health(small_hub) != serving, 20)
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        wait_until("writes health NOT_SERVING", lambda: not_serving in statuses, 30)
         assert hub.latest("policy") == version - 1  # reads still work under NOSPACE
 
         def publishes() -> bool:
@@ -89,5 +113,8 @@ def test_publish_gets_storage_full_and_works_again_after_the_compactor(
         assert hub.latest("policy") == version + 100
         wait_until("writes health SERVING", lambda: _writes_health(small_hub) == serving, 20)
         assert small_hub.compactor.status().disarms >= 1
+        assert statuses[0] == serving
+        assert statuses[-1] == serving
     finally:
+        stop_watching()
         hub.close()
