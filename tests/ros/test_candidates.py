@@ -1,4 +1,4 @@
-"""Resolve's candidate selection (`ros.hub.holder_index.select_candidates`), pure: no etcd.
+"""Resolve's candidate selection (`ros.hub.candidates.select_candidates`), pure: no etcd.
 
 What it must keep: at most K holders; the caller's pipeline predecessor (what
 `transport.planner.pipeline_sources` picks over *every* holder) always among them; nearest
@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 from consistency.records import HolderRecord, HolderState
-from ros.hub.holder_index import MAX_CANDIDATES, HolderSet, group_keys, select_candidates
+from ros.hub.candidates import MAX_CANDIDATES, HolderSet, group_keys, select_candidates
 from transport.planner import Candidate, Source, pipeline_sources
 from transport.topology import Topology, distance
 

@@ -14,7 +14,8 @@ import torch
 
 import ros
 from consistency import Etcd, EtcdCluster, Keys
-from ros.hub.holder_index import MAX_CANDIDATES, HolderIndex
+from ros.hub.candidates import MAX_CANDIDATES
+from ros.hub.holder_index import HolderIndex
 from ros.hub.server import HubServer
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tests.ros.conftest import ADMIN
