@@ -187,6 +187,7 @@ def _fill_manifest(res: Result, data: dict[str, Any]) -> None:
 def _fill_history(res: Result, data: dict[str, Any]) -> None:
     samples = data["samples"]
     res.add("DB in-use spread after the first compaction", data["flatness"], "<= 0.1")
+    res.add("the same spread per revision of history kept", data.get("per_revision_flatness"))
     res.add("steps run", data["steps"], unit="steps")
     res.add("failed RPCs", sum(data["failures"].values()), "<= 0")
     res.add("DB in-use, first sample", samples[0]["db_size_in_use"] / 2**20, unit="MiB")

@@ -183,6 +183,20 @@ def flatness(samples: list[dict[str, Any]]) -> float | None:
     return float(max(after) - min(after)) / float(min(after))
 
 
+def per_revision_flatness(samples: list[dict[str, Any]]) -> float | None:
+    """The same spread of in-use bytes per revision of history kept: the compactor keeps one
+    to two intervals of history, so a sample's in-use size depends on when in that cycle it
+    was taken; per revision kept, that phase drops out and only growth remains."""
+    after: list[float] = [
+        s["db_size_in_use"] / s["retained_revisions"]
+        for s in samples
+        if s["compacted"] and s.get("retained_revisions")
+    ]
+    if len(after) < 2:
+        return None
+    return (max(after) - min(after)) / min(after)
+
+
 def run(
     steps: int = 10_000, seconds: float = 300.0, interval: float = 5.0, sample_every: int = 1000
 ) -> dict[str, Any]:
@@ -193,4 +207,5 @@ def run(
         out = asyncio.run(_run(world, steps, seconds, sample_every))
     out["compactor_flag"] = has_flag
     out["flatness"] = flatness(out["samples"])
+    out["per_revision_flatness"] = per_revision_flatness(out["samples"])
     return out
