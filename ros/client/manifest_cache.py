@@ -9,11 +9,10 @@ cached copy that does not match is never used. Bounded by bytes, least recently 
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from tensorhub.lru import SizedLru
 
 DEFAULT_MAX_BYTES = 64 << 20  # serialized manifests a client keeps
 
@@ -48,41 +47,20 @@ class ManifestCache:
     """A thread-safe LRU of `CachedManifest`s, bounded by their serialized bytes."""
 
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
-        self._max = max_bytes
-        self._lock = threading.Lock()
-        self._items: OrderedDict[Key, CachedManifest] = OrderedDict()
-        self._used = 0
+        self._items: SizedLru[Key, CachedManifest] = SizedLru(max_bytes, lambda m: m.nbytes)
 
     def get(self, key: Key) -> CachedManifest | None:
-        with self._lock:
-            item = self._items.get(key)
-            if item is not None:
-                self._items.move_to_end(key)
-            return item
+        return self._items.get(key)
 
     def put(self, key: Key, item: CachedManifest) -> None:
-        if item.nbytes > self._max or not item.digest:
-            return  # too large to keep, or from a hub that sends no digest
-        with self._lock:
-            self._pop(key)
-            self._items[key] = item
-            self._used += item.nbytes
-            while self._used > self._max:
-                _, dropped = self._items.popitem(last=False)
-                self._used -= dropped.nbytes
+        if item.digest:  # a hub that sends no digest: its answers are never trusted later
+            self._items.put(key, item)
 
     def pop(self, key: Key) -> None:
-        with self._lock:
-            self._pop(key)
-
-    def _pop(self, key: Key) -> None:
-        old = self._items.pop(key, None)
-        if old is not None:
-            self._used -= old.nbytes
+        self._items.pop(key)
 
     def __len__(self) -> int:
-        with self._lock:
-            return len(self._items)
+        return len(self._items)
 
 
 def _copy(manifest: pb.Manifest) -> pb.Manifest:
