@@ -17,6 +17,7 @@ from tensorhub.errors import (
     DeadlineExceeded,
     InvalidArgument,
     OutcomeUnknown,
+    StaleVersion,
     TensorHubError,
     Unavailable,
     VersionNotFound,
@@ -93,33 +94,70 @@ class PublishMixin(ClientBase):
         )
 
     def _publish_rpc(self, request: pb.PublishRequest, timeout: float | None) -> pb.PublishResponse:
-        """Publish once; if the reply is lost, find out from the hub whether it landed."""
+        """Publish; if the reply is lost, find out from the hub whether it landed.
+
+        A publish that failed on a broken connection (`Unavailable`: the replica in use died,
+        the channel moves to another) and that the check finds did not land is sent once
+        more: nothing of it was written, so a second attempt is a fresh publish. Should the
+        first attempt land after the check after all, the second finds `latest` at v, and a
+        last check tells whether that version is ours.
+        """
         try:
             response: pb.PublishResponse = self._rpc("Publish", request, timeout)
             return response
         except (Unavailable, DeadlineExceeded, OutcomeUnknown) as exc:
-            if request.shard_count:  # an invisible shard cannot be looked up: say so
-                raise OutcomeUnknown(
-                    f"shard {request.shard_index} of {request.model}@{request.version}: {exc}"
-                ) from exc
-            try:
-                info = self._inspect(request.model, request.version)
-            except VersionNotFound:
+            landed = self._landed(request, exc)
+            if landed is not None:
+                return landed
+            if not isinstance(exc, Unavailable):
                 raise OutcomeUnknown(
                     f"publish of {request.model}@{request.version} not confirmed ({exc}); "
                     "it did not land by the time of the check; publish again"
                 ) from exc
-            except TensorHubError as inner:
+            log.info("publish of %s@%d: %s; sending it again", request.model, request.version, exc)
+        try:
+            second: pb.PublishResponse = self._rpc("Publish", request, timeout)
+            return second
+        except StaleVersion:
+            again = self._landed(request, None)
+            if again is None:
+                raise
+            return again
+        except (Unavailable, DeadlineExceeded, OutcomeUnknown) as exc:
+            again = self._landed(request, exc)
+            if again is None:
                 raise OutcomeUnknown(
-                    f"publish of {request.model}@{request.version}: {exc}; {inner}"
+                    f"publish of {request.model}@{request.version} not confirmed after a "
+                    f"second attempt ({exc}); publish again"
                 ) from exc
-            if any(
-                h.name == self.holder_name and h.session_id == self.session.id for h in info.holders
-            ):
-                return pb.PublishResponse(
-                    version=request.version, revision=info.published_revision, visible=True
-                )
-            raise OutcomeUnknown(f"publish of {request.model}@{request.version}: {exc}") from exc
+            return again
+
+    def _landed(
+        self, request: pb.PublishRequest, exc: TensorHubError | None
+    ) -> pb.PublishResponse | None:
+        """What the hub says of an unconfirmed publish: its response if our holder record is
+        there, None if the version is not there at all; `OutcomeUnknown` if it cannot tell
+        (a shard, which is invisible until the last one; another publisher's version)."""
+        if request.shard_count:  # an invisible shard cannot be looked up: say so
+            raise OutcomeUnknown(
+                f"shard {request.shard_index} of {request.model}@{request.version}: {exc}"
+            ) from exc
+        try:
+            info = self._inspect(request.model, request.version)
+        except VersionNotFound:
+            return None
+        except TensorHubError as inner:
+            raise OutcomeUnknown(
+                f"publish of {request.model}@{request.version}: {exc}; {inner}"
+            ) from exc
+        mine = (self.holder_name, self.session.id)
+        if any((h.name, h.session_id) == mine for h in info.holders):
+            return pb.PublishResponse(
+                version=request.version, revision=info.published_revision, visible=True
+            )
+        if exc is None:  # the version exists, and it is not ours: stale after all
+            return None
+        raise OutcomeUnknown(f"publish of {request.model}@{request.version}: {exc}") from exc
 
 
 def _contiguous(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
