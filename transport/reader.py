@@ -43,6 +43,7 @@ from transport.store import HeldVersion
 from transport.tls import TlsConfig
 from transport.topology import Topology
 from transport.wire import (
+    MAX_CHUNKS_PER_GET,
     NOT_READY_TEXT,
     FrameType,
     GetRequest,
@@ -100,7 +101,9 @@ class _Fetch:
         self.lock = threading.Lock()
         self.socks: set[socket.socket] = set()
         self.aborted = False
-        self.batch = max(1, BATCH_BYTES // self.layout.chunk_size)
+        # BATCH_BYTES per request, but never more chunks than a holder accepts in one GET
+        # (small chunks: 4 KiB chunks would ask 16,384 at a time, and be refused).
+        self.batch = min(max(1, BATCH_BYTES // self.layout.chunk_size), MAX_CHUNKS_PER_GET)
 
     def abort(self) -> None:
         """Cut every connection so workers stop promptly (the fetch has ended)."""

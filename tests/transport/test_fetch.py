@@ -41,6 +41,19 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     )
 
 
+def test_small_chunks_never_ask_more_than_a_holder_accepts_per_request(
+    holders: StartHolder,
+) -> None:
+    """4 KiB chunks: a 64 MiB batch would be 16,384 chunks, over the wire's 4,096 per GET
+    (a holder refuses that request, and every holder looked broken)."""
+    model = {"w": torch.arange(24 << 20, dtype=torch.uint8)}  # 24 MiB: 6,144 chunks
+    layout = Layout.from_tensors(model, chunk_size=4096)
+    dest, stats = _fetch(layout, [holders(model, layout, name="h0")[2]])
+    assert dest.complete
+    assert _same(dest.tensors, model)
+    assert stats.chunks == layout.num_chunks
+
+
 @pytest.mark.parametrize("n_holders", [1, 3])
 def test_fetch_is_byte_identical(holders: StartHolder, n_holders: int) -> None:
     model = make_model(7)  # 2,000 tiny tensors + 3 large ones
