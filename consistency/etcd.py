@@ -214,6 +214,14 @@ class Etcd:
         response = self.call(lambda m, t: m.kv.Range(request, timeout=t), timeout=timeout)
         return RangeResult([KV.from_pb(kv) for kv in response.kvs], int(response.header.revision))
 
+    def count(self, prefix: str | bytes, *, timeout: float | None = None) -> int:
+        """How many keys start with `prefix` (a linearizable count: no keys are sent)."""
+        request = etcdrpc.RangeRequest(
+            key=ops.b(prefix), range_end=ops.prefix_end(prefix), count_only=True
+        )
+        response = self.call(lambda m, t: m.kv.Range(request, timeout=t), timeout=timeout)
+        return int(response.count)
+
     def txn(
         self,
         compare: list[Cmp],

@@ -15,13 +15,14 @@ from collections.abc import Callable, Collection
 
 from consistency import ops
 from consistency.etcd import Etcd
-from tensorhub.errors import QuotaExceeded
+from tensorhub.errors import InvalidArgument, QuotaExceeded
 
 
 class CountedCreate:
     """Admission of creates counted against `limit`, guarded by the key `fence`.
 
-    `members(timeout)` lists what counts (model names, session keys).
+    `members(timeout)` lists what counts (model names), or only says how many there are
+    (an int: sessions, where a count read sends no keys, whatever their number).
     """
 
     def __init__(
@@ -29,7 +30,7 @@ class CountedCreate:
         etcd: Etcd,
         fence: str,
         limit: int,
-        members: Callable[[float], Collection[str]],
+        members: Callable[[float], Collection[str] | int],
         what: str,
     ) -> None:
         self._etcd = etcd
@@ -45,8 +46,14 @@ class CountedCreate:
         kv, _ = self._etcd.get(self._fence, timeout=timeout)
         seen = kv.mod_revision if kv is not None else 0
         members = self._members(timeout)  # read after the fence: anything newer bumps it
-        if name is not None and name in members:
+        if isinstance(members, int):
+            if name is not None:
+                raise InvalidArgument("a create by name needs the members by name, not a count")
+            count = members
+        elif name is not None and name in members:
             return [], []
-        if len(members) >= self._limit:
-            raise QuotaExceeded(f"{len(members)} {self._what} (quota {self._limit})")
+        else:
+            count = len(members)
+        if count >= self._limit:
+            raise QuotaExceeded(f"{count} {self._what} (quota {self._limit})")
         return [ops.mod(self._fence, "==", seen)], [ops.put(self._fence, b"")]

@@ -43,6 +43,7 @@ class ClientSession:
         self._stop = threading.Event()
         self._call: Any = None  # the live KeepAlive call, cancelled by stop()
         self._expires_at = time.monotonic() + self.ttl
+        self.renewals = 0  # renewals the hub confirmed (the first is sent at once)
         self._thread = threading.Thread(
             target=self._run, name=f"hub-session-{self.id:x}", daemon=True
         )
@@ -77,6 +78,7 @@ class ClientSession:
                         self._lose("lease expired")
                         return
                     self._expires_at = time.monotonic() + response.ttl_seconds
+                    self.renewals += 1
                     if self._stop.is_set():
                         call.cancel()
                         return

@@ -44,10 +44,12 @@ from tensorhub.errors import (
     SessionExpired,
     TensorHubError,
 )
+from tensorhub.lru import SizedLru
 
 log = logging.getLogger(__name__)
 
 MAX_CALL_SECONDS = 30.0
+MAX_OPENED_SESSIONS = 65_536  # session ids remembered per replica (see `opened_sessions`)
 S = TypeVar("S", bound="HubBase")
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -172,6 +174,9 @@ class HubBase:
         # Resolve's view of who holds what (caches only: see ros.hub.holder_index).
         self._holder_index = HolderIndex(etcd, keys)
         self._manifest_cache = ManifestCache()
+        # Sessions this replica opened, by id: their tenant is known without an etcd read
+        # (a lease never changes tenant), so their first renewal costs no worker. Bounded.
+        self.opened_sessions: SizedLru[int, str] = SizedLru(MAX_OPENED_SESSIONS, lambda _: 1)
         self.tenants.hub_secret()  # create it at start-up, not in the first caller's deadline
 
     def close(self) -> None:
@@ -206,6 +211,15 @@ class HubBase:
         if token is None:
             raise PermissionDenied("no tenant token: send 'authorization: Bearer <token>'")
         return self.tenants.authenticate(token)
+
+    async def _stream_tenant(self, context: CallContext) -> Tenant:
+        """`_tenant` for a stream: from the cache on the loop when it can, so thousands of
+        streams opening at once do not queue behind unary calls for a worker."""
+        token = bearer(context)
+        cached = None if token is None else self.tenants.cached(token)
+        if cached is not None:
+            return cached
+        return await self._blocking(self._tenant, context)
 
     @staticmethod
     def _timeout(context: CallContext) -> float:

@@ -40,6 +40,7 @@ class SessionRPCs(HubBase):
             self._revoke_quietly(session.id)
             raise
         HUB_SESSIONS_OPENED.inc()
+        self.opened_sessions.put(session.id, tenant.name)
         return pb.OpenSessionResponse(
             session_id=session.id,
             ttl_seconds=session.ttl,
@@ -55,10 +56,8 @@ class SessionRPCs(HubBase):
             self.etcd,
             self.keys.quota_fence(tenant.name, "sessions"),
             tenant.quotas.max_sessions,
-            lambda t: [
-                kv.key.decode()
-                for kv in self.etcd.range(sessions, prefix=True, keys_only=True, timeout=t).kvs
-            ],
+            # a count, not the keys: at thousands of sessions a listing per open is O(N²)
+            lambda t: self.etcd.count(sessions, timeout=t),
             f"sessions of tenant {tenant.name}",
         )
         mark = ops.put(self.keys.session(tenant.name, session_id), b"", lease=session_id)
@@ -85,16 +84,17 @@ class SessionRPCs(HubBase):
         costs no thread and no etcd stream of its own. The first renewal of each session id
         checks that it is one of the caller's sessions."""
         call = CallContext.of(context)
-        tenant = await self._blocking(self._tenant, call)
+        tenant = await self._stream_tenant(call)
         owned: set[int] = set()
         with self.streams.stream("keepalive", tenant.name):
             HUB_SESSIONS.inc()
             try:
                 async for request in requests:
                     if request.session_id not in owned:
-                        await self._blocking(
-                            self._own_session, tenant, request.session_id, MAX_CALL_SECONDS
-                        )
+                        if self.opened_sessions.get(request.session_id) != tenant.name:
+                            await self._blocking(
+                                self._own_session, tenant, request.session_id, MAX_CALL_SECONDS
+                            )
                         owned.add(request.session_id)
                     ttl = await asyncio.wrap_future(
                         self._leases.renew(request.session_id, RENEW_SECONDS)

@@ -93,7 +93,7 @@ class VersionRPCs(HubBase):
         shared (or private) etcd watch of `ros.hub.fanout` hands them to this stream's
         queue on the event loop; no thread waits for this stream."""
         call = CallContext.of(context)
-        tenant = await self._blocking(self._tenant, call)
+        tenant = await self._stream_tenant(call)
         model = validate_name(request.model, "model")
         if request.start_revision <= 0:
             raise InvalidArgument("start_revision must be explicit and positive")

@@ -47,6 +47,10 @@ def test_a_lease_lost_answer_starts_recovery_without_waiting_for_the_next_renewa
     trainer.publish("policy", 1, make_model(1))
     reader = connect(session_ttl=60)  # renewals every 20 s: far later than this test
     lost = reader.session.id
+    deadline = time.monotonic() + 5
+    while reader.session.renewals < 1:  # the first renewal, sent at once, is done with
+        assert time.monotonic() < deadline, "the first renewal did not come back within 5 s"
+        time.sleep(0.01)
     hub_server.etcd.lease_revoke(lost)
     with pytest.raises(ros.SessionExpired):  # a LeaseLost about the session itself
         reader.fetch("policy", 1, timeout=10)  # the hub says the session is gone
