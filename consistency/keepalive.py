@@ -158,6 +158,10 @@ class LeaseKeeper:
         lease id queued; between items, expire overdue renewals and break a stalled stream."""
         for lease in resend:
             yield etcdrpc.LeaseKeepAliveRequest(ID=lease)
+        # Deadlines are checked at most every _POLL_SECONDS: a scan of every pending
+        # renewal after each request was O(pending) per request, the hub's main cost at
+        # thousands of sessions.
+        next_check = time.monotonic() + _POLL_SECONDS
         while not self._closed.is_set() and generation == self._generation:
             lease_id: int | None
             try:
@@ -170,7 +174,11 @@ class LeaseKeeper:
                 return
             if lease_id is not None:
                 yield etcdrpc.LeaseKeepAliveRequest(ID=lease_id)
-            if self._expire(time.monotonic()):
+            now = time.monotonic()
+            if now < next_check:
+                continue
+            next_check = now + _POLL_SECONDS
+            if self._expire(now):
                 self._break_stalled()
                 return
 
