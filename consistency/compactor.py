@@ -8,9 +8,12 @@ its NOSPACE alarm and refuses every write. `Compactor` keeps history bounded:
   (`Keys.hub_compactor`) under the replica's lease. A replica whose lease is lost stops
   compacting; once its key has expired another replica takes over. The election only saves
   work: compaction and defragment are safe to run twice, so a stale leader does no harm.
-- **Safe revision.** Every `interval` seconds the leader compacts to the revision it saw one
-  interval earlier, then remembers the current one. A watch that lags less than one interval
-  never meets a compacted revision; an older one re-lists (`KeyWatch`'s RESYNC) and resumes.
+- **Safe revision, a sliding window.** At every check (`poll`, a fraction of `interval`) the
+  leader notes the current revision, and compacts to the newest revision it noted at least
+  one interval earlier. A watch that lags less than one interval never meets a compacted
+  revision; an older one re-lists (`KeyWatch`'s RESYNC) and resumes. Kept history is always
+  between one interval and one interval plus one poll, so the database stays flat instead of
+  swinging between one and two intervals of history.
 - **Defragment when it pays.** Compaction frees pages inside etcd's file; only a defragment
   gives them back (and etcd's quota counts the file). After a compaction the leader
   defragments each member whose free space passes the thresholds, one member at a time so a
@@ -29,6 +32,7 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -41,7 +45,8 @@ from tensorhub.errors import InvalidArgument, StorageFull, TensorHubError
 log = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL = 300.0
-DEFAULT_POLL = 5.0  # how often roles and alarms are checked between compactions
+DEFAULT_POLL = 5.0  # how often roles and alarms are checked, at most
+POLLS_PER_INTERVAL = 10  # checks (and window steps) per interval, unless that is above
 DEFAULT_DEFRAG_FREE_BYTES = 16 << 20
 DEFAULT_DEFRAG_FREE_RATIO = 0.25
 # etcd < 3.4 does not report the in-use size, so free space is unknown: defragment after
@@ -108,7 +113,7 @@ class Compactor:
         self._etcd = etcd
         self._key = keys.hub_compactor()
         self.interval = interval
-        self.poll = min(interval, DEFAULT_POLL) if poll is None else poll
+        self.poll = min(interval / POLLS_PER_INTERVAL, DEFAULT_POLL) if poll is None else poll
         self._given_session = session
         self._session: Session | None = session
         self._ttl = ttl
@@ -123,7 +128,8 @@ class Compactor:
         self._lock = threading.Lock()
         # Loop state (the compactor thread's own).
         self._role_revision = 0  # create revision of our role key while we hold it
-        self._mark: tuple[float, int] | None = None  # (when, revision) seen one interval ago
+        # (when, revision) noted at each check of this term, oldest first (a sliding window)
+        self._marks: deque[tuple[float, int]] = deque()
         self._compactions_since_defrag = 0
         # Reported state (under _lock).
         self._leader = False
@@ -202,23 +208,25 @@ class Compactor:
         with self._lock:
             self._leader = leader
         if not leader and not (full and revision == 0):
-            self._mark = None  # a later term starts its own one-interval lag
+            self._marks.clear()  # a later term starts its own one-interval lag
             return
         # The leader, or (revision 0 under NOSPACE) the rescuer when nobody can hold the role.
         revision = revision or self._etcd.get(self._key)[1]
         now = time.monotonic()
-        due = self._mark is not None and now - self._mark[0] >= self.interval
         if full:
-            target = self._mark[1] if self._mark is not None else revision
+            target = self._marks[0][1] if self._marks else revision
             self._compact(target)
             self._disarm(self._defragment_all(force=True))
-            self._mark = (now, revision)
-        elif self._mark is None:
-            self._mark = (now, revision)
-            self._refresh_members()
-        elif due:
-            self._compact(self._mark[1])
-            self._mark = (now, revision)
+            self._marks.clear()
+            self._marks.append((now, revision))
+            return
+        self._marks.append((now, revision))
+        # Drop marks older than the newest one that is at least one interval old: that one is
+        # the safe revision now.
+        while len(self._marks) > 1 and now - self._marks[1][0] >= self.interval:
+            self._marks.popleft()
+        when, safe = self._marks[0]
+        if now - when >= self.interval and self._compact(safe):
             self._defragment_all(force=False)
         else:
             self._refresh_members()
@@ -286,10 +294,11 @@ class Compactor:
 
     # -- the work --------------------------------------------------------------------------
 
-    def _compact(self, target: int) -> None:
+    def _compact(self, target: int) -> bool:
+        """Compact history up to `target`; False if it was already compacted that far."""
         with self._lock:
             if target <= self._compacted:
-                return
+                return False
         # RevisionCompacted: someone (a rescuer, etcd's own auto-compaction) got there first.
         with contextlib.suppress(RevisionCompacted):
             self._etcd.compact(target, timeout=30.0)
@@ -298,6 +307,7 @@ class Compactor:
             self._compacted = target
             self._counts["compactions"] += 1
         self._compactions_since_defrag += 1
+        return True
 
     def _refresh_members(self) -> list[MemberStatus]:
         """Status of every member this client can reach (one that cannot answer is skipped)."""
