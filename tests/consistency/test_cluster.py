@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -31,6 +31,7 @@ from consistency import (
     WatchEvent,
 )
 from tensorhub.errors import DeadlineExceeded, OutcomeUnknown, Unavailable
+from tests.waiting import wait_until
 
 TENANT = "t"
 MODEL = "m"
@@ -68,13 +69,6 @@ def _leader_first(cluster: EtcdCluster) -> tuple[int, list[str]]:
     leader = cluster.leader(timeout=WAIT)
     endpoints = cluster.endpoints
     return leader, [endpoints[leader]] + [e for i, e in enumerate(endpoints) if i != leader]
-
-
-def _wait_until(condition: Callable[[], bool], what: str, timeout: float = WAIT) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f}s waiting for {what}"
-        time.sleep(0.05)
 
 
 @dataclass
@@ -129,17 +123,20 @@ def test_leader_kill_loses_no_acknowledged_publish(healthy: EtcdCluster, keys: K
         thread = threading.Thread(target=publisher.run, name="publisher", daemon=True)
         thread.start()
         try:
-            _wait_until(lambda: publisher.acked_count() >= 20, "20 publishes before the kill")
+            wait_until("20 publishes before the kill", lambda: publisher.acked_count() >= 20, WAIT)
             cluster.kill(leader)
             before_kill = publisher.acked_count()
-            _wait_until(
-                lambda: publisher.acked_count() >= before_kill + 20, "20 publishes after the kill"
+            wait_until(
+                "20 publishes after the kill",
+                lambda: publisher.acked_count() >= before_kill + 20,
+                WAIT,
             )
             cluster.restart(leader, timeout=WAIT)
             after_restart = publisher.acked_count()
-            _wait_until(
-                lambda: publisher.acked_count() >= after_restart + 10,
+            wait_until(
                 "10 publishes after the restart",
+                lambda: publisher.acked_count() >= after_restart + 10,
+                WAIT,
             )
         finally:
             publisher.stop.set()

@@ -24,16 +24,9 @@ from consistency.watch import RawEvent, Resync
 from ros import errors as ros_errors
 from ros.metrics import CompactorMetrics
 from tensorhub.errors import StorageFull
+from tests.waiting import wait_until
 
 QUOTA = 2 << 20  # etcd's NOSPACE comes after about 90 puts of 60 KB
-
-
-def wait_until(what: str, check: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:.0f}s: {what}")
-        time.sleep(0.05)
 
 
 @pytest.fixture

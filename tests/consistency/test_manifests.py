@@ -46,6 +46,7 @@ from tensorhub.errors import (
     StaleVersion,
     Unavailable,
 )
+from tests.waiting import wait_until
 
 
 @pytest.fixture
@@ -83,13 +84,6 @@ def _everything(etcd: Etcd, keys: Keys) -> list[bytes]:
 def _pages(etcd: Etcd, keys: Keys, model: str, version: int) -> list[bytes]:
     prefix = keys.manifest_pages("t", model, version)
     return [kv.key for kv in etcd.range(prefix, prefix=True, keys_only=True).kvs]
-
-
-def _wait_until(condition: object, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.1)
 
 
 def test_a_300k_chunk_manifest_publishes_and_reads_back_byte_identical(
@@ -141,7 +135,7 @@ def test_a_publisher_whose_lease_expires_before_the_commit_leaves_nothing(
     assert staged.header.pages == 3
     assert len(_pages(etcd, versions.keys, "dead", 1)) == 3
     assert versions.latest("t", "dead")[0] == 0  # pages alone publish nothing
-    _wait_until(lambda: not _pages(etcd, versions.keys, "dead", 1))
+    wait_until("the pages expired", lambda: not _pages(etcd, versions.keys, "dead", 1))
     assert _everything(etcd, versions.keys) == []
 
 
@@ -316,10 +310,10 @@ def test_paged_publishes_through_a_leader_kill_are_whole_or_absent() -> None:
 
                 thread = threading.Thread(target=publish_until_stopped, daemon=True)
                 thread.start()
-                _wait_until(lambda: len(acked) >= 5, timeout=30)
+                wait_until("5 publishes acknowledged", lambda: len(acked) >= 5, timeout=30)
                 cluster.kill(leader)
                 killed_at = len(acked)
-                _wait_until(lambda: len(acked) >= killed_at + 5, timeout=60)
+                wait_until("5 more after the kill", lambda: len(acked) >= killed_at + 5, timeout=60)
                 stop.set()
                 thread.join(timeout=20)
                 assert not thread.is_alive()

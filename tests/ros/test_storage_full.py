@@ -8,7 +8,6 @@ The etcd is the test's own small-quota member (a quota is per member), filled th
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -21,16 +20,9 @@ from consistency import EtcdCluster, Keys
 from ros.hub.server import WRITES_HEALTH_NAME, HubServer
 from ros.hub.tenants import TenantStore
 from tensorhub.errors import StorageFull
+from tests.waiting import wait_until
 
 QUOTA = 4 << 20
-
-
-def wait_until(what: str, check: Callable[[], bool], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:.0f}s: {what}")
-        time.sleep(0.1)
 
 
 @pytest.fixture
