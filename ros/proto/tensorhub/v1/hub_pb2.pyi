@@ -87,6 +87,14 @@ class Manifest(_message.Message):
     metadata: _containers.ScalarMap[str, str]
     def __init__(self, tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., chunk_size: _Optional[int] = ..., chunk_xxh3: _Optional[_Iterable[int]] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
+class ReadKey(_message.Message):
+    __slots__ = ("id", "key")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    key: bytes
+    def __init__(self, id: _Optional[int] = ..., key: _Optional[bytes] = ...) -> None: ...
+
 class OpenSessionRequest(_message.Message):
     __slots__ = ("ttl_seconds",)
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -94,16 +102,18 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, ttl_seconds: _Optional[int] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "ttl_seconds", "read_key", "revision")
+    __slots__ = ("session_id", "ttl_seconds", "read_key", "revision", "read_keys")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     READ_KEY_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
+    READ_KEYS_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     ttl_seconds: int
     read_key: bytes
     revision: int
-    def __init__(self, session_id: _Optional[int] = ..., ttl_seconds: _Optional[int] = ..., read_key: _Optional[bytes] = ..., revision: _Optional[int] = ...) -> None: ...
+    read_keys: _containers.RepeatedCompositeFieldContainer[ReadKey]
+    def __init__(self, session_id: _Optional[int] = ..., ttl_seconds: _Optional[int] = ..., read_key: _Optional[bytes] = ..., revision: _Optional[int] = ..., read_keys: _Optional[_Iterable[_Union[ReadKey, _Mapping]]] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -112,12 +122,14 @@ class KeepAliveRequest(_message.Message):
     def __init__(self, session_id: _Optional[int] = ...) -> None: ...
 
 class KeepAliveResponse(_message.Message):
-    __slots__ = ("session_id", "ttl_seconds")
+    __slots__ = ("session_id", "ttl_seconds", "read_keys")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    READ_KEYS_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     ttl_seconds: int
-    def __init__(self, session_id: _Optional[int] = ..., ttl_seconds: _Optional[int] = ...) -> None: ...
+    read_keys: _containers.RepeatedCompositeFieldContainer[ReadKey]
+    def __init__(self, session_id: _Optional[int] = ..., ttl_seconds: _Optional[int] = ..., read_keys: _Optional[_Iterable[_Union[ReadKey, _Mapping]]] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -474,3 +486,31 @@ class CreateTenantResponse(_message.Message):
     name: str
     token: str
     def __init__(self, name: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...
+
+class DeleteTenantRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DeleteTenantResponse(_message.Message):
+    __slots__ = ("revision",)
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    revision: int
+    def __init__(self, revision: _Optional[int] = ...) -> None: ...
+
+class DeleteModelRequest(_message.Message):
+    __slots__ = ("model", "tenant")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    tenant: str
+    def __init__(self, model: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class DeleteModelResponse(_message.Message):
+    __slots__ = ("revision", "versions_deleted")
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_DELETED_FIELD_NUMBER: _ClassVar[int]
+    revision: int
+    versions_deleted: int
+    def __init__(self, revision: _Optional[int] = ..., versions_deleted: _Optional[int] = ...) -> None: ...

@@ -109,10 +109,20 @@ class TensorHubStub:
                 request_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.InspectRequest.SerializeToString,
                 response_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.InspectResponse.FromString,
                 _registered_method=True)
+        self.DeleteModel = channel.unary_unary(
+                '/tensorhub.v1.TensorHub/DeleteModel',
+                request_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeleteModelRequest.SerializeToString,
+                response_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeleteModelResponse.FromString,
+                _registered_method=True)
         self.CreateTenant = channel.unary_unary(
                 '/tensorhub.v1.TensorHub/CreateTenant',
                 request_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.CreateTenantRequest.SerializeToString,
                 response_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.CreateTenantResponse.FromString,
+                _registered_method=True)
+        self.DeleteTenant = channel.unary_unary(
+                '/tensorhub.v1.TensorHub/DeleteTenant',
+                request_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeleteTenantRequest.SerializeToString,
+                response_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeleteTenantResponse.FromString,
                 _registered_method=True)
 
 
@@ -209,9 +219,21 @@ class TensorHubServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteModel(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CreateTenant(self, request, context):
         """Admin (needs the admin token).
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteTenant(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -294,10 +316,20 @@ def add_TensorHubServicer_to_server(servicer, server):
                     request_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.InspectRequest.FromString,
                     response_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.InspectResponse.SerializeToString,
             ),
+            'DeleteModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteModel,
+                    request_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeleteModelRequest.FromString,
+                    response_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeleteModelResponse.SerializeToString,
+            ),
             'CreateTenant': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateTenant,
                     request_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.CreateTenantRequest.FromString,
                     response_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.CreateTenantResponse.SerializeToString,
+            ),
+            'DeleteTenant': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteTenant,
+                    request_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeleteTenantRequest.FromString,
+                    response_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeleteTenantResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -716,6 +748,33 @@ class TensorHub:
             _registered_method=True)
 
     @staticmethod
+    def DeleteModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorhub.v1.TensorHub/DeleteModel',
+            ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeleteModelRequest.SerializeToString,
+            ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeleteModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def CreateTenant(request,
             target,
             options=(),
@@ -732,6 +791,33 @@ class TensorHub:
             '/tensorhub.v1.TensorHub/CreateTenant',
             ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.CreateTenantRequest.SerializeToString,
             ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.CreateTenantResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteTenant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorhub.v1.TensorHub/DeleteTenant',
+            ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeleteTenantRequest.SerializeToString,
+            ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeleteTenantResponse.FromString,
             options,
             channel_credentials,
             insecure,
