@@ -313,16 +313,18 @@ class UpdateHolderResponse(_message.Message):
     def __init__(self, revision: _Optional[int] = ...) -> None: ...
 
 class ReleaseHolderRequest(_message.Message):
-    __slots__ = ("model", "version", "holder", "force")
+    __slots__ = ("model", "version", "holder", "force", "session_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     HOLDER_FIELD_NUMBER: _ClassVar[int]
     FORCE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     holder: str
     force: bool
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., holder: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+    session_id: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., holder: _Optional[str] = ..., force: _Optional[bool] = ..., session_id: _Optional[int] = ...) -> None: ...
 
 class ReleaseHolderResponse(_message.Message):
     __slots__ = ("revision",)
@@ -349,14 +351,16 @@ class PinResponse(_message.Message):
     def __init__(self, revision: _Optional[int] = ...) -> None: ...
 
 class UnpinRequest(_message.Message):
-    __slots__ = ("model", "version", "pin_id")
+    __slots__ = ("model", "version", "pin_id", "session_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     pin_id: str
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., pin_id: _Optional[str] = ...) -> None: ...
+    session_id: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., pin_id: _Optional[str] = ..., session_id: _Optional[int] = ...) -> None: ...
 
 class UnpinResponse(_message.Message):
     __slots__ = ("revision",)
