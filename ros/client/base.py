@@ -76,7 +76,8 @@ class ClientBase:
         self.timeout = timeout
         self._listen = parse_address(listen, allow_zero=True)
         self._advertise = advertise
-        self._metadata = (("authorization", f"Bearer {token}"),)
+        # The tenant travels on every call: the hub refuses a token of another tenant.
+        self._metadata = (("authorization", f"Bearer {token}"), ("tensorhub-tenant", self.tenant))
         self._tls = tls
         self._channel = open_channel(addresses, tls=tls)
         self._stub = hub_pb2_grpc.TensorHubStub(self._channel)  # type: ignore[no-untyped-call]
@@ -89,7 +90,11 @@ class ClientBase:
         self._manifests = ManifestCache()  # by (model, version, shard): they never change
         self._session_ttl = session_ttl
         self._closed = False
-        self.session = self._open_session()
+        try:
+            self.session = self._open_session()
+        except BaseException:  # refused at connect (a bad token, another tenant's token)
+            self._channel.close()
+            raise
 
     # -- plumbing --------------------------------------------------------------------------
 

@@ -49,6 +49,7 @@ from tensorhub.lru import SizedLru
 log = logging.getLogger(__name__)
 
 MAX_CALL_SECONDS = 30.0
+TENANT_METADATA_KEY = "tensorhub-tenant"  # the tenant a client names (checked against its token)
 MAX_OPENED_SESSIONS = 65_536  # session ids remembered per replica (see `opened_sessions`)
 S = TypeVar("S", bound="HubBase")
 Req = TypeVar("Req")
@@ -210,7 +211,7 @@ class HubBase:
         token = bearer(context)
         if token is None:
             raise PermissionDenied("no tenant token: send 'authorization: Bearer <token>'")
-        return self.tenants.authenticate(token)
+        return _as_named(context, self.tenants.authenticate(token))
 
     async def _stream_tenant(self, context: CallContext) -> Tenant:
         """`_tenant` for a stream: from the cache on the loop when it can, so thousands of
@@ -218,7 +219,7 @@ class HubBase:
         token = bearer(context)
         cached = None if token is None else self.tenants.cached(token)
         if cached is not None:
-            return cached
+            return _as_named(context, cached)
         return await self._blocking(self._tenant, context)
 
     @staticmethod
@@ -238,20 +239,42 @@ class HubBase:
         return HolderRegistry(self._versions(tenant))
 
     def _own_session(self, tenant: Tenant, session_id: int, timeout: float) -> None:
-        """Refuse to attach records to a lease that is not one of this tenant's sessions.
+        """Refuse to attach records to a lease that is not one of this tenant's live sessions.
 
-        A lease that no longer exists at all is the caller's own expired (or revoked) session
-        as far as it can tell: `SessionExpired` (a `LeaseLost`) says so, and that it must open
-        a new one. A live lease that is not this tenant's is `PermissionDenied`.
+        A session that is not this tenant's is answered exactly as a missing one:
+        `SessionExpired` (a `LeaseLost`), with the same message, after the same one etcd
+        read. Telling "another tenant's live lease" apart (the old `PermissionDenied`) let a
+        tenant find other tenants' live session ids by scanning; and to the caller's own SDK
+        both mean the same thing: that id is no session of its own, open a new one.
         """
         kv, _ = self.etcd.get(self.keys.session(tenant.name, session_id), timeout=timeout)
-        if kv is not None:
-            return
-        if self.etcd.lease_ttl(session_id, timeout=timeout) < 0:
+        if kv is None:
             raise SessionExpired(
                 f"session {session_id:x} has expired or was revoked: open a new one"
             )
-        raise PermissionDenied(f"session {session_id:x} is not an open session of this tenant")
+
+
+def named_tenant(context: CallContext) -> str | None:
+    """The tenant the caller says it is (`tensorhub-tenant` metadata), if it says."""
+    for key, value in context.invocation_metadata():
+        if key == TENANT_METADATA_KEY:
+            return value if isinstance(value, str) else value.decode(errors="replace")
+    return None
+
+
+def _as_named(context: CallContext, tenant: Tenant) -> Tenant:
+    """`tenant` (the token's), unless the caller named another one: then `PermissionDenied`
+    naming both. A client configured as team-b but holding team-a's token must not be
+    served as team-a (it would see team-a's models, and its holder server would check
+    tokens against team-b). A caller that names no tenant (older SDKs, the CLI's admin
+    calls) is served as its token's tenant."""
+    named = named_tenant(context)
+    if named is not None and named != tenant.name:
+        shown = named if len(named) <= 80 else named[:77] + "..."
+        raise PermissionDenied(
+            f"the client names tenant {shown!r} but its token is tenant {tenant.name!r}'s"
+        )
+    return tenant
 
 
 def bearer(context: CallContext) -> str | None:
