@@ -5,7 +5,9 @@ from __future__ import annotations
 from consistency.records import HolderRecord, HolderState
 from consistency.watch import EventKind, WatchEvent
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from tensorhub.endpoints import validate_endpoints
 from tensorhub.errors import InvalidArgument
+from tensorhub.names import validate_name
 
 _STATE_TO_PB = {HolderState.PARTIAL: pb.PARTIAL, HolderState.COMPLETE: pb.COMPLETE}
 _STATE_FROM_PB = {v: k for k, v in _STATE_TO_PB.items()}
@@ -32,7 +34,8 @@ def holder_to_pb(record: HolderRecord) -> pb.Holder:
 def holder_from_pb(
     message: pb.Holder, *, default_state: HolderState = HolderState.PARTIAL
 ) -> HolderRecord:
-    """A HolderRecord from a request; validates the name (InvalidName) and the state."""
+    """A HolderRecord from a request; validates the name (InvalidName), the state and every
+    endpoint (`tensorhub.endpoints`), so nothing a reader cannot use reaches etcd."""
     if message.state == pb.HOLDER_STATE_UNSPECIFIED:
         state = default_state
     elif message.state in _STATE_FROM_PB:
@@ -42,11 +45,12 @@ def holder_from_pb(
     for label in ("dc", "rack", "host"):
         if len(message.topology.get(label, "")) > 253:
             raise InvalidArgument(f"topology label {label} is too long")
-    if len(message.endpoints) > 8 or any(len(v) > 512 for v in message.endpoints.values()):
-        raise InvalidArgument("too many or too long holder endpoints")
+    validate_name(message.name, "holder")  # the name's error first, as HolderRecord's
+    # Every endpoint checked before any write: one a reader cannot use poisons the version.
+    endpoints = validate_endpoints(message.endpoints)
     return HolderRecord(
         holder=message.name,
-        endpoints=dict(message.endpoints),
+        endpoints=endpoints,
         topology=dict(message.topology),
         state=state,
         session=message.session_id,
