@@ -1,6 +1,9 @@
 """The holder's data-plane server: serves chunks of the versions in a `HolderStore`.
 
-One thread per connection, at most `max_connections` (more get BUSY and are closed). Each
+One thread per connection, admitted by `transport.admission`: at most `max_connections`
+(an unauthenticated one is evicted to admit a newcomer, else BUSY), at most `per_peer` from
+one address, and a request frame must be complete within `frame_timeout` or the connection
+is closed — so idle or byte-trickling connections cannot hold the port. Each
 request is checked — frame, names, read token (the pluggable `verifier`), held version,
 layout digest — before any byte of a tensor is touched; a chunk is then sent straight
 from the tensors' memory with one sendmsg of header + memoryviews. Every socket operation
@@ -19,7 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tensorhub.errors import TensorHubError, TransportError, VersionUnavailable
+from transport.admission import Admission, Conn
 from transport.netio import recv_exact, send_views, set_kernel_timeout
+from transport.reader import DEFAULT_PARALLEL
 from transport.staging import StagingBuffer
 from transport.store import HeldVersion, HolderStore
 from transport.tls import TlsConfig
@@ -38,6 +43,11 @@ from transport.wire import (
 
 log = logging.getLogger(__name__)
 
+ROLLOUTS_PER_HOST = 8  # an 8-GPU host runs up to 8 rollouts, each reading with `parallel`
+PER_PEER = 2 * ROLLOUTS_PER_HOST * DEFAULT_PARALLEL  # 64: all of them, with room to reconnect
+MAX_CONNECTIONS = 2 * PER_PEER  # 128: one address never takes more than half the slots
+FRAME_TIMEOUT = 10.0  # seconds for a complete request frame (from accept, or its first byte)
+
 Verifier = Callable[[str, str, int, bytes], bool]
 """`(tenant, model, version, token) -> bool`: may this token read this version here?"""
 
@@ -54,6 +64,7 @@ class Fault:
     corrupt: bool = False  # flip one payload byte (in a copy; the tensors stay intact)
     wrong_version: bool = False  # advertise version + 1 in every CHUNK header
     chunk_delay: float = 0.0  # sleep before each chunk (throttle, so tests can kill mid-way)
+    trickle: float = 0.0  # send every frame at this many bytes/s, in small pieces (a trickler)
 
 
 class _Refuse(Exception):
@@ -74,7 +85,9 @@ class HolderServer:
         host: str = "127.0.0.1",
         port: int = 0,
         *,
-        max_connections: int = 64,
+        max_connections: int = MAX_CONNECTIONS,
+        per_peer: int = PER_PEER,
+        frame_timeout: float = FRAME_TIMEOUT,
         io_timeout: float = 30.0,
         max_chunk_wait: float = 30.0,
         fault: Fault | None = None,
@@ -87,11 +100,10 @@ class HolderServer:
         self._bind = (host, port)
         self._max_wait = max_chunk_wait
         self._io_timeout = io_timeout
-        self._slots = threading.BoundedSemaphore(max_connections)
+        # io_timeout bounds each send and receive, and the idle time between requests.
+        self._admission = Admission(max_connections, per_peer, frame_timeout, io_timeout)
         self._listener: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
-        self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
         self._stopped = threading.Event()
 
     @property
@@ -103,7 +115,8 @@ class HolderServer:
 
     def start(self) -> HolderServer:
         listener = socket.create_server(self._bind, backlog=128)
-        listener.settimeout(0.5)  # so the accept loop notices stop() promptly
+        # the accept loop wakes at least this often: it notices stop() and late frames
+        listener.settimeout(min(0.5, self._admission.frame_timeout / 4))
         self._listener = listener
         self._acceptor = threading.Thread(
             target=self._accept_loop, name="holder-accept", daemon=True
@@ -116,11 +129,8 @@ class HolderServer:
         self._stopped.set()
         if self._listener is not None:
             self._listener.close()
-        with self._lock:
-            conns = list(self._conns)
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
+        for conn in self._admission.sockets():
+            _shut(conn)
         if self._acceptor is not None:
             self._acceptor.join(timeout=2)
 
@@ -133,45 +143,42 @@ class HolderServer:
     def _accept_loop(self) -> None:
         listener = self._listener
         while listener is not None and not self._stopped.is_set():
+            for late in self._admission.expired():  # frame deadline passed: close it
+                log.info("closing connection from %s: no complete request in time", late.peer)
+                _shut(late.sock)
             try:
-                conn, _ = listener.accept()
+                conn, addr = listener.accept()
             except TimeoutError:
                 continue
             except OSError:
                 return
-            if not self._slots.acquire(blocking=False):
+            record, victim, why = self._admission.admit(conn, str(addr[0]))
+            if victim is not None:
+                log.info("evicting unauthenticated connection from %s: holder full", victim.peer)
+                _shut(victim.sock)
+            if record is None:
                 with contextlib.suppress(OSError):
                     conn.settimeout(1.0)
-                    conn.sendall(encode_error(ErrorCode.BUSY, "too many connections"))
+                    conn.sendall(encode_error(ErrorCode.BUSY, why))
                 conn.close()
                 continue
-            with self._lock:
-                self._conns.add(conn)
             threading.Thread(
-                target=self._serve, args=(conn,), name="holder-conn", daemon=True
+                target=self._serve, args=(record,), name="holder-conn", daemon=True
             ).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, record: Conn) -> None:
+        conn = record.sock
         try:
             if self._tls is not None:
-                conn = self._handshake(conn)
+                conn = self._handshake(record)
             set_kernel_timeout(conn, self._io_timeout)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             staging: list[StagingBuffer] = []  # created on first CUDA chunk
             while not self._stopped.is_set():
                 try:
-                    parsed = parse_header(recv_exact(conn, HEADER.size))
-                    if isinstance(parsed, Rejection):
-                        raise _Refuse(parsed.code, parsed.message)
-                    ftype, length = parsed
-                    body = recv_exact(conn, length)
-                    if ftype is not FrameType.GET:
-                        raise _Refuse(ErrorCode.BAD_FRAME, f"holder accepts GET, not {ftype.name}")
-                    try:
-                        req = decode_get(body)
-                    except TransportError as exc:
-                        raise _Refuse(ErrorCode.BAD_REQUEST, str(exc)) from exc
-                    self._answer(conn, req, staging)
+                    req = self._request(record, conn)
+                    self._answer(record, conn, req, staging)
+                    self._admission.idle(record)
                 except _Refuse as refusal:
                     with contextlib.suppress(OSError):
                         conn.sendall(encode_error(refusal.code, str(refusal)))
@@ -181,14 +188,34 @@ class HolderServer:
         except Exception:  # a bug must cost one connection, never the server
             log.exception("holder connection failed")
         finally:
-            with self._lock:
-                self._conns.discard(conn)
+            self._admission.forget(record)
             conn.close()
-            self._slots.release()
 
-    def _handshake(self, raw: socket.socket) -> socket.socket:
-        """Wrap an accepted connection in TLS (bounded by the I/O timeout); a peer without
-        a certificate from our CA fails here, before it can send a request."""
+    def _request(self, record: Conn, conn: socket.socket) -> GetRequest:
+        """Receive one GET. The first frame is due within `frame_timeout` of accept; on a
+        connection already served, the next may start within `io_timeout` and must then be
+        complete within `frame_timeout` of its first byte (the accept loop enforces both)."""
+        first = bytearray()
+        if record.authenticated:
+            first = recv_exact(conn, 1)
+            self._admission.frame_started(record)
+        parsed = parse_header(first + recv_exact(conn, HEADER.size - len(first)))
+        if isinstance(parsed, Rejection):
+            raise _Refuse(parsed.code, parsed.message)
+        ftype, length = parsed
+        body = recv_exact(conn, length)
+        self._admission.answering(record)
+        if ftype is not FrameType.GET:
+            raise _Refuse(ErrorCode.BAD_FRAME, f"holder accepts GET, not {ftype.name}")
+        try:
+            return decode_get(body)
+        except TransportError as exc:
+            raise _Refuse(ErrorCode.BAD_REQUEST, str(exc)) from exc
+
+    def _handshake(self, record: Conn) -> socket.socket:
+        """Wrap an accepted connection in TLS (within the first frame's deadline); a peer
+        without a certificate from our CA fails here, before it can send a request."""
+        raw = record.sock
         if self._tls is None:
             return raw
         raw.settimeout(self._io_timeout)
@@ -196,12 +223,10 @@ class HolderServer:
             conn = self._tls.wrap_socket(raw, server_side=True)
         except (ssl.SSLError, OSError) as exc:
             raise TransportError(f"TLS handshake failed: {exc}") from exc
-        with self._lock:
-            self._conns.discard(raw)
-            self._conns.add(conn)
+        self._admission.replace_socket(record, conn)
         return conn
 
-    def _lookup(self, req: GetRequest) -> HeldVersion:
+    def _lookup(self, record: Conn, req: GetRequest) -> HeldVersion:
         try:
             allowed = self.verifier(req.tenant, req.model, req.version, req.token)
         except Exception as exc:
@@ -209,6 +234,7 @@ class HolderServer:
             allowed = False
         if not allowed:
             raise _Refuse(ErrorCode.DENIED, "read token not valid for this version")
+        self._admission.authenticated(record)
         held = self.store.get((req.tenant, req.model, req.version))
         if held is None:
             raise _Refuse(ErrorCode.NOT_HELD, f"{req.model}@{req.version} not held here")
@@ -218,8 +244,10 @@ class HolderServer:
             raise _Refuse(ErrorCode.BAD_REQUEST, "chunk index out of range")
         return held
 
-    def _answer(self, conn: socket.socket, req: GetRequest, staging: list[StagingBuffer]) -> None:
-        held = self._lookup(req)
+    def _answer(
+        self, record: Conn, conn: socket.socket, req: GetRequest, staging: list[StagingBuffer]
+    ) -> None:
+        held = self._lookup(record, req)
         if held.on_cuda and not staging:
             staging.append(StagingBuffer(held.layout.chunk_size))
         buf = staging[0] if staging else None
@@ -242,7 +270,11 @@ class HolderServer:
                     )
                     if self.fault is not None:
                         header, views = self._misbehave(header, views)
-                    send_views(conn, [memoryview(encode_chunk_header(header)), *views])
+                    frame = [memoryview(encode_chunk_header(header)), *views]
+                    if self.fault is not None and self.fault.trickle:
+                        self._trickle(conn, frame, self.fault.trickle)
+                    else:
+                        send_views(conn, frame)
                     if self._on_served is not None:
                         self._on_served(header.length)
         except VersionUnavailable as exc:
@@ -251,6 +283,15 @@ class HolderServer:
             if isinstance(exc, TransportError):
                 raise
             raise _Refuse(ErrorCode.BAD_REQUEST, str(exc)) from exc
+
+    def _trickle(self, conn: socket.socket, views: list[memoryview], rate: float) -> None:
+        """Fault: send `views` at `rate` bytes/s, a piece every 50 ms (never silent for long)."""
+        piece = max(1, int(rate / 20))
+        for view in views:
+            for start in range(0, len(view), piece):
+                if self._stopped.wait(piece / rate):
+                    raise TransportError("holder stopped")
+                send_views(conn, [view[start : start + piece]])
 
     def _misbehave(
         self, header: ChunkHeader, views: list[memoryview]
@@ -275,3 +316,9 @@ class HolderServer:
             data[len(data) // 2] ^= 0xFF
             views = [memoryview(data)]
         return header, views
+
+
+def _shut(sock: socket.socket) -> None:
+    """Cut a connection so the thread blocked on it returns at once (it closes the socket)."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
