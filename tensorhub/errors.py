@@ -136,6 +136,14 @@ class TransportError(TensorHubError):
     code = "UNAVAILABLE"
 
 
+class SlowHolder(TransportError):
+    """A holder sent a chunk it has below the fetch's rate floor for longer than the stall
+    window (a trickler): suspected for this fetch like a silent one, its chunks moved to
+    other holders (transport/pace.py)."""
+
+    rate: float = 0.0  # the bytes/s it delivered over the window it was judged on
+
+
 class IntegrityError(TensorHubError):
     """Bytes failed their checksum or carried the wrong version, and no holder had good ones."""
 

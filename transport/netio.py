@@ -25,6 +25,13 @@ class Hasher(Protocol):
     def update(self, data: memoryview, /) -> None: ...
 
 
+class Meter(Protocol):
+    """What `recv_views` tells about the pace of arrival (transport.pace.Pace fits): it is
+    called after every receive with the bytes it got, and may raise to abort."""
+
+    def note(self, n: int, /) -> None: ...
+
+
 def set_kernel_timeout(sock: socket.socket, seconds: float) -> None:
     """Bound every send/recv on `sock` by `seconds` with SO_RCVTIMEO/SO_SNDTIMEO.
 
@@ -55,10 +62,14 @@ def recv_exact(sock: socket.socket, n: int) -> bytearray:
 
 
 def recv_views(
-    sock: socket.socket, views: Sequence[memoryview], hasher: Hasher | None = None
+    sock: socket.socket,
+    views: Sequence[memoryview],
+    hasher: Hasher | None = None,
+    meter: Meter | None = None,
 ) -> int:
     """Fill `views` in order straight from the socket (recv_into / recvmsg_into), feeding
-    each received piece to `hasher` while it is still in cache. Returns bytes received."""
+    each received piece to `hasher` while it is still in cache, and its size to `meter`.
+    Returns bytes received."""
     views = [v for v in views if len(v)]
     total, i, pos, n = 0, 0, 0, len(views)  # i: current view, pos: offset inside it
     one_at_a_time = isinstance(sock, ssl.SSLSocket)  # TLS has no recvmsg_into
@@ -72,6 +83,8 @@ def recv_views(
             if got == 0:
                 raise TransportError("peer closed the connection mid-frame")
             total += got
+            if meter is not None:
+                meter.note(got)
             while got:
                 view = views[i]
                 take = min(got, len(view) - pos)

@@ -6,8 +6,9 @@ every payload with recv_into directly into the destination memory while hashing 
 the CHUNK header (tenant, model, version, index, offset, length) and the xxh3-64, and only
 then marks the chunk present — from that moment `dest` (registered in the local store by
 the caller) serves it to other readers. A holder that errs, sends bad bytes or stays
-silent for `stall_timeout` is dropped for this fetch and its unfinished chunks re-planned
-at once; only chunks not yet received are fetched again.
+silent for `stall_timeout`, or sends a chunk it has below `rate_floor` bytes/s for as long
+(transport/pace.py), is dropped for this fetch and its unfinished chunks re-planned at
+once; only chunks not yet received are fetched again.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import tenacity
 import xxhash
@@ -28,7 +28,7 @@ from tensorhub.errors import (
     DeadlineExceeded,
     IntegrityError,
     InvalidArgument,
-    PermissionDenied,
+    SlowHolder,
     TensorHubError,
     TransportError,
     VersionUnavailable,
@@ -37,6 +37,8 @@ from tensorhub.names import validate_name, validate_version
 from tensorhub.planted import planted_bug
 from transport.layout import Layout
 from transport.netio import arm, recv_views
+from transport.outcome import FetchStats, final_error
+from transport.pace import DEFAULT_RATE_FLOOR, Pace
 from transport.planner import ChunkScheduler, Source, rank
 from transport.staging import StagingBuffer
 from transport.store import HeldVersion
@@ -53,27 +55,11 @@ from transport.wire import (
     read_frame,
 )
 
-__all__ = ["FetchStats", "Source", "fetch"]
+__all__ = ["DEFAULT_RATE_FLOOR", "FetchStats", "Source", "fetch"]
 
 DEFAULT_PARALLEL = 4
 DEFAULT_STALL = 5.0
 BATCH_BYTES = 64 * 1024 * 1024  # chunks asked for per GET: one round trip per ~64 MiB
-
-
-@dataclass
-class FetchStats:
-    """What one fetch moved, for tests and metrics. Bytes are payload bytes."""
-
-    bytes_per_source: dict[str, int] = field(default_factory=dict)
-    refetched_bytes: int = 0  # bytes of chunks received again after a failed attempt
-    discarded_bytes: int = 0  # bytes received in failed attempts (partial or rejected)
-    chunks: int = 0  # chunks received by this fetch
-    duration: float = 0.0
-    failed_sources: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.bytes_per_source.values())
 
 
 class _Fetch:
@@ -90,8 +76,10 @@ class _Fetch:
         stall: float,
         expected: Sequence[int] | None = None,
         tls: TlsConfig | None = None,
+        rate_floor: float = DEFAULT_RATE_FLOOR,
     ) -> None:
         self.tenant, self.model, self.version = tenant, model, version
+        self.rate_floor = rate_floor
         self.expected = expected
         self.tls = tls.client_context() if tls is not None else None
         self.dest, self.layout, self.token = dest, dest.layout, token
@@ -155,7 +143,9 @@ class _Fetch:
         """Receive one CHUNK for `index` into `dest`, verify it, mark it present; returns its
         payload bytes. A chunk that fails part-way is remembered in `touched`."""
         arm(sock, self.deadline, self.stall)
-        ftype, body = read_frame(sock)
+        # judged from the frame's first byte: from then on the holder has the whole chunk
+        pace = Pace(self.rate_floor, self.stall) if self.rate_floor > 0 else None
+        ftype, body = read_frame(sock, pace)
         if ftype is FrameType.ERROR:
             raise_error_frame(body)
         if ftype is not FrameType.CHUNK:
@@ -172,7 +162,7 @@ class _Fetch:
             raise TransportError(f"holder sent chunk {h.index} ({h.length} B), wanted {index}")
         hasher = xxhash.xxh3_64()
         try:
-            recv_views(sock, self.dest.sink_views(index, staging), hasher)
+            recv_views(sock, self.dest.sink_views(index, staging), hasher, pace)
         except TransportError:
             self.touched.add(index)
             raise
@@ -260,18 +250,6 @@ def _worker(f: _Fetch, sched: ChunkScheduler, source: Source) -> None:
                 sock.close()
 
 
-def _final_error(sched: ChunkScheduler, what: str) -> TensorHubError:
-    reasons = list(sched.failures.values())
-    summary = "; ".join(f"{h}: {e}" for h, e in sched.failures.items()) or "no sources"
-    if any(isinstance(e, IntegrityError) for e in reasons):
-        return IntegrityError(f"{what}: no holder had intact bytes ({summary})")
-    if reasons and all(isinstance(e, PermissionDenied) for e in reasons):
-        return PermissionDenied(f"{what}: every holder refused the read token ({summary})")
-    if reasons and all(isinstance(e, DeadlineExceeded) for e in reasons):
-        return DeadlineExceeded(f"{what}: deadline passed ({summary})")
-    return VersionUnavailable(f"{what}: no holder left ({summary})")
-
-
 def _round(f: _Fetch, sources: Sequence[Source], me: Topology, parallel: int) -> ChunkScheduler:
     """Fetch the missing chunks from `sources` until done, no source is left, or deadline."""
     missing = f.dest.missing()
@@ -296,6 +274,8 @@ def _round(f: _Fetch, sources: Sequence[Source], me: Topology, parallel: int) ->
             t.join(timeout=max(0.1, f.stall))
     for holder, exc in sched.failures.items():
         f.stats.failed_sources[holder] = repr(exc)
+        if isinstance(exc, SlowHolder):
+            f.stats.slow_sources[holder] = exc.rate
     return sched
 
 
@@ -315,6 +295,7 @@ def fetch(
     stall_timeout: float = DEFAULT_STALL,
     expected: Sequence[int] | None = None,
     tls: TlsConfig | None = None,
+    rate_floor: float = DEFAULT_RATE_FLOOR,
 ) -> FetchStats:
     """Fill `dest`'s missing chunks of tenant/model@version from `sources` before
     `deadline` (a time.monotonic() value). Raises `VersionUnavailable` when no holder is
@@ -322,7 +303,9 @@ def fetch(
     time ran out; never blocks past `deadline`. `expected`, when given, is the publisher's
     xxh3 of every chunk (from the manifest): a chunk that is intact on the wire but differs
     from it is treated like a corrupt one and fetched elsewhere. `tls` makes every
-    connection mutual TLS (holders must serve TLS with a certificate from the same CA)."""
+    connection mutual TLS (holders must serve TLS with a certificate from the same CA).
+    `rate_floor` (bytes/s, 0: off) suspects a holder that sends a chunk it has slower than
+    that for `stall_timeout` (a trickler), as a silent one is suspected."""
     validate_name(tenant, "tenant")
     validate_name(model, "model")
     validate_version(version)
@@ -330,11 +313,13 @@ def fetch(
         raise InvalidArgument("dest does not hold this tenant/model/version/layout")
     if expected is not None and len(expected) != layout.num_chunks:
         raise InvalidArgument(f"{len(expected)} expected checksums for {layout.num_chunks} chunks")
-    if parallel < 1 or stall_timeout <= 0:
-        raise InvalidArgument("parallel must be >= 1 and stall_timeout > 0")
+    if parallel < 1 or stall_timeout <= 0 or rate_floor < 0:
+        raise InvalidArgument("parallel must be >= 1, stall_timeout > 0 and rate_floor >= 0")
     start = time.monotonic()
     what = f"fetch {model}@{version}"
-    f = _Fetch(tenant, model, version, dest, token, deadline, stall_timeout, expected, tls)
+    f = _Fetch(
+        tenant, model, version, dest, token, deadline, stall_timeout, expected, tls, rate_floor
+    )
     suspects: set[str] = set()
     current = list(sources)
     # A round that ends with holders unreachable (VersionUnavailable) or with bad bytes from
@@ -367,7 +352,7 @@ def fetch(
                     raise DeadlineExceeded(
                         f"{what}: deadline passed with {len(dest.missing())} chunks missing"
                     )
-                last = _final_error(sched, what)
+                last = final_error(sched, what)
             elif not isinstance(last, IntegrityError):  # keep the most telling reason
                 last = VersionUnavailable(f"{what}: no holder left")
             if refresh_sources is None or not isinstance(last, retryable):

@@ -23,7 +23,7 @@ from tensorhub.errors import (
     VersionUnavailable,
 )
 from tensorhub.names import validate_name, validate_version
-from transport.netio import recv_exact
+from transport.netio import Meter, recv_views
 
 MAGIC = b"THUB"
 WIRE_VERSION = 1
@@ -181,13 +181,18 @@ def parse_header(raw: bytes | bytearray) -> tuple[FrameType, int] | Rejection:
     return FrameType(ftype), length
 
 
-def read_frame(sock: socket.socket) -> tuple[FrameType, bytearray]:
-    """Read one frame (header, then its bounded body); malformed is `TransportError`."""
-    parsed = parse_header(recv_exact(sock, HEADER.size))
+def read_frame(sock: socket.socket, meter: Meter | None = None) -> tuple[FrameType, bytearray]:
+    """Read one frame (header, then its bounded body); malformed is `TransportError`.
+    `meter` (e.g. a rate floor's `Pace`) sees every piece as it arrives."""
+    raw = bytearray(HEADER.size)
+    recv_views(sock, [memoryview(raw)], meter=meter)
+    parsed = parse_header(raw)
     if isinstance(parsed, Rejection):
         raise TransportError(f"peer sent a bad frame: {parsed.message}")
     ftype, length = parsed
-    return ftype, recv_exact(sock, length)
+    body = bytearray(length)
+    recv_views(sock, [memoryview(body)], meter=meter)
+    return ftype, body
 
 
 def decode_get(body: bytearray) -> GetRequest:
