@@ -41,6 +41,12 @@ class AlreadyExists(TensorHubError):
     code = "ALREADY_EXISTS"
 
 
+class TenantNotFound(TensorHubError):
+    """An admin call names a tenant that does not exist (never created, or deleted)."""
+
+    code = "NOT_FOUND"
+
+
 class VersionNotFound(TensorHubError):
     """The model or version was never published, or is no longer retained."""
 

@@ -1,4 +1,6 @@
-"""`tensorhub tenant create NAME`: an admin call that prints the new tenant's token once."""
+"""`tensorhub tenant create NAME`: an admin call that prints the new tenant's token once;
+`tensorhub tenant delete NAME`: an admin call that deletes a tenant and everything it owns
+(its name may then be created again, with tokens the old tenant's never match)."""
 
 from __future__ import annotations
 
@@ -26,11 +28,23 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     create.add_argument("--max-models", type=int, default=0, help="quota (default 64)")
     create.add_argument("--max-retained-versions", type=int, default=0, help="quota (default 4)")
     create.add_argument("--max-sessions", type=int, default=0, help="quota (default 1024)")
+    delete = sub.add_parser(
+        "delete", help="delete a tenant: its models, versions, holders and sessions, at once"
+    )
+    delete.add_argument("name", help="the tenant to delete")
+    add_hub_flags(delete, tenant=False)
+    delete.add_argument(
+        "--admin-token",
+        default=os.environ.get("TENSORHUB_ADMIN_TOKEN"),
+        help="the hub's admin token (env TENSORHUB_ADMIN_TOKEN)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     if not args.admin_token:
         raise InvalidArgument("no admin token: pass --admin-token or set TENSORHUB_ADMIN_TOKEN")
+    if args.action == "delete":
+        return _delete(args)
     stub, channel = hub_stub(args)
     request = pb.CreateTenantRequest(
         name=args.name,
@@ -55,4 +69,23 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"tenant {response.name} created. Its token (shown only now, store it safely):")
         print(response.token)
+    return 0
+
+
+def _delete(args: argparse.Namespace) -> int:
+    stub, channel = hub_stub(args)
+    try:
+        response = stub.DeleteTenant(
+            pb.DeleteTenantRequest(name=args.name),
+            timeout=args.timeout,
+            metadata=(("authorization", f"Bearer {args.admin_token}"),),
+        )
+    except grpc.RpcError as exc:
+        raise from_rpc_error(exc) from None
+    finally:
+        channel.close()
+    if args.json:
+        print_json({"tenant": args.name, "deleted": True, "revision": response.revision})
+    else:
+        print(f"tenant {args.name} deleted (revision {response.revision})")
     return 0

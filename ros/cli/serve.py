@@ -29,6 +29,7 @@ from ros.hub.limits import (
     DEFAULT_WORKERS,
 )
 from ros.hub.server import HubServer
+from ros.tokens import READ_KEY_PERIOD
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
@@ -88,6 +89,14 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         help="threads running unary calls (streams need none) (default %(default)s)",
     )
     parser.add_argument(
+        "--read-key-period",
+        type=float,
+        default=READ_KEY_PERIOD,
+        metavar="SECONDS",
+        help="seconds between rotations of each tenant's read key; holders accept the "
+        "current and the previous period's; the same on every replica (default %(default)s)",
+    )
+    parser.add_argument(
         "--compact-interval",
         type=float,
         default=DEFAULT_COMPACT_INTERVAL,
@@ -133,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
             retain=args.retain, credentials=credentials, max_workers=args.workers,
             max_streams=args.max_streams, max_streams_per_tenant=args.max_streams_per_tenant,
             max_private_watches=args.max_private_watches,
-            compact_interval=args.compact_interval,
+            compact_interval=args.compact_interval, read_key_period=args.read_key_period,
         ).start()  # fmt: skip
         if args.metrics_port:
             start_http_server(args.metrics_port)

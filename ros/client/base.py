@@ -19,7 +19,7 @@ from consistency.floor import RevisionFloor, StaleRead
 from ros.client.channel import open_channel, parse_address
 from ros.client.handles import DEFAULT_RELEASE_TIMEOUT
 from ros.client.manifest_cache import CachedManifest, ManifestCache
-from ros.client.session import ClientSession
+from ros.client.session import ClientSession, read_keys_of
 from ros.client.spill import map_safetensors, write_safetensors
 from ros.client.watch import HubWatch
 from ros.errors import from_rpc_error
@@ -30,6 +30,7 @@ from ros.tokens import ReadTokenVerifier
 from tensorhub.errors import (
     AlreadyExists,
     IntegrityError,
+    InternalError,
     InvalidArgument,
     SessionExpired,
     TensorHubError,
@@ -136,9 +137,20 @@ class ClientBase:
     def _open_session(self) -> ClientSession:
         opened = self._rpc("OpenSession", pb.OpenSessionRequest(ttl_seconds=self._session_ttl))
         self.floor.observe(opened.revision)
-        # Built once per session, not on every read request the holder server checks.
-        self._read_tokens = ReadTokenVerifier(bytes(opened.read_key), self.tenant)
-        return ClientSession(self._stub, self._metadata, opened, on_lost=self._session_lost)
+        keys = read_keys_of(opened.read_keys)
+        if not keys:
+            raise InternalError("the hub sent no read keys: it is older than this SDK")
+        # One verifier for the client's life: each session's keys (OpenSession, then every
+        # KeepAlive answer) replace the last, so the holder server follows rotation.
+        verifier: ReadTokenVerifier | None = getattr(self, "_read_tokens", None)
+        if verifier is None:
+            self._read_tokens = ReadTokenVerifier(keys, self.tenant)
+        else:
+            verifier.update(keys)
+        return ClientSession(
+            self._stub, self._metadata, opened, on_lost=self._session_lost,
+            on_keys=self._read_tokens.update,
+        )  # fmt: skip
 
     def _session_lost(self, lost: ClientSession) -> None:
         """Stop serving at once, then re-register everything under a new session."""

@@ -4,6 +4,9 @@ The session id is the etcd lease id, so when the hub replica carrying the keepal
 dies, the stream is reopened (the channel fails over to another replica) and that replica
 renews the same lease. If no renewal succeeds before the TTL runs out, the session is lost:
 `lost` is set and `on_lost` runs, so the client stops serving at once and re-registers.
+
+Every KeepAlive answer carries the tenant's current read keys (they rotate: `ros.tokens`);
+`on_keys` hands them to the holder server's verifier, so a long-lived holder follows rotation.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import grpc
@@ -19,6 +22,7 @@ import grpc
 from ros.client.backoff import is_overloaded, overload_delay
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
+from ros.tokens import ReadKey
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +36,12 @@ class ClientSession:
         metadata: tuple[tuple[str, str], ...],
         opened: pb.OpenSessionResponse,
         on_lost: Callable[[ClientSession], None] | None = None,
+        on_keys: Callable[[list[ReadKey]], None] | None = None,
     ) -> None:
         self.id = int(opened.session_id)
         self.ttl = int(opened.ttl_seconds)
-        self.read_key = bytes(opened.read_key)
+        self.read_keys = read_keys_of(opened.read_keys)
+        self._on_keys = on_keys
         self._stub = stub
         self._metadata = metadata
         self._on_lost = on_lost
@@ -48,6 +54,11 @@ class ClientSession:
             target=self._run, name=f"hub-session-{self.id:x}", daemon=True
         )
         self._thread.start()
+
+    @property
+    def read_key(self) -> ReadKey:
+        """The newest read key this session has learned."""
+        return self.read_keys[0]
 
     @property
     def interval(self) -> float:
@@ -78,6 +89,10 @@ class ClientSession:
                         self._lose("lease expired")
                         return
                     self._expires_at = time.monotonic() + response.ttl_seconds
+                    if response.read_keys:
+                        self.read_keys = read_keys_of(response.read_keys)
+                        if self._on_keys is not None:
+                            self._on_keys(self.read_keys)
                     self.renewals += 1
                     if self._stop.is_set():
                         call.cancel()
@@ -120,3 +135,8 @@ class ClientSession:
         if call is not None:
             call.cancel()
         self._thread.join(timeout=2)
+
+
+def read_keys_of(keys: Iterable[pb.ReadKey]) -> list[ReadKey]:
+    """Read keys from a hub answer, newest first."""
+    return sorted((ReadKey(int(k.id), bytes(k.key)) for k in keys), key=lambda k: -k.id)

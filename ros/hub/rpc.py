@@ -37,6 +37,7 @@ from ros.hub.limits import Limits, StreamLimits
 from ros.hub.manifest_cache import ManifestCache
 from ros.hub.tenants import Tenant, TenantStore
 from ros.metrics import HUB_INTERNAL_ERRORS, HUB_LATENCY, HUB_REQUESTS
+from ros.tokens import READ_KEY_PERIOD
 from tensorhub.errors import (
     DeadlineExceeded,
     InternalError,
@@ -156,11 +157,17 @@ class HubBase:
     """State and plumbing shared by the handler groups (sessions, versions, holders)."""
 
     def __init__(
-        self, etcd: Etcd, keys: Keys, *, default_retain: int = 2, limits: Limits | None = None
+        self,
+        etcd: Etcd,
+        keys: Keys,
+        *,
+        default_retain: int = 2,
+        limits: Limits | None = None,
+        read_key_period: float = READ_KEY_PERIOD,
     ) -> None:
         self.etcd = etcd
         self.keys = keys
-        self.tenants = TenantStore(etcd, keys)
+        self.tenants = TenantStore(etcd, keys, read_key_period=read_key_period)
         self._default_retain = default_retain
         self.limits = limits or Limits()
         self.streams = StreamLimits(self.limits)

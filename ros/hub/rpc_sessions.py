@@ -44,9 +44,15 @@ class SessionRPCs(HubBase):
         return pb.OpenSessionResponse(
             session_id=session.id,
             ttl_seconds=session.ttl,
-            read_key=self.tenants.read_key(tenant.name),
+            read_key=self.tenants.signing_key(tenant).key,  # deprecated: for older SDKs
             revision=revision,
+            read_keys=self._read_keys_pb(tenant),
         )
+
+    def _read_keys_pb(self, tenant: Tenant) -> list[pb.ReadKey]:
+        """The tenant's read keys a holder accepts now, for a live session of the tenant
+        (OpenSession, every KeepAlive answer): that is how holders follow rotation."""
+        return [pb.ReadKey(id=k.id, key=k.key) for k in self.tenants.read_keys(tenant)]
 
     def _mark_session(self, tenant: Tenant, session_id: int, timeout: float) -> int:
         """Mark the lease as the tenant's, within its session quota (race-free: see
@@ -82,7 +88,8 @@ class SessionRPCs(HubBase):
         """Renew sessions as their owner asks, as a coroutine: each renewal goes over the
         replica's one shared etcd keepalive stream (`consistency.keepalive`), so a stream
         costs no thread and no etcd stream of its own. The first renewal of each session id
-        checks that it is one of the caller's sessions."""
+        checks that it is one of the caller's sessions; each answer that finds the lease alive
+        carries the tenant's current read keys (`ros.tokens`)."""
         call = CallContext.of(context)
         tenant = await self._stream_tenant(call)
         owned: set[int] = set()
@@ -99,7 +106,10 @@ class SessionRPCs(HubBase):
                     ttl = await asyncio.wrap_future(
                         self._leases.renew(request.session_id, RENEW_SECONDS)
                     )
-                    yield pb.KeepAliveResponse(session_id=request.session_id, ttl_seconds=ttl)
+                    response = pb.KeepAliveResponse(session_id=request.session_id, ttl_seconds=ttl)
+                    if ttl > 0:  # keys only under a live session of the caller's own
+                        response.read_keys.extend(self._read_keys_pb(tenant))
+                    yield response
             finally:
                 HUB_SESSIONS.dec()
 

@@ -139,7 +139,7 @@ class VersionRPCs(HubBase):
         header = self._header(tenant, model, version, timeout)
         _check_shard(model, version, shard, header.shard_count)
         token, expiry = issue_read_token(
-            self.tenants.read_key(tenant.name), tenant.name, model, version
+            self.tenants.signing_key(tenant), tenant.name, model, version
         )
         response = pb.ResolveResponse(
             version=version,

@@ -41,6 +41,7 @@ from ros.hub.limits import (
 from ros.hub.servicer import HubServicer
 from ros.metrics import CompactorMetrics
 from ros.proto.tensorhub.v1 import hub_pb2, hub_pb2_grpc
+from ros.tokens import READ_KEY_PERIOD
 from tensorhub.errors import DeadlineExceeded
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,8 @@ class HubServer:
     `max_private_watches` the watches replaying old revisions (see `ros.hub.limits`).
     `compact_interval`: seconds between etcd compactions by the one replica elected to do
     them (`consistency.compactor`; 0 turns this replica's compactor off).
+    `read_key_period`: seconds between rotations of every tenant's read key (`ros.tokens`);
+    every replica must use the same.
     """
 
     def __init__(
@@ -78,6 +81,7 @@ class HubServer:
         max_streams_per_tenant: int = DEFAULT_MAX_STREAMS_PER_TENANT,
         max_private_watches: int = DEFAULT_MAX_PRIVATE_WATCHES,
         compact_interval: float = DEFAULT_COMPACT_INTERVAL,
+        read_key_period: float = READ_KEY_PERIOD,
     ) -> None:
         self.limits = Limits(
             max_streams=max_streams,
@@ -93,7 +97,7 @@ class HubServer:
         try:
             self.servicer = HubServicer(
                 self.etcd, self.keys, admin_token=admin_token, default_retain=retain,
-                limits=self.limits,
+                limits=self.limits, read_key_period=read_key_period,
             )  # fmt: skip
         except BaseException:
             self.etcd.close()

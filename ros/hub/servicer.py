@@ -15,8 +15,9 @@ from ros.hub.rpc_versions import VersionRPCs
 from ros.hub.tenants import Quotas
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
-from ros.tokens import token_hash
+from ros.tokens import READ_KEY_PERIOD, token_hash
 from tensorhub.errors import PermissionDenied
+from tensorhub.names import validate_name
 
 
 class HubServicer(SessionRPCs, VersionRPCs, HolderRPCs, hub_pb2_grpc.TensorHubServicer):
@@ -30,8 +31,12 @@ class HubServicer(SessionRPCs, VersionRPCs, HolderRPCs, hub_pb2_grpc.TensorHubSe
         admin_token: str,
         default_retain: int = 2,
         limits: Limits | None = None,
+        read_key_period: float = READ_KEY_PERIOD,
     ) -> None:
-        super().__init__(etcd, keys, default_retain=default_retain, limits=limits)
+        super().__init__(
+            etcd, keys, default_retain=default_retain, limits=limits,
+            read_key_period=read_key_period,
+        )  # fmt: skip
         self._admin_hash = token_hash(admin_token)
 
     @unary
@@ -50,3 +55,15 @@ class HubServicer(SessionRPCs, VersionRPCs, HolderRPCs, hub_pb2_grpc.TensorHubSe
         )
         tenant_token = self.tenants.create(request.name, quotas)
         return pb.CreateTenantResponse(name=request.name, token=tenant_token)
+
+    @unary
+    def DeleteTenant(
+        self, request: pb.DeleteTenantRequest, context: CallContext
+    ) -> pb.DeleteTenantResponse:
+        """Delete a tenant and everything it owns (admin token). Its name may be created
+        again: a new epoch, so the old tenant's tokens and read tokens verify nowhere."""
+        token = bearer(context)
+        if token is None or not same(token_hash(token), self._admin_hash):
+            raise PermissionDenied("DeleteTenant needs the admin token")
+        name = validate_name(request.name, "tenant")
+        return pb.DeleteTenantResponse(revision=self.tenants.delete(name, self._timeout(context)))

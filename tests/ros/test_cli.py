@@ -109,3 +109,23 @@ def test_help_is_helpful() -> None:
     no_hub = tensorhub("ls", env={"TENSORHUB_HUB": "", "TENSORHUB_TOKEN": "x.y"})
     assert no_hub.returncode == 1
     assert "--hub" in no_hub.stderr
+
+
+@pytest.mark.timeout(120)
+def test_cli_tenant_delete(served: str) -> None:
+    flags = ("--hub", served, "--admin-token", ADMIN)
+    created = tensorhub("tenant", "create", "team.x", *flags, "--json")
+    assert created.returncode == 0, created.stderr
+    token = json.loads(created.stdout)["token"]
+    env = {"TENSORHUB_HUB": served, "TENSORHUB_TENANT": "team.x", "TENSORHUB_TOKEN": token}
+    assert tensorhub("ls", env=env).returncode == 0  # a dotted name authenticates
+    deleted = tensorhub("tenant", "delete", "team.x", *flags)
+    assert deleted.returncode == 0, deleted.stderr
+    assert "tenant team.x deleted" in deleted.stdout
+    gone = tensorhub("tenant", "delete", "team.x", *flags)
+    assert gone.returncode == 1
+    assert "TenantNotFound" in gone.stderr
+    denied = tensorhub("ls", env=env)  # the deleted tenant's token
+    assert denied.returncode == 1
+    assert "PermissionDenied" in denied.stderr
+    assert tensorhub("tenant", "create", "team.x", *flags).returncode == 0
