@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import grpc
 import pytest
