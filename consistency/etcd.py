@@ -5,22 +5,30 @@ that class has one timeout for all calls, locks a failed member out for 300 s, a
 thread breaks on stream errors (it calls an unimported `six`). Here every call takes a deadline,
 a member that fails is skipped for a short while, and retries follow `consistency.retry`.
 Reads are linearizable (never `serializable`).
+
+Credentials (`consistency.credentials.EtcdCredentials`) add TLS to every channel and etcd auth:
+a token interceptor authenticates on first use, sends the token with every call, and a call
+that etcd refuses for its token (expired, or the auth store changed) authenticates again and
+is sent once more. Streams (watch, lease keepalive) cannot be re-sent by this module, so a
+stream opens with a token younger than `STREAM_TOKEN_AGE`, shorter than etcd's token TTL.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import grpc
 from etcd3 import etcdrpc
 
 from consistency import ops
+from consistency.credentials import EtcdAuthFailed, EtcdCredentials
 from consistency.ops import KV, Cmp, Op
 from consistency.retry import DEFAULT_POLICY, RetryPolicy, is_deadline, is_retryable
 from tensorhub.errors import DeadlineExceeded, StorageFull, TensorHubError, Unavailable
@@ -29,6 +37,13 @@ T = TypeVar("T")
 
 DEFAULT_TIMEOUT = 5.0
 _SKIP_FAILED_FOR = 1.0  # seconds a failed member is passed over before it is tried again
+# A stream opens with a token at most this old (`Etcd(stream_token_age=)`): etcd checks a
+# watch's token at each create and cancels the watch if it expired, and a stream cannot be
+# re-sent from here (its owner reopens it). Well under etcd's default token TTL (300 s).
+STREAM_TOKEN_AGE = 60.0
+_AUTHENTICATE = "/etcdserverpb.Auth/Authenticate"
+
+log = logging.getLogger(__name__)
 
 
 class RevisionCompacted(TensorHubError):
@@ -91,17 +106,132 @@ class TxnResult:
     attempts: int
 
 
-class _Endpoint:
-    def __init__(self, target: str) -> None:
-        self.target = target
-        self.channel = grpc.insecure_channel(
-            target,
-            options=[
-                ("grpc.max_receive_message_length", 64 << 20),
-                ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 1000),
-            ],
+class _Token:
+    """The etcd auth token one `Etcd` shares across its members (etcd replicates tokens).
+
+    `refresh(stale)` authenticates again unless another thread already replaced `stale`, so
+    a burst of calls refused together costs one Authenticate.
+    """
+
+    def __init__(self, credentials: EtcdCredentials, stream_age: float) -> None:
+        self._credentials = credentials
+        self.stream_age = stream_age
+        self._lock = threading.Lock()
+        self.value: str | None = None
+        self.obtained_at = 0.0
+
+    def refresh(self, stale: str | None, stub: Any, timeout: float) -> None:
+        with self._lock:
+            if self.value != stale:
+                return
+            request = etcdrpc.AuthenticateRequest(
+                name=self._credentials.user, password=self._credentials.password
+            )
+            try:
+                response = stub.Authenticate(request, timeout=timeout)
+            except grpc.RpcError as exc:
+                if is_retryable(exc):
+                    raise  # a member that cannot answer now: `Etcd.call` tries another
+                raise EtcdAuthFailed(
+                    f"etcd refused to authenticate user {self._credentials.user!r}: "
+                    f"{exc.details()} (check --etcd-user and --etcd-password-file)"
+                ) from exc
+            self.value = str(response.token)
+            self.obtained_at = time.monotonic()
+
+
+class _CallDetails(NamedTuple):
+    method: str
+    timeout: float | None
+    metadata: Any
+    credentials: grpc.CallCredentials | None
+    wait_for_ready: bool | None
+    compression: Any
+
+
+if TYPE_CHECKING:  # the stubs make the interceptor bases generic; grpc's classes are not
+    _UnaryUnary = grpc.UnaryUnaryClientInterceptor[Any, Any]
+    _UnaryStream = grpc.UnaryStreamClientInterceptor[Any, Any]
+    _StreamUnary = grpc.StreamUnaryClientInterceptor[Any, Any]
+    _StreamStream = grpc.StreamStreamClientInterceptor[Any, Any]
+else:
+    _UnaryUnary = grpc.UnaryUnaryClientInterceptor
+    _UnaryStream = grpc.UnaryStreamClientInterceptor
+    _StreamUnary = grpc.StreamUnaryClientInterceptor
+    _StreamStream = grpc.StreamStreamClientInterceptor
+
+
+class _TokenInterceptor(_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream):
+    """Adds `token: <etcd auth token>` to every call on one member's channel.
+
+    It authenticates first when there is no token yet; before a stream it also renews a
+    token older than `stream_age`. A failed renewal before a stream is logged, not
+    raised: the stream then fails as etcd's refusal, which its owner already retries.
+    """
+
+    def __init__(self, token: _Token, stub: Any) -> None:
+        self._token = token
+        self._stub = stub  # an Auth stub on the member's channel without this interceptor
+
+    def _details(self, details: Any, stream: bool) -> _CallDetails:
+        timeout = details.timeout if details.timeout is not None else DEFAULT_TIMEOUT
+        token = self._token.value
+        stale = token is None or (
+            stream and time.monotonic() - self._token.obtained_at > self._token.stream_age
         )
+        if stale and details.method != _AUTHENTICATE:
+            try:
+                self._token.refresh(token, self._stub, min(timeout, DEFAULT_TIMEOUT))
+            except (grpc.RpcError, TensorHubError) as exc:
+                if not stream:
+                    raise
+                log.warning("could not renew the etcd token before a stream: %s", exc)
+        metadata = list(details.metadata or [])
+        if self._token.value is not None and details.method != _AUTHENTICATE:
+            metadata.append(("token", self._token.value))
+        return _CallDetails(
+            details.method, details.timeout, metadata, details.credentials,
+            details.wait_for_ready, getattr(details, "compression", None),
+        )  # fmt: skip
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details, stream=False), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details, stream=True), request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details, stream=True), requests)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details, stream=True), requests)
+
+
+class _Endpoint:
+    def __init__(
+        self, target: str, credentials: EtcdCredentials | None = None, token: _Token | None = None
+    ) -> None:
+        self.target = target
+        options = [
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
+        if credentials is not None and credentials.tls:
+            tls = grpc.ssl_channel_credentials(
+                root_certificates=credentials.ca,
+                private_key=credentials.key,
+                certificate_chain=credentials.cert,
+            )
+            self._raw = grpc.secure_channel(target, tls, options=options)
+        else:
+            self._raw = grpc.insecure_channel(target, options=options)
+        self.authenticator = etcdrpc.AuthStub(self._raw)  # Authenticate goes without a token
+        self.channel: grpc.Channel = self._raw
+        if token is not None:
+            interceptor = _TokenInterceptor(token, self.authenticator)
+            self.channel = grpc.intercept_channel(self._raw, interceptor)
+        self.auth = etcdrpc.AuthStub(self.channel)
         self.kv = etcdrpc.KVStub(self.channel)
         self.lease = etcdrpc.LeaseStub(self.channel)
         self.watch = etcdrpc.WatchStub(self.channel)
@@ -110,7 +240,13 @@ class _Endpoint:
 
 
 class Etcd:
-    """Connection to an etcd cluster given as `host:port` endpoints (one or several members)."""
+    """Connection to an etcd cluster given as `host:port` endpoints (one or several members).
+
+    `credentials` (None: no auth, no TLS) are what a production etcd needs: a user and
+    password for etcd auth, and a CA (and client certificate) for TLS. An `https://`
+    endpoint is refused without TLS credentials, so TLS cannot silently be dropped.
+    `stream_token_age` must stay under etcd's `--auth-token-ttl` (see `STREAM_TOKEN_AGE`).
+    """
 
     def __init__(
         self,
@@ -118,15 +254,27 @@ class Etcd:
         *,
         timeout: float = DEFAULT_TIMEOUT,
         policy: RetryPolicy = DEFAULT_POLICY,
+        credentials: EtcdCredentials | None = None,
+        stream_token_age: float = STREAM_TOKEN_AGE,
     ) -> None:
         if isinstance(endpoints, str):
             endpoints = [e for e in endpoints.split(",") if e]
         if not endpoints:
             raise ValueError("at least one etcd endpoint is needed")
-        self.endpoints = [e.removeprefix("http://") for e in endpoints]
+        if any(e.startswith("https://") for e in endpoints) and not (
+            credentials is not None and credentials.tls
+        ):
+            raise ValueError("an https:// etcd endpoint needs TLS credentials (--etcd-ca)")
+        self.endpoints = [_strip_scheme(e) for e in endpoints]
         self.timeout = timeout
         self.policy = policy
-        self._members = [_Endpoint(e) for e in self.endpoints]
+        self.credentials = credentials
+        self._token = (
+            _Token(credentials, stream_token_age)
+            if credentials is not None and credentials.auth
+            else None
+        )
+        self._members = [_Endpoint(e, credentials, self._token) for e in self.endpoints]
         self._lock = threading.Lock()
         self._current = 0
         self._counter = itertools.count()
@@ -179,7 +327,7 @@ class Etcd:
                     remaining = max(deadline - time.monotonic(), 0.01)
                     try:
                         # Half the budget per attempt, so a hung member leaves time for another.
-                        return fn(member, min(remaining, max(budget / 2, 0.5)))
+                        return self._with_token(fn, member, min(remaining, max(budget / 2, 0.5)))
                     except grpc.RpcError as exc:
                         if is_retryable(exc):
                             self.mark_failed(member)
@@ -187,6 +335,23 @@ class Etcd:
         except grpc.RpcError as exc:
             raise _translate(exc, budget) from exc
         raise DeadlineExceeded(f"etcd call did not complete within {budget:.1f}s")
+
+    def _with_token(self, fn: Callable[[_Endpoint, float], T], member: _Endpoint, t: float) -> T:
+        """`fn(member, t)`; if etcd refused the call's auth token, authenticate and send again.
+
+        etcd checks the token before it applies anything, so the refused call had no effect.
+        """
+        if self._token is None:
+            return fn(member, t)
+        token = self._token.value
+        try:
+            return fn(member, t)
+        except grpc.RpcError as exc:
+            if not _token_refused(exc):
+                raise
+            log.info("etcd refused the auth token (%s); authenticating again", exc.details())
+        self._token.refresh(token, member.authenticator, t)
+        return fn(member, t)
 
     # -- KV --------------------------------------------------------------------------------
 
@@ -319,14 +484,14 @@ class Etcd:
         """
         budget = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + budget
-        target = endpoint.removeprefix("http://")
+        target = _strip_scheme(endpoint)
         member = next((m for m in self._members if m.target == target), None)
         if member is None:
             raise ValueError(f"{endpoint!r} is not one of this client's endpoints")
         try:
             for attempt in self.policy.retrying(deadline):
                 with attempt:
-                    return fn(member, max(deadline - time.monotonic(), 0.01))
+                    return self._with_token(fn, member, max(deadline - time.monotonic(), 0.01))
         except grpc.RpcError as exc:
             raise _translate(exc, budget) from exc
         raise DeadlineExceeded(f"etcd member {target} did not answer within {budget:.1f}s")
@@ -391,9 +556,35 @@ class LeaseNotFound(TensorHubError):
     code = "NOT_FOUND"
 
 
+def _strip_scheme(endpoint: str) -> str:
+    return endpoint.removeprefix("http://").removeprefix("https://")
+
+
+# How etcd words a refused token: expired or unknown, issued before the auth store changed,
+# or missing (auth is on and the call carried none).
+_TOKEN_REFUSALS = ("invalid auth token", "auth store is old", "user name is empty")
+
+
+def _token_refused(exc: grpc.RpcError) -> bool:
+    details = exc.details() or ""
+    return exc.code() == grpc.StatusCode.UNAUTHENTICATED or any(
+        words in details for words in _TOKEN_REFUSALS
+    )
+
+
 def _translate(exc: grpc.RpcError, budget: float) -> TensorHubError:
     code = exc.code()
     details = exc.details() or ""
+    if "user name is empty" in details:
+        return EtcdAuthFailed(
+            f"etcd has auth enabled and the hub has no etcd credentials ({details}): set "
+            "--etcd-user and --etcd-password-file"
+        )
+    if _token_refused(exc) or code == grpc.StatusCode.PERMISSION_DENIED:
+        return EtcdAuthFailed(
+            f"etcd refused the hub's credentials ({details}): the etcd user needs read and "
+            "write on the hub's key prefix"
+        )
     if is_deadline(exc):
         return DeadlineExceeded(f"etcd did not answer within {budget:.1f}s ({details})")
     if code == grpc.StatusCode.UNAVAILABLE:
