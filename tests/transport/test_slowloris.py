@@ -1,0 +1,216 @@
+"""Slowloris on a holder's data port (issue 12 item 4), played against a real HolderServer.
+
+Idle or byte-trickling TCP connections, no token needed, used to hold every connection slot
+so that every legitimate reader was answered BUSY (-> VersionUnavailable) for as long as
+the attacker liked. The attacks come from real sockets on loopback, from several source
+addresses (127.0.0.2... are local on Linux) so that the per-peer bound is not what stops
+them; the reader reads from 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from tensorhub.errors import TransportError
+from tests.transport._model import MODEL, TENANT, make_model
+from transport.layout import Layout
+from transport.reader import Source, fetch
+from transport.server import HolderServer, allow_all
+from transport.store import HeldVersion, HolderStore
+from transport.topology import Topology
+from transport.wire import (
+    FrameType,
+    GetRequest,
+    decode_chunk_header,
+    encode_get,
+    raise_error_frame,
+    read_frame,
+)
+
+CHUNK = 64 * 1024
+WAIT = 30.0  # generous bound on any wait for the server (a noisy shared machine)
+
+
+@contextlib.contextmanager
+def _holder(**opts: Any) -> Iterator[tuple[HolderServer, Layout, dict[str, torch.Tensor]]]:
+    model = make_model(3, tiny=50)
+    layout = Layout.from_tensors(model, chunk_size=CHUNK)
+    store = HolderStore()
+    store.add(HeldVersion.publisher(TENANT, MODEL, 1, model, layout))
+    opts.setdefault("io_timeout", 30.0)
+    with HolderServer(store, allow_all, **opts) as server:
+        yield server, layout, dict(model)
+
+
+def _connect(server: HolderServer, source_ip: str = "127.0.0.1") -> socket.socket:
+    return socket.create_connection(server.address, timeout=WAIT, source_address=(source_ip, 0))
+
+
+def _get_one_chunk(sock: socket.socket, layout: Layout) -> None:
+    """Send a valid GET for chunk 0 and read the whole answer (raises on ERROR)."""
+    sock.sendall(encode_get(GetRequest(TENANT, MODEL, 1, layout.digest, b"t", (0,), 0)))
+    ftype, body = read_frame(sock)
+    if ftype is FrameType.ERROR:
+        raise_error_frame(body)
+    header = decode_chunk_header(body)
+    left = header.length
+    while left:
+        got = sock.recv(min(left, 1 << 20))
+        assert got, "holder closed mid-payload"
+        left -= len(got)
+
+
+def _closed_by_holder(sock: socket.socket) -> bool:
+    """Wait (bounded) until the holder closes `sock`; True if it did."""
+    sock.settimeout(WAIT)
+    try:
+        while True:
+            data = sock.recv(4096)
+            if not data:
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+def _refused_busy(sock: socket.socket) -> bool:
+    """True if the holder answered `sock` with a BUSY ERROR frame (and closed it)."""
+    sock.settimeout(WAIT)
+    try:
+        ftype, body = read_frame(sock)
+    except TransportError:
+        return False
+    if ftype is not FrameType.ERROR:
+        return False
+    with pytest.raises(TransportError, match="BUSY"):
+        raise_error_frame(body)
+    return True
+
+
+@pytest.mark.timeout(120)
+def test_slow_connections_at_and_beyond_the_limit_do_not_lock_readers_out() -> None:
+    """48 connections (3x the limit of 16) from four addresses, each trickling a byte of a
+    frame header every 0.5 s (well inside the 5 s I/O timeout, so none ever times out);
+    a reader's fetch then succeeds at once: unauthenticated connections are evicted."""
+    with _holder(max_connections=16, per_peer=12, frame_timeout=60, io_timeout=5) as (
+        server,
+        layout,
+        model,
+    ):
+        attackers = [
+            _connect(server, f"127.0.0.{2 + i % 4}") for i in range(48)
+        ]  # at the limit and beyond it
+        stop = threading.Event()
+
+        def trickle() -> None:
+            for _ in range(int(WAIT / 0.5)):  # bounded: at most WAIT seconds
+                for sock in attackers:
+                    with contextlib.suppress(OSError):
+                        sock.send(b"T")
+                if stop.wait(0.5):
+                    return
+
+        thread = threading.Thread(target=trickle, daemon=True)
+        thread.start()
+        try:
+            dest = HeldVersion.reader(TENANT, MODEL, 1, layout, layout.allocate())
+            stats = fetch(
+                TENANT, MODEL, 1, layout, dest, [Source("h", *server.address)],
+                token=b"t", deadline=time.monotonic() + WAIT, me=Topology(), parallel=4,
+            )  # fmt: skip
+        finally:
+            stop.set()
+            thread.join(timeout=WAIT)
+            for sock in attackers:
+                sock.close()
+    assert dest.complete
+    assert all(
+        torch.equal(dest.tensors[k].view(torch.uint8), t.view(torch.uint8))
+        for k, t in model.items()
+    )
+    assert stats.failed_sources == {}
+    assert stats.total_bytes == sum(layout.payload_bytes(i) for i in range(layout.num_chunks))
+
+
+@pytest.mark.timeout(120)
+def test_idle_and_trickling_connections_are_closed_after_the_frame_deadline() -> None:
+    """A connection that sends nothing, and one that sends a byte every 0.2 s, are both
+    closed by the holder once the 1 s frame deadline passes, though the I/O timeout is 30 s."""
+    with _holder(frame_timeout=1.0, io_timeout=30) as (server, _, _):
+        start = time.monotonic()
+        idle, slow = _connect(server), _connect(server)
+        stop = threading.Event()
+
+        def trickle() -> None:
+            for _ in range(int(WAIT / 0.2)):  # bounded
+                try:
+                    slow.send(b"T")
+                except OSError:
+                    return
+                if stop.wait(0.2):
+                    return
+
+        thread = threading.Thread(target=trickle, daemon=True)
+        thread.start()
+        try:
+            assert _closed_by_holder(idle)
+            assert _closed_by_holder(slow)
+            assert time.monotonic() - start >= 1.0  # not before its deadline
+        finally:
+            stop.set()
+            thread.join(timeout=WAIT)
+            idle.close()
+            slow.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_served_connection_may_idle_between_requests_longer_than_the_frame_deadline() -> None:
+    """The frame deadline is for a request in progress: a reader that has been served keeps
+    its connection while it idles between GETs (up to the I/O timeout)."""
+    with _holder(frame_timeout=0.5, io_timeout=30) as (server, layout, _), _connect(server) as sock:
+        _get_one_chunk(sock, layout)
+        time.sleep(2.0)  # four frame deadlines
+        _get_one_chunk(sock, layout)
+
+
+@pytest.mark.timeout(60)
+def test_per_peer_bound_refuses_one_address_and_admits_another() -> None:
+    """With `per_peer=4`, the 5th connection from 127.0.0.1 is answered BUSY while the
+    holder has free slots, and a connection from 127.0.0.2 is admitted and served."""
+    with _holder(max_connections=64, per_peer=4, frame_timeout=60) as (server, layout, _):
+        held = [_connect(server) for _ in range(4)]
+        try:
+            with _connect(server) as fifth:
+                assert _refused_busy(fifth)
+            with _connect(server, "127.0.0.2") as other:
+                _get_one_chunk(other, layout)
+        finally:
+            for sock in held:
+                sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_served_connections_are_not_evicted_when_the_holder_is_full() -> None:
+    """Only unauthenticated connections are evicted: when every slot has presented a valid
+    read token, a newcomer is refused BUSY and the served connections keep working."""
+    with _holder(max_connections=2, per_peer=8, frame_timeout=60) as (server, layout, _):
+        served = [_connect(server) for _ in range(2)]
+        try:
+            for sock in served:
+                _get_one_chunk(sock, layout)
+            with _connect(server) as newcomer:
+                assert _refused_busy(newcomer)
+            for sock in served:
+                _get_one_chunk(sock, layout)
+        finally:
+            for sock in served:
+                sock.close()
