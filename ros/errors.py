@@ -27,7 +27,10 @@ _BY_CODE: dict[grpc.StatusCode, type[TensorHubError]] = {
     grpc.StatusCode.ALREADY_EXISTS: errors_module.AlreadyExists,
     grpc.StatusCode.PERMISSION_DENIED: errors_module.PermissionDenied,
     grpc.StatusCode.UNAUTHENTICATED: errors_module.PermissionDenied,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: errors_module.QuotaExceeded,
+    # Without a class name it is not the hub's quota refusal (that always names its class)
+    # but gRPC's own: its concurrent-call limit, or a message too large. Overloaded, so the
+    # SDK backs off and retries instead of reporting a quota it did not reach.
+    grpc.StatusCode.RESOURCE_EXHAUSTED: errors_module.Overloaded,
     grpc.StatusCode.DEADLINE_EXCEEDED: errors_module.DeadlineExceeded,
     grpc.StatusCode.UNAVAILABLE: errors_module.Unavailable,
     grpc.StatusCode.FAILED_PRECONDITION: errors_module.StaleVersion,

@@ -50,6 +50,12 @@ HUB_STREAM_LIMIT = Gauge(
     "Stream limits of this replica by scope (replica, tenant, private_watch)",
     ["scope"],
 )
+HUB_CALLS_REFUSED = Counter(
+    "tensorhub_hub_calls_refused_total",
+    "Calls refused at their start by the call guard: no_token, bad_token, or first_message "
+    "(no request message within --first-message-timeout)",
+    ["reason"],
+)
 HUB_STREAMS_REFUSED = Counter(
     "tensorhub_hub_streams_refused_total",
     "Streams refused with Overloaded, by the limit that was reached",

@@ -10,6 +10,9 @@ load on the replica falls as it stays overloaded instead of synchronizing.
 from __future__ import annotations
 
 import random
+import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import grpc
 
@@ -18,6 +21,8 @@ from tensorhub.errors import Overloaded
 
 OVERLOAD_BASE = 0.2  # seconds: the first retry waits up to this
 OVERLOAD_CAP = 5.0  # seconds: no retry waits longer than this
+MAX_UNARY_RETRIES = 8  # a unary call refused with Overloaded is tried at most this often more
+T = TypeVar("T")
 
 
 def overload_delay(
@@ -34,3 +39,20 @@ def is_overloaded(exc: grpc.RpcError) -> bool:
         and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         and isinstance(from_rpc_error(exc), Overloaded)
     )
+
+
+def retry_overloaded(call: Callable[[], T], budget: float) -> T:
+    """`call()`, tried again with jittered backoff while it raises `Overloaded` (a replica
+    at a limit, or gRPC's own concurrent-call limit), for at most `budget` seconds and
+    `MAX_UNARY_RETRIES` retries; then the last `Overloaded` is raised. For idempotent
+    calls only (opening a session: a refused one opened nothing)."""
+    deadline = time.monotonic() + budget
+    for attempt in range(MAX_UNARY_RETRIES):
+        try:
+            return call()
+        except Overloaded:
+            delay = overload_delay(attempt)
+            if time.monotonic() + delay >= deadline:
+                raise
+            time.sleep(delay)
+    return call()

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import grpc
 
 from consistency.floor import RevisionFloor, StaleRead
+from ros.client.backoff import retry_overloaded
 from ros.client.channel import open_channel, parse_address
 from ros.client.handles import DEFAULT_RELEASE_TIMEOUT
 from ros.client.manifest_cache import CachedManifest, ManifestCache
@@ -135,7 +136,8 @@ class ClientBase:
                 time.sleep(0.05)
 
     def _open_session(self) -> ClientSession:
-        opened = self._rpc("OpenSession", pb.OpenSessionRequest(ttl_seconds=self._session_ttl))
+        request = pb.OpenSessionRequest(ttl_seconds=self._session_ttl)
+        opened = retry_overloaded(lambda: self._rpc("OpenSession", request), self.timeout)
         self.floor.observe(opened.revision)
         keys = read_keys_of(opened.read_keys)
         if not keys:

@@ -39,6 +39,10 @@ class HubServicer(SessionRPCs, VersionRPCs, HolderRPCs, hub_pb2_grpc.TensorHubSe
         )  # fmt: skip
         self._admin_hash = token_hash(admin_token)
 
+    def is_admin(self, token: str) -> bool:
+        """Whether `token` is the hub's admin token (compared in constant time)."""
+        return same(token_hash(token), self._admin_hash)
+
     @unary
     def CreateTenant(
         self, request: pb.CreateTenantRequest, context: CallContext

@@ -190,9 +190,10 @@ def test_a_tenant_at_its_stream_limit_is_overloaded_and_another_is_not(
         assert isinstance(from_rpc_error(info.value), Overloaded)  # not QuotaExceeded
         assert "--max-streams-per-tenant" in (info.value.details() or "")
         session = await stub.OpenSession(pb.OpenSessionRequest(), metadata=a)
-        # No request is sent: the refusal may come before the client's first message, and
-        # an aio client then reports its own failed send instead of the server's status.
-        keepalive = stub.KeepAlive(metadata=a)
+        # A KeepAlive stream takes its slot when its first renewal arrives (a silent one holds
+        # none: `ros.hub.guard`), and is refused then.
+        first = pb.KeepAliveRequest(session_id=session.session_id)
+        keepalive = stub.KeepAlive(iter([first]), metadata=a)
         code = await asyncio.wait_for(keepalive.code(), timeout=5)  # type: ignore[attr-defined]
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
         trailing = await keepalive.trailing_metadata()  # type: ignore[attr-defined]

@@ -1,0 +1,208 @@
+"""The hub's call guard: refuse callers without a valid token, and silent callers, at once.
+
+A hostile client needs no token to open gRPC streams: before this guard, 2,000 calls that
+never sent their request message each held a server call (and, on the old synchronous
+server, a pool thread) for as long as the client liked, and with a valid token 256 silent
+KeepAlive streams did the same. `CallGuard` is a `grpc.aio` server interceptor that runs at
+call start, before any request message is read and before any handler, worker or stream slot
+is involved:
+
+- **Authentication first.** A TensorHub method (every one: tenant calls carry the tenant
+  token, admin calls the admin token) without `authorization: Bearer <token>`, with an
+  oversized token, or with a token the hub does not know, is refused at once with
+  `PermissionDenied` (the class name in the `tensorhub-error` trailing metadata, like every
+  hub error). A known token is answered from the tenant cache on the event loop; an unknown
+  one costs one etcd read in the worker pool.
+- **A first-message deadline.** Every method (health checks and reflection included) must
+  receive its first request message within `first_message_seconds` (default
+  `DEFAULT_FIRST_MESSAGE_SECONDS`, `tensorhub serve --first-message-timeout`); otherwise the
+  call ends with `DeadlineExceeded` naming the limit. A KeepAlive stream's first renewal
+  arrives before the stream takes its slot. Later messages of a KeepAlive stream are not
+  timed: an idle session renews every few seconds and the slot is bounded per tenant.
+
+Refused calls are counted in `tensorhub_hub_calls_refused_total{reason}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from ros.errors import ERROR_METADATA_KEY, status_of
+from ros.hub.rpc import CallContext, bearer
+from ros.metrics import HUB_CALLS_REFUSED, HUB_REQUESTS
+from tensorhub.errors import DeadlineExceeded, InvalidArgument, PermissionDenied, TensorHubError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_FIRST_MESSAGE_SECONDS = 10.0
+MAX_TOKEN_CHARS = 512  # far above any token the hub issues; a longer one is not read
+
+Metadata = Sequence[tuple[str, str | bytes]]
+# Returns if the call's (well-formed) bearer token is the admin's or a known tenant's;
+# raises `PermissionDenied` (saying why) if not.
+TokenCheck = Callable[[CallContext], Awaitable[None]]
+
+
+class CallGuard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+    """Authenticate TensorHub calls at call start; bound the wait for every first message.
+
+    `guarded` is the method prefix that needs a token (`/tensorhub.v1.TensorHub/`),
+    `known(call)` returns if the call's bearer token is one the hub accepts and raises
+    `PermissionDenied` if not.
+    """
+
+    def __init__(
+        self,
+        guarded: str,
+        known: TokenCheck,
+        first_message_seconds: float = DEFAULT_FIRST_MESSAGE_SECONDS,
+    ) -> None:
+        if first_message_seconds <= 0:
+            raise InvalidArgument(
+                f"first_message_seconds must be positive, got {first_message_seconds}"
+            )
+        self._guarded = guarded
+        self._known = known
+        self._first = first_message_seconds
+
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]
+        ],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler  # an unknown method: gRPC answers UNIMPLEMENTED
+        method: str = handler_call_details.method
+        if method.startswith(self._guarded):
+            metadata: Metadata = handler_call_details.invocation_metadata or ()
+            refusal = await self._refusal(CallContext(metadata, None))
+            if refusal is not None:
+                refused: grpc.RpcMethodHandler[Any, Any] = _refuse(
+                    handler, method.rsplit("/", 1)[-1], refusal
+                )
+                return refused
+        guarded: grpc.RpcMethodHandler[Any, Any] = _first_message_within(handler, self._first)
+        return guarded
+
+    async def _refusal(self, call: CallContext) -> PermissionDenied | None:
+        """Why the call's token is refused, or None if it is a token the hub accepts."""
+        token = bearer(call)
+        if not token:
+            HUB_CALLS_REFUSED.labels("no_token").inc()
+            return PermissionDenied("no token: send 'authorization: Bearer <token>'")
+        if len(token) > MAX_TOKEN_CHARS or not token.isprintable():
+            HUB_CALLS_REFUSED.labels("bad_token").inc()
+            return PermissionDenied("malformed token")
+        try:
+            await self._known(call)
+        except PermissionDenied as exc:
+            HUB_CALLS_REFUSED.labels("bad_token").inc()
+            return exc
+        except TensorHubError as exc:  # etcd unreachable: the handler answers that
+            log.info("could not check a token at call start: %s", exc)
+        return None
+
+
+def _refuse(handler: grpc.RpcMethodHandler[Any, Any], method: str, error: TensorHubError) -> Any:
+    """A handler that answers `error` at once, without reading a request message (a
+    request-streaming handler is called before any message arrives)."""
+
+    async def abort(_requests: object, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        await _abort(context, method, error)
+
+    if handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(
+            abort, handler.request_deserializer, handler.response_serializer
+        )
+    return grpc.stream_unary_rpc_method_handler(
+        abort, handler.request_deserializer, handler.response_serializer
+    )
+
+
+async def _abort(
+    context: grpc.aio.ServicerContext[Any, Any], method: str, error: TensorHubError
+) -> None:
+    HUB_REQUESTS.labels(method, status_of(error).name).inc()
+    context.set_trailing_metadata(((ERROR_METADATA_KEY, type(error).__name__),))
+    await context.abort(status_of(error), str(error))
+
+
+async def _first(
+    requests: AsyncIterator[Any], seconds: float, context: grpc.aio.ServicerContext[Any, Any]
+) -> tuple[bool, Any]:
+    """(True, the first request message), or (False, None) if the client half-closed
+    without one; the call is aborted with `DeadlineExceeded` if none came in `seconds`."""
+    try:
+        return True, await asyncio.wait_for(anext(requests), seconds)
+    except StopAsyncIteration:
+        return False, None
+    except TimeoutError:
+        HUB_CALLS_REFUSED.labels("first_message").inc()
+        error = DeadlineExceeded(
+            f"no request message within {seconds:g}s of the call's start "
+            "(--first-message-timeout): call ended"
+        )
+        await _abort(context, "first_message", error)
+        raise  # not reached: abort raises
+
+
+async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    yield first
+    async for item in rest:
+        yield item
+
+
+def _first_message_within(handler: grpc.RpcMethodHandler[Any, Any], seconds: float) -> Any:
+    """`handler` as a request-streaming handler that waits at most `seconds` for the first
+    request message before it calls the original (same serializers, same response style:
+    a coroutine that writes, or an async generator)."""
+    kinds: list[Any] = [
+        handler.unary_unary,
+        handler.unary_stream,
+        handler.stream_unary,
+        handler.stream_stream,
+    ]
+    inner: Callable[..., Any] = kinds[2 * handler.request_streaming + handler.response_streaming]
+    streaming_in = handler.request_streaming
+
+    async def arguments(requests: AsyncIterator[Any], context: Any) -> Any:
+        stream = aiter(requests)
+        got, first = await _first(stream, seconds, context)
+        if streaming_in:
+            return _chain(first, stream) if got else stream
+        if not got:
+            await _abort(context, "first_message", InvalidArgument("no request message"))
+        return first
+
+    if handler.response_streaming and inspect.isasyncgenfunction(inner):
+
+        async def generate(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+            request = await arguments(requests, context)
+            async for response in inner(request, context):
+                yield response
+
+        return grpc.stream_stream_rpc_method_handler(
+            generate, handler.request_deserializer, handler.response_serializer
+        )
+
+    async def call(requests: AsyncIterator[Any], context: Any) -> Any:
+        request = await arguments(requests, context)
+        result = inner(request, context)
+        return await result if inspect.isawaitable(result) else result
+
+    make = (
+        grpc.stream_stream_rpc_method_handler
+        if handler.response_streaming
+        else grpc.stream_unary_rpc_method_handler
+    )
+    return make(call, handler.request_deserializer, handler.response_serializer)
