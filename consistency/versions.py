@@ -20,7 +20,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from consistency import ops
+from consistency import ops, usage
 from consistency.etcd import Etcd
 from consistency.keys import Keys
 from consistency.manifests import (
@@ -229,6 +229,7 @@ class VersionRegistry:
         *,
         timeout: float = DEFAULT_TIMEOUT,
         admit_model: Admit | None = None,
+        charge: Admit | None = None,
     ) -> Published:
         """Publish `version` with its manifest and the publisher as first (COMPLETE) holder.
 
@@ -236,7 +237,8 @@ class VersionRegistry:
         (before any write) past `MAX_MANIFEST_BYTES`, and `OutcomeUnknown` if etcd could not
         confirm the write before the deadline (check `latest()` after). `admit_model` (a
         `CountedCreate`'s admit) is asked while the model has no `latest` yet; what it
-        returns joins the transaction, so a model quota holds under races.
+        returns joins the transaction, so a model quota holds under races. `charge` (a
+        `consistency.usage.TenantBudget`'s) is asked before every attempt and joins it too.
         """
         validate_version(version)
         check_manifest_size(len(manifest))
@@ -250,7 +252,7 @@ class VersionRegistry:
         return self._publish_staged(
             tenant, model, version, holder, staged, self.keys.manifest(tenant, model, version),
             staged.header.encode(), [ops.put(self.keys.latest(tenant, model), str(version))], [],
-            deadline, admit_model,
+            deadline, admit_model, charge=charge,
         )  # fmt: skip
 
     def publish_shard(
@@ -265,6 +267,7 @@ class VersionRegistry:
         *,
         timeout: float = DEFAULT_TIMEOUT,
         admit_model: Admit | None = None,
+        charge: Admit | None = None,
     ) -> Published:
         """Publish one rank's shard of a model-parallel version (`admit_model`: as `publish`).
 
@@ -317,6 +320,7 @@ class VersionRegistry:
         return self._publish_staged(
             tenant, model, version, holder, staged, keys.shard(tenant, model, version, index),
             record, [ops.put(arrived, str(count))], [last], deadline, admit_model, agree,
+            charge=charge,
         )  # fmt: skip
 
     def _publish_staged(
@@ -333,6 +337,8 @@ class VersionRegistry:
         deadline: float,
         admit_model: Admit | None,
         agree: Callable[[float], list[ops.Cmp]] | None = None,
+        *,
+        charge: Admit | None = None,
     ) -> Published:
         """The publish transaction around a staged manifest, in `_publish_loop`.
 
@@ -354,6 +360,9 @@ class VersionRegistry:
             guard, bump = _admission(admit_model, state, remaining)
             if agree is not None:
                 guard = [*guard, *agree(remaining)]
+            if charge is not None:
+                charged, put = charge(remaining)
+                guard, bump = [*guard, *charged], [*bump, *put]
             result = self.etcd.txn(
                 [
                     ops.mod(latest_key, "==", state.mod_revision),
@@ -472,19 +481,36 @@ class VersionRegistry:
         if len(published) <= self.retain:
             return []
         oldest_kept = published[-self.retain]
-        deleted = []
-        for version in sorted(v for v in found if v < oldest_kept):
+        return [
+            version
+            for version in sorted(v for v in found if v < oldest_kept)
+            if self._delete_unpinned(tenant, model, version, timeout)
+        ]
+
+    def _delete_unpinned(
+        self, tenant: str, model: str, version: int, timeout: float | None
+    ) -> bool:
+        """Delete one version unless it is pinned, giving its bytes back to the tenant's
+        usage (`consistency.usage`) in the same transaction; whether it was deleted."""
+        pins = self.keys.pins(tenant, model, version)
+        charged = usage.version_charge(self.etcd, self.keys, tenant, model, version, timeout)
+        for _ in range(8):  # a usage key that keeps changing: the next publish collects again
+            guard, put = usage.release(self.etcd, self.keys, tenant, charged, timeout or 5.0)
             result = self.etcd.txn(
-                [ops.none_under(self.keys.pins(tenant, model, version))],
+                [ops.none_under(pins), *guard],
                 [
                     ops.delete(self.keys.version(tenant, model, version), prefix=True),
                     ops.delete(self.keys.manifest_pages(tenant, model, version), prefix=True),
+                    *put,
                 ],
+                [ops.get(pins, prefix=True, count_only=True)],
                 timeout=timeout,
             )
             if result.succeeded:
-                deleted.append(version)
-        return deleted
+                return True
+            if int(result.responses[0].response_range.count):
+                return False  # pinned: kept
+        return False
 
     def _collect_quietly(self, tenant: str, model: str) -> None:
         try:

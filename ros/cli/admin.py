@@ -28,6 +28,14 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     create.add_argument("--max-models", type=int, default=0, help="quota (default 64)")
     create.add_argument("--max-retained-versions", type=int, default=0, help="quota (default 4)")
     create.add_argument("--max-sessions", type=int, default=0, help="quota (default 1024)")
+    create.add_argument(
+        "--max-etcd-bytes", type=int, default=0,
+        help="quota: live manifest bytes the tenant may hold in etcd (default 268435456)",
+    )  # fmt: skip
+    create.add_argument(
+        "--max-publishes-per-minute", type=int, default=0,
+        help="quota: publishes per minute, across every hub replica (default 600)",
+    )  # fmt: skip
     delete = sub.add_parser(
         "delete", help="delete a tenant: its models, versions, holders and sessions, at once"
     )
@@ -52,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
             max_models=args.max_models,
             max_retained_versions=args.max_retained_versions,
             max_sessions=args.max_sessions,
+            max_etcd_bytes=args.max_etcd_bytes,
+            max_publishes_per_minute=args.max_publishes_per_minute,
         ),
     )
     try:

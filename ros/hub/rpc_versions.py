@@ -17,6 +17,7 @@ from consistency.manifests import (
     check_shard_count,
 )
 from consistency.quota import CountedCreate
+from ros.hub.budget import publish_charge
 from ros.hub.convert import holder_from_pb, holder_to_pb
 from ros.hub.rpc import AioContext, CallContext, HubBase, streaming, unary
 from ros.hub.tenants import Tenant
@@ -57,6 +58,9 @@ class VersionRPCs(HubBase):
         def admit(remaining: float) -> tuple[list[Any], list[Any]]:
             return quota.admit(remaining, model)
 
+        charge = publish_charge(  # the etcd budget: refused here, before any write
+            self.etcd, self.keys, tenant, len(manifest), request.shard_count, timeout
+        )
         if request.shard_count:
             published = versions.publish_shard(
                 tenant.name,
@@ -68,11 +72,13 @@ class VersionRPCs(HubBase):
                 holder,
                 timeout=timeout,
                 admit_model=admit,
+                charge=charge,
             )
         else:
             published = versions.publish(
-                tenant.name, model, version, manifest, holder, timeout=timeout, admit_model=admit
-            )
+                tenant.name, model, version, manifest, holder, timeout=timeout,
+                admit_model=admit, charge=charge,
+            )  # fmt: skip
         return pb.PublishResponse(
             version=published.version, revision=published.revision, visible=published.visible
         )

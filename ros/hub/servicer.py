@@ -56,6 +56,9 @@ class HubServicer(SessionRPCs, VersionRPCs, HolderRPCs, hub_pb2_grpc.TensorHubSe
             max_retained_versions=request.quotas.max_retained_versions
             or defaults.max_retained_versions,
             max_sessions=request.quotas.max_sessions or defaults.max_sessions,
+            max_etcd_bytes=request.quotas.max_etcd_bytes or defaults.max_etcd_bytes,
+            max_publishes_per_minute=request.quotas.max_publishes_per_minute
+            or defaults.max_publishes_per_minute,
         )
         tenant_token = self.tenants.create(request.name, quotas)
         return pb.CreateTenantResponse(name=request.name, token=tenant_token)

@@ -41,6 +41,9 @@ class Quotas:
     max_models: int = 64
     max_retained_versions: int = 4
     max_sessions: int = 1024
+    # etcd budget (`consistency.usage`): live manifest bytes, and publishes per minute
+    max_etcd_bytes: int = 256 << 20
+    max_publishes_per_minute: int = 600
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():

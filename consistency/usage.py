@@ -1,0 +1,162 @@
+"""Per-tenant etcd budget: the live manifest bytes a tenant holds, and its publish rate.
+
+etcd refuses every write of every tenant once its database reaches its quota (NOSPACE), so
+one tenant publishing big manifests could take writes away from all of them. Each tenant
+therefore has one usage key (`Keys.quota_fence(tenant, "usage")`) holding
+
+- `bytes`: the manifest bytes (plus `RECORD_BYTES` per version or shard record) of the
+  tenant's versions that etcd holds now: charged by the publish that writes them, released by
+  the transaction that deletes them (retention, model deletion);
+- `tokens` and `at`: a token bucket of publishes, refilled at `publishes_per_minute / 60`
+  per second up to `publishes_per_minute`. A whole version's publish takes one token, each
+  of a model-parallel version's N shards takes 1/N.
+
+A publish adds `charge`'s compare and put to its own transaction: the compare is on the
+usage key's mod_revision as read, so two publishes that both read the same usage cannot both
+commit (the loser retries, re-reading it), and the budget holds across every hub replica
+with no state of their own. Past either limit the publish fails with `QuotaExceeded` before
+it writes (`check` runs before the manifest is staged). The cost: a tenant's publishes
+commit one at a time in etcd, each one transaction, which is what etcd does anyway.
+
+Holder, pin and session records are not charged here: they are small, bounded in size, and
+bounded in number by the session quota (each lives under its session's lease).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from consistency import ops
+from consistency.etcd import Etcd
+from consistency.keys import Keys
+from consistency.records import PartHeader, ShardRecord
+from tensorhub.errors import QuotaExceeded
+
+RECORD_BYTES = 1024  # charged per version header or shard record beside its manifest bytes
+Guard = tuple[list[ops.Cmp], list[ops.Op]]
+
+
+@dataclass(frozen=True)
+class Usage:
+    """One tenant's usage as stored (see the module docstring)."""
+
+    held: int = 0  # bytes
+    tokens: float = -1.0  # -1: never published (a full bucket)
+    at: float = 0.0
+
+    def encode(self) -> bytes:
+        return json.dumps({"bytes": self.held, "tokens": self.tokens, "at": self.at}).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Usage:
+        data = json.loads(raw)
+        return cls(int(data["bytes"]), float(data["tokens"]), float(data["at"]))
+
+
+class TenantBudget:
+    """The usage key of one tenant against its limits, `max_bytes` and
+    `publishes_per_minute`; `clock` is wall time (replicas share the bucket, so it is the
+    one clock they roughly agree on)."""
+
+    def __init__(
+        self,
+        etcd: Etcd,
+        keys: Keys,
+        tenant: str,
+        *,
+        max_bytes: int,
+        publishes_per_minute: int,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._etcd = etcd
+        self._key = keys.quota_fence(tenant, "usage")
+        self._tenant = tenant
+        self._max_bytes = max_bytes
+        self._rate = publishes_per_minute
+        self._clock = clock
+
+    def check(self, nbytes: int, publishes: float, timeout: float) -> None:
+        """`QuotaExceeded` if a publish of `nbytes` (taking `publishes` tokens) would not fit
+        now: called before anything is written."""
+        self.charge(nbytes, publishes, timeout)
+
+    def charge(self, nbytes: int, publishes: float, timeout: float) -> Guard:
+        """The compare and put that charge a publish in its transaction, or `QuotaExceeded`.
+        Call again (a fresh read) after the transaction fails."""
+        kv, _ = self._etcd.get(self._key, timeout=timeout)
+        usage = Usage.decode(kv.value) if kv is not None else Usage()
+        now = self._clock()
+        tokens = float(self._rate) if usage.tokens < 0 else usage.tokens
+        tokens = min(float(self._rate), tokens + max(0.0, now - usage.at) * self._rate / 60.0)
+        charged = nbytes + RECORD_BYTES
+        if usage.held + charged > self._max_bytes:
+            raise QuotaExceeded(
+                f"tenant {self._tenant} holds {usage.held} bytes in etcd; {charged} more "
+                f"would pass its quota of {self._max_bytes} (max_etcd_bytes)"
+            )
+        if tokens < publishes - 1e-9:
+            raise QuotaExceeded(
+                f"tenant {self._tenant} publishes faster than its quota of {self._rate} "
+                "per minute (max_publishes_per_minute): retry later"
+            )
+        after = Usage(usage.held + charged, tokens - publishes, now)
+        seen = kv.mod_revision if kv is not None else 0
+        return [ops.mod(self._key, "==", seen)], [ops.put(self._key, after.encode())]
+
+
+def release(etcd: Etcd, keys: Keys, tenant: str, nbytes: int, timeout: float) -> Guard:
+    """The compare and put that give back `nbytes` (as `version_charge` counts them) in the
+    transaction that deletes them; nothing to put if the tenant has no usage key (its
+    versions predate the budget). Retry with a fresh call after the transaction fails."""
+    key = keys.quota_fence(tenant, "usage")
+    kv, _ = etcd.get(key, timeout=timeout)
+    if kv is None:
+        return [ops.absent(key)], []
+    usage = Usage.decode(kv.value)
+    after = Usage(max(0, usage.held - nbytes), usage.tokens, usage.at)
+    return [ops.mod(key, "==", kv.mod_revision)], [ops.put(key, after.encode())]
+
+
+def version_charge(
+    etcd: Etcd, keys: Keys, tenant: str, model: str, version: int, timeout: float | None
+) -> int:
+    """What the publishes of `model@version` were charged, from its header and shard
+    records (one read): the whole manifest's size, or each shard's, plus `RECORD_BYTES`
+    each. 0 for a version with neither (nothing was charged)."""
+    result = etcd.txn(
+        [],
+        [
+            ops.get(keys.manifest(tenant, model, version)),
+            ops.get(keys.shards(tenant, model, version), prefix=True),
+        ],
+        timeout=timeout,
+    )
+    top, shards = (r.response_range.kvs for r in result.responses)
+    return sum(_charge("manifest", bytes(kv.value)) for kv in top) + sum(
+        _charge("shard", bytes(kv.value)) for kv in shards
+    )
+
+
+def model_charge(etcd: Etcd, keys: Keys, tenant: str, model: str, timeout: float | None) -> int:
+    """What every version of `model` was charged (one range read of its version keys): for
+    the transaction that deletes the whole model to `release`."""
+    result = etcd.range(keys.versions(tenant, model), prefix=True, timeout=timeout)
+    total = 0
+    for kv in result.kvs:
+        _, kind, _ = keys.parse_version_key(tenant, model, kv.key.decode())
+        total += _charge(kind, kv.value)
+    return total
+
+
+def _charge(kind: str, value: bytes) -> int:
+    """The charge of one version key: a whole version's header or a shard record (the
+    header of a model-parallel version is not charged: its shards are)."""
+    if kind == "shard":
+        return ShardRecord.decode(value).part.size + RECORD_BYTES
+    if kind == "manifest":
+        head = PartHeader.decode(value)
+        return 0 if head.shards else head.size + RECORD_BYTES
+    return 0
