@@ -36,9 +36,19 @@ class HubProcess:
     beforehand could be, and the hub then exited at once with "Failed to bind").
     """
 
-    def __init__(self, index: int, etcd: list[str], admin: str, prefix: str, root: Path) -> None:
+    def __init__(
+        self,
+        index: int,
+        etcd: list[str],
+        admin: str,
+        prefix: str,
+        root: Path,
+        etcd_password_file: Path | None = None,
+    ) -> None:
+        """`etcd_password_file`: etcd root's password, for an etcd with auth on."""
         self.index, self.etcd = index, etcd
         self.admin, self.prefix, self.root = admin, prefix, root
+        self.etcd_password_file = etcd_password_file
         self.port = 0  # the port the current (or last) incarnation bound
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -64,6 +74,8 @@ class HubProcess:
             "serve", "--etcd", ",".join(self.etcd), "--listen", "127.0.0.1:0",
             f"--admin-token={self.admin}", "--prefix", self.prefix, "--ready-file", str(ready),
         ]  # fmt: skip
+        if self.etcd_password_file is not None:
+            args += ["--etcd-user", "root", "--etcd-password-file", str(self.etcd_password_file)]
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
                 args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
@@ -104,7 +116,8 @@ class ChaosCluster:
         self.prefix = f"/chaos/{root.name}"
         self.keys = Keys(self.prefix)
         self.admin = secrets.token_urlsafe(18)
-        self.etcd = EtcdCluster(etcd_members, data_root=str(root / "etcd"))
+        # auth on, as in production: the hubs and this object are etcd's only clients
+        self.etcd = EtcdCluster(etcd_members, data_root=str(root / "etcd"), auth=True)
         self.hubs: list[HubProcess] = []
         self.hub_proxies: list[Proxy] = []
         self.tokens: dict[str, str] = {}
@@ -115,13 +128,16 @@ class ChaosCluster:
 
     def start(self) -> ChaosCluster:
         self.etcd.start()
-        self.client = Etcd(self.etcd.endpoints, timeout=5.0)
+        self.client = self.etcd.client(timeout=5.0)
         tenants = TenantStore(self.client, self.keys)
         tenants.hub_secret()
         for name in (self.TENANT, self.INTRUDER):
             self.tokens[name] = tenants.create(name)
         for i in range(self._n_hubs):
-            hub = HubProcess(i, self.etcd.endpoints, self.admin, self.prefix, self.root)
+            hub = HubProcess(
+                i, self.etcd.endpoints, self.admin, self.prefix, self.root,
+                etcd_password_file=self.etcd.password_file(),
+            )  # fmt: skip
             self.hubs.append(hub)
             hub.start()
             self.hub_proxies.append(Proxy(("127.0.0.1", 0), ("127.0.0.1", hub.port)).start())
@@ -156,7 +172,8 @@ class ChaosCluster:
     def prepare_stale(self) -> None:
         """Start the (empty) etcd member a stale replica will serve from, ahead of time."""
         if self._stale_etcd is None:
-            self._stale_etcd = EtcdCluster(1, data_root=str(self.root / "stale-etcd")).start()
+            stale = EtcdCluster(1, data_root=str(self.root / "stale-etcd"), auth=True)
+            self._stale_etcd = stale.start()
 
     def start_stale_hub(self) -> str:
         """Copy every key into the stale etcd member and serve it by a third hub replica.
@@ -170,12 +187,12 @@ class ChaosCluster:
         if self._stale_etcd is None:
             raise TensorHubError("stale etcd did not start")
         kvs = self.etcd_client().range(self.prefix + "/", prefix=True, timeout=5.0).kvs
-        with Etcd(self._stale_etcd.endpoints, timeout=5.0) as copy:
+        with self._stale_etcd.client(timeout=5.0) as copy:
             for kv in kvs:
                 copy.put(kv.key, kv.value)
         self._stale_hub = HubServer(
             self._stale_etcd.endpoints, listen="127.0.0.1:0", admin_token=self.admin,
-            keys=self.keys,
+            keys=self.keys, etcd_credentials=self._stale_etcd.credentials,
         ).start()  # fmt: skip
         return self._stale_hub.address
 

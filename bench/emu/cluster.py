@@ -30,7 +30,7 @@ from typing import Any
 
 from bench.emu.control import Participant, broadcast, gather
 from bench.emu.netns import Emulation, Host
-from consistency import Etcd, EtcdCluster, Keys
+from consistency import EtcdCluster, Keys
 from ros.hub.tenants import TenantStore
 from tensorhub.errors import TensorHubError
 
@@ -126,20 +126,22 @@ class Cluster:
     def _start_hub(self) -> None:
         """etcd, then each replica as its own `tensorhub serve` process (as deployed: a
         replica per process, so replicas do not share one interpreter lock)."""
-        self.etcd = EtcdCluster(size=1).start()
+        self.etcd = EtcdCluster(size=1, auth=True).start()  # only the hubs can read it
         admin = secrets.token_urlsafe(16)
         etcd = ",".join(self.etcd.endpoints)
+        password = self.etcd.password_file()
         for dc in self.emu.hosts_per_dc:
             for i in range(self.replicas):
                 ready = self.logs / f"hub-{dc}-{i}.json"
                 # `--admin-token=`: a token may begin with "-", which argparse would refuse.
                 argv = [sys.executable, "-m", "ros.cli", "serve", "--etcd", etcd,
                         "--listen", f"{self.emu.gateway(dc)}:0", f"--admin-token={admin}",
-                        "--ready-file", str(ready)]  # fmt: skip
+                        "--ready-file", str(ready),
+                        "--etcd-user", "root", "--etcd-password-file", str(password)]  # fmt: skip
                 log = (self.logs / f"hub-{dc}-{i}.log").open("ab")
                 proc = subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True)
                 self.hubs.setdefault(dc, []).append((proc, ready))
-        client = Etcd(self.etcd.endpoints)
+        client = self.etcd.client()
         try:
             self.token = TenantStore(client, Keys()).create(TENANT)
         finally:

@@ -1,6 +1,8 @@
 """`tensorhub serve`: run one hub replica until SIGINT/SIGTERM.
 
-Without `--etcd`, starts one embedded etcd member in a temporary directory (development);
+Without `--etcd`, starts one embedded etcd member in a temporary directory (development),
+with etcd auth on and a root password only this process knows (`consistency.embedded`);
+with `--etcd`, the `--etcd-*` options (or `TENSORHUB_ETCD_*`) give its user, password and TLS;
 without `--admin-token`, generates one and prints it. Several replicas over the same etcd
 (and the same `--prefix`) serve the same data; any of them can serve any client.
 """
@@ -21,6 +23,7 @@ from prometheus_client import start_http_server
 
 from consistency import EtcdCluster, Keys
 from consistency.compactor import DEFAULT_INTERVAL as DEFAULT_COMPACT_INTERVAL
+from consistency.credentials import add_etcd_arguments, credentials_from_args
 from consistency.keys import DEFAULT_PREFIX
 from ros.hub.limits import (
     DEFAULT_MAX_PRIVATE_WATCHES,
@@ -30,6 +33,7 @@ from ros.hub.limits import (
 )
 from ros.hub.server import HubServer
 from ros.tokens import READ_KEY_PERIOD
+from tensorhub.errors import TensorHubError
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
@@ -39,8 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         help="HOST:PORT to serve gRPC on (default %(default)s)",
     )
     parser.add_argument(
-        "--etcd", help="etcd endpoints HOST:PORT[,HOST:PORT]; default: start an embedded member"
+        "--etcd",
+        help="etcd endpoints HOST:PORT[,HOST:PORT] (https://HOST:PORT with --etcd-ca); "
+        "default: start an embedded member with auth on",
     )
+    add_etcd_arguments(parser)
     parser.add_argument(
         "--admin-token",
         default=os.environ.get("TENSORHUB_ADMIN_TOKEN"),
@@ -122,12 +129,23 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
 def run(args: argparse.Namespace) -> int:
     admin_token = args.admin_token or secrets.token_urlsafe(24)
     embedded: EtcdCluster | None = None
+    try:
+        etcd_credentials = credentials_from_args(args)
+    except TensorHubError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.etcd:
         endpoints = [e for e in args.etcd.split(",") if e]
     else:
-        embedded = EtcdCluster(size=1).start()
-        endpoints = embedded.endpoints
-        print(f"embedded etcd at {endpoints[0]} (data in {embedded.root})", flush=True)
+        if etcd_credentials is not None:
+            print("warning: --etcd-* credentials are for --etcd; ignored", file=sys.stderr)
+        embedded = EtcdCluster(size=1, auth=True).start()
+        endpoints, etcd_credentials = embedded.endpoints, embedded.credentials
+        print(
+            f"embedded etcd at {endpoints[0]} (data in {embedded.root}; auth on, its root "
+            "password known only to this process)",
+            flush=True,
+        )
     credentials = None
     if args.tls_cert or args.tls_key:
         if not (args.tls_cert and args.tls_key):
@@ -143,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
             max_streams=args.max_streams, max_streams_per_tenant=args.max_streams_per_tenant,
             max_private_watches=args.max_private_watches,
             compact_interval=args.compact_interval, read_key_period=args.read_key_period,
+            etcd_credentials=etcd_credentials,
         ).start()  # fmt: skip
         if args.metrics_port:
             start_http_server(args.metrics_port)

@@ -84,10 +84,13 @@ class DemoRun:
 
     def _start(self, stack: contextlib.ExitStack) -> None:
         self.display.status("starting etcd and the hub ...")
-        etcd = stack.enter_context(EtcdCluster(size=1))
+        etcd = stack.enter_context(EtcdCluster(size=1, auth=True))  # only the hub can read it
         # retain=1: rollouts update in place, so only the newest version stays readable
         # (an in-place holder cannot keep the old one; see docs/demo.md).
-        server = HubServer(etcd.endpoints, admin_token=secrets.token_urlsafe(16), retain=1).start()
+        server = HubServer(
+            etcd.endpoints, admin_token=secrets.token_urlsafe(16), retain=1,
+            etcd_credentials=etcd.credentials,
+        ).start()  # fmt: skip
         stack.callback(server.stop, 0.5)
         token = TenantStore(server.etcd, server.keys).create(TENANT)
         self.driver = Driver()

@@ -31,7 +31,7 @@ from grpc_reflection.v1alpha import reflection
 from consistency import Etcd, Keys
 from consistency.compactor import DEFAULT_INTERVAL as DEFAULT_COMPACT_INTERVAL
 from consistency.compactor import Compactor
-from ros.hub.guard import DEFAULT_FIRST_MESSAGE_SECONDS, CallGuard
+from consistency.credentials import EtcdCredentials
 from ros.hub.limits import (
     DEFAULT_MAX_PRIVATE_WATCHES,
     DEFAULT_MAX_STREAMS,
@@ -39,7 +39,6 @@ from ros.hub.limits import (
     DEFAULT_WORKERS,
     Limits,
 )
-from ros.hub.rpc import CallContext, bearer
 from ros.hub.servicer import HubServicer
 from ros.metrics import CompactorMetrics
 from ros.proto.tensorhub.v1 import hub_pb2, hub_pb2_grpc
@@ -54,10 +53,6 @@ SERVICE_NAME = hub_pb2.DESCRIPTOR.services_by_name["TensorHub"].full_name
 WRITES_HEALTH_NAME = f"{SERVICE_NAME}/writes"
 MAX_MESSAGE_BYTES = 64 << 20
 MAX_QUEUED_UNARY = 4096  # unary calls admitted beyond the stream limit (gRPC's own backstop)
-# HTTP/2 streams one client connection may have open at once (SETTINGS_MAX_CONCURRENT_STREAMS):
-# more than any SDK process or bench client multiplexes on one channel, so it only stops one
-# connection from taking the replica's whole call budget. A client past it queues, not fails.
-DEFAULT_MAX_STREAMS_PER_CONNECTION = 4096
 T = TypeVar("T")
 
 
@@ -69,8 +64,7 @@ class HubServer:
     `max_private_watches` the watches replaying old revisions (see `ros.hub.limits`).
     `compact_interval`: seconds between etcd compactions by the one replica elected to do
     them (`consistency.compactor`; 0 turns this replica's compactor off).
-    `first_message_seconds`: how long any call may wait for its first request message, and
-    `max_streams_per_connection` the HTTP/2 streams of one connection (`ros.hub.guard`).
+    `etcd_credentials`: etcd user, password and TLS material (`consistency.credentials`).
     `read_key_period`: seconds between rotations of every tenant's read key (`ros.tokens`);
     every replica must use the same.
     """
@@ -89,19 +83,16 @@ class HubServer:
         max_streams_per_tenant: int = DEFAULT_MAX_STREAMS_PER_TENANT,
         max_private_watches: int = DEFAULT_MAX_PRIVATE_WATCHES,
         compact_interval: float = DEFAULT_COMPACT_INTERVAL,
-        first_message_seconds: float = DEFAULT_FIRST_MESSAGE_SECONDS,
-        max_streams_per_connection: int = DEFAULT_MAX_STREAMS_PER_CONNECTION,
+        etcd_credentials: EtcdCredentials | None = None,
         read_key_period: float = READ_KEY_PERIOD,
     ) -> None:
-        self._first_message_seconds = first_message_seconds
-        self._max_streams_per_connection = max_streams_per_connection
         self.limits = Limits(
             max_streams=max_streams,
             max_streams_per_tenant=max_streams_per_tenant,
             max_private_watches=max_private_watches,
             workers=max_workers,
         )
-        self.etcd = Etcd(etcd_endpoints)
+        self.etcd = Etcd(etcd_endpoints, credentials=etcd_credentials)
         self.keys = keys or Keys()
         self._stopped = threading.Event()
         self._loop = asyncio.new_event_loop()
@@ -160,9 +151,7 @@ class HubServer:
 
     async def _build(self, listen: str, credentials: grpc.ServerCredentials | None) -> int:
         """Create the aio server on the loop (it binds to the running loop) and its port."""
-        guard = CallGuard(f"/{SERVICE_NAME}/", self._known_token, self._first_message_seconds)
         self._server = grpc.aio.server(
-            interceptors=[guard],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -171,7 +160,6 @@ class HubServer:
                 # lose streams that our own limits admit. Our limits decide instead.
                 ("grpc.server.max_pending_requests", self.limits.max_streams),
                 ("grpc.server.max_pending_requests_hard_limit", 2 * self.limits.max_streams),
-                ("grpc.max_concurrent_streams", self._max_streams_per_connection),
             ],
             maximum_concurrent_rpcs=self.limits.max_streams + MAX_QUEUED_UNARY,
         )
@@ -184,13 +172,6 @@ class HubServer:
         if credentials is None:
             return self._server.add_insecure_port(listen)
         return self._server.add_secure_port(listen, credentials)
-
-    async def _known_token(self, call: CallContext) -> None:
-        """The call guard's check: the admin token, or a tenant's (else `PermissionDenied`)."""
-        token = bearer(call)
-        if token is not None and self.servicer.is_admin(token):
-            return
-        await self.servicer._stream_tenant(call)
 
     async def _start(self) -> None:
         await self._server.start()
