@@ -14,12 +14,14 @@ from dataclasses import dataclass
 from consistency import ops
 from consistency.etcd import Etcd
 from consistency.keys import Keys
+from consistency.quota import CountedCreate
 from consistency.records import HolderRecord, HolderState, PartHeader
 from consistency.versions import VersionRegistry
 from tensorhub.errors import (
     DeadlineExceeded,
     InvalidArgument,
     LeaseLost,
+    PermissionDenied,
     RetentionViolation,
     VersionNotFound,
 )
@@ -38,6 +40,13 @@ def _check_shard(model: str, version: int, shard: int | None, count: int) -> Non
         raise InvalidArgument(f"{model}@{version} is not model-parallel: a holder has no shard")
     if shard is not None and shard >= count:
         raise InvalidArgument(f"shard {shard} out of range: {model}@{version} has {count}")
+
+
+def _not_yours(what: str, model: str, version: int, session: int) -> str:
+    return (
+        f"{what} of {model}@{version} belongs to another session, not {session:x}: "
+        "a session releases only what it registered or pinned"
+    )
 
 
 @dataclass(frozen=True)
@@ -151,6 +160,7 @@ class HolderRegistry:
         holder: str,
         *,
         force: bool = False,
+        session: int | None = None,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> int:
         """Delete a holder's record; never silently drop a retained version's last complete holder.
@@ -158,6 +168,10 @@ class HolderRegistry:
         The check is fenced: the transaction compares that another complete holder's record
         is unchanged (or that `latest` has not moved), so a concurrent release of that other
         holder cannot make both succeed. Returns the revision of the delete.
+
+        With `session`, only the session that registered the record may release it (forced
+        or not): the transaction compares the record's lease, so a record re-registered
+        meanwhile by another session is not deleted either (`PermissionDenied`).
         """
         key = self.keys.holder(tenant, model, version, validate_name(holder, "holder"))
         latest_key = self.keys.latest(tenant, model)
@@ -180,6 +194,8 @@ class HolderRegistry:
                         complete.append((kv, record.shard))
             if mine is None:
                 return snapshot.revision  # nothing to release
+            if session is not None and mine.session != session:
+                raise PermissionDenied(_not_yours(f"holder {holder}", model, version, session))
             # of a model-parallel version, only holders of the same shard can stand in
             others = [kv for kv, shard in complete if shard == mine.shard]
             compares = []
@@ -194,6 +210,8 @@ class HolderRegistry:
                 compares.append(ops.mod(others[0].key, "==", others[0].mod_revision))
             compares.append(ops.mod(latest_key, "==", latest_kv.mod_revision if latest_kv else 0))
             compares.append(ops.create(key, "==", mine.revision))
+            if session is not None:
+                compares.append(ops.lease(key, "==", session))
             pin = self.keys.pin(tenant, model, version, holder)  # a PARTIAL record's pin
             result = self.etcd.txn(
                 compares, [ops.delete(key), ops.delete(pin)], timeout=deadline - time.monotonic()
@@ -246,19 +264,76 @@ class HolderRegistry:
         pin_id: str,
         session: int,
         *,
+        max_pinned: int | None = None,
         timeout: float | None = None,
     ) -> int:
-        """Keep a version from being collected while a reader works on it (under its lease)."""
-        result = self.etcd.txn(
-            [ops.exists(self.keys.manifest(tenant, model, version))],
-            [ops.put(self.keys.pin(tenant, model, version, pin_id), b"", lease=session)],
-            timeout=timeout,
+        """Keep a version from being collected while a reader works on it (under its lease).
+
+        With `max_pinned`, a pin that would make more than that many versions of the model
+        pinned is refused (`QuotaExceeded`): pins keep versions past retention, so without a
+        bound they bypass the tenant's retained-versions quota. Race-free among pins: every
+        pin of a version not yet pinned bumps the tenant's `pins` fence (`consistency.quota`).
+        Pins that PARTIAL holder records take count, but are not refused.
+        """
+        manifest = self.keys.manifest(tenant, model, version)
+        put = ops.put(self.keys.pin(tenant, model, version, pin_id), b"", lease=session)
+        if max_pinned is None:
+            result = self.etcd.txn([ops.exists(manifest)], [put], timeout=timeout)
+            if not result.succeeded:
+                raise VersionNotFound(f"{model}@{version} is not published (or already collected)")
+            return result.revision
+        quota = CountedCreate(
+            self.etcd,
+            self.keys.quota_fence(tenant, "pins"),
+            max_pinned,
+            lambda t: self._pinned_versions(tenant, model, t),
+            f"pinned versions of {model}",
         )
-        if not result.succeeded:
-            raise VersionNotFound(f"{model}@{version} is not published (or already collected)")
-        return result.revision
+        deadline = time.monotonic() + (DEFAULT_TIMEOUT if timeout is None else timeout)
+        while (remaining := deadline - time.monotonic()) > 0:
+            guard, bump = quota.admit(remaining, name=str(version))
+            result = self.etcd.txn(
+                [ops.exists(manifest), *guard], [*bump, put], [ops.get(manifest, count_only=True)],
+                timeout=max(deadline - time.monotonic(), 0.01),
+            )  # fmt: skip
+            if result.succeeded:
+                return result.revision
+            if not result.responses[0].response_range.count:
+                raise VersionNotFound(f"{model}@{version} is not published (or already collected)")
+        raise DeadlineExceeded(f"pinning {model}@{version}: the pin count kept changing")
+
+    def _pinned_versions(self, tenant: str, model: str, timeout: float) -> set[str]:
+        """The versions of a model that have a pin (as strings: `CountedCreate` members)."""
+        result = self.etcd.range(
+            self.keys.versions(tenant, model), prefix=True, keys_only=True, timeout=timeout
+        )
+        pinned = set()
+        for kv in result.kvs:
+            version, kind, _ = self.keys.parse_version_key(tenant, model, kv.key.decode())
+            if kind == "pin":
+                pinned.add(str(version))
+        return pinned
 
     def unpin(
-        self, tenant: str, model: str, version: int, pin_id: str, *, timeout: float | None = None
+        self,
+        tenant: str,
+        model: str,
+        version: int,
+        pin_id: str,
+        *,
+        session: int | None = None,
+        timeout: float | None = None,
     ) -> int:
-        return self.etcd.delete(self.keys.pin(tenant, model, version, pin_id), timeout=timeout)
+        """Drop a pin (a missing one: nothing to do). With `session`, only a pin under that
+        session's lease is dropped (compared inside the transaction); another session's pin
+        is `PermissionDenied`."""
+        key = self.keys.pin(tenant, model, version, pin_id)
+        if session is None:
+            return self.etcd.delete(key, timeout=timeout)
+        result = self.etcd.txn(
+            [ops.lease(key, "==", session)], [ops.delete(key)], [ops.get(key, count_only=True)],
+            timeout=timeout,
+        )  # fmt: skip
+        if not result.succeeded and result.responses[0].response_range.count:
+            raise PermissionDenied(_not_yours(f"pin {pin_id}", model, version, session))
+        return result.revision

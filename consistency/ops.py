@@ -88,6 +88,14 @@ def create(key: str | bytes, result: CmpOp, revision: int) -> Cmp:
     return cmp
 
 
+def lease(key: str | bytes, result: CmpOp, lease_id: int) -> Cmp:
+    """Compare the lease a key is attached to (0 when absent or attached to none)."""
+    cmp = _compare(key, False, result)
+    cmp.target = etcdrpc.Compare.LEASE
+    cmp.lease = lease_id
+    return cmp
+
+
 def absent(key: str | bytes) -> Cmp:
     """True when `key` does not exist."""
     return create(key, "==", 0)

@@ -107,7 +107,10 @@ async def _step(hub: Hub, v: int, trainer: int, readers: list[int]) -> list[Any]
         )
         if v > 1:
             await hub.call(
-                "ReleaseHolder", pb.ReleaseHolderRequest(model=MODEL, version=v - 1, holder=name)
+                "ReleaseHolder",
+                pb.ReleaseHolderRequest(
+                    model=MODEL, version=v - 1, holder=name, session_id=session
+                ),
             )
 
     return list(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+import zlib
 from typing import Any
 
 from bench.scale.load import percentile
@@ -41,6 +42,12 @@ def _topology(i: int) -> dict[str, str]:
     return {"dc": f"dc{i % 2}", "rack": f"r{i % 16}", "host": f"h{i % 128}"}
 
 
+def _owner(name: str, sessions: list[int]) -> int:
+    """The session a holder name registers under, the same at every step (a release must
+    name the session that owns the record)."""
+    return sessions[zlib.crc32(name.encode()) % len(sessions)]
+
+
 async def _register(
     hub: Hub, names: list[str], sessions: list[int], version: int, complete: bool
 ) -> list[Any]:
@@ -50,9 +57,7 @@ async def _register(
             pb.RegisterHolderRequest(
                 model=MODEL,
                 version=version,
-                holder=holder(
-                    n, sessions[i % len(sessions)], complete=complete, topology=_topology(i)
-                ),
+                holder=holder(n, _owner(n, sessions), complete=complete, topology=_topology(i)),
             ),
         )
         for i, n in enumerate(names)
@@ -80,7 +85,10 @@ async def _resolve_latency(hub: Hub, session: int, caller: str) -> dict[str, Any
     await timed(one, 5)  # warm-up
     ms = await timed(one, SAMPLES)
     await hub.call(
-        "ReleaseHolder", pb.ReleaseHolderRequest(model=MODEL, version=1, holder=caller, force=True)
+        "ReleaseHolder",
+        pb.ReleaseHolderRequest(
+            model=MODEL, version=1, holder=caller, force=True, session_id=session
+        ),
     )
     reply = last[0]
     return {
@@ -97,7 +105,7 @@ async def _step(hub: Hub, sessions: list[int], readers: list[str]) -> dict[str, 
     counts: dict[str, int] = {}
 
     async def reader(i: int, name: str) -> None:
-        session, me = sessions[i % len(sessions)], _topology(i)
+        session, me = _owner(name, sessions), _topology(i)
         calls = 0
         await hub.call("Resolve", resolve_request(model=MODEL, version=2, topology=me, holder=name))
         reg = await hub.call(
@@ -129,7 +137,8 @@ async def _step(hub: Hub, sessions: list[int], readers: list[str]) -> dict[str, 
             ),
         )
         await hub.call(
-            "ReleaseHolder", pb.ReleaseHolderRequest(model=MODEL, version=1, holder=name)
+            "ReleaseHolder",
+            pb.ReleaseHolderRequest(model=MODEL, version=1, holder=name, session_id=session),
         )
         counts[name] = calls + 2
 

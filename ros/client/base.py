@@ -366,8 +366,9 @@ class ClientBase:
             self._spill(model, version, spill, timeout)
             return
         request = pb.ReleaseHolderRequest(
-            model=model, version=version, holder=self.holder_name, force=force
-        )
+            model=model, version=version, holder=self.holder_name, force=force,
+            session_id=self.session.id,  # the hub checks that it owns the record
+        )  # fmt: skip
         response = self._rpc("ReleaseHolder", request)
         self.floor.observe(response.revision)
         self._store.release((self.tenant, model, version), timeout)

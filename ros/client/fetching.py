@@ -163,8 +163,9 @@ class FetchMixin(ClientBase):
         except TensorHubError as exc:
             log.warning("abandoning %s@%d: %s", model, version, exc)
         request = pb.ReleaseHolderRequest(
-            model=model, version=version, holder=self.holder_name, force=True
-        )
+            model=model, version=version, holder=self.holder_name, force=True,
+            session_id=self.session.id,  # the hub checks that it owns the record
+        )  # fmt: skip
         try:  # deletes our record and the pin it held
             self._rpc("ReleaseHolder", request)
         except TensorHubError as exc:  # the lease removes them anyway when we go

@@ -106,7 +106,9 @@ class SliceMixin(FetchMixin):
                     model, found, resolved, index, parts[index], copies, slices, deadline, result
                 )
         finally:
-            unpin = pb.UnpinRequest(model=model, version=found, pin_id=pin_id)
+            unpin = pb.UnpinRequest(
+                model=model, version=found, pin_id=pin_id, session_id=self.session.id
+            )
             self._rpc("Unpin", unpin)
         return result
 

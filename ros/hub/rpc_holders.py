@@ -5,6 +5,7 @@ from __future__ import annotations
 from ros.hub.convert import holder_from_pb, holder_to_pb
 from ros.hub.rpc import CallContext, HubBase, unary
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from tensorhub.errors import InvalidArgument
 from tensorhub.names import validate_name, validate_version
 
 
@@ -54,10 +55,13 @@ class HolderRPCs(HubBase):
     def ReleaseHolder(
         self, request: pb.ReleaseHolderRequest, context: CallContext
     ) -> pb.ReleaseHolderResponse:
+        """Delete the caller's holder record: the session that registered it must be named
+        (`session_id`), and is compared with the record's lease inside etcd."""
         tenant = self._tenant(context)
         revision = self._holders(tenant).release(
             tenant.name, validate_name(request.model, "model"), validate_version(request.version),
-            request.holder, force=request.force, timeout=self._timeout(context),
+            request.holder, force=request.force, session=_owner(request.session_id, "release"),
+            timeout=self._timeout(context),
         )  # fmt: skip
         return pb.ReleaseHolderResponse(revision=revision)
 
@@ -66,18 +70,22 @@ class HolderRPCs(HubBase):
         tenant = self._tenant(context)
         timeout = self._timeout(context)
         self._own_session(tenant, request.session_id, timeout)
+        # Pins keep versions past retention: at most the retained-versions quota of them.
         revision = self._holders(tenant).pin(
             tenant.name, validate_name(request.model, "model"), validate_version(request.version),
-            request.pin_id, request.session_id, timeout=timeout,
+            request.pin_id, request.session_id,
+            max_pinned=tenant.quotas.max_retained_versions, timeout=timeout,
         )  # fmt: skip
         return pb.PinResponse(revision=revision)
 
     @unary
     def Unpin(self, request: pb.UnpinRequest, context: CallContext) -> pb.UnpinResponse:
+        """Drop the caller's pin: the session that pinned it must be named (`session_id`)."""
         tenant = self._tenant(context)
         revision = self._holders(tenant).unpin(
             tenant.name, validate_name(request.model, "model"), validate_version(request.version),
-            request.pin_id, timeout=self._timeout(context),
+            request.pin_id, session=_owner(request.session_id, "unpin"),
+            timeout=self._timeout(context),
         )  # fmt: skip
         return pb.UnpinResponse(revision=revision)
 
@@ -91,3 +99,10 @@ class HolderRPCs(HubBase):
             request.dc, request.holder, request.session_id, timeout=timeout,
         )  # fmt: skip
         return pb.ElectSeedResponse(seed=claim.seed, is_seed=claim.is_seed, revision=claim.revision)
+
+
+def _owner(session_id: int, what: str) -> int:
+    """The session a release or unpin names as the owner of its record; one must be named."""
+    if session_id <= 0:
+        raise InvalidArgument(f"{what} must name the session that owns the record (session_id)")
+    return session_id

@@ -95,7 +95,9 @@ def test_every_rpc_on_a_session_of_a_is_refused_to_b(
         "Inspect": as_b("Inspect", pb.InspectRequest(model="policy", version=1)),
         "ReleaseHolder": as_b(
             "ReleaseHolder",
-            pb.ReleaseHolderRequest(model="policy", version=1, holder=a.holder_name, force=True),
+            pb.ReleaseHolderRequest(
+                model="policy", version=1, holder=a.holder_name, force=True, session_id=sid
+            ),
         ),
     }
     for name, call in calls.items():
