@@ -19,7 +19,7 @@ import pytest
 
 from consistency import EtcdCluster
 from consistency.credentials import EtcdAuthFailed, EtcdCredentials
-from consistency.embedded import free_port, stop_process
+from consistency.embedded import EtcdStartError, free_port, stop_process
 from consistency.etcd import Etcd
 from consistency.etcdbin import find_etcd_binary
 from consistency.watch import KeyWatch, RawEvent
@@ -173,3 +173,30 @@ def test_tls_with_a_client_certificate(tmp_path: Path) -> None:
             etcd.get("/tls/k")  # etcd wants a client certificate: the handshake fails
     finally:
         stop_process(proc)
+
+
+@pytest.mark.timeout(90)
+def test_keys_written_before_auth_was_on_stop_the_start(tmp_path: Path) -> None:
+    # Between start-up and auth, etcd is open; a key planted then (a hub secret the attacker
+    # knows) must not be served. A data dir written without auth stands in for that window.
+    root = tmp_path / "etcd"
+    with EtcdCluster(size=1, data_root=str(root)) as open_etcd, open_etcd.client() as etcd:
+        etcd.put("/tensorhub/hub/secret", "attacker-known")
+    with pytest.raises(EtcdStartError, match="before its auth was on"):
+        EtcdCluster(size=1, data_root=str(root), auth=True).start()
+
+
+@pytest.mark.timeout(90)
+def test_a_member_restarted_after_a_kill_keeps_auth() -> None:
+    with EtcdCluster(size=3, auth=True) as cluster, cluster.client() as etcd:
+        etcd.put("/restart/k", "v")
+        leader = cluster.leader()
+        cluster.kill(leader)
+        kv, _ = etcd.get("/restart/k")  # the token is valid on the other members
+        assert kv is not None
+        cluster.restart(leader)
+        with Etcd([cluster.members[leader].endpoint]) as bare, pytest.raises(EtcdAuthFailed):
+            bare.get("/restart/k")
+        with Etcd([cluster.members[leader].endpoint], credentials=cluster.credentials) as one:
+            kv, _ = one.get("/restart/k")
+            assert kv is not None
