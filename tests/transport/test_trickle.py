@@ -1,0 +1,121 @@
+"""A trickling holder (issue 12 item 5) and the rate floor that catches it, on real sockets.
+
+A holder that sends a chunk it has a few bytes at a time is never silent, so the stall
+timeout never fires; before the rate floor the reader stayed on it until its deadline
+although a good holder had every byte. The floor judges only the bytes a holder has and
+withholds (a CHUNK frame from its first byte), so a reader behind a PARTIAL upstream that
+is itself slow to receive is not penalised.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.transport._model import MODEL, TENANT, make_model
+from tests.transport.conftest import StartHolder
+from transport.layout import Layout
+from transport.pace import DEFAULT_RATE_FLOOR
+from transport.reader import FetchStats, Source, fetch
+from transport.server import Fault, HolderServer, allow_all
+from transport.store import HeldVersion, HolderStore
+from transport.topology import Topology
+
+CHUNK = 64 * 1024
+WAIT = 30.0  # generous deadline for any fetch here (a noisy shared machine)
+
+
+def _fetch(layout: Layout, sources: list[Source], dest: HeldVersion, **kw: object) -> FetchStats:
+    opts: dict[str, object] = {"token": b"t", "deadline": time.monotonic() + WAIT}
+    opts.update(kw)
+    return fetch(TENANT, MODEL, 1, layout, dest, sources, me=Topology(), **opts)  # type: ignore[arg-type]
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a
+    )
+
+
+@pytest.mark.timeout(90)
+def test_trickling_holder_is_suspected_and_the_good_one_serves(holders: StartHolder) -> None:
+    """The trickler sends 2 KiB/s, a piece every 50 ms (never silent for the 1 s stall
+    window). It ranks first, so it is handed half the chunks; the fetch completes from the
+    good holder and reports the trickler suspected, with the rate it was caught at."""
+    model = make_model(21, tiny=100)
+    layout = Layout.from_tensors(model, chunk_size=CHUNK)
+    # holder ids sort "a-trickler" first: it is planned chunks, not left idle
+    slow = holders(model, layout, name="a-trickler", fault=Fault(trickle=2048))[2]
+    good = holders(model, layout, name="b-good")[2]
+    dest = HeldVersion.reader(TENANT, MODEL, 1, layout, layout.allocate())
+    stats = _fetch(layout, [slow, good], dest, parallel=4, stall_timeout=1.0)
+    assert dest.complete
+    assert _same(dest.tensors, model)
+    assert "a-trickler" in stats.failed_sources
+    assert "SlowHolder" in stats.failed_sources["a-trickler"]
+    assert 0 < stats.slow_sources["a-trickler"] < DEFAULT_RATE_FLOOR
+    assert stats.bytes_per_source.get("a-trickler", 0) == 0  # no chunk of it completed
+    assert stats.bytes_per_source["b-good"] == stats.total_bytes
+
+
+@pytest.mark.timeout(90)
+def test_reader_behind_a_slow_partial_upstream_is_not_penalised(holders: StartHolder) -> None:
+    """Chain S -> A -> B. S delivers at 256 KiB/s (rate-limited, but above A's floor of
+    64 KiB/s). A is PARTIAL and forwards each chunk once it has it. B's floor is 1 MiB/s,
+    four times what the chain can deliver: B's overall rate from A is below its floor, yet
+    A sends every chunk it has at once, so B must not suspect A."""
+    model = make_model(22, tiny=100)
+    layout = Layout.from_tensors(model, chunk_size=CHUNK)
+    upstream = holders(model, layout, name="s", fault=Fault(trickle=256 * 1024))[2]
+    a_store = HolderStore()
+    a_dest = HeldVersion.reader(TENANT, MODEL, 1, layout, layout.allocate())
+    a_store.add(a_dest)  # registered before its fetch starts: A is a PARTIAL holder
+    a_out: list[object] = []
+
+    def a_fetch() -> None:
+        try:
+            a_out.append(
+                _fetch(layout, [upstream], a_dest, parallel=1, stall_timeout=2.0,
+                       rate_floor=64 * 1024)
+            )  # fmt: skip
+        except Exception as exc:
+            a_out.append(exc)
+
+    floor = 1024 * 1024
+    with HolderServer(a_store, allow_all) as a_server:
+        a_thread = threading.Thread(target=a_fetch)
+        a_thread.start()
+        try:
+            b_dest = HeldVersion.reader(TENANT, MODEL, 1, layout, layout.allocate())
+            b_stats = _fetch(
+                layout, [Source("a", *a_server.address)], b_dest, parallel=2,
+                stall_timeout=2.0, rate_floor=floor,
+            )  # fmt: skip
+        finally:
+            a_thread.join(timeout=WAIT)
+    assert isinstance(a_out[0], FetchStats), a_out
+    assert a_out[0].failed_sources == {}  # S, above A's floor, was not suspected either
+    assert b_dest.complete
+    assert _same(b_dest.tensors, model)
+    assert b_stats.failed_sources == {}
+    assert b_stats.slow_sources == {}
+    assert set(b_stats.bytes_per_source) == {"a"}
+    # B's overall rate was under its floor (S's pacing bounds it): the floor did not judge it
+    assert b_stats.total_bytes / b_stats.duration < floor
+
+
+@pytest.mark.timeout(60)
+def test_rate_floor_zero_turns_it_off(holders: StartHolder) -> None:
+    """`rate_floor=0` is the old behaviour: a holder steady at 64 KiB/s, under the default
+    floor, is waited for (each 64 KiB chunk takes a full 1 s stall window)."""
+    model = {"w": torch.arange(2 * CHUNK, dtype=torch.uint8) % 251}
+    layout = Layout.from_tensors(model, chunk_size=CHUNK)
+    slow = holders(model, layout, name="slow", fault=Fault(trickle=64 * 1024))[2]
+    dest = HeldVersion.reader(TENANT, MODEL, 1, layout, layout.allocate())
+    stats = _fetch(layout, [slow], dest, parallel=1, stall_timeout=1.0, rate_floor=0)
+    assert dest.complete
+    assert _same(dest.tensors, model)
+    assert stats.failed_sources == {}
