@@ -50,7 +50,7 @@ def hub_stub(args: argparse.Namespace) -> tuple[hub_pb2_grpc.TensorHubStub, Any]
 def tenant_metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
     if not args.token:
         raise InvalidArgument("no tenant token: pass --token or set TENSORHUB_TOKEN")
-    metadata = (("authorization", f"Bearer {args.token}"),)
+    metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {args.token}"),)
     if getattr(args, "tenant", None):  # the hub refuses a token of another tenant
         metadata += (("tensorhub-tenant", str(args.tenant)),)
     return metadata
