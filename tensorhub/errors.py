@@ -29,6 +29,12 @@ class InvalidName(InvalidArgument):
     """A tenant, model or holder name does not match the strict name pattern."""
 
 
+class InvalidManifest(InvalidArgument):
+    """A manifest breaks a rule of `ros.manifest_check` (dtype, offsets, chunks, checksums,
+    names, sizes, metadata): refused by the hub before any write, by the SDK before it
+    publishes, and by a reader before it uses a manifest it received."""
+
+
 class StaleVersion(TensorHubError):
     """A publish names a version that is not newer than the current latest."""
 
@@ -88,6 +94,14 @@ class Overloaded(TensorHubError):
 class StorageFull(TensorHubError):
     """etcd raised its NOSPACE alarm: it refuses every write until compaction and a defrag
     free space (the hub's compactor does both, then disarms the alarm). Nothing was written."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+class OutOfMemory(TensorHubError):
+    """This process could not allocate the tensors of a version it is about to fetch (the
+    manifest is valid, the version larger than this machine's memory): nothing was
+    registered. Fetch `into=` memory of your own, or fetch one shard at a time."""
 
     code = "RESOURCE_EXHAUSTED"
 

@@ -25,10 +25,21 @@ def validate_name(name: object, kind: str = "name") -> str:
     return name
 
 
+MAX_VERSION = 2**53 - 1
+"""The largest version number (9,007,199,254,740,991: exact in a JSON number, and room for
+microsecond timestamps). A publish must name a version above `latest`, so a model at the
+bound cannot move on: the bound keeps that far from anything a client meets by accident
+(2**63 - 1 was accepted and left its model stuck), and `tensorhub delete MODEL` frees a
+model that got there."""
+
+
 def validate_version(version: object) -> int:
-    """Return `version` if it is a positive integer, else raise `InvalidArgument`."""
+    """Return `version` if it is an integer in 1..`MAX_VERSION`, else raise `InvalidArgument`."""
     if isinstance(version, bool) or not isinstance(version, int) or version <= 0:
         raise InvalidArgument(f"invalid version {version!r}: versions are positive integers")
-    if version >= 10**20:
-        raise InvalidArgument(f"invalid version {version}: must be below 10**20")
+    if version > MAX_VERSION:
+        raise InvalidArgument(
+            f"invalid version {version}: versions are at most MAX_VERSION = 2**53 - 1 "
+            f"({MAX_VERSION})"
+        )
     return version

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import xxhash
 
-from tensorhub.errors import InvalidArgument
+from tensorhub.errors import InvalidArgument, OutOfMemory
 
 DEFAULT_CHUNK = 4 * 1024 * 1024
 """Default chunk size: large enough to amortise per-chunk overhead, small enough to spread."""
@@ -225,8 +225,14 @@ class Layout:
                 raise InvalidArgument(f"tensor {spec.name!r} is not contiguous")
 
     def allocate(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-        """Fresh (uninitialised) tensors matching this layout, in layout order."""
-        return {
-            s.name: torch.empty(s.shape, dtype=torch_dtype(s.dtype), device=device)
-            for s in self.tensors
-        }
+        """Fresh (uninitialised) tensors matching this layout, in layout order;
+        `OutOfMemory` (not torch's bare RuntimeError) if they do not fit."""
+        try:
+            return {
+                s.name: torch.empty(s.shape, dtype=torch_dtype(s.dtype), device=device)
+                for s in self.tensors
+            }
+        except RuntimeError as exc:  # torch.OutOfMemoryError is one too
+            raise OutOfMemory(
+                f"cannot allocate {self.total_bytes} bytes of tensors on {device}: {exc}"
+            ) from exc

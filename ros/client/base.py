@@ -24,6 +24,7 @@ from ros.client.session import ClientSession, read_keys_of
 from ros.client.spill import map_safetensors, write_safetensors
 from ros.client.watch import HubWatch
 from ros.errors import from_rpc_error
+from ros.manifest_check import check_received
 from ros.metrics import SDK_BYTES_SERVED
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
@@ -307,6 +308,7 @@ class ClientBase:
             answer = self._fresh(
                 lambda t: self._rpc("Resolve", request, t), lambda r: int(r.revision), budget
             )
+        check_received(answer, f"{model}@{answer.version}")  # before any use, or caching
         self._manifests.put(key, CachedManifest.of(answer))
         return answer
 

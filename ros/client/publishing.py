@@ -11,6 +11,7 @@ import torch
 from ros.client.base import ClientBase
 from ros.client.handles import Publication
 from ros.client.manifest import Placements, manifest_of
+from ros.manifest_check import check_manifest
 from ros.metrics import SDK_PUBLISH_SECONDS
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import (
@@ -69,6 +70,8 @@ class PublishMixin(ClientBase):
         )
         held = HeldVersion.publisher(self.tenant, model, version, own, layout)
         manifest = manifest_of(held, placements)
+        # the hub's own rules, so a manifest it would refuse fails here with its message
+        check_manifest(manifest, "manifest" if shard is None else f"manifest of shard {shard[0]}")
         self._holder_server()
         self._hold(held, None if shard is None else shard[0])
         index = None if shard is None else shard[0]

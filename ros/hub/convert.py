@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from consistency.records import HolderRecord, HolderState
 from consistency.watch import EventKind, WatchEvent
+from ros.manifest_check import check_topology
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.endpoints import validate_endpoints
 from tensorhub.errors import InvalidArgument
@@ -45,6 +46,7 @@ def holder_from_pb(
     for label in ("dc", "rack", "host"):
         if len(message.topology.get(label, "")) > 253:
             raise InvalidArgument(f"topology label {label} is too long")
+    check_topology(message.topology, f"topology of holder {message.name[:63]!r}")
     validate_name(message.name, "holder")  # the name's error first, as HolderRecord's
     # Every endpoint checked before any write: one a reader cannot use poisons the version.
     endpoints = validate_endpoints(message.endpoints)

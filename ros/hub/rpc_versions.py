@@ -21,6 +21,7 @@ from ros.hub.budget import publish_charge
 from ros.hub.convert import holder_from_pb, holder_to_pb
 from ros.hub.rpc import AioContext, CallContext, HubBase, streaming, unary
 from ros.hub.tenants import Tenant
+from ros.manifest_check import check_manifest
 from ros.metrics import HUB_PUBLISH_LIMIT, HUB_PUBLISHES_REFUSED, HUB_WATCHES
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.tokens import issue_read_token
@@ -42,10 +43,9 @@ class VersionRPCs(HubBase):
         version = validate_version(request.version)
         _check_publish_limits(request)  # bounds first: a limit answers before any work
         manifest = request.manifest.SerializeToString()
-        if not request.manifest.tensors:
-            raise InvalidArgument("manifest lists no tensors")
         holder = holder_from_pb(request.holder, default_state=HolderState.COMPLETE)
         self._own_session(tenant, holder.session, timeout)
+        check_manifest(request.manifest, _what(request))  # every rule, before any write
         versions = self._versions(tenant)
         quota = CountedCreate(
             self.etcd,
@@ -306,6 +306,11 @@ def _check_publish_limits(request: pb.PublishRequest) -> None:
     except InvalidArgument:
         HUB_PUBLISHES_REFUSED.labels(limit).inc()
         raise
+
+
+def _what(request: pb.PublishRequest) -> str:
+    """How a refusal names the manifest of a publish (the SDK names it the same way)."""
+    return f"manifest of shard {request.shard_index}" if request.shard_count else "manifest"
 
 
 def _check_shard(model: str, version: int, shard: int | None, count: int) -> None:

@@ -60,15 +60,17 @@ def rec(session_id: int, name: str = "trainer") -> HolderRecord:
 
 
 def big_manifest(tensors: int = 100_000, chunks: int = 300_000) -> bytes:
-    """A realistic manifest: MoE-style tensor names, bf16 shapes, one xxh3 per chunk."""
+    """A realistic manifest: MoE-style tensor names, bf16 shapes, one xxh3 per chunk; valid
+    by `ros.manifest_check` (the tensors fill the flat space: 3 MiB each at the defaults)."""
     manifest = pb.Manifest(total_bytes=chunks << 20, chunk_size=1 << 20)
     offset = 0
+    rows = (chunks << 20) // tensors // (1536 * 2)
     for i in range(tensors):
-        nbytes = 4096 * 2048 * 2
+        nbytes = rows * 1536 * 2
         manifest.tensors.add(
             name=f"model.layers.{i // 1000}.mlp.experts.{i % 1000}.down_proj.weight",
             dtype="bfloat16",
-            shape=[4096, 2048],
+            shape=[rows, 1536],
             offset=offset,
             nbytes=nbytes,
         )

@@ -1,0 +1,202 @@
+"""The one manifest validator: the hub runs it before any write, the SDK before it publishes
+and on every manifest it receives (so a bad record already in etcd fails with a named error).
+
+A manifest the hub accepts is one every reader can use. Without this check the hub wrote
+whatever a client sent, moved `latest` to it, and readers failed only at fetch (issue 12):
+an unknown dtype, overlapping offsets, a chunk size of 0, a checksum count that does not
+match the chunk count, duplicate names, an offset past `total_bytes`, `nbytes` that is not
+dtype x shape. The rules are those of `transport.layout.Layout` (which the SDK builds from a
+manifest), restated here without torch so that the hub, which never imports torch, runs the
+very same checks; `tests/ros/test_manifest_check.py` holds the two to each other.
+
+Also here, as they bound what a client may make the hub write: manifest metadata
+(`check_metadata`) and a holder's topology labels (`check_topology`). Every bound is a
+module constant, documented in docs/hub.md ("Validation") and docs/security.md.
+Every refusal is `InvalidManifest` (an `InvalidArgument`): nothing was written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from tensorhub.errors import InvalidArgument, InvalidManifest
+
+# The flat-space rules of `transport.layout` (equal there: checked by the tests).
+ALIGN = 64  # every tensor starts on a multiple of this
+MIN_CHUNK = 4096  # chunk_size bounds, inclusive; chunk_size is a multiple of ALIGN
+MAX_CHUNK = 1 << 30
+
+MAX_VERSION_BYTES = 1 << 50  # 1 PiB: a version's flat space (whole, or one shard's)
+MAX_TENSOR_NAME_BYTES = 1024  # a tensor name, UTF-8
+MAX_DIMS = 64  # dimensions of one tensor (torch's own limit is 64 too)
+
+MAX_METADATA_ENTRIES = 64  # manifest metadata: entries
+MAX_METADATA_KEY_BYTES = 256  # one key, UTF-8
+MAX_METADATA_BYTES = 64 << 10  # every key and value together, UTF-8
+
+MAX_TOPOLOGY_LABELS = 16  # labels of one holder (dc, rack, host and a few more)
+MAX_LABEL_KEY_BYTES = 63
+MAX_LABEL_VALUE_BYTES = 253  # a DNS name's length: a host label fits
+
+# Element size of every dtype a manifest may name (torch's canonical spelling, which
+# `transport.layout.dtype_name` writes). The hub must not import torch; the tests check
+# this table against torch's dtypes.
+DTYPE_SIZES: Mapping[str, int] = {
+    **dict.fromkeys(
+        ("bool", "uint8", "int8", "quint8", "qint8", "quint4x2", "quint2x4", "bits8",
+         "bits1x8", "bits2x4", "bits4x2", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
+         "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2", "uint1", "uint2", "uint3",
+         "uint4", "uint5", "uint6", "uint7", "int1", "int2", "int3", "int4", "int5", "int6",
+         "int7"),
+        1,
+    ),
+    **dict.fromkeys(("float16", "bfloat16", "int16", "uint16", "bits16"), 2),
+    **dict.fromkeys(("float32", "int32", "uint32", "qint32", "complex32"), 4),
+    **dict.fromkeys(("float64", "int64", "uint64", "complex64"), 8),
+    "complex128": 16,
+}  # fmt: skip
+
+
+def check_manifest(manifest: pb.Manifest, what: str = "manifest") -> None:
+    """Raise `InvalidManifest` naming the first rule `manifest` breaks (`what` names it in
+    the message: "manifest of shard 3"); return if every reader can use it."""
+    try:
+        _check_manifest(manifest)
+    except InvalidManifest as exc:
+        raise InvalidManifest(f"{what}: {exc}") from None
+
+
+def _check_manifest(manifest: pb.Manifest) -> None:
+    if not manifest.tensors:
+        raise InvalidManifest("lists no tensors")
+    size, total = manifest.chunk_size, manifest.total_bytes
+    if not MIN_CHUNK <= size <= MAX_CHUNK or size % ALIGN:
+        raise InvalidManifest(
+            f"chunk_size {size} must be a multiple of {ALIGN} between {MIN_CHUNK} and {MAX_CHUNK}"
+        )
+    if not 0 <= total <= MAX_VERSION_BYTES:
+        raise InvalidManifest(f"total_bytes {total} must be between 0 and {MAX_VERSION_BYTES}")
+    chunks = (total + size - 1) // size
+    if len(manifest.chunk_xxh3) != chunks:
+        raise InvalidManifest(
+            f"has {len(manifest.chunk_xxh3)} checksums for {chunks} chunks "
+            f"({total} bytes in chunks of {size})"
+        )
+    names: set[str] = set()
+    end = 0
+    for entry in manifest.tensors:
+        _check_entry(entry, names)
+        if entry.offset < end:
+            raise InvalidManifest(
+                f"tensor {entry.name!r} at offset {entry.offset} overlaps the tensor before it "
+                f"(which ends at {end}; tensors are listed in offset order)"
+            )
+        end = entry.offset + entry.nbytes
+        if end > total:
+            raise InvalidManifest(
+                f"tensor {entry.name!r} ends at byte {end}, past total_bytes {total}"
+            )
+    check_metadata(manifest.metadata, "metadata")
+
+
+def _check_entry(entry: pb.TensorEntry, names: set[str]) -> None:
+    """One tensor entry on its own: name, dtype, shape, nbytes, offset, placement."""
+    name = entry.name
+    if not name or len(name.encode()) > MAX_TENSOR_NAME_BYTES:
+        raise InvalidManifest(
+            f"tensor name {name[:40]!r} must be 1 to {MAX_TENSOR_NAME_BYTES} bytes"
+        )
+    if name in names:
+        raise InvalidManifest(f"duplicate tensor name {name!r}")
+    names.add(name)
+    itemsize = DTYPE_SIZES.get(entry.dtype)
+    if itemsize is None:
+        raise InvalidManifest(f"tensor {name!r}: unknown dtype {entry.dtype[:40]!r}")
+    shape = entry.shape
+    if len(shape) > MAX_DIMS:
+        raise InvalidManifest(f"tensor {name!r} has {len(shape)} dimensions (at most {MAX_DIMS})")
+    count = 1
+    for dim in shape:
+        if dim < 0:
+            raise InvalidManifest(f"tensor {name!r}: negative dimension in shape {list(shape)}")
+        count *= dim
+    if entry.nbytes != count * itemsize:
+        raise InvalidManifest(
+            f"tensor {name!r}: nbytes {entry.nbytes} is not {entry.dtype} x {list(shape)} "
+            f"= {count * itemsize}"
+        )
+    if entry.offset < 0 or entry.offset % ALIGN:
+        raise InvalidManifest(
+            f"tensor {name!r}: offset {entry.offset} is negative or not a multiple of {ALIGN}"
+        )
+    _check_placement(name, shape, entry.global_shape, entry.global_offsets)
+
+
+def _check_placement(
+    name: str, shape: Sequence[int], glob: Sequence[int], offsets: Sequence[int]
+) -> None:
+    """A model-parallel block: both lists empty (a whole tensor), or one entry per
+    dimension each, the block inside the global tensor."""
+    if not glob and not offsets:
+        return
+    if len(glob) != len(shape) or len(offsets) != len(shape):
+        raise InvalidManifest(
+            f"tensor {name!r}: global_shape {list(glob)} and global_offsets {list(offsets)} "
+            f"need one entry per dimension of its shape {list(shape)}"
+        )
+    for dim, size, start in zip(shape, glob, offsets, strict=True):
+        if start < 0 or start + dim > size:
+            raise InvalidManifest(
+                f"tensor {name!r} of shape {list(shape)} at offsets {list(offsets)} does not "
+                f"fit in its global shape {list(glob)}"
+            )
+
+
+def check_metadata(metadata: Mapping[str, str], what: str = "manifest metadata") -> None:
+    """`InvalidManifest` past `MAX_METADATA_ENTRIES` entries, a key over
+    `MAX_METADATA_KEY_BYTES` or `MAX_METADATA_BYTES` of keys and values together."""
+    if len(metadata) > MAX_METADATA_ENTRIES:
+        raise InvalidManifest(
+            f"{what} has {len(metadata)} entries (at most {MAX_METADATA_ENTRIES})"
+        )
+    total = 0
+    for key, value in metadata.items():
+        key_bytes = len(key.encode())
+        if not key or key_bytes > MAX_METADATA_KEY_BYTES:
+            raise InvalidManifest(
+                f"{what} key {key[:40]!r} must be 1 to {MAX_METADATA_KEY_BYTES} bytes"
+            )
+        total += key_bytes + len(value.encode())
+        if total > MAX_METADATA_BYTES:
+            raise InvalidManifest(f"{what} exceeds {MAX_METADATA_BYTES} bytes (keys and values)")
+
+
+def check_topology(labels: Mapping[str, str], what: str = "topology") -> None:
+    """`InvalidArgument` past `MAX_TOPOLOGY_LABELS` labels, an empty key, a key over
+    `MAX_LABEL_KEY_BYTES` or a value over `MAX_LABEL_VALUE_BYTES` (holder records carry
+    them into etcd and into every Resolve answer)."""
+    if len(labels) > MAX_TOPOLOGY_LABELS:
+        raise InvalidArgument(f"{what} has {len(labels)} labels (at most {MAX_TOPOLOGY_LABELS})")
+    for key, value in labels.items():
+        if not key or len(key.encode()) > MAX_LABEL_KEY_BYTES:
+            raise InvalidArgument(
+                f"{what} label {key[:40]!r} must be 1 to {MAX_LABEL_KEY_BYTES} bytes"
+            )
+        if len(value.encode()) > MAX_LABEL_VALUE_BYTES:
+            raise InvalidArgument(
+                f"{what} label {key!r} is {len(value.encode())} bytes "
+                f"(at most {MAX_LABEL_VALUE_BYTES})"
+            )
+
+
+def check_received(answer: pb.ResolveResponse, what: str) -> None:
+    """A reader's check of the manifest(s) a Resolve answered (one per shard of a
+    model-parallel version asked whole), before it lays out or allocates anything: a bad
+    record already in etcd (written before the hub validated, or by hand) fails with
+    `InvalidManifest` naming the version, never deep inside a fetch."""
+    if answer.shards:
+        for index, shard in enumerate(answer.shards):
+            check_manifest(shard, f"manifest of shard {index} of {what}")
+    else:
+        check_manifest(answer.manifest, f"manifest of {what}")

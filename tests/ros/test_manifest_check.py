@@ -1,0 +1,213 @@
+"""The one manifest validator (`ros.manifest_check`) on its own: it agrees with the layout
+rules the SDK builds from a manifest, it accepts every manifest the SDK writes, and it
+refuses each malformed case of issue 12 (item 8) by name.
+
+The hub's use of it (refused before any write) is tests/ros/test_malformed_manifests.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import transport.layout as layout_module
+from ros.client.manifest import layout_of
+from ros.manifest_check import (
+    ALIGN,
+    DTYPE_SIZES,
+    MAX_CHUNK,
+    MAX_LABEL_VALUE_BYTES,
+    MAX_METADATA_BYTES,
+    MAX_METADATA_ENTRIES,
+    MAX_TENSOR_NAME_BYTES,
+    MAX_TOPOLOGY_LABELS,
+    MIN_CHUNK,
+    check_manifest,
+    check_topology,
+)
+from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from tensorhub.errors import InvalidArgument, InvalidManifest
+from transport.layout import Layout, dtype_name, torch_dtype
+
+
+def good(total: int = 8192, chunk: int = 4096) -> pb.Manifest:
+    """Two float32 tensors of 4 KiB back to back: a valid manifest to break one rule of."""
+    return pb.Manifest(
+        tensors=[
+            pb.TensorEntry(name="a", dtype="float32", shape=[1024], offset=0, nbytes=4096),
+            pb.TensorEntry(name="b", dtype="float32", shape=[1024], offset=4096, nbytes=4096),
+        ],
+        total_bytes=total,
+        chunk_size=chunk,
+        chunk_xxh3=[1] * (-(-total // chunk)),
+    )
+
+
+def broken(case: str) -> pb.Manifest:
+    """`good()` with one rule of issue 12's list broken."""
+    m = good()
+    a, b = m.tensors
+    if case == "dtype float33":
+        a.dtype = "float33"
+    elif case == "overlapping offsets":
+        b.offset = 0
+    elif case == "chunk_size 0":
+        m.chunk_size = 0
+    elif case == "chunk_size negative":
+        m.chunk_size = -4096
+    elif case == "checksum count":
+        m.chunk_xxh3.append(7)
+    elif case == "duplicate names":
+        b.name = "a"
+    elif case == "offset beyond total_bytes":
+        b.offset = 1 << 20
+    elif case == "1 TB tensor in a small version":
+        b.shape[:] = [1 << 40]
+        b.dtype, b.nbytes = "uint8", 1 << 40
+    elif case == "nbytes not dtype x shape":
+        a.nbytes = 4000
+    elif case == "unaligned offset":
+        b.offset = 4100
+    elif case == "no tensors":
+        del m.tensors[:]
+    elif case == "negative dimension":
+        a.shape[:] = [-1024]
+    elif case == "placement outside global shape":
+        a.global_shape[:], a.global_offsets[:] = [2048], [1536]
+    elif case == "placement of another rank":
+        a.global_shape[:], a.global_offsets[:] = [2048, 4], [0]
+    elif case == "metadata entries":
+        m.metadata.update({f"k{i}": "v" for i in range(MAX_METADATA_ENTRIES + 1)})
+    elif case == "metadata bytes":
+        m.metadata["blob"] = "x" * MAX_METADATA_BYTES
+    elif case == "tensor name length":
+        a.name = "x" * (MAX_TENSOR_NAME_BYTES + 1)
+    else:
+        raise AssertionError(case)
+    return m
+
+
+CASES = [
+    "dtype float33", "overlapping offsets", "chunk_size 0", "chunk_size negative",
+    "checksum count", "duplicate names", "offset beyond total_bytes",
+    "1 TB tensor in a small version", "nbytes not dtype x shape", "unaligned offset",
+    "no tensors", "negative dimension", "placement outside global shape",
+    "placement of another rank", "metadata entries", "metadata bytes", "tensor name length",
+]  # fmt: skip
+
+
+def test_a_valid_manifest_passes() -> None:
+    check_manifest(good())
+    check_manifest(good(total=8192 + 100, chunk=4096))  # padding after the last tensor
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_each_malformed_case_is_refused_by_name(case: str) -> None:
+    with pytest.raises(InvalidManifest, match=r"^manifest: ") as info:
+        check_manifest(broken(case))
+    assert isinstance(info.value, InvalidArgument)  # INVALID_ARGUMENT on the wire
+
+
+def test_the_rules_are_the_layouts_constants_and_torchs_dtypes() -> None:
+    """The hub must not import torch, so the validator restates transport.layout's rules and
+    torch's element sizes: held to them here."""
+    assert (ALIGN, MIN_CHUNK, MAX_CHUNK) == (
+        layout_module.ALIGN,
+        layout_module.MIN_CHUNK,
+        layout_module.MAX_CHUNK,
+    )
+    names = {dtype_name(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}
+    assert names <= set(DTYPE_SIZES), names - set(DTYPE_SIZES)
+    for name, size in DTYPE_SIZES.items():
+        if name in names:
+            assert torch_dtype(name).itemsize == size, name
+
+
+_DTYPES = ["float32", "bfloat16", "float16", "int8", "int64", "bool", "float8_e4m3fn"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shapes=st.lists(
+        st.tuples(st.sampled_from(_DTYPES), st.lists(st.integers(0, 40), max_size=3)),
+        min_size=1,
+        max_size=6,
+    ),
+    chunk=st.sampled_from([MIN_CHUNK, 8192, 1 << 20]),
+)
+def test_every_manifest_the_sdk_writes_passes(
+    shapes: list[tuple[str, list[int]]], chunk: int
+) -> None:
+    """Whatever tensors a trainer publishes, the manifest the SDK builds passes."""
+    tensors = {
+        f"t{i}": torch.zeros(shape, dtype=torch_dtype(dtype))
+        for i, (dtype, shape) in enumerate(shapes)
+    }
+    layout = Layout.from_tensors(tensors, chunk)
+    manifest = pb.Manifest(
+        tensors=[
+            pb.TensorEntry(
+                name=s.name, dtype=s.dtype, shape=list(s.shape), offset=s.offset, nbytes=s.nbytes
+            )
+            for s in layout.tensors
+        ],
+        total_bytes=layout.total_bytes,
+        chunk_size=layout.chunk_size,
+        chunk_xxh3=[0] * layout.num_chunks,
+    )
+    check_manifest(manifest)
+    assert layout_of(manifest) == layout
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    field=st.sampled_from(["offset", "nbytes", "total_bytes", "chunk_size", "checksums", "dtype"]),
+    which=st.integers(0, 1),
+    value=st.integers(-(1 << 20), 1 << 21),
+    dtype=st.sampled_from(["float32", "bfloat16", "uint8", "float33", "", "Float32"]),
+)
+def test_the_validator_accepts_exactly_what_the_layout_accepts(
+    field: str, which: int, value: int, dtype: str
+) -> None:
+    """One mutation of a valid manifest: the validator (hub, no torch) and `layout_of` (the
+    reader's layout) agree on whether it is usable, so a manifest the hub accepts never
+    fails later at fetch, and the validator refuses nothing a reader could use."""
+    m = good()
+    entry = m.tensors[which]
+    if field == "offset":
+        entry.offset = value
+    elif field == "nbytes":
+        entry.nbytes = value
+    elif field == "total_bytes":
+        m.total_bytes = value
+    elif field == "chunk_size":
+        m.chunk_size = value
+    elif field == "checksums":
+        del m.chunk_xxh3[value % 4 :]
+    else:
+        entry.dtype = dtype
+    try:
+        layout_of(m)
+        layout_ok = True
+    except InvalidArgument:
+        layout_ok = False
+    try:
+        check_manifest(m)
+        check_ok = True
+    except InvalidManifest:
+        check_ok = False
+    assert check_ok == layout_ok
+
+
+def test_topology_labels_are_bounded() -> None:
+    check_topology({"dc": "dc1", "rack": "r1", "host": "h" * MAX_LABEL_VALUE_BYTES})
+    with pytest.raises(InvalidArgument, match="labels"):
+        check_topology({f"k{i}": "v" for i in range(MAX_TOPOLOGY_LABELS + 1)})
+    with pytest.raises(InvalidArgument, match="at most"):
+        check_topology({"zone": "z" * (MAX_LABEL_VALUE_BYTES + 1)})
+    with pytest.raises(InvalidArgument, match="must be 1 to"):
+        check_topology({"k" * 64: "v"})
+    with pytest.raises(InvalidArgument, match="must be 1 to"):
+        check_topology({"": "v"})
