@@ -128,6 +128,10 @@ class Keys:
 
     # -- manifest pages (outside the watched model prefix) --------------------------------
 
+    def model_pages(self, tenant: str, model: str) -> str:
+        """Everything paged for every version of a model (`DeleteModel` removes it whole)."""
+        return f"{self.tenant(tenant)}mp/{validate_name(model, 'model')}/"
+
     def manifest_pages(self, tenant: str, model: str, version: int) -> str:
         """Everything paged for one version: its manifest pages and its shard counter."""
         return (

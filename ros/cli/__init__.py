@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ls": ("ros.cli.query", "list the tenant's models and their versions"),
     "inspect": ("ros.cli.query", "show one version: MODEL@V (or MODEL for the latest)"),
     "holders": ("ros.cli.query", "list who holds MODEL@V, where, and in which state"),
+    "delete": ("ros.cli.models", "delete MODEL and every version of it (a tenant's own, or admin)"),
     "demo": ("ros.demo.cli", "a whole RL weight-update loop on this machine"),
     "bench": ("bench.cli", "benchmarks against baselines: `bench NAME|all`"),
     "chaos": ("chaos.cli", "fault-injection runs with an invariant checker: `chaos run`"),

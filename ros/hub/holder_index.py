@@ -48,7 +48,7 @@ FRESH_WAIT = 1.0  # how long a query waits for the index to reach its revision f
 class Lookup:
     """What the index says about one version at `revision`."""
 
-    published: bool
+    published: int  # create revision of the version's manifest key (0: not published)
     candidates: list[HolderRecord]
     total: int  # live holders of the part asked
     revision: int
@@ -56,12 +56,14 @@ class Lookup:
 
 
 class _Version:
-    """One version's state in the index: published (its manifest key exists) and holders."""
+    """One version's state in the index: published (the create revision of its manifest
+    key, 0 while it has none: a version deleted and published again is told apart) and its
+    holders."""
 
     __slots__ = ("part_of", "parts", "published")
 
     def __init__(self) -> None:
-        self.published = False
+        self.published = 0
         self.parts: dict[int | None, HolderSet] = {}
         self.part_of: dict[str, int | None] = {}
 
@@ -136,7 +138,7 @@ class ModelIndex:
         with self._cond:
             state = self._versions.get(version)
             if state is None:
-                return Lookup(False, [], 0, self.revision)
+                return Lookup(0, [], 0, self.revision)
             holders = state.parts.get(part) or HolderSet()
             chosen = select_candidates(holders, topology, fence, exclude, k)
             total_all = sum(len(p) for p in state.parts.values())
@@ -161,7 +163,7 @@ class ModelIndex:
                     continue
                 version, kind, _ = parsed
                 if kind == "manifest":
-                    self._version(version).published = True
+                    self._version(version).published = kv.create_revision
                 elif kind == "h":
                     with_holders.add(version)
             try:
@@ -225,7 +227,7 @@ class ModelIndex:
             return
         state = self._version(version)
         if kind == "manifest":
-            state.published = not deleted
+            state.published = 0 if deleted else kv.create_revision
         elif deleted:
             state.remove(name)
         else:
@@ -327,7 +329,8 @@ class HolderIndex:
             state.put(HolderRecord.decode(kv.value, kv.create_revision))
         holders = state.parts.get(part) or HolderSet()
         chosen = select_candidates(holders, topology, fence, exclude)
-        return Lookup(True, chosen, len(holders), result.revision, len(result.kvs))
+        published = manifest.kvs[0].create_revision
+        return Lookup(published, chosen, len(holders), result.revision, len(result.kvs))
 
     def _get(self, tenant: str, model: str) -> ModelIndex:
         key = (tenant, model)

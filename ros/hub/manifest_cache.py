@@ -5,7 +5,8 @@ parsed message by (tenant, model, version, shard), bounded by the bytes of the s
 manifests (least recently used dropped first), and each version's header (shard count,
 sizes and SHA-256 digests) by (tenant, model, version), bounded by count. Whether a version
 still exists is not the cache's business: the caller checks that first (the holder index
-sees the version's keys deleted by retention).
+sees the version's keys deleted by retention), and drops (`forget`) a version whose manifest
+key was created again since (a model deleted, then published again).
 """
 
 from __future__ import annotations
@@ -51,6 +52,13 @@ class ManifestCache:
         manifest = pb.Manifest.FromString(raw)
         self._parts.put(key, (manifest, len(raw)))
         return manifest
+
+    def forget(self, key: VersionKey, shard_count: int) -> None:
+        """Drop a version's header and its manifests (of its `shard_count` shards, or whole):
+        the version was deleted and published again under the same number."""
+        self._headers.pop(key)
+        for part in [None, *range(shard_count)]:
+            self._parts.pop((*key, part))
 
     @property
     def bytes_used(self) -> int:

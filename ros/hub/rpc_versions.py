@@ -142,7 +142,7 @@ class VersionRPCs(HubBase):
             min_revision=floor, timeout=timeout, topology=dict(request.topology),
             fence=request.fence, exclude=request.holder,
         )  # fmt: skip
-        header = self._header(tenant, model, version, timeout)
+        header = self._header(tenant, model, version, timeout, found.published)
         _check_shard(model, version, shard, header.shard_count)
         token, expiry = issue_read_token(
             self.tenants.signing_key(tenant), tenant.name, model, version
@@ -227,6 +227,8 @@ class VersionRPCs(HubBase):
         top, listed, counted, pinned, seeded = (r.response_range for r in result.responses)
         if not top.kvs:
             raise VersionNotFound(f"{model}@{version} is not published (or no longer retained)")
+        if header.published_revision != top.kvs[0].create_revision:  # deleted, published again
+            header = self._header(tenant, model, version, timeout, top.kvs[0].create_revision)
         records = [HolderRecord.decode(kv.value, kv.create_revision) for kv in listed.kvs]
         response = pb.InspectResponse(
             version=version,
@@ -255,13 +257,25 @@ class VersionRPCs(HubBase):
             raise VersionNotFound(f"{model} has no published version")
         return int(kv.value), kv.mod_revision
 
-    def _header(self, tenant: Tenant, model: str, version: int, timeout: float) -> ManifestHeader:
-        """The version's manifest header (shards, digests), cached: it never changes."""
+    def _header(
+        self, tenant: Tenant, model: str, version: int, timeout: float, published: int = 0
+    ) -> ManifestHeader:
+        """The version's manifest header (shards, digests), cached: it never changes, but a
+        model deleted (`DeleteModel`) may publish the same version number again. So a
+        caller that knows the create revision of the version's manifest key (`published`)
+        passes it, and a cached header of an earlier incarnation is dropped, with its
+        manifests, and read again."""
         versions = self._versions(tenant)
-        return self._manifest_cache.header(
-            (tenant.name, model, version),
-            lambda: versions.header(tenant.name, model, version, timeout=timeout),
-        )
+        key = (tenant.name, model, version)
+
+        def load() -> ManifestHeader:
+            return versions.header(tenant.name, model, version, timeout=timeout)
+
+        header = self._manifest_cache.header(key, load)
+        if published and header.published_revision != published:
+            self._manifest_cache.forget(key, header.shard_count)
+            header = self._manifest_cache.header(key, load)
+        return header
 
     def _put_manifests(
         self,

@@ -10,6 +10,7 @@ from consistency import Etcd, Keys
 from ros.hub.limits import Limits
 from ros.hub.rpc import CallContext, bearer, same, unary
 from ros.hub.rpc_holders import HolderRPCs
+from ros.hub.rpc_models import ModelRPCs
 from ros.hub.rpc_sessions import SessionRPCs
 from ros.hub.rpc_versions import VersionRPCs
 from ros.hub.tenants import Quotas
@@ -20,7 +21,9 @@ from tensorhub.errors import PermissionDenied
 from tensorhub.names import validate_name
 
 
-class HubServicer(SessionRPCs, VersionRPCs, HolderRPCs, hub_pb2_grpc.TensorHubServicer):
+class HubServicer(
+    SessionRPCs, VersionRPCs, HolderRPCs, ModelRPCs, hub_pb2_grpc.TensorHubServicer
+):
     """Handlers of `tensorhub.v1.TensorHub`."""
 
     def __init__(

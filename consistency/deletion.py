@@ -1,0 +1,65 @@
+"""Deleting a whole model: every key of it, in one transaction (`tensorhub delete MODEL`).
+
+A model can get stuck (a version at the top of the version range, a record nobody can read)
+or simply be abandoned; the only way out is to remove it. One transaction deletes both of a
+model's prefixes (`consistency.keys`): `m/{model}/` (`latest`, every version's manifest
+header, shard, holder, seed and pin records) and `mp/{model}/` (manifest pages and the shard
+counters), so no reader ever sees half a model, and afterwards the model is as if it had
+never been published: it no longer counts against the tenant's models quota (which counts
+the models that have keys under `m/`), and it can be published again from version 1.
+
+Holders that still serve a deleted version keep their memory until they release it; their
+records are gone, so no reader is sent to them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from etcd3 import etcdrpc
+
+from consistency import ops
+from consistency.etcd import Etcd
+from consistency.keys import Keys
+from tensorhub.errors import VersionNotFound
+
+
+@dataclass(frozen=True)
+class Deleted:
+    """What a model deletion removed: at `revision`, `versions` published versions (those
+    with a manifest header) and `keys` keys in all."""
+
+    revision: int
+    versions: int
+    keys: int
+
+
+def delete_model(
+    etcd: Etcd, keys: Keys, tenant: str, model: str, *, timeout: float | None = None
+) -> Deleted:
+    """Delete every key of `model` of `tenant` in one transaction; `VersionNotFound` if the
+    model has no key at all (nothing was deleted)."""
+    top, pages = keys.model(tenant, model), keys.model_pages(tenant, model)
+    versions = keys.versions(tenant, model)
+    listing = etcdrpc.RangeRequest(
+        key=ops.b(versions), range_end=ops.prefix_end(versions), keys_only=True
+    )
+    result = etcd.txn(
+        [],
+        [
+            etcdrpc.RequestOp(request_range=listing),  # read first: the txn's own snapshot
+            ops.delete(top, prefix=True),
+            ops.delete(pages, prefix=True),
+        ],
+        timeout=timeout,
+    )  # a retried delete deletes nothing more: idempotent
+    listed, removed, paged = result.responses
+    count = int(removed.response_delete_range.deleted) + int(paged.response_delete_range.deleted)
+    if not count and result.attempts == 1:  # (after a retry: an earlier attempt did it)
+        raise VersionNotFound(f"model {model} has nothing to delete: it was never published")
+    base = len(ops.b(versions))
+    published = sum(  # `{version:020d}/manifest`, not a holder named "manifest"
+        bytes(kv.key)[base:].count(b"/") == 1 and bytes(kv.key).endswith(b"/manifest")
+        for kv in listed.response_range.kvs
+    )
+    return Deleted(result.revision, published, count)
