@@ -30,8 +30,15 @@ from etcd3 import etcdrpc
 from consistency import ops
 from consistency.credentials import EtcdAuthFailed, EtcdCredentials
 from consistency.ops import KV, Cmp, Op
+from consistency.refusals import WriteUnconfirmed, name_refusal
 from consistency.retry import DEFAULT_POLICY, RetryPolicy, is_deadline, is_retryable
-from tensorhub.errors import DeadlineExceeded, StorageFull, TensorHubError, Unavailable
+from tensorhub.errors import (
+    DeadlineExceeded,
+    OutcomeUnknown,
+    StorageFull,
+    TensorHubError,
+    Unavailable,
+)
 
 T = TypeVar("T")
 
@@ -404,7 +411,12 @@ class Etcd:
             attempts += 1
             return member.kv.Txn(request, timeout=t)
 
-        response = self.call(send, timeout=timeout)
+        try:
+            response = self.call(send, timeout=timeout)
+        except WriteUnconfirmed as exc:
+            if _writes([*success, *(failure or [])]):
+                raise OutcomeUnknown(str(exc)) from exc  # a read that timed out changed nothing
+            raise
         return TxnResult(
             bool(response.succeeded),
             int(response.header.revision),
@@ -572,15 +584,26 @@ def _token_refused(exc: grpc.RpcError) -> bool:
     )
 
 
+def _writes(operations: list[Op]) -> bool:
+    """Whether a transaction's branches write (anything but a range read; a nested
+    transaction counts as a write)."""
+    return any(op.WhichOneof("request") != "request_range" for op in operations)
+
+
 def _translate(exc: grpc.RpcError, budget: float) -> TensorHubError:
     code = exc.code()
     details = exc.details() or ""
+    refused = name_refusal(code, details)  # each of etcd's refusals, named (consistency.refusals)
+    if refused is not None:
+        return refused
     if "user name is empty" in details:
         return EtcdAuthFailed(
             f"etcd has auth enabled and the hub has no etcd credentials ({details}): set "
             "--etcd-user and --etcd-password-file"
         )
-    if _token_refused(exc) or code == grpc.StatusCode.PERMISSION_DENIED:
+    # A Defragment without root comes back as UNKNOWN "auth: permission denied".
+    denied = code == grpc.StatusCode.PERMISSION_DENIED or "permission denied" in details
+    if _token_refused(exc) or denied:
         return EtcdAuthFailed(
             f"etcd refused the hub's credentials ({details}): the etcd user needs read and "
             "write on the hub's key prefix"
