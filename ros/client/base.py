@@ -29,6 +29,7 @@ from ros.metrics import SDK_BYTES_SERVED
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
 from ros.tokens import ReadTokenVerifier
+from tensorhub.endpoints import format_endpoint
 from tensorhub.errors import (
     AlreadyExists,
     IntegrityError,
@@ -46,6 +47,7 @@ from transport.topology import Topology
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 10.0
+CLOSE_SESSION_TIMEOUT = 1.0  # the most close() waits for the hub to revoke the session
 T = TypeVar("T")
 
 
@@ -215,7 +217,7 @@ class ClientBase:
             host = self._advertise
         elif host in ("0.0.0.0", "::"):
             host = socket.gethostbyname(socket.gethostname())
-        return f"{host}:{port}"
+        return format_endpoint(host, port)  # an IPv6 host bracketed, as readers parse it
 
     def _holder_pb(self, complete: bool, fence: int = 0, shard: int | None = None) -> pb.Holder:
         labels = {k: v for k, v in vars(self.topology).items() if v}
@@ -235,13 +237,20 @@ class ClientBase:
         return int(self._register_holder(model, version, complete=complete, shard=shard).fence)
 
     def _register_holder(
-        self, model: str, version: int, *, complete: bool, shard: int | None = None
+        self,
+        model: str,
+        version: int,
+        *,
+        complete: bool,
+        shard: int | None = None,
+        timeout: float | None = None,
     ) -> pb.RegisterHolderResponse:
-        """Register our holder record; a PARTIAL one's answer carries its `candidates`."""
+        """Register our holder record; a PARTIAL one's answer carries its `candidates`.
+        `timeout` (default: the client's) is what a fetch's deadline leaves for it."""
         request = pb.RegisterHolderRequest(
             model=model, version=version, holder=self._holder_pb(complete, shard=shard)
         )
-        response: pb.RegisterHolderResponse = self._rpc("RegisterHolder", request)
+        response: pb.RegisterHolderResponse = self._rpc("RegisterHolder", request, timeout)
         self.floor.observe(response.revision)
         return response
 
@@ -378,7 +387,12 @@ class ClientBase:
         self._shards.pop((model, version), None)
 
     def close(self) -> None:
-        """Stop serving, end the session (its records vanish at once), close the channel."""
+        """Stop serving, end the session (its records vanish at once), close the channel.
+
+        The hub is waited for at most `CLOSE_SESSION_TIMEOUT` (CloseSession; a stalled hub
+        leaves the session to expire within its TTL), and the keepalive thread at most 2 s;
+        reads in flight from our holder server get up to 5 s per held version.
+        """
         if self._closed:
             return
         self._closed = True
@@ -389,7 +403,8 @@ class ClientBase:
                 log.warning("closing: %s", exc)
         self.session.stop()
         try:
-            self._rpc("CloseSession", pb.CloseSessionRequest(session_id=self.session.id), 5.0)
+            request = pb.CloseSessionRequest(session_id=self.session.id)
+            self._rpc("CloseSession", request, CLOSE_SESSION_TIMEOUT)
         except TensorHubError as exc:
             log.info("closing: session not revoked (%s); it expires within its TTL", exc)
         if self._server is not None:

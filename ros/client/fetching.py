@@ -10,14 +10,16 @@ from typing import Any
 import torch
 
 from ros.client.base import ClientBase
-from ros.client.channel import parse_address
+from ros.client.deadline import Deadline
 from ros.client.handles import Held
 from ros.client.manifest import layout_of
 from ros.metrics import SDK_BYTES_FETCHED, SDK_FETCH_SECONDS
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
-from tensorhub.errors import InvalidArgument, TensorHubError
+from tensorhub.endpoints import parse_endpoint
+from tensorhub.errors import DeadlineExceeded, InvalidArgument, TensorHubError, VersionUnavailable
 from tensorhub.names import validate_name, validate_version
 from transport.planner import Candidate, Source, pipeline_sources
+from transport.reader import FetchStats
 from transport.reader import fetch as transport_fetch
 from transport.store import HeldVersion
 from transport.topology import Topology
@@ -50,13 +52,19 @@ class FetchMixin(ClientBase):
         publisher and earlier readers of it), and this client then serves shard i. This is
         the layout-preserving case (reader rank i needs trainer rank i's tensors). Readers
         in another layout use `fetch_slices`.
+
+        `timeout` bounds the whole call, every hub call inside it included (one `Deadline`
+        passed down): it returns or raises (`DeadlineExceeded`) within `timeout`, plus the
+        scheduling slack of a loaded machine, however the hub behaves. A holder whose
+        endpoint this client cannot use is skipped, logged, and named in
+        `stats.failed_sources` (or in the error, if no usable holder was left).
         """
         validate_name(model, "model")
         number = 0 if version == "latest" else validate_version(version)
         check_shard_arg(shard)
         start = time.monotonic()
-        deadline = start + timeout
-        resolved = self._resolve(model, number, shard=shard, timeout=min(timeout, self.timeout))
+        deadline = Deadline.after(timeout, f"fetch {model}@{version}")
+        resolved = self._resolve(model, number, shard=shard, timeout=deadline.work(self.timeout))
         version = int(resolved.version)
         manifest = _pick_shard(model, version, resolved, shard)
         layout = layout_of(manifest)
@@ -72,7 +80,7 @@ class FetchMixin(ClientBase):
         try:
             stats = self._fill(model, version, held, resolved, manifest, shard, deadline)
         except BaseException:
-            self._abandon(model, version, held)
+            self._abandon(model, version, held, deadline)
             raise
         for source, nbytes in stats.bytes_per_source.items():
             SDK_BYTES_FETCHED.labels(source).inc(nbytes)
@@ -87,11 +95,13 @@ class FetchMixin(ClientBase):
         resolved: pb.ResolveResponse,
         manifest: pb.Manifest,
         shard: int | None,
-        deadline: float,
+        deadline: Deadline,
     ) -> Any:
         # Our PARTIAL record also pins the version against retention (no Pin of our own),
         # and its answer carries the candidates for our fence: no second Resolve.
-        registered = self._register_holder(model, version, complete=False, shard=shard)
+        registered = self._register_holder(
+            model, version, complete=False, shard=shard, timeout=deadline.work(self.timeout)
+        )
         fence = int(registered.fence)
         self._fences[(model, version)] = fence
         if shard is not None:
@@ -99,46 +109,77 @@ class FetchMixin(ClientBase):
         # Pipelined replication: now that we are registered (our fence orders us after
         # every earlier reader), read from one predecessor rather than all from the publisher.
         candidates = list(registered.candidates) or holders_of(resolved, shard)
-        first = pipeline_sources(self.topology, fence, self._candidates(candidates))
-        stats = transport_fetch(
-            self.tenant, model, version, held.layout, held,
-            first or self._sources(candidates),
-            token=bytes(resolved.read_token), deadline=deadline, me=self.topology,
-            refresh_sources=self._refresher(model, version, shard),
-            expected=list(manifest.chunk_xxh3), tls=self._tls,
+        skipped: dict[str, str] = {}  # holders whose endpoint we cannot use: why
+        first = pipeline_sources(self.topology, fence, self._candidates(candidates, skipped))
+        stats = read_or_explain(
+            skipped,
+            lambda: transport_fetch(
+                self.tenant, model, version, held.layout, held,
+                first or self._sources(candidates, skipped),
+                token=bytes(resolved.read_token), deadline=deadline.work_end, me=self.topology,
+                refresh_sources=self._refresher(model, version, shard, deadline, skipped),
+                expected=list(manifest.chunk_xxh3), tls=self._tls,
+            ),
         )  # fmt: skip
         # a session lost meanwhile re-registered us under a new fence: complete that record
         fence = self._fences.get((model, version), fence)
         update = pb.UpdateHolderRequest(
             model=model, version=version, holder=self._holder_pb(True, fence, shard)
         )
-        self._rpc("UpdateHolder", update)  # also drops the pin our PARTIAL record held
+        budget = deadline.finish(self.timeout)
+        if budget is None:
+            raise DeadlineExceeded(
+                f"{deadline.what}: every byte arrived, but no time was left to mark it COMPLETE"
+            )
+        self._rpc("UpdateHolder", update, budget)  # also drops the pin our PARTIAL record held
         return stats
 
-    def _refresher(self, model: str, version: int, shard: int | None) -> Callable[[], list[Source]]:
+    def _refresher(
+        self,
+        model: str,
+        version: int,
+        shard: int | None,
+        deadline: Deadline,
+        skipped: dict[str, str],
+    ) -> Callable[[], list[Source]]:
         """What a fetch calls when a holder failed: ask again who holds (this shard of) it,
-        as seen from our fence and topology; the manifest is not sent again."""
+        as seen from our fence and topology, within the fetch's deadline; the manifest is
+        not sent again."""
 
         def refresh() -> list[Source]:
             fence = self._fences.get((model, version), 0)
-            again = self._resolve(model, version, shard=shard, fence=fence, manifest=False)
-            return self._sources(holders_of(again, shard))
+            again = self._resolve(
+                model, version, shard=shard, fence=fence, manifest=False,
+                timeout=deadline.work(self.timeout),
+            )  # fmt: skip
+            return self._sources(holders_of(again, shard), skipped)
 
         return refresh
 
-    def _candidates(self, holders: Sequence[pb.Holder]) -> list[Candidate]:
+    def _candidates(self, holders: Sequence[pb.Holder], skipped: dict[str, str]) -> list[Candidate]:
         by_name = {h.name: h for h in holders}
         return [
             Candidate(s, int(by_name[s.holder_id].fence), by_name[s.holder_id].state == pb.COMPLETE)
-            for s in self._sources(holders)
+            for s in self._sources(holders, skipped)
         ]
 
-    def _sources(self, holders: Sequence[pb.Holder]) -> list[Source]:
+    def _sources(self, holders: Sequence[pb.Holder], skipped: dict[str, str]) -> list[Source]:
+        """The holders we can read from. One whose endpoint we cannot use (written by an
+        older hub, or naming only a transport we lack) is skipped, not fatal: it goes into
+        `skipped` with the reason, logged once per fetch, and the others are read."""
         sources = []
         for h in holders:
-            if h.name == self.holder_name or "tcp" not in h.endpoints:
+            if h.name == self.holder_name:
                 continue
-            host, port = parse_address(h.endpoints["tcp"])
+            try:
+                if "tcp" not in h.endpoints:
+                    raise InvalidArgument(f"no tcp endpoint (has: {sorted(h.endpoints)})")
+                host, port = parse_endpoint(h.endpoints["tcp"])
+            except InvalidArgument as exc:
+                if h.name not in skipped:
+                    log.warning("skipping holder %s: %s", h.name, exc)
+                skipped[h.name] = f"skipped: {exc}"
+                continue
             topology = Topology(
                 **{k: v for k, v in h.topology.items() if k in ("dc", "rack", "host")}
             )
@@ -157,21 +198,45 @@ class FetchMixin(ClientBase):
                     f"`into` still serves {key[1]}@{key[2]}: release it before overwriting it"
                 )
 
-    def _abandon(self, model: str, version: int, held: HeldVersion) -> None:
+    def _abandon(self, model: str, version: int, held: HeldVersion, deadline: Deadline) -> None:
+        """Undo a failed fetch within its deadline: stop serving, delete our PARTIAL record
+        (and the pin it held). What does not fit in time is left to the session's lease."""
         try:
-            self._store.release(held.key, 1.0)
+            self._store.release(held.key, min(1.0, max(deadline.end - time.monotonic(), 0.0)))
         except TensorHubError as exc:
             log.warning("abandoning %s@%d: %s", model, version, exc)
         request = pb.ReleaseHolderRequest(
             model=model, version=version, holder=self.holder_name, force=True,
             session_id=self.session.id,  # the hub checks that it owns the record
         )  # fmt: skip
+        budget = deadline.finish(self.timeout)
         try:  # deletes our record and the pin it held
-            self._rpc("ReleaseHolder", request)
+            if budget is None:
+                raise DeadlineExceeded("no time left before the fetch's deadline")
+            self._rpc("ReleaseHolder", request, budget)
         except TensorHubError as exc:  # the lease removes them anyway when we go
-            log.info("cleanup of %s@%d failed: %s", model, version, exc)
+            log.warning(
+                "cleanup of %s@%d not done (%s): our PARTIAL record and its pin are left to "
+                "the session's lease (they go at close(), or when it expires)",
+                model, version, exc,
+            )  # fmt: skip
         self._fences.pop((model, version), None)
         self._shards.pop((model, version), None)
+
+
+def read_or_explain(skipped: Mapping[str, str], read: Callable[[], FetchStats]) -> FetchStats:
+    """Run one data-plane read; name the holders skipped for their endpoints in its stats,
+    or, when no holder was left to read from, in its `VersionUnavailable`."""
+    try:
+        stats = read()
+    except VersionUnavailable as exc:
+        if not skipped:
+            raise
+        why = "; ".join(f"{name}: {reason}" for name, reason in sorted(skipped.items()))
+        raise VersionUnavailable(f"{exc} (holders skipped: {why})") from exc
+    for name, reason in skipped.items():
+        stats.failed_sources.setdefault(name, reason)
+    return stats
 
 
 def holder_shard(holder: pb.Holder) -> int | None:

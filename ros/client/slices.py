@@ -14,22 +14,25 @@ publisher's own layout use `fetch(shard=i)` and do.
 
 from __future__ import annotations
 
+import logging
 import secrets
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from ros.client.fetching import DEFAULT_FETCH_TIMEOUT, FetchMixin, holders_of
+from ros.client.deadline import Deadline
+from ros.client.fetching import DEFAULT_FETCH_TIMEOUT, FetchMixin, holders_of, read_or_explain
 from ros.client.manifest import layout_of, placement_of
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
-from tensorhub.errors import InvalidArgument
+from tensorhub.errors import DeadlineExceeded, InvalidArgument, TensorHubError
 from tensorhub.names import validate_name, validate_version
 from transport.boxes import Box, byte_span, chunks_for
 from transport.layout import dtype_name, torch_dtype
 from transport.reader import fetch as transport_fetch
 from transport.store import HeldVersion
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -83,14 +86,15 @@ class SliceMixin(FetchMixin):
         shards that hold it. Checks names, dtypes, global shapes and bounds before any byte
         moves (`InvalidArgument`); a block the shards do not cover exactly is refused too.
         An error after that (no holder left, the deadline) may leave the slices partly
-        written.
+        written. `timeout` bounds the whole call, every hub call inside it included (see
+        `fetch`); an Unpin that does not fit is left to the session's lease, and logged.
         """
         validate_name(model, "model")
         if not slices:
             raise InvalidArgument("fetch_slices needs at least one slice")
         number = 0 if version == "latest" else validate_version(version)
-        deadline = time.monotonic() + timeout
-        resolved = self._resolve(model, number, timeout=min(timeout, self.timeout))
+        deadline = Deadline.after(timeout, f"fetch_slices {model}@{version}")
+        resolved = self._resolve(model, number, timeout=deadline.work(self.timeout))
         found = int(resolved.version)
         parts = list(resolved.shards) or [resolved.manifest]
         plan = _plan(model, found, parts, slices)
@@ -99,18 +103,31 @@ class SliceMixin(FetchMixin):
         # own (not the holder name, whose pin a concurrent fetch of the version may hold).
         pin_id = f"slices-{secrets.token_hex(6)}"
         pin = pb.PinRequest(model=model, version=found, pin_id=pin_id, session_id=self.session.id)
-        self._rpc("Pin", pin)
+        self._rpc("Pin", pin, deadline.work(self.timeout))
         try:
             for index, copies in plan.items():
                 self._read_part(
                     model, found, resolved, index, parts[index], copies, slices, deadline, result
                 )
         finally:
-            unpin = pb.UnpinRequest(
-                model=model, version=found, pin_id=pin_id, session_id=self.session.id
-            )
-            self._rpc("Unpin", unpin)
+            self._unpin(model, found, pin_id, deadline)
         return result
+
+    def _unpin(self, model: str, version: int, pin_id: str, deadline: Deadline) -> None:
+        """Drop our pin within the deadline; one that does not fit is left to the lease."""
+        budget = deadline.finish(self.timeout)
+        try:
+            if budget is None:
+                raise DeadlineExceeded("no time left before the deadline")
+            unpin = pb.UnpinRequest(
+                model=model, version=version, pin_id=pin_id, session_id=self.session.id
+            )
+            self._rpc("Unpin", unpin, budget)
+        except TensorHubError as exc:
+            log.warning(
+                "unpin of %s@%d not done (%s): the pin is left to the session's lease "
+                "(it goes at close(), or when the lease expires)", model, version, exc,
+            )  # fmt: skip
 
     def _read_part(
         self,
@@ -121,7 +138,7 @@ class SliceMixin(FetchMixin):
         manifest: pb.Manifest,
         copies: list[_Copy],
         slices: Mapping[str, Slice],
-        deadline: float,
+        deadline: Deadline,
         result: SliceFetch,
     ) -> None:
         """Fetch the chunks of one source shard that `copies` need, then copy them out."""
@@ -139,14 +156,18 @@ class SliceMixin(FetchMixin):
         shard = index if resolved.shards else None
         # the holders of this shard (a Resolve answers candidates of one shard only)
         holders = resolved if shard is None else self._resolve(
-            model, version, shard=shard, manifest=False
+            model, version, shard=shard, manifest=False, timeout=deadline.work(self.timeout)
         )  # fmt: skip
-        stats = transport_fetch(
-            self.tenant, model, version, layout, staging,
-            self._sources(holders_of(holders, shard)),
-            token=bytes(resolved.read_token), deadline=deadline, me=self.topology,
-            refresh_sources=self._refresher(model, version, shard),
-            expected=list(manifest.chunk_xxh3), tls=self._tls,
+        skipped: dict[str, str] = {}  # holders whose endpoint we cannot use: why
+        stats = read_or_explain(
+            skipped,
+            lambda: transport_fetch(
+                self.tenant, model, version, layout, staging,
+                self._sources(holders_of(holders, shard), skipped),
+                token=bytes(resolved.read_token), deadline=deadline.work_end, me=self.topology,
+                refresh_sources=self._refresher(model, version, shard, deadline, skipped),
+                expected=list(manifest.chunk_xxh3), tls=self._tls,
+            ),
         )  # fmt: skip
         for source, nbytes in stats.bytes_per_source.items():
             result.bytes_per_source[source] = result.bytes_per_source.get(source, 0) + nbytes
