@@ -30,7 +30,7 @@ from consistency import Etcd, EtcdCluster, Keys
 from ros.errors import ERROR_METADATA_KEY, from_rpc_error
 from ros.hub.server import SERVICE_NAME, HubServer
 from ros.hub.servicer import HubServicer
-from ros.hub.tenants import TenantStore
+from ros.hub.tenants import Quotas, TenantStore
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
 from tensorhub.errors import InvalidArgument, Overloaded
@@ -259,10 +259,21 @@ def serve(
         proc.communicate(timeout=10)
 
 
-def _publish_request(session: int, shard_count: int = 0, blob: int = 0) -> pb.PublishRequest:
-    entry = pb.TensorEntry(name="w", dtype="float32", shape=[1], nbytes=4)
+def _publish_request(session: int, shard_count: int = 0, tensors: int = 1) -> pb.PublishRequest:
+    """A valid publish of `tensors` float32 scalars; with many, a big manifest (each name
+    is 1,000 bytes: 36,000 tensors make a 37 MB manifest, 36 etcd pages)."""
+    chunk = 1 << 20
+    total = tensors * 64
+    manifest = pb.Manifest(
+        tensors=[
+            pb.TensorEntry(
+                name=f"{i:08d}" + "x" * 992, dtype="float32", shape=[1], offset=i * 64, nbytes=4
+            )
+            for i in range(tensors)
+        ],
+        total_bytes=total, chunk_size=chunk, chunk_xxh3=[0] * -(-total // chunk),
+    )  # fmt: skip
     holder = pb.Holder(name="h", endpoints={"tcp": "127.0.0.1:1"}, session_id=session)
-    manifest = pb.Manifest(tensors=[entry], metadata={"blob": "x" * blob} if blob else {})
     return pb.PublishRequest(
         model="bomb", version=1, manifest=manifest, holder=holder, shard_count=shard_count
     )
@@ -274,11 +285,13 @@ def test_a_shard_bomb_is_refused_at_once_and_sigterm_stops_serve_mid_publish(
 ) -> None:
     """Publish with shard_count 2**31-1 (it grew the old hub by 160 MB/s, past its caller's
     deadline and through SIGTERM): InvalidArgument at once, 20 times over, nothing written,
-    and the serving process does not grow. Then SIGTERM while 8 publishes of 40 MB manifests
-    are in flight stops `tensorhub serve` within its grace (1 s) and a margin."""
+    and the serving process does not grow. Then SIGTERM while 8 publishes of 37 MB manifests
+    are in flight (one is writing its pages to etcd) stops `tensorhub serve` within its
+    grace (1 s) and a margin."""
     proc, address = serve
     with Etcd(etcd_cluster.endpoints) as etcd:
-        metadata = _meta(TenantStore(etcd, keys).create("team-bomb"))
+        token = TenantStore(etcd, keys).create("team-bomb", Quotas(max_etcd_bytes=1 << 34))
+        metadata = _meta(token)
     with grpc.insecure_channel(address) as channel:
         stub = hub_pb2_grpc.TensorHubStub(channel)  # type: ignore[no-untyped-call]
         session = stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=30), metadata=metadata)
@@ -298,12 +311,18 @@ def test_a_shard_bomb_is_refused_at_once_and_sigterm_stops_serve_mid_publish(
         assert took < 20, f"20 refusals took {took:.1f}s"
         assert grown < 32 << 20, f"serve grew by {grown >> 20} MB"
 
-    big = _publish_request(session.session_id, blob=40 << 20)
+    big = _publish_request(session.session_id, tensors=36_000)
     options = [("grpc.max_send_message_length", 64 << 20)]
     with grpc.insecure_channel(address, options) as channel:
         stub = hub_pb2_grpc.TensorHubStub(channel)  # type: ignore[no-untyped-call]
         futures = [stub.Publish.future(big, metadata=metadata, timeout=60) for _ in range(8)]
-        time.sleep(0.5)  # the publishes reach the hub and its workers
+        with Etcd(etcd_cluster.endpoints) as etcd:
+            pages = f"{keys.tenant('team-bomb')}mp/"
+            wait_until(
+                "a publish is writing its manifest pages",
+                lambda: bool(etcd.range(pages, prefix=True, keys_only=True).kvs),
+                30,
+            )
         signalled = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(30)
