@@ -606,7 +606,7 @@ def _translate(exc: grpc.RpcError, budget: float) -> TensorHubError:
     if _token_refused(exc) or denied:
         return EtcdAuthFailed(
             f"etcd refused the hub's credentials ({details}): the etcd user needs read and "
-            "write on the hub's key prefix"
+            "write on the hub's key prefix, and the root role to defragment"
         )
     if is_deadline(exc):
         return DeadlineExceeded(f"etcd did not answer within {budget:.1f}s ({details})")
