@@ -21,7 +21,7 @@ from ros.hub.budget import publish_charge
 from ros.hub.convert import holder_from_pb, holder_to_pb
 from ros.hub.rpc import AioContext, CallContext, HubBase, streaming, unary
 from ros.hub.tenants import Tenant
-from ros.manifest_check import check_manifest
+from ros.manifest_check import check_manifest, check_topology
 from ros.metrics import HUB_PUBLISH_LIMIT, HUB_PUBLISHES_REFUSED, HUB_WATCHES
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.tokens import issue_read_token
@@ -131,6 +131,7 @@ class VersionRPCs(HubBase):
         timeout = self._timeout(context)
         model = validate_name(request.model, "model")
         shard = request.shard if request.HasField("shard") else None
+        check_topology(request.topology, "topology of the caller")  # bounded like a holder's
         floor = request.min_revision
         version = request.version
         if version == 0:

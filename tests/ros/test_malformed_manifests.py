@@ -198,6 +198,9 @@ def test_topology_labels_are_bounded_before_any_write(
             )
             assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, method
             assert "topology" in (error.details() or ""), error.details()
+        resolve = pb.ResolveRequest(model="policy", version=5, topology=topology)
+        error = refused(lambda r=resolve: stub.Resolve(r, metadata=client._metadata, timeout=10))  # type: ignore[misc]
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert snap() == before
     fine = {f"l{i}": "v" for i in range(MAX_TOPOLOGY_LABELS)}
     stub.Publish(
