@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -119,7 +120,7 @@ class Cluster:
                            token=self.token, topology=p.host.topology)  # fmt: skip
                 gather(self.parts, 60)
         except BaseException:
-            self.__exit__(None, None, None)
+            self.__exit__(*sys.exc_info())
             raise
         return self
 
@@ -133,13 +134,15 @@ class Cluster:
         for dc in self.emu.hosts_per_dc:
             for i in range(self.replicas):
                 ready = self.logs / f"hub-{dc}-{i}.json"
-                # `--admin-token=`: a token may begin with "-", which argparse would refuse.
+                # The admin token in the environment, not on the command line (`ps`).
                 argv = [sys.executable, "-m", "ros.cli", "serve", "--etcd", etcd,
-                        "--listen", f"{self.emu.gateway(dc)}:0", f"--admin-token={admin}",
-                        "--ready-file", str(ready),
+                        "--listen", f"{self.emu.gateway(dc)}:0", "--ready-file", str(ready),
                         "--etcd-user", "root", "--etcd-password-file", str(password)]  # fmt: skip
                 log = (self.logs / f"hub-{dc}-{i}.log").open("ab")
-                proc = subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True)
+                env = {**os.environ, "TENSORHUB_ADMIN_TOKEN": admin}
+                proc = subprocess.Popen(
+                    argv, stdout=log, stderr=log, start_new_session=True, env=env
+                )
                 self.hubs.setdefault(dc, []).append((proc, ready))
         client = self.etcd.client()
         try:
@@ -174,6 +177,21 @@ class Cluster:
         if self.etcd is not None:
             self.etcd.stop()
         self.emu.__exit__(kind, exc, tb)
+        self._drop_logs(failed=kind is not None)
+
+    def _drop_logs(self, *, failed: bool) -> None:
+        """Remove the run's log directory (it was left in /tmp after every run). After a
+        failed run the tail of each log is printed first; with TENSORHUB_BENCH_KEEP_LOGS set
+        the directory is kept instead, and its path printed."""
+        keep = bool(os.environ.get("TENSORHUB_BENCH_KEEP_LOGS"))
+        if failed and keep:
+            print(f"bench logs kept in {self.logs}", file=sys.stderr)
+            return
+        if failed:
+            for path in sorted(self.logs.glob("*.log")):
+                tail = path.read_bytes()[-2000:].decode(errors="replace")
+                print(f"--- {path.name} (tail) ---\n{tail}", file=sys.stderr)
+        shutil.rmtree(self.logs, ignore_errors=True)
 
     def host(self, i: int) -> Host:
         return self.emu.hosts[i]

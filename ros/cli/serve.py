@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import secrets
 import signal
@@ -25,15 +26,18 @@ from consistency import EtcdCluster, Keys
 from consistency.compactor import DEFAULT_INTERVAL as DEFAULT_COMPACT_INTERVAL
 from consistency.credentials import add_etcd_arguments, credentials_from_args
 from consistency.keys import DEFAULT_PREFIX
+from ros.hub.guard import DEFAULT_FIRST_MESSAGE_SECONDS
 from ros.hub.limits import (
     DEFAULT_MAX_PRIVATE_WATCHES,
     DEFAULT_MAX_STREAMS,
     DEFAULT_MAX_STREAMS_PER_TENANT,
     DEFAULT_WORKERS,
 )
-from ros.hub.server import HubServer
+from ros.hub.server import DEFAULT_MAX_STREAMS_PER_CONNECTION, HubServer
 from ros.tokens import READ_KEY_PERIOD
-from tensorhub.errors import TensorHubError
+from tensorhub.errors import InvalidArgument, TensorHubError
+
+log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
@@ -50,9 +54,15 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     add_etcd_arguments(parser)
     parser.add_argument(
         "--admin-token",
-        default=os.environ.get("TENSORHUB_ADMIN_TOKEN"),
-        help="admin token for tenant creation (env TENSORHUB_ADMIN_TOKEN); "
-        "default: generate and print one",
+        help="admin token for tenant creation; shows in `ps`, so prefer the environment "
+        "variable TENSORHUB_ADMIN_TOKEN or --admin-token-file (a warning is logged); "
+        "default: TENSORHUB_ADMIN_TOKEN, else generate and print one",
+    )
+    parser.add_argument(
+        "--admin-token-file",
+        type=Path,
+        metavar="PATH",
+        help="read the admin token from this file (its first line)",
     )
     parser.add_argument(
         "--prefix", default=DEFAULT_PREFIX, help="etcd key prefix (default %(default)s)"
@@ -65,6 +75,11 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     )
     parser.add_argument(
         "--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port"
+    )
+    parser.add_argument(
+        "--metrics-host",
+        help="address the metrics port binds to (default: the --listen host, so metrics are "
+        "no more exposed than the hub; 0.0.0.0 for every interface)",
     )
     parser.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS")
     parser.add_argument("--tls-key", type=Path, help="PEM private key for --tls-cert")
@@ -88,6 +103,21 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         default=DEFAULT_MAX_PRIVATE_WATCHES,
         help="watches replaying history from an old revision at once (each has its own etcd "
         "watch) (default %(default)s)",
+    )
+    parser.add_argument(
+        "--first-message-timeout",
+        type=float,
+        default=DEFAULT_FIRST_MESSAGE_SECONDS,
+        metavar="SECONDS",
+        help="a call whose first request message has not come by then is ended with "
+        "DeadlineExceeded (every method, health checks too) (default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-streams-per-connection",
+        type=int,
+        default=DEFAULT_MAX_STREAMS_PER_CONNECTION,
+        help="HTTP/2 streams one client connection may have open at once; past it a client "
+        "queues its calls (default %(default)s)",
     )
     parser.add_argument(
         "--workers",
@@ -126,8 +156,33 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     )
 
 
+def _admin_token(args: argparse.Namespace) -> tuple[str, bool]:
+    """The admin token (--admin-token, --admin-token-file, TENSORHUB_ADMIN_TOKEN, in that
+    order, else a new one) and whether it was generated (then it is printed once)."""
+    if args.admin_token:
+        log.warning(
+            "--admin-token on the command line is visible to every local user (ps, "
+            "/proc/*/cmdline): use TENSORHUB_ADMIN_TOKEN or --admin-token-file instead"
+        )
+        return str(args.admin_token), False
+    if args.admin_token_file:
+        lines = args.admin_token_file.read_text().splitlines()
+        token = lines[0].strip() if lines else ""
+        if not token:
+            raise InvalidArgument(f"--admin-token-file {args.admin_token_file} is empty")
+        return token, False
+    from_env = os.environ.get("TENSORHUB_ADMIN_TOKEN")
+    if from_env:
+        return from_env, False
+    return secrets.token_urlsafe(24), True
+
+
 def run(args: argparse.Namespace) -> int:
-    admin_token = args.admin_token or secrets.token_urlsafe(24)
+    try:
+        admin_token, generated = _admin_token(args)
+    except (OSError, TensorHubError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     embedded: EtcdCluster | None = None
     try:
         etcd_credentials = credentials_from_args(args)
@@ -162,11 +217,14 @@ def run(args: argparse.Namespace) -> int:
             max_private_watches=args.max_private_watches,
             compact_interval=args.compact_interval, read_key_period=args.read_key_period,
             etcd_credentials=etcd_credentials,
+            first_message_seconds=args.first_message_timeout,
+            max_streams_per_connection=args.max_streams_per_connection,
         ).start()  # fmt: skip
         if args.metrics_port:
-            start_http_server(args.metrics_port)
+            host = args.metrics_host or server.host.strip("[]")
+            start_http_server(args.metrics_port, addr=host)
         print(f"hub serving on {server.address}", flush=True)
-        if not args.admin_token:
+        if generated:
             print(f"admin token: {admin_token}", flush=True)
         if args.ready_file:
             args.ready_file.write_text(json.dumps({"address": server.address, "etcd": endpoints}))

@@ -1,0 +1,118 @@
+"""`tensorhub serve` housekeeping (issue 12, item 15): the admin token off the command line,
+and the metrics port no more exposed than the hub. Real `serve` processes on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import pytest
+
+from consistency import EtcdCluster, Keys
+from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from ros.proto.tensorhub.v1 import hub_pb2_grpc
+from tests.waiting import wait_until
+
+TOKEN = "admin-token-from-a-file"
+
+
+@contextmanager
+def _serve(
+    etcd_cluster: EtcdCluster, keys: Keys, tmp_path: Path, *flags: str
+) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """A `tensorhub serve` with `flags`; yields its address and process (ended after)."""
+    ready = tmp_path / "ready.json"
+    ready.unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "TENSORHUB_ADMIN_TOKEN"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ros.cli", "serve", "--listen", "127.0.0.1:0",
+         "--etcd", ",".join(etcd_cluster.endpoints), "--prefix", keys.prefix,
+         "--ready-file", str(ready), "--grace", "0.2", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip
+    try:
+        wait_until("serve is ready", lambda: ready.exists() or proc.poll() is not None, 30)
+        assert proc.poll() is None, proc.communicate()[0]
+        yield json.loads(ready.read_text())["address"], proc
+    finally:
+        proc.terminate()
+        proc.wait(15)
+
+
+def _create_tenant(address: str, token: str, name: str) -> str:
+    with grpc.insecure_channel(address) as channel:
+        stub = hub_pb2_grpc.TensorHubStub(channel)  # type: ignore[no-untyped-call]
+        reply = stub.CreateTenant(
+            pb.CreateTenantRequest(name=name),
+            metadata=(("authorization", f"Bearer {token}"),),
+            timeout=10,
+        )
+    return str(reply.token)
+
+
+@pytest.mark.timeout(90)
+def test_the_admin_token_flag_warns_and_a_token_file_is_read(
+    etcd_cluster: EtcdCluster, keys: Keys, tmp_path: Path
+) -> None:
+    token_file = tmp_path / "admin-token"
+    token_file.write_text(f"{TOKEN}\n")
+    token_file.chmod(0o600)
+    with _serve(etcd_cluster, keys, tmp_path, "--admin-token-file", str(token_file)) as (
+        address,
+        proc,
+    ):
+        assert _create_tenant(address, TOKEN, "team-file")
+    out = proc.communicate()[0]
+    assert "visible to every local user" not in out
+    assert TOKEN not in out  # neither generated nor printed
+
+    with _serve(etcd_cluster, keys, tmp_path, "--admin-token", TOKEN) as (address, proc):
+        assert _create_tenant(address, TOKEN, "team-flag")  # still accepted, with a warning
+    assert "visible to every local user" in proc.communicate()[0]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _connects(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=5):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(60)
+def test_metrics_bind_to_the_listen_host_by_default(
+    etcd_cluster: EtcdCluster, keys: Keys, tmp_path: Path
+) -> None:
+    """With --listen 127.0.0.1:0 the metrics port answers on 127.0.0.1 only: 127.0.0.2 (also
+    loopback, and reachable where the old 0.0.0.0 bind was) is refused."""
+    port = _free_port()
+    with _serve(etcd_cluster, keys, tmp_path, "--metrics-port", str(port)):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            assert b"tensorhub_hub_calls_refused_total" in reply.read()
+        assert not _connects("127.0.0.2", port)
+
+
+def test_serve_help_lists_the_new_flags() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "ros.cli", "serve", "--help"], capture_output=True, text=True,
+        check=True,
+    ).stdout  # fmt: skip
+    for flag in (
+        "--admin-token-file", "--metrics-host", "--first-message-timeout",
+        "--max-streams-per-connection",
+    ):  # fmt: skip
+        assert flag in out
