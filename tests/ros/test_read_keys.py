@@ -49,6 +49,16 @@ def _read(holder: ros.Hub, token: bytes) -> None:
     )  # fmt: skip
 
 
+def _reads(holder: ros.Hub, key: ReadKey) -> bool:
+    """Whether `holder` serves policy@1 to a token minted with `key`."""
+    minted, _ = issue_read_token(key, "team-a", "policy", 1)
+    try:
+        _read(holder, minted)
+    except ros.PermissionDenied:
+        return False
+    return True
+
+
 def test_a_token_with_a_far_expiry_is_refused_by_a_holder(
     connect: Callable[..., ros.Hub],
 ) -> None:
@@ -88,18 +98,16 @@ def test_after_rotation_a_former_clients_key_mints_nothing_a_live_holder_accepts
         former = connect()
         stolen = list(former.session.read_keys)  # all a former client ever learned
         former.close()
-        minted, _ = issue_read_token(stolen[0], "team-a", "policy", 1)
-        _read(holder, minted)  # the control: before rotation its keys still work
+        # the control: before rotation its keys still work (one at least: the holder's last
+        # renewal and the former client's open may lie either side of a period boundary)
+        assert any(_reads(holder, key) for key in stolen)
         ids = {k.id for k in stolen}
         wait_until(
             "the live holder's keys rotated past every key the former client had",
             lambda: not ids & {k.id for k in holder.session.read_keys},
             timeout=4 * PERIOD,
         )
-        for key in stolen:
-            minted, _ = issue_read_token(key, "team-a", "policy", 1)
-            with pytest.raises(ros.PermissionDenied):
-                _read(holder, minted)
+        assert not any(_reads(holder, key) for key in stolen)
         # the live session's holder kept serving across the rotation: a new reader's fetch
         # (with a token the hub signed after it) reads from it
         with connect() as reader:

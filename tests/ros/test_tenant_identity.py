@@ -58,7 +58,9 @@ def test_scanning_session_ids_cannot_tell_a_live_foreign_session_from_a_missing_
     live = a.session.id
     gone, _ = hub_server.etcd.lease_grant(10)  # a lease that existed, then was revoked
     hub_server.etcd.lease_revoke(gone)
-    scanned = [live, gone, live + 1, live - 1, 0x7FFF_FFFF_0000_0001]
+    # ids next to a's (lease ids are near-sequential), none of them the caller's own session
+    near = [i for i in range(live - 3, live + 4) if i not in (live, b.session.id)]
+    scanned = [live, gone, *near, 0x7FFF_FFFF_0000_0001]
     for method in ("CloseSession", "KeepAlive", "Pin"):
         answers = {sid: _answer(calls(sid)[method], sid) for sid in scanned}
         assert answers[live][0] == grpc.StatusCode.FAILED_PRECONDITION, (method, answers)
