@@ -80,6 +80,8 @@ class ClientBase:
         self.topology = Topology(**dict(topology or {}))
         self.timeout = timeout
         self._listen = parse_address(listen, allow_zero=True)
+        if advertise is not None:
+            format_endpoint(advertise, 1)  # a host no reader could use fails here, not later
         self._advertise = advertise
         # The tenant travels on every call: the hub refuses a token of another tenant.
         self._metadata = (("authorization", f"Bearer {token}"), ("tensorhub-tenant", self.tenant))

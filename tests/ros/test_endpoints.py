@@ -141,3 +141,13 @@ def test_a_fetch_with_only_bad_endpoints_left_names_them(
     )
     with pytest.raises(ros.VersionUnavailable, match=r"old-hub-holder: skipped: invalid endpoint"):
         reader.fetch("policy", 1, timeout=20)
+
+
+@pytest.mark.parametrize("advertise", ["not a host", "[::1", "999.1.1.1", "host:80"])
+def test_connect_refuses_an_advertised_host_no_reader_could_use(
+    hub_server: HubServer, make_tenant: Callable[[str], str], advertise: str
+) -> None:
+    with pytest.raises(ros.InvalidArgument, match="invalid endpoint"):
+        ros.connect(
+            hub_server.address, tenant="team-a", token=make_tenant("team-a"), advertise=advertise
+        )
