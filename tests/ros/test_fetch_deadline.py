@@ -8,8 +8,8 @@ reader and the hub and is frozen (blackholed: connections stay open, no byte mov
 after a chosen call returns; the trainer reaches the hub directly and serves the bytes.
 
 Bounds: the fetch raises `DeadlineExceeded` within its timeout + 2 s (slack for a loaded
-machine), and `close()` returns within its documented bound, `CLOSE_SESSION_TIMEOUT` plus
-the 2 s the keepalive thread's join may take (it measures about 1 s; the old code 5 s).
+machine), and `close()` within its documented bound, `CLOSE_SESSION_TIMEOUT` plus the 2 s
+the keepalive thread's join may take, + 1 s (it measures about 1 s; the old code 5 s).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def test_fetch_and_close_keep_their_deadlines_when_the_hub_stalls(
     start = time.monotonic()
     reader.close()  # the hub is still stalled
     took = time.monotonic() - start
-    assert took < CLOSE_BOUND, f"close() took {took:.1f}s"
+    assert took < CLOSE_BOUND + 1.0, f"close() took {took:.1f}s"
 
 
 def test_fetch_slices_keeps_its_deadline_when_the_hub_stalls(
