@@ -18,10 +18,12 @@ from dataclasses import dataclass
 
 from etcd3 import etcdrpc
 
-from consistency import ops
+from consistency import ops, usage
 from consistency.etcd import Etcd
 from consistency.keys import Keys
-from tensorhub.errors import VersionNotFound
+from tensorhub.errors import Unavailable, VersionNotFound
+
+MAX_USAGE_RACES = 8  # publishes of the same tenant changing its usage key meanwhile
 
 
 @dataclass(frozen=True)
@@ -44,18 +46,30 @@ def delete_model(
     listing = etcdrpc.RangeRequest(
         key=ops.b(versions), range_end=ops.prefix_end(versions), keys_only=True
     )
-    result = etcd.txn(
-        [],
-        [
-            etcdrpc.RequestOp(request_range=listing),  # read first: the txn's own snapshot
-            ops.delete(top, prefix=True),
-            ops.delete(pages, prefix=True),
-        ],
-        timeout=timeout,
-    )  # a retried delete deletes nothing more: idempotent
-    listed, removed, paged = result.responses
+    retried = False
+    for _ in range(MAX_USAGE_RACES):
+        # The same transaction gives the model's bytes back to the tenant's etcd budget
+        # (`consistency.usage`); a publish that changed the budget meanwhile: read again.
+        charged = usage.model_charge(etcd, keys, tenant, model, timeout)
+        guard, put = usage.release(etcd, keys, tenant, charged, timeout or 5.0)
+        result = etcd.txn(
+            guard,
+            [
+                etcdrpc.RequestOp(request_range=listing),  # read first: the txn's own snapshot
+                ops.delete(top, prefix=True),
+                ops.delete(pages, prefix=True),
+                *put,
+            ],
+            timeout=timeout,
+        )  # a retried delete deletes nothing more: idempotent
+        retried = retried or result.attempts > 1
+        if result.succeeded:
+            break
+    else:
+        raise Unavailable(f"deleting model {model}: the tenant's etcd usage kept changing")
+    listed, removed, paged = result.responses[:3]
     count = int(removed.response_delete_range.deleted) + int(paged.response_delete_range.deleted)
-    if not count and result.attempts == 1:  # (after a retry: an earlier attempt did it)
+    if not count and not retried:  # (after a retry: an earlier attempt did it)
         raise VersionNotFound(f"model {model} has nothing to delete: it was never published")
     base = len(ops.b(versions))
     published = sum(  # `{version:020d}/manifest`, not a holder named "manifest"

@@ -48,8 +48,9 @@ def test_live_bytes_past_the_quota_are_refused_before_any_write(
 ) -> None:
     """Each published version of a big manifest stays live (one model each): the third no
     longer fits 2.5 manifests' worth and is refused with QuotaExceeded, nothing written;
-    another tenant keeps publishing. Retention gives bytes back: one model published over
-    and over (2 versions kept, a third live while it is published) stays within 3.5."""
+    another tenant keeps publishing; once one model is deleted, the third fits. Retention
+    gives bytes back: one model published over and over (2 versions kept, a third live
+    while it is published) stays within 3.5."""
     tenants = TenantStore(etcd, keys)
     with ros.connect(hub_server.address, tenant="probe", token=tenants.create("probe")) as p:
         p.publish("m", 1, _big()).release(force=True)
@@ -74,6 +75,15 @@ def test_live_bytes_past_the_quota_are_refused_before_any_write(
         assert _keys_under(etcd, keys.tenant("team-a")) == pages  # nothing was written
         other.publish("m3", 1, tensors).release(force=True)  # another tenant is unaffected
         assert other.latest("m3") == 1
+
+        # Deleting a model gives its bytes back in the same transaction: m3 fits now.
+        with grpc.insecure_channel(hub_server.address) as channel:
+            stub = hub_pb2_grpc.TensorHubStub(channel)  # type: ignore[no-untyped-call]
+            auth = (("authorization", f"Bearer {token}"),)
+            stub.DeleteModel(pb.DeleteModelRequest(model="m2"), metadata=auth, timeout=10)
+        assert _usage(etcd, keys, "team-a").held < before.held
+        hub.publish("m3", 1, tensors).release(force=True)
+        assert hub.latest("m3") == 1
 
     token_r = tenants.create("team-r", Quotas(max_etcd_bytes=int(size * 3.5)))
     with ros.connect(hub_server.address, tenant="team-r", token=token_r) as hub:
