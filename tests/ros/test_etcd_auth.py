@@ -140,7 +140,7 @@ def test_serve_without_etcd_starts_an_etcd_only_the_hub_can_read(tmp_path: Path)
         with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
             assert b"password" not in f.read()  # not on the command line of any process
         endpoint = str(json.loads(ready.read_text())["etcd"][0])
-        refusals = _unauthenticated_reads(endpoint, "/tensorhub/hub/secret")
+        refusals = _unauthenticated_reads(endpoint, Keys().hub_secret())  # serve's default prefix
         assert refusals == ["etcdserver: user name is empty"] * 3
     finally:
         out = _stop(proc)
