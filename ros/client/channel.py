@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 
+from tensorhub.endpoints import parse_endpoint
 from tensorhub.errors import InvalidArgument
 from transport.tls import TlsConfig
 
@@ -48,13 +49,13 @@ SERVICE_CONFIG = json.dumps(
 def parse_address(address: str, *, allow_zero: bool = False) -> tuple[str, int]:
     """`host:port` (or `[v6]:port`) → (host, port); `InvalidArgument` for anything else.
 
+    The rules are the holder endpoints' (`tensorhub.endpoints`), one parser for both.
     Port 0 ("pick a free one") is accepted only where we bind, with `allow_zero`.
     """
-    host, sep, port = address.rpartition(":")
-    lowest = 0 if allow_zero else 1
-    if not sep or not host or not port.isdigit() or not lowest <= int(port) < 65536:
-        raise InvalidArgument(f"invalid address {address!r}: expected HOST:PORT")
-    return host.strip("[]"), int(port)
+    if allow_zero and isinstance(address, str) and address.endswith(":0"):
+        host, _ = parse_endpoint(address[:-1] + "1")  # the host's rules, then port 0
+        return host, 0
+    return parse_endpoint(address)
 
 
 def channel_target(endpoints: Sequence[str]) -> str:
