@@ -9,6 +9,11 @@ withholds. Over each window of `window` seconds (the fetch's stall timeout) the 
 arrive at `floor` bytes/s or more, else `SlowHolder` is raised and the reader suspects the
 holder as it does a silent one.
 
+Only the holder's withholding counts, never the reader's own slowness: bytes already queued
+in our socket (FIONREAD) count as delivered, and a window that closes with our receive
+buffer half full or more is not judged at all — the holder was flow-controlled by us (the
+reader was CPU-starved, or its process stopped and resumed) — and the window starts again.
+
 Time before a frame's first byte is not judged: a PARTIAL holder may legitimately wait for a
 chunk it is still receiving itself (bounded by the request's wait and NOT_READY), so a
 pipelined reader behind a slow upstream is never penalised for its upstream's upstream.
@@ -16,6 +21,11 @@ pipelined reader behind a slow upstream is never penalised for its upstream's up
 
 from __future__ import annotations
 
+import fcntl
+import socket
+import ssl
+import struct
+import termios
 import time
 
 from tensorhub.errors import SlowHolder
@@ -26,8 +36,8 @@ DEFAULT_RATE_FLOOR = 256 * 1024  # bytes/s: far below any useful link, far above
 class Pace:
     """The delivery rate of one frame, judged window by window (a `netio.Meter`)."""
 
-    def __init__(self, floor: float, window: float) -> None:
-        self.floor, self.window = floor, window
+    def __init__(self, floor: float, window: float, sock: socket.socket) -> None:
+        self.floor, self.window, self._sock = floor, window, sock
         self._start: float | None = None  # when the current window began
         self._got = 0  # bytes received in the current window
 
@@ -42,12 +52,26 @@ class Pace:
         elapsed = now - self._start
         if elapsed < self.window:
             return
-        rate = self._got / elapsed
-        if rate < self.floor:
-            err = SlowHolder(
-                f"holder sent {self._got} B of a chunk it has in {elapsed:.1f}s "
-                f"({rate:.0f} B/s, under the rate floor of {self.floor:.0f} B/s)"
-            )
-            err.rate = rate
-            raise err
+        if self._got < self.floor * elapsed:  # rare: look at what is waiting for us
+            queued, capacity = _queued(self._sock)
+            delivered = self._got + queued
+            rate = delivered / elapsed
+            if rate < self.floor and queued < capacity // 2:
+                err = SlowHolder(
+                    f"holder sent {delivered} B of chunks it has in {elapsed:.1f}s "
+                    f"({rate:.0f} B/s, under the rate floor of {self.floor:.0f} B/s)"
+                )
+                err.rate = rate
+                raise err
         self._start, self._got = now, 0
+
+
+def _queued(sock: socket.socket) -> tuple[int, int]:
+    """Bytes received in `sock` that we have not read yet, and its receive buffer size."""
+    pending = sock.pending() if isinstance(sock, ssl.SSLSocket) else 0
+    try:
+        raw = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+        capacity = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+    except OSError:
+        return pending, 0
+    return pending + int(struct.unpack("i", raw)[0]), int(capacity)

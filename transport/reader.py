@@ -45,6 +45,7 @@ from transport.store import HeldVersion
 from transport.tls import TlsConfig
 from transport.topology import Topology
 from transport.wire import (
+    FLAG_COMPLETE,
     MAX_CHUNKS_PER_GET,
     NOT_READY_TEXT,
     FrameType,
@@ -52,7 +53,7 @@ from transport.wire import (
     decode_chunk_header,
     encode_get,
     raise_error_frame,
-    read_frame,
+    read_flagged_frame,
 )
 
 __all__ = ["DEFAULT_RATE_FLOOR", "FetchStats", "Source", "fetch"]
@@ -139,13 +140,20 @@ class _Fetch:
                 sock.shutdown(socket.SHUT_RDWR)
         return sock
 
-    def receive(self, sock: socket.socket, index: int, staging: StagingBuffer | None) -> int:
+    def pace(self, sock: socket.socket) -> Pace | None:
+        """A fresh rate-floor judge of `sock` (None when the floor is off)."""
+        return Pace(self.rate_floor, self.stall, sock) if self.rate_floor > 0 else None
+
+    def receive(
+        self, sock: socket.socket, index: int, staging: StagingBuffer | None, pace: Pace | None
+    ) -> tuple[int, bool]:
         """Receive one CHUNK for `index` into `dest`, verify it, mark it present; returns its
-        payload bytes. A chunk that fails part-way is remembered in `touched`."""
+        payload bytes and whether the holder said it has the whole version. A chunk that
+        fails part-way is remembered in `touched`. The frame is judged by `pace` when given
+        (a COMPLETE holder: across frames), else from its own first byte (transport/pace)."""
         arm(sock, self.deadline, self.stall)
-        # judged from the frame's first byte: from then on the holder has the whole chunk
-        pace = Pace(self.rate_floor, self.stall) if self.rate_floor > 0 else None
-        ftype, body = read_frame(sock, pace)
+        pace = pace or self.pace(sock)
+        ftype, flags, body = read_flagged_frame(sock, pace)
         if ftype is FrameType.ERROR:
             raise_error_frame(body)
         if ftype is not FrameType.CHUNK:
@@ -178,7 +186,7 @@ class _Fetch:
                 self.stats.discarded_bytes += expected
             raise IntegrityError(f"chunk {index} differs from the published version")
         self.dest.commit(index, h.checksum, staging)
-        return expected
+        return expected, bool(flags & FLAG_COMPLETE)
 
 
 def _pull(
@@ -205,9 +213,14 @@ def _pull(
             f.tenant, f.model, f.version, f.layout.digest, f.token, tuple(batch), wait_ms
         )
         sock.sendall(encode_get(request))
+        # Once the holder says it has every chunk, the time between its frames is time it
+        # withholds bytes it has too: one judge for the rest of the batch.
+        pace: Pace | None = None
         while batch:
             index = batch[0]
-            n = f.receive(sock, index, staging)
+            n, complete = f.receive(sock, index, staging, pace)
+            if complete and pace is None and (pace := f.pace(sock)) is not None:
+                pace.note(0)  # its window starts now
             with f.lock:
                 stats = f.stats
                 stats.bytes_per_source[source.holder_id] = (

@@ -270,7 +270,8 @@ class HolderServer:
                     )
                     if self.fault is not None:
                         header, views = self._misbehave(header, views)
-                    frame = [memoryview(encode_chunk_header(header)), *views]
+                    chunk_frame = encode_chunk_header(header, complete=held.complete)
+                    frame = [memoryview(chunk_frame), *views]
                     if self.fault is not None and self.fault.trickle:
                         self._trickle(conn, frame, self.fault.trickle)
                     else:

@@ -34,6 +34,7 @@ ERROR_FIXED = struct.Struct("!H")  # error code
 MAX_BODY = 64 * 1024  # GET, CHUNK and ERROR bodies are small; payloads are bounded apart
 MAX_CHUNKS_PER_GET = 4096
 MAX_TOKEN = 4096
+FLAG_COMPLETE = 0x1  # on a CHUNK: the holder has every chunk of the version (rate floor)
 
 
 class FrameType(enum.IntEnum):
@@ -99,8 +100,8 @@ def _pack_str(s: str) -> bytes:
     return struct.pack("!B", len(raw)) + raw
 
 
-def _frame(ftype: FrameType, body: bytes) -> bytes:
-    return HEADER.pack(MAGIC, WIRE_VERSION, ftype, 0, len(body)) + body
+def _frame(ftype: FrameType, body: bytes, flags: int = 0) -> bytes:
+    return HEADER.pack(MAGIC, WIRE_VERSION, ftype, flags, len(body)) + body
 
 
 def encode_get(req: GetRequest) -> bytes:
@@ -117,13 +118,15 @@ def encode_get(req: GetRequest) -> bytes:
     return _frame(FrameType.GET, body)
 
 
-def encode_chunk_header(h: ChunkHeader) -> bytes:
+def encode_chunk_header(h: ChunkHeader, complete: bool = False) -> bytes:
+    """A CHUNK frame (its payload follows); `complete`: this holder has the whole version,
+    so a reader may judge its pace across frames too (`FLAG_COMPLETE`)."""
     body = (
         CHUNK_FIXED.pack(h.version, h.index, h.offset, h.length, h.checksum)
         + _pack_str(h.tenant)
         + _pack_str(h.model)
     )
-    return _frame(FrameType.CHUNK, body)
+    return _frame(FrameType.CHUNK, body, FLAG_COMPLETE if complete else 0)
 
 
 def encode_error(code: ErrorCode, message: str) -> bytes:
@@ -168,7 +171,8 @@ class Rejection:
 
 
 def parse_header(raw: bytes | bytearray) -> tuple[FrameType, int] | Rejection:
-    """Check a 12-byte header: magic, wire version, known type, bounded body length."""
+    """Check a 12-byte header: magic, wire version, known type, bounded body length. Flags
+    are advisory (`FLAG_COMPLETE`), so unknown ones are ignored, not refused."""
     magic, version, ftype, _flags, length = HEADER.unpack(raw)
     if magic != MAGIC:
         return Rejection(ErrorCode.BAD_FRAME, "bad magic: not a TensorHub data-plane frame")
@@ -181,9 +185,17 @@ def parse_header(raw: bytes | bytearray) -> tuple[FrameType, int] | Rejection:
     return FrameType(ftype), length
 
 
-def read_frame(sock: socket.socket, meter: Meter | None = None) -> tuple[FrameType, bytearray]:
-    """Read one frame (header, then its bounded body); malformed is `TransportError`.
-    `meter` (e.g. a rate floor's `Pace`) sees every piece as it arrives."""
+def read_frame(sock: socket.socket) -> tuple[FrameType, bytearray]:
+    """Read one frame (header, then its bounded body); malformed is `TransportError`."""
+    ftype, _, body = read_flagged_frame(sock)
+    return ftype, body
+
+
+def read_flagged_frame(
+    sock: socket.socket, meter: Meter | None = None
+) -> tuple[FrameType, int, bytearray]:
+    """`read_frame`, also returning the header's flags; `meter` (e.g. a rate floor's
+    `Pace`) sees every piece as it arrives."""
     raw = bytearray(HEADER.size)
     recv_views(sock, [memoryview(raw)], meter=meter)
     parsed = parse_header(raw)
@@ -192,7 +204,7 @@ def read_frame(sock: socket.socket, meter: Meter | None = None) -> tuple[FrameTy
     ftype, length = parsed
     body = bytearray(length)
     recv_views(sock, [memoryview(body)], meter=meter)
-    return ftype, body
+    return ftype, int(HEADER.unpack(raw)[3]), body
 
 
 def decode_get(body: bytearray) -> GetRequest:

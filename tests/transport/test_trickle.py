@@ -9,6 +9,11 @@ is itself slow to receive is not penalised.
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -16,7 +21,7 @@ import pytest
 import torch
 
 from tests.transport._model import MODEL, TENANT, make_model
-from tests.transport.conftest import StartHolder
+from tests.transport.conftest import ROOT, StartHolder
 from transport.layout import Layout
 from transport.pace import DEFAULT_RATE_FLOOR
 from transport.reader import FetchStats, Source, fetch
@@ -119,3 +124,50 @@ def test_rate_floor_zero_turns_it_off(holders: StartHolder) -> None:
     assert dest.complete
     assert _same(dest.tensors, model)
     assert stats.failed_sources == {}
+
+
+@pytest.mark.timeout(90)
+def test_complete_holder_pausing_between_frames_is_suspected(holders: StartHolder) -> None:
+    """A COMPLETE holder that sends each frame at once but pauses 0.2 s between them (never
+    silent for the 1 s stall window, 80 KiB/s overall) withholds chunks it has: its CHUNK
+    frames say COMPLETE, so the reader judges its pace across frames and suspects it."""
+    model = make_model(23, tiny=100)
+    layout = Layout.from_tensors(model, chunk_size=16 * 1024)
+    pauser = holders(model, layout, name="a-pauser", fault=Fault(chunk_delay=0.2))[2]
+    good = holders(model, layout, name="b-good")[2]
+    dest = HeldVersion.reader(TENANT, MODEL, 1, layout, layout.allocate())
+    stats = _fetch(layout, [pauser, good], dest, parallel=2, stall_timeout=1.0)
+    assert dest.complete
+    assert _same(dest.tensors, model)
+    assert 0 < stats.slow_sources["a-pauser"] < DEFAULT_RATE_FLOOR
+
+
+@pytest.mark.timeout(120)
+def test_a_reader_frozen_mid_fetch_does_not_blame_its_holder(holders: StartHolder) -> None:
+    """The reader's process is SIGSTOPped for 3 s mid-fetch (three stall windows) and
+    resumed: measured on the wall clock the holder delivered far under the reader's floor,
+    but the bytes were queued in the reader's own socket: the reader was behind, not the
+    holder, and the fetch completes with no holder suspected."""
+    chunk, elems = 256 * 1024, 3_000_000
+    model = make_model(24, tiny=10, large_elems=elems)
+    layout = Layout.from_tensors(model, chunk_size=chunk)
+    source = holders(model, layout, name="h", fault=Fault(chunk_delay=0.005))[2]
+    args = [sys.executable, "-m", "tests.transport.reader_proc", "--port", str(source.port),
+            "--seed", "24", "--tiny", "10", "--large-elems", str(elems), "--chunk-size",
+            str(chunk), "--stall", "1.0", "--rate-floor", str(4_000_000)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "STARTED"
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(3.0)  # the holder's sends block meanwhile (its I/O timeout is 5 s)
+        os.kill(proc.pid, signal.SIGCONT)
+        out = json.loads(proc.stdout.readline())
+        proc.wait(timeout=WAIT)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.wait(timeout=WAIT)
+    assert out == {"complete": True, "failed": {}}
