@@ -19,7 +19,7 @@ from tensorhub.endpoints import parse_endpoint
 from tensorhub.errors import DeadlineExceeded, InvalidArgument, TensorHubError, VersionUnavailable
 from tensorhub.names import validate_name, validate_version
 from transport.planner import Candidate, Source, pipeline_sources
-from transport.reader import FetchStats
+from transport.reader import DEFAULT_RATE_FLOOR, FetchStats
 from transport.reader import fetch as transport_fetch
 from transport.store import HeldVersion
 from transport.topology import Topology
@@ -40,6 +40,7 @@ class FetchMixin(ClientBase):
         into: Mapping[str, torch.Tensor] | None = None,
         timeout: float = DEFAULT_FETCH_TIMEOUT,
         shard: int | None = None,
+        rate_floor: float = DEFAULT_RATE_FLOOR,
     ) -> Held:
         """Read `model@version` from its holders, in place into `into` or into new tensors.
 
@@ -58,6 +59,10 @@ class FetchMixin(ClientBase):
         scheduling slack of a loaded machine, however the hub behaves. A holder whose
         endpoint this client cannot use is skipped, logged, and named in
         `stats.failed_sources` (or in the error, if no usable holder was left).
+
+        `rate_floor` (bytes/s per connection, 0: off) suspects a holder that sends chunks it
+        has slower than that for the stall window, and reads them elsewhere; such a holder
+        shows in `stats.slow_sources` (docs/transport.md, "Rate floor").
         """
         validate_name(model, "model")
         number = 0 if version == "latest" else validate_version(version)
@@ -78,7 +83,9 @@ class FetchMixin(ClientBase):
         self._holder_server()
         self._hold(held, shard)
         try:
-            stats = self._fill(model, version, held, resolved, manifest, shard, deadline)
+            stats = self._fill(
+                model, version, held, resolved, manifest, shard, deadline, rate_floor
+            )
         except BaseException:
             self._abandon(model, version, held, deadline)
             raise
@@ -96,6 +103,7 @@ class FetchMixin(ClientBase):
         manifest: pb.Manifest,
         shard: int | None,
         deadline: Deadline,
+        rate_floor: float = DEFAULT_RATE_FLOOR,
     ) -> Any:
         # Our PARTIAL record also pins the version against retention (no Pin of our own),
         # and its answer carries the candidates for our fence: no second Resolve.
@@ -118,7 +126,7 @@ class FetchMixin(ClientBase):
                 first or self._sources(candidates, skipped),
                 token=bytes(resolved.read_token), deadline=deadline.work_end, me=self.topology,
                 refresh_sources=self._refresher(model, version, shard, deadline, skipped),
-                expected=list(manifest.chunk_xxh3), tls=self._tls,
+                expected=list(manifest.chunk_xxh3), tls=self._tls, rate_floor=rate_floor,
             ),
         )  # fmt: skip
         # a session lost meanwhile re-registered us under a new fence: complete that record

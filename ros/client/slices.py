@@ -29,6 +29,7 @@ from tensorhub.errors import DeadlineExceeded, InvalidArgument, TensorHubError
 from tensorhub.names import validate_name, validate_version
 from transport.boxes import Box, byte_span, chunks_for
 from transport.layout import dtype_name, torch_dtype
+from transport.reader import DEFAULT_RATE_FLOOR
 from transport.reader import fetch as transport_fetch
 from transport.store import HeldVersion
 
@@ -58,6 +59,7 @@ class SliceFetch:
     bytes_per_source: dict[str, int] = field(default_factory=dict)
     chunks: int = 0
     failed_sources: dict[str, str] = field(default_factory=dict)
+    slow_sources: dict[str, float] = field(default_factory=dict)  # under the rate floor: B/s
 
     @property
     def total_bytes(self) -> int:
@@ -81,6 +83,7 @@ class SliceMixin(FetchMixin):
         *,
         slices: Mapping[str, Slice],
         timeout: float = DEFAULT_FETCH_TIMEOUT,
+        rate_floor: float = DEFAULT_RATE_FLOOR,
     ) -> SliceFetch:
         """Fill every `Slice` with its block of `model@version`, read from the holders of the
         shards that hold it. Checks names, dtypes, global shapes and bounds before any byte
@@ -88,6 +91,7 @@ class SliceMixin(FetchMixin):
         An error after that (no holder left, the deadline) may leave the slices partly
         written. `timeout` bounds the whole call, every hub call inside it included (see
         `fetch`); an Unpin that does not fit is left to the session's lease, and logged.
+        `rate_floor` is `fetch`'s.
         """
         validate_name(model, "model")
         if not slices:
@@ -107,8 +111,9 @@ class SliceMixin(FetchMixin):
         try:
             for index, copies in plan.items():
                 self._read_part(
-                    model, found, resolved, index, parts[index], copies, slices, deadline, result
-                )
+                    model, found, resolved, index, parts[index], copies, slices, deadline, result,
+                    rate_floor,
+                )  # fmt: skip
         finally:
             self._unpin(model, found, pin_id, deadline)
         return result
@@ -140,6 +145,7 @@ class SliceMixin(FetchMixin):
         slices: Mapping[str, Slice],
         deadline: Deadline,
         result: SliceFetch,
+        rate_floor: float = DEFAULT_RATE_FLOOR,
     ) -> None:
         """Fetch the chunks of one source shard that `copies` need, then copy them out."""
         layout = layout_of(manifest)
@@ -166,13 +172,14 @@ class SliceMixin(FetchMixin):
                 self._sources(holders_of(holders, shard), skipped),
                 token=bytes(resolved.read_token), deadline=deadline.work_end, me=self.topology,
                 refresh_sources=self._refresher(model, version, shard, deadline, skipped),
-                expected=list(manifest.chunk_xxh3), tls=self._tls,
+                expected=list(manifest.chunk_xxh3), tls=self._tls, rate_floor=rate_floor,
             ),
         )  # fmt: skip
         for source, nbytes in stats.bytes_per_source.items():
             result.bytes_per_source[source] = result.bytes_per_source.get(source, 0) + nbytes
         result.chunks += stats.chunks
         result.failed_sources.update(stats.failed_sources)
+        result.slow_sources.update(stats.slow_sources)
         for c in copies:
             target = slices[c.name]
             target.tensor[c.part.slices_in(target.box)] = staging.tensors[c.name][
