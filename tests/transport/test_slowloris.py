@@ -27,6 +27,10 @@ from transport.server import HolderServer, allow_all
 from transport.store import HeldVersion, HolderStore
 from transport.topology import Topology
 from transport.wire import (
+    HEADER,
+    MAGIC,
+    MAX_BODY,
+    WIRE_VERSION,
     FrameType,
     GetRequest,
     decode_chunk_header,
@@ -37,6 +41,9 @@ from transport.wire import (
 
 CHUNK = 64 * 1024
 WAIT = 30.0  # generous bound on any wait for the server (a noisy shared machine)
+# What a slowloris trickles: a valid GET header announcing the largest body, then that body,
+# one byte at a time, so no byte it sends ever lets the holder refuse it as malformed.
+SLOW_FRAME = HEADER.pack(MAGIC, WIRE_VERSION, FrameType.GET, 0, MAX_BODY) + bytes(MAX_BODY)
 
 
 @contextlib.contextmanager
@@ -112,10 +119,10 @@ def test_slow_connections_at_and_beyond_the_limit_do_not_lock_readers_out() -> N
         stop = threading.Event()
 
         def trickle() -> None:
-            for _ in range(int(WAIT / 0.5)):  # bounded: at most WAIT seconds
+            for i in range(int(WAIT / 0.5)):  # bounded: at most WAIT seconds
                 for sock in attackers:
                     with contextlib.suppress(OSError):
-                        sock.send(b"T")
+                        sock.send(SLOW_FRAME[i : i + 1])
                 if stop.wait(0.5):
                     return
 
@@ -151,9 +158,9 @@ def test_idle_and_trickling_connections_are_closed_after_the_frame_deadline() ->
         stop = threading.Event()
 
         def trickle() -> None:
-            for _ in range(int(WAIT / 0.2)):  # bounded
+            for i in range(int(WAIT / 0.2)):  # bounded
                 try:
-                    slow.send(b"T")
+                    slow.send(SLOW_FRAME[i : i + 1])
                 except OSError:
                     return
                 if stop.wait(0.2):
