@@ -144,7 +144,7 @@ class HolderServer:
         listener = self._listener
         while listener is not None and not self._stopped.is_set():
             for late in self._admission.expired():  # frame deadline passed: close it
-                log.info("closing connection from %s: no complete request in time", late.peer)
+                log.debug("closing connection from %s: no complete request in time", late.peer)
                 _shut(late.sock)
             try:
                 conn, addr = listener.accept()
@@ -154,7 +154,7 @@ class HolderServer:
                 return
             record, victim, why = self._admission.admit(conn, str(addr[0]))
             if victim is not None:
-                log.info("evicting unauthenticated connection from %s: holder full", victim.peer)
+                log.debug("evicting unauthenticated connection from %s: holder full", victim.peer)
                 _shut(victim.sock)
             if record is None:
                 with contextlib.suppress(OSError):
@@ -162,9 +162,14 @@ class HolderServer:
                     conn.sendall(encode_error(ErrorCode.BUSY, why))
                 conn.close()
                 continue
-            threading.Thread(
-                target=self._serve, args=(record,), name="holder-conn", daemon=True
-            ).start()
+            try:
+                threading.Thread(
+                    target=self._serve, args=(record,), name="holder-conn", daemon=True
+                ).start()
+            except RuntimeError as exc:  # no thread to be had: this connection, not the port
+                log.warning("holder cannot serve a connection: %s", exc)
+                self._admission.forget(record)
+                conn.close()
 
     def _serve(self, record: Conn) -> None:
         conn = record.sock
@@ -320,6 +325,8 @@ class HolderServer:
 
 
 def _shut(sock: socket.socket) -> None:
-    """Cut a connection so the thread blocked on it returns at once (it closes the socket)."""
+    """Cut a connection so the thread blocked on it returns at once (it closes the socket).
+    At the TCP level even for a TLS socket: `SSLSocket.shutdown` would also drop the TLS
+    state under the thread still reading it."""
     with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
