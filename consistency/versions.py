@@ -13,10 +13,12 @@ pinned them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -230,6 +232,7 @@ class VersionRegistry:
         timeout: float = DEFAULT_TIMEOUT,
         admit_model: Admit | None = None,
         charge: Admit | None = None,
+        serial: AbstractContextManager[object] | None = None,
     ) -> Published:
         """Publish `version` with its manifest and the publisher as first (COMPLETE) holder.
 
@@ -238,7 +241,9 @@ class VersionRegistry:
         confirm the write before the deadline (check `latest()` after). `admit_model` (a
         `CountedCreate`'s admit) is asked while the model has no `latest` yet; what it
         returns joins the transaction, so a model quota holds under races. `charge` (a
-        `consistency.usage.TenantBudget`'s) is asked before every attempt and joins it too.
+        `consistency.usage.TenantBudget`'s) is asked before every attempt and joins it too;
+        `serial` (a lock) is held around each attempt, so that publishes sharing a charge
+        key wait for each other here instead of failing each other's compares in etcd.
         """
         validate_version(version)
         check_manifest_size(len(manifest))
@@ -252,7 +257,7 @@ class VersionRegistry:
         return self._publish_staged(
             tenant, model, version, holder, staged, self.keys.manifest(tenant, model, version),
             staged.header.encode(), [ops.put(self.keys.latest(tenant, model), str(version))], [],
-            deadline, admit_model, charge=charge,
+            deadline, admit_model, charge=charge, serial=serial,
         )  # fmt: skip
 
     def publish_shard(
@@ -268,6 +273,7 @@ class VersionRegistry:
         timeout: float = DEFAULT_TIMEOUT,
         admit_model: Admit | None = None,
         charge: Admit | None = None,
+        serial: AbstractContextManager[object] | None = None,
     ) -> Published:
         """Publish one rank's shard of a model-parallel version (`admit_model`: as `publish`).
 
@@ -320,7 +326,7 @@ class VersionRegistry:
         return self._publish_staged(
             tenant, model, version, holder, staged, keys.shard(tenant, model, version, index),
             record, [ops.put(arrived, str(count))], [last], deadline, admit_model, agree,
-            charge=charge,
+            charge=charge, serial=serial,
         )  # fmt: skip
 
     def _publish_staged(
@@ -339,6 +345,7 @@ class VersionRegistry:
         agree: Callable[[float], list[ops.Cmp]] | None = None,
         *,
         charge: Admit | None = None,
+        serial: AbstractContextManager[object] | None = None,
     ) -> Published:
         """The publish transaction around a staged manifest, in `_publish_loop`.
 
@@ -360,27 +367,28 @@ class VersionRegistry:
             guard, bump = _admission(admit_model, state, remaining)
             if agree is not None:
                 guard = [*guard, *agree(remaining)]
-            if charge is not None:
-                charged, put = charge(remaining)
-                guard, bump = [*guard, *charged], [*bump, *put]
-            result = self.etcd.txn(
-                [
-                    ops.mod(latest_key, "==", state.mod_revision),
-                    ops.absent(own_key),
-                    *guard,
-                    *staged.compares,
-                ],
-                [
-                    *bump,
-                    ops.put(own_key, own_value),
-                    ops.put(holder_key, holder.encode(), lease=holder.session),
-                    *puts,
-                    *staged.commits,
-                    *last,  # last: its response is the nested transaction's
-                ],
-                staged.count_op(),
-                timeout=remaining,
-            )
+            with serial or contextlib.nullcontext():  # the charge's read and its commit
+                if charge is not None:
+                    charged, put = charge(remaining)
+                    guard, bump = [*guard, *charged], [*bump, *put]
+                result = self.etcd.txn(
+                    [
+                        ops.mod(latest_key, "==", state.mod_revision),
+                        ops.absent(own_key),
+                        *guard,
+                        *staged.compares,
+                    ],
+                    [
+                        *bump,
+                        ops.put(own_key, own_value),
+                        ops.put(holder_key, holder.encode(), lease=holder.session),
+                        *puts,
+                        *staged.commits,
+                        *last,  # last: its response is the nested transaction's
+                    ],
+                    staged.count_op(),
+                    timeout=remaining,
+                )
             staged.check_pages(result, what)
             if last:
                 moved = result.succeeded and result.responses[-1].response_txn.succeeded

@@ -17,7 +17,7 @@ from consistency.manifests import (
     check_shard_count,
 )
 from consistency.quota import CountedCreate
-from ros.hub.budget import publish_charge
+from ros.hub.budget import publish_charge, tenant_serial
 from ros.hub.convert import holder_from_pb, holder_to_pb
 from ros.hub.rpc import AioContext, CallContext, HubBase, streaming, unary
 from ros.hub.tenants import Tenant
@@ -73,11 +73,12 @@ class VersionRPCs(HubBase):
                 timeout=timeout,
                 admit_model=admit,
                 charge=charge,
+                serial=tenant_serial(tenant.name),
             )
         else:
             published = versions.publish(
                 tenant.name, model, version, manifest, holder, timeout=timeout,
-                admit_model=admit, charge=charge,
+                admit_model=admit, charge=charge, serial=tenant_serial(tenant.name),
             )  # fmt: skip
         return pb.PublishResponse(
             version=published.version, revision=published.revision, visible=published.visible
