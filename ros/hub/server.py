@@ -32,6 +32,7 @@ from consistency import Etcd, Keys
 from consistency.compactor import DEFAULT_INTERVAL as DEFAULT_COMPACT_INTERVAL
 from consistency.compactor import Compactor
 from consistency.credentials import EtcdCredentials
+from ros.hub.guard import DEFAULT_FIRST_MESSAGE_SECONDS, CallGuard
 from ros.hub.limits import (
     DEFAULT_MAX_PRIVATE_WATCHES,
     DEFAULT_MAX_STREAMS,
@@ -39,6 +40,7 @@ from ros.hub.limits import (
     DEFAULT_WORKERS,
     Limits,
 )
+from ros.hub.rpc import CallContext, bearer
 from ros.hub.servicer import HubServicer
 from ros.metrics import CompactorMetrics
 from ros.proto.tensorhub.v1 import hub_pb2, hub_pb2_grpc
@@ -53,6 +55,10 @@ SERVICE_NAME = hub_pb2.DESCRIPTOR.services_by_name["TensorHub"].full_name
 WRITES_HEALTH_NAME = f"{SERVICE_NAME}/writes"
 MAX_MESSAGE_BYTES = 64 << 20
 MAX_QUEUED_UNARY = 4096  # unary calls admitted beyond the stream limit (gRPC's own backstop)
+# HTTP/2 streams one client connection may have open at once (SETTINGS_MAX_CONCURRENT_STREAMS):
+# more than any SDK process or bench client multiplexes on one channel, so it only stops one
+# connection from taking the replica's whole call budget. A client past it queues, not fails.
+DEFAULT_MAX_STREAMS_PER_CONNECTION = 4096
 T = TypeVar("T")
 
 
@@ -85,7 +91,11 @@ class HubServer:
         compact_interval: float = DEFAULT_COMPACT_INTERVAL,
         etcd_credentials: EtcdCredentials | None = None,
         read_key_period: float = READ_KEY_PERIOD,
+        first_message_seconds: float = DEFAULT_FIRST_MESSAGE_SECONDS,
+        max_streams_per_connection: int = DEFAULT_MAX_STREAMS_PER_CONNECTION,
     ) -> None:
+        self._first_message_seconds = first_message_seconds
+        self._max_streams_per_connection = max_streams_per_connection
         self.limits = Limits(
             max_streams=max_streams,
             max_streams_per_tenant=max_streams_per_tenant,
@@ -151,7 +161,9 @@ class HubServer:
 
     async def _build(self, listen: str, credentials: grpc.ServerCredentials | None) -> int:
         """Create the aio server on the loop (it binds to the running loop) and its port."""
+        guard = CallGuard(f"/{SERVICE_NAME}/", self._known_token, self._first_message_seconds)
         self._server = grpc.aio.server(
+            interceptors=[guard],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -160,6 +172,7 @@ class HubServer:
                 # lose streams that our own limits admit. Our limits decide instead.
                 ("grpc.server.max_pending_requests", self.limits.max_streams),
                 ("grpc.server.max_pending_requests_hard_limit", 2 * self.limits.max_streams),
+                ("grpc.max_concurrent_streams", self._max_streams_per_connection),
             ],
             maximum_concurrent_rpcs=self.limits.max_streams + MAX_QUEUED_UNARY,
         )
@@ -172,6 +185,13 @@ class HubServer:
         if credentials is None:
             return self._server.add_insecure_port(listen)
         return self._server.add_secure_port(listen, credentials)
+
+    async def _known_token(self, call: CallContext) -> None:
+        """The call guard's check: the admin token, or a tenant's (else `PermissionDenied`)."""
+        token = bearer(call)
+        if token is not None and self.servicer.is_admin(token):
+            return
+        await self.servicer._stream_tenant(call)
 
     async def _start(self) -> None:
         await self._server.start()
