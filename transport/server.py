@@ -224,11 +224,15 @@ class HolderServer:
         if self._tls is None:
             return raw
         raw.settimeout(self._io_timeout)
-        try:
-            conn = self._tls.wrap_socket(raw, server_side=True)
-        except (ssl.SSLError, OSError) as exc:
-            raise TransportError(f"TLS handshake failed: {exc}") from exc
+        # Wrapping detaches `raw` (its fd moves to the TLS socket): record the TLS socket
+        # before the handshake, so a late handshake can be cut (frame deadline, eviction).
+        conn = self._tls.wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
         self._admission.replace_socket(record, conn)
+        try:
+            conn.do_handshake()
+        except (ssl.SSLError, OSError) as exc:
+            conn.close()
+            raise TransportError(f"TLS handshake failed: {exc}") from exc
         return conn
 
     def _lookup(self, record: Conn, req: GetRequest) -> HeldVersion:

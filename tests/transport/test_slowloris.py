@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from tensorhub.errors import TransportError
+from tests.ros.test_tls import make_pki
 from tests.transport._model import MODEL, TENANT, make_model
 from transport.layout import Layout
 from transport.reader import Source, fetch
@@ -151,8 +154,8 @@ def test_slow_connections_at_and_beyond_the_limit_do_not_lock_readers_out() -> N
 @pytest.mark.timeout(120)
 def test_idle_and_trickling_connections_are_closed_after_the_frame_deadline() -> None:
     """A connection that sends nothing, and one that sends a byte every 0.2 s, are both
-    closed by the holder once the 1 s frame deadline passes, though the I/O timeout is 30 s."""
-    with _holder(frame_timeout=1.0, io_timeout=30) as (server, _, _):
+    closed by the holder once the 1 s frame deadline passes, though the I/O timeout is 60 s."""
+    with _holder(frame_timeout=1.0, io_timeout=2 * WAIT) as (server, _, _):
         start = time.monotonic()
         idle, slow = _connect(server), _connect(server)
         stop = threading.Event()
@@ -221,3 +224,40 @@ def test_served_connections_are_not_evicted_when_the_holder_is_full() -> None:
         finally:
             for sock in served:
                 sock.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_tls_handshake_trickled_a_byte_at_a_time_is_closed_after_the_frame_deadline(
+    tmp_path: Path,
+) -> None:
+    """On a TLS port the first frame's deadline covers the handshake: a peer that sends its
+    ClientHello a byte every 0.2 s (each read well inside the 60 s I/O timeout) is closed."""
+    tls = make_pki(tmp_path, "slow")
+    hello = bytearray()
+    client = tls.client_context().wrap_bio(ssl.MemoryBIO(), out := ssl.MemoryBIO())
+    with contextlib.suppress(ssl.SSLWantReadError):
+        client.do_handshake()
+    hello += out.read()  # a real ClientHello, to be trickled
+    with _holder(frame_timeout=1.0, io_timeout=2 * WAIT, tls=tls) as (server, _, _):
+        start = time.monotonic()
+        slow = _connect(server)
+        stop = threading.Event()
+
+        def trickle() -> None:
+            for i in range(min(len(hello), int(WAIT / 0.2))):  # bounded
+                try:
+                    slow.send(hello[i : i + 1])
+                except OSError:
+                    return
+                if stop.wait(0.2):
+                    return
+
+        thread = threading.Thread(target=trickle, daemon=True)
+        thread.start()
+        try:
+            assert _closed_by_holder(slow)
+            assert time.monotonic() - start >= 1.0
+        finally:
+            stop.set()
+            thread.join(timeout=WAIT)
+            slow.close()
