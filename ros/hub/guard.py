@@ -19,6 +19,11 @@ is involved:
   call ends with `DeadlineExceeded` naming the limit. A KeepAlive stream's first renewal
   arrives before the stream takes its slot. Later messages of a KeepAlive stream are not
   timed: an idle session renews every few seconds and the slot is bounded per tenant.
+- **A bound on calls awaiting their first message.** Silent calls hold no slot and no
+  worker, but each holds one of gRPC's concurrent calls until its deadline: at most
+  `max_pending` of one token (one tenant: its stream limit) and `MAX_PENDING_OPEN` without
+  one (health checks, reflection) wait at once; past it a call is refused at once with
+  `Overloaded`, so one tenant's silent calls cannot take the replica's call budget.
 
 Refused calls are counted in `tensorhub_hub_calls_refused_total{reason}`.
 """
@@ -37,11 +42,19 @@ import grpc.aio
 from ros.errors import ERROR_METADATA_KEY, status_of
 from ros.hub.rpc import CallContext, bearer
 from ros.metrics import HUB_CALLS_REFUSED, HUB_REQUESTS
-from tensorhub.errors import DeadlineExceeded, InvalidArgument, PermissionDenied, TensorHubError
+from tensorhub.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    Overloaded,
+    PermissionDenied,
+    TensorHubError,
+)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_FIRST_MESSAGE_SECONDS = 10.0
+DEFAULT_MAX_PENDING = 8192  # calls of one token awaiting their first message at once
+MAX_PENDING_OPEN = 1024  # the same for calls without a token (health checks, reflection)
 MAX_TOKEN_CHARS = 512  # far above any token the hub issues; a longer one is not read
 
 Metadata = Sequence[tuple[str, str | bytes]]
@@ -55,7 +68,8 @@ class CallGuard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
 
     `guarded` is the method prefix that needs a token (`/tensorhub.v1.TensorHub/`),
     `known(call)` returns if the call's bearer token is one the hub accepts and raises
-    `PermissionDenied` if not.
+    `PermissionDenied` if not. `max_pending`: calls of one token awaiting their first
+    message at once. Used on the server's event loop only (its counts need no lock).
     """
 
     def __init__(
@@ -63,6 +77,7 @@ class CallGuard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         guarded: str,
         known: TokenCheck,
         first_message_seconds: float = DEFAULT_FIRST_MESSAGE_SECONDS,
+        max_pending: int = DEFAULT_MAX_PENDING,
     ) -> None:
         if first_message_seconds <= 0:
             raise InvalidArgument(
@@ -71,6 +86,8 @@ class CallGuard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         self._guarded = guarded
         self._known = known
         self._first = first_message_seconds
+        self._max_pending = max_pending
+        self._pending: dict[str, int] = {}  # by token ("" for calls without one)
 
     async def intercept_service(
         self,
@@ -83,15 +100,19 @@ class CallGuard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         if handler is None:
             return handler  # an unknown method: gRPC answers UNIMPLEMENTED
         method: str = handler_call_details.method
+        name = method.rsplit("/", 1)[-1]
+        key, limit = "", MAX_PENDING_OPEN
         if method.startswith(self._guarded):
             metadata: Metadata = handler_call_details.invocation_metadata or ()
-            refusal = await self._refusal(CallContext(metadata, None))
+            call = CallContext(metadata, None)
+            refusal = await self._refusal(call)
             if refusal is not None:
-                refused: grpc.RpcMethodHandler[Any, Any] = _refuse(
-                    handler, method.rsplit("/", 1)[-1], refusal
-                )
+                refused: grpc.RpcMethodHandler[Any, Any] = _refuse(handler, name, refusal)
                 return refused
-        guarded: grpc.RpcMethodHandler[Any, Any] = _first_message_within(handler, self._first)
+            key, limit = bearer(call) or "", self._max_pending
+        guarded: grpc.RpcMethodHandler[Any, Any] = _first_message_within(
+            handler, self._first, _Pending(self._pending, key, limit)
+        )
         return guarded
 
     async def _refusal(self, call: CallContext) -> PermissionDenied | None:
@@ -156,16 +177,47 @@ async def _first(
         raise  # not reached: abort raises
 
 
+class _Pending:
+    """One call's place among those of its token (`key`) awaiting a first message."""
+
+    def __init__(self, counts: dict[str, int], key: str, limit: int) -> None:
+        self._counts = counts
+        self._key = key
+        self._limit = limit
+
+    def enter(self) -> Overloaded | None:
+        """Count the call in, or the `Overloaded` to refuse it with (then not counted)."""
+        waiting = self._counts.get(self._key, 0)
+        if waiting >= self._limit:
+            HUB_CALLS_REFUSED.labels("pending").inc()
+            whose = "of this tenant " if self._key else "without a token "
+            return Overloaded(
+                f"{waiting} calls {whose}await their first request message on this hub "
+                f"replica (limit {self._limit}): send it, or retry later"
+            )
+        self._counts[self._key] = waiting + 1
+        return None
+
+    def leave(self) -> None:
+        left = self._counts[self._key] - 1
+        if left:
+            self._counts[self._key] = left
+        else:
+            del self._counts[self._key]
+
+
 async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
     yield first
     async for item in rest:
         yield item
 
 
-def _first_message_within(handler: grpc.RpcMethodHandler[Any, Any], seconds: float) -> Any:
+def _first_message_within(
+    handler: grpc.RpcMethodHandler[Any, Any], seconds: float, pending: _Pending
+) -> Any:
     """`handler` as a request-streaming handler that waits at most `seconds` for the first
     request message before it calls the original (same serializers, same response style:
-    a coroutine that writes, or an async generator)."""
+    a coroutine that writes, or an async generator), counted in `pending` while it waits."""
     kinds: list[Any] = [
         handler.unary_unary,
         handler.unary_stream,
@@ -176,8 +228,14 @@ def _first_message_within(handler: grpc.RpcMethodHandler[Any, Any], seconds: flo
     streaming_in = handler.request_streaming
 
     async def arguments(requests: AsyncIterator[Any], context: Any) -> Any:
+        refusal = pending.enter()
+        if refusal is not None:  # before the receiver exists: nothing is left unawaited
+            await _abort(context, "first_message", refusal)
         stream = aiter(requests)
-        got, first = await _first(stream, seconds, context)
+        try:
+            got, first = await _first(stream, seconds, context)
+        finally:
+            pending.leave()
         if streaming_in:
             return _chain(first, stream) if got else stream
         if not got:

@@ -161,7 +161,10 @@ class HubServer:
 
     async def _build(self, listen: str, credentials: grpc.ServerCredentials | None) -> int:
         """Create the aio server on the loop (it binds to the running loop) and its port."""
-        guard = CallGuard(f"/{SERVICE_NAME}/", self._known_token, self._first_message_seconds)
+        guard = CallGuard(
+            f"/{SERVICE_NAME}/", self._known_token, self._first_message_seconds,
+            max_pending=self.limits.max_streams_per_tenant,
+        )  # fmt: skip
         self._server = grpc.aio.server(
             interceptors=[guard],
             options=[
