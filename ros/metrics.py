@@ -52,8 +52,9 @@ HUB_STREAM_LIMIT = Gauge(
 )
 HUB_CALLS_REFUSED = Counter(
     "tensorhub_hub_calls_refused_total",
-    "Calls refused at their start by the call guard: no_token, bad_token, or first_message "
-    "(no request message within --first-message-timeout)",
+    "Calls refused at their start by the call guard: no_token, bad_token, first_message "
+    "(no request message within --first-message-timeout), or pending (too many calls "
+    "await their first message)",
     ["reason"],
 )
 HUB_STREAMS_REFUSED = Counter(
