@@ -15,8 +15,9 @@ A publish adds `charge`'s compare and put to its own transaction: the compare is
 usage key's mod_revision as read, so two publishes that both read the same usage cannot both
 commit (the loser retries, re-reading it), and the budget holds across every hub replica
 with no state of their own. Past either limit the publish fails with `QuotaExceeded` before
-it writes (`check` runs before the manifest is staged). The cost: a tenant's publishes
-commit one at a time in etcd, each one transaction, which is what etcd does anyway.
+it writes (`charge` is also asked once before the manifest is staged). The cost: a tenant's
+publishes commit one at a time in etcd (on one replica they queue on a lock first:
+`ros.hub.budget.tenant_serial`).
 
 Holder, pin and session records are not charged here: they are small, bounded in size, and
 bounded in number by the session quota (each lives under its session's lease).
@@ -77,11 +78,6 @@ class TenantBudget:
         self._max_bytes = max_bytes
         self._rate = publishes_per_minute
         self._clock = clock
-
-    def check(self, nbytes: int, publishes: float, timeout: float) -> None:
-        """`QuotaExceeded` if a publish of `nbytes` (taking `publishes` tokens) would not fit
-        now: called before anything is written."""
-        self.charge(nbytes, publishes, timeout)
 
     def charge(self, nbytes: int, publishes: float, timeout: float) -> Guard:
         """The compare and put that charge a publish in its transaction, or `QuotaExceeded`.
