@@ -21,9 +21,7 @@ from tensorhub.errors import PermissionDenied
 from tensorhub.names import validate_name
 
 
-class HubServicer(
-    SessionRPCs, VersionRPCs, HolderRPCs, ModelRPCs, hub_pb2_grpc.TensorHubServicer
-):
+class HubServicer(SessionRPCs, VersionRPCs, HolderRPCs, ModelRPCs, hub_pb2_grpc.TensorHubServicer):
     """Handlers of `tensorhub.v1.TensorHub`."""
 
     def __init__(
