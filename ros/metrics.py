@@ -57,6 +57,16 @@ HUB_CALLS_REFUSED = Counter(
     "await their first message)",
     ["reason"],
 )
+HUB_TENANT_RECORD_READS = Counter(
+    "tensorhub_hub_tenant_record_reads_total",
+    "etcd reads of tenant records to authenticate a token (a fresh record, or a name recently "
+    "found missing, is answered from memory)",
+)
+HUB_UNKNOWN_TOKENS_REFUSED = Counter(
+    "tensorhub_hub_unknown_tokens_refused_total",
+    "Calls refused with Overloaded because the replica was already reading etcd for as many "
+    "tokens of never-seen tenant names as it allows at once (a flood of made-up tokens)",
+)
 HUB_STREAMS_REFUSED = Counter(
     "tensorhub_hub_streams_refused_total",
     "Streams refused with Overloaded, by the limit that was reached",

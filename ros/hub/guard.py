@@ -115,7 +115,7 @@ class CallGuard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         )
         return guarded
 
-    async def _refusal(self, call: CallContext) -> PermissionDenied | None:
+    async def _refusal(self, call: CallContext) -> PermissionDenied | Overloaded | None:
         """Why the call's token is refused, or None if it is a token the hub accepts."""
         token = bearer(call)
         if not token:
@@ -128,6 +128,9 @@ class CallGuard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             await self._known(call)
         except PermissionDenied as exc:
             HUB_CALLS_REFUSED.labels("bad_token").inc()
+            return exc
+        except Overloaded as exc:  # too many unknown tokens being checked at once
+            HUB_CALLS_REFUSED.labels("unknown_tokens").inc()
             return exc
         except TensorHubError as exc:  # etcd unreachable: the handler answers that
             log.info("could not check a token at call start: %s", exc)

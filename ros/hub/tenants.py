@@ -15,10 +15,12 @@ import secrets
 import threading
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from consistency import ops
 from consistency.etcd import Etcd
 from consistency.keys import Keys
+from ros.metrics import HUB_TENANT_RECORD_READS, HUB_UNKNOWN_TOKENS_REFUSED
 from ros.tokens import (
     READ_KEY_PERIOD,
     ReadKey,
@@ -28,10 +30,42 @@ from ros.tokens import (
     tenant_of,
     token_hash,
 )
-from tensorhub.errors import AlreadyExists, InvalidArgument, PermissionDenied, TenantNotFound
+from tensorhub.errors import (
+    AlreadyExists,
+    DeadlineExceeded,
+    InvalidArgument,
+    Overloaded,
+    PermissionDenied,
+    TenantNotFound,
+    TensorHubError,
+)
+from tensorhub.lru import SizedLru
 from tensorhub.names import validate_name
 
 _CACHE_SECONDS = 5.0  # a tenant record (its token hash, quotas) is re-read this often
+_MISSING_SECONDS = 1.0  # a name found missing is refused from memory this long
+MAX_UNKNOWN_LOOKUPS = 2  # etcd reads at once for tenant names this replica has never seen
+MAX_MISSING_NAMES = 65_536
+_LOOKUP_SECONDS = 10.0  # deadline of one tenant-record read
+
+
+@dataclass(frozen=True)
+class _Record:
+    record: dict[str, Any]
+    expires: float  # time.monotonic()
+
+    def fresh(self) -> bool:
+        return self.expires > time.monotonic()
+
+
+class _Lookup:
+    """One etcd read of a tenant record in flight, and what it found."""
+
+    def __init__(self, unknown: bool) -> None:
+        self.unknown = unknown  # holds one of the places for never-seen names
+        self.done = threading.Event()
+        self.record: dict[str, Any] | None = None
+        self.error: TensorHubError | None = None
 
 
 @dataclass(frozen=True)
@@ -65,7 +99,14 @@ class TenantStore:
         self._etcd = etcd
         self._keys = keys
         self._lock = threading.Lock()
-        self._cache: dict[str, tuple[float, Tenant]] = {}
+        self._cache: dict[str, tuple[float, Tenant]] = {}  # valid tokens only
+        # Tenant records by name (real tenants only: bounded by what the admin created),
+        # names recently found missing (bounded: made-up names), and the bound on reads of
+        # names never seen (see `authenticate`).
+        self._records: dict[str, _Record] = {}
+        self._missing: SizedLru[str, float] = SizedLru(MAX_MISSING_NAMES, lambda _: 1)
+        self._unknown = threading.BoundedSemaphore(MAX_UNKNOWN_LOOKUPS)
+        self._inflight: dict[str, _Lookup] = {}  # by name: concurrent callers share one read
         self._secret: bytes | None = None
         self._read_key_period = read_key_period
         self._schedule: ReadKeySchedule | None = None
@@ -83,20 +124,39 @@ class TenantStore:
         result = self._etcd.txn([ops.absent(key)], [ops.put(key, json.dumps(record))])
         if not result.succeeded:
             raise AlreadyExists(f"tenant {name!r} already exists")
+        # A name probed just before it existed is not refused from memory here; another
+        # replica that probed it refuses it for at most `_MISSING_SECONDS` more.
+        self._missing.pop(name)
         return token
 
     def cached(self, token: str) -> Tenant | None:
-        """The tenant of a token authenticated within the last few seconds, else None: no
-        etcd read, so the hub's event loop may ask (a stream needs no worker for it)."""
+        """The tenant of `token` from memory alone, or None if that needs an etcd read; no
+        I/O, so the hub's event loop may ask (a stream needs no worker for it). Raises
+        `PermissionDenied` for a token memory can already refuse: malformed, a wrong secret
+        for a tenant whose record is fresh, or a name recently found not to exist."""
         with self._lock:
             cached = self._cache.get(token)
         if cached is not None and cached[0] > time.monotonic():
             return cached[1]
+        name = tenant_of(token)
+        record = self._records.get(name)
+        if record is not None and record.fresh():
+            return self._check(token, name, record.record)
+        missing = self._missing.get(name)
+        if missing is not None and missing > time.monotonic():
+            raise PermissionDenied("unknown tenant token")
         return None
 
     def authenticate(self, token: str) -> Tenant:
-        """The tenant a token belongs to, or `PermissionDenied`."""
-        now = time.monotonic()
+        """The tenant a token belongs to, or `PermissionDenied`.
+
+        Authentication reads etcd only for a tenant record this replica does not have
+        fresh, and callers asking for the same name at once share one read. Names never
+        seen (every token an attacker makes up) are read at most `MAX_UNKNOWN_LOOKUPS` at a
+        time, past which a caller is `Overloaded` at once, and a name found missing is
+        refused from memory for `_MISSING_SECONDS`. So a flood of made-up tokens costs a
+        few etcd reads at a time, and the worker pool keeps serving the tenants it knows.
+        """
         hit = self.cached(token)
         if hit is not None:
             return hit
@@ -105,16 +165,67 @@ class TenantStore:
             key = self._keys.tenant_record(name)
         except InvalidArgument as exc:
             raise PermissionDenied("unknown tenant token") from exc
-        kv, _ = self._etcd.get(key)
-        if kv is None:
+        record = self._lookup(name, key)
+        if record is None:
             raise PermissionDenied("unknown tenant token")
-        record = json.loads(kv.value)
+        return self._check(token, name, record)
+
+    def _lookup(self, name: str, key: str) -> dict[str, Any] | None:
+        """Read one tenant's record, once for all callers asking for it at the same time;
+        names never seen take one of `MAX_UNKNOWN_LOOKUPS` places (else `Overloaded`)."""
+        with self._lock:
+            pending = self._inflight.get(name)
+            mine = pending is None
+            if pending is None:
+                unknown = name not in self._records
+                if unknown and not self._unknown.acquire(blocking=False):
+                    HUB_UNKNOWN_TOKENS_REFUSED.inc()
+                    raise Overloaded(
+                        f"this hub replica is checking {MAX_UNKNOWN_LOOKUPS} tokens of tenants "
+                        "it does not know yet: retry shortly"
+                    )
+                pending = self._inflight[name] = _Lookup(unknown)
+        if not mine:
+            if not pending.done.wait(_LOOKUP_SECONDS):
+                raise DeadlineExceeded(
+                    f"reading tenant {name!r}'s record took over {_LOOKUP_SECONDS}s"
+                )
+            if pending.error is not None:
+                raise pending.error
+            return pending.record
+        try:
+            pending.record = self._read_record(name, key)
+            return pending.record
+        except TensorHubError as exc:
+            pending.error = exc
+            raise
+        finally:
+            with self._lock:
+                del self._inflight[name]
+            if pending.unknown:
+                self._unknown.release()
+            pending.done.set()
+
+    def _read_record(self, name: str, key: str) -> dict[str, Any] | None:
+        """Read a tenant record from etcd into the caches (None: there is no such tenant)."""
+        HUB_TENANT_RECORD_READS.inc()
+        kv, _ = self._etcd.get(key, timeout=_LOOKUP_SECONDS)
+        if kv is None:
+            self._records.pop(name, None)
+            self._missing.put(name, time.monotonic() + _MISSING_SECONDS)
+            return None
+        record: dict[str, Any] = json.loads(kv.value)
+        self._records[name] = _Record(record, time.monotonic() + _CACHE_SECONDS)
+        self._missing.pop(name)
+        return record
+
+    def _check(self, token: str, name: str, record: dict[str, Any]) -> Tenant:
         epoch = str(record.get("epoch", ""))
         if not hmac.compare_digest(str(record["token_sha256"]), token_hash(token, epoch)):
             raise PermissionDenied("unknown tenant token")
         tenant = Tenant(name, Quotas(**record["quotas"]), epoch)
         with self._lock:
-            self._cache[token] = (now + _CACHE_SECONDS, tenant)
+            self._cache[token] = (time.monotonic() + _CACHE_SECONDS, tenant)
         return tenant
 
     def hub_secret(self) -> bytes:
@@ -149,6 +260,7 @@ class TenantStore:
         with self._lock:
             for token in [t for t, (_, tenant) in self._cache.items() if tenant.name == name]:
                 del self._cache[token]
+        self._records.pop(name, None)
         for kv in sessions.kvs:  # bounded by the tenant's session quota
             self._etcd.lease_revoke(kv.lease, timeout=timeout)
         return result.revision
