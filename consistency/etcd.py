@@ -6,61 +6,51 @@ thread breaks on stream errors (it calls an unimported `six`). Here every call t
 a member that fails is skipped for a short while, and retries follow `consistency.retry`.
 Reads are linearizable (never `serializable`).
 
-Credentials (`consistency.credentials.EtcdCredentials`) add TLS to every channel and etcd auth:
-a token interceptor authenticates on first use, sends the token with every call, and a call
-that etcd refuses for its token (expired, or the auth store changed) authenticates again and
-is sent once more. Streams (watch, lease keepalive) cannot be re-sent by this module, so a
-stream opens with a token younger than `STREAM_TOKEN_AGE`, shorter than etcd's token TTL.
+Credentials (`consistency.credentials.EtcdCredentials`) add TLS to every channel and etcd auth
+(`consistency.etcd_auth`): the hub logs in on first use, resends once a call refused for its
+token, and opens streams with tokens younger than `STREAM_TOKEN_AGE`. gRPC errors become
+`TensorHubError`s in `consistency.etcd_errors`.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from etcd3 import etcdrpc
 
 from consistency import ops
-from consistency.credentials import EtcdAuthFailed, EtcdCredentials
+from consistency.credentials import EtcdCredentials
+from consistency.etcd_auth import STREAM_TOKEN_AGE, Token, TokenInterceptor
+from consistency.etcd_errors import LeaseNotFound, RevisionCompacted, translate
 from consistency.ops import KV, Cmp, Op
-from consistency.refusals import WriteUnconfirmed, name_refusal
-from consistency.retry import DEFAULT_POLICY, RetryPolicy, is_deadline, is_retryable
-from tensorhub.errors import (
-    DeadlineExceeded,
-    OutcomeUnknown,
-    StorageFull,
-    TensorHubError,
-    Unavailable,
-)
+from consistency.protowire import scan_fields
+from consistency.refusals import WriteUnconfirmed
+from consistency.retry import DEFAULT_POLICY, RetryPolicy, is_retryable
+from tensorhub.errors import DeadlineExceeded, OutcomeUnknown, Unavailable
+
+__all__ = [  # the errors and STREAM_TOKEN_AGE are re-exported: callers import them from here
+    "DEFAULT_TIMEOUT",
+    "STREAM_TOKEN_AGE",
+    "Alarm",
+    "Etcd",
+    "LeaseNotFound",
+    "MemberStatus",
+    "RangeResult",
+    "RevisionCompacted",
+    "TxnResult",
+]
 
 T = TypeVar("T")
 
 DEFAULT_TIMEOUT = 5.0
 _SKIP_FAILED_FOR = 1.0  # seconds a failed member is passed over before it is tried again
-# A stream opens with a token at most this old (`Etcd(stream_token_age=)`): etcd checks a
-# watch's token at each create and cancels the watch if it expired, and a stream cannot be
-# re-sent from here (its owner reopens it). Well under etcd's default token TTL (300 s).
-STREAM_TOKEN_AGE = 60.0
-_AUTHENTICATE = "/etcdserverpb.Auth/Authenticate"
-
-log = logging.getLogger(__name__)
-
-
-class RevisionCompacted(TensorHubError):
-    """A read or watch asked for a revision that etcd has already compacted."""
-
-    code = "OUT_OF_RANGE"
-
-    def __init__(self, message: str, compact_revision: int) -> None:
-        super().__init__(message)
-        self.compact_revision = compact_revision
 
 
 @dataclass(frozen=True)
@@ -113,110 +103,9 @@ class TxnResult:
     attempts: int
 
 
-class _Token:
-    """The etcd auth token one `Etcd` shares across its members (etcd replicates tokens).
-
-    `refresh(stale)` authenticates again unless another thread already replaced `stale`, so
-    a burst of calls refused together costs one Authenticate.
-    """
-
-    def __init__(self, credentials: EtcdCredentials, stream_age: float) -> None:
-        self._credentials = credentials
-        self.stream_age = stream_age
-        self._lock = threading.Lock()
-        self.value: str | None = None
-        self.obtained_at = 0.0
-
-    def refresh(self, stale: str | None, stub: Any, timeout: float) -> None:
-        with self._lock:
-            if self.value != stale:
-                return
-            request = etcdrpc.AuthenticateRequest(
-                name=self._credentials.user, password=self._credentials.password
-            )
-            try:
-                response = stub.Authenticate(request, timeout=timeout)
-            except grpc.RpcError as exc:
-                if is_retryable(exc):
-                    raise  # a member that cannot answer now: `Etcd.call` tries another
-                raise EtcdAuthFailed(
-                    f"etcd refused to authenticate user {self._credentials.user!r}: "
-                    f"{exc.details()} (check --etcd-user and --etcd-password-file)"
-                ) from exc
-            self.value = str(response.token)
-            self.obtained_at = time.monotonic()
-
-
-class _CallDetails(NamedTuple):
-    method: str
-    timeout: float | None
-    metadata: Any
-    credentials: grpc.CallCredentials | None
-    wait_for_ready: bool | None
-    compression: Any
-
-
-if TYPE_CHECKING:  # the stubs make the interceptor bases generic; grpc's classes are not
-    _UnaryUnary = grpc.UnaryUnaryClientInterceptor[Any, Any]
-    _UnaryStream = grpc.UnaryStreamClientInterceptor[Any, Any]
-    _StreamUnary = grpc.StreamUnaryClientInterceptor[Any, Any]
-    _StreamStream = grpc.StreamStreamClientInterceptor[Any, Any]
-else:
-    _UnaryUnary = grpc.UnaryUnaryClientInterceptor
-    _UnaryStream = grpc.UnaryStreamClientInterceptor
-    _StreamUnary = grpc.StreamUnaryClientInterceptor
-    _StreamStream = grpc.StreamStreamClientInterceptor
-
-
-class _TokenInterceptor(_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream):
-    """Adds `token: <etcd auth token>` to every call on one member's channel.
-
-    It authenticates first when there is no token yet; before a stream it also renews a
-    token older than `stream_age`. A failed renewal before a stream is logged, not
-    raised: the stream then fails as etcd's refusal, which its owner already retries.
-    """
-
-    def __init__(self, token: _Token, stub: Any) -> None:
-        self._token = token
-        self._stub = stub  # an Auth stub on the member's channel without this interceptor
-
-    def _details(self, details: Any, stream: bool) -> _CallDetails:
-        timeout = details.timeout if details.timeout is not None else DEFAULT_TIMEOUT
-        token = self._token.value
-        stale = token is None or (
-            stream and time.monotonic() - self._token.obtained_at > self._token.stream_age
-        )
-        if stale and details.method != _AUTHENTICATE:
-            try:
-                self._token.refresh(token, self._stub, min(timeout, DEFAULT_TIMEOUT))
-            except (grpc.RpcError, TensorHubError) as exc:
-                if not stream:
-                    raise
-                log.warning("could not renew the etcd token before a stream: %s", exc)
-        metadata = list(details.metadata or [])
-        if self._token.value is not None and details.method != _AUTHENTICATE:
-            metadata.append(("token", self._token.value))
-        return _CallDetails(
-            details.method, details.timeout, metadata, details.credentials,
-            details.wait_for_ready, getattr(details, "compression", None),
-        )  # fmt: skip
-
-    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(self._details(details, stream=False), request)
-
-    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(self._details(details, stream=True), request)
-
-    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return continuation(self._details(details, stream=True), requests)
-
-    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return continuation(self._details(details, stream=True), requests)
-
-
 class _Endpoint:
     def __init__(
-        self, target: str, credentials: EtcdCredentials | None = None, token: _Token | None = None
+        self, target: str, credentials: EtcdCredentials | None = None, token: Token | None = None
     ) -> None:
         self.target = target
         options = [
@@ -236,7 +125,7 @@ class _Endpoint:
         self.authenticator = etcdrpc.AuthStub(self._raw)  # Authenticate goes without a token
         self.channel: grpc.Channel = self._raw
         if token is not None:
-            interceptor = _TokenInterceptor(token, self.authenticator)
+            interceptor = TokenInterceptor(token, self.authenticator, DEFAULT_TIMEOUT)
             self.channel = grpc.intercept_channel(self._raw, interceptor)
         self.auth = etcdrpc.AuthStub(self.channel)
         self.kv = etcdrpc.KVStub(self.channel)
@@ -277,7 +166,7 @@ class Etcd:
         self.policy = policy
         self.credentials = credentials
         self._token = (
-            _Token(credentials, stream_token_age)
+            Token(credentials, stream_token_age)
             if credentials is not None and credentials.auth
             else None
         )
@@ -340,25 +229,14 @@ class Etcd:
                             self.mark_failed(member)
                         raise
         except grpc.RpcError as exc:
-            raise _translate(exc, budget) from exc
+            raise translate(exc, budget) from exc
         raise DeadlineExceeded(f"etcd call did not complete within {budget:.1f}s")
 
     def _with_token(self, fn: Callable[[_Endpoint, float], T], member: _Endpoint, t: float) -> T:
-        """`fn(member, t)`; if etcd refused the call's auth token, authenticate and send again.
-
-        etcd checks the token before it applies anything, so the refused call had no effect.
-        """
+        """`fn(member, t)`, sent once more if etcd refused its token (`Token.resend_refused`)."""
         if self._token is None:
             return fn(member, t)
-        token = self._token.value
-        try:
-            return fn(member, t)
-        except grpc.RpcError as exc:
-            if not _token_refused(exc):
-                raise
-            log.info("etcd refused the auth token (%s); authenticating again", exc.details())
-        self._token.refresh(token, member.authenticator, t)
-        return fn(member, t)
+        return self._token.resend_refused(lambda: fn(member, t), member.authenticator, t)
 
     # -- KV --------------------------------------------------------------------------------
 
@@ -505,7 +383,7 @@ class Etcd:
                 with attempt:
                     return self._with_token(fn, member, max(deadline - time.monotonic(), 0.01))
         except grpc.RpcError as exc:
-            raise _translate(exc, budget) from exc
+            raise translate(exc, budget) from exc
         raise DeadlineExceeded(f"etcd member {target} did not answer within {budget:.1f}s")
 
     def member_status(self, endpoint: str, *, timeout: float | None = None) -> MemberStatus:
@@ -515,7 +393,7 @@ class Etcd:
             endpoint, lambda m, t: m.maintenance.Status(request, timeout=t), timeout=timeout
         )
         # The vendored stubs predate etcd 3.4's fields; protobuf keeps them as unknown fields.
-        extra = _scan_fields(response.SerializeToString())
+        extra = scan_fields(response.SerializeToString())
         in_use = extra.get(9)
         errors = extra.get(8)
         return MemberStatus(
@@ -562,103 +440,11 @@ class Etcd:
         return member, member.watch.Watch(requests)
 
 
-class LeaseNotFound(TensorHubError):
-    """etcd does not know the lease (it expired or was revoked)."""
-
-    code = "NOT_FOUND"
-
-
 def _strip_scheme(endpoint: str) -> str:
     return endpoint.removeprefix("http://").removeprefix("https://")
-
-
-# How etcd words a refused token: expired or unknown, issued before the auth store changed,
-# or missing (auth is on and the call carried none).
-_TOKEN_REFUSALS = ("invalid auth token", "auth store is old", "user name is empty")
-
-
-def _token_refused(exc: grpc.RpcError) -> bool:
-    details = exc.details() or ""
-    return exc.code() == grpc.StatusCode.UNAUTHENTICATED or any(
-        words in details for words in _TOKEN_REFUSALS
-    )
 
 
 def _writes(operations: list[Op]) -> bool:
     """Whether a transaction's branches write (anything but a range read; a nested
     transaction counts as a write)."""
     return any(op.WhichOneof("request") != "request_range" for op in operations)
-
-
-def _translate(exc: grpc.RpcError, budget: float) -> TensorHubError:
-    code = exc.code()
-    details = exc.details() or ""
-    refused = name_refusal(code, details)  # each of etcd's refusals, named (consistency.refusals)
-    if refused is not None:
-        return refused
-    if "user name is empty" in details:
-        return EtcdAuthFailed(
-            f"etcd has auth enabled and the hub has no etcd credentials ({details}): set "
-            "--etcd-user and --etcd-password-file"
-        )
-    # A Defragment without root comes back as UNKNOWN "auth: permission denied".
-    denied = code == grpc.StatusCode.PERMISSION_DENIED or "permission denied" in details
-    if _token_refused(exc) or denied:
-        return EtcdAuthFailed(
-            f"etcd refused the hub's credentials ({details}): the etcd user needs read and "
-            "write on the hub's key prefix, and the root role to defragment"
-        )
-    if is_deadline(exc):
-        return DeadlineExceeded(f"etcd did not answer within {budget:.1f}s ({details})")
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return Unavailable(f"no etcd member answered within {budget:.1f}s: {details}")
-    if code == grpc.StatusCode.NOT_FOUND and "lease" in details:
-        return LeaseNotFound(details)
-    if code == grpc.StatusCode.OUT_OF_RANGE and "compacted" in details:
-        return RevisionCompacted(details, 0)
-    if "database space exceeded" in details:
-        # NOSPACE: RESOURCE_EXHAUSTED from the quota check and the capped applier; matched on
-        # the words too, since some paths hand it back as UNKNOWN.
-        return StorageFull(f"etcd is out of space (NOSPACE alarm): {details}")
-    return TensorHubError(f"etcd error {code.name}: {details}")
-
-
-def _scan_fields(data: bytes) -> dict[int, list[int | bytes]]:
-    """Top-level fields of a protobuf message by number: varints as ints, the rest as bytes.
-
-    Enough wire format to read fields that the vendored stubs do not declare.
-    """
-    fields: dict[int, list[int | bytes]] = {}
-    pos = 0
-
-    def varint() -> int:
-        nonlocal pos
-        value = shift = 0
-        while True:
-            byte = data[pos]
-            pos += 1
-            value |= (byte & 0x7F) << shift
-            shift += 7
-            if not byte & 0x80:
-                return value
-
-    try:
-        while pos < len(data):
-            tag = varint()
-            number, wire = tag >> 3, tag & 7
-            item: int | bytes
-            if wire == 0:
-                item = varint()
-            elif wire == 2:
-                length = varint()
-                item, pos = data[pos : pos + length], pos + length
-            elif wire == 1:
-                item, pos = data[pos : pos + 8], pos + 8
-            elif wire == 5:
-                item, pos = data[pos : pos + 4], pos + 4
-            else:
-                break  # groups: not used by etcd
-            fields.setdefault(number, []).append(item)
-    except IndexError:
-        pass  # a truncated message: keep what was read
-    return fields

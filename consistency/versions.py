@@ -8,19 +8,16 @@ bump a per-version counter; a nested transaction moves `latest` only in the tran
 finds every other shard counted, so no reader ever sees a version with missing shards, and no
 transaction compares more than its own keys (4,096 shards within etcd's 128 ops).
 Retention keeps the newest N complete versions; older ones are deleted unless a reader has
-pinned them.
+pinned them. The publish transaction and its retry loop are `consistency.publishing`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Callable
 from concurrent.futures import Executor
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, replace
 
 from consistency import ops, usage
 from consistency.etcd import Etcd
@@ -28,34 +25,26 @@ from consistency.keys import Keys
 from consistency.manifests import (
     ManifestHeader,
     ManifestStore,
-    Staged,
     check_manifest_size,
     check_shard_count,
 )
+from consistency.publishing import DEFAULT_TIMEOUT, Admit, Published, Publisher
 from consistency.records import HolderRecord, HolderState, PartHeader, ShardRecord
-from tensorhub.errors import (
-    DeadlineExceeded,
-    InvalidArgument,
-    OutcomeUnknown,
-    StaleVersion,
-    TensorHubError,
-    Unavailable,
-)
+from tensorhub.errors import InvalidArgument, TensorHubError
 from tensorhub.names import validate_name, validate_version
+
+__all__ = [  # Published, Admit and DEFAULT_TIMEOUT live in consistency.publishing
+    "DEFAULT_RETAIN",
+    "DEFAULT_TIMEOUT",
+    "Admit",
+    "Published",
+    "VersionInfo",
+    "VersionRegistry",
+]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_RETAIN = 2
-DEFAULT_TIMEOUT = 10.0
-
-
-@dataclass(frozen=True)
-class Published:
-    """The outcome of a publish: the commit revision, and whether it moved `latest`."""
-
-    version: int
-    revision: int
-    visible: bool
 
 
 @dataclass(frozen=True)
@@ -78,31 +67,6 @@ class VersionInfo:
         return [h for h in self.holders if h.complete]
 
 
-@dataclass
-class _Latest:
-    version: int
-    mod_revision: int
-    revision: int
-    extra: dict[str, int] = field(default_factory=dict)
-
-
-Admit = Callable[[float], tuple[list[ops.Cmp], list[ops.Op]]]
-
-
-def _admission(admit: Admit | None, state: _Latest, timeout: float) -> tuple[list[Any], list[Any]]:
-    """Compares and puts a model-creating publish adds (none once the model has `latest`)."""
-    if admit is None or state.mod_revision:
-        return [], []
-    return admit(timeout)
-
-
-def _unknown(model: str, version: int, exc: Exception) -> OutcomeUnknown:
-    return OutcomeUnknown(
-        f"publish of {model}@{version} may or may not have happened: {exc}; "
-        "check latest() or inspect"
-    )
-
-
 class VersionRegistry:
     """Versions of models, per tenant, in etcd."""
 
@@ -123,19 +87,14 @@ class VersionRegistry:
         self.retain = retain
         self._collector = collector
         self.manifests = ManifestStore(etcd, self.keys)
+        self._publisher = Publisher(etcd, self.keys, self.manifests, self._after_publish)
 
     # -- reads -----------------------------------------------------------------------------
 
     def latest(self, tenant: str, model: str, *, timeout: float | None = None) -> tuple[int, int]:
         """(latest version or 0 if none, revision of the read). A linearizable read."""
-        state = self._read_latest(tenant, model, timeout)
+        state = self._publisher.read_latest(tenant, model, timeout)
         return state.version, state.revision
-
-    def _read_latest(self, tenant: str, model: str, timeout: float | None) -> _Latest:
-        kv, revision = self.etcd.get(self.keys.latest(tenant, model), timeout=timeout)
-        if kv is None:
-            return _Latest(0, 0, revision)
-        return _Latest(int(kv.value), kv.mod_revision, revision)
 
     def versions(self, tenant: str, model: str, *, timeout: float | None = None) -> list[int]:
         """Published (complete) versions of a model, oldest first."""
@@ -254,7 +213,7 @@ class VersionRegistry:
         staged = self.manifests.stage(
             tenant, model, version, None, manifest, holder.session, timeout=timeout
         )
-        return self._publish_staged(
+        return self._publisher.publish_staged(
             tenant, model, version, holder, staged, self.keys.manifest(tenant, model, version),
             staged.header.encode(), [ops.put(self.keys.latest(tenant, model), str(version))], [],
             deadline, admit_model, charge=charge, serial=serial,
@@ -323,152 +282,11 @@ class VersionRegistry:
                 )
             return [ops.value(arrived, "==", str(count))]  # equal values: no contention
 
-        return self._publish_staged(
+        return self._publisher.publish_staged(
             tenant, model, version, holder, staged, keys.shard(tenant, model, version, index),
             record, [ops.put(arrived, str(count))], [last], deadline, admit_model, agree,
             charge=charge, serial=serial,
         )  # fmt: skip
-
-    def _publish_staged(
-        self,
-        tenant: str,
-        model: str,
-        version: int,
-        holder: HolderRecord,
-        staged: Staged,
-        own_key: str,
-        own_value: bytes,
-        puts: list[ops.Op],
-        last: list[ops.Op],
-        deadline: float,
-        admit_model: Admit | None,
-        agree: Callable[[float], list[ops.Cmp]] | None = None,
-        *,
-        charge: Admit | None = None,
-        serial: AbstractContextManager[object] | None = None,
-    ) -> Published:
-        """The publish transaction around a staged manifest, in `_publish_loop`.
-
-        It creates `own_key` (the header, or the shard record) and the holder record, with
-        `puts`, the pages' commits, and `last` (a shard's nested transaction that moves
-        `latest`; without one, `puts` move it), under `agree`'s compares (asked before each
-        attempt; they may refuse it). Pages of a publish that definitely failed
-        are deleted at once, not left under the session's lease for as long as it lives.
-        """
-        latest_key = self.keys.latest(tenant, model)
-        holder_key = self.keys.holder(tenant, model, version, holder.holder)
-        what = (
-            f"{model}@{version}"
-            if holder.shard is None
-            else f"shard {holder.shard} of {model}@{version}"
-        )
-
-        def attempt(state: _Latest, remaining: float) -> tuple[bool, int, int]:
-            guard, bump = _admission(admit_model, state, remaining)
-            if agree is not None:
-                guard = [*guard, *agree(remaining)]
-            with serial or contextlib.nullcontext():  # the charge's read and its commit
-                if charge is not None:
-                    charged, put = charge(remaining)
-                    guard, bump = [*guard, *charged], [*bump, *put]
-                result = self.etcd.txn(
-                    [
-                        ops.mod(latest_key, "==", state.mod_revision),
-                        ops.absent(own_key),
-                        *guard,
-                        *staged.compares,
-                    ],
-                    [
-                        *bump,
-                        ops.put(own_key, own_value),
-                        ops.put(holder_key, holder.encode(), lease=holder.session),
-                        *puts,
-                        *staged.commits,
-                        *last,  # last: its response is the nested transaction's
-                    ],
-                    staged.count_op(),
-                    timeout=remaining,
-                )
-            staged.check_pages(result, what)
-            if last:
-                moved = result.succeeded and result.responses[-1].response_txn.succeeded
-                state.extra["moved"] = int(moved)
-            return result.succeeded, result.revision, result.attempts
-
-        try:
-            return self._publish_loop(tenant, model, version, holder, attempt, deadline, not last)
-        except OutcomeUnknown:
-            raise  # the pages may be live now; if not, they go with the lease
-        except Exception:
-            self.manifests.discard(staged, own_key, own_value, DEFAULT_TIMEOUT / 2)
-            raise
-
-    def _publish_loop(
-        self,
-        tenant: str,
-        model: str,
-        version: int,
-        holder: HolderRecord,
-        attempt: Callable[[_Latest, float], tuple[bool, int, int]],
-        deadline: float,
-        moves_latest: bool,
-    ) -> Published:
-        """Read latest, check staleness, try the transaction; repeat on a lost race.
-
-        A transaction that needed more than one attempt may already have been applied, so a
-        failed compare after it is checked for our own write (a retry-safe create).
-        """
-        timeout = deadline - time.monotonic()
-        ambiguous = False
-        holder_key = self.keys.holder(tenant, model, version, holder.holder)
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            try:
-                state = self._read_latest(tenant, model, remaining)
-                mine = (
-                    self._own_write(holder_key, holder, state, version, remaining)
-                    if ambiguous
-                    else None
-                )
-            except (Unavailable, DeadlineExceeded) as exc:
-                if ambiguous:
-                    raise _unknown(model, version, exc) from exc
-                raise  # nothing was sent yet: nothing was written
-            if mine is not None:
-                return mine
-            if state.version >= version:
-                raise StaleVersion(
-                    f"{model}@{version} is not newer than latest {model}@{state.version}"
-                )
-            try:
-                succeeded, revision, attempts = attempt(state, deadline - time.monotonic())
-            except (Unavailable, DeadlineExceeded) as exc:
-                # The transaction may have reached etcd before its reply was lost.
-                raise _unknown(model, version, exc) from exc
-            ambiguous = ambiguous or attempts > 1
-            if succeeded:
-                visible = moves_latest or bool(state.extra.get("moved"))
-                if visible and self._collector is not None:
-                    self._collector.submit(self._collect_quietly, tenant, model)
-                elif visible:
-                    self._collect_quietly(tenant, model)
-                return Published(version, revision, visible)
-        if ambiguous:
-            raise OutcomeUnknown(f"publish of {model}@{version} outcome unknown at its deadline")
-        raise DeadlineExceeded(
-            f"publish of {model}@{version} did not complete within {timeout:.1f}s"
-        )
-
-    def _own_write(
-        self, holder_key: str, holder: HolderRecord, state: _Latest, version: int, timeout: float
-    ) -> Published | None:
-        """If an earlier attempt of ours was applied, the Published it produced; else None."""
-        kv, _ = self.etcd.get(holder_key, timeout=timeout)
-        if kv is None or kv.lease != holder.session:
-            return None
-        return Published(version, kv.mod_revision, state.version >= version)
 
     @staticmethod
     def _complete(holder: HolderRecord) -> HolderRecord:
@@ -519,6 +337,13 @@ class VersionRegistry:
             if int(result.responses[0].response_range.count):
                 return False  # pinned: kept
         return False
+
+    def _after_publish(self, tenant: str, model: str) -> None:
+        """Retention after a publish made a version visible: on `collector` when given."""
+        if self._collector is not None:
+            self._collector.submit(self._collect_quietly, tenant, model)
+        else:
+            self._collect_quietly(tenant, model)
 
     def _collect_quietly(self, tenant: str, model: str) -> None:
         try:
