@@ -1,17 +1,67 @@
-"""Retry policy for etcd calls: which errors are transient, and how long to keep trying.
+"""Retries: one policy type, and one table of what is worth another try.
 
-One tuple of retryable conditions, one policy object; every retry is bounded by the caller's
-deadline (tenacity `stop_before_delay`-style), and the sleep can be swapped out in tests.
+Every retry loop of TensorHub is a `RetryPolicy` (tenacity underneath, the model being
+kazoo's `KazooRetry`: tries, backoff, jitter, deadline, and a sleep and a clock that tests
+replace): `Etcd.call` and `Etcd.call_member` (each etcd request), `KeyWatch` and `HubWatch`
+(reopening a broken stream, through `StreamPump._pump`), the SDK's fresh reads
+(`ClientBase._fresh`: an answer older than the revision floor), and the compare-and-set
+loops of `consistency.holders`, `consistency.publishing`, `consistency.deletion`,
+`consistency.versions` and `ros.hub.rpc_sessions` (`RetryPolicy.compare_and_set`).
+
+**What is retried** (`is_retryable`): a failure after which another try, on another etcd
+member or hub replica or a moment later, may succeed, and repeats nothing harmful.
+
+- gRPC `UNAVAILABLE` (`RETRYABLE_CODES`): the member or replica could not answer (refused,
+  "no leader", stopping).
+- gRPC `DEADLINE_EXCEEDED`, and etcd's `UNKNOWN` "context deadline exceeded" (`is_deadline`):
+  one try's deadline ran out; the policy's deadline bounds them all.
+- `Unavailable` (`RETRYABLE_ERRORS`): no member or replica answered (a read's
+  `WriteUnconfirmed` too; a write's becomes `OutcomeUnknown` before any loop sees it).
+- `DeadlineExceeded`: an inner call's deadline ran out; the loop's own deadline decides.
+- `Overloaded`: a replica at a stream or call limit; it waits on the slower `overloaded_*`
+  schedule, so the load on the replica falls while it stays overloaded.
+- `StaleRead`: a lagging replica answered; a later answer (or another replica's) is fresh.
+- On a read stream only (`resumable=True`, `RESUMABLE_CODES`): gRPC `UNKNOWN`, `INTERNAL`,
+  `CANCELLED`, how a stream breaks when its server dies or stops ("Stream removed",
+  RST_STREAM, etcd's "watch canceled"). A watch resumes from the revision after its last
+  event, so nothing is lost or repeated; on a unary call the same codes are not retried.
+
+Everything else propagates at once, with the last try's error: refusals (`InvalidArgument`,
+`PermissionDenied`, `QuotaExceeded`, `StaleVersion`, `VersionNotFound`, `StorageFull`), and
+`OutcomeUnknown` and gRPC `UNKNOWN` on a unary call (a write that may have been applied: read
+back, never repeat blindly). A loop with conditions of its own beyond the table (the fetch's
+rounds after a refresh: `VersionUnavailable`, `IntegrityError`; a holder that is not
+listening yet: `ConnectionRefusedError`) passes `retry_on`; it still gets the same tries,
+backoff, jitter, deadline and sleep.
+
+**Lost races** (`compare_and_set`): a transaction whose compare failed because another writer
+changed what the attempt read is re-read and tried again: the attempt raises `LostRace`, the
+policy backs off and tries again until its tries or deadline run out, and then the loop's own
+named error is raised. Errors of the transaction itself propagate at once: `Etcd.call` has
+already retried them until the deadline, and a write's may have been applied.
+
+**Backoff** is exponential with full jitter (what `ros.client.backoff` did for `Overloaded`):
+the wait after try n (1 for the first) is a uniform draw in [0, min(maximum, initial *
+2**(n - 1))], so clients that failed together do not come back together. It never sleeps past
+the deadline (the last try gets what is left), and none follows a try that ended within
+`_SLACK` of it.
 """
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import grpc
 import tenacity
+
+from consistency.floor import StaleRead
+from tensorhub.errors import DeadlineExceeded, Overloaded, Unavailable
+
+T = TypeVar("T")
 
 # gRPC codes that mean "this member could not answer now; another member (or a later try)
 # may". UNAVAILABLE covers connection refused, "leader changed" and "no leader";
@@ -20,6 +70,26 @@ RETRYABLE_CODES: tuple[grpc.StatusCode, ...] = (
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
 )
+# How a read stream breaks besides those; retried only where the read resumes (a watch).
+RESUMABLE_CODES: tuple[grpc.StatusCode, ...] = (
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.CANCELLED,
+)
+# TensorHubErrors that mean the same (see the table in the module docstring).
+RETRYABLE_ERRORS: tuple[type[Exception], ...] = (
+    Unavailable,
+    DeadlineExceeded,
+    Overloaded,
+    StaleRead,
+)
+
+_SLACK = 0.01  # seconds: no try starts this close to the deadline
+
+
+class LostRace(Exception):
+    """An attempt's compare failed: another writer changed what it read. Raised inside
+    `RetryPolicy.compare_and_set` only; the loop's own error is raised when it gives up."""
 
 
 def is_deadline(exc: grpc.RpcError) -> bool:
@@ -35,40 +105,160 @@ def is_deadline(exc: grpc.RpcError) -> bool:
     return code == grpc.StatusCode.UNKNOWN and "context deadline exceeded" in (exc.details() or "")
 
 
-def is_retryable(exc: BaseException) -> bool:
-    """True for gRPC errors whose code is in `RETRYABLE_CODES`, or that are a deadline."""
-    if not isinstance(exc, grpc.RpcError):
-        return False
-    return exc.code() in RETRYABLE_CODES or is_deadline(exc)
+def is_retryable(exc: BaseException, *, resumable: bool = False) -> bool:
+    """Whether `exc` is in the table of the module docstring; `resumable`: the failed call is
+    a read stream that resumes where it stopped, so a broken stream is retried too."""
+    if isinstance(exc, grpc.RpcError):
+        code = exc.code()
+        if code in RETRYABLE_CODES or is_deadline(exc):
+            return True
+        return resumable and code in RESUMABLE_CODES
+    return isinstance(exc, RETRYABLE_ERRORS)
+
+
+def full_jitter(high: float) -> float:
+    """A uniform draw in [0, high]: the jitter of every backoff."""
+    return random.uniform(0.0, high)
 
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Exponential backoff with jitter between `initial` and `maximum` seconds."""
+    """How often and how long to try again, and how to wait in between.
+
+    `tries` (None: until the deadline, or forever without one) counts the first try.
+    `initial` and `maximum` bound the full-jitter backoff (module docstring); an `Overloaded`
+    refusal waits on `overloaded_initial` and `overloaded_maximum` instead (a replica at its
+    limit should see its load fall, not a crowd back in lock-step). `retry_on` replaces the
+    table of retryable conditions (for a loop with its own, named). `sleep` (None: the
+    loop's own wait, `time.sleep` unless it interrupts sooner on close), `clock` and `jitter`
+    are what tests replace.
+    """
 
     initial: float = 0.05
     maximum: float = 1.0
-    sleep: Callable[[float], None] = time.sleep
+    tries: int | None = None
+    overloaded_initial: float = 0.2
+    overloaded_maximum: float = 5.0
+    retry_on: Callable[[BaseException], bool] | None = None
+    sleep: Callable[[float], object] | None = None
+    clock: Callable[[], float] = time.monotonic
+    jitter: Callable[[float], float] = field(default=full_jitter)
 
-    def retrying(self, deadline: float) -> tenacity.Retrying:
-        """A tenacity loop that retries transient etcd errors until `deadline` (monotonic)."""
+    def deadline(self, timeout: float) -> float:
+        """The deadline `timeout` seconds from now, on the policy's clock."""
+        return self.clock() + timeout
+
+    def retryable(self, exc: BaseException, *, resumable: bool = False) -> bool:
+        """Whether this policy tries again after `exc` (`retry_on`, else the table)."""
+        if self.retry_on is not None:
+            return self.retry_on(exc)
+        return is_retryable(exc, resumable=resumable)
+
+    def delay(self, attempt: int, exc: BaseException | None = None) -> float:
+        """The wait after try `attempt` (1 for the first) failed with `exc`, not clamped."""
+        initial, maximum = (
+            (self.overloaded_initial, self.overloaded_maximum)
+            if isinstance(exc, Overloaded)
+            else (self.initial, self.maximum)
+        )
+        return self.jitter(min(maximum, initial * 2.0 ** min(attempt - 1, 60)))
+
+    def retrying(
+        self,
+        deadline: float | None,
+        *,
+        resumable: bool = False,
+        stop: Callable[[], bool] | None = None,
+        sleep: Callable[[float], object] | None = None,
+        before_sleep: Callable[[BaseException, float], None] | None = None,
+    ) -> tenacity.Retrying:
+        """A tenacity loop over the policy: retry what `retryable` says until `tries`, the
+        `deadline` (on `clock`; None: none) or `stop()` ends it, then raise the last try's
+        error. `sleep` is the loop's own wait when the policy sets none (a watch's
+        close-interruptible wait); `before_sleep(error, seconds)` sees every backoff."""
+        return self._retrying(
+            tenacity.retry_if_exception(lambda e: self.retryable(e, resumable=resumable)),
+            deadline,
+            stop,
+            sleep,
+            before_sleep,
+        )
+
+    def call(self, fn: Callable[[], T], deadline: float | None) -> T:
+        """`fn()`, tried again as `retrying(deadline)` says; its value, or the last error."""
+        result: T = self.retrying(deadline)(fn)
+        return result
+
+    def compare_and_set(
+        self,
+        attempt: Callable[[], T],
+        deadline: float | None,
+        exhausted: Callable[[], BaseException],
+    ) -> T:
+        """`attempt()` until it returns; a `LostRace` it raises is tried again after a
+        backoff, and when the tries or the deadline run out `exhausted()` is raised (from the
+        last `LostRace`). Any other error of `attempt` propagates at once (module docstring)."""
+
+        if deadline is not None and self.clock() >= deadline - _SLACK:
+            raise exhausted()  # no time for even one try
+
+        def give_up(state: tenacity.RetryCallState) -> Any:
+            last = state.outcome.exception() if state.outcome is not None else None
+            raise exhausted() from last
+
+        retrying = self._retrying(
+            tenacity.retry_if_exception_type(LostRace), deadline, None, None, None, give_up
+        )
+        result: T = retrying(attempt)
+        return result
+
+    # -- tenacity plumbing -------------------------------------------------------------------
+
+    def _retrying(
+        self,
+        retry: tenacity.retry_base,
+        deadline: float | None,
+        stop: Callable[[], bool] | None,
+        sleep: Callable[[float], object] | None,
+        before_sleep: Callable[[BaseException, float], None] | None,
+        give_up: Callable[[tenacity.RetryCallState], Any] | None = None,
+    ) -> tenacity.Retrying:
+        def wait(state: tenacity.RetryCallState) -> float:
+            exc = state.outcome.exception() if state.outcome is not None else None
+            seconds = self.delay(state.attempt_number, exc)
+            if deadline is not None:  # never past the deadline: the last try gets what is left
+                seconds = max(0.0, min(seconds, deadline - self.clock()))
+            return seconds
+
+        def stopped(state: tenacity.RetryCallState) -> bool:
+            if self.tries is not None and state.attempt_number >= self.tries:
+                return True
+            if deadline is not None and self.clock() >= deadline - _SLACK:
+                return True
+            return stop is not None and stop()
+
+        def announce(state: tenacity.RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome is not None else None
+            if before_sleep is not None and exc is not None:
+                before_sleep(exc, state.upcoming_sleep)
+
+        do_sleep = self.sleep or sleep or time.sleep
+
+        def nap(seconds: float) -> None:
+            do_sleep(seconds)
+
         return tenacity.Retrying(
-            retry=tenacity.retry_if_exception(is_retryable),
-            wait=tenacity.wait_exponential_jitter(
-                multiplier=self.initial, max=self.maximum, jitter=self.initial
-            ),
-            stop=_stop_at(deadline),
-            # A backoff never sleeps past the deadline: the last try gets what is left.
-            sleep=lambda seconds: self.sleep(max(0.0, min(seconds, deadline - time.monotonic()))),
+            retry=retry,
+            wait=wait,
+            stop=stopped,
+            sleep=nap,
+            before_sleep=announce,
+            retry_error_callback=give_up,
             reraise=True,
         )
 
 
-def _stop_at(deadline: float) -> Callable[[tenacity.RetryCallState], bool]:
-    def stop(state: tenacity.RetryCallState) -> bool:
-        return time.monotonic() >= deadline - 0.01
-
-    return stop
-
-
 DEFAULT_POLICY = RetryPolicy()
+# Lost compare-and-set races: the other writer is done by now, so the first retry comes
+# soon; the jitter spreads a crowd of writers of one key.
+CAS_POLICY = RetryPolicy(initial=0.005, maximum=0.2)
