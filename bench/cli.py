@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -52,20 +51,12 @@ def _parse(name: str, rest: list[str]) -> argparse.Namespace:
 
 
 def _transport(extra: list[str]) -> Result:
-    """The existing transport benchmark, its JSON read back into a Result."""
+    """The transport benchmark with `extra` flags (its figures and targets are its own)."""
     from bench import transport
 
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "transport.json"
-        start = time.monotonic()
-        transport.main([*extra, "--json", str(path)])
-        data = json.loads(path.read_text())
-    res = Result("transport", "tensorhub bench transport " + " ".join(extra))
-    res.add("TensorHub TCP / plain socket (loopback)", data["ratio"], f">= {data['target']}")
-    res.add("TensorHub TCP", data["tensorhub_GBps"], unit="GB/s")
-    res.details = data
-    res.seconds = time.monotonic() - start
-    return res
+    return transport.run(
+        transport.parser().parse_args(extra), " ".join(["tensorhub bench transport", *extra])
+    )
 
 
 def _emit(results: list[Result], path: str | None) -> None:

@@ -1,20 +1,30 @@
-"""`tensorhub bench transport`: TensorHub's TCP data plane against a plain-socket ceiling.
+"""`tensorhub bench transport`: TensorHub's TCP data plane against two loopback references.
 
 One holder process serves a model of `--size-mb` MiB over loopback; this process fetches
-it with `transport.reader.fetch`. In the same run, the same holder process sends the same
-bytes with one plain `sendall(memoryview)` into a `recv_into` of a preallocated buffer —
-the most a single TCP stream on this machine can do. Both senders live in the holder
-process and both receivers here, so the two measurements are symmetric. Prints both
-throughputs and their ratio (target: TensorHub >= 0.9x the plain socket).
+it with `transport.reader.fetch`. The references, measured in the same run:
+
+- a plain Python socket: the same holder process sends the same bytes with `sendall`
+  (memoryview) into `recv_into` of a preallocated buffer here, so sender and receiver live
+  where TensorHub's do and the two measurements are symmetric;
+- iperf3 (`bench.iperf`): C on both ends, asked for with `-Z -l 4M` (zero copy, large
+  writes); the better of `-Z` and plain writes, at the largest block the binary accepts
+  (Debian 12's caps it at 1 MiB). Skipped, and said so, where iperf3 is not installed.
+
+Each is measured with one connection and with `--parallel` connections (the plain socket
+then splits the bytes into that many ranges, one connection each; iperf3 runs `-P N`).
+Prints the table of `bench.report` with TensorHub's ratio to both references; the target:
+TensorHub >= 0.9x the better of the two, at each connection count.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import socket
 import statistics
+import struct
 import sys
 import threading
 import time
@@ -23,8 +33,10 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from bench.iperf import Iperf3
+from bench.report import Result, table
 from transport.layout import Layout
-from transport.reader import Source, fetch
+from transport.reader import DEFAULT_PARALLEL, Source, fetch
 from transport.server import HolderServer, allow_all
 from transport.store import HeldVersion, HolderStore
 from transport.topology import Topology
@@ -32,6 +44,7 @@ from transport.topology import Topology
 TARGET = 0.9
 MiB = 1024 * 1024
 PLAIN_PIECE = 4 * MiB  # bounded recv sizes: an unbounded recv_into is slower on loopback
+RANGE = struct.Struct("!QQ")  # what a plain-socket client asks for: (offset, length)
 
 
 def _model(size_mb: int) -> dict[str, torch.Tensor]:
@@ -40,6 +53,16 @@ def _model(size_mb: int) -> dict[str, torch.Tensor]:
     big_elems = max(1, (size_mb * MiB - 500 * 1024) // 4 // 8)
     big = {f"layer.{i}": torch.full((big_elems,), float(i) + 0.5) for i in range(8)}
     return {**big, **small}
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        got = conn.recv(n - len(data))
+        if not got:
+            raise ConnectionError("plain-socket client closed before asking for a range")
+        data += got
+    return data
 
 
 def _holder(size_mb: int, chunk: int, pipe: Connection) -> None:
@@ -52,31 +75,57 @@ def _holder(size_mb: int, chunk: int, pipe: Connection) -> None:
     store.add(held)
     server = HolderServer(store, allow_all).start()
     flat = torch.full((layout.total_bytes,), 7, dtype=torch.uint8)  # touched, like the model
-    plain = socket.create_server(("127.0.0.1", 0))
+    view = flat.numpy().data.cast("B")
+    plain = socket.create_server(("127.0.0.1", 0), backlog=64)
     pipe.send((server.address, plain.getsockname()[1], layout.to_dict()))
 
+    def send_range(conn: socket.socket) -> None:
+        with conn:
+            offset, length = RANGE.unpack(_recv_exact(conn, RANGE.size))
+            conn.sendall(view[offset : offset + length])
+
     def plain_loop() -> None:
-        view = flat.numpy().data.cast("B")
         while True:
             conn, _ = plain.accept()
-            with conn:
-                conn.sendall(view)
+            threading.Thread(target=send_range, args=(conn,), daemon=True).start()
 
     threading.Thread(target=plain_loop, daemon=True).start()
     pipe.recv()  # parent says stop
     server.stop()
 
 
-def _plain_once(port: int, buf: memoryview) -> float:
-    start = time.perf_counter()
+def _plain_range(port: int, buf: memoryview, lo: int, hi: int) -> None:
     with socket.create_connection(("127.0.0.1", port)) as sock:
-        pos = 0
-        while pos < len(buf):
-            got = sock.recv_into(buf[pos : pos + PLAIN_PIECE])
+        sock.sendall(RANGE.pack(lo, hi - lo))
+        pos = lo
+        while pos < hi:
+            got = sock.recv_into(buf[pos : min(pos + PLAIN_PIECE, hi)])
             if not got:
                 raise ConnectionError("plain sender closed early")
             pos += got
-    return time.perf_counter() - start
+
+
+def _plain_once(port: int, buf: memoryview, streams: int) -> float:
+    """Seconds to receive all of `buf` over `streams` plain connections, one range each."""
+    cuts = [len(buf) * i // streams for i in range(streams + 1)]
+    errors: list[BaseException] = []
+
+    def one(lo: int, hi: int) -> None:
+        try:
+            _plain_range(port, buf, lo, hi)
+        except OSError as exc:
+            errors.append(exc)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=one, args=pair) for pair in itertools.pairwise(cuts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    if errors:
+        raise errors[0]
+    return elapsed
 
 
 def _tensorhub_once(
@@ -100,21 +149,36 @@ def _tensorhub_once(
     return time.perf_counter() - start
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="tensorhub bench transport", description=__doc__)
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tensorhub bench transport", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--size-mb", type=int, default=1024)
     ap.add_argument("--chunk-mb", type=int, default=4)
-    ap.add_argument("--parallel", type=int, default=1, help="connections (1: one stream each side)")
+    ap.add_argument("--parallel", type=int, default=DEFAULT_PARALLEL,
+                    help="connections of the second setting (the first is always 1; "
+                         "default: the SDK's, %(default)s)")  # fmt: skip
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--iperf-seconds", type=int, default=2, help="length of one iperf3 run")
     ap.add_argument("--json", metavar="PATH")
-    args = ap.parse_args(argv)
+    return ap
 
+
+def _gbps(size: int, seconds: Sequence[float]) -> float:
+    return size / min(seconds) / 1e9  # best of N: interference only ever makes a run slower
+
+
+def run(args: argparse.Namespace, command: str = "tensorhub bench transport") -> Result:
+    """Measure every setting, interleaved so that drift affects each alike."""
+    settings = sorted({1, max(1, args.parallel)})
+    started = time.monotonic()
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
     child = ctx.Process(
         target=_holder, args=(args.size_mb, args.chunk_mb * MiB, theirs), daemon=True
     )
     child.start()
+    plain_s: dict[int, list[float]] = {n: [] for n in settings}
+    hub_s: dict[int, list[float]] = {n: [] for n in settings}
     try:
         addr, plain_port, layout_dict = ours.recv()
         layout = Layout.from_dict(layout_dict)
@@ -122,40 +186,59 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Both receivers write into preallocated, already-touched memory (as `into=` does).
         buf = torch.zeros(size, dtype=torch.uint8).numpy().data.cast("B")
         into = {k: t.zero_() for k, t in layout.allocate().items()}
-        plain_s, hub_s = [], []
-        for _ in range(args.repeat):  # interleaved, so drift affects both alike
-            plain_s.append(_plain_once(plain_port, buf))
-            hub_s.append(_tensorhub_once(addr, layout, into, args.parallel))
+        with Iperf3(args.iperf_seconds) as ref:
+            for _ in range(args.repeat):
+                for n in settings:
+                    plain_s[n].append(_plain_once(plain_port, buf, n))
+                    hub_s[n].append(_tensorhub_once(addr, layout, into, n))
+                    ref.measure(n)
     finally:
         ours.send("stop")
         child.join(timeout=5)
-    # Best of N: on a shared machine, interference only ever makes a run slower.
-    plain_gbs = size / min(plain_s) / 1e9
-    hub_gbs = size / min(hub_s) / 1e9
-    ratio = hub_gbs / plain_gbs
-    report = {
-        "size_bytes": size,
-        "chunk_bytes": args.chunk_mb * MiB,
-        "parallel": args.parallel,
-        "repeat": args.repeat,
-        "plain_socket_GBps": round(plain_gbs, 3),
-        "tensorhub_GBps": round(hub_gbs, 3),
-        "ratio": round(ratio, 3),
-        "target": TARGET,
-        "plain_median_GBps": round(size / statistics.median(plain_s) / 1e9, 3),
-        "tensorhub_median_GBps": round(size / statistics.median(hub_s) / 1e9, 3),
-        "plain_seconds": plain_s,
-        "tensorhub_seconds": hub_s,
-    }
-    print(f"plain socket : {plain_gbs:6.2f} GB/s  (best of {args.repeat})")
-    print(f"tensorhub tcp: {hub_gbs:6.2f} GB/s  (best of {args.repeat})")
-    print(
-        f"ratio        : {ratio:6.3f}  (target >= {TARGET}) "
-        f"{'OK' if ratio >= TARGET else 'BELOW TARGET'}"
-    )
+    res = Result("transport", command)
+    details: dict[str, object] = {
+        "size_bytes": size, "chunk_bytes": args.chunk_mb * MiB, "repeat": args.repeat,
+        "settings": settings, "target": TARGET, "iperf3_note": ref.note,
+        "iperf3_Bps": {f"{flags} -P {n}": v for (flags, n), v in ref.rates.items()},
+    }  # fmt: skip
+    for n in settings:
+        hub, plain = _gbps(size, hub_s[n]), _gbps(size, plain_s[n])
+        c_best = ref.best(n)
+        ref_gbps = None if c_best is None else c_best[0] / 1e9
+        flags = "" if c_best is None else c_best[1] + " "
+        best = max(plain, ref_gbps or 0.0)
+        conns = f"{n} conn" if n == 1 else f"{n} conns"
+        res.add(f"TensorHub / better reference ({conns})", hub / best, f">= {TARGET}")
+        res.add(f"TensorHub / plain socket ({conns})", hub / plain)
+        res.add(f"TensorHub / iperf3 ({conns})", None if ref_gbps is None else hub / ref_gbps)
+        res.add(f"TensorHub TCP ({conns})", hub, unit="GB/s")
+        res.add(f"plain Python socket ({conns})", plain, unit="GB/s")
+        res.add(f"iperf3 {flags}({conns})", ref_gbps, unit="GB/s")
+        details[f"parallel_{n}"] = {
+            "tensorhub_GBps": round(hub, 3), "plain_socket_GBps": round(plain, 3),
+            "iperf3_GBps": None if ref_gbps is None else round(ref_gbps, 3),
+            "iperf3_flags": flags.strip(),
+            "ratio_to_better": round(hub / best, 3),
+            "tensorhub_median_GBps": round(size / statistics.median(hub_s[n]) / 1e9, 3),
+            "plain_median_GBps": round(size / statistics.median(plain_s[n]) / 1e9, 3),
+            "tensorhub_seconds": hub_s[n], "plain_seconds": plain_s[n],
+        }  # fmt: skip
+    res.details = details
+    res.seconds = time.monotonic() - started
+    return res
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    flags = list(sys.argv[1:] if argv is None else argv)
+    res = run(args, " ".join(["tensorhub bench transport", *flags]))
+    if res.details["iperf3_note"]:
+        print(f"note: {res.details['iperf3_note']}")
+    print(f"best of {args.repeat}, {res.details['size_bytes'] / MiB:.0f} MiB per transfer")
+    print(table([res]))
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(report, fh, indent=2)
+            json.dump(res.to_dict(), fh, indent=2)
     return 0
 
 
