@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
 import grpc
 
@@ -13,6 +15,8 @@ from ros.cli.common import add_hub_flags, hub_stub, print_json
 from ros.errors import from_rpc_error
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import InvalidArgument
+
+T = TypeVar("T")
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
@@ -52,8 +56,13 @@ def run(args: argparse.Namespace) -> int:
     if not args.admin_token:
         raise InvalidArgument("no admin token: pass --admin-token or set TENSORHUB_ADMIN_TOKEN")
     if args.action == "delete":
-        return _delete(args)
-    stub, channel = hub_stub(args)
+        delete = pb.DeleteTenantRequest(name=args.name)
+        deleted = _admin_call(args, lambda stub, **call: stub.DeleteTenant(delete, **call))
+        if args.json:
+            print_json({"tenant": args.name, "deleted": True, "revision": deleted.revision})
+        else:
+            print(f"tenant {args.name} deleted (revision {deleted.revision})")
+        return 0
     request = pb.CreateTenantRequest(
         name=args.name,
         quotas=pb.Quotas(
@@ -64,29 +73,22 @@ def run(args: argparse.Namespace) -> int:
             max_publishes_per_minute=args.max_publishes_per_minute,
         ),
     )
-    try:
-        response = stub.CreateTenant(
-            request,
-            timeout=args.timeout,
-            metadata=(("authorization", f"Bearer {args.admin_token}"),),
-        )
-    except grpc.RpcError as exc:
-        raise from_rpc_error(exc) from None
-    finally:
-        channel.close()
+    created = _admin_call(args, lambda stub, **call: stub.CreateTenant(request, **call))
     if args.json:
-        print_json({"tenant": response.name, "token": response.token})
+        print_json({"tenant": created.name, "token": created.token})
     else:
-        print(f"tenant {response.name} created. Its token (shown only now, store it safely):")
-        print(response.token)
+        print(f"tenant {created.name} created. Its token (shown only now, store it safely):")
+        print(created.token)
     return 0
 
 
-def _delete(args: argparse.Namespace) -> int:
+def _admin_call(args: argparse.Namespace, rpc: Callable[..., T]) -> T:
+    """`rpc(stub, timeout=, metadata=)`: one admin call with the admin token and the CLI's
+    deadline; its errors as TensorHubErrors."""
     stub, channel = hub_stub(args)
     try:
-        response = stub.DeleteTenant(
-            pb.DeleteTenantRequest(name=args.name),
+        return rpc(
+            stub,
             timeout=args.timeout,
             metadata=(("authorization", f"Bearer {args.admin_token}"),),
         )
@@ -94,8 +96,3 @@ def _delete(args: argparse.Namespace) -> int:
         raise from_rpc_error(exc) from None
     finally:
         channel.close()
-    if args.json:
-        print_json({"tenant": args.name, "deleted": True, "revision": response.revision})
-    else:
-        print(f"tenant {args.name} deleted (revision {response.revision})")
-    return 0

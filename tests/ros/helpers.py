@@ -1,9 +1,18 @@
-"""Helpers shared by the SDK tests: deterministic models and digests."""
+"""Helpers shared by the SDK tests: deterministic models and digests, a raw read."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 import xxhash
+
+import ros
+from transport.layout import Layout
+from transport.planner import Source
+from transport.reader import fetch
+from transport.store import HeldVersion
+from transport.topology import Topology
 
 
 def make_model(seed: int, *, big: int = 256 * 64, small: int = 20) -> dict[str, torch.Tensor]:
@@ -22,3 +31,16 @@ def digest(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
         )
         for name, t in sorted(tensors.items())
     }
+
+
+def read_policy_1(holder: ros.Hub, token: bytes) -> None:
+    """A raw data-plane read of `policy`@1 (`make_model(1)`) from `holder`'s own port with
+    the given read token: what a holder accepts, bypassing the SDK's token handling."""
+    layout = Layout.from_tensors(make_model(1))
+    dest = HeldVersion.reader(holder.tenant, "policy", 1, layout, layout.allocate())
+    host, port = holder._holder_server().address
+    fetch(
+        holder.tenant, "policy", 1, layout, dest,
+        [Source(holder.holder_name, host, port, Topology())],
+        token=token, deadline=time.monotonic() + 5, me=Topology(),
+    )  # fmt: skip

@@ -26,34 +26,17 @@ from ros.tokens import (
     issue_read_token,
 )
 from tests.ros.conftest import ADMIN
-from tests.ros.helpers import digest, make_model
+from tests.ros.helpers import digest, make_model, read_policy_1
 from tests.waiting import wait_until
-from transport.layout import Layout
-from transport.planner import Source
-from transport.reader import fetch
-from transport.store import HeldVersion
-from transport.topology import Topology
 
 PERIOD = 4.0  # seconds: rotation within a test (sessions renew every second: TTL 3)
-
-
-def _read(holder: ros.Hub, token: bytes) -> None:
-    """A raw data-plane read of policy@1 from `holder`'s port with the given read token."""
-    layout = Layout.from_tensors(make_model(1))
-    dest = HeldVersion.reader(holder.tenant, "policy", 1, layout, layout.allocate())
-    host, port = holder._holder_server().address
-    fetch(
-        holder.tenant, "policy", 1, layout, dest,
-        [Source(holder.holder_name, host, port, Topology())],
-        token=token, deadline=time.monotonic() + 5, me=Topology(),
-    )  # fmt: skip
 
 
 def _reads(holder: ros.Hub, key: ReadKey) -> bool:
     """Whether `holder` serves policy@1 to a token minted with `key`."""
     minted, _ = issue_read_token(key, "team-a", "policy", 1)
     try:
-        _read(holder, minted)
+        read_policy_1(holder, minted)
     except ros.PermissionDenied:
         return False
     return True
@@ -68,9 +51,9 @@ def test_a_token_with_a_far_expiry_is_refused_by_a_holder(
     for ttl in (10**11 - time.time(), MAX_READ_TOKEN_LIFETIME + 60):
         forever, _ = issue_read_token(key, "team-a", "policy", 1, ttl=ttl)
         with pytest.raises(ros.PermissionDenied):
-            _read(holder, forever)
+            read_policy_1(holder, forever)
     ordinary, _ = issue_read_token(key, "team-a", "policy", 1)  # what the hub issues
-    _read(holder, ordinary)
+    read_policy_1(holder, ordinary)
 
 
 @pytest.fixture

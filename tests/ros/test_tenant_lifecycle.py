@@ -8,8 +8,6 @@
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
 
@@ -19,13 +17,8 @@ from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
 from ros.tokens import issue_read_token, tenant_of
 from tests.ros.conftest import ADMIN
-from tests.ros.helpers import digest, make_model
+from tests.ros.helpers import digest, make_model, read_policy_1
 from tests.waiting import wait_until
-from transport.layout import Layout
-from transport.planner import Source
-from transport.reader import fetch
-from transport.store import HeldVersion
-from transport.topology import Topology
 
 ADMIN_METADATA = (("authorization", f"Bearer {ADMIN}"),)
 
@@ -41,18 +34,6 @@ def _create(server: HubServer, name: str) -> str:
 
 def _delete(server: HubServer, name: str, metadata: tuple[tuple[str, str], ...]) -> None:
     _stub(server).DeleteTenant(pb.DeleteTenantRequest(name=name), metadata=metadata, timeout=5)
-
-
-def _read(holder: ros.Hub, token: bytes) -> None:
-    """A raw data-plane read of policy@1 from `holder`'s port with the given read token."""
-    layout = Layout.from_tensors(make_model(1))
-    dest = HeldVersion.reader(holder.tenant, "policy", 1, layout, layout.allocate())
-    host, port = holder._holder_server().address
-    fetch(
-        holder.tenant, "policy", 1, layout, dest,
-        [Source(holder.holder_name, host, port, Topology())],
-        token=token, deadline=time.monotonic() + 5, me=Topology(),
-    )  # fmt: skip
 
 
 def test_the_tenant_is_everything_before_the_last_dot() -> None:
@@ -103,7 +84,7 @@ def test_delete_then_create_again_refuses_the_old_tenants_tokens_and_read_tokens
         assert new.session.read_key != old_key  # another epoch: other keys, every period
         stale, _ = issue_read_token(old_key, "team-a", "policy", 1)
         with pytest.raises(ros.PermissionDenied):
-            _read(new, stale)
+            read_policy_1(new, stale)
         fresh, _ = issue_read_token(new.session.read_key, "team-a", "policy", 1)
-        _read(new, fresh)  # the control: the new tenant's own key reads
+        read_policy_1(new, fresh)  # the control: the new tenant's own key reads
     old.close()
