@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from chaos.history import OK, error_name
 from ros.tokens import issue_read_token
 from tensorhub.errors import InvalidArgument, PermissionDenied, TensorHubError, VersionNotFound
-from transport.wire import FrameType, GetRequest, encode_get, raise_error_frame, read_frame
+from transport.wire import ErrorCode, FrameType, GetRequest, decode_error, encode_get, read_frame
 
 if TYPE_CHECKING:
     from chaos.worker import Worker
@@ -91,15 +91,15 @@ def _holder_probe(w: Worker, kind: str, target: str) -> dict[str, Any]:
     if ftype is not FrameType.ERROR:
         return {"result": "unknown", "detail": f"{target} sent a {ftype.name} frame"}
     try:
-        raise_error_frame(body)  # always raises: the holder's refusal, as a named error
-    except PermissionDenied as exc:
-        return {"result": "refused", "detail": error_name(exc)}
-    except TensorHubError as exc:
-        if "(BUSY)" in str(exc):  # refused at accept, before the request was read
-            return {"result": "unknown", "detail": f"{target}: {exc}"}
-        # The holder checks the token first: any other refusal means the token passed.
-        return {"result": "allowed", "detail": f"{target} passed the token check: {exc}"}
-    return {"result": "unknown", "detail": f"{target} sent an empty refusal"}
+        refusal = decode_error(body)
+    except TensorHubError as exc:  # a malformed ERROR frame: no answer we can read
+        return {"result": "unknown", "detail": f"{target}: {exc}"}
+    if refusal.code is ErrorCode.DENIED:  # the typed code, never the message's text
+        return {"result": "refused", "detail": error_name(refusal.error())}
+    if refusal.code is ErrorCode.BUSY:  # refused at accept, before the request was read
+        return {"result": "unknown", "detail": f"{target}: {refusal.error()}"}
+    # The holder checks the token first: any other refusal means the token passed.
+    return {"result": "allowed", "detail": f"{target} passed the token check: {refusal.error()}"}
 
 
 PROBES = ("hub-latest", "hub-fetch", "hub-inspect", "hub-forged-token",

@@ -1,7 +1,9 @@
-"""What a fetch reports: `FetchStats`, and the error it raises when no holder is left."""
+"""What a fetch reports: the typed outcome of each chunk request (`ChunkOutcome`), the
+`FetchStats` of a whole fetch, and the error it raises when no holder is left."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from tensorhub.errors import (
@@ -12,6 +14,58 @@ from tensorhub.errors import (
     VersionUnavailable,
 )
 from transport.planner import ChunkScheduler
+from transport.wire import ErrorCode, Refusal
+
+
+class ChunkStatus(enum.Enum):
+    """How one chunk request to one holder ended. The reader acts on this, never on the
+    text of an error: NOT_READY is retried on the same holder (it is still receiving the
+    chunk), every other status but DONE suspects the holder for this round."""
+
+    DONE = "done"  # received, verified and committed
+    NOT_READY = "not ready"  # a PARTIAL holder lacks the chunk yet (ErrorCode.NOT_READY)
+    CORRUPT = "corrupt"  # bytes or header that fail verification (IntegrityError)
+    DENIED = "denied"  # the holder refused the read token (ErrorCode.DENIED)
+    RELEASED = "released"  # the holder no longer has the version (RELEASED, NOT_HELD)
+    FAILED = "failed"  # anything else: I/O, timeout, protocol, busy, a bug
+
+
+_STATUS_OF_CODE = {
+    ErrorCode.NOT_READY: ChunkStatus.NOT_READY,
+    ErrorCode.DENIED: ChunkStatus.DENIED,
+    ErrorCode.RELEASED: ChunkStatus.RELEASED,
+    ErrorCode.NOT_HELD: ChunkStatus.RELEASED,
+}
+
+
+@dataclass(frozen=True)
+class ChunkOutcome:
+    """The typed result of asking one holder for chunk `index`: its `status`, the error
+    for any status but DONE (named, or the OSError as raised), and for DONE its payload
+    bytes and whether the holder said it holds the whole version (FLAG_COMPLETE)."""
+
+    index: int
+    status: ChunkStatus
+    error: BaseException | None = None
+    nbytes: int = 0
+    complete: bool = False
+
+    @classmethod
+    def refused(cls, index: int, refusal: Refusal) -> ChunkOutcome:
+        """The outcome of an ERROR frame, by its code (an unknown code: FAILED)."""
+        status = ChunkStatus.FAILED
+        if refusal.code is not None:
+            status = _STATUS_OF_CODE.get(refusal.code, ChunkStatus.FAILED)
+        return cls(index, status, refusal.error())
+
+    @classmethod
+    def failed(cls, index: int, error: BaseException) -> ChunkOutcome:
+        """The outcome of an exception raised while asking (I/O, timeout, rate floor...)."""
+        if isinstance(error, IntegrityError):
+            return cls(index, ChunkStatus.CORRUPT, error)
+        if isinstance(error, PermissionDenied):
+            return cls(index, ChunkStatus.DENIED, error)
+        return cls(index, ChunkStatus.FAILED, error)
 
 
 @dataclass
@@ -25,6 +79,7 @@ class FetchStats:
     duration: float = 0.0
     failed_sources: dict[str, str] = field(default_factory=dict)  # holder id -> why suspected
     slow_sources: dict[str, float] = field(default_factory=dict)  # of those: tricklers, B/s
+    read_tokens: int = 0  # distinct read tokens sent: more than 1 when renewed mid-fetch
 
     @property
     def total_bytes(self) -> int:

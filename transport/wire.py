@@ -58,8 +58,6 @@ class ErrorCode(enum.IntEnum):
     BAD_REQUEST = 10
 
 
-NOT_READY_TEXT = f"({ErrorCode.NOT_READY.name})"  # in the TransportError a NOT_READY raises
-
 _ERROR_CLASS: dict[ErrorCode, type[TensorHubError]] = {
     ErrorCode.DENIED: PermissionDenied,
     ErrorCode.NOT_HELD: VersionUnavailable,
@@ -232,14 +230,35 @@ def decode_chunk_header(body: bytearray) -> ChunkHeader:
     return ChunkHeader(tenant, model, version, index, offset, length, checksum)
 
 
-def raise_error_frame(body: bytearray) -> None:
-    """Turn a holder's ERROR frame into the matching named error and raise it."""
+@dataclass(frozen=True)
+class Refusal:
+    """A holder's ERROR frame, decoded: `code` is None for a code this reader does not know
+    (a newer holder), whose number is then in `raw`. Readers act on `code`, never on
+    `message`, which is for people."""
+
+    code: ErrorCode | None
+    raw: int
+    message: str
+
+    def error(self) -> TensorHubError:
+        """The named error this refusal maps to (`TransportError` for the other codes)."""
+        if self.code is None:
+            return TransportError(f"holder error {self.raw}: {self.message}")
+        cls = _ERROR_CLASS.get(self.code, TransportError)
+        return cls(f"holder refused ({self.code.name}): {self.message}")
+
+
+def decode_error(body: bytearray) -> Refusal:
+    """Decode an ERROR frame's body: its code (typed) and message."""
     cur = _Cursor(body)
     (raw,) = cur.unpack(ERROR_FIXED)
     (n,) = struct.unpack("!H", cur.take(2))
     message = bytes(cur.take(n)).decode(errors="replace")
-    try:
-        code = ErrorCode(raw)
-    except ValueError:
-        raise TransportError(f"holder error {raw}: {message}") from None
-    raise _ERROR_CLASS.get(code, TransportError)(f"holder refused ({code.name}): {message}")
+    code = ErrorCode(raw) if raw in ErrorCode._value2member_map_ else None
+    return Refusal(code, raw, message)
+
+
+def raise_error_frame(body: bytearray) -> None:
+    """Turn a holder's ERROR frame into the matching named error and raise it (for callers
+    that want an exception; the reader acts on `decode_error(body).code` instead)."""
+    raise decode_error(body).error()

@@ -1,0 +1,188 @@
+"""One fetch's shared state and the receipt of one chunk (the reader's hot path).
+
+`FetchState` holds what a fetch's workers share: the destination, the deadline, the
+stats, the open sockets (so the fetch can cut them when it ends), the read token's source
+and the checks to run. `receive` reads one CHUNK (or ERROR) frame, receives the payload
+with recv_into straight into the destination while hashing it, verifies it and commits
+it, and says how that went as a typed `ChunkOutcome` (transport/outcome.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import tenacity
+import xxhash
+
+from tensorhub.errors import DeadlineExceeded, IntegrityError, TransportError
+from transport.checks import STRICT, ChunkChecks
+from transport.netio import arm, recv_views
+from transport.outcome import ChunkOutcome, ChunkStatus, FetchStats
+from transport.pace import DEFAULT_RATE_FLOOR, Pace
+from transport.planner import Source
+from transport.staging import StagingBuffer
+from transport.store import HeldVersion
+from transport.tls import TlsConfig
+from transport.wire import (
+    FLAG_COMPLETE,
+    MAX_CHUNKS_PER_GET,
+    FrameType,
+    decode_chunk_header,
+    decode_error,
+    read_flagged_frame,
+)
+
+BATCH_BYTES = 64 * 1024 * 1024  # chunks asked for per GET: one round trip per ~64 MiB
+
+TokenSource = Callable[[], bytes]
+"""Called before every GET for the read token to send: a fetch that outlives one token
+gets a fresh one from the SDK (ros.client.read_token) without stopping."""
+
+
+class FetchState:
+    """The state shared by one fetch's workers."""
+
+    def __init__(
+        self,
+        tenant: str,
+        model: str,
+        version: int,
+        dest: HeldVersion,
+        token: bytes | TokenSource,
+        deadline: float,
+        stall: float,
+        expected: Sequence[int] | None = None,
+        tls: TlsConfig | None = None,
+        rate_floor: float = DEFAULT_RATE_FLOOR,
+        checks: ChunkChecks = STRICT,
+    ) -> None:
+        self.tenant, self.model, self.version = tenant, model, version
+        self.rate_floor = rate_floor
+        self.expected = expected
+        self.checks = checks
+        self.tls = tls.client_context() if tls is not None else None
+        self.dest, self.layout = dest, dest.layout
+        self._tokens: TokenSource = token if callable(token) else (lambda: token)
+        self._last_token: bytes | None = None
+        self.deadline, self.stall = deadline, stall
+        self.stats = FetchStats()
+        self.touched: set[int] = set()  # chunks with bytes received in a failed attempt
+        self.lock = threading.Lock()
+        self.socks: set[socket.socket] = set()
+        self.aborted = False
+        # BATCH_BYTES per request, but never more chunks than a holder accepts in one GET
+        # (small chunks: 4 KiB chunks would ask 16,384 at a time, and be refused).
+        self.batch = min(max(1, BATCH_BYTES // self.layout.chunk_size), MAX_CHUNKS_PER_GET)
+
+    def token(self) -> bytes:
+        """The read token for the next GET (counted in `stats.read_tokens` when new)."""
+        token = self._tokens()
+        with self.lock:
+            if token != self._last_token:
+                self._last_token = token
+                self.stats.read_tokens += 1
+        return token
+
+    def abort(self) -> None:
+        """Cut every connection so workers stop promptly (the fetch has ended)."""
+        with self.lock:
+            self.aborted = True
+            socks = list(self.socks)
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def connect(self, source: Source) -> socket.socket:
+        """Connect with a short bounded retry (a holder may be just starting to listen)."""
+        retrying = tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(3)
+            | tenacity.stop_after_delay(
+                max(0.0, min(self.stall, self.deadline - time.monotonic()))
+            ),
+            wait=tenacity.wait_exponential(multiplier=0.02, max=0.2),
+            retry=tenacity.retry_if_exception_type(ConnectionRefusedError),
+            reraise=True,
+        )
+        try:
+            for attempt in retrying:
+                with attempt:
+                    left = self.deadline - time.monotonic()
+                    if left <= 0:
+                        raise DeadlineExceeded("fetch deadline passed while connecting")
+                    sock = socket.create_connection(
+                        (source.host, source.port), timeout=min(self.stall, left)
+                    )
+        except OSError as exc:
+            raise TransportError(f"cannot connect to {source.holder_id}: {exc}") from exc
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.tls is not None:  # the handshake is bounded by the connect timeout
+            try:
+                sock = self.tls.wrap_socket(sock)
+            except (ssl.SSLError, OSError) as exc:
+                sock.close()
+                raise TransportError(
+                    f"TLS handshake with {source.holder_id} failed: {exc}"
+                ) from exc
+        with self.lock:
+            self.socks.add(sock)
+            if self.aborted:
+                sock.shutdown(socket.SHUT_RDWR)
+        return sock
+
+    def pace(self, sock: socket.socket) -> Pace | None:
+        """A fresh rate-floor judge of `sock` (None when the floor is off)."""
+        return Pace(self.rate_floor, self.stall, sock) if self.rate_floor > 0 else None
+
+    def receive(
+        self, sock: socket.socket, index: int, staging: StagingBuffer | None, pace: Pace | None
+    ) -> ChunkOutcome:
+        """Receive one CHUNK for `index` into `dest`, verify it, mark it present. What the
+        holder answered is the outcome: DONE (with its payload bytes and whether the holder
+        has the whole version), CORRUPT, or the status of its ERROR frame's code. I/O
+        failures (a timeout, a cut connection, the rate floor) raise, and a chunk that
+        fails part-way is remembered in `touched`. The frame is judged by `pace` when given
+        (a COMPLETE holder: across frames), else from its own first byte (transport/pace)."""
+        arm(sock, self.deadline, self.stall)
+        pace = pace or self.pace(sock)
+        ftype, flags, body = read_flagged_frame(sock, pace)
+        if ftype is FrameType.ERROR:
+            return ChunkOutcome.refused(index, decode_error(body))
+        if ftype is not FrameType.CHUNK:
+            raise TransportError(f"holder sent {ftype.name} where a CHUNK was due")
+        h = decode_chunk_header(body)
+        same = (h.tenant, h.model, h.version) == (self.tenant, self.model, self.version)
+        if not same and self.checks.version:
+            why = f"holder sent {h.model}@{h.version} for {self.model}@{self.version}"
+            return ChunkOutcome(index, ChunkStatus.CORRUPT, IntegrityError(why))
+        expected = self.layout.payload_bytes(index)
+        if (h.index, h.offset, h.length) != (index, index * self.layout.chunk_size, expected):
+            raise TransportError(f"holder sent chunk {h.index} ({h.length} B), wanted {index}")
+        hasher = xxhash.xxh3_64()
+        try:
+            recv_views(sock, self.dest.sink_views(index, staging), hasher, pace)
+        except TransportError:
+            self.touched.add(index)
+            raise
+        why = ""
+        if hasher.intdigest() != h.checksum and self.checks.checksum:
+            why = f"chunk {index} failed its checksum"
+        elif (
+            self.expected is not None
+            and h.checksum != self.expected[index]
+            and self.checks.manifest
+        ):  # intact on the wire but not what was published: the holder's memory changed
+            why = f"chunk {index} differs from the published version"
+        if why:
+            self.touched.add(index)
+            with self.lock:
+                self.stats.discarded_bytes += expected
+            return ChunkOutcome(index, ChunkStatus.CORRUPT, IntegrityError(why))
+        self.dest.commit(index, h.checksum, staging)
+        return ChunkOutcome(
+            index, ChunkStatus.DONE, nbytes=expected, complete=bool(flags & FLAG_COMPLETE)
+        )
