@@ -2,7 +2,8 @@
 
 TensorHub: the readers fetch with the SDK. The pipeline policy ranks holders by topology,
 so the first reader of dc2 to register (the dc's seed, by registration order) is the only
-one that reads across the WAN; the others chain behind it inside dc2. Bytes that cross are
+one that reads across the WAN, though all 8 start at once; the others chain behind it inside
+dc2 (no seed election: docs/design-notes.md, "The cross-dc seed"). Bytes that cross are
 read from the router's interface counter (frames included). The trainer's stall is its
 `wait_replicated(1)`: once one copy is in dc2, it may release.
 Baseline: every reader pulls across the WAN from the trainer, which must serve until the

@@ -8,7 +8,7 @@ from consistency.compactor import Compactor, CompactorStatus
 from consistency.embedded import EtcdCluster
 from consistency.etcd import Etcd
 from consistency.floor import RevisionFloor, StaleRead
-from consistency.holders import HolderRegistry, SeedClaim
+from consistency.holders import HolderRegistry
 from consistency.keys import DEFAULT_PREFIX, Keys
 from consistency.manifests import ManifestHeader
 from consistency.records import HolderRecord, HolderState, ShardRecord
@@ -32,7 +32,6 @@ __all__ = [
     "ModelWatch",
     "Published",
     "RevisionFloor",
-    "SeedClaim",
     "Session",
     "ShardRecord",
     "StaleRead",

@@ -3,7 +3,7 @@
 A model can get stuck (a version at the top of the version range, a record nobody can read)
 or simply be abandoned; the only way out is to remove it. One transaction deletes both of a
 model's prefixes (`consistency.keys`): `m/{model}/` (`latest`, every version's manifest
-header, shard, holder, seed and pin records) and `mp/{model}/` (manifest pages and the shard
+header, shard, holder and pin records) and `mp/{model}/` (manifest pages and the shard
 counters), so no reader ever sees half a model, and afterwards the model is as if it had
 never been published: it no longer counts against the tenant's models quota (which counts
 the models that have keys under `m/`), and it can be published again from version 1.

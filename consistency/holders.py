@@ -1,4 +1,4 @@
-"""The holder registry: who holds which version, under which lease; seeds and pins.
+"""The holder registry: who holds which version, under which lease; pins.
 
 A holder record lives under its holder's lease, so a dead holder's records vanish for
 everyone when the lease expires. Its create_revision is its fencing token: a state change
@@ -9,7 +9,6 @@ recreated by a newer incarnation) cannot overwrite the newer record.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 from consistency import ops
 from consistency.etcd import Etcd
@@ -49,18 +48,8 @@ def _not_yours(what: str, model: str, version: int, session: int) -> str:
     )
 
 
-@dataclass(frozen=True)
-class SeedClaim:
-    """The outcome of a seed election in one dc: who the seed is, and whether it is us."""
-
-    dc: str
-    seed: str
-    is_seed: bool
-    revision: int
-
-
 class HolderRegistry:
-    """Holder records, seed elections and pins for versions of models."""
+    """Holder records and pins for versions of models."""
 
     def __init__(self, versions: VersionRegistry) -> None:
         self.versions = versions
@@ -222,37 +211,6 @@ class HolderRegistry:
 
     def _is_retained(self, tenant: str, model: str, version: int, timeout: float) -> bool:
         return version in self.versions.retained(tenant, model, timeout=timeout)
-
-    # -- seeds -----------------------------------------------------------------------------
-
-    def elect_seed(
-        self,
-        tenant: str,
-        model: str,
-        version: int,
-        dc: str,
-        holder: str,
-        session: int,
-        *,
-        timeout: float | None = None,
-    ) -> SeedClaim:
-        """Create-if-absent on `seed/{dc}` under our lease: the winner reads across the WAN."""
-        key = self.keys.seed(tenant, model, version, dc)
-        validate_name(holder, "holder")
-        result = self.etcd.txn(
-            [ops.absent(key), ops.exists(self.keys.manifest(tenant, model, version))],
-            [ops.put(key, holder, lease=session)],
-            [ops.get(key)],
-            timeout=timeout,
-        )
-        if result.succeeded:
-            return SeedClaim(dc, holder, True, result.revision)
-        kvs = result.responses[0].response_range.kvs
-        if not kvs:
-            raise VersionNotFound(f"{model}@{version} is not published")
-        seed = bytes(kvs[0].value).decode()
-        # A retried create may have been ours: the lease tells.
-        return SeedClaim(dc, seed, seed == holder and kvs[0].lease == session, result.revision)
 
     # -- pins ------------------------------------------------------------------------------
 

@@ -5,7 +5,6 @@
 {p}/t/{tenant}/m/{model}/v/{version:020d}/manifest               (header: size, digest, pages)
 {p}/t/{tenant}/m/{model}/v/{version:020d}/shard/{i}
 {p}/t/{tenant}/m/{model}/v/{version:020d}/h/{holder}
-{p}/t/{tenant}/m/{model}/v/{version:020d}/seed/{dc}
 {p}/t/{tenant}/m/{model}/v/{version:020d}/pin/{id}
 {p}/t/{tenant}/mp/{model}/{version:020d}/{part}/{writer}/{page:06d}   (manifest pages)
 {p}/t/{tenant}/mp/{model}/{version:020d}/arrived       (shard counter: its version counts)
@@ -117,9 +116,6 @@ class Keys:
     def holder(self, tenant: str, model: str, version: int, holder: str) -> str:
         return f"{self.holders(tenant, model, version)}{validate_name(holder, 'holder')}"
 
-    def seed(self, tenant: str, model: str, version: int, dc: str) -> str:
-        return f"{self.version(tenant, model, version)}seed/{validate_name(dc, 'dc')}"
-
     def pins(self, tenant: str, model: str, version: int) -> str:
         return f"{self.version(tenant, model, version)}pin/"
 
@@ -163,8 +159,11 @@ class Keys:
     def parse_version_key(self, tenant: str, model: str, key: str) -> tuple[int, str, str]:
         """Split a key under a model's `v/` prefix into (version, kind, name).
 
-        `kind` is `manifest`, `shard`, `h`, `seed` or `pin`; `name` is the last part (empty
-        for the manifest). Raises InvalidArgument for keys outside that shape.
+        `kind` is `manifest`, `shard`, `h` or `pin`; `name` is the last part (empty for the
+        manifest). `seed` is still recognised, and read by nothing: a hub before ElectSeed
+        was removed wrote `seed/{dc}` under a session's lease, and a key it left must not
+        break a read of its version until the lease takes it (docs/design-notes.md, "The
+        cross-dc seed"). Raises InvalidArgument for keys outside that shape.
         """
         base = self.versions(tenant, model)
         if not key.startswith(base):

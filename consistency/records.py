@@ -1,4 +1,4 @@
-"""Small records stored as etcd values: holder records, shard records, seed claims.
+"""Small records stored as etcd values: holder records and shard records.
 
 JSON, so an operator can read them with `etcdctl get`. Manifests are opaque bytes to this
 package (the SDK owns their protobuf format); what is here is metadata about holders and

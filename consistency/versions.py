@@ -56,7 +56,6 @@ class VersionInfo:
     shards: list[ShardRecord]
     holders: list[HolderRecord]
     pins: list[str]
-    seeds: dict[str, str]
     revision: int
     latest: int = 0
     retained: bool = True
@@ -131,7 +130,6 @@ class VersionRegistry:
         shards: list[ShardRecord] = []
         holders: list[HolderRecord] = []
         pins: list[str] = []
-        seeds: dict[str, str] = {}
         for kv in result.kvs:
             _, kind, name = self.keys.parse_version_key(tenant, model, kv.key.decode())
             if kind == "manifest":
@@ -142,8 +140,6 @@ class VersionRegistry:
                 holders.append(HolderRecord.decode(kv.value, kv.create_revision))
             elif kind == "pin":
                 pins.append(name)
-            elif kind == "seed":
-                seeds[name] = kv.value.decode()
         header = self.manifests.parse(model, version, [top] if top else [], shards)
         shards.sort(key=lambda s: s.index)
         parts: dict[int | None, PartHeader] = {s.index: s.part for s in shards}
@@ -154,7 +150,7 @@ class VersionRegistry:
         )
         return VersionInfo(
             version, loaded.get(None, b""), [replace(s, manifest=loaded[s.index]) for s in shards],
-            holders, pins, seeds, result.revision, published_revision=header.published_revision,
+            holders, pins, result.revision, published_revision=header.published_revision,
         )  # fmt: skip
 
     def header(

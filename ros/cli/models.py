@@ -21,7 +21,7 @@ from tensorhub.names import validate_name
 
 DESCRIPTION = """\
 Delete MODEL and every version of it: its latest pointer, every version's manifest, shard,
-holder, pin and seed records, and its manifest pages, in one etcd transaction. Readers
+holder and pin records, and its manifest pages, in one etcd transaction. Readers
 and holders that still have a version in memory keep it until they release it, but no
 reader is sent to them any more. The model stops counting against the models quota and
 can be published again from version 1.

@@ -142,7 +142,6 @@ def run(args: argparse.Namespace) -> int:
         "chunk_size": parts[0].chunk_size,
         "holders": holders,
         "pins": list(info.pins),
-        "seeds": dict(info.seeds),
         "revision": info.revision,
     }
     if args.json:

@@ -24,7 +24,7 @@ from transport.tls import TlsConfig
 SERVICE = "tensorhub.v1.TensorHub"
 RETRIED_METHODS = (
     "OpenSession", "CloseSession", "Latest", "Resolve", "RegisterHolder", "UpdateHolder",
-    "ReleaseHolder", "Pin", "Unpin", "ElectSeed", "ListModels", "Inspect",
+    "ReleaseHolder", "Pin", "Unpin", "ListModels", "Inspect",
 )  # fmt: skip
 
 SERVICE_CONFIG = json.dumps(

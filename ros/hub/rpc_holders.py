@@ -1,4 +1,4 @@
-"""Holder handlers: register, update (fenced), release, pins and seed elections."""
+"""Holder handlers: register, update (fenced), release and pins."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from tensorhub.names import validate_name, validate_version
 
 
 class HolderRPCs(HubBase):
-    """Holder handlers: register, update (fenced), release, pins and seed elections."""
+    """Holder handlers: register, update (fenced), release and pins."""
 
     @unary
     def RegisterHolder(
@@ -88,17 +88,6 @@ class HolderRPCs(HubBase):
             timeout=self._timeout(context),
         )  # fmt: skip
         return pb.UnpinResponse(revision=revision)
-
-    @unary
-    def ElectSeed(self, request: pb.ElectSeedRequest, context: CallContext) -> pb.ElectSeedResponse:
-        tenant = self._tenant(context)
-        timeout = self._timeout(context)
-        self._own_session(tenant, request.session_id, timeout)
-        claim = self._holders(tenant).elect_seed(
-            tenant.name, validate_name(request.model, "model"), validate_version(request.version),
-            request.dc, request.holder, request.session_id, timeout=timeout,
-        )  # fmt: skip
-        return pb.ElectSeedResponse(seed=claim.seed, is_seed=claim.is_seed, revision=claim.revision)
 
 
 def _owner(session_id: int, what: str) -> int:

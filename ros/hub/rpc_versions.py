@@ -213,7 +213,6 @@ class VersionRPCs(HubBase):
         page = etcdrpc.RangeRequest(key=ops.b(start), range_end=end, limit=size + 1)
         count = etcdrpc.RangeRequest(key=ops.b(holders), range_end=end, count_only=True)
         pins = keys.pins(tenant.name, model, version)
-        seeds = f"{keys.version(tenant.name, model, version)}seed/"
         result = self.etcd.txn(
             [],
             [
@@ -222,11 +221,10 @@ class VersionRPCs(HubBase):
                 etcdrpc.RequestOp(request_range=count),
                 etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(
                     key=ops.b(pins), range_end=ops.prefix_end(pins), keys_only=True)),
-                ops.get(seeds, prefix=True),
             ],
             timeout=timeout,
         )  # fmt: skip
-        top, listed, counted, pinned, seeded = (r.response_range for r in result.responses)
+        top, listed, counted, pinned = (r.response_range for r in result.responses)
         if not top.kvs:
             raise VersionNotFound(f"{model}@{version} is not published (or no longer retained)")
         if header.published_revision != top.kvs[0].create_revision:  # deleted, published again
@@ -237,10 +235,6 @@ class VersionRPCs(HubBase):
             latest=latest,
             holders=[holder_to_pb(h) for h in records[:size]],
             pins=[bytes(kv.key).decode().rsplit("/", 1)[1] for kv in pinned.kvs],
-            seeds={
-                bytes(kv.key).decode().rsplit("/", 1)[1]: bytes(kv.value).decode()
-                for kv in seeded.kvs
-            },
             published_revision=header.published_revision,
             revision=result.revision,
             retained=version in versions.retained(tenant.name, model, timeout=timeout),

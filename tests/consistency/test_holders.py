@@ -1,4 +1,4 @@
-"""Holder registry: register, fenced state changes, release rules, seeds, pins, expiry."""
+"""Holder registry: register, fenced state changes, release rules, pins, expiry."""
 
 from __future__ import annotations
 
@@ -106,25 +106,6 @@ def test_unretained_versions_release_freely(
         assert 1 not in versions.retained("t", "m")
         holders.release("t", "m", 1, "trainer")
         assert holders.list("t", "m", 1)[0] == []
-
-
-def test_seed_election_one_winner_per_dc(
-    etcd: Etcd, holders: HolderRegistry, published: Session
-) -> None:
-    a, b = Session(etcd, ttl=1), Session(etcd, ttl=5)
-    claim_a = holders.elect_seed("t", "m", 1, "dc2", "reader-a", a.id)
-    claim_b = holders.elect_seed("t", "m", 1, "dc2", "reader-b", b.id)
-    assert claim_a.is_seed
-    assert claim_a.seed == "reader-a"
-    assert not claim_b.is_seed
-    assert claim_b.seed == "reader-a"
-    assert holders.elect_seed("t", "m", 1, "dc3", "reader-b", b.id).is_seed
-    a.orphan()  # the seed dies: its lease expires and another reader takes the role
-    deadline = time.monotonic() + 5
-    while not holders.elect_seed("t", "m", 1, "dc2", "reader-b", b.id).is_seed:
-        assert time.monotonic() < deadline, "seed role not free after the seed's lease expired"
-        time.sleep(0.2)
-    b.close()
 
 
 @pytest.mark.timeout(30)

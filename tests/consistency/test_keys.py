@@ -54,7 +54,6 @@ def test_layout_matches_the_design() -> None:
         == "/tensorhub/v1/t/team-a/m/policy/v/00000000000000000017/manifest"
     )
     assert k.holder("t", "m", 3, "h1").endswith("/v/00000000000000000003/h/h1")
-    assert k.seed("t", "m", 3, "dc1").endswith("/seed/dc1")
     assert k.pin("t", "m", 3, "p1").endswith("/pin/p1")
     assert k.shard("t", "m", 3, 2).endswith("/shard/000002")
     assert k.tenant_record("t") == "/tensorhub/v1/tenants/t"
@@ -80,6 +79,8 @@ def test_parse_round_trip() -> None:
     k = Keys()
     assert k.parse_version_key("t", "m", k.holder("t", "m", 5, "h")) == (5, "h", "h")
     assert k.parse_version_key("t", "m", k.manifest("t", "m", 5)) == (5, "manifest", "")
+    legacy = f"{k.version('t', 'm', 5)}seed/dc1"  # left by a hub from before ElectSeed went
+    assert k.parse_version_key("t", "m", legacy) == (5, "seed", "dc1")
     with pytest.raises(InvalidArgument):
         k.parse_version_key("t", "m", k.latest("t", "m"))
 

@@ -87,10 +87,6 @@ def test_every_rpc_on_a_session_of_a_is_refused_to_b(
         "CloseSession": as_b("CloseSession", pb.CloseSessionRequest(session_id=sid)),
         "KeepAlive": as_b("KeepAlive", pb.KeepAliveRequest(session_id=sid)),
         "Pin": as_b("Pin", pb.PinRequest(model="policy", version=1, pin_id="p", session_id=sid)),
-        "ElectSeed": as_b(
-            "ElectSeed",
-            pb.ElectSeedRequest(model="policy", version=1, dc="dc1", holder="x", session_id=sid),
-        ),
         "Resolve": as_b("Resolve", pb.ResolveRequest(model="policy", version=1)),
         "Inspect": as_b("Inspect", pb.InspectRequest(model="policy", version=1)),
         "ReleaseHolder": as_b(

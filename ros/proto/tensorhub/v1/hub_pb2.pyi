@@ -368,30 +368,6 @@ class UnpinResponse(_message.Message):
     revision: int
     def __init__(self, revision: _Optional[int] = ...) -> None: ...
 
-class ElectSeedRequest(_message.Message):
-    __slots__ = ("model", "version", "dc", "holder", "session_id")
-    MODEL_FIELD_NUMBER: _ClassVar[int]
-    VERSION_FIELD_NUMBER: _ClassVar[int]
-    DC_FIELD_NUMBER: _ClassVar[int]
-    HOLDER_FIELD_NUMBER: _ClassVar[int]
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    model: str
-    version: int
-    dc: str
-    holder: str
-    session_id: int
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., dc: _Optional[str] = ..., holder: _Optional[str] = ..., session_id: _Optional[int] = ...) -> None: ...
-
-class ElectSeedResponse(_message.Message):
-    __slots__ = ("seed", "is_seed", "revision")
-    SEED_FIELD_NUMBER: _ClassVar[int]
-    IS_SEED_FIELD_NUMBER: _ClassVar[int]
-    REVISION_FIELD_NUMBER: _ClassVar[int]
-    seed: str
-    is_seed: bool
-    revision: int
-    def __init__(self, seed: _Optional[str] = ..., is_seed: _Optional[bool] = ..., revision: _Optional[int] = ...) -> None: ...
-
 class ListModelsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -429,20 +405,12 @@ class InspectRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., omit_manifest: _Optional[bool] = ...) -> None: ...
 
 class InspectResponse(_message.Message):
-    __slots__ = ("version", "latest", "manifest", "holders", "pins", "seeds", "published_revision", "revision", "retained", "shards", "next_page_token", "total_holders", "shard_count")
-    class SeedsEntry(_message.Message):
-        __slots__ = ("key", "value")
-        KEY_FIELD_NUMBER: _ClassVar[int]
-        VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: str
-        value: str
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    __slots__ = ("version", "latest", "manifest", "holders", "pins", "published_revision", "revision", "retained", "shards", "next_page_token", "total_holders", "shard_count")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LATEST_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     HOLDERS_FIELD_NUMBER: _ClassVar[int]
     PINS_FIELD_NUMBER: _ClassVar[int]
-    SEEDS_FIELD_NUMBER: _ClassVar[int]
     PUBLISHED_REVISION_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     RETAINED_FIELD_NUMBER: _ClassVar[int]
@@ -455,7 +423,6 @@ class InspectResponse(_message.Message):
     manifest: Manifest
     holders: _containers.RepeatedCompositeFieldContainer[Holder]
     pins: _containers.RepeatedScalarFieldContainer[str]
-    seeds: _containers.ScalarMap[str, str]
     published_revision: int
     revision: int
     retained: bool
@@ -463,7 +430,7 @@ class InspectResponse(_message.Message):
     next_page_token: str
     total_holders: int
     shard_count: int
-    def __init__(self, version: _Optional[int] = ..., latest: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., pins: _Optional[_Iterable[str]] = ..., seeds: _Optional[_Mapping[str, str]] = ..., published_revision: _Optional[int] = ..., revision: _Optional[int] = ..., retained: _Optional[bool] = ..., shards: _Optional[_Iterable[_Union[Manifest, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., total_holders: _Optional[int] = ..., shard_count: _Optional[int] = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., latest: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., pins: _Optional[_Iterable[str]] = ..., published_revision: _Optional[int] = ..., revision: _Optional[int] = ..., retained: _Optional[bool] = ..., shards: _Optional[_Iterable[_Union[Manifest, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., total_holders: _Optional[int] = ..., shard_count: _Optional[int] = ...) -> None: ...
 
 class Quotas(_message.Message):
     __slots__ = ("max_models", "max_retained_versions", "max_sessions", "max_etcd_bytes", "max_publishes_per_minute")

@@ -94,11 +94,6 @@ class TensorHubStub:
                 request_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.UnpinRequest.SerializeToString,
                 response_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.UnpinResponse.FromString,
                 _registered_method=True)
-        self.ElectSeed = channel.unary_unary(
-                '/tensorhub.v1.TensorHub/ElectSeed',
-                request_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ElectSeedRequest.SerializeToString,
-                response_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ElectSeedResponse.FromString,
-                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/tensorhub.v1.TensorHub/ListModels',
                 request_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ListModelsRequest.SerializeToString,
@@ -201,12 +196,6 @@ class TensorHubServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ElectSeed(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def ListModels(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -300,11 +289,6 @@ def add_TensorHubServicer_to_server(servicer, server):
                     servicer.Unpin,
                     request_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.UnpinRequest.FromString,
                     response_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.UnpinResponse.SerializeToString,
-            ),
-            'ElectSeed': grpc.unary_unary_rpc_method_handler(
-                    servicer.ElectSeed,
-                    request_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ElectSeedRequest.FromString,
-                    response_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ElectSeedResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -656,33 +640,6 @@ class TensorHub:
             '/tensorhub.v1.TensorHub/Unpin',
             ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.UnpinRequest.SerializeToString,
             ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.UnpinResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ElectSeed(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/tensorhub.v1.TensorHub/ElectSeed',
-            ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ElectSeedRequest.SerializeToString,
-            ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ElectSeedResponse.FromString,
             options,
             channel_credentials,
             insecure,
