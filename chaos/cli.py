@@ -15,9 +15,9 @@ from types import FrameType
 
 from chaos import runner
 from chaos.failpoints import NAMES
+from chaos.planted import KNOWN
 from chaos.recheck import recheck
 from chaos.report import summary, write_json
-from tensorhub.planted import KNOWN
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:

@@ -25,12 +25,11 @@ from chaos.checker import Facts, FaultWindow, Violation, check
 from chaos.cluster import ChaosCluster, write_start_file
 from chaos.history import Op, load_ops
 from chaos.netns import Namespace, unavailable_reason
+from chaos.planted import KNOWN as PLANTED_KNOWN
 from chaos.processes import WorkerProcess
 from chaos.proxy import Proxy
 from consistency.embedded import free_port
 from tensorhub.errors import InvalidArgument, TensorHubError
-from tensorhub.planted import ENV as PLANTED_ENV
-from tensorhub.planted import KNOWN as PLANTED_KNOWN
 
 READY_TIMEOUT = 150.0
 END_GRACE = 40.0  # how long workers may take to finish their last call after the end
@@ -41,7 +40,7 @@ class RunConfig:
     duration: float = 60.0
     seed: int = 0
     faults: list[str] | None = None  # None: every failpoint available here
-    planted: str = ""  # a test-only bug to plant in the clients (tensorhub.planted)
+    planted: str = ""  # a test-only bug to plant in the clients (chaos.planted)
     readers: int = 2
     publishers: int = 2
     watchers: int = 2  # watcher-1 asks for versions only
@@ -142,7 +141,6 @@ class _Run:
             "seed": config.seed, "start_file": str(self.root / "start.json"),
             "session_ttl": config.session_ttl, "model": "policy",
         }  # fmt: skip
-        planted = {PLANTED_ENV: config.planted} if config.planted else {}
         slots = [(f"publisher-{i}", "publisher") for i in range(config.publishers)]
         slots += [(f"reader-{i}", "reader") for i in range(config.readers)]
         for role, count in (
@@ -170,9 +168,10 @@ class _Run:
             if role == "intruder":
                 spec["token"] = cluster.tokens[cluster.INTRUDER]
                 spec["tenant"], spec["victim_tenant"] = cluster.INTRUDER, cluster.TENANT
-            env_vars = planted if role != "intruder" else {}
+            if role != "intruder":  # its client is built with the bug's hooks
+                spec["planted"] = config.planted
             self.workers.append(
-                WorkerProcess(name, role, spec, self.root, netns if in_ns else None, env_vars)
+                WorkerProcess(name, role, spec, self.root, netns if in_ns else None)
             )
         for w in self.workers:
             w.spec.setdefault("targets", [])

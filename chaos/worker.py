@@ -7,8 +7,10 @@ other tenant, see `chaos.intruder`). Every call goes into the history (`chaos.hi
 with its deadline; content is hashed on both sides so the checker can compare bytes.
 
 The process waits for the run's start file (which holds the run's end time), works until
-then, and exits. SIGUSR1/SIGUSR2 switch its holder server's corrupt-bytes fault on/off
-(the `corrupt-holder` failpoint); SIGTERM ends it after the current operation.
+then, and exits. Its client is built with the hooks of its spec's planted bug, if any
+(chaos.planted), and its holder sends through a `Fault` (chaos.holder_faults) that
+SIGUSR1/SIGUSR2 switch to corrupt bytes and back (the `corrupt-holder` failpoint); SIGTERM
+ends it after the current operation.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ import xxhash
 
 import ros
 from chaos.history import FAIL, INFO, OK, Recorder, error_name, write_outcome
+from chaos.holder_faults import Fault
+from chaos.planted import hooks_for
 from consistency.watch import EventKind
 from tensorhub.errors import InvalidArgument, StaleVersion, TensorHubError
-from transport.server import Fault
 
 MODEL = "policy"
 CHUNK = 64 * 1024
@@ -62,7 +65,8 @@ class Worker:
         self.rec = Recorder(Path(spec["history"]), self.name)
         self.stopping = threading.Event()
         self.hub: ros.Hub | None = None
-        self.corrupt = False  # the corrupt-holder failpoint's switch, applied once connected
+        self.fault = Fault()  # the corrupt-holder failpoint's switch (its holder sends via it)
+        self.hooks = hooks_for(spec.get("planted", ""), send=self.fault)
         _faults(self)  # before saying ready: a signal must never find the default handler
         ready = Path(spec["history"]).with_suffix(".ready")
         ready.write_text(str(spec["gen"]))  # this incarnation is ready to start
@@ -81,18 +85,14 @@ class Worker:
                     listen=spec.get("listen", "127.0.0.1:0"), advertise=spec.get("advertise"),
                     name=f"{spec['name']}-g{spec['gen']}-{self.rng.randrange(16**4):04x}",
                     timeout=LATEST_TIMEOUT, session_ttl=int(spec.get("session_ttl", 5)),
+                    hooks=self.hooks,
                 )  # fmt: skip
-                self.apply_faults()
                 return self.hub
             except TensorHubError as exc:
                 if not self.running():
                     raise
                 print(f"{self.name}: connect failed ({exc}); retrying", file=sys.stderr)
                 time.sleep(0.5)
-
-    def apply_faults(self) -> None:
-        if self.hub is not None:
-            self.hub._holder_server().fault = Fault(corrupt=True) if self.corrupt else None
 
     def call(self, f: str, timeout: float, fn: Callable[[], dict[str, Any]], **args: Any) -> Any:
         """Run one read-like operation with history: any error is a definite `fail`."""
@@ -252,8 +252,7 @@ def _faults(w: Worker) -> None:
     """SIGUSR1: this holder starts returning corrupted chunk bytes; SIGUSR2: it stops."""
 
     def set_corrupt(on: bool) -> None:
-        w.corrupt = on
-        w.apply_faults()
+        w.fault.corrupt = on
 
     signal.signal(signal.SIGUSR1, lambda *_: set_corrupt(True))
     signal.signal(signal.SIGUSR2, lambda *_: set_corrupt(False))

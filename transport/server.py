@@ -19,7 +19,7 @@ import socket
 import ssl
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import Protocol
 
 from tensorhub.errors import TensorHubError, TransportError, VersionUnavailable
 from transport.admission import Admission, Conn
@@ -57,14 +57,22 @@ def allow_all(tenant: str, model: str, version: int, token: bytes) -> bool:
     return True
 
 
-@dataclass
-class Fault:
-    """Test-only misbehaviour of a holder; the server consults it only when one is set."""
+class ChunkSender(Protocol):
+    """How the server puts one chunk on the wire: the CHUNK frame for `header` (with
+    FLAG_COMPLETE when `complete`), then the payload `views`. Production uses
+    `send_chunk`; chaos runs and tests inject a misbehaving one (`chaos.holder_faults`),
+    so the server itself has no misbehaviour path."""
 
-    corrupt: bool = False  # flip one payload byte (in a copy; the tensors stay intact)
-    wrong_version: bool = False  # advertise version + 1 in every CHUNK header
-    chunk_delay: float = 0.0  # sleep before each chunk (throttle, so tests can kill mid-way)
-    trickle: float = 0.0  # send every frame at this many bytes/s, in small pieces (a trickler)
+    def __call__(
+        self, conn: socket.socket, header: ChunkHeader, views: list[memoryview], complete: bool
+    ) -> None: ...
+
+
+def send_chunk(
+    conn: socket.socket, header: ChunkHeader, views: list[memoryview], complete: bool
+) -> None:
+    """Send a chunk with one sendmsg of header + the tensors' own memoryviews (no copy)."""
+    send_views(conn, [memoryview(encode_chunk_header(header, complete=complete)), *views])
 
 
 class _Refuse(Exception):
@@ -76,7 +84,10 @@ class _Refuse(Exception):
 
 
 class HolderServer:
-    """Serve the chunks of `store`'s versions on `host:port` (port 0: pick a free one)."""
+    """Serve the chunks of `store`'s versions on `host:port` (port 0: pick a free one).
+
+    `verifier` decides who may read; `send` puts each chunk on the wire (`send_chunk`:
+    tests and chaos runs pass a misbehaving one); both are fixed at construction."""
 
     def __init__(
         self,
@@ -90,11 +101,12 @@ class HolderServer:
         frame_timeout: float = FRAME_TIMEOUT,
         io_timeout: float = 30.0,
         max_chunk_wait: float = 30.0,
-        fault: Fault | None = None,
         tls: TlsConfig | None = None,
         on_served: Callable[[int], None] | None = None,
+        send: ChunkSender = send_chunk,
     ) -> None:
-        self.store, self.verifier, self.fault = store, verifier, fault
+        self.store, self.verifier = store, verifier
+        self._send = send  # how each chunk goes out: fixed for the server's life
         self._tls = tls.server_context() if tls is not None else None
         self._on_served = on_served  # called with each chunk's payload bytes (metrics)
         self._bind = (host, port)
@@ -277,14 +289,7 @@ class HolderServer:
                         sum(len(v) for v in views),
                         checksum,
                     )
-                    if self.fault is not None:
-                        header, views = self._misbehave(header, views)
-                    chunk_frame = encode_chunk_header(header, complete=held.complete)
-                    frame = [memoryview(chunk_frame), *views]
-                    if self.fault is not None and self.fault.trickle:
-                        self._trickle(conn, frame, self.fault.trickle)
-                    else:
-                        send_views(conn, frame)
+                    self._send(conn, header, views, held.complete)
                     if self._on_served is not None:
                         self._on_served(header.length)
         except VersionUnavailable as exc:
@@ -293,39 +298,6 @@ class HolderServer:
             if isinstance(exc, TransportError):
                 raise
             raise _Refuse(ErrorCode.BAD_REQUEST, str(exc)) from exc
-
-    def _trickle(self, conn: socket.socket, views: list[memoryview], rate: float) -> None:
-        """Fault: send `views` at `rate` bytes/s, a piece every 50 ms (never silent for long)."""
-        data = memoryview(b"".join(views))  # a copy: the fault path only
-        piece = max(1, int(rate / 20))
-        for start in range(0, len(data), piece):
-            if self._stopped.wait(min(piece, len(data) - start) / rate):
-                raise TransportError("holder stopped")
-            send_views(conn, [data[start : start + piece]])
-
-    def _misbehave(
-        self, header: ChunkHeader, views: list[memoryview]
-    ) -> tuple[ChunkHeader, list[memoryview]]:
-        fault = self.fault
-        if fault is None:
-            return header, views
-        if fault.chunk_delay:
-            self._stopped.wait(fault.chunk_delay)
-        if fault.wrong_version:
-            header = ChunkHeader(
-                header.tenant,
-                header.model,
-                header.version + 1,
-                header.index,
-                header.offset,
-                header.length,
-                header.checksum,
-            )
-        if fault.corrupt and header.length:
-            data = bytearray(b"".join(views))
-            data[len(data) // 2] ^= 0xFF
-            views = [memoryview(data)]
-        return header, views
 
 
 def _shut(sock: socket.socket) -> None:

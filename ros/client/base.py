@@ -19,6 +19,7 @@ from consistency.floor import RevisionFloor, StaleRead
 from ros.client.backoff import retry_overloaded
 from ros.client.channel import open_channel, parse_address
 from ros.client.handles import DEFAULT_RELEASE_TIMEOUT
+from ros.client.hooks import PRODUCTION, ClientHooks
 from ros.client.manifest_cache import CachedManifest, ManifestCache
 from ros.client.session import ClientSession, read_keys_of
 from ros.client.spill import map_safetensors, write_safetensors
@@ -73,8 +74,10 @@ class ClientBase:
         timeout: float = DEFAULT_TIMEOUT,
         session_ttl: int = 10,
         tls: TlsConfig | None = None,
+        hooks: ClientHooks = PRODUCTION,
     ) -> None:
         addresses = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        self._hooks = hooks  # fault injection (chaos, tests) enters here only: ros.client.hooks
         self.tenant = validate_name(tenant, "tenant")
         self.holder_name = validate_name(name or default_holder_name(), "holder")
         self.topology = Topology(**dict(topology or {}))
@@ -88,7 +91,7 @@ class ClientBase:
         self._tls = tls
         self._channel = open_channel(addresses, tls=tls)
         self._stub = hub_pb2_grpc.TensorHubStub(self._channel)  # type: ignore[no-untyped-call]
-        self.floor = RevisionFloor()
+        self.floor: RevisionFloor = hooks.floor()
         self._lock = threading.RLock()
         self._store = HolderStore()
         self._server: HolderServer | None = None
@@ -209,7 +212,7 @@ class ClientBase:
                 host, port = self._listen
                 self._server = HolderServer(
                     self._store, self._verifier, host, port, tls=self._tls,
-                    on_served=SDK_BYTES_SERVED.inc,
+                    on_served=SDK_BYTES_SERVED.inc, send=self._hooks.send,
                 ).start()  # fmt: skip
             return self._server
 

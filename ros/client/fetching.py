@@ -127,6 +127,7 @@ class FetchMixin(ClientBase):
                 token=bytes(resolved.read_token), deadline=deadline.work_end, me=self.topology,
                 refresh_sources=self._refresher(model, version, shard, deadline, skipped),
                 expected=list(manifest.chunk_xxh3), tls=self._tls, rate_floor=rate_floor,
+                checks=self._hooks.checks,
             ),
         )  # fmt: skip
         # a session lost meanwhile re-registered us under a new fence: complete that record

@@ -173,6 +173,7 @@ class SliceMixin(FetchMixin):
                 token=bytes(resolved.read_token), deadline=deadline.work_end, me=self.topology,
                 refresh_sources=self._refresher(model, version, shard, deadline, skipped),
                 expected=list(manifest.chunk_xxh3), tls=self._tls, rate_floor=rate_floor,
+                checks=self._hooks.checks,
             ),
         )  # fmt: skip
         for source, nbytes in stats.bytes_per_source.items():

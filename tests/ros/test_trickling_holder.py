@@ -13,9 +13,10 @@ from collections.abc import Callable
 import pytest
 
 import ros
+from chaos.holder_faults import Fault
+from ros.client.hooks import ClientHooks
 from tests.ros.helpers import digest, make_model
 from transport.pace import DEFAULT_RATE_FLOOR
-from transport.server import Fault
 
 
 @pytest.mark.timeout(120)
@@ -23,10 +24,11 @@ def test_sdk_fetch_moves_off_a_trickling_holder(connect: Callable[..., ros.Hub])
     trainer = connect(topology={"host": "trainer"})
     weights = make_model(9, big=1 << 20)  # 4 MiB
     trainer.publish("policy", 1, weights, chunk_size=1 << 20)
-    first = connect(topology={"host": "rollout-1"})
+    fault = Fault()  # its holder's sender: well-behaved until switched
+    first = connect(topology={"host": "rollout-1"}, hooks=ClientHooks(send=fault))
     held = first.fetch("policy", 1, timeout=60)
     assert held.stats.failed_sources == {}
-    first._holder_server().fault = Fault(trickle=4096)  # its data port now trickles
+    fault.trickle = 4096  # its data port now trickles
     second = connect(topology={"host": "rollout-2"})
     got = second.fetch("policy", 1, timeout=40)
     assert digest(got.tensors) == digest(weights)

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from chaos.holder_faults import Fault
 from tests.transport._model import MODEL, TENANT
 from transport.layout import Layout
 from transport.planner import Source
-from transport.server import Fault, HolderServer, allow_all
+from transport.server import HolderServer, allow_all, send_chunk
 from transport.store import HeldVersion, HolderStore
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +39,7 @@ def holders() -> Iterator[StartHolder]:
     ) -> tuple[HolderServer, HolderStore, Source]:
         store = HolderStore()
         store.add(HeldVersion.publisher(TENANT, MODEL, version, tensors, layout))
-        server = HolderServer(store, verifier, fault=fault, io_timeout=5).start()
+        server = HolderServer(store, verifier, io_timeout=5, send=fault or send_chunk).start()
         started.append(server)
         return server, store, Source(name, *server.address)
 

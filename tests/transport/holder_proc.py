@@ -11,9 +11,10 @@ import signal
 import sys
 import threading
 
+from chaos.holder_faults import Fault
 from tests.transport._model import MODEL, TENANT, make_model
 from transport.layout import Layout
-from transport.server import Fault, HolderServer, allow_all
+from transport.server import HolderServer, allow_all, send_chunk
 from transport.store import HeldVersion, HolderStore
 
 
@@ -30,7 +31,7 @@ def main() -> None:
     store = HolderStore()
     store.add(HeldVersion.publisher(TENANT, MODEL, args.version, tensors, layout))
     fault = Fault(chunk_delay=args.chunk_delay) if args.chunk_delay else None
-    server = HolderServer(store, allow_all, fault=fault).start()
+    server = HolderServer(store, allow_all, send=fault or send_chunk).start()
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     print(f"PORT {server.address[1]}", flush=True)

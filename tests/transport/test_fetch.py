@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from chaos.holder_faults import Fault
 from tensorhub.errors import (
     IntegrityError,
     InvalidArgument,
@@ -18,7 +19,7 @@ from tests.transport._model import MODEL, TENANT, make_model
 from tests.transport.conftest import StartHolder
 from transport.layout import Layout
 from transport.reader import FetchStats, Source, fetch
-from transport.server import Fault, HolderServer, allow_all
+from transport.server import HolderServer, allow_all
 from transport.store import HeldVersion, HolderStore
 from transport.topology import Topology
 

@@ -20,12 +20,13 @@ import time
 import pytest
 import torch
 
+from chaos.holder_faults import Fault
 from tests.transport._model import MODEL, TENANT, make_model
 from tests.transport.conftest import ROOT, StartHolder
 from transport.layout import Layout
 from transport.pace import DEFAULT_RATE_FLOOR
 from transport.reader import FetchStats, Source, fetch
-from transport.server import Fault, HolderServer, allow_all
+from transport.server import HolderServer, allow_all
 from transport.store import HeldVersion, HolderStore
 from transport.topology import Topology
 
@@ -155,7 +156,7 @@ def test_a_reader_frozen_mid_fetch_does_not_blame_its_holder() -> None:
     store = HolderStore()
     store.add(HeldVersion.publisher(TENANT, MODEL, 1, model, layout))
     fault = Fault(chunk_delay=0.005)
-    with HolderServer(store, allow_all, fault=fault, io_timeout=WAIT) as server:  # outlasts 6 s
+    with HolderServer(store, allow_all, io_timeout=WAIT, send=fault) as server:  # outlasts 6 s
         args = [sys.executable, "-m", "tests.transport.reader_proc", "--port",
                 str(server.address[1]), "--seed", "24", "--tiny", "10", "--large-elems",
                 str(elems), "--chunk-size", str(chunk), "--stall", "1.0", "--rate-floor",
