@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from bench.emu.model import digest, flat, make_model, model_layout
 from transport.layout import Layout
-from transport.reader import Source, fetch
+from transport.reader import DEFAULT_RATE_FLOOR, Source, fetch
 from transport.server import HolderServer, allow_all
 from transport.store import HeldVersion, HolderStore
 from transport.topology import Topology
@@ -79,9 +79,16 @@ def serve(ip: str, nbytes: int, seed: int, chunk: int) -> dict[str, Any]:
 
 
 def tfetch(
-    ip: str, sources: list[list[Any]], nbytes: int, chunk: int, parallel: int = 4
+    ip: str,
+    sources: list[list[Any]],
+    nbytes: int,
+    chunk: int,
+    parallel: int = 4,
+    rate_floor: float = DEFAULT_RATE_FLOOR,
 ) -> dict[str, Any]:
-    """Fetch the model from exactly `sources` ([id, host, port] each) with transport.fetch."""
+    """Fetch the model from exactly `sources` ([id, host, port] each) with transport.fetch.
+    `rate_floor` 0 turns the reader's floor off (a baseline whose one source is shared by
+    so many connections that each gets less than the floor)."""
     layout = model_layout(nbytes, chunk)
     tensors = layout.allocate()
     dest = HeldVersion.reader("bench", "model", 1, layout, tensors)
@@ -89,7 +96,7 @@ def tfetch(
     start = time.monotonic()
     stats = fetch(
         "bench", "model", 1, layout, dest, srcs, token=b"", deadline=start + 300,
-        me=Topology(), parallel=parallel, stall_timeout=5.0,
+        me=Topology(), parallel=parallel, stall_timeout=5.0, rate_floor=rate_floor,
     )  # fmt: skip
     end = time.monotonic()
     return {
