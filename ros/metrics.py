@@ -105,6 +105,14 @@ SDK_PUBLISH_SECONDS = Histogram("tensorhub_sdk_publish_seconds", "Time of a publ
 SDK_TRAINER_STALL = Histogram(
     "tensorhub_sdk_trainer_stall_seconds", "Time a trainer spent in wait_replicated"
 )
+SDK_HOST_SPILLS = Counter(
+    "tensorhub_sdk_host_spills_total",
+    "Releases that copied a version to host memory: this client was the last complete holder "
+    "of a retained version (rare in a healthy cluster)",
+)
+SDK_HOST_SPILL_BYTES = Gauge(
+    "tensorhub_sdk_host_spill_bytes", "Bytes of versions this client serves from host spills now"
+)
 
 
 class CompactorMetrics:

@@ -71,6 +71,13 @@ class RetentionViolation(TensorHubError):
     code = "FAILED_PRECONDITION"
 
 
+class SpillBudgetExceeded(RetentionViolation):
+    """Releasing the last complete holder of a retained version needs a spill to host memory
+    that this client's spill budget cannot hold; nothing was changed. Raise the budget
+    (`ros.connect(..., spill_budget=...)`), spill to a file (`release(spill=path)`), or drop
+    the version knowingly (`release(force=True)`)."""
+
+
 class PermissionDenied(TensorHubError):
     """The caller's token does not allow this call."""
 

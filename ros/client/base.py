@@ -21,8 +21,8 @@ from ros.client.channel import open_channel, parse_address
 from ros.client.handles import DEFAULT_RELEASE_TIMEOUT
 from ros.client.hooks import PRODUCTION, ClientHooks
 from ros.client.manifest_cache import CachedManifest, ManifestCache
+from ros.client.retention import Retention, SpillStats
 from ros.client.session import ClientSession, read_keys_of
-from ros.client.spill import map_safetensors, write_safetensors
 from ros.client.watch import HubWatch
 from ros.errors import from_rpc_error
 from ros.manifest_check import check_received
@@ -33,7 +33,6 @@ from ros.tokens import ReadTokenVerifier
 from tensorhub.endpoints import format_endpoint
 from tensorhub.errors import (
     AlreadyExists,
-    IntegrityError,
     InternalError,
     InvalidArgument,
     SessionExpired,
@@ -75,6 +74,7 @@ class ClientBase:
         session_ttl: int = 10,
         tls: TlsConfig | None = None,
         hooks: ClientHooks = PRODUCTION,
+        spill_budget: int | None = None,
     ) -> None:
         addresses = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         self._hooks = hooks  # fault injection (chaos, tests) enters here only: ros.client.hooks
@@ -98,6 +98,7 @@ class ClientBase:
         self._fences: dict[tuple[str, int], int] = {}
         self._shards: dict[tuple[str, int], int] = {}  # model-parallel versions held: shard
         self._manifests = ManifestCache()  # by (model, version, shard): they never change
+        self._retention = Retention(spill_budget)  # bytes of host spills (None: the default)
         self._session_ttl = session_ttl
         self._closed = False
         try:
@@ -344,24 +345,6 @@ class ClientBase:
             raise InvalidArgument("since must be a positive revision")
         return HubWatch(self._stub, self._metadata, model, since, self.floor, versions_only)
 
-    def _spill(
-        self, model: str, version: int, path: str | os.PathLike[str], timeout: float
-    ) -> None:
-        key = (self.tenant, model, version)
-        held = self._store.get(key)
-        if held is None or not held.complete:
-            raise InvalidArgument(f"{model}@{version} is not held complete here: nothing to spill")
-        write_safetensors(path, held.tensors)
-        mapped = HeldVersion.publisher(
-            self.tenant, model, version, map_safetensors(path), held.layout
-        )
-        mapped.precompute_checksums()
-        for index in range(held.layout.num_chunks):
-            if mapped.checksum(index) != held.checksum(index):
-                raise IntegrityError(f"spill of {model}@{version} to {path}: chunk {index} differs")
-        self._store.replace(mapped, timeout)
-        log.info("%s@%d spilled to %s; serving it from there", model, version, path)
-
     # -- release and lifecycle ---------------------------------------------------------
 
     def _release(
@@ -375,21 +358,17 @@ class ClientBase:
     ) -> None:
         """Delete our holder record, then refuse new reads and wait for reads in flight.
 
-        With `spill`, the version is written to that safetensors file and served from it
-        from now on (the holder record stays): the caller's memory is free all the same.
+        Where the hub refuses (the last complete holder of a retained version), the version
+        is spilled to host memory within the spill budget and served from there; with
+        `spill`, it is written to that safetensors file and served from it. The record stays
+        then, and the caller's memory is free all the same (`ros.client.retention`).
         """
-        if spill is not None:
-            self._spill(model, version, spill, timeout)
-            return
-        request = pb.ReleaseHolderRequest(
-            model=model, version=version, holder=self.holder_name, force=force,
-            session_id=self.session.id,  # the hub checks that it owns the record
-        )  # fmt: skip
-        response = self._rpc("ReleaseHolder", request)
-        self.floor.observe(response.revision)
-        self._store.release((self.tenant, model, version), timeout)
-        self._fences.pop((model, version), None)
-        self._shards.pop((model, version), None)
+        self._retention.release(self, model, version, force=force, timeout=timeout, spill=spill)
+
+    @property
+    def spills(self) -> SpillStats:
+        """Host spills made, held now (versions, bytes), freed; file spills; the budget."""
+        return self._retention.stats
 
     def close(self) -> None:
         """Stop serving, end the session (its records vanish at once), close the channel.

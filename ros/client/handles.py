@@ -7,6 +7,7 @@ in flight, and only then says the memory is free to overwrite.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from types import TracebackType
@@ -21,6 +22,8 @@ from transport.reader import FetchStats
 
 if TYPE_CHECKING:
     from ros.client.watch import HubWatch
+
+log = logging.getLogger(__name__)
 
 
 class Owner(Protocol):
@@ -65,9 +68,11 @@ class _Handle:
     ) -> None:
         """Stop serving this version from its tensors; afterwards their memory may be overwritten.
 
-        Raises `RetentionViolation` if this is the last complete holder of a retained version
-        (nothing is changed then) unless `force=True`, or unless `spill` names a safetensors
-        file: the version is then written there and served from the file from now on.
+        If this is the last complete holder of a retained version, the version is copied to
+        host memory and served from there until it is no longer retained (within the client's
+        `spill_budget`; past it `SpillBudgetExceeded`, a `RetentionViolation`, and nothing
+        is changed), or, with `spill`, written to that safetensors file and served from it.
+        `force=True` drops it instead.
         """
         if not self.released:
             self._hub._release(self.model, self.version, force=force, timeout=timeout, spill=spill)
@@ -82,7 +87,24 @@ class _Handle:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.release(force=True)
+        """Release with `force=False`: leaving a block keeps the retention rule (the last
+        complete holder of a retained version spills it, `release()`). A release that fails
+        while an exception leaves the block never masks it: the failure is logged and added
+        to that exception as a note, and the exception goes on (the version stays held)."""
+        if exc is None:
+            self.release()
+            return
+        try:
+            self.release()
+        except Exception as error:
+            log.warning(
+                "leaving a with block of %s@%d by %s: release failed too: %r",
+                self.model, self.version, type(exc).__name__, error,
+            )  # fmt: skip
+            exc.add_note(
+                f"while leaving the with block, release() of {self.model}@{self.version} "
+                f"failed too, and the version is still held: {type(error).__name__}: {error}"
+            )
 
 
 class Publication(_Handle):

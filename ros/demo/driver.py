@@ -85,10 +85,10 @@ class DemoRun:
     def _start(self, stack: contextlib.ExitStack) -> None:
         self.display.status("starting etcd and the hub ...")
         etcd = stack.enter_context(EtcdCluster(size=1, auth=True))  # only the hub can read it
-        # retain=1: rollouts update in place, so only the newest version stays readable
-        # (an in-place holder cannot keep the old one; see docs/demo.md).
+        # retain=2 (the default): the rollouts update in place, and the last complete holder
+        # of the previous version spills it to host memory as it releases it (docs/demo.md).
         server = HubServer(
-            etcd.endpoints, admin_token=secrets.token_urlsafe(16), retain=1,
+            etcd.endpoints, admin_token=secrets.token_urlsafe(16), retain=2,
             etcd_credentials=etcd.credentials,
         ).start()  # fmt: skip
         stack.callback(server.stop, 0.5)

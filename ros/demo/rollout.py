@@ -1,15 +1,16 @@
 """The demo's rollout process: watch for versions, fetch each in place, generate, report.
 
-Per version: release the previous one (stop serving it), fetch the new one into the
-policy's own tensors (`into=`, no second copy), serve it to the other rollouts until the
-next version, sample actions for a batch of contexts and send them back with their rewards.
+Per version: release the previous one (stop serving it from the policy's memory; the last
+complete holder of a retained version spills it to host memory and serves it from there),
+fetch the new one into the policy's own tensors (`into=`, no second copy), serve it to the
+other rollouts until the next version, sample actions for a batch of contexts and send them
+back with their rewards.
 The rollout chosen by `--kill-a-rollout-at` freezes itself mid-fetch and tells the driver,
 which SIGKILLs it: a holder dying with a PARTIAL version, for real.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import threading
@@ -24,7 +25,7 @@ from ros.demo.channel import Link
 from ros.demo.config import MODEL, DemoConfig, rollout_name
 from ros.demo.policy import build_policy, contexts, digest, rewards, sample
 from ros.integrations.pytorch import fetch_module
-from tensorhub.errors import RetentionViolation, TensorHubError
+from tensorhub.errors import TensorHubError
 
 
 def batch_seed(cfg: DemoConfig, version: int, index: int) -> int:
@@ -48,14 +49,12 @@ def freeze_mid_fetch(hub: ros.Hub, link: Link, version: int, done: threading.Eve
 
 
 def release_previous(held: Held | None, timeout: float) -> None:
-    if held is None:
-        return
-    try:
+    """Release the previous version before fetching the next into the same tensors. No
+    `force`: if this rollout is the last complete holder of a version the hub still retains,
+    the release spills it to host memory and keeps serving it from there (until it is no
+    longer retained), so the in-place step loop keeps the retention promise."""
+    if held is not None:
         held.release(timeout=timeout)
-    except RetentionViolation:
-        # Only if the hub retains more than the latest version: the in-place update cannot
-        # keep the old one, so drop it knowingly.
-        held.release(force=True, timeout=timeout)
 
 
 def run_rollout(cfg: DemoConfig, index: int) -> int:
@@ -112,9 +111,5 @@ def run_rollout(cfg: DemoConfig, index: int) -> int:
                 )  # fmt: skip
         return 0
     finally:
-        if held is not None:
-            # closing the session below removes the record anyway
-            with contextlib.suppress(TensorHubError):
-                held.release(force=True, timeout=5.0)
-        hub.close()
+        hub.close()  # stops serving everything held (spills too); the session's records go
         link.close()

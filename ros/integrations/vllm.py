@@ -41,9 +41,11 @@ class VLLMWeightUpdater:
     """Keeps one vLLM model in step with `model` on the hub: `update()` per new version.
 
     The staging copy of the last version stays served to other readers until the next
-    update releases it (then it is reused in place). If releasing would drop the last
-    complete copy of a retained version (`RetentionViolation`), that copy is kept serving
-    and the new version goes into fresh memory; the release is retried on the next update.
+    update releases it (then it is reused in place). The last complete copy of a retained
+    version is spilled to host memory by that release and served from there (the client's
+    `spill_budget`); only past the budget (`SpillBudgetExceeded`, a `RetentionViolation`)
+    is the copy kept serving from the staging memory and the new version fetched into fresh
+    memory, the release being retried on the next update.
     """
 
     def __init__(

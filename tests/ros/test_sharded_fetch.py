@@ -74,7 +74,7 @@ def test_a_sharded_version_needs_a_shard_in_range_and_a_whole_one_none(
 def test_replication_and_the_last_holder_rule_count_holders_of_the_same_shard(
     connect: Callable[..., ros.Hub],
 ) -> None:
-    trainers = [connect() for _ in range(2)]
+    trainers = [connect(spill_budget=0) for _ in range(2)]  # refused, not spilled to host
     pubs = [t.publish("policy", 1, part(i), shard=(i, 2)) for i, t in enumerate(trainers)]
     reader_of_1 = connect()
     reader_of_1.fetch("policy", 1, shard=1, timeout=30)
