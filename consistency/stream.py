@@ -4,16 +4,24 @@ The pump thread (`_run`, written by the subclass) opens calls, registers each wi
 `_attach` so it can be cancelled, and `_put`s items; a failure meant for the consumer is put
 as an exception and raised from `get`. Consumers call `get(timeout)` or iterate, and `close()`
 cancels the live call and joins the thread.
+
+`_pump` is the reconnect loop of every watch, on a `consistency.retry.RetryPolicy`: a stream
+that ended, broke after delivering something, or was broken by `force_reconnect` is reopened
+at once; one that broke before delivering anything is reopened after the policy's backoff
+(the resumable conditions of its table); anything else ends the pump and is raised to the
+consumer.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Generic, Self, TypeVar
 
+from consistency.retry import RetryPolicy
 from tensorhub.errors import TensorHubError
 
 T = TypeVar("T")
@@ -25,11 +33,16 @@ class StreamClosed(TensorHubError):
     code = "CANCELLED"
 
 
+log = logging.getLogger(__name__)
+
+
 class StreamPump(ABC, Generic[T]):
     """Base of the watches: a queue filled by one thread, drained by the consumer."""
 
     def __init__(self, name: str) -> None:
-        self.reconnects = 0
+        self.reconnects = 0  # how often the stream was reopened
+        self._delivered = 0  # items put so far: a stream that delivered some worked
+        self._forced = False  # the live call was broken by force_reconnect, not by a failure
         self._queue: queue.Queue[T | BaseException] = queue.Queue()
         self._closed = threading.Event()
         self._call: Any = None
@@ -45,6 +58,55 @@ class StreamPump(ABC, Generic[T]):
 
     # -- pump side -------------------------------------------------------------------------
 
+    def _pump(
+        self,
+        policy: RetryPolicy,
+        once: Callable[[], None],
+        failed: Callable[[BaseException], BaseException],
+    ) -> None:
+        """Run `once()` (open one stream and read it to its end) until closed, reopening it
+        as the module docstring says; a failure not retried is put as `failed(exc)`."""
+        opened = False
+        while not self._closed.is_set():
+            retrying = policy.retrying(
+                None,
+                resumable=True,
+                stop=self._closed.is_set,
+                sleep=self._closed.wait,  # close() ends a backoff at once
+                before_sleep=self._backing_off,
+            )
+            try:
+                for attempt in retrying:
+                    with attempt:
+                        if opened:
+                            self.reconnects += 1
+                        opened = True
+                        self._once(policy, once)
+            except BaseException as exc:
+                if not self._closed.is_set():
+                    self._put(failed(exc))
+                return
+
+    def _once(self, policy: RetryPolicy, once: Callable[[], None]) -> None:
+        """One stream; a retryable break after it worked (or a forced one) returns, so the
+        pump reopens at once and its backoff starts over."""
+        delivered = self._delivered
+        try:
+            once()
+        except BaseException as exc:
+            forced, self._forced = self._forced, False
+            if self._closed.is_set() or not policy.retryable(exc, resumable=True):
+                raise
+            if forced or self._delivered > delivered:
+                log.info("%s: stream broke (%s); reopening", self._thread.name, _why(exc))
+                return
+            raise
+
+    def _backing_off(self, exc: BaseException, seconds: float) -> None:
+        log.info(
+            "%s: stream failed (%s); reopening in %.2fs", self._thread.name, _why(exc), seconds
+        )
+
     def _attach(self, call: Any) -> bool:
         """Make `call` the live one (cancelled by `close`); False if closed meanwhile."""
         with self._call_lock:
@@ -59,6 +121,7 @@ class StreamPump(ABC, Generic[T]):
             self._call = None
 
     def _put(self, item: T | BaseException) -> None:
+        self._delivered += 1
         self._queue.put(item)
 
     # -- consumer side ---------------------------------------------------------------------
@@ -86,6 +149,7 @@ class StreamPump(ABC, Generic[T]):
         """Break the live call (as a server failure would); the pump resumes by itself."""
         with self._call_lock:
             if self._call is not None:
+                self._forced = True
                 self._call.cancel()
 
     def close(self) -> None:
@@ -98,3 +162,9 @@ class StreamPump(ABC, Generic[T]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _why(exc: BaseException) -> str:
+    """A short reason for the log: the gRPC code, else the error itself."""
+    code = getattr(exc, "code", None)
+    return str(code()) if callable(code) and isinstance(exc, Exception) else repr(exc)

@@ -34,15 +34,16 @@ from etcd3.etcdrpc import kv_pb2
 
 from consistency import ops
 from consistency.etcd import Etcd
+from consistency.etcd_auth import token_refused
+from consistency.etcd_errors import translate
 from consistency.keys import Keys
 from consistency.ops import KV
 from consistency.records import HolderRecord
+from consistency.retry import is_retryable
 from consistency.stream import StreamClosed, StreamPump
-from tensorhub.errors import DeadlineExceeded, InvalidArgument, TensorHubError
+from tensorhub.errors import DeadlineExceeded, InvalidArgument, Unavailable
 
 log = logging.getLogger(__name__)
-
-_RECONNECT_BACKOFF = (0.05, 1.0)
 
 
 @dataclass(frozen=True)
@@ -123,31 +124,10 @@ class KeyWatch(StreamPump[RawEvent | Resync | Progress]):
     # -- stream side -----------------------------------------------------------------------
 
     def _run(self) -> None:
-        backoff = _RECONNECT_BACKOFF[0]
-        while not self._closed.is_set():
-            try:
-                self._stream_once()
-                backoff = _RECONNECT_BACKOFF[0]
-            except grpc.RpcError as exc:
-                if self._closed.is_set():
-                    return
-                if exc.code() != grpc.StatusCode.CANCELLED:
-                    log.info(
-                        "watch on %s broke (%s); resuming at %d",
-                        self._key,
-                        exc.code(),
-                        self.next_revision,
-                    )
-                    time.sleep(backoff)
-                    backoff = min(backoff * 2, _RECONNECT_BACKOFF[1])
-            except TensorHubError as exc:
-                log.info("watch on %s: re-list failed (%s); retrying", self._key, exc)
-                time.sleep(backoff)
-                backoff = min(backoff * 2, _RECONNECT_BACKOFF[1])
-            except BaseException as exc:  # pragma: no cover - surfaced to the consumer
-                self._put(exc)
-                return
-            self.reconnects += 1
+        """Reopen the stream from `next_revision` whenever it breaks, backing off on the etcd
+        client's `RetryPolicy` (`Etcd.policy`: its sleep is what tests replace); a failure
+        it does not retry (an etcd refusal) is raised to the consumer, named."""
+        self._pump(self._etcd.policy, self._stream_once, _named)
 
     def _stream_once(self) -> None:
         create = etcdrpc.WatchCreateRequest(key=ops.b(self._key), start_revision=self.next_revision)
@@ -200,8 +180,10 @@ class KeyWatch(StreamPump[RawEvent | Resync | Progress]):
                     if revision >= self.next_revision - 1:
                         self._put(Progress(revision, notified=True))
         except grpc.RpcError as exc:
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if is_retryable(exc):
                 self._etcd.mark_failed(member)
+            if token_refused(exc):  # the next stream opens with a fresh token
+                raise Unavailable(f"etcd refused the watch's auth token ({exc.details()})") from exc
             raise
         finally:
             stop.set()
@@ -216,6 +198,11 @@ class KeyWatch(StreamPump[RawEvent | Resync | Progress]):
     def close(self) -> None:
         self._requests.put(False)
         super().close()
+
+
+def _named(exc: BaseException) -> BaseException:
+    """What a watch that ended raises to its consumer: an etcd error as its TensorHubError."""
+    return translate(exc, 0.0) if isinstance(exc, grpc.RpcError) else exc
 
 
 class EventKind(StrEnum):

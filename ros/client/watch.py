@@ -4,20 +4,17 @@ and it refuses events older than the client's revision floor."""
 
 from __future__ import annotations
 
-import logging
-
 import grpc
 
 from consistency.floor import RevisionFloor
 from consistency.records import HolderRecord, HolderState
+from consistency.retry import DEFAULT_POLICY, RetryPolicy
 from consistency.stream import StreamPump
 from consistency.watch import EventKind, WatchEvent
-from ros.client.backoff import is_overloaded, overload_delay
+from ros.client.backoff import is_overloaded
 from ros.errors import from_rpc_error
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
-
-log = logging.getLogger(__name__)
 
 _KINDS = {
     pb.WatchEvent.VERSION_PUBLISHED: EventKind.VERSION_PUBLISHED,
@@ -25,7 +22,11 @@ _KINDS = {
     pb.WatchEvent.HOLDER_REMOVED: EventKind.HOLDER_REMOVED,
     pb.WatchEvent.RESYNC: EventKind.RESYNC,
 }
-_RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+
+
+def _named(exc: BaseException) -> BaseException:
+    """What a watch that ended raises to its consumer: a gRPC error as its TensorHubError."""
+    return from_rpc_error(exc) if isinstance(exc, grpc.RpcError) else exc
 
 
 def holder_from_message(h: pb.Holder) -> HolderRecord:
@@ -61,8 +62,10 @@ class HubWatch(StreamPump[WatchEvent]):
         start_revision: int,
         floor: RevisionFloor,
         versions_only: bool = False,
+        policy: RetryPolicy = DEFAULT_POLICY,
     ) -> None:
         super().__init__(f"hub-watch-{model}")
+        self._policy = policy
         self._stub = stub
         self._metadata = metadata
         self._model = model
@@ -74,46 +77,29 @@ class HubWatch(StreamPump[WatchEvent]):
         self._start()
 
     def _run(self) -> None:
-        backoff = 0.05
-        refusals = 0  # consecutive Overloaded refusals of the stream
-        while not self._closed.is_set():
-            delay = backoff
-            request = pb.WatchRequest(
-                model=self._model,
-                start_revision=self.next_revision,
-                versions_only=self._versions_only,
-            )
+        """Reopen the stream from `next_revision` whenever it breaks, on the client's
+        `RetryPolicy` (an `Overloaded` refusal on its slower schedule); a failure it does not
+        retry (a refused token, a bad request) is raised to the consumer as its
+        TensorHubError."""
+        self._pump(self._policy, self._stream_once, _named)
+
+    def _stream_once(self) -> None:
+        request = pb.WatchRequest(
+            model=self._model, start_revision=self.next_revision, versions_only=self._versions_only
+        )
+        try:
+            call = self._stub.Watch(request, metadata=self._metadata)
+            if not self._attach(call):
+                return
             try:
-                call = self._stub.Watch(request, metadata=self._metadata)
-                if not self._attach(call):
-                    return
                 for message in call:
                     self._deliver(event_from_message(message))
-                    backoff = 0.05
-                    refusals = 0
-            except grpc.RpcError as exc:
-                if self._closed.is_set():
-                    return
-                if is_overloaded(exc):
-                    # The replica is at its stream limit: exponential backoff, full jitter.
-                    delay = overload_delay(refusals)
-                    refusals += 1
-                    log.info("watch %s: hub overloaded; retrying in %.2fs", self._model, delay)
-                elif exc.code() not in _RETRY_CODES:
-                    self._put(from_rpc_error(exc))
-                    return
-                else:
-                    log.info(
-                        "watch %s: stream broke (%s); resuming at %d",
-                        self._model,
-                        exc.code(),
-                        self.next_revision,
-                    )
-            self.reconnects += 1
-            if self._closed.wait(delay):
-                return
-            if not refusals:
-                backoff = min(backoff * 2, 1.0)
+            finally:
+                self._detach()
+        except grpc.RpcError as exc:
+            if is_overloaded(exc):  # the replica is at its stream limit
+                raise from_rpc_error(exc) from exc
+            raise
 
     def _deliver(self, event: WatchEvent) -> None:
         """Queue `event` unless it was delivered before a reconnect.

@@ -9,6 +9,7 @@ import pytest
 
 from consistency import (
     Etcd,
+    EtcdCluster,
     EventKind,
     HolderRecord,
     KeyWatch,
@@ -17,6 +18,7 @@ from consistency import (
     VersionRegistry,
     wait_for_version,
 )
+from consistency.retry import RetryPolicy
 from consistency.watch import RawEvent, Resync
 from tensorhub.errors import DeadlineExceeded, InvalidArgument
 
@@ -129,3 +131,44 @@ def test_wait_for_version_watches_until_visible(etcd: Etcd, versions: VersionReg
         assert revision >= versions.describe("t", "m", 4).published_revision
         with pytest.raises(DeadlineExceeded):
             wait_for_version(etcd, versions.keys, "t", "m", 5, timeout=0.3)
+
+
+@pytest.mark.timeout(120)
+def test_a_watch_whose_etcd_is_down_backs_off_on_its_clients_policy() -> None:
+    """KeyWatch reconnects on `Etcd.policy`: with its only member killed, the waits between
+    its reconnects are the policy's schedule, seen through the injected sleep (jitter at the
+    top of each range: 0.05 s doubling), and once the member is back the watch resumes from
+    the revision after its last event, losing and repeating nothing."""
+    delays: list[float] = []
+    backing_off = threading.Event()
+
+    def sleep(seconds: float) -> None:
+        delays.append(round(seconds, 6))
+        if len(delays) >= 5:
+            backing_off.set()
+        time.sleep(0.01)  # not the schedule's time: the watch only has to yield the CPU
+
+    policy = RetryPolicy(sleep=sleep, jitter=lambda high: high)
+    with (
+        EtcdCluster(1) as cluster,
+        Etcd(cluster.endpoints, timeout=5.0, policy=policy) as etcd,
+    ):
+        start = etcd.put("/down/k", "1")
+        with KeyWatch(etcd, "/down/", prefix=True, start_revision=start) as watch:
+            first = watch.get(10)
+            assert isinstance(first, RawEvent)
+            assert first.kv.value == b"1"
+            assert delays == []  # a healthy stream never waits
+            cluster.kill(0)
+            assert backing_off.wait(60), f"the watch did not back off: {delays}"
+            assert delays[:5] == [0.05, 0.1, 0.2, 0.4, 0.8]
+            cluster.restart(0)
+            etcd.put("/down/k", "2")
+            seen = []
+            deadline = time.monotonic() + 60
+            while b"2" not in seen and time.monotonic() < deadline:
+                item = watch.get(1)
+                if isinstance(item, RawEvent):
+                    seen.append(item.kv.value)
+            assert seen == [b"2"]  # nothing repeated, nothing lost
+            assert watch.reconnects >= 5
