@@ -32,3 +32,21 @@ def test_module_cuda_to_cuda(connect: Callable[..., ros.Hub]) -> None:
     assert torch.equal(target(x), source(x))
     pub.release(force=True)
     held.release(force=True)
+
+
+def test_the_last_holder_of_a_cuda_version_spills_it_to_host_memory(
+    connect: Callable[..., ros.Hub],
+) -> None:
+    """The paper's "offload to CPU": leaving the block copies the GPU tensors to host memory
+    once, and the version is served from there while the GPU memory is overwritten."""
+    trainer = connect()
+    weights = {"w": torch.randn(1024, 256, device="cuda"), "b": torch.randn(256, device="cuda")}
+    expected = {name: t.cpu() for name, t in weights.items()}
+    with trainer.publish("gpu", 1, weights):
+        pass
+    for tensor in weights.values():
+        tensor.zero_()  # the GPU memory is free: the optimizer may step
+    assert trainer.spills.held_bytes == sum(t.numel() * t.element_size() for t in expected.values())
+    held = connect().fetch("gpu", 1, timeout=60)
+    for name, tensor in expected.items():
+        assert torch.equal(held.tensors[name], tensor), name
