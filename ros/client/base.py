@@ -9,13 +9,13 @@ import re
 import secrets
 import socket
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
 
-from consistency.floor import RevisionFloor, StaleRead
+from consistency.floor import RevisionFloor
+from consistency.retry import DEFAULT_POLICY, RetryPolicy
 from ros.client.backoff import retry_overloaded
 from ros.client.channel import open_channel, parse_address
 from ros.client.handles import DEFAULT_RELEASE_TIMEOUT
@@ -75,6 +75,7 @@ class ClientBase:
         tls: TlsConfig | None = None,
         hooks: ClientHooks = PRODUCTION,
         spill_budget: int | None = None,
+        retry: RetryPolicy = DEFAULT_POLICY,
     ) -> None:
         addresses = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         self._hooks = hooks  # fault injection (chaos, tests) enters here only: ros.client.hooks
@@ -82,6 +83,7 @@ class ClientBase:
         self.holder_name = validate_name(name or default_holder_name(), "holder")
         self.topology = Topology(**dict(topology or {}))
         self.timeout = timeout
+        self.retry = retry  # how reads and watches are tried again (`consistency.retry`)
         self._listen = parse_address(listen, allow_zero=True)
         if advertise is not None:
             format_endpoint(advertise, 1)  # a host no reader could use fails here, not later
@@ -132,17 +134,18 @@ class ClientBase:
     def _fresh(
         self, call: Callable[[float], T], revision_of: Callable[[T], int], timeout: float
     ) -> T:
-        """Repeat a read until its answer is not older than our revision floor (or the deadline)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            answer = call(max(deadline - time.monotonic(), 0.01))
-            try:
-                self.floor.accept(revision_of(answer))
-                return answer
-            except StaleRead:
-                if time.monotonic() >= deadline:
-                    raise
-                time.sleep(0.05)
+        """A read whose answer is not older than our revision floor, tried again on the
+        client's `RetryPolicy` until the deadline: a `StaleRead` from a lagging replica, or
+        one unreachable or overloaded (`consistency.retry`). Before, only a stale answer was
+        read again, on a fixed 50 ms loop."""
+        deadline = self.retry.deadline(timeout)
+
+        def read() -> T:
+            answer = call(max(deadline - self.retry.clock(), 0.01))
+            self.floor.accept(revision_of(answer))
+            return answer
+
+        return self.retry.call(read, deadline)
 
     def _open_session(self) -> ClientSession:
         request = pb.OpenSessionRequest(ttl_seconds=self._session_ttl)
@@ -343,7 +346,9 @@ class ClientBase:
             since = int(self._rpc("Latest", pb.LatestRequest(model=model)).revision) + 1
         elif since <= 0:
             raise InvalidArgument("since must be a positive revision")
-        return HubWatch(self._stub, self._metadata, model, since, self.floor, versions_only)
+        return HubWatch(
+            self._stub, self._metadata, model, since, self.floor, versions_only, self.retry
+        )
 
     # -- release and lifecycle ---------------------------------------------------------
 
