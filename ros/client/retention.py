@@ -94,6 +94,7 @@ class Retention:
         self.budget = default_spill_budget() if budget is None else int(budget)
         self._lock = threading.Lock()
         self._host: dict[Key, int] = {}  # host-spilled versions: their bytes
+        self._copying: set[Key] = set()  # reserved, copy not swapped in yet: not swept
         self._spills = self._freed = self._file_spills = 0
 
     @property
@@ -103,10 +104,6 @@ class Retention:
                 self.budget, self._spills, len(self._host), sum(self._host.values()),
                 self._freed, self._file_spills,
             )  # fmt: skip
-
-    def is_host_spilled(self, key: Key) -> bool:
-        with self._lock:
-            return key in self._host
 
     # -- release ---------------------------------------------------------------------------
 
@@ -164,18 +161,23 @@ class Retention:
                     "knowingly (release(force=True))"
                 ) from refused
             self._host[key] = nbytes  # reserved before the copy: racing releases see it
+            self._copying.add(key)
         try:
             copy = host_copy(held)
-            client._store.replace(copy, timeout)
         except BaseException:
             with self._lock:
-                if client._store.get(key) is held:  # not swapped in: the reservation goes
-                    self._host.pop(key, None)
+                self._host.pop(key, None)
+                self._copying.discard(key)
             raise
         with self._lock:
             self._spills += 1
         SDK_HOST_SPILLS.inc()
         SDK_HOST_SPILL_BYTES.inc(nbytes)
+        try:  # swaps the copy in at once, then waits for reads in flight of the caller's memory
+            client._store.replace(copy, timeout)
+        finally:
+            with self._lock:
+                self._copying.discard(key)
         log.info(
             "%s@%d: last complete holder of a retained version; spilled %d bytes to host "
             "memory, serving it from there until it is no longer retained", model, version, nbytes,
@@ -211,7 +213,7 @@ class Retention:
         returns how many were freed. Bounded: one ReleaseHolder per spilled version, oldest
         first, all within `budget` seconds; failures are logged and tried again next time."""
         with self._lock:
-            keys = sorted(self._host, key=lambda k: (k[1], k[2]))
+            keys = sorted(set(self._host) - self._copying, key=lambda k: (k[1], k[2]))
         end = time.monotonic() + budget
         freed = 0
         for key in keys:

@@ -133,3 +133,19 @@ def test_the_budget_bounds_the_bytes_of_every_host_spill_held_at_once(
     assert trainer.spills.held_versions == 1
     with pytest.raises(ros.InvalidArgument, match="spill_budget"):
         connect(spill_budget=-1)
+
+
+def test_a_spill_is_freed_once_another_complete_holder_stands_in(
+    connect: Callable[..., ros.Hub],
+) -> None:
+    trainer, reader = connect(), connect()
+    with trainer.publish("policy", 1, make_model(1)):
+        pass  # spilled: no reader yet
+    assert trainer.spills.held_versions == 1
+    reader.fetch("policy", 1, timeout=30)  # a second complete holder of v1
+    with trainer.publish("policy", 2, make_model(2)):
+        pass  # the sweep frees v1's spill (the reader holds it), then v2 is spilled
+    stats = trainer.spills
+    assert (stats.spills, stats.freed, stats.held_versions) == (2, 1, 1)
+    assert trainer.holder_name not in [h.holder for h in reader.holders("policy", 1)]
+    assert same(connect().fetch("policy", 1, timeout=30).tensors, make_model(1))
