@@ -22,7 +22,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tensorhub.errors import InvalidArgument, PermissionDenied
+from tensorhub.errors import EtcdAuthFailed, InvalidArgument
+
+__all__ = [  # EtcdAuthFailed is defined in tensorhub.errors; importable from here as before
+    "ENV_CA",
+    "ENV_CERT",
+    "ENV_KEY",
+    "ENV_PASSWORD",
+    "ENV_PASSWORD_FILE",
+    "ENV_USER",
+    "EtcdAuthFailed",
+    "EtcdCredentials",
+    "add_etcd_arguments",
+    "credentials_from_args",
+]
 
 ENV_USER = "TENSORHUB_ETCD_USER"
 ENV_PASSWORD = "TENSORHUB_ETCD_PASSWORD"
@@ -30,14 +43,6 @@ ENV_PASSWORD_FILE = "TENSORHUB_ETCD_PASSWORD_FILE"
 ENV_CA = "TENSORHUB_ETCD_CA"
 ENV_CERT = "TENSORHUB_ETCD_CERT"
 ENV_KEY = "TENSORHUB_ETCD_KEY"
-
-
-class EtcdAuthFailed(PermissionDenied):
-    """etcd refused the hub's credentials, or asked for credentials the hub was not given.
-
-    A configuration error of the hub's operator, not of any tenant: the message says which
-    setting to look at.
-    """
 
 
 @dataclass(frozen=True)

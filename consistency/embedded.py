@@ -55,13 +55,7 @@ from etcd3 import etcdrpc
 
 from consistency.credentials import EtcdCredentials
 from consistency.etcdbin import find_etcd_binary
-from tensorhub.errors import DeadlineExceeded, TensorHubError
-
-
-class EtcdStartError(TensorHubError):
-    """An embedded etcd member did not become healthy in time."""
-
-    code = "UNAVAILABLE"
+from tensorhub.errors import DeadlineExceeded, EtcdStartError, TensorHubError
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -9,27 +9,21 @@ from __future__ import annotations
 
 import grpc
 
-from consistency.credentials import EtcdAuthFailed
 from consistency.etcd_auth import token_refused
 from consistency.refusals import name_refusal
 from consistency.retry import is_deadline
-from tensorhub.errors import DeadlineExceeded, StorageFull, TensorHubError, Unavailable
+from tensorhub.errors import (
+    DeadlineExceeded,
+    EtcdAuthFailed,
+    LeaseNotFound,
+    RevisionCompacted,
+    StorageFull,
+    TensorHubError,
+    Unavailable,
+)
 
-
-class RevisionCompacted(TensorHubError):
-    """A read or watch asked for a revision that etcd has already compacted."""
-
-    code = "OUT_OF_RANGE"
-
-    def __init__(self, message: str, compact_revision: int) -> None:
-        super().__init__(message)
-        self.compact_revision = compact_revision
-
-
-class LeaseNotFound(TensorHubError):
-    """etcd does not know the lease (it expired or was revoked)."""
-
-    code = "NOT_FOUND"
+# The two etcd-only errors are defined in tensorhub.errors; importable from here as before.
+__all__ = ["LeaseNotFound", "RevisionCompacted", "translate"]
 
 
 def translate(exc: grpc.RpcError, budget: float) -> TensorHubError:

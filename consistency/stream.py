@@ -22,16 +22,11 @@ from collections.abc import Callable, Iterator
 from typing import Any, Generic, Self, TypeVar
 
 from consistency.retry import RetryPolicy
-from tensorhub.errors import TensorHubError
+from tensorhub.errors import StreamClosed
+
+__all__ = ["StreamClosed", "StreamPump"]  # StreamClosed is defined in tensorhub.errors
 
 T = TypeVar("T")
-
-
-class StreamClosed(TensorHubError):
-    """The stream was closed; no more items will come."""
-
-    code = "CANCELLED"
-
 
 log = logging.getLogger(__name__)
 

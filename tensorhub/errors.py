@@ -1,76 +1,134 @@
-"""The one exception tree of TensorHub (DESIGN.md §5).
+"""The one exception tree of TensorHub (DESIGN.md §5), and its registry of gRPC codes.
 
-Every error a caller can see derives from `TensorHubError`. The `code` attribute names the
-gRPC status code the hub maps the error to; `ros.errors` turns codes back into these classes
-on the client side, so both directions live in one table.
+Every error a caller can see derives from `TensorHubError`, and every such class is defined
+here. Each one is registered where it is defined, with the gRPC status code the hub answers
+it with (`@_code(...)`, after kazoo's `exceptions.py`): the hub sends the code and the class
+name (`ros.errors`), and the SDK rebuilds the same class from `registered()`, so both
+directions read one table and no list is kept by hand elsewhere. `default_for` names the
+class a status code stands for when a reply names no class (gRPC's own refusals, a proxy).
+Extra attributes named in `fields` (e.g. `RevisionCompacted.compact_revision`) travel with
+the name and are set again on the client.
 
 Outcome rule: errors raised before anything reached etcd (`InvalidName`, `InvalidArgument`,
 `PermissionDenied`, `QuotaExceeded`, `StaleVersion`) guarantee that nothing was written.
 `OutcomeUnknown` (and a `DeadlineExceeded` raised during a write) means the write may or may
-not have happened; read back (`latest()`, `inspect`) to find out.
+not have happened; read back (`latest()`, `inspect`) to find out. It is only ever raised for
+a write: a read that fails in an unexpected way is an `InternalError`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import ClassVar, TypeVar
+
+_BY_NAME: dict[str, type[TensorHubError]] = {}
+_DEFAULTS: dict[str, type[TensorHubError]] = {}
+
+E = TypeVar("E", bound="type[TensorHubError]")
+
+
+def _code(code: str, *, default_for: tuple[str, ...] = ()) -> Callable[[E], E]:
+    """Register the decorated class under its name with gRPC status `code` (a
+    `grpc.StatusCode` name); it is also what a bare reply with a status in `default_for`
+    becomes. A name or default registered twice is a programming error, raised at import."""
+
+    def register(cls: E) -> E:
+        if cls.__name__ in _BY_NAME:
+            raise TypeError(f"two TensorHub errors are named {cls.__name__}")
+        cls.code = code
+        _BY_NAME[cls.__name__] = cls
+        for status in default_for:
+            if status in _DEFAULTS:
+                raise TypeError(f"{status} already defaults to {_DEFAULTS[status].__name__}")
+            _DEFAULTS[status] = cls
+        return cls
+
+    return register
+
+
+def registered() -> Mapping[str, type[TensorHubError]]:
+    """Every registered error class by name (read-only): what the SDK rebuilds from."""
+    return MappingProxyType(_BY_NAME)
+
+
+def default_for(status: str) -> type[TensorHubError] | None:
+    """The class a reply with gRPC status `status` (a name) and no class name stands for."""
+    return _DEFAULTS.get(status)
 
 
 class TensorHubError(Exception):
     """Root of every TensorHub error."""
 
-    code: str = "UNKNOWN"
+    code: ClassVar[str] = "UNKNOWN"
+    # Attributes (int, float or str, with a class-level default) that travel with the name.
+    fields: ClassVar[tuple[str, ...]] = ()
 
 
+_code("UNKNOWN")(TensorHubError)
+
+
+@_code("INVALID_ARGUMENT", default_for=("INVALID_ARGUMENT",))
 class InvalidArgument(TensorHubError):
     """The request is malformed; nothing was changed."""
 
-    code = "INVALID_ARGUMENT"
 
-
+@_code("INVALID_ARGUMENT")
 class InvalidName(InvalidArgument):
     """A tenant, model or holder name does not match the strict name pattern."""
 
 
+@_code("INVALID_ARGUMENT")
 class InvalidManifest(InvalidArgument):
     """A manifest breaks a rule of `ros.manifest_check` (dtype, offsets, chunks, checksums,
     names, sizes, metadata): refused by the hub before any write, by the SDK before it
     publishes, and by a reader before it uses a manifest it received."""
 
 
+@_code("INVALID_ARGUMENT")
+class ManifestTooLarge(InvalidArgument):
+    """A manifest is larger than the documented maximum (`consistency.manifests`): nothing
+    was written. Use larger chunks, or publish the model in shards."""
+
+
+@_code("FAILED_PRECONDITION", default_for=("FAILED_PRECONDITION",))
 class StaleVersion(TensorHubError):
     """A publish names a version that is not newer than the current latest."""
 
-    code = "FAILED_PRECONDITION"
 
-
+@_code("ALREADY_EXISTS", default_for=("ALREADY_EXISTS",))
 class AlreadyExists(TensorHubError):
     """The object (a version, a tenant, a holder record) already exists."""
 
-    code = "ALREADY_EXISTS"
 
-
+@_code("NOT_FOUND")
 class TenantNotFound(TensorHubError):
     """An admin call names a tenant that does not exist (never created, or deleted)."""
 
-    code = "NOT_FOUND"
 
-
+@_code("NOT_FOUND", default_for=("NOT_FOUND",))
 class VersionNotFound(TensorHubError):
     """The model or version was never published, or is no longer retained."""
 
-    code = "NOT_FOUND"
+
+@_code("NOT_FOUND")
+class VersionRetired(VersionNotFound):
+    """The version was removed (by retention, or with its model) while a holder still had
+    a record for it: the record went with it. Not a `LeaseLost`: the session is fine and
+    nothing needs re-registering; fetch a version that is still published."""
 
 
+@_code("UNAVAILABLE")
 class VersionUnavailable(TensorHubError):
     """The version exists, but no live holder is left to read it from."""
 
-    code = "UNAVAILABLE"
 
-
+@_code("FAILED_PRECONDITION")
 class RetentionViolation(TensorHubError):
     """Releasing would drop the last complete holder of a retained version."""
 
-    code = "FAILED_PRECONDITION"
 
-
+@_code("FAILED_PRECONDITION")
 class SpillBudgetExceeded(RetentionViolation):
     """Releasing the last complete holder of a retained version needs a spill to host memory
     that this client's spill budget cannot hold; nothing was changed. Raise the budget
@@ -78,77 +136,127 @@ class SpillBudgetExceeded(RetentionViolation):
     the version knowingly (`release(force=True)`)."""
 
 
+@_code("PERMISSION_DENIED", default_for=("PERMISSION_DENIED", "UNAUTHENTICATED"))
 class PermissionDenied(TensorHubError):
     """The caller's token does not allow this call."""
 
-    code = "PERMISSION_DENIED"
+
+@_code("PERMISSION_DENIED")
+class EtcdAuthFailed(PermissionDenied):
+    """etcd refused the hub's credentials, or asked for credentials the hub was not given.
+
+    A configuration error of the hub's operator, not of any tenant: the message says which
+    setting to look at (`consistency.credentials`).
+    """
 
 
+@_code("RESOURCE_EXHAUSTED")
 class QuotaExceeded(TensorHubError):
     """A tenant quota (models, retained versions, sessions) would be exceeded."""
 
-    code = "RESOURCE_EXHAUSTED"
 
-
+# Without a class name a RESOURCE_EXHAUSTED is not the hub's quota refusal (that always
+# names its class) but gRPC's own: its concurrent-call limit, or a message too large.
+# Overloaded, so the SDK backs off and retries instead of reporting a quota it did not reach.
+@_code("RESOURCE_EXHAUSTED", default_for=("RESOURCE_EXHAUSTED",))
 class Overloaded(TensorHubError):
     """A hub replica refused a stream at one of its stream limits (per replica or per
     tenant): nothing was opened. Back off with jitter and retry, possibly on another replica.
     Not a `QuotaExceeded`: no tenant quota is full, the replica is."""
 
-    code = "RESOURCE_EXHAUSTED"
 
-
+@_code("RESOURCE_EXHAUSTED")
 class StorageFull(TensorHubError):
     """etcd raised its NOSPACE alarm: it refuses every write until compaction and a defrag
     free space (the hub's compactor does both, then disarms the alarm). Nothing was written."""
 
-    code = "RESOURCE_EXHAUSTED"
 
-
+@_code("RESOURCE_EXHAUSTED")
 class OutOfMemory(TensorHubError):
     """This process could not allocate the tensors of a version it is about to fetch (the
     manifest is valid, the version larger than this machine's memory): nothing was
     registered. Fetch `into=` memory of your own, or fetch one shard at a time."""
 
-    code = "RESOURCE_EXHAUSTED"
 
-
-class ManifestTooLarge(InvalidArgument):
-    """A manifest is larger than the documented maximum (`consistency.manifests`): nothing
-    was written. Use larger chunks, or publish the model in shards."""
-
-
+@_code("DEADLINE_EXCEEDED", default_for=("DEADLINE_EXCEEDED",))
 class DeadlineExceeded(TensorHubError):
     """The call's deadline passed before it completed."""
 
-    code = "DEADLINE_EXCEEDED"
 
-
+@_code("UNKNOWN", default_for=("UNKNOWN",))
 class OutcomeUnknown(TensorHubError):
     """A write's reply was lost: it may or may not have been applied."""
 
-    code = "UNKNOWN"
 
-
+@_code("UNAVAILABLE", default_for=("UNAVAILABLE",))
 class Unavailable(TensorHubError):
     """No etcd member or hub replica could be reached within the deadline."""
 
-    code = "UNAVAILABLE"
+
+@_code("UNAVAILABLE")
+class WriteUnconfirmed(Unavailable):
+    """etcd did not confirm the request in time (request timed out, leader changed): a
+    write may or may not have been applied. `Etcd.txn` raises `OutcomeUnknown` for a
+    transaction that writes (`consistency.refusals`); a read may simply be retried."""
 
 
+@_code("UNAVAILABLE")
+class StaleRead(TensorHubError):
+    """An answer was read at a revision older than one this client has already seen
+    (`consistency.floor`). Retryable: another replica (or a moment later) answers fresh."""
+
+
+@_code("UNAVAILABLE")
+class EtcdStartError(TensorHubError):
+    """An embedded etcd member did not become healthy in time (`consistency.embedded`)."""
+
+
+@_code("FAILED_PRECONDITION")
+class EtcdNotFound(TensorHubError):
+    """No etcd server binary could be found (`consistency.etcdbin`)."""
+
+
+@_code("OUT_OF_RANGE")
+class RevisionCompacted(TensorHubError):
+    """A read or watch asked for a revision that etcd has already compacted;
+    `compact_revision` is the oldest one still kept, where etcd said (else 0)."""
+
+    fields = ("compact_revision",)
+    compact_revision: int = 0
+
+    def __init__(self, message: str, compact_revision: int = 0) -> None:
+        super().__init__(message)
+        self.compact_revision = compact_revision
+
+
+@_code("NOT_FOUND")
+class LeaseNotFound(TensorHubError):
+    """etcd does not know the lease (it expired or was revoked)."""
+
+
+@_code("CANCELLED")
+class StreamClosed(TensorHubError):
+    """The stream was closed; no more items will come (`consistency.stream`)."""
+
+
+@_code("INTERNAL", default_for=("INTERNAL",))
 class InternalError(TensorHubError):
-    """The hub failed with an unexpected error (a bug, logged there): not the caller's
-    fault, and not a lost write either; retrying may or may not help."""
+    """The hub failed with an unexpected error (a bug, logged there), or a read was answered
+    UNKNOWN: not the caller's fault, and not a lost write either; retrying may or may not
+    help."""
 
-    code = "INTERNAL"
+
+@_code("INTERNAL")
+class DemoFailed(TensorHubError):
+    """A demo worker failed or the run could not go on (the report says why; `ros.demo`)."""
 
 
+@_code("FAILED_PRECONDITION")
 class LeaseLost(TensorHubError):
     """The session's lease expired or was revoked; its records are gone."""
 
-    code = "FAILED_PRECONDITION"
 
-
+@_code("FAILED_PRECONDITION")
 class SessionExpired(LeaseLost):
     """The session a call presented no longer exists (expired or revoked).
 
@@ -157,21 +265,31 @@ class SessionExpired(LeaseLost):
     """
 
 
+@_code("UNAVAILABLE")
 class TransportError(TensorHubError):
     """A data-plane connection failed, or a peer broke the wire protocol."""
 
-    code = "UNAVAILABLE"
 
-
+@_code("UNAVAILABLE")
 class SlowHolder(TransportError):
     """A holder sent a chunk it has below the fetch's rate floor for longer than the stall
     window (a trickler): suspected for this fetch like a silent one, its chunks moved to
     other holders (transport/pace.py)."""
 
+    fields = ("rate",)
     rate: float = 0.0  # the bytes/s it delivered over the window it was judged on
 
 
+@_code("DATA_LOSS", default_for=("DATA_LOSS",))
 class IntegrityError(TensorHubError):
     """Bytes failed their checksum or carried the wrong version, and no holder had good ones."""
 
-    code = "DATA_LOSS"
+
+@_code("DATA_LOSS")
+class TornRead(IntegrityError):
+    """The holder overwrote (or began to overwrite) the memory while a chunk was read
+    (`transport.rdma.seqlock`).
+
+    The chunk's bytes in the destination are garbage and must be fetched again, from this
+    holder's next version or from another holder of this one.
+    """

@@ -47,7 +47,7 @@ def _call(args: argparse.Namespace, method: str, request: Any) -> Any:
     try:
         return getattr(stub, method)(request, timeout=args.timeout, metadata=tenant_metadata(args))
     except grpc.RpcError as exc:
-        raise from_rpc_error(exc) from None
+        raise from_rpc_error(exc, method) from None
     finally:
         channel.close()
 

@@ -126,7 +126,7 @@ class ClientBase:
                 metadata=self._metadata,
             )
         except grpc.RpcError as exc:
-            error = from_rpc_error(exc)
+            error = from_rpc_error(exc, method)  # UNKNOWN: OutcomeUnknown only for writes
             if isinstance(error, SessionExpired) and session is not None:
                 session.expire(f"the hub answered {method} with: {error}")
             raise error from None

@@ -24,7 +24,7 @@ from ros.demo.display import Display, short
 from ros.demo.report import Fetch, Report, Step
 from ros.hub.server import HubServer
 from ros.hub.tenants import TenantStore
-from tensorhub.errors import DeadlineExceeded, TensorHubError
+from tensorhub.errors import DeadlineExceeded, DemoFailed, TensorHubError
 
 TENANT = "demo"
 STARTUP_TIMEOUT = 120.0  # workers import torch and build the model first
@@ -32,12 +32,6 @@ STARTUP_TIMEOUT = 120.0  # workers import torch and build the model first
 
 # Messages about one version's step; one that arrives before the step exists waits for it.
 _ABOUT_A_STEP = ("released", "fetched", "fetch_failed", "rewards", "trained", "mid_fetch")
-
-
-class DemoFailed(TensorHubError):
-    """A worker failed or the run could not go on (the report says why)."""
-
-    code = "INTERNAL"
 
 
 class DemoRun:

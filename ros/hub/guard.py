@@ -39,7 +39,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from ros.errors import ERROR_METADATA_KEY, status_of
+from ros.errors import error_metadata, status_of
 from ros.hub.rpc import CallContext, bearer
 from ros.metrics import HUB_CALLS_REFUSED, HUB_REQUESTS
 from tensorhub.errors import (
@@ -157,7 +157,7 @@ async def _abort(
     context: grpc.aio.ServicerContext[Any, Any], method: str, error: TensorHubError
 ) -> None:
     HUB_REQUESTS.labels(method, status_of(error).name).inc()
-    context.set_trailing_metadata(((ERROR_METADATA_KEY, type(error).__name__),))
+    context.set_trailing_metadata(error_metadata(error))
     await context.abort(status_of(error), str(error))
 
 

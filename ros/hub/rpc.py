@@ -30,7 +30,7 @@ import grpc.aio
 
 from consistency import Etcd, HolderRegistry, Keys, VersionRegistry
 from consistency.keepalive import LeaseKeeper
-from ros.errors import ERROR_METADATA_KEY, status_of
+from ros.errors import error_metadata, status_of
 from ros.hub.fanout import WatchFanout
 from ros.hub.holder_index import HolderIndex
 from ros.hub.limits import Limits, StreamLimits
@@ -90,7 +90,7 @@ async def _abort(context: AioContext, method: str, exc: TensorHubError) -> None:
     code = status_of(exc)
     HUB_REQUESTS.labels(method, code.name).inc()
     log.info("rpc %s failed: %s: %s", method, type(exc).__name__, exc)
-    context.set_trailing_metadata(((ERROR_METADATA_KEY, type(exc).__name__),))
+    context.set_trailing_metadata(error_metadata(exc))  # its name, and fields if it has any
     await context.abort(code, str(exc))
 
 

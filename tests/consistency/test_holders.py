@@ -17,7 +17,14 @@ from consistency import (
     Session,
     VersionRegistry,
 )
-from tensorhub.errors import InvalidArgument, LeaseLost, RetentionViolation, VersionNotFound
+from consistency.deletion import delete_model
+from tensorhub.errors import (
+    InvalidArgument,
+    LeaseLost,
+    RetentionViolation,
+    VersionNotFound,
+    VersionRetired,
+)
 
 
 def rec(session: Session, name: str, state: HolderState = HolderState.PARTIAL) -> HolderRecord:
@@ -67,6 +74,47 @@ def test_stale_fence_cannot_overwrite_a_newer_incarnation(
     listed, _ = holders.list("t", "m", 1)
     assert next(h for h in listed if h.holder == "reader").session == new.id
     new.close()
+
+
+def test_a_record_gone_with_its_lease_is_lease_lost(
+    etcd: Etcd, holders: HolderRegistry, published: Session
+) -> None:
+    old = Session(etcd, ttl=5)
+    record = rec(old, "reader")
+    fence = holders.register("t", "m", 1, record)
+    old.close()  # revoked: the record goes with the lease, the version stays
+    with pytest.raises(LeaseLost) as info:
+        holders.update_state("t", "m", 1, record.with_state(HolderState.COMPLETE), fence)
+    assert not isinstance(info.value, VersionNotFound)
+
+
+def test_a_record_removed_by_retention_is_version_retired_not_lease_lost(
+    etcd: Etcd, versions: VersionRegistry, holders: HolderRegistry, published: Session
+) -> None:
+    """Retention deletes an unpinned old version with every holder record under it; the
+    holder's next update says so, instead of blaming a lease that is alive (issue 13)."""
+    with Session(etcd, ttl=5) as reader:
+        record = rec(reader, "reader", HolderState.COMPLETE)  # COMPLETE: no pin of its own
+        fence = holders.register("t", "m", 1, record)
+        for v in (2, 3):
+            versions.publish("t", "m", v, b"manifest", rec(published, "trainer"))
+        assert 1 not in versions.versions("t", "m")  # retain=2: v1 collected
+        with pytest.raises(VersionRetired, match="removed") as info:
+            holders.update_state("t", "m", 1, record, fence)
+        assert not isinstance(info.value, LeaseLost)
+        assert isinstance(info.value, VersionNotFound)  # what callers catch already
+        reader.check()  # and the session really is fine
+
+
+def test_a_record_removed_with_its_model_is_version_retired(
+    etcd: Etcd, holders: HolderRegistry, published: Session
+) -> None:
+    with Session(etcd, ttl=5) as reader:
+        record = rec(reader, "reader")  # PARTIAL: its pin does not stop a model deletion
+        fence = holders.register("t", "m", 1, record)
+        delete_model(etcd, holders.keys, "t", "m")
+        with pytest.raises(VersionRetired):
+            holders.update_state("t", "m", 1, record.with_state(HolderState.COMPLETE), fence)
 
 
 def test_last_complete_holder_of_retained_version_cannot_release(

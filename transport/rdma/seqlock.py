@@ -10,18 +10,12 @@ v+1, fully written after a completed overwrite, is not mistaken for v).
 
 from __future__ import annotations
 
-from tensorhub.errors import IntegrityError
+from tensorhub.errors import TornRead
+
+__all__ = ["EPOCH_BYTES", "EPOCH_MODULUS", "TornRead", "bump_epoch", "epoch_ok"]
 
 EPOCH_BYTES = 8
 EPOCH_MODULUS = 1 << 64
-
-
-class TornRead(IntegrityError):
-    """The holder overwrote (or began to overwrite) the memory while a chunk was read.
-
-    The chunk's bytes in the destination are garbage and must be fetched again, from this
-    holder's next version or from another holder of this one.
-    """
 
 
 def bump_epoch(epoch: int) -> int:
