@@ -34,7 +34,7 @@ from ros.hub.limits import (
     DEFAULT_WORKERS,
 )
 from ros.hub.server import DEFAULT_MAX_STREAMS_PER_CONNECTION, HubServer
-from ros.tokens import READ_KEY_PERIOD
+from ros.tokens import MAX_READ_TOKEN_LIFETIME, READ_KEY_PERIOD, READ_TOKEN_TTL
 from tensorhub.errors import InvalidArgument, TensorHubError
 
 log = logging.getLogger(__name__)
@@ -134,6 +134,14 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         "current and the previous period's; the same on every replica (default %(default)s)",
     )
     parser.add_argument(
+        "--read-token-ttl",
+        type=float,
+        default=READ_TOKEN_TTL,
+        metavar="SECONDS",
+        help="seconds a read token issued at Resolve lives; fetches renew theirs before it "
+        f"expires; at most {MAX_READ_TOKEN_LIFETIME:g} (default %(default)s)",
+    )
+    parser.add_argument(
         "--compact-interval",
         type=float,
         default=DEFAULT_COMPACT_INTERVAL,
@@ -216,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
             max_streams=args.max_streams, max_streams_per_tenant=args.max_streams_per_tenant,
             max_private_watches=args.max_private_watches,
             compact_interval=args.compact_interval, read_key_period=args.read_key_period,
-            etcd_credentials=etcd_credentials,
+            read_token_ttl=args.read_token_ttl, etcd_credentials=etcd_credentials,
             first_message_seconds=args.first_message_timeout,
             max_streams_per_connection=args.max_streams_per_connection,
         ).start()  # fmt: skip

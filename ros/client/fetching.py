@@ -13,6 +13,7 @@ from ros.client.base import ClientBase
 from ros.client.deadline import Deadline
 from ros.client.handles import Held
 from ros.client.manifest import layout_of
+from ros.client.read_token import RenewingToken
 from ros.metrics import SDK_BYTES_FETCHED, SDK_FETCH_SECONDS
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.endpoints import parse_endpoint
@@ -119,13 +120,14 @@ class FetchMixin(ClientBase):
         candidates = list(registered.candidates) or holders_of(resolved, shard)
         skipped: dict[str, str] = {}  # holders whose endpoint we cannot use: why
         first = pipeline_sources(self.topology, fence, self._candidates(candidates, skipped))
+        tokens = self._read_token(model, version, shard, deadline, resolved)
         stats = read_or_explain(
             skipped,
             lambda: transport_fetch(
                 self.tenant, model, version, held.layout, held,
                 first or self._sources(candidates, skipped),
-                token=bytes(resolved.read_token), deadline=deadline.work_end, me=self.topology,
-                refresh_sources=self._refresher(model, version, shard, deadline, skipped),
+                token=tokens, deadline=deadline.work_end, me=self.topology,
+                refresh_sources=self._refresher(model, version, shard, deadline, skipped, tokens),
                 expected=list(manifest.chunk_xxh3), tls=self._tls, rate_floor=rate_floor,
                 checks=self._hooks.checks,
             ),
@@ -150,10 +152,11 @@ class FetchMixin(ClientBase):
         shard: int | None,
         deadline: Deadline,
         skipped: dict[str, str],
+        tokens: RenewingToken | None = None,
     ) -> Callable[[], list[Source]]:
         """What a fetch calls when a holder failed: ask again who holds (this shard of) it,
         as seen from our fence and topology, within the fetch's deadline; the manifest is
-        not sent again."""
+        not sent again. The answer's read token is offered to `tokens`."""
 
         def refresh() -> list[Source]:
             fence = self._fences.get((model, version), 0)
@@ -161,9 +164,32 @@ class FetchMixin(ClientBase):
                 model, version, shard=shard, fence=fence, manifest=False,
                 timeout=deadline.work(self.timeout),
             )  # fmt: skip
+            if tokens is not None:
+                tokens.offer(bytes(again.read_token), int(again.token_expiry_unix))
             return self._sources(holders_of(again, shard), skipped)
 
         return refresh
+
+    def _read_token(
+        self,
+        model: str,
+        version: int,
+        shard: int | None,
+        deadline: Deadline,
+        resolved: pb.ResolveResponse,
+    ) -> RenewingToken:
+        """The fetch's read token from `resolved`, renewed before it expires by a Resolve
+        without the manifest, within the fetch's deadline (ros.client.read_token)."""
+
+        def renew() -> tuple[bytes, int]:
+            fence = self._fences.get((model, version), 0)
+            again = self._resolve(
+                model, version, shard=shard, fence=fence, manifest=False,
+                timeout=deadline.work(self.timeout),
+            )  # fmt: skip
+            return bytes(again.read_token), int(again.token_expiry_unix)
+
+        return RenewingToken(bytes(resolved.read_token), int(resolved.token_expiry_unix), renew)
 
     def _candidates(self, holders: Sequence[pb.Holder], skipped: dict[str, str]) -> list[Candidate]:
         by_name = {h.name: h for h in holders}

@@ -24,6 +24,7 @@ import torch
 from ros.client.deadline import Deadline
 from ros.client.fetching import DEFAULT_FETCH_TIMEOUT, FetchMixin, holders_of, read_or_explain
 from ros.client.manifest import layout_of, placement_of
+from ros.client.read_token import RenewingToken
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import DeadlineExceeded, InvalidArgument, TensorHubError
 from tensorhub.names import validate_name, validate_version
@@ -108,11 +109,12 @@ class SliceMixin(FetchMixin):
         pin_id = f"slices-{secrets.token_hex(6)}"
         pin = pb.PinRequest(model=model, version=found, pin_id=pin_id, session_id=self.session.id)
         self._rpc("Pin", pin, deadline.work(self.timeout))
+        tokens = self._read_token(model, found, None, deadline, resolved)  # one per version
         try:
             for index, copies in plan.items():
                 self._read_part(
                     model, found, resolved, index, parts[index], copies, slices, deadline, result,
-                    rate_floor,
+                    tokens, rate_floor,
                 )  # fmt: skip
         finally:
             self._unpin(model, found, pin_id, deadline)
@@ -145,6 +147,7 @@ class SliceMixin(FetchMixin):
         slices: Mapping[str, Slice],
         deadline: Deadline,
         result: SliceFetch,
+        tokens: RenewingToken,
         rate_floor: float = DEFAULT_RATE_FLOOR,
     ) -> None:
         """Fetch the chunks of one source shard that `copies` need, then copy them out."""
@@ -164,14 +167,15 @@ class SliceMixin(FetchMixin):
         holders = resolved if shard is None else self._resolve(
             model, version, shard=shard, manifest=False, timeout=deadline.work(self.timeout)
         )  # fmt: skip
+        tokens.offer(bytes(holders.read_token), int(holders.token_expiry_unix))
         skipped: dict[str, str] = {}  # holders whose endpoint we cannot use: why
         stats = read_or_explain(
             skipped,
             lambda: transport_fetch(
                 self.tenant, model, version, layout, staging,
                 self._sources(holders_of(holders, shard), skipped),
-                token=bytes(resolved.read_token), deadline=deadline.work_end, me=self.topology,
-                refresh_sources=self._refresher(model, version, shard, deadline, skipped),
+                token=tokens, deadline=deadline.work_end, me=self.topology,
+                refresh_sources=self._refresher(model, version, shard, deadline, skipped, tokens),
                 expected=list(manifest.chunk_xxh3), tls=self._tls, rate_floor=rate_floor,
                 checks=self._hooks.checks,
             ),

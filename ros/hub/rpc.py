@@ -37,10 +37,11 @@ from ros.hub.limits import Limits, StreamLimits
 from ros.hub.manifest_cache import ManifestCache
 from ros.hub.tenants import Tenant, TenantStore
 from ros.metrics import HUB_INTERNAL_ERRORS, HUB_LATENCY, HUB_REQUESTS
-from ros.tokens import READ_KEY_PERIOD
+from ros.tokens import MAX_READ_TOKEN_LIFETIME, READ_KEY_PERIOD, READ_TOKEN_TTL
 from tensorhub.errors import (
     DeadlineExceeded,
     InternalError,
+    InvalidArgument,
     PermissionDenied,
     SessionExpired,
     TensorHubError,
@@ -164,7 +165,14 @@ class HubBase:
         default_retain: int = 2,
         limits: Limits | None = None,
         read_key_period: float = READ_KEY_PERIOD,
+        read_token_ttl: float = READ_TOKEN_TTL,
     ) -> None:
+        if not 0 < read_token_ttl <= MAX_READ_TOKEN_LIFETIME:  # holders refuse longer ones
+            raise InvalidArgument(
+                f"read token TTL must be in (0, {MAX_READ_TOKEN_LIFETIME:g}] s, "
+                f"got {read_token_ttl}"
+            )
+        self.read_token_ttl = read_token_ttl  # what Resolve issues (fetches renew: sdk.md)
         self.etcd = etcd
         self.keys = keys
         self.tenants = TenantStore(etcd, keys, read_key_period=read_key_period)

@@ -147,7 +147,7 @@ class VersionRPCs(HubBase):
         header = self._header(tenant, model, version, timeout, found.published)
         _check_shard(model, version, shard, header.shard_count)
         token, expiry = issue_read_token(
-            self.tenants.signing_key(tenant), tenant.name, model, version
+            self.tenants.signing_key(tenant), tenant.name, model, version, self.read_token_ttl
         )
         response = pb.ResolveResponse(
             version=version,

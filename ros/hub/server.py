@@ -44,7 +44,7 @@ from ros.hub.rpc import CallContext, bearer
 from ros.hub.servicer import HubServicer
 from ros.metrics import CompactorMetrics
 from ros.proto.tensorhub.v1 import hub_pb2, hub_pb2_grpc
-from ros.tokens import READ_KEY_PERIOD
+from ros.tokens import READ_KEY_PERIOD, READ_TOKEN_TTL
 from tensorhub.errors import DeadlineExceeded
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,8 @@ class HubServer:
     them (`consistency.compactor`; 0 turns this replica's compactor off).
     `etcd_credentials`: etcd user, password and TLS material (`consistency.credentials`).
     `read_key_period`: seconds between rotations of every tenant's read key (`ros.tokens`);
-    every replica must use the same.
+    every replica must use the same. `read_token_ttl`: seconds a read token issued at
+    Resolve lives (`ros.tokens.READ_TOKEN_TTL`; tests shorten it to outlive one).
     """
 
     def __init__(
@@ -93,6 +94,7 @@ class HubServer:
         read_key_period: float = READ_KEY_PERIOD,
         first_message_seconds: float = DEFAULT_FIRST_MESSAGE_SECONDS,
         max_streams_per_connection: int = DEFAULT_MAX_STREAMS_PER_CONNECTION,
+        read_token_ttl: float = READ_TOKEN_TTL,
     ) -> None:
         self._first_message_seconds = first_message_seconds
         self._max_streams_per_connection = max_streams_per_connection
@@ -111,6 +113,7 @@ class HubServer:
             self.servicer = HubServicer(
                 self.etcd, self.keys, admin_token=admin_token, default_retain=retain,
                 limits=self.limits, read_key_period=read_key_period,
+                read_token_ttl=read_token_ttl,
             )  # fmt: skip
         except BaseException:
             self.etcd.close()

@@ -16,7 +16,7 @@ from ros.hub.rpc_versions import VersionRPCs
 from ros.hub.tenants import Quotas
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
-from ros.tokens import READ_KEY_PERIOD, token_hash
+from ros.tokens import READ_KEY_PERIOD, READ_TOKEN_TTL, token_hash
 from tensorhub.errors import PermissionDenied
 from tensorhub.names import validate_name
 
@@ -33,10 +33,11 @@ class HubServicer(SessionRPCs, VersionRPCs, HolderRPCs, ModelRPCs, hub_pb2_grpc.
         default_retain: int = 2,
         limits: Limits | None = None,
         read_key_period: float = READ_KEY_PERIOD,
+        read_token_ttl: float = READ_TOKEN_TTL,
     ) -> None:
         super().__init__(
             etcd, keys, default_retain=default_retain, limits=limits,
-            read_key_period=read_key_period,
+            read_key_period=read_key_period, read_token_ttl=read_token_ttl,
         )  # fmt: skip
         self._admin_hash = token_hash(admin_token)
 
