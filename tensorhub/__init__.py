@@ -8,6 +8,7 @@ from tensorhub.errors import (
     AlreadyExists,
     DeadlineExceeded,
     IntegrityError,
+    InternalError,
     InvalidArgument,
     InvalidManifest,
     InvalidName,
@@ -24,6 +25,7 @@ from tensorhub.errors import (
     TransportError,
     Unavailable,
     VersionNotFound,
+    VersionRetired,
     VersionUnavailable,
 )
 
@@ -31,6 +33,7 @@ __all__ = [
     "AlreadyExists",
     "DeadlineExceeded",
     "IntegrityError",
+    "InternalError",
     "InvalidArgument",
     "InvalidManifest",
     "InvalidName",
@@ -47,5 +50,6 @@ __all__ = [
     "TransportError",
     "Unavailable",
     "VersionNotFound",
+    "VersionRetired",
     "VersionUnavailable",
 ]

@@ -25,8 +25,9 @@ _KINDS = {
 
 
 def _named(exc: BaseException) -> BaseException:
-    """What a watch that ended raises to its consumer: a gRPC error as its TensorHubError."""
-    return from_rpc_error(exc) if isinstance(exc, grpc.RpcError) else exc
+    """What a watch that ended raises to its consumer: a gRPC error as its TensorHubError
+    (Watch is a read: an UNKNOWN there is an `InternalError`, never `OutcomeUnknown`)."""
+    return from_rpc_error(exc, "Watch") if isinstance(exc, grpc.RpcError) else exc
 
 
 def holder_from_message(h: pb.Holder) -> HolderRecord:
@@ -98,7 +99,7 @@ class HubWatch(StreamPump[WatchEvent]):
                 self._detach()
         except grpc.RpcError as exc:
             if is_overloaded(exc):  # the replica is at its stream limit
-                raise from_rpc_error(exc) from exc
+                raise from_rpc_error(exc, "Watch") from exc
             raise
 
     def _deliver(self, event: WatchEvent) -> None:

@@ -22,6 +22,7 @@ import pytest
 import ros
 import tensorhub.errors as errors_module
 from consistency import Etcd, EtcdCluster, Keys
+from ros.client.watch import _named as watch_error
 from ros.errors import (
     ERROR_METADATA_KEY,
     FIELDS_METADATA_KEY,
@@ -216,6 +217,7 @@ def test_failures_keep_their_identity_over_the_wire(etcd_cluster: EtcdCluster, k
             assert unknown.code() == grpc.StatusCode.UNKNOWN
             assert isinstance(from_rpc_error(unknown, "ListModels"), InternalError)
             assert isinstance(from_rpc_error(unknown), OutcomeUnknown)  # method not known
+            assert isinstance(watch_error(unknown), InternalError)  # how HubWatch ends
             lost = await failure(stub.Pin(pb.PinRequest(model="m"), metadata=meta, timeout=5))
             assert isinstance(from_rpc_error(lost, "Pin"), OutcomeUnknown)  # a write: may be
         finally:
