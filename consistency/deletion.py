@@ -14,16 +14,18 @@ records are gone, so no reader is sent to them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from etcd3 import etcdrpc
 
 from consistency import ops, usage
-from consistency.etcd import Etcd
+from consistency.etcd import Etcd, TxnResult
 from consistency.keys import Keys
+from consistency.retry import CAS_POLICY, LostRace
 from tensorhub.errors import Unavailable, VersionNotFound
 
 MAX_USAGE_RACES = 8  # publishes of the same tenant changing its usage key meanwhile
+_USAGE_RACES = replace(CAS_POLICY, tries=MAX_USAGE_RACES)
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,9 @@ def delete_model(
         key=ops.b(versions), range_end=ops.prefix_end(versions), keys_only=True
     )
     retried = False
-    for _ in range(MAX_USAGE_RACES):
+
+    def attempt() -> TxnResult:
+        nonlocal retried
         # The same transaction gives the model's bytes back to the tenant's etcd budget
         # (`consistency.usage`); a publish that changed the budget meanwhile: read again.
         charged = usage.model_charge(etcd, keys, tenant, model, timeout)
@@ -63,10 +67,15 @@ def delete_model(
             timeout=timeout,
         )  # a retried delete deletes nothing more: idempotent
         retried = retried or result.attempts > 1
-        if result.succeeded:
-            break
-    else:
-        raise Unavailable(f"deleting model {model}: the tenant's etcd usage kept changing")
+        if not result.succeeded:
+            raise LostRace(f"the usage of tenant {tenant} changed during the delete")
+        return result
+
+    result = _USAGE_RACES.compare_and_set(
+        attempt,
+        None,  # each call has its own timeout; the races are bounded by count
+        lambda: Unavailable(f"deleting model {model}: the tenant's etcd usage kept changing"),
+    )
     listed, removed, paged = result.responses[:3]
     count = int(removed.response_delete_range.deleted) + int(paged.response_delete_range.deleted)
     if not count and not retried:  # (after a retry: an earlier attempt did it)

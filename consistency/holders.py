@@ -15,6 +15,7 @@ from consistency.etcd import Etcd
 from consistency.keys import Keys
 from consistency.quota import CountedCreate
 from consistency.records import HolderRecord, HolderState, PartHeader
+from consistency.retry import CAS_POLICY, LostRace
 from consistency.versions import VersionRegistry
 from tensorhub.errors import (
     DeadlineExceeded,
@@ -175,7 +176,8 @@ class HolderRegistry:
         key = self.keys.holder(tenant, model, version, validate_name(holder, "holder"))
         latest_key = self.keys.latest(tenant, model)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+
+        def attempt() -> int:
             remaining = deadline - time.monotonic()
             snapshot = self.etcd.range(
                 self.keys.version(tenant, model, version), prefix=True, timeout=remaining
@@ -215,9 +217,17 @@ class HolderRegistry:
             result = self.etcd.txn(
                 compares, [ops.delete(key), ops.delete(pin)], timeout=deadline - time.monotonic()
             )
-            if result.succeeded:
-                return result.revision
-        raise DeadlineExceeded(f"release of {holder} from {model}@{version} did not settle in time")
+            if not result.succeeded:  # the record, `latest` or the other holder moved: re-read
+                raise LostRace(f"{key} changed while it was being released")
+            return result.revision
+
+        return CAS_POLICY.compare_and_set(
+            attempt,
+            deadline,
+            lambda: DeadlineExceeded(
+                f"release of {holder} from {model}@{version} did not settle in time"
+            ),
+        )
 
     def _is_retained(self, tenant: str, model: str, version: int, timeout: float) -> bool:
         return version in self.versions.retained(tenant, model, timeout=timeout)
@@ -258,8 +268,9 @@ class HolderRegistry:
             f"pinned versions of {model}",
         )
         deadline = time.monotonic() + (DEFAULT_TIMEOUT if timeout is None else timeout)
-        while (remaining := deadline - time.monotonic()) > 0:
-            guard, bump = quota.admit(remaining, name=str(version))
+
+        def attempt() -> int:
+            guard, bump = quota.admit(deadline - time.monotonic(), name=str(version))
             result = self.etcd.txn(
                 [ops.exists(manifest), *guard], [*bump, put], [ops.get(manifest, count_only=True)],
                 timeout=max(deadline - time.monotonic(), 0.01),
@@ -268,7 +279,13 @@ class HolderRegistry:
                 return result.revision
             if not result.responses[0].response_range.count:
                 raise VersionNotFound(f"{model}@{version} is not published (or already collected)")
-        raise DeadlineExceeded(f"pinning {model}@{version}: the pin count kept changing")
+            raise LostRace("another pin moved the tenant's pins fence")  # count again
+
+        return CAS_POLICY.compare_and_set(
+            attempt,
+            deadline,
+            lambda: DeadlineExceeded(f"pinning {model}@{version}: the pin count kept changing"),
+        )
 
     def _pinned_versions(self, tenant: str, model: str, timeout: float) -> set[str]:
         """The versions of a model that have a pin (as strings: `CountedCreate` members)."""

@@ -24,7 +24,14 @@ from consistency.etcd import Etcd
 from consistency.keys import Keys
 from consistency.manifests import ManifestStore, Staged
 from consistency.records import HolderRecord
-from tensorhub.errors import DeadlineExceeded, OutcomeUnknown, StaleVersion, Unavailable
+from consistency.retry import CAS_POLICY, LostRace
+from tensorhub.errors import (
+    DeadlineExceeded,
+    OutcomeUnknown,
+    StaleVersion,
+    TensorHubError,
+    Unavailable,
+)
 
 DEFAULT_TIMEOUT = 10.0
 
@@ -180,10 +187,10 @@ class Publisher:
         timeout = deadline - time.monotonic()
         ambiguous = False
         holder_key = self.keys.holder(tenant, model, version, holder.holder)
-        while True:
+
+        def once() -> Published:
+            nonlocal ambiguous
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
             try:
                 state = self.read_latest(tenant, model, remaining)
                 mine = (
@@ -207,16 +214,23 @@ class Publisher:
                 # The transaction may have reached etcd before its reply was lost.
                 raise _unknown(model, version, exc) from exc
             ambiguous = ambiguous or attempts > 1
-            if succeeded:
-                visible = moves_latest or bool(state.extra.get("moved"))
-                if visible:
-                    self._on_visible(tenant, model)
-                return Published(version, revision, visible)
-        if ambiguous:
-            raise OutcomeUnknown(f"publish of {model}@{version} outcome unknown at its deadline")
-        raise DeadlineExceeded(
-            f"publish of {model}@{version} did not complete within {timeout:.1f}s"
-        )
+            if not succeeded:  # `latest` moved since it was read: read it again
+                raise LostRace(f"latest of {model} moved during the publish of {version}")
+            visible = moves_latest or bool(state.extra.get("moved"))
+            if visible:
+                self._on_visible(tenant, model)
+            return Published(version, revision, visible)
+
+        def exhausted() -> TensorHubError:
+            if ambiguous:
+                return OutcomeUnknown(
+                    f"publish of {model}@{version} outcome unknown at its deadline"
+                )
+            return DeadlineExceeded(
+                f"publish of {model}@{version} did not complete within {timeout:.1f}s"
+            )
+
+        return CAS_POLICY.compare_and_set(once, deadline, exhausted)
 
     def _own_write(
         self, holder_key: str, holder: HolderRecord, state: Latest, version: int, timeout: float

@@ -30,8 +30,11 @@ from consistency.manifests import (
 )
 from consistency.publishing import DEFAULT_TIMEOUT, Admit, Published, Publisher
 from consistency.records import HolderRecord, HolderState, PartHeader, ShardRecord
+from consistency.retry import CAS_POLICY, LostRace
 from tensorhub.errors import InvalidArgument, TensorHubError
 from tensorhub.names import validate_name, validate_version
+
+_USAGE_RACES = replace(CAS_POLICY, tries=8)  # collecting a version: usage changes meanwhile
 
 __all__ = [  # Published, Admit and DEFAULT_TIMEOUT live in consistency.publishing
     "DEFAULT_RETAIN",
@@ -316,7 +319,8 @@ class VersionRegistry:
         usage (`consistency.usage`) in the same transaction; whether it was deleted."""
         pins = self.keys.pins(tenant, model, version)
         charged = usage.version_charge(self.etcd, self.keys, tenant, model, version, timeout)
-        for _ in range(8):  # a usage key that keeps changing: the next publish collects again
+
+        def attempt() -> bool:
             guard, put = usage.release(self.etcd, self.keys, tenant, charged, timeout or 5.0)
             result = self.etcd.txn(
                 [ops.none_under(pins), *guard],
@@ -332,7 +336,13 @@ class VersionRegistry:
                 return True
             if int(result.responses[0].response_range.count):
                 return False  # pinned: kept
-        return False
+            raise LostRace(f"the usage of tenant {tenant} changed")  # read the usage again
+
+        # A usage key that keeps changing: kept for now, the next publish collects again.
+        try:
+            return _USAGE_RACES.compare_and_set(attempt, None, lambda: LostRace("usage busy"))
+        except LostRace:
+            return False
 
     def _after_publish(self, tenant: str, model: str) -> None:
         """Retention after a publish made a version visible: on `collector` when given."""

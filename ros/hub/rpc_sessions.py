@@ -9,6 +9,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 from consistency import Session, ops
 from consistency.quota import CountedCreate
+from consistency.retry import CAS_POLICY, LostRace
 from ros.hub.rpc import MAX_CALL_SECONDS, AioContext, CallContext, HubBase, streaming, unary
 from ros.hub.tenants import Tenant
 from ros.metrics import HUB_SESSIONS, HUB_SESSIONS_OPENED
@@ -68,12 +69,19 @@ class SessionRPCs(HubBase):
         )
         mark = ops.put(self.keys.session(tenant.name, session_id), b"", lease=session_id)
         deadline = time.monotonic() + timeout
-        while (remaining := deadline - time.monotonic()) > 0:
-            guard, bump = quota.admit(remaining)
+
+        def attempt() -> int:
+            guard, bump = quota.admit(deadline - time.monotonic())
             result = self.etcd.txn(guard, [*bump, mark], timeout=deadline - time.monotonic())
-            if result.succeeded:
-                return result.revision
-        raise DeadlineExceeded("opening a session: the session count kept changing")
+            if not result.succeeded:  # another session was marked meanwhile: count again
+                raise LostRace(f"the sessions fence of tenant {tenant.name} moved")
+            return result.revision
+
+        return CAS_POLICY.compare_and_set(
+            attempt,
+            deadline,
+            lambda: DeadlineExceeded("opening a session: the session count kept changing"),
+        )
 
     def _revoke_quietly(self, session_id: int) -> None:
         try:
