@@ -36,7 +36,6 @@ from tensorhub.errors import DeadlineExceeded, InvalidArgument, Unavailable
 log = logging.getLogger(__name__)
 
 _POLL_SECONDS = 0.1  # how often the feeder checks deadlines and stalls while idle
-_RECONNECT_BACKOFF = (0.05, 1.0)
 
 
 @dataclass
@@ -117,7 +116,8 @@ class LeaseKeeper:
     def _run(self) -> None:
         """Open the stream, read its responses, and reopen it on another member when it
         breaks, until closed."""
-        backoff = _RECONNECT_BACKOFF[0]
+        policy = self._etcd.policy  # the reconnect waits: its backoff, its (injectable) sleep
+        failures = 0  # streams broken in a row without an answer
         while not self._closed.is_set():
             member = self._etcd.member()
             with self._lock:
@@ -135,7 +135,7 @@ class LeaseKeeper:
             try:
                 for response in call:
                     self._answer(int(response.ID), int(response.TTL))
-                    backoff = _RECONNECT_BACKOFF[0]
+                    failures = 0
             except grpc.RpcError as exc:
                 if self._closed.is_set():
                     return
@@ -150,8 +150,8 @@ class LeaseKeeper:
                 return
             self.reconnects += 1
             self._expire(time.monotonic())
-            self._closed.wait(backoff)
-            backoff = min(backoff * 2, _RECONNECT_BACKOFF[1])
+            failures += 1
+            (policy.sleep or self._closed.wait)(policy.delay(failures))
 
     def _requests(self, generation: int, resend: list[int]) -> Iterator[Any]:
         """The request side of stream `generation`: first every unanswered lease, then each

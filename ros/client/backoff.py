@@ -4,18 +4,18 @@ A replica at its stream limit refuses new KeepAlive and Watch streams at once. I
 refused client retried on a short fixed loop, a replica coming back, or one that lost a
 neighbour, would be hit by the whole crowd in lock-step. Exponential backoff with *full
 jitter* (a uniform draw in [0, min(cap, base * 2**attempt)]) spreads the retries out, so the
-load on the replica falls as it stays overloaded instead of synchronizing.
+load on the replica falls as it stays overloaded instead of synchronizing. Both are the
+one `consistency.retry.RetryPolicy` (its `overloaded_*` schedule), as every SDK retry is.
 """
 
 from __future__ import annotations
 
-import random
-import time
 from collections.abc import Callable
 from typing import TypeVar
 
 import grpc
 
+from consistency.retry import RetryPolicy
 from ros.errors import from_rpc_error
 from tensorhub.errors import Overloaded
 
@@ -23,13 +23,21 @@ OVERLOAD_BASE = 0.2  # seconds: the first retry waits up to this
 OVERLOAD_CAP = 5.0  # seconds: no retry waits longer than this
 MAX_UNARY_RETRIES = 8  # a unary call refused with Overloaded is tried at most this often more
 T = TypeVar("T")
+# Overloaded only: other errors of the call are its caller's (gRPC retries UNAVAILABLE itself).
+_UNARY_OVERLOAD = RetryPolicy(
+    tries=MAX_UNARY_RETRIES + 1,
+    overloaded_initial=OVERLOAD_BASE,
+    overloaded_maximum=OVERLOAD_CAP,
+    retry_on=lambda exc: isinstance(exc, Overloaded),
+)
 
 
 def overload_delay(
     attempt: int, *, base: float = OVERLOAD_BASE, cap: float = OVERLOAD_CAP
 ) -> float:
-    """Seconds to wait before retry number `attempt` (0 for the first) of a refused stream."""
-    return random.uniform(0.0, min(cap, base * 2.0 ** min(attempt, 30)))
+    """Seconds to wait before retry number `attempt` (0 for the first) of a refused stream:
+    the full-jitter backoff of `consistency.retry.RetryPolicy`, on the overload schedule."""
+    return RetryPolicy(initial=base, maximum=cap).delay(attempt + 1)
 
 
 def is_overloaded(exc: grpc.RpcError) -> bool:
@@ -46,13 +54,4 @@ def retry_overloaded(call: Callable[[], T], budget: float) -> T:
     at a limit, or gRPC's own concurrent-call limit), for at most `budget` seconds and
     `MAX_UNARY_RETRIES` retries; then the last `Overloaded` is raised. For idempotent
     calls only (opening a session: a refused one opened nothing)."""
-    deadline = time.monotonic() + budget
-    for attempt in range(MAX_UNARY_RETRIES):
-        try:
-            return call()
-        except Overloaded:
-            delay = overload_delay(attempt)
-            if time.monotonic() + delay >= deadline:
-                raise
-            time.sleep(delay)
-    return call()
+    return _UNARY_OVERLOAD.call(call, _UNARY_OVERLOAD.deadline(budget))
