@@ -42,7 +42,13 @@ from consistency import (
     Session,
     VersionRegistry,
 )
-from tensorhub.errors import LeaseLost, RetentionViolation, StaleVersion, VersionNotFound
+from tensorhub.errors import (
+    LeaseLost,
+    RetentionViolation,
+    StaleVersion,
+    VersionNotFound,
+    VersionRetired,
+)
 
 TENANT = "t"
 MODEL = "m"
@@ -279,16 +285,19 @@ class RegistryMachine(RuleBasedStateMachine):
 
     @rule(pick=picks, slot=slots)
     def update_with_stale_fence(self, pick: int, slot: Slot) -> None:
-        """A holder whose record is gone (or was recreated) cannot write with its old token."""
+        """A holder whose record is gone (or was recreated) cannot write with its old token:
+        `VersionRetired` if retention took its version, else `LeaseLost`."""
         if not self.model.gone:
             return
         key = _choose(sorted(self.model.gone), pick)
         record = self._record(key[1], slot, HolderState.COMPLETE)
-        event("update: stale fence")
-        with pytest.raises(LeaseLost):
+        retired = key[0] not in self.model.published
+        event(f"update: stale fence, version {'retired' if retired else 'kept'}")
+        with pytest.raises(VersionRetired if retired else LeaseLost) as info:
             self.holders.update_state(
                 TENANT, MODEL, key[0], record, self.model.gone[key], timeout=CALL_TIMEOUT
             )
+        assert isinstance(info.value, VersionRetired) == retired
 
     @rule(pick=picks, force=st.booleans())
     def release(self, pick: int, force: bool) -> None:
