@@ -26,12 +26,13 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from consistency import Etcd, Keys
 from consistency.etcd import RevisionCompacted
 from consistency.ops import KV
 from consistency.records import HolderRecord
+from consistency.retry import CAS_POLICY, LostRace
 from consistency.watch import KeyWatch, Progress, RawEvent, Resync, WatchClosed
 from ros.hub.candidates import MAX_CANDIDATES, HolderSet, select_candidates
 from ros.metrics import HUB_INDEXED_MODELS, HUB_RESOLVE_READS
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 
 MAX_MODELS = 256  # models indexed per replica (each: one etcd watch, two threads)
 IDLE_SECONDS = 300.0  # an index unused this long is dropped (its watch closed)
+_COMPACTION_RACES = replace(CAS_POLICY, tries=3)  # loading an index: the compactor meanwhile
 FRESH_WAIT = 1.0  # how long a query waits for the index to reach its revision floor
 
 
@@ -154,7 +156,8 @@ class ModelIndex:
         """One keys-only range read of the model's versions, then each version's holder
         records at that same revision; returns the revision."""
         keys, tenant, model = self._keys, self.tenant, self.model
-        for _ in range(3):
+
+        def attempt() -> int:
             listing = etcd.range(keys.versions(tenant, model), prefix=True, keys_only=True)
             with_holders: set[int] = set()
             for kv in listing.kvs:
@@ -176,11 +179,16 @@ class ModelIndex:
                         self._version(version).put(
                             HolderRecord.decode(kv.value, kv.create_revision)
                         )
-            except RevisionCompacted:
+            except RevisionCompacted as exc:  # compacted between the two reads: list again
                 self._versions.clear()
-                continue
+                raise LostRace(f"{model}'s history was compacted while it was read") from exc
             return listing.revision
-        raise Unavailable(f"could not index {model}: its history is being compacted")
+
+        return _COMPACTION_RACES.compare_and_set(
+            attempt,
+            None,  # each read has the client's timeout; the races are bounded by count
+            lambda: Unavailable(f"could not index {model}: its history is being compacted"),
+        )
 
     def _pump(self) -> None:
         while True:
