@@ -86,6 +86,7 @@ class StreamPump(ABC, Generic[T]):
         """One stream; a retryable break after it worked (or a forced one) returns, so the
         pump reopens at once and its backoff starts over."""
         delivered = self._delivered
+        self._forced = False  # set only while a call is attached: by this stream's end
         try:
             once()
         except BaseException as exc:
