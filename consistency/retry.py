@@ -4,9 +4,11 @@ Every retry loop of TensorHub is a `RetryPolicy` (tenacity underneath, the model
 kazoo's `KazooRetry`: tries, backoff, jitter, deadline, and a sleep and a clock that tests
 replace): `Etcd.call` and `Etcd.call_member` (each etcd request), `KeyWatch` and `HubWatch`
 (reopening a broken stream, through `StreamPump._pump`), the SDK's fresh reads
-(`ClientBase._fresh`: an answer older than the revision floor), and the compare-and-set
-loops of `consistency.holders`, `consistency.publishing`, `consistency.deletion`,
-`consistency.versions` and `ros.hub.rpc_sessions` (`RetryPolicy.compare_and_set`).
+(`ClientBase._fresh`: an answer older than the revision floor), `OpenSession` refused as
+`Overloaded` (`ros.client.backoff`), the waits of the hub's lease keepalive stream
+(`consistency.keepalive`), and the compare-and-set loops of `consistency.holders`,
+`consistency.publishing`, `consistency.deletion`, `consistency.versions`,
+`ros.hub.rpc_sessions` and `ros.hub.holder_index` (`RetryPolicy.compare_and_set`).
 
 **What is retried** (`is_retryable`): a failure after which another try, on another etcd
 member or hub replica or a moment later, may succeed, and repeats nothing harmful.
