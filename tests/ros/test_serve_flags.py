@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,9 +17,11 @@ from pathlib import Path
 import grpc
 import pytest
 
+import ros
 from consistency import EtcdCluster, Keys
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
+from tests.ros.helpers import make_model
 from tests.waiting import wait_until
 
 TOKEN = "admin-token-from-a-file"
@@ -113,6 +116,23 @@ def test_serve_help_lists_the_new_flags() -> None:
     ).stdout  # fmt: skip
     for flag in (
         "--admin-token-file", "--metrics-host", "--first-message-timeout",
-        "--max-streams-per-connection",
+        "--max-streams-per-connection", "--read-token-ttl",
     ):  # fmt: skip
         assert flag in out
+
+
+@pytest.mark.timeout(90)
+def test_read_token_ttl_sets_what_resolve_issues(
+    etcd_cluster: EtcdCluster, keys: Keys, tmp_path: Path
+) -> None:
+    token_file = tmp_path / "admin-token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
+    flags = ("--admin-token-file", str(token_file), "--read-token-ttl", "7")
+    with _serve(etcd_cluster, keys, tmp_path, *flags) as (address, _):
+        tenant_token = _create_tenant(address, TOKEN, "team-ttl")
+        with ros.connect(address, tenant="team-ttl", token=tenant_token) as hub:
+            hub.publish("policy", 1, make_model(1))
+            resolved = hub._resolve("policy", 1)
+            left = resolved.token_expiry_unix - time.time()  # issued before now: <= 7
+            assert 0 < left <= 7  # not the 300 s default
