@@ -75,17 +75,16 @@ class RenewingToken:
             if not due or self._renewing or now < self._next_try:
                 return self._token
             self._renewing, self._next_try = True, now + RETRY_AFTER
+        renewed: tuple[bytes, int] | None = None
         try:
-            token, expiry = self._renew()
+            renewed = self._renew()
         except TensorHubError as exc:
             log.warning("read token not renewed (%s); the current one expires at %d", exc,
                         self._expiry)  # fmt: skip
+        finally:  # whatever happened, the next call may try again (after RETRY_AFTER)
             with self._lock:
                 self._renewing = False
-                return self._token
-        with self._lock:
-            self._renewing = False
-            if expiry > self._expiry:
-                self._set(token, expiry)
-                self.renewals += 1
-            return self._token
+                if renewed is not None and renewed[1] > self._expiry:
+                    self._set(*renewed)
+                    self.renewals += 1
+        return self._token
