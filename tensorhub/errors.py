@@ -74,6 +74,13 @@ class InvalidArgument(TensorHubError):
 
 
 @_code("INVALID_ARGUMENT")
+class NoUsableTransport(InvalidArgument):
+    """A holder advertises no transport this reader can use (e.g. only `rdma`, and this
+    machine has no RDMA device); the message gives each kind's reason. The SDK skips such a
+    holder and reads the others (`transport.selection`)."""
+
+
+@_code("INVALID_ARGUMENT")
 class InvalidName(InvalidArgument):
     """A tenant, model or holder name does not match the strict name pattern."""
 

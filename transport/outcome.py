@@ -80,6 +80,8 @@ class FetchStats:
     failed_sources: dict[str, str] = field(default_factory=dict)  # holder id -> why suspected
     slow_sources: dict[str, float] = field(default_factory=dict)  # of those: tricklers, B/s
     read_tokens: int = 0  # distinct read tokens sent: more than 1 when renewed mid-fetch
+    transports: dict[str, str] = field(default_factory=dict)  # holder id -> kind read over
+    fallbacks: dict[str, str] = field(default_factory=dict)  # holder id -> why not a better one
 
     @property
     def total_bytes(self) -> int:

@@ -16,19 +16,24 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from transport.backend import TransportKind
 from transport.topology import Topology, distance
 
 
 @dataclass(frozen=True)
 class Source:
     """A holder to read from. `load` is a hint (e.g. readers it serves now); higher means
-    it gets proportionally fewer chunks."""
+    it gets proportionally fewer chunks. `transport` is the kind it is read over
+    (host:port is that kind's endpoint), `fallback` why a better kind it offered was not
+    used (`transport.selection`; '' when none was passed over)."""
 
     holder_id: str
     host: str
     port: int
     topology: Topology = field(default_factory=Topology)
     load: int = 0
+    transport: TransportKind = TransportKind.TCP
+    fallback: str = ""
 
 
 def rank(me: Topology, sources: Iterable[Source]) -> list[Source]:

@@ -16,7 +16,6 @@ unfinished chunks re-planned at once; only chunks not yet received are fetched a
 from __future__ import annotations
 
 import math
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,21 +28,21 @@ from tensorhub.errors import (
     InvalidArgument,
     SlowHolder,
     TensorHubError,
+    TransportError,
     VersionUnavailable,
 )
 from tensorhub.names import validate_name, validate_version
 from transport.checks import STRICT, ChunkChecks
 from transport.layout import Layout
-from transport.netio import arm
 from transport.outcome import ChunkOutcome, ChunkStatus, FetchStats, final_error
-from transport.pace import DEFAULT_RATE_FLOOR, Pace
+from transport.pace import DEFAULT_RATE_FLOOR
 from transport.planner import ChunkScheduler, Source, rank
 from transport.receiving import BATCH_BYTES, FetchState, TokenSource
 from transport.staging import StagingBuffer
 from transport.store import HeldVersion
 from transport.tls import TlsConfig
 from transport.topology import Topology
-from transport.wire import GetRequest, encode_get
+from transport.transports import Channel, transport_for
 
 __all__ = ["BATCH_BYTES", "DEFAULT_RATE_FLOOR", "FetchStats", "Source", "TokenSource", "fetch"]
 
@@ -52,70 +51,47 @@ DEFAULT_STALL = 5.0
 
 
 def _pull(
-    f: FetchState,
-    sched: ChunkScheduler,
-    source: Source,
-    conn: list[socket.socket],
-    batch: list[int],
-    staging: StagingBuffer | None,
+    f: FetchState, sched: ChunkScheduler, source: Source, channel: Channel, batch: list[int]
 ) -> ChunkOutcome | None:
-    """Request and receive batches from `source` until no work is left for it (None), or
-    until a chunk's outcome is not DONE (that outcome; an exception raised on the way is a
-    FAILED, CORRUPT or DENIED one). Connects on the first batch (into `conn`). `batch`
-    holds the chunks asked for and not yet received, for the caller to re-plan."""
+    """Ask `channel` for batches of `source`'s chunks until no work is left for it (None),
+    or until a chunk's outcome is not DONE (that outcome). `batch` holds the chunks asked
+    for and not yet received, for the caller to re-plan. The channel (any transport:
+    transport.transports) connects on the first batch."""
     while True:
         batch[:] = sched.take(source.holder_id, f.batch, f.deadline - time.monotonic())
         if not batch or f.aborted:
             return None
-        try:
-            if not conn:
-                conn.append(f.connect(source))
-            sock = conn[0]
-            arm(sock, f.deadline, f.stall)
-            wait_ms = int(f.stall * 500)  # a PARTIAL holder may wait stall/2 for a chunk
-            request = GetRequest(
-                f.tenant, f.model, f.version, f.layout.digest, f.token(), tuple(batch), wait_ms
-            )
-            sock.sendall(encode_get(request))
-            # Once the holder says it has every chunk, the time between its frames is time
-            # it withholds bytes it has too: one judge for the rest of the batch.
-            pace: Pace | None = None
-            while batch:
-                out = f.receive(sock, batch[0], staging, pace)
-                if out.status is not ChunkStatus.DONE:
-                    return out
-                if out.complete and pace is None and (pace := f.pace(sock)) is not None:
-                    pace.note(0)  # its window starts now
-                with f.lock:
-                    stats = f.stats
-                    stats.bytes_per_source[source.holder_id] = (
-                        stats.bytes_per_source.get(source.holder_id, 0) + out.nbytes
-                    )
-                    stats.chunks += 1
-                    if out.index in f.touched:
-                        stats.refetched_bytes += out.nbytes
-                sched.finished(batch.pop(0))
-        except (TensorHubError, OSError) as exc:
-            return ChunkOutcome.failed(batch[0] if batch else -1, exc)
+        for out in channel.read(list(batch)):
+            if out.status is not ChunkStatus.DONE:
+                return out
+            with f.lock:
+                stats = f.stats
+                stats.bytes_per_source[source.holder_id] = (
+                    stats.bytes_per_source.get(source.holder_id, 0) + out.nbytes
+                )
+                stats.chunks += 1
+                if out.index in f.touched:
+                    stats.refetched_bytes += out.nbytes
+            sched.finished(batch.pop(0))
+        if batch:  # a channel that ended without an outcome for every chunk broke its contract
+            return ChunkOutcome.failed(batch[0], TransportError("channel ended mid-batch"))
 
 
 def _worker(f: FetchState, sched: ChunkScheduler, source: Source) -> None:
-    """One connection's worth of work against `source`; reconnects only after NOT_READY
-    (a PARTIAL holder that lacks a chunk yet), and gives the holder up on any other
-    outcome or on a second NOT_READY without progress in between."""
+    """One connection's worth of work against `source`, over its transport; reconnects
+    only after NOT_READY (a PARTIAL holder that lacks a chunk yet), and gives the holder
+    up on any other outcome or on a second NOT_READY without progress in between."""
     staging = StagingBuffer(f.layout.chunk_size) if f.dest.on_cuda else None
+    transport = transport_for(source.transport)
     strikes = 0
     while not f.aborted:
         batch: list[int] = []
-        conn: list[socket.socket] = []
         received = f.stats.bytes_per_source.get(source.holder_id, 0)
+        channel = transport.open(f, source, staging)
         try:
-            out = _pull(f, sched, source, conn, batch, staging)
+            out = _pull(f, sched, source, channel, batch)
         finally:
-            for sock in conn:
-                with f.lock:
-                    f.socks.discard(sock)
-                sock.close()
+            channel.close()
         if out is None:
             return
         progress = f.stats.bytes_per_source.get(source.holder_id, 0) != received
@@ -125,6 +101,15 @@ def _worker(f: FetchState, sched: ChunkScheduler, source: Source) -> None:
             continue
         sched.fail(source.holder_id, batch, out.error or VersionUnavailable(out.status.value))
         return
+
+
+def _routed(stats: FetchStats, sources: Sequence[Source]) -> list[Source]:
+    """`sources` as a list, each one's transport (and why not a better one) noted in `stats`."""
+    for s in sources:
+        stats.transports[s.holder_id] = s.transport.value
+        if s.fallback:
+            stats.fallbacks[s.holder_id] = s.fallback
+    return list(sources)
 
 
 def _round(f: FetchState, sources: Sequence[Source], me: Topology, parallel: int) -> ChunkScheduler:
@@ -203,7 +188,7 @@ def fetch(
         rate_floor, checks,
     )  # fmt: skip
     suspects: set[str] = set()
-    current = list(sources)
+    current = _routed(f.stats, sources)
     # A round that ends with holders unreachable (VersionUnavailable) or with bad bytes from
     # every holder it tried (IntegrityError) is repeated with a fresh holder list, less the
     # suspects: a pipelined reader that starts from one predecessor must fall back to the
@@ -239,7 +224,7 @@ def fetch(
                 last = VersionUnavailable(f"{what}: no holder left")
             if refresh_sources is None or not isinstance(last, retryable):
                 raise last
-            current = list(refresh_sources())
+            current = _routed(f.stats, refresh_sources())
             raise last
     f.stats.duration = time.monotonic() - start
     return f.stats

@@ -16,6 +16,7 @@ import grpc
 
 from consistency.floor import RevisionFloor
 from consistency.retry import DEFAULT_POLICY, RetryPolicy
+from ros.client.advertise import served_endpoints, stop_served
 from ros.client.backoff import retry_overloaded
 from ros.client.channel import open_channel, parse_address
 from ros.client.handles import DEFAULT_RELEASE_TIMEOUT
@@ -232,7 +233,14 @@ class ClientBase:
         labels = {k: v for k, v in vars(self.topology).items() if v}
         return pb.Holder(
             name=self.holder_name,
-            endpoints={"tcp": self._endpoint()},
+            endpoints=served_endpoints(  # tcp, and rdma where this machine serves it
+                self,
+                self._endpoint(),
+                self._holder_server().store,
+                self._verifier,
+                self._listen[0],
+                tls=self._tls is not None,
+            ),
             topology=labels,
             state=pb.COMPLETE if complete else pb.PARTIAL,
             session_id=self.session.id,
@@ -398,4 +406,5 @@ class ClientBase:
             log.info("closing: session not revoked (%s); it expires within its TTL", exc)
         if self._server is not None:
             self._server.stop()
+        stop_served(self)
         self._channel.close()

@@ -16,12 +16,12 @@ from ros.client.manifest import layout_of
 from ros.client.read_token import RenewingToken
 from ros.metrics import SDK_BYTES_FETCHED, SDK_FETCH_SECONDS
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
-from tensorhub.endpoints import parse_endpoint
 from tensorhub.errors import DeadlineExceeded, InvalidArgument, TensorHubError, VersionUnavailable
 from tensorhub.names import validate_name, validate_version
 from transport.planner import Candidate, Source, pipeline_sources
 from transport.reader import DEFAULT_RATE_FLOOR, FetchStats
 from transport.reader import fetch as transport_fetch
+from transport.selection import choose
 from transport.store import HeldVersion
 from transport.topology import Topology
 
@@ -199,17 +199,20 @@ class FetchMixin(ClientBase):
         ]
 
     def _sources(self, holders: Sequence[pb.Holder], skipped: dict[str, str]) -> list[Source]:
-        """The holders we can read from. One whose endpoint we cannot use (written by an
-        older hub, or naming only a transport we lack) is skipped, not fatal: it goes into
-        `skipped` with the reason, logged once per fetch, and the others are read."""
+        """The holders we can read from, each over the best transport both sides have
+        (rdma → CUDA IPC, a later issue → tcp: `transport.selection`); why a better one
+        was passed over is logged and travels in `Source.fallback` into the fetch's
+        `stats.fallbacks`. One whose endpoints we cannot use (written by an older hub, or
+        naming only a transport we lack) is skipped, not fatal: it goes into `skipped`
+        with the reason, logged once per fetch, and the others are read."""
         sources = []
         for h in holders:
             if h.name == self.holder_name:
                 continue
             try:
-                if "tcp" not in h.endpoints:
-                    raise InvalidArgument(f"no tcp endpoint (has: {sorted(h.endpoints)})")
-                host, port = parse_endpoint(h.endpoints["tcp"])
+                route = choose(
+                    h.endpoints, complete=h.state == pb.COMPLETE, tls=self._tls is not None
+                )
             except InvalidArgument as exc:
                 if h.name not in skipped:
                     log.warning("skipping holder %s: %s", h.name, exc)
@@ -218,7 +221,12 @@ class FetchMixin(ClientBase):
             topology = Topology(
                 **{k: v for k, v in h.topology.items() if k in ("dc", "rack", "host")}
             )
-            sources.append(Source(h.name, host, port, topology))
+            if route.fallback:
+                log.info("reading holder %s over %s: %s", h.name, route.kind.value, route.fallback)
+            sources.append(
+                Source(h.name, route.host, route.port, topology,
+                       transport=route.kind, fallback=route.fallback)
+            )  # fmt: skip
         return sources
 
     def _check_not_held(self, into: Mapping[str, torch.Tensor]) -> None:

@@ -1,0 +1,155 @@
+"""The reader side of RDMA as a `transport.transports.Transport`.
+
+A channel to one holder is one `RdmaReader` (one RC queue pair) and the TCP control
+connection it was set up over (`transport.rdma.control`). It opens on its first read:
+connect the control channel, send the request with the reader's `QpInfo`, get the
+holder's descriptor (or a refusal, turned into the chunk's typed outcome), connect the
+queue pair. Each chunk is then read segment by segment straight into the destination
+tensors (`RdmaReader.read`, seqlock-checked), hashed, checked against the publisher's
+checksum and committed, exactly as a TCP chunk is. Nothing here imports pyverbs at
+import time; without a device the first read's outcome is FAILED with the probe's reason
+(the SDK never routes a holder to RDMA then: `transport.selection`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import socket
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import xxhash
+
+from tensorhub.errors import IntegrityError, TensorHubError, TransportError
+from transport.backend import TransportKind
+from transport.outcome import ChunkOutcome, ChunkStatus
+from transport.planner import Source
+from transport.rdma.control import (
+    RdmaRequest,
+    decode_reply,
+    encode_request,
+    recv_message,
+)
+from transport.rdma.control import send_message as send_control
+from transport.rdma.descriptor import MAX_ENCODED_BYTES
+from transport.receiving import FetchState
+from transport.staging import StagingBuffer
+from transport.wire import Refusal
+
+_device_lock = threading.Lock()
+
+
+@functools.cache
+def _shared_device() -> Any:
+    """The process's one opened RDMA port (every reader's queue pairs live in its PD)."""
+    from transport.rdma.device import RdmaDevice
+
+    return RdmaDevice()
+
+
+def shared_device() -> Any:
+    """`_shared_device()` under a lock (two workers must not open the port twice)."""
+    with _device_lock:
+        return _shared_device()
+
+
+class RdmaChannel:
+    """One queue pair to one holder, for one worker thread."""
+
+    def __init__(self, f: FetchState, source: Source) -> None:
+        self._f, self._source = f, source
+        self._sock: socket.socket | None = None
+        self._reader: Any = None
+
+    def _open(self, index: int) -> ChunkOutcome | None:
+        """Connect and exchange descriptors; the refusal's outcome, or None when connected."""
+        from transport.rdma.reader import RdmaReader
+
+        f = self._f
+        if f.dest.on_cuda:
+            raise TransportError("RDMA reads into CPU tensors only")
+        self._reader = RdmaReader(shared_device())
+        self._sock = f.connect(self._source)
+        self._sock.settimeout(max(0.01, min(f.stall, f.deadline - time.monotonic())))
+        request = RdmaRequest(
+            f.tenant,
+            f.model,
+            f.version,
+            f.layout.digest,
+            f.token(),
+            self._reader.endpoint(),
+        )
+        send_control(self._sock, encode_request(request))
+        reply = decode_reply(recv_message(self._sock, MAX_ENCODED_BYTES))
+        if isinstance(reply, Refusal):
+            return ChunkOutcome.refused(index, reply)
+        self._reader.connect(reply, version=f.version)
+        return None
+
+    def read(self, chunks: Sequence[int]) -> Iterator[ChunkOutcome]:
+        """One outcome per chunk in order; stops after the first that is not DONE."""
+        for index in chunks:
+            try:
+                if self._reader is None or self._reader.descriptor is None:
+                    refused = self._open(index)
+                    if refused is not None:
+                        yield refused
+                        return
+                out = self._read_chunk(index)
+            except (TensorHubError, OSError) as exc:
+                out = ChunkOutcome.failed(index, exc)
+            yield out
+            if out.status is not ChunkStatus.DONE:
+                return
+
+    def _read_chunk(self, index: int) -> ChunkOutcome:
+        f, reader = self._f, self._reader
+        tensors = f.dest.tensors
+        specs = f.layout.tensors
+        timeout = max(0.01, min(f.stall, f.deadline - time.monotonic()))
+        try:
+            for seg in f.dest.segments(index):
+                name = specs[seg.tensor].name
+                buf = reader.register(tensors[name])
+                reader.read(
+                    name, buf, offset=seg.start, length=seg.length, dest_offset=seg.start,
+                    timeout=timeout,
+                )  # fmt: skip
+        except TensorHubError:
+            f.touched.add(index)
+            raise
+        hasher = xxhash.xxh3_64()
+        for view in f.dest.sink_views(index):
+            hasher.update(view)
+        checksum = int(hasher.intdigest())
+        nbytes = f.layout.payload_bytes(index)
+        if f.expected is not None and checksum != f.expected[index] and f.checks.manifest:
+            f.touched.add(index)
+            with f.lock:
+                f.stats.discarded_bytes += nbytes
+            why = f"chunk {index} differs from the published version"
+            return ChunkOutcome(index, ChunkStatus.CORRUPT, IntegrityError(why))
+        f.dest.commit(index, checksum)
+        return ChunkOutcome(index, ChunkStatus.DONE, nbytes=nbytes, complete=True)
+
+    def close(self) -> None:
+        """Close the control connection (the holder destroys our queue pair), then ours."""
+        if self._sock is not None:
+            with self._f.lock:
+                self._f.socks.discard(self._sock)
+            with contextlib.suppress(OSError):
+                self._sock.close()
+        if self._reader is not None:
+            self._reader.close()
+
+
+class RdmaTransport:
+    """`Transport` over one-sided RDMA reads (docs/rdma.md)."""
+
+    kind = TransportKind.RDMA
+
+    def open(self, f: FetchState, source: Source, staging: StagingBuffer | None) -> RdmaChannel:
+        return RdmaChannel(f, source)

@@ -1,0 +1,297 @@
+"""The RDMA control channel: the TCP connection over which a reader gets a descriptor.
+
+A holder that serves RDMA listens on a TCP port of its own (the `rdma` endpoint of its
+holder record, `HOST:PORT`). One connection per (reader, holder) queue pair:
+
+1. reader → holder: a request (`encode_request`): tenant, model, version, layout digest,
+   read token and the reader's `QpInfo`;
+2. holder → reader: the `RdmaDescriptor` (`encode_descriptor`), or a refusal with a
+   `transport.wire.ErrorCode` (`DENIED`, `NOT_HELD`, `RELEASED`, `NOT_READY`, ...), which
+   the reader turns into the same typed `ChunkOutcome` a TCP ERROR frame gives;
+3. the connection stays open while the reader reads; when it closes, or when the holder
+   releases the version, the holder destroys that reader's queue pair.
+
+Each message is a u32 big-endian length and that many bytes of UTF-8 JSON. The server
+holds one read of the version (`HeldVersion.reading()`) per connected reader, so
+`HolderStore.release` returns only after every queue pair that could read the memory is
+gone: the mutability contract holds for one-sided reads too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import select
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tensorhub.errors import TransportError, VersionUnavailable
+from transport.rdma.descriptor import (
+    FORMAT,
+    MAX_ENCODED_BYTES,
+    QpInfo,
+    RdmaDescriptor,
+    decode_descriptor,
+    encode_descriptor,
+)
+from transport.store import HeldVersion, HolderStore
+from transport.wire import ErrorCode, Refusal
+
+MAX_REQUEST_BYTES = 64 * 1024
+IO_TIMEOUT = 10.0
+_LEN = struct.Struct("!I")
+Verifier = Callable[[str, str, int, bytes], bool]
+
+
+@dataclass(frozen=True)
+class RdmaRequest:
+    """What a reader asks the control channel for (step 1)."""
+
+    tenant: str
+    model: str
+    version: int
+    layout_digest: int
+    token: bytes
+    qp: QpInfo
+
+
+def encode_request(req: RdmaRequest) -> bytes:
+    """The request as JSON (the token hex-encoded)."""
+    doc = {
+        "format": FORMAT, "tenant": req.tenant, "model": req.model, "version": req.version,
+        "layout": req.layout_digest, "token": req.token.hex(), "qp": req.qp.to_json(),
+    }  # fmt: skip
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def _doc(data: bytes, limit: int) -> dict[str, Any]:
+    if len(data) > limit:
+        raise TransportError(f"RDMA control message of {len(data)} bytes is over {limit}")
+    try:
+        doc = json.loads(bytes(data).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as ex:
+        raise TransportError(f"RDMA control message is not JSON ({ex})") from ex
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise TransportError(f"RDMA control message: format is not {FORMAT!r}")
+    return doc
+
+
+def decode_request(data: bytes) -> RdmaRequest:
+    """Parse and validate a request; `TransportError` on anything else."""
+    doc = _doc(data, MAX_REQUEST_BYTES)
+    try:
+        tenant, model = doc["tenant"], doc["model"]
+        version, digest, token = (
+            doc["version"],
+            doc["layout"],
+            bytes.fromhex(doc["token"]),
+        )
+        if not (isinstance(tenant, str) and isinstance(model, str)):
+            raise TypeError("tenant and model must be strings")
+        if type(version) is not int or type(digest) is not int or version < 0 or digest < 0:
+            raise TypeError("version and layout must be integers >= 0")
+        return RdmaRequest(tenant, model, version, digest, token, QpInfo.from_json(doc["qp"]))
+    except (KeyError, TypeError, ValueError) as ex:
+        raise TransportError(f"RDMA control request is malformed: {ex!r}") from ex
+
+
+def encode_refusal(code: ErrorCode, message: str) -> bytes:
+    """A refusal (step 2, the holder says no)."""
+    doc = {"format": FORMAT, "error": {"code": int(code), "message": message[:1024]}}
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def decode_reply(data: bytes) -> RdmaDescriptor | Refusal:
+    """The holder's answer: its descriptor, or a `Refusal` with a typed code."""
+    doc = _doc(data, MAX_ENCODED_BYTES)
+    error = doc.get("error")
+    if error is None:
+        return decode_descriptor(data)
+    if not isinstance(error, dict) or type(error.get("code")) is not int:
+        raise TransportError("RDMA control refusal has no integer code")
+    raw = int(error["code"])
+    code = ErrorCode(raw) if raw in ErrorCode._value2member_map_ else None
+    return Refusal(code, raw, str(error.get("message", "")))
+
+
+def send_message(sock: socket.socket, data: bytes) -> None:
+    """One length-prefixed message."""
+    sock.sendall(_LEN.pack(len(data)) + data)
+
+
+def recv_message(sock: socket.socket, limit: int) -> bytes:
+    """One length-prefixed message of at most `limit` bytes (`TransportError` otherwise)."""
+    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+    if n > limit:
+        raise TransportError(f"RDMA control message of {n} bytes is over {limit}")
+    return _recv_exact(sock, n)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        got = sock.recv(n - len(buf))
+        if not got:
+            raise TransportError("RDMA control channel closed mid-message")
+        buf += got
+    return bytes(buf)
+
+
+class RdmaControlServer:
+    """Serves descriptors for the versions in `store` to RDMA readers whose token
+    `verifier` accepts. The device is opened on the first request that needs it
+    (`device_factory`, default `RdmaDevice()`), so refusals need no device; one
+    `RdmaExporter` per held version, closed once the version is released and its last
+    reader has gone."""
+
+    def __init__(
+        self,
+        store: HolderStore,
+        verifier: Verifier,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        device_factory: Callable[[], Any] | None = None,
+    ) -> None:
+        self._store, self._verifier = store, verifier
+        self._device_factory = device_factory
+        self._device: Any = None
+        self._lock = threading.Lock()
+        self._exporters: dict[int, tuple[HeldVersion, Any, int]] = {}  # id -> (held, exp, readers)
+        self._sock = socket.create_server((host, port))
+        self._sock.settimeout(0.5)
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._accept, name="rdma-control", daemon=True)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self._sock.getsockname()[:2]
+        return str(host), int(port)
+
+    def start(self) -> RdmaControlServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop accepting, close every exporter (destroying its readers' queue pairs)."""
+        self._stopping.set()
+        self._sock.close()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2.0)
+        with self._lock:
+            exporters, self._exporters = self._exporters, {}
+            device, self._device = self._device, None
+        for _, exporter, _ in exporters.values():
+            exporter.close()
+        if device is not None:
+            device.close()
+
+    def _accept(self) -> None:
+        while not self._stopping.is_set():
+            self._sweep()
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _sweep(self) -> None:
+        """Close the exporters of released versions that no reader uses any more."""
+        with self._lock:
+            idle = [k for k, (h, _, n) in self._exporters.items() if h.released and n == 0]
+            gone = [self._exporters.pop(k)[1] for k in idle]
+        for exporter in gone:
+            exporter.close()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.settimeout(IO_TIMEOUT)
+                req = decode_request(recv_message(conn, MAX_REQUEST_BYTES))
+            except (TransportError, OSError) as exc:
+                with contextlib.suppress(OSError):
+                    send_message(conn, encode_refusal(ErrorCode.BAD_FRAME, str(exc)))
+                return
+            try:
+                self._answer(conn, req)
+            except OSError:
+                return
+
+    def _refuse(self, req: RdmaRequest) -> tuple[ErrorCode, str] | HeldVersion:
+        try:
+            ok = self._verifier(req.tenant, req.model, req.version, req.token)
+        except Exception:  # a verifier that raises counts as a refusal
+            ok = False
+        if not ok:
+            return ErrorCode.DENIED, "read token refused"
+        held = self._store.get((req.tenant, req.model, req.version))
+        if held is None:
+            return ErrorCode.NOT_HELD, f"{req.model}@{req.version} is not held here"
+        if held.released:
+            return ErrorCode.RELEASED, f"{req.model}@{req.version} is released"
+        if held.layout.digest != req.layout_digest:
+            return ErrorCode.LAYOUT_MISMATCH, "layout digest differs"
+        if not held.complete or held.on_cuda:
+            why = "PARTIAL here" if not held.complete else "on CUDA (RDMA serves CPU memory)"
+            return (
+                ErrorCode.NOT_READY,
+                f"{req.model}@{req.version} is {why}: read over tcp",
+            )
+        return held
+
+    def _answer(self, conn: socket.socket, req: RdmaRequest) -> None:
+        found = self._refuse(req)
+        if not isinstance(found, HeldVersion):
+            send_message(conn, encode_refusal(*found))
+            return
+        held = found
+        try:
+            with held.reading():  # counted until this reader's queue pair is gone
+                exporter = self._enter(held)
+                try:
+                    desc = exporter.accept(req.qp)
+                    try:
+                        send_message(conn, encode_descriptor(desc))
+                        self._hold(conn, held)
+                    finally:  # from here on this reader's NIC cannot read our memory
+                        exporter.disconnect(desc.qp.qpn)
+                finally:
+                    self._leave(held)
+        except VersionUnavailable as exc:
+            send_message(conn, encode_refusal(ErrorCode.RELEASED, str(exc)))
+        except TransportError as exc:  # no device, overwriting, a verbs failure
+            send_message(conn, encode_refusal(ErrorCode.BAD_REQUEST, str(exc)))
+
+    def _enter(self, held: HeldVersion) -> Any:
+        with self._lock:
+            entry = self._exporters.get(id(held))
+            if entry is None:
+                from transport.rdma.device import RdmaDevice
+                from transport.rdma.exporter import RdmaExporter
+
+                if self._device is None:
+                    factory = self._device_factory or RdmaDevice
+                    self._device = factory()
+                exporter = RdmaExporter(self._device, held.tensors, version=held.key[2])
+                entry = (held, exporter, 0)
+            self._exporters[id(held)] = (entry[0], entry[1], entry[2] + 1)
+            return entry[1]
+
+    def _leave(self, held: HeldVersion) -> None:
+        with self._lock:
+            entry = self._exporters.get(id(held))
+            if entry is not None:
+                self._exporters[id(held)] = (entry[0], entry[1], entry[2] - 1)
+        self._sweep()
+
+    def _hold(self, conn: socket.socket, held: HeldVersion) -> None:
+        """Wait until the reader closes the channel, the version is released, or we stop."""
+        while not (held.released or self._stopping.is_set()):
+            ready, _, _ = select.select([conn], [], [], 0.05)
+            if ready and not conn.recv(1):
+                return
