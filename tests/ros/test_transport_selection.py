@@ -11,6 +11,7 @@ rdma endpoints below are records, as a holder with a device would write them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import pytest
@@ -56,7 +57,7 @@ def test_a_client_advertises_the_transports_it_serves(
 
 @no_rdma
 def test_a_dual_record_is_read_over_tcp_with_the_fallback_reason(
-    hub_server: HubServer, connect: Callable[..., ros.Hub]
+    hub_server: HubServer, connect: Callable[..., ros.Hub], caplog: pytest.LogCaptureFixture
 ) -> None:
     trainer, bystander, reader = connect(), connect(), connect()
     model = make_model(2)
@@ -72,9 +73,11 @@ def test_a_dual_record_is_read_over_tcp_with_the_fallback_reason(
         "the hub lists only the dual record",
         lambda: [h.name for h in reader.inspect("policy", 1).holders] == ["dual"],
     )
-    held = reader.fetch("policy", 1, timeout=30)
+    with caplog.at_level(logging.INFO, logger="ros.client.fetching"):
+        held = reader.fetch("policy", 1, timeout=30)
     for name, tensor in model.items():
         assert torch.equal(held.tensors[name], tensor)
+    assert "reading holder dual over tcp: rdma: no RDMA here" in caplog.text
     assert held.stats.transports == {"dual": "tcp"}
     assert rdma_unavailable_reason() in held.stats.fallbacks["dual"]
     assert held.stats.fallbacks["dual"].startswith("rdma: no RDMA here")

@@ -186,6 +186,29 @@ def test_a_released_version_is_refused_over_each_transport(
               deadline=time.monotonic() + 10, me=Topology())  # fmt: skip
 
 
+@needs_rdma
+@pytest.mark.rdma
+def test_release_returns_only_once_no_rdma_reader_can_read_the_memory(
+    holders: StartHolder, controls: list[RdmaControlServer]
+) -> None:
+    tensors = make_model(7, tiny=20)
+    layout = Layout.from_tensors(tensors, chunk_size=CHUNK)
+    store, source = _serve(TransportKind.RDMA, holders, controls, tensors, layout)
+    held = store.get((TENANT, MODEL, 1))
+    assert held is not None
+    f = FetchState(TENANT, MODEL, 1, _dest(layout), b"t", time.monotonic() + 30, 5.0)
+    channel = transport_for(TransportKind.RDMA).open(f, source, None)
+    try:
+        assert [o.status for o in channel.read([0])] == [ChunkStatus.DONE]
+        assert held.reads_in_flight == 1  # the connected reader counts until its QP is gone
+        store.release((TENANT, MODEL, 1), 5.0)  # returns once the holder destroyed our QP
+        assert held.reads_in_flight == 0
+        (out,) = list(channel.read([1]))
+        assert out.status is ChunkStatus.FAILED  # the NIC refuses: nothing read after release
+    finally:
+        channel.close()
+
+
 # --- selection (CPU) ----------------------------------------------------------------------
 
 BOTH = {"rdma": "10.0.0.1:7001", "tcp": "10.0.0.1:7000"}
