@@ -20,8 +20,10 @@ from ros.client.advertise import served_endpoints, stop_served
 from ros.client.backoff import retry_overloaded
 from ros.client.channel import open_channel, parse_address
 from ros.client.handles import DEFAULT_RELEASE_TIMEOUT
+from ros.client.holdings import Holdings
 from ros.client.hooks import PRODUCTION, ClientHooks
 from ros.client.manifest_cache import CachedManifest, ManifestCache
+from ros.client.recovery import RECOVERY_JOIN_TIMEOUT, Sessions
 from ros.client.retention import Retention, SpillStats
 from ros.client.session import ClientSession, read_keys_of
 from ros.client.watch import HubWatch
@@ -33,7 +35,6 @@ from ros.proto.tensorhub.v1 import hub_pb2_grpc
 from ros.tokens import ReadTokenVerifier
 from tensorhub.endpoints import format_endpoint
 from tensorhub.errors import (
-    AlreadyExists,
     InternalError,
     InvalidArgument,
     SessionExpired,
@@ -41,7 +42,6 @@ from tensorhub.errors import (
 )
 from tensorhub.names import validate_name
 from transport.server import HolderServer
-from transport.store import HeldVersion, HolderStore
 from transport.tls import TlsConfig
 from transport.topology import Topology
 
@@ -96,19 +96,31 @@ class ClientBase:
         self._stub = hub_pb2_grpc.TensorHubStub(self._channel)  # type: ignore[no-untyped-call]
         self.floor: RevisionFloor = hooks.floor()
         self._lock = threading.RLock()
-        self._store = HolderStore()
+        self.holdings = Holdings(self.tenant)  # what this client serves: the one owner of it
         self._server: HolderServer | None = None
-        self._fences: dict[tuple[str, int], int] = {}
-        self._shards: dict[tuple[str, int], int] = {}  # model-parallel versions held: shard
         self._manifests = ManifestCache()  # by (model, version, shard): they never change
         self._retention = Retention(spill_budget)  # bytes of host spills (None: the default)
         self._session_ttl = session_ttl
         self._closed = False
+        self._sessions = Sessions(self, self.holdings)  # the session, and its recovery
         try:
-            self.session = self._open_session()
+            self._sessions.open_first()
         except BaseException:  # refused at connect (a bad token, another tenant's token)
             self._channel.close()
             raise
+
+    @property
+    def session(self) -> ClientSession:
+        """The session in use: a recovery replaces it after a loss (`ros.client.recovery`)."""
+        current = self._sessions.current
+        if current is None:
+            raise InternalError("the client has no session yet")
+        return current
+
+    @property
+    def recovery(self) -> Sessions:
+        """The owner of the session and its recovery: `recovering`, `failures`, `recoveries`."""
+        return self._sessions
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -119,7 +131,7 @@ class ClientBase:
         held version re-registered) starts at once instead of when the next renewal fails.
         (Another `LeaseLost`, about one holder record, leaves the session alone.)
         """
-        session: ClientSession | None = getattr(self, "session", None)  # none while opening
+        session = self._sessions.current  # none while the first one opens
         try:
             return getattr(self._stub, method)(
                 request,
@@ -148,10 +160,22 @@ class ClientBase:
 
         return self.retry.call(read, deadline)
 
-    def _open_session(self) -> ClientSession:
+    def _open_session_rpc(self) -> pb.OpenSessionResponse:
+        """OpenSession (an `Overloaded` refusal waited out); the session is not kept alive
+        until `_session_of` makes a `ClientSession` of it."""
         request = pb.OpenSessionRequest(ttl_seconds=self._session_ttl)
-        opened = retry_overloaded(lambda: self._rpc("OpenSession", request), self.timeout)
+        opened: pb.OpenSessionResponse = retry_overloaded(
+            lambda: self._rpc("OpenSession", request), self.timeout
+        )
         self.floor.observe(opened.revision)
+        return opened
+
+    def _close_session_rpc(self, session_id: int, timeout: float) -> None:
+        """CloseSession: the hub revokes the lease, and every record on it goes at once."""
+        self._rpc("CloseSession", pb.CloseSessionRequest(session_id=session_id), timeout)
+
+    def _session_of(self, opened: pb.OpenSessionResponse) -> ClientSession:
+        """Keep `opened` alive: a `ClientSession` whose loss starts a recovery."""
         keys = read_keys_of(opened.read_keys)
         if not keys:
             raise InternalError("the hub sent no read keys: it is older than this SDK")
@@ -163,35 +187,9 @@ class ClientBase:
         else:
             verifier.update(keys)
         return ClientSession(
-            self._stub, self._metadata, opened, on_lost=self._session_lost,
+            self._stub, self._metadata, opened, on_lost=self._sessions.lost,
             on_keys=self._read_tokens.update,
         )  # fmt: skip
-
-    def _session_lost(self, lost: ClientSession) -> None:
-        """Stop serving at once, then re-register everything under a new session."""
-        threading.Thread(target=self._recover, name="hub-session-recover", daemon=True).start()
-
-    def _recover(self) -> None:
-        if self._closed:
-            return
-        with self._lock:
-            try:
-                self.session = self._open_session()
-            except TensorHubError as exc:
-                log.error("could not open a new session after losing one: %s", exc)
-                return
-            for key in self._store.keys():  # noqa: SIM118  (a method, not a dict)
-                held = self._store.get(key)
-                _, model, version = key
-                if held is None or held.released:
-                    continue
-                shard = self._shards.get((model, version))
-                try:  # one version's failure must not keep the others unregistered
-                    fence = self._register(model, version, complete=held.complete, shard=shard)
-                except TensorHubError as exc:
-                    log.error("could not re-register %s@%d: %s", model, version, exc)
-                    continue
-                self._fences[(model, version)] = fence
 
     def _verifier(self, tenant: str, model: str, version: int, token: bytes) -> bool:
         session = self.session
@@ -199,24 +197,12 @@ class ClientBase:
             return False  # a client that lost its session stops serving at once
         return self._read_tokens(tenant, model, version, token)
 
-    def _hold(self, held: HeldVersion, shard: int | None) -> None:
-        """Add `held` to what this client serves; a client holds one copy (one shard) of a
-        version, so a second one is refused with a message that says what to do."""
-        _, model, version = held.key
-        if self._store.get(held.key) is not None:
-            what = f"{model}@{version}" + ("" if shard is None else f" (asked: shard {shard})")
-            raise AlreadyExists(
-                f"this client already holds {what}: release it first; model-parallel "
-                "ranks use one client each"
-            )
-        self._store.add(held)
-
     def _holder_server(self) -> HolderServer:
         with self._lock:
             if self._server is None:
                 host, port = self._listen
                 self._server = HolderServer(
-                    self._store, self._verifier, host, port, tls=self._tls,
+                    self.holdings.store, self._verifier, host, port, tls=self._tls,
                     on_served=SDK_BYTES_SERVED.inc, send=self._hooks.send,
                 ).start()  # fmt: skip
             return self._server
@@ -387,24 +373,25 @@ class ClientBase:
         """Stop serving, end the session (its records vanish at once), close the channel.
 
         The hub is waited for at most `CLOSE_SESSION_TIMEOUT` (CloseSession; a stalled hub
-        leaves the session to expire within its TTL), and the keepalive thread at most 2 s;
-        reads in flight from our holder server get up to 5 s per held version.
+        leaves the session to expire within its TTL), the keepalive thread at most 2 s, and a
+        recovery in progress at most `RECOVERY_JOIN_TIMEOUT` (2 s; it is stopped first, and a
+        session it opens after that is ended by it, never renewed); reads in flight from our
+        holder server get up to 5 s per held version.
         """
         if self._closed:
             return
         self._closed = True
-        for key in self._store.keys():  # noqa: SIM118  (a method, not a dict)
-            try:
-                self._store.release(key, 5.0)
-            except TensorHubError as exc:
-                log.warning("closing: %s", exc)
-        self.session.stop()
+        session = self._sessions.close()  # no recovery installs a session after this
+        self.holdings.drop_all(5.0)
+        session.stop()
         try:
-            request = pb.CloseSessionRequest(session_id=self.session.id)
-            self._rpc("CloseSession", request, CLOSE_SESSION_TIMEOUT)
+            self._close_session_rpc(session.id, CLOSE_SESSION_TIMEOUT)
         except TensorHubError as exc:
             log.info("closing: session not revoked (%s); it expires within its TTL", exc)
         if self._server is not None:
             self._server.stop()
         stop_served(self)
-        self._channel.close()
+        self._channel.close()  # also ends a recovery's call in flight
+        if not self._sessions.join(RECOVERY_JOIN_TIMEOUT):
+            log.warning("closing: the session recovery did not stop within %ss",
+                        RECOVERY_JOIN_TIMEOUT)  # fmt: skip

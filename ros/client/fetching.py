@@ -76,13 +76,13 @@ class FetchMixin(ClientBase):
         layout = layout_of(manifest)
         if into is not None:
             layout.check_tensors(into)
-            self._check_not_held(into)
+            self.holdings.check_free(into)
             tensors = {spec.name: into[spec.name] for spec in layout.tensors}
         else:
             tensors = layout.allocate()
         held = HeldVersion.reader(self.tenant, model, version, layout, tensors)
         self._holder_server()
-        self._hold(held, shard)
+        self.holdings.hold(held, shard)
         try:
             stats = self._fill(
                 model, version, held, resolved, manifest, shard, deadline, rate_floor
@@ -112,9 +112,7 @@ class FetchMixin(ClientBase):
             model, version, complete=False, shard=shard, timeout=deadline.work(self.timeout)
         )
         fence = int(registered.fence)
-        self._fences[(model, version)] = fence
-        if shard is not None:
-            self._shards[(model, version)] = shard
+        self.holdings.registered(model, version, fence)
         # Pipelined replication: now that we are registered (our fence orders us after
         # every earlier reader), read from one predecessor rather than all from the publisher.
         candidates = list(registered.candidates) or holders_of(resolved, shard)
@@ -133,7 +131,7 @@ class FetchMixin(ClientBase):
             ),
         )  # fmt: skip
         # a session lost meanwhile re-registered us under a new fence: complete that record
-        fence = self._fences.get((model, version), fence)
+        fence = self.holdings.fence(model, version, fence)
         update = pb.UpdateHolderRequest(
             model=model, version=version, holder=self._holder_pb(True, fence, shard)
         )
@@ -159,7 +157,7 @@ class FetchMixin(ClientBase):
         not sent again. The answer's read token is offered to `tokens`."""
 
         def refresh() -> list[Source]:
-            fence = self._fences.get((model, version), 0)
+            fence = self.holdings.fence(model, version)
             again = self._resolve(
                 model, version, shard=shard, fence=fence, manifest=False,
                 timeout=deadline.work(self.timeout),
@@ -182,7 +180,7 @@ class FetchMixin(ClientBase):
         without the manifest, within the fetch's deadline (ros.client.read_token)."""
 
         def renew() -> tuple[bytes, int]:
-            fence = self._fences.get((model, version), 0)
+            fence = self.holdings.fence(model, version)
             again = self._resolve(
                 model, version, shard=shard, fence=fence, manifest=False,
                 timeout=deadline.work(self.timeout),
@@ -229,23 +227,11 @@ class FetchMixin(ClientBase):
             )  # fmt: skip
         return sources
 
-    def _check_not_held(self, into: Mapping[str, torch.Tensor]) -> None:
-        """Refuse to fetch into memory that still serves another version (mutability contract)."""
-        targets = {t.data_ptr() for t in into.values() if t.numel()}
-        for key in self._store.keys():  # noqa: SIM118  (a method, not a dict)
-            held = self._store.get(key)
-            if held is None or held.released:
-                continue
-            if targets & {t.data_ptr() for t in held.tensors.values() if t.numel()}:
-                raise InvalidArgument(
-                    f"`into` still serves {key[1]}@{key[2]}: release it before overwriting it"
-                )
-
     def _abandon(self, model: str, version: int, held: HeldVersion, deadline: Deadline) -> None:
         """Undo a failed fetch within its deadline: stop serving, delete our PARTIAL record
         (and the pin it held). What does not fit in time is left to the session's lease."""
-        try:
-            self._store.release(held.key, min(1.0, max(deadline.end - time.monotonic(), 0.0)))
+        try:  # forgets its fence and shard too
+            self.holdings.drop(held.key, min(1.0, max(deadline.end - time.monotonic(), 0.0)))
         except TensorHubError as exc:
             log.warning("abandoning %s@%d: %s", model, version, exc)
         request = pb.ReleaseHolderRequest(
@@ -263,8 +249,6 @@ class FetchMixin(ClientBase):
                 "the session's lease (they go at close(), or when it expires)",
                 model, version, exc,
             )  # fmt: skip
-        self._fences.pop((model, version), None)
-        self._shards.pop((model, version), None)
 
 
 def read_or_explain(skipped: Mapping[str, str], read: Callable[[], FetchStats]) -> FetchStats:

@@ -3,8 +3,10 @@
 The control plane goes through the hub (gRPC); weight bytes go holder → reader directly over
 the data plane (`transport`). Every client that holds a version runs a small holder server,
 started on first use, so whatever it published or fetched is served to others until released.
-The pieces: `ros.client.base` (channel, session, holder server), `ros.client.publishing`,
-`ros.client.fetching`, `ros.client.slices` (reading another layout's blocks).
+The pieces: `ros.client.base` (channel, holder server), `ros.client.holdings` (what the
+client holds: the one owner of it), `ros.client.recovery` (its session, recovered after a
+loss), `ros.client.publishing`, `ros.client.fetching`, `ros.client.slices` (reading another
+layout's blocks).
 """
 
 from __future__ import annotations

@@ -73,8 +73,8 @@ class PublishMixin(ClientBase):
         # the hub's own rules, so a manifest it would refuse fails here with its message
         check_manifest(manifest, "manifest" if shard is None else f"manifest of shard {shard[0]}")
         self._holder_server()
-        self._hold(held, None if shard is None else shard[0])
         index = None if shard is None else shard[0]
+        self.holdings.hold(held, index)
         request = pb.PublishRequest(
             model=model,
             version=version,
@@ -86,11 +86,9 @@ class PublishMixin(ClientBase):
         try:
             response = self._publish_rpc(request, timeout)
         except BaseException:
-            self._store.release(held.key, 0.0)
+            self.holdings.drop(held.key, 0.0)  # its shard too (it was left behind before)
             raise
         self.floor.observe(response.revision)
-        if index is not None:
-            self._shards[(model, version)] = index
         SDK_PUBLISH_SECONDS.observe(time.monotonic() - start)
         return Publication(
             self, model, version, own, int(response.revision), bool(response.visible), index

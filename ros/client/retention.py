@@ -143,7 +143,7 @@ class Retention:
         """Copy the held version into host memory and serve it from there, within the budget;
         `SpillBudgetExceeded` (nothing changed) past it."""
         key = (client.tenant, model, version)
-        held = client._store.get(key)
+        held = client.holdings.get(key)
         if held is None or not held.complete:
             raise refused
         nbytes = held.layout.total_bytes
@@ -174,7 +174,7 @@ class Retention:
         SDK_HOST_SPILLS.inc()
         SDK_HOST_SPILL_BYTES.inc(nbytes)
         try:  # swaps the copy in at once, then waits for reads in flight of the caller's memory
-            client._store.replace(copy, timeout)
+            client.holdings.replace(copy, timeout)
         finally:
             with self._lock:
                 self._copying.discard(key)
@@ -193,7 +193,7 @@ class Retention:
     ) -> None:
         """Write the held version to the safetensors file `path` and serve it from there."""
         key = (client.tenant, model, version)
-        held = client._store.get(key)
+        held = client.holdings.get(key)
         if held is None or not held.complete:
             raise InvalidArgument(f"{model}@{version} is not held complete here: nothing to spill")
         write_safetensors(path, held.tensors)
@@ -201,7 +201,7 @@ class Retention:
             client.tenant, model, version, map_safetensors(path), held.layout
         )
         check_copy(held, mapped, f"spill of {model}@{version} to {path}")
-        client._store.replace(mapped, timeout)
+        client.holdings.replace(mapped, timeout)
         with self._lock:
             self._file_spills += 1
         log.info("%s@%d spilled to %s; serving it from there", model, version, path)
@@ -257,9 +257,7 @@ def release_record(
 
 def forget(client: ClientBase, key: Key, timeout: float) -> None:
     """Stop serving `key` (waiting up to `timeout` for reads in flight) and forget it."""
-    client._store.release(key, timeout)
-    client._fences.pop((key[1], key[2]), None)
-    client._shards.pop((key[1], key[2]), None)
+    client.holdings.drop(key, timeout)
 
 
 def host_copy(held: HeldVersion) -> HeldVersion:

@@ -37,7 +37,7 @@ def freeze_mid_fetch(hub: ros.Hub, link: Link, version: int, done: threading.Eve
     this whole process so the driver's SIGKILL lands mid-fetch (not after it)."""
     key = (hub.tenant, MODEL, version)
     while not done.is_set():
-        held = hub._store.get(key)  # the version being filled: the demo's view of progress
+        held = hub.holdings.get(key)  # the version being filled: the demo's view of progress
         if held is not None:
             chunks = held.layout.num_chunks
             missing = len(held.missing())

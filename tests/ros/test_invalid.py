@@ -66,7 +66,7 @@ def test_version_older_than_latest(
         client.publish("policy", 4, make_model(2))
     assert snap() == before
     # and the publisher's memory is not left registered for serving
-    assert client._store.get(("team-a", "policy", 4)) is None
+    assert client.holdings.get(("team-a", "policy", 4)) is None
 
 
 def test_tensors_that_do_not_match_the_manifest(

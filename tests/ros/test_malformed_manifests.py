@@ -119,7 +119,7 @@ def test_the_sdk_refuses_before_sending_with_the_hubs_message(
     with pytest.raises(InvalidManifest, match="lists no tensors"):
         client.publish("policy", 6, {})
     assert _publishes() == sent  # no Publish reached the hub
-    assert client._store.get(("team-a", "policy", 6)) is None  # nor is anything served
+    assert client.holdings.get(("team-a", "policy", 6)) is None  # nor is anything served
     # the hub says the same about the same manifest
     entry = pb.TensorEntry(name=long_name, dtype="float32", shape=[1024], nbytes=4096)
     manifest = pb.Manifest(tensors=[entry], total_bytes=4096, chunk_size=4096, chunk_xxh3=[1])

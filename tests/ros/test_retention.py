@@ -92,7 +92,7 @@ def test_a_rollout_step_loop_keeps_the_previous_version_readable_from_its_spill(
     stats = rollout.spills
     assert (stats.spills, stats.freed, stats.held_versions) == (2, 1, 1)
     assert stats.held_bytes == nbytes(v2)
-    assert rollout._store.get((rollout.tenant, "policy", 1)) is None
+    assert rollout.holdings.get((rollout.tenant, "policy", 1)) is None
     held = rollout.fetch("policy", 3, into=policy, timeout=30)  # the loop goes on in place
     assert same(policy, v3)
     assert same(connect().fetch("policy", 2, timeout=30).tensors, v2)
@@ -112,7 +112,7 @@ def test_a_spill_over_the_budget_raises_a_named_error_and_changes_nothing(
         assert advice in message, message
     assert not pub.released
     assert small.holder_name in [h.holder for h in small.holders("policy", 1)]
-    served = small._store.get((small.tenant, "policy", 1))
+    served = small.holdings.get((small.tenant, "policy", 1))
     assert served is not None
     assert not served.released
     assert served.tensors["embed.weight"].data_ptr() == weights["embed.weight"].data_ptr()
