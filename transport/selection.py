@@ -51,6 +51,7 @@ def choose(
     complete: bool,
     tls: bool = False,
     local: Sequence[TransportKind] | None = None,
+    device_memory: bool = False,
 ) -> Route:
     """The best transport for a holder advertising `endpoints`, as seen by this reader.
 
@@ -58,6 +59,9 @@ def choose(
     chunk a PARTIAL holder is still receiving, so a PARTIAL holder is read over TCP).
     `tls`: this reader requires TLS (RDMA reads are not encrypted, so TLS means TCP).
     `local`: the kinds this process can use (default `available_transports()`).
+    `device_memory`: the destination is GPU memory, which the RDMA channel cannot register
+    (it reads into host memory only), so such a fetch reads the holder over TCP (staged)
+    instead of dropping it.
     Raises `NoUsableTransport` naming every reason when none fits.
     """
     have = available_transports() if local is None else list(local)
@@ -72,6 +76,8 @@ def choose(
         why = local_reason(kind, have)
         if not why and kind is TransportKind.RDMA and tls:
             why = "TLS is required and RDMA reads are not encrypted"
+        if not why and kind is TransportKind.RDMA and device_memory:
+            why = "the destination is device memory (the RDMA channel reads into host memory)"
         if not why and kind is TransportKind.RDMA and not complete:
             why = "the holder is PARTIAL (one-sided reads cannot wait for its chunks)"
         if why:

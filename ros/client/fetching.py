@@ -117,15 +117,20 @@ class FetchMixin(ClientBase):
         # every earlier reader), read from one predecessor rather than all from the publisher.
         candidates = list(registered.candidates) or holders_of(resolved, shard)
         skipped: dict[str, str] = {}  # holders whose endpoint we cannot use: why
-        first = pipeline_sources(self.topology, fence, self._candidates(candidates, skipped))
+        gpu = held.on_cuda  # RDMA reads land in host memory: a GPU destination reads over TCP
+        first = pipeline_sources(
+            self.topology, fence, self._candidates(candidates, skipped, device_memory=gpu)
+        )
         tokens = self._read_token(model, version, shard, deadline, resolved)
         stats = read_or_explain(
             skipped,
             lambda: transport_fetch(
                 self.tenant, model, version, held.layout, held,
-                first or self._sources(candidates, skipped),
+                first or self._sources(candidates, skipped, device_memory=gpu),
                 token=tokens, deadline=deadline.work_end, me=self.topology,
-                refresh_sources=self._refresher(model, version, shard, deadline, skipped, tokens),
+                refresh_sources=self._refresher(
+                    model, version, shard, deadline, skipped, tokens, device_memory=gpu
+                ),
                 expected=list(manifest.chunk_xxh3), tls=self._tls, rate_floor=rate_floor,
                 checks=self._hooks.checks,
             ),
@@ -151,6 +156,8 @@ class FetchMixin(ClientBase):
         deadline: Deadline,
         skipped: dict[str, str],
         tokens: RenewingToken | None = None,
+        *,
+        device_memory: bool = False,
     ) -> Callable[[], list[Source]]:
         """What a fetch calls when a holder failed: ask again who holds (this shard of) it,
         as seen from our fence and topology, within the fetch's deadline; the manifest is
@@ -164,7 +171,7 @@ class FetchMixin(ClientBase):
             )  # fmt: skip
             if tokens is not None:
                 tokens.offer(bytes(again.read_token), int(again.token_expiry_unix))
-            return self._sources(holders_of(again, shard), skipped)
+            return self._sources(holders_of(again, shard), skipped, device_memory=device_memory)
 
         return refresh
 
@@ -189,14 +196,18 @@ class FetchMixin(ClientBase):
 
         return RenewingToken(bytes(resolved.read_token), int(resolved.token_expiry_unix), renew)
 
-    def _candidates(self, holders: Sequence[pb.Holder], skipped: dict[str, str]) -> list[Candidate]:
+    def _candidates(
+        self, holders: Sequence[pb.Holder], skipped: dict[str, str], *, device_memory: bool
+    ) -> list[Candidate]:
         by_name = {h.name: h for h in holders}
         return [
             Candidate(s, int(by_name[s.holder_id].fence), by_name[s.holder_id].state == pb.COMPLETE)
-            for s in self._sources(holders, skipped)
+            for s in self._sources(holders, skipped, device_memory=device_memory)
         ]
 
-    def _sources(self, holders: Sequence[pb.Holder], skipped: dict[str, str]) -> list[Source]:
+    def _sources(
+        self, holders: Sequence[pb.Holder], skipped: dict[str, str], *, device_memory: bool = False
+    ) -> list[Source]:
         """The holders we can read from, each over the best transport both sides have
         (rdma → CUDA IPC, a later issue → tcp: `transport.selection`); why a better one
         was passed over is logged and travels in `Source.fallback` into the fetch's
@@ -209,8 +220,9 @@ class FetchMixin(ClientBase):
                 continue
             try:
                 route = choose(
-                    h.endpoints, complete=h.state == pb.COMPLETE, tls=self._tls is not None
-                )
+                    h.endpoints, complete=h.state == pb.COMPLETE, tls=self._tls is not None,
+                    device_memory=device_memory,
+                )  # fmt: skip
             except InvalidArgument as exc:
                 if h.name not in skipped:
                     log.warning("skipping holder %s: %s", h.name, exc)

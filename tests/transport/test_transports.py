@@ -245,6 +245,16 @@ def test_rdma_is_passed_over_for_partial_holders_and_under_tls(
     assert why in route.fallback
 
 
+def test_a_gpu_destination_reads_a_dual_holder_over_tcp_not_dropping_it() -> None:
+    """The RDMA channel registers host memory only: a fetch into CUDA tensors must read a
+    holder advertising both over TCP (staged), not lose the holder to a failed channel."""
+    both = [TransportKind.RDMA, TransportKind.TCP]
+    route = choose(BOTH, complete=True, local=both, device_memory=True)
+    assert route.kind is TransportKind.TCP
+    assert "device memory" in route.fallback
+    assert choose(BOTH, complete=True, local=both).kind is TransportKind.RDMA  # the control
+
+
 def test_an_rdma_only_holder_is_unusable_without_rdma_and_says_why() -> None:
     with pytest.raises(NoUsableTransport, match=r"rdma: no RDMA here.*tcp: not advertised"):
         choose({"rdma": "10.0.0.1:7001"}, complete=True, local=[TransportKind.TCP])
