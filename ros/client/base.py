@@ -10,9 +10,7 @@ import secrets
 import socket
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
-
-import grpc
+from typing import TypeVar
 
 from consistency.floor import RevisionFloor
 from consistency.retry import DEFAULT_POLICY, RetryPolicy
@@ -25,9 +23,9 @@ from ros.client.hooks import PRODUCTION, ClientHooks
 from ros.client.manifest_cache import CachedManifest, ManifestCache
 from ros.client.recovery import RECOVERY_JOIN_TIMEOUT, Sessions
 from ros.client.retention import Retention, SpillStats
+from ros.client.rpc import HubRpc, Rpc
 from ros.client.session import ClientSession, read_keys_of
 from ros.client.watch import HubWatch
-from ros.errors import from_rpc_error
 from ros.manifest_check import check_received
 from ros.metrics import SDK_BYTES_SERVED
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
@@ -37,7 +35,6 @@ from tensorhub.endpoints import format_endpoint
 from tensorhub.errors import (
     InternalError,
     InvalidArgument,
-    SessionExpired,
     TensorHubError,
 )
 from tensorhub.names import validate_name
@@ -94,6 +91,8 @@ class ClientBase:
         self._tls = tls
         self._channel = open_channel(addresses, tls=tls)
         self._stub = hub_pb2_grpc.TensorHubStub(self._channel)  # type: ignore[no-untyped-call]
+        # every unary hub call, typed by method (`ros.client.rpc`)
+        self._rpc: Rpc = HubRpc(self._stub, self._metadata, lambda: self.timeout, self._current)
         self.floor: RevisionFloor = hooks.floor()
         self._lock = threading.RLock()
         self.holdings = Holdings(self.tenant)  # what this client serves: the one owner of it
@@ -124,25 +123,8 @@ class ClientBase:
 
     # -- plumbing --------------------------------------------------------------------------
 
-    def _rpc(self, method: str, request: Any, timeout: float | None = None) -> Any:
-        """Call a unary method with a deadline; errors come back as TensorHubErrors.
-
-        `SessionExpired` means the hub found our session gone: recovery (a new session, every
-        held version re-registered) starts at once instead of when the next renewal fails.
-        (Another `LeaseLost`, about one holder record, leaves the session alone.)
-        """
-        session = self._sessions.current  # none while the first one opens
-        try:
-            return getattr(self._stub, method)(
-                request,
-                timeout=self.timeout if timeout is None else timeout,
-                metadata=self._metadata,
-            )
-        except grpc.RpcError as exc:
-            error = from_rpc_error(exc, method)  # UNKNOWN: OutcomeUnknown only for writes
-            if isinstance(error, SessionExpired) and session is not None:
-                session.expire(f"the hub answered {method} with: {error}")
-            raise error from None
+    def _current(self) -> ClientSession | None:
+        return self._sessions.current
 
     def _fresh(
         self, call: Callable[[float], T], revision_of: Callable[[T], int], timeout: float
