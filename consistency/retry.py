@@ -5,7 +5,9 @@ kazoo's `KazooRetry`: tries, backoff, jitter, deadline, and a sleep and a clock 
 replace): `Etcd.call` and `Etcd.call_member` (each etcd request), `KeyWatch` and `HubWatch`
 (reopening a broken stream, through `StreamPump._pump`), the SDK's fresh reads
 (`ClientBase._fresh`: an answer older than the revision floor), `OpenSession` refused as
-`Overloaded` (`ros.client.backoff`), the waits of the hub's lease keepalive stream
+`Overloaded` (`ros.client.backoff`), the SDK's session recovery after a loss (`OpenSession`
+and re-registration, `ros.client.recovery.RECOVERY_POLICY`: every failure, until closed),
+the waits of the hub's lease keepalive stream
 (`consistency.keepalive`), and the compare-and-set loops of `consistency.holders`,
 `consistency.publishing`, `consistency.deletion`, `consistency.versions`,
 `ros.hub.rpc_sessions` and `ros.hub.holder_index` (`RetryPolicy.compare_and_set`).
