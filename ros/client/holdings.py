@@ -132,7 +132,9 @@ class Holdings:
         so it does not keep the others unregistered. A failure another try may get past (the
         hub unreachable, the new session lost too, a reply lost) is raised: the caller's
         retry loop tries again."""
-        for key in sorted(pending, key=lambda k: (k[1], k[2])):
+        taken = self.store.keys()  # the order the versions were taken in, as before
+        pending.intersection_update(taken)  # those released meanwhile are done with
+        for key in [k for k in taken if k in pending]:
             held = self.store.get(key)
             if held is None or held.released:
                 pending.discard(key)
