@@ -23,7 +23,13 @@ PAYLOAD = 1448 / 1514  # TCP payload per Ethernet frame (tbf counts whole frames
 def test_simulator_matches_the_emulated_fanout() -> None:
     opts = Options(size_mb=16)
     with Cluster({1: 1 + READERS}, opts.rate_mbit) as c:
-        sat = c.saturation(c.parts, opts.nbytes)
+        # The links must be the bottleneck, not the shared CPUs: on a loaded 2-core machine
+        # one ring of plain transfers can fall just short (0.845 of the rate seen once), so
+        # measure up to 3 times and keep the first that saturates.
+        for _ in range(3):
+            sat = c.saturation(c.parts, opts.nbytes)
+            if sat.saturated:
+                break
         trainer, pool = c.parts[0], c.parts[1:]
         pub = trainer.call("publish", model=MODEL, version=1, nbytes=opts.nbytes,
                            seed=opts.seed, chunk=opts.chunk)  # fmt: skip
