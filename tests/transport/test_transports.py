@@ -337,6 +337,63 @@ def test_the_control_server_refuses_over_a_real_socket_without_a_device(
     assert held.reads_in_flight == 0  # nothing left counted
 
 
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    """Whether the server ends `sock` (EOF or reset) within `seconds`."""
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(4096):
+            pass
+    except TimeoutError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def test_the_control_port_resists_a_slowloris(controls: list[RdmaControlServer]) -> None:
+    """The RDMA control port takes connections without a token, so it gets the data port's
+    admission rules (issue 12): silent connections are cut at the frame deadline, one
+    address is bounded, and when full a silent connection makes room for a real request."""
+    tensors = make_model(5, tiny=5)
+    layout = Layout.from_tensors(tensors, chunk_size=CHUNK)
+    store = HolderStore()
+    store.add(HeldVersion.publisher(TENANT, MODEL, 1, tensors, layout))
+
+    def verify(tenant: str, model: str, version: int, token: bytes) -> bool:
+        return token == b"good"
+
+    server = RdmaControlServer(
+        store, verify, max_connections=6, per_peer=4, frame_timeout=1.0
+    ).start()
+    controls.append(server)
+    host, port = server.address
+    silent = [socket.create_connection((host, port), timeout=10) for _ in range(4)]
+    try:
+        # a fifth from the same address is refused BUSY at once; another address is served
+        assert _code(_ask((host, port), b"{}")) is ErrorCode.BUSY
+        other = RdmaRequest(TENANT, MODEL, 1, layout.digest, b"bad", QP)
+        with socket.create_connection((host, port), source_address=("127.0.0.2", 0)) as sock:
+            send_message(sock, encode_request(other))
+            assert _code(decode_reply(recv_message(sock, 1 << 20))) is ErrorCode.DENIED
+        # silence is cut at the frame deadline (1 s), not held for good
+        assert all(_closed_within(s, 10.0) for s in silent)
+    finally:
+        for sock in silent:
+            sock.close()
+    # full of silent connections from several addresses: a real request still gets in
+    crowd = [
+        socket.create_connection((host, port), source_address=(f"127.0.0.{3 + i % 3}", 0))
+        for i in range(6)
+    ]
+    try:
+        with socket.create_connection((host, port), source_address=("127.0.0.9", 0)) as sock:
+            send_message(sock, encode_request(other))
+            assert _code(decode_reply(recv_message(sock, 1 << 20))) is ErrorCode.DENIED
+    finally:
+        for sock in crowd:
+            sock.close()
+
+
 @no_rdma
 def test_an_rdma_source_on_a_reader_without_a_device_fails_over_to_tcp(
     holders: StartHolder, controls: list[RdmaControlServer]

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tensorhub.errors import TransportError, VersionUnavailable
+from transport.admission import Admission, Conn
 from transport.rdma.descriptor import (
     FORMAT,
     MAX_ENCODED_BYTES,
@@ -43,6 +44,9 @@ from transport.wire import ErrorCode, Refusal
 
 MAX_REQUEST_BYTES = 64 * 1024
 IO_TIMEOUT = 10.0
+MAX_CONNECTIONS = 128  # as the TCP data port (transport.server)
+PER_PEER = 64
+FRAME_TIMEOUT = 10.0
 _LEN = struct.Struct("!I")
 Verifier = Callable[[str, str, int, bytes], bool]
 
@@ -155,14 +159,22 @@ class RdmaControlServer:
         host: str = "127.0.0.1",
         port: int = 0,
         device_factory: Callable[[], Any] | None = None,
+        *,
+        max_connections: int = MAX_CONNECTIONS,
+        per_peer: int = PER_PEER,
+        frame_timeout: float = FRAME_TIMEOUT,
     ) -> None:
         self._store, self._verifier = store, verifier
+        # The same admission rules as the TCP data port (issue 12, slowloris): a request
+        # must arrive whole within `frame_timeout`, connections that have not shown a valid
+        # read token are evicted first when full, and one address holds at most `per_peer`.
+        self._admission = Admission(max_connections, per_peer, frame_timeout, IO_TIMEOUT)
         self._device_factory = device_factory
         self._device: Any = None
         self._lock = threading.Lock()
         self._exporters: dict[int, tuple[HeldVersion, Any, int]] = {}  # id -> (held, exp, readers)
         self._sock = socket.create_server((host, port))
-        self._sock.settimeout(0.5)
+        self._sock.settimeout(min(0.5, frame_timeout / 4))
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="rdma-control", daemon=True)
 
@@ -192,13 +204,23 @@ class RdmaControlServer:
     def _accept(self) -> None:
         while not self._stopping.is_set():
             self._sweep()
+            for late in self._admission.expired():  # no whole request in time: cut it
+                _shut(late.sock)
             try:
-                conn, _ = self._sock.accept()
+                conn, addr = self._sock.accept()
             except TimeoutError:
                 continue
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            record, victim, why = self._admission.admit(conn, str(addr[0]))
+            if victim is not None:
+                _shut(victim.sock)
+            if record is None:
+                with conn, contextlib.suppress(OSError):
+                    conn.settimeout(1.0)
+                    send_message(conn, encode_refusal(ErrorCode.BUSY, why))
+                continue
+            threading.Thread(target=self._serve, args=(conn, record), daemon=True).start()
 
     def _sweep(self) -> None:
         """Close the exporters of released versions that no reader uses any more."""
@@ -208,19 +230,23 @@ class RdmaControlServer:
         for exporter in gone:
             exporter.close()
 
-    def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            try:
-                conn.settimeout(IO_TIMEOUT)
-                req = decode_request(recv_message(conn, MAX_REQUEST_BYTES))
-            except (TransportError, OSError) as exc:
-                with contextlib.suppress(OSError):
-                    send_message(conn, encode_refusal(ErrorCode.BAD_FRAME, str(exc)))
-                return
-            try:
-                self._answer(conn, req)
-            except OSError:
-                return
+    def _serve(self, conn: socket.socket, record: Conn) -> None:
+        try:
+            with conn:
+                try:
+                    conn.settimeout(IO_TIMEOUT)
+                    req = decode_request(recv_message(conn, MAX_REQUEST_BYTES))
+                except (TransportError, OSError) as exc:
+                    with contextlib.suppress(OSError):
+                        send_message(conn, encode_refusal(ErrorCode.BAD_FRAME, str(exc)))
+                    return
+                self._admission.answering(record)  # a whole request: no deadline meanwhile
+                try:
+                    self._answer(conn, req, record)
+                except OSError:
+                    return
+        finally:
+            self._admission.forget(record)
 
     def _refuse(self, req: RdmaRequest) -> tuple[ErrorCode, str] | HeldVersion:
         try:
@@ -244,11 +270,12 @@ class RdmaControlServer:
             )
         return held
 
-    def _answer(self, conn: socket.socket, req: RdmaRequest) -> None:
+    def _answer(self, conn: socket.socket, req: RdmaRequest, record: Conn) -> None:
         found = self._refuse(req)
         if not isinstance(found, HeldVersion):
             send_message(conn, encode_refusal(*found))
             return
+        self._admission.authenticated(record)  # a valid token: never evicted from here on
         held = found
         try:
             with held.reading():  # counted until this reader's queue pair is gone
@@ -295,3 +322,9 @@ class RdmaControlServer:
             ready, _, _ = select.select([conn], [], [], 0.05)
             if ready and not conn.recv(1):
                 return
+
+
+def _shut(sock: socket.socket) -> None:
+    """Cut a connection at the TCP level; its thread sees the error and ends."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
