@@ -24,6 +24,7 @@ import torch
 from tensorhub.errors import TransportError
 from tests.ros.test_tls import make_pki
 from tests.transport._model import MODEL, TENANT, make_model
+from tests.transport._sockets import WAIT, closed_by_peer, trickle
 from transport.layout import Layout
 from transport.reader import Source, fetch
 from transport.server import HolderServer, allow_all
@@ -43,7 +44,6 @@ from transport.wire import (
 )
 
 CHUNK = 64 * 1024
-WAIT = 30.0  # generous bound on any wait for the server (a noisy shared machine)
 # What a slowloris trickles: a valid GET header announcing the largest body, then that body,
 # one byte at a time, so no byte it sends ever lets the holder refuse it as malformed.
 SLOW_FRAME = HEADER.pack(MAGIC, WIRE_VERSION, FrameType.GET, 0, MAX_BODY) + bytes(MAX_BODY)
@@ -78,20 +78,6 @@ def _get_one_chunk(sock: socket.socket, layout: Layout) -> None:
         left -= len(got)
 
 
-def _closed_by_holder(sock: socket.socket) -> bool:
-    """Wait (bounded) until the holder closes `sock`; True if it did."""
-    sock.settimeout(WAIT)
-    try:
-        while True:
-            data = sock.recv(4096)
-            if not data:
-                return True
-    except (ConnectionResetError, BrokenPipeError):
-        return True
-    except TimeoutError:
-        return False
-
-
 def _refused_busy(sock: socket.socket) -> bool:
     """True if the holder answered `sock` with a BUSY ERROR frame (and closed it)."""
     sock.settimeout(WAIT)
@@ -121,7 +107,7 @@ def test_slow_connections_at_and_beyond_the_limit_do_not_lock_readers_out() -> N
         ]  # at the limit and beyond it
         stop = threading.Event()
 
-        def trickle() -> None:
+        def trickle_all() -> None:
             for i in range(int(WAIT / 0.5)):  # bounded: at most WAIT seconds
                 for sock in attackers:
                     with contextlib.suppress(OSError):
@@ -129,7 +115,7 @@ def test_slow_connections_at_and_beyond_the_limit_do_not_lock_readers_out() -> N
                 if stop.wait(0.5):
                     return
 
-        thread = threading.Thread(target=trickle, daemon=True)
+        thread = threading.Thread(target=trickle_all, daemon=True)
         thread.start()
         try:
             dest = HeldVersion.reader(TENANT, MODEL, 1, layout, layout.allocate())
@@ -160,20 +146,11 @@ def test_idle_and_trickling_connections_are_closed_after_the_frame_deadline() ->
         idle, slow = _connect(server), _connect(server)
         stop = threading.Event()
 
-        def trickle() -> None:
-            for i in range(int(WAIT / 0.2)):  # bounded
-                try:
-                    slow.send(SLOW_FRAME[i : i + 1])
-                except OSError:
-                    return
-                if stop.wait(0.2):
-                    return
-
-        thread = threading.Thread(target=trickle, daemon=True)
+        thread = threading.Thread(target=trickle, args=(slow, SLOW_FRAME, stop), daemon=True)
         thread.start()
         try:
-            assert _closed_by_holder(idle)
-            assert _closed_by_holder(slow)
+            assert closed_by_peer(idle)
+            assert closed_by_peer(slow)
             assert time.monotonic() - start >= 1.0  # not before its deadline
         finally:
             stop.set()
@@ -243,19 +220,10 @@ def test_a_tls_handshake_trickled_a_byte_at_a_time_is_closed_after_the_frame_dea
         slow = _connect(server)
         stop = threading.Event()
 
-        def trickle() -> None:
-            for i in range(min(len(hello), int(WAIT / 0.2))):  # bounded
-                try:
-                    slow.send(hello[i : i + 1])
-                except OSError:
-                    return
-                if stop.wait(0.2):
-                    return
-
-        thread = threading.Thread(target=trickle, daemon=True)
+        thread = threading.Thread(target=trickle, args=(slow, hello, stop), daemon=True)
         thread.start()
         try:
-            assert _closed_by_holder(slow)
+            assert closed_by_peer(slow)
             assert time.monotonic() - start >= 1.0
         finally:
             stop.set()
