@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from tensorhub.errors import (
@@ -13,7 +14,6 @@ from tensorhub.errors import (
     TensorHubError,
     VersionUnavailable,
 )
-from transport.planner import ChunkScheduler
 from transport.wire import ErrorCode, Refusal
 
 
@@ -82,16 +82,19 @@ class FetchStats:
     read_tokens: int = 0  # distinct read tokens sent: more than 1 when renewed mid-fetch
     transports: dict[str, str] = field(default_factory=dict)  # holder id -> kind read over
     fallbacks: dict[str, str] = field(default_factory=dict)  # holder id -> why not a better one
+    rounds: int = 0  # rounds run (more than 1 when a failed source was re-planned)
+    touched: set[int] = field(default_factory=set, repr=False)  # chunks with bytes received
+    # in a failed attempt: one received again counts in refetched_bytes
 
     @property
     def total_bytes(self) -> int:
         return sum(self.bytes_per_source.values())
 
 
-def final_error(sched: ChunkScheduler, what: str) -> TensorHubError:
-    """The most telling reason a round failed, from why each holder was suspected."""
-    reasons = list(sched.failures.values())
-    summary = "; ".join(f"{h}: {e}" for h, e in sched.failures.items()) or "no sources"
+def final_error(failures: Mapping[str, BaseException], what: str) -> TensorHubError:
+    """The most telling reason a round failed, from why each holder was given up on."""
+    reasons = list(failures.values())
+    summary = "; ".join(f"{h}: {e}" for h, e in failures.items()) or "no sources"
     if any(isinstance(e, IntegrityError) for e in reasons):
         return IntegrityError(f"{what}: no holder had intact bytes ({summary})")
     if reasons and all(isinstance(e, PermissionDenied) for e in reasons):

@@ -1,16 +1,25 @@
-"""Fetch one version from several holders straight into the destination tensors.
+"""One round of a fetch: read chunks of one version from a set of holders, straight into the
+destination tensors.
 
-`fetch` plans the missing chunks of `dest` across `sources` (nearest first), then runs
-`parallel` worker connections. Each worker asks its holder for a batch of chunks (with the
-read token its token source gives for that GET), receives every payload with recv_into
-directly into the destination memory while hashing it, checks the CHUNK header (tenant,
-model, version, index, offset, length) and the xxh3-64, and only then marks the chunk
-present (transport/receiving.py) — from that moment `dest` (registered in the local store
-by the caller) serves it to other readers. Each chunk request ends in a typed
-`ChunkOutcome`; a holder whose outcome is not DONE (a NOT_READY twice without progress, or
-anything else), or that stays silent for `stall_timeout`, or sends a chunk it has below
-`rate_floor` bytes/s for as long (transport/pace.py), is dropped for this fetch and its
-unfinished chunks re-planned at once; only chunks not yet received are fetched again.
+`read_round` plans the wanted chunks that `dest` still misses across `sources` (nearest
+first), then runs `parallel` worker connections, each over its holder's transport
+(transport/transports.py). Each worker asks its holder for a batch of chunks (with the read
+token its token source gives for that GET), receives every payload with recv_into directly
+into the destination memory while hashing it, checks the CHUNK header (tenant, model,
+version, index, offset, length) and the xxh3-64, and only then marks the chunk present
+(transport/receiving.py) — from that moment `dest` serves it to other readers (when the
+caller registered it in a store). Each chunk request ends in a typed `ChunkOutcome`; a
+holder whose outcome is not DONE (a NOT_READY twice without progress, or anything else), or
+that stays silent for `stall_timeout`, or sends a chunk it has below `rate_floor` bytes/s for
+as long (transport/pace.py), is dropped for this round and its unfinished chunks re-planned
+at once onto the others; only chunks not yet received are asked for again.
+
+A round never asks the control plane anything and never retries: it ends when every wanted
+chunk is present, when no source is left, or at the deadline, and says which holders failed
+and why (`Round`). Who else to ask, and whether to try again, is the SDK's fetch
+orchestrator's decision (ros/client/orchestrator.py). `fetch` is one round that raises the
+round's most telling error when chunks are still missing: what tools and tests that read
+from holders they name use.
 """
 
 from __future__ import annotations
@@ -18,16 +27,13 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
-
-import tenacity
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 
 from tensorhub.errors import (
     DeadlineExceeded,
-    IntegrityError,
     InvalidArgument,
     SlowHolder,
-    TensorHubError,
     TransportError,
     VersionUnavailable,
 )
@@ -44,10 +50,37 @@ from transport.tls import TlsConfig
 from transport.topology import Topology
 from transport.transports import Channel, transport_for
 
-__all__ = ["BATCH_BYTES", "DEFAULT_RATE_FLOOR", "FetchStats", "Source", "TokenSource", "fetch"]
+__all__ = [
+    "BATCH_BYTES",
+    "DEFAULT_RATE_FLOOR",
+    "ChunkCallback",
+    "FetchStats",
+    "Round",
+    "Source",
+    "TokenSource",
+    "fetch",
+    "read_round",
+]
 
 DEFAULT_PARALLEL = 4
 DEFAULT_STALL = 5.0
+
+ChunkCallback = Callable[[int, int], None]
+"""Told (chunk index, payload bytes) after each chunk is verified and committed, from the
+worker thread that received it: the SDK's fetch progress. It must be quick and not raise."""
+
+
+@dataclass(frozen=True)
+class Round:
+    """How one round ended: the wanted chunks still missing (none: done), and each holder
+    given up on in it, with why."""
+
+    missing: list[int]
+    failures: dict[str, BaseException]
+
+    @property
+    def done(self) -> bool:
+        return not self.missing
 
 
 def _pull(
@@ -70,9 +103,11 @@ def _pull(
                     stats.bytes_per_source.get(source.holder_id, 0) + out.nbytes
                 )
                 stats.chunks += 1
-                if out.index in f.touched:
+                if out.index in stats.touched:
                     stats.refetched_bytes += out.nbytes
             sched.finished(batch.pop(0))
+            if f.on_chunk is not None:
+                f.on_chunk(out.index, out.nbytes)
         if batch:  # a channel that ended without an outcome for every chunk broke its contract
             return ChunkOutcome.failed(batch[0], TransportError("channel ended mid-batch"))
 
@@ -87,11 +122,15 @@ def _worker(f: FetchState, sched: ChunkScheduler, source: Source) -> None:
     while not f.aborted:
         batch: list[int] = []
         received = f.stats.bytes_per_source.get(source.holder_id, 0)
-        channel = transport.open(f, source, staging)
         try:
-            out = _pull(f, sched, source, channel, batch)
-        finally:
-            channel.close()
+            channel = transport.open(f, source, staging)
+            try:
+                out = _pull(f, sched, source, channel, batch)
+            finally:
+                channel.close()
+        except Exception as exc:  # a transport that raised broke its contract: give it up
+            sched.fail(source.holder_id, batch, exc)
+            return
         if out is None:
             return
         progress = f.stats.bytes_per_source.get(source.holder_id, 0) != received
@@ -112,33 +151,82 @@ def _routed(stats: FetchStats, sources: Sequence[Source]) -> list[Source]:
     return list(sources)
 
 
-def _round(f: FetchState, sources: Sequence[Source], me: Topology, parallel: int) -> ChunkScheduler:
-    """Fetch the missing chunks from `sources` until done, no source is left, or deadline."""
-    missing = f.dest.missing()
-    sched = ChunkScheduler(missing, f.layout.payload_bytes, sources, me)
-    per_source = max(1, math.ceil(parallel / max(1, len(sources))))
+def read_round(
+    tenant: str,
+    model: str,
+    version: int,
+    layout: Layout,
+    dest: HeldVersion,
+    sources: Sequence[Source],
+    *,
+    token: bytes | TokenSource,
+    deadline: float,
+    me: Topology,
+    chunks: Collection[int] | None = None,
+    parallel: int = DEFAULT_PARALLEL,
+    stall_timeout: float = DEFAULT_STALL,
+    expected: Sequence[int] | None = None,
+    tls: TlsConfig | None = None,
+    rate_floor: float = DEFAULT_RATE_FLOOR,
+    checks: ChunkChecks = STRICT,
+    stats: FetchStats | None = None,
+    on_chunk: ChunkCallback | None = None,
+) -> Round:
+    """One round: read the chunks of `chunks` (default: every chunk) that `dest` misses, of
+    tenant/model@version, from `sources`, before `deadline` (a time.monotonic() value), and
+    say how it ended. Never raises for a holder's failure (that is in `Round.failures`, and
+    in `stats.failed_sources`); never blocks past `deadline` (plus the time to cut its
+    connections). `expected`, when given, is the publisher's xxh3 of every chunk (from the
+    manifest): a chunk intact on the wire that differs from it is treated like a corrupt one.
+    `tls` makes every connection mutual TLS. `rate_floor` (bytes/s, 0: off) suspects a holder
+    that sends a chunk it has slower than that for `stall_timeout` (a trickler), as a silent
+    one is suspected. `token` is the read token, or a callable asked for it before every GET
+    (ros.client.read_token). `checks` are what each chunk must pass (`STRICT`; only chaos
+    runs plant other ones). `stats` (a fresh `FetchStats` by default) is added to, so that
+    the rounds of one fetch count into one; `on_chunk` sees every chunk committed."""
+    validate_name(tenant, "tenant")
+    validate_name(model, "model")
+    validate_version(version)
+    if dest.key != (tenant, model, version) or dest.layout.digest != layout.digest:
+        raise InvalidArgument("dest does not hold this tenant/model/version/layout")
+    if expected is not None and len(expected) != layout.num_chunks:
+        raise InvalidArgument(f"{len(expected)} expected checksums for {layout.num_chunks} chunks")
+    if parallel < 1 or stall_timeout <= 0 or rate_floor < 0:
+        raise InvalidArgument("parallel must be >= 1, stall_timeout > 0 and rate_floor >= 0")
+    if chunks is not None and any(not 0 <= c < layout.num_chunks for c in chunks):
+        raise InvalidArgument(f"a chunk asked for is outside 0..{layout.num_chunks - 1}")
+    wanted = None if chunks is None else set(chunks)
+    f = FetchState(
+        tenant, model, version, dest, token, deadline, stall_timeout, expected, tls,
+        rate_floor, checks, stats, on_chunk,
+    )  # fmt: skip
+    missing = [c for c in dest.missing() if wanted is None or c in wanted]
+    usable = _routed(f.stats, sources)
+    if not missing or not usable:
+        return Round(missing, {})
+    sched = ChunkScheduler(missing, layout.payload_bytes, usable, me)
+    per_source = max(1, math.ceil(parallel / len(usable)))
     threads = [
         threading.Thread(
             target=_worker, args=(f, sched, s), name=f"fetch-{s.holder_id}", daemon=True
         )
-        for s in rank(me, sources)
+        for s in rank(me, usable)
         for _ in range(per_source)
     ]
-    f.aborted = False
     for t in threads:
         t.start()
     try:
-        sched.wait(f.deadline - time.monotonic())
+        sched.wait(deadline - time.monotonic())
     finally:
-        f.abort()
+        f.abort()  # this round's state only: a late worker can start nothing new
         sched.wake()
         for t in threads:
-            t.join(timeout=max(0.1, f.stall))
+            t.join(timeout=max(0.1, stall_timeout))
     for holder, exc in sched.failures.items():
         f.stats.failed_sources[holder] = repr(exc)
         if isinstance(exc, SlowHolder):
             f.stats.slow_sources[holder] = exc.rate
-    return sched
+    return Round([c for c in missing if not dest.is_present(c)], dict(sched.failures))
 
 
 def fetch(
@@ -152,7 +240,7 @@ def fetch(
     token: bytes | TokenSource,
     deadline: float,
     me: Topology,
-    refresh_sources: Callable[[], Sequence[Source]] | None = None,
+    chunks: Collection[int] | None = None,
     parallel: int = DEFAULT_PARALLEL,
     stall_timeout: float = DEFAULT_STALL,
     expected: Sequence[int] | None = None,
@@ -160,71 +248,23 @@ def fetch(
     rate_floor: float = DEFAULT_RATE_FLOOR,
     checks: ChunkChecks = STRICT,
 ) -> FetchStats:
-    """Fill `dest`'s missing chunks of tenant/model@version from `sources` before
-    `deadline` (a time.monotonic() value). Raises `VersionUnavailable` when no holder is
-    left, `IntegrityError` when the only bytes on offer were bad, `DeadlineExceeded` when
-    time ran out; never blocks past `deadline`. `expected`, when given, is the publisher's
-    xxh3 of every chunk (from the manifest): a chunk that is intact on the wire but differs
-    from it is treated like a corrupt one and fetched elsewhere. `tls` makes every
-    connection mutual TLS (holders must serve TLS with a certificate from the same CA).
-    `rate_floor` (bytes/s, 0: off) suspects a holder that sends a chunk it has slower than
-    that for `stall_timeout` (a trickler), as a silent one is suspected. `token` is the
-    read token, or a callable asked for it before every GET (so a fetch longer than one
-    token's life renews it: ros.client.read_token). `checks` are what each chunk must pass
-    (`STRICT`; only chaos runs plant other ones)."""
-    validate_name(tenant, "tenant")
-    validate_name(model, "model")
-    validate_version(version)
-    if dest.key != (tenant, model, version) or dest.layout.digest != layout.digest:
-        raise InvalidArgument("dest does not hold this tenant/model/version/layout")
-    if expected is not None and len(expected) != layout.num_chunks:
-        raise InvalidArgument(f"{len(expected)} expected checksums for {layout.num_chunks} chunks")
-    if parallel < 1 or stall_timeout <= 0 or rate_floor < 0:
-        raise InvalidArgument("parallel must be >= 1, stall_timeout > 0 and rate_floor >= 0")
+    """`read_round` from the holders named, raising when chunks are still missing after it:
+    `IntegrityError` when the only bytes on offer were bad, `PermissionDenied` when every
+    holder refused the token, `DeadlineExceeded` when time ran out, else `VersionUnavailable`
+    (no holder left). Its stats, with the round's duration, when every chunk arrived."""
     start = time.monotonic()
-    what = f"fetch {model}@{version}"
-    f = FetchState(
-        tenant, model, version, dest, token, deadline, stall_timeout, expected, tls,
-        rate_floor, checks,
+    stats = FetchStats()
+    result = read_round(
+        tenant, model, version, layout, dest, sources, token=token, deadline=deadline, me=me,
+        chunks=chunks, parallel=parallel, stall_timeout=stall_timeout, expected=expected,
+        tls=tls, rate_floor=rate_floor, checks=checks, stats=stats,
     )  # fmt: skip
-    suspects: set[str] = set()
-    current = _routed(f.stats, sources)
-    # A round that ends with holders unreachable (VersionUnavailable) or with bad bytes from
-    # every holder it tried (IntegrityError) is repeated with a fresh holder list, less the
-    # suspects: a pipelined reader that starts from one predecessor must fall back to the
-    # other holders when that predecessor fails it, whichever way it fails.
-    retryable = (VersionUnavailable, IntegrityError)
-    rounds = tenacity.Retrying(
-        stop=tenacity.stop_after_attempt(4)
-        | tenacity.stop_after_delay(max(0.0, deadline - time.monotonic())),
-        wait=tenacity.wait_exponential(multiplier=0.05, max=1.0),
-        retry=tenacity.retry_if_exception(
-            lambda e: refresh_sources is not None and isinstance(e, retryable)
-        ),
-        reraise=True,
-        sleep=lambda s: time.sleep(min(s, max(0.0, deadline - time.monotonic()))),
-    )
-    last: TensorHubError | None = None
-    for attempt in rounds:
-        with attempt:
-            if dest.complete:
-                break
-            usable = [s for s in current if s.holder_id not in suspects]
-            if usable:
-                sched = _round(f, usable, me, parallel)
-                suspects.update(sched.failures)
-                if dest.complete:
-                    break
-                if time.monotonic() >= deadline:
-                    raise DeadlineExceeded(
-                        f"{what}: deadline passed with {len(dest.missing())} chunks missing"
-                    )
-                last = final_error(sched, what)
-            elif not isinstance(last, IntegrityError):  # keep the most telling reason
-                last = VersionUnavailable(f"{what}: no holder left")
-            if refresh_sources is None or not isinstance(last, retryable):
-                raise last
-            current = _routed(f.stats, refresh_sources())
-            raise last
-    f.stats.duration = time.monotonic() - start
-    return f.stats
+    what = f"fetch {model}@{version}"
+    if not result.done:
+        if time.monotonic() >= deadline:
+            raise DeadlineExceeded(
+                f"{what}: deadline passed with {len(result.missing)} chunks missing"
+            )
+        raise final_error(result.failures, what)
+    stats.duration = time.monotonic() - start
+    return stats

@@ -16,7 +16,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-import tenacity
 import xxhash
 
 from tensorhub.errors import DeadlineExceeded, IntegrityError, TransportError
@@ -60,6 +59,8 @@ class FetchState:
         tls: TlsConfig | None = None,
         rate_floor: float = DEFAULT_RATE_FLOOR,
         checks: ChunkChecks = STRICT,
+        stats: FetchStats | None = None,
+        on_chunk: Callable[[int, int], None] | None = None,
     ) -> None:
         self.tenant, self.model, self.version = tenant, model, version
         self.rate_floor = rate_floor
@@ -70,8 +71,8 @@ class FetchState:
         self._tokens: TokenSource = token if callable(token) else (lambda: token)
         self._last_token: bytes | None = None
         self.deadline, self.stall = deadline, stall
-        self.stats = FetchStats()
-        self.touched: set[int] = set()  # chunks with bytes received in a failed attempt
+        self.stats = FetchStats() if stats is None else stats  # the fetch's, across rounds
+        self.on_chunk = on_chunk  # told of each chunk committed (the SDK's progress)
         self.lock = threading.Lock()
         self.socks: set[socket.socket] = set()
         self.aborted = False
@@ -98,25 +99,16 @@ class FetchState:
                 s.shutdown(socket.SHUT_RDWR)
 
     def connect(self, source: Source) -> socket.socket:
-        """Connect with a short bounded retry (a holder may be just starting to listen)."""
-        retrying = tenacity.Retrying(
-            stop=tenacity.stop_after_attempt(3)
-            | tenacity.stop_after_delay(
-                max(0.0, min(self.stall, self.deadline - time.monotonic()))
-            ),
-            wait=tenacity.wait_exponential(multiplier=0.02, max=0.2),
-            retry=tenacity.retry_if_exception_type(ConnectionRefusedError),
-            reraise=True,
-        )
+        """One connection to `source`, bounded by the stall timeout and the deadline. No
+        retry here: a holder that refuses is given up on for this round, and whether to try
+        it again later is the fetch orchestrator's call (ros/client/orchestrator.py)."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded("fetch deadline passed while connecting")
         try:
-            for attempt in retrying:
-                with attempt:
-                    left = self.deadline - time.monotonic()
-                    if left <= 0:
-                        raise DeadlineExceeded("fetch deadline passed while connecting")
-                    sock = socket.create_connection(
-                        (source.host, source.port), timeout=min(self.stall, left)
-                    )
+            sock = socket.create_connection(
+                (source.host, source.port), timeout=min(self.stall, left)
+            )
         except OSError as exc:
             raise TransportError(f"cannot connect to {source.holder_id}: {exc}") from exc
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -166,7 +158,7 @@ class FetchState:
         try:
             recv_views(sock, self.dest.sink_views(index, staging), hasher, pace)
         except TransportError:
-            self.touched.add(index)
+            self.stats.touched.add(index)
             raise
         why = ""
         if hasher.intdigest() != h.checksum and self.checks.checksum:
@@ -178,7 +170,7 @@ class FetchState:
         ):  # intact on the wire but not what was published: the holder's memory changed
             why = f"chunk {index} differs from the published version"
         if why:
-            self.touched.add(index)
+            self.stats.touched.add(index)
             with self.lock:
                 self.stats.discarded_bytes += expected
             return ChunkOutcome(index, ChunkStatus.CORRUPT, IntegrityError(why))

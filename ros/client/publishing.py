@@ -30,8 +30,12 @@ from transport.store import HeldVersion
 log = logging.getLogger(__name__)
 
 
-class PublishMixin(ClientBase):
-    """`publish` and its retry-safe recovery when the hub's reply is lost."""
+class Publisher:
+    """`Hub.publish` for one client, and its retry-safe recovery when the hub's reply is
+    lost."""
+
+    def __init__(self, client: ClientBase) -> None:
+        self._client = client  # the channel, session and holdings it publishes through
 
     def publish(
         self,
@@ -44,19 +48,7 @@ class PublishMixin(ClientBase):
         shard: tuple[int, int] | None = None,
         placements: Placements | None = None,
     ) -> Publication:
-        """Publish `version` of `model`, served from these tensors' own memory.
-
-        Raises `StaleVersion` if `version` is not newer than latest (nothing written), and
-        `OutcomeUnknown` if the hub could not confirm the write (check `latest()`).
-        Non-contiguous tensors are copied once into contiguous memory (and logged).
-
-        Model-parallel trainers pass `shard=(rank, ranks)`: each rank publishes its own
-        tensors, and the version becomes visible (`Publication.visible`) with the last rank's
-        publish, never before every shard is there. `placements` maps a tensor name to
-        (global shape, offsets): the block of the global tensor this rank holds (tensors
-        without one are whole, e.g. replicated). With them, readers in another layout read
-        their own blocks with `fetch_slices`.
-        """
+        """`Hub.publish` (its docstring is the contract)."""
         if placements and shard is None:
             raise InvalidArgument("placements describe a model-parallel shard: pass shard too")
         if shard is not None and not (isinstance(shard, tuple) and len(shard) == 2):
@@ -68,30 +60,30 @@ class PublishMixin(ClientBase):
         layout = (
             Layout.from_tensors(own) if chunk_size is None else Layout.from_tensors(own, chunk_size)
         )
-        held = HeldVersion.publisher(self.tenant, model, version, own, layout)
+        held = HeldVersion.publisher(self._client.tenant, model, version, own, layout)
         manifest = manifest_of(held, placements)
         # the hub's own rules, so a manifest it would refuse fails here with its message
         check_manifest(manifest, "manifest" if shard is None else f"manifest of shard {shard[0]}")
-        self._holder_server()
+        self._client._holder_server()
         index = None if shard is None else shard[0]
-        self.holdings.hold(held, index)
+        self._client.holdings.hold(held, index)
         request = pb.PublishRequest(
             model=model,
             version=version,
             manifest=manifest,
-            holder=self._holder_pb(complete=True, shard=index),
+            holder=self._client._holder_pb(complete=True, shard=index),
         )
         if shard is not None:
             request.shard_index, request.shard_count = shard
         try:
             response = self._publish_rpc(request, timeout)
         except BaseException:
-            self.holdings.drop(held.key, 0.0)  # its shard too (it was left behind before)
+            self._client.holdings.drop(held.key, 0.0)  # its shard too (it was left behind before)
             raise
-        self.floor.observe(response.revision)
+        self._client.floor.observe(response.revision)
         SDK_PUBLISH_SECONDS.observe(time.monotonic() - start)
         return Publication(
-            self, model, version, own, int(response.revision), bool(response.visible), index
+            self._client, model, version, own, int(response.revision), bool(response.visible), index
         )
 
     def _publish_rpc(self, request: pb.PublishRequest, timeout: float | None) -> pb.PublishResponse:
@@ -104,7 +96,7 @@ class PublishMixin(ClientBase):
         last check tells whether that version is ours.
         """
         try:
-            response: pb.PublishResponse = self._rpc("Publish", request, timeout)
+            response: pb.PublishResponse = self._client._rpc("Publish", request, timeout)
             return response
         except (Unavailable, DeadlineExceeded, OutcomeUnknown) as exc:
             landed = self._landed(request, exc)
@@ -117,7 +109,7 @@ class PublishMixin(ClientBase):
                 ) from exc
             log.info("publish of %s@%d: %s; sending it again", request.model, request.version, exc)
         try:
-            second: pb.PublishResponse = self._rpc("Publish", request, timeout)
+            second: pb.PublishResponse = self._client._rpc("Publish", request, timeout)
             return second
         except StaleVersion:
             again = self._landed(request, None)
@@ -144,14 +136,14 @@ class PublishMixin(ClientBase):
                 f"shard {request.shard_index} of {request.model}@{request.version}: {exc}"
             ) from exc
         try:
-            info = self._inspect(request.model, request.version)
+            info = self._client._inspect(request.model, request.version)
         except VersionNotFound:
             return None
         except TensorHubError as inner:
             raise OutcomeUnknown(
                 f"publish of {request.model}@{request.version}: {exc}; {inner}"
             ) from exc
-        mine = (self.holder_name, self.session.id)
+        mine = (self._client.holder_name, self._client.session.id)
         if any((h.name, h.session_id) == mine for h in info.holders):
             return pb.PublishResponse(
                 version=request.version, revision=info.published_revision, visible=True

@@ -21,17 +21,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ros.client.base import ClientBase
 from ros.client.deadline import Deadline
-from ros.client.fetching import DEFAULT_FETCH_TIMEOUT, FetchMixin, holders_of, read_or_explain
+from ros.client.fetching import DEFAULT_FETCH_TIMEOUT
 from ros.client.manifest import layout_of, placement_of
-from ros.client.read_token import RenewingToken
+from ros.client.orchestrator import Orchestrator, ProgressCallback, Target
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import DeadlineExceeded, InvalidArgument, TensorHubError
 from tensorhub.names import validate_name, validate_version
 from transport.boxes import Box, byte_span, chunks_for
 from transport.layout import dtype_name, torch_dtype
-from transport.reader import DEFAULT_RATE_FLOOR
-from transport.reader import fetch as transport_fetch
+from transport.pace import DEFAULT_RATE_FLOOR
 from transport.store import HeldVersion
 
 log = logging.getLogger(__name__)
@@ -74,122 +74,103 @@ class _Copy:
     part: Box  # the intersection to copy
 
 
-class SliceMixin(FetchMixin):
-    """`fetch_slices`: read blocks of a model-parallel version's tensors in any layout."""
-
-    def fetch_slices(
-        self,
-        model: str,
-        version: int | str = "latest",
-        *,
-        slices: Mapping[str, Slice],
-        timeout: float = DEFAULT_FETCH_TIMEOUT,
-        rate_floor: float = DEFAULT_RATE_FLOOR,
-    ) -> SliceFetch:
-        """Fill every `Slice` with its block of `model@version`, read from the holders of the
-        shards that hold it. Checks names, dtypes, global shapes and bounds before any byte
-        moves (`InvalidArgument`); a block the shards do not cover exactly is refused too.
-        An error after that (no holder left, the deadline) may leave the slices partly
-        written. `timeout` bounds the whole call, every hub call inside it included (see
-        `fetch`); an Unpin that does not fit is left to the session's lease, and logged.
-        `rate_floor` is `fetch`'s.
-        """
-        validate_name(model, "model")
-        if not slices:
-            raise InvalidArgument("fetch_slices needs at least one slice")
-        number = 0 if version == "latest" else validate_version(version)
-        deadline = Deadline.after(timeout, f"fetch_slices {model}@{version}")
-        resolved = self._resolve(model, number, timeout=deadline.work(self.timeout))
-        found = int(resolved.version)
-        parts = list(resolved.shards) or [resolved.manifest]
-        plan = _plan(model, found, parts, slices)
-        result = SliceFetch(found)
-        # A reader of slices is no holder, so it pins the version itself; the pin is its
-        # own (not the holder name, whose pin a concurrent fetch of the version may hold).
-        pin_id = f"slices-{secrets.token_hex(6)}"
-        pin = pb.PinRequest(model=model, version=found, pin_id=pin_id, session_id=self.session.id)
-        self._rpc("Pin", pin, deadline.work(self.timeout))
-        tokens = self._read_token(model, found, None, deadline, resolved)  # one per version
-        try:
-            for index, copies in plan.items():
-                self._read_part(
-                    model, found, resolved, index, parts[index], copies, slices, deadline, result,
-                    tokens, rate_floor,
-                )  # fmt: skip
-        finally:
-            self._unpin(model, found, pin_id, deadline)
-        return result
-
-    def _unpin(self, model: str, version: int, pin_id: str, deadline: Deadline) -> None:
-        """Drop our pin within the deadline; one that does not fit is left to the lease."""
-        budget = deadline.finish(self.timeout)
-        try:
-            if budget is None:
-                raise DeadlineExceeded("no time left before the deadline")
-            unpin = pb.UnpinRequest(
-                model=model, version=version, pin_id=pin_id, session_id=self.session.id
-            )
-            self._rpc("Unpin", unpin, budget)
-        except TensorHubError as exc:
-            log.warning(
-                "unpin of %s@%d not done (%s): the pin is left to the session's lease "
-                "(it goes at close(), or when the lease expires)", model, version, exc,
+def fetch_slices(
+    client: ClientBase,
+    runs: Orchestrator,
+    model: str,
+    version: int | str = "latest",
+    *,
+    slices: Mapping[str, Slice],
+    timeout: float = DEFAULT_FETCH_TIMEOUT,
+    rate_floor: float = DEFAULT_RATE_FLOOR,
+    progress: ProgressCallback | None = None,
+) -> SliceFetch:
+    """`Hub.fetch_slices` (its docstring is the contract): plan which chunks of which source
+    shard each slice needs, pin the version, run one non-holder `Target` per source shard
+    through `runs`, and copy the intersections into place."""
+    validate_name(model, "model")
+    if not slices:
+        raise InvalidArgument("fetch_slices needs at least one slice")
+    number = 0 if version == "latest" else validate_version(version)
+    deadline = Deadline.after(timeout, f"fetch_slices {model}@{version}")
+    resolved = runs.resolve(model, number, None, deadline)
+    found = int(resolved.version)
+    parts = list(resolved.shards) or [resolved.manifest]
+    plan = _plan(model, found, parts, slices)
+    result = SliceFetch(found)
+    # A reader of slices is no holder, so it pins the version itself; the pin is its
+    # own (not the holder name, whose pin a concurrent fetch of the version may hold).
+    pin_id = f"slices-{secrets.token_hex(6)}"
+    pin = pb.PinRequest(model=model, version=found, pin_id=pin_id, session_id=client.session.id)
+    client._rpc("Pin", pin, deadline.work(client.timeout))
+    try:
+        for index, copies in plan.items():
+            shard = index if resolved.shards else None
+            # the holders of this shard (a Resolve answers candidates of one shard only)
+            holders = resolved if shard is None else runs.holders(model, found, shard, deadline)
+            _read_part(
+                client, runs, model, found, shard, holders, parts[index], copies, slices,
+                deadline, result, rate_floor, progress,
             )  # fmt: skip
+    finally:
+        _unpin(client, model, found, pin_id, deadline)
+    return result
 
-    def _read_part(
-        self,
-        model: str,
-        version: int,
-        resolved: pb.ResolveResponse,
-        index: int,
-        manifest: pb.Manifest,
-        copies: list[_Copy],
-        slices: Mapping[str, Slice],
-        deadline: Deadline,
-        result: SliceFetch,
-        tokens: RenewingToken,
-        rate_floor: float = DEFAULT_RATE_FLOOR,
-    ) -> None:
-        """Fetch the chunks of one source shard that `copies` need, then copy them out."""
-        layout = layout_of(manifest)
-        specs = {s.name: s for s in layout.tensors}
-        needed: set[int] = set()
-        for c in copies:
-            spec = specs[c.name]
-            first, end = byte_span(c.source, c.part, torch_dtype(spec.dtype).itemsize)
-            needed.update(chunks_for(layout, spec, first, end))
-        staging = HeldVersion.reader(self.tenant, model, version, layout, layout.allocate())
-        for chunk in range(layout.num_chunks):
-            if chunk not in needed:
-                staging.mark_present(chunk, 0)  # never served: staging is not in the store
-        shard = index if resolved.shards else None
-        # the holders of this shard (a Resolve answers candidates of one shard only)
-        holders = resolved if shard is None else self._resolve(
-            model, version, shard=shard, manifest=False, timeout=deadline.work(self.timeout)
+
+def _unpin(client: ClientBase, model: str, version: int, pin_id: str, deadline: Deadline) -> None:
+    """Drop our pin within the deadline; one that does not fit is left to the lease."""
+    budget = deadline.finish(client.timeout)
+    try:
+        if budget is None:
+            raise DeadlineExceeded("no time left before the deadline")
+        unpin = pb.UnpinRequest(
+            model=model, version=version, pin_id=pin_id, session_id=client.session.id
+        )
+        client._rpc("Unpin", unpin, budget)
+    except TensorHubError as exc:
+        log.warning(
+            "unpin of %s@%d not done (%s): the pin is left to the session's lease "
+            "(it goes at close(), or when the lease expires)", model, version, exc,
         )  # fmt: skip
-        tokens.offer(bytes(holders.read_token), int(holders.token_expiry_unix))
-        skipped: dict[str, str] = {}  # holders whose endpoint we cannot use: why
-        stats = read_or_explain(
-            skipped,
-            lambda: transport_fetch(
-                self.tenant, model, version, layout, staging,
-                self._sources(holders_of(holders, shard), skipped),
-                token=tokens, deadline=deadline.work_end, me=self.topology,
-                refresh_sources=self._refresher(model, version, shard, deadline, skipped, tokens),
-                expected=list(manifest.chunk_xxh3), tls=self._tls, rate_floor=rate_floor,
-                checks=self._hooks.checks,
-            ),
-        )  # fmt: skip
-        for source, nbytes in stats.bytes_per_source.items():
-            result.bytes_per_source[source] = result.bytes_per_source.get(source, 0) + nbytes
-        result.chunks += stats.chunks
-        result.failed_sources.update(stats.failed_sources)
-        result.slow_sources.update(stats.slow_sources)
-        for c in copies:
-            target = slices[c.name]
-            target.tensor[c.part.slices_in(target.box)] = staging.tensors[c.name][
-                c.part.slices_in(c.source)
-            ]
+
+
+def _read_part(
+    client: ClientBase,
+    runs: Orchestrator,
+    model: str,
+    version: int,
+    shard: int | None,
+    holders: pb.ResolveResponse,
+    manifest: pb.Manifest,
+    copies: list[_Copy],
+    slices: Mapping[str, Slice],
+    deadline: Deadline,
+    result: SliceFetch,
+    rate_floor: float,
+    progress: ProgressCallback | None,
+) -> None:
+    """Fetch the chunks of one source shard that `copies` need (and only those: the others
+    of the staging copy stay missing), then copy the intersections out."""
+    layout = layout_of(manifest)
+    specs = {s.name: s for s in layout.tensors}
+    needed: set[int] = set()
+    for c in copies:
+        spec = specs[c.name]
+        first, end = byte_span(c.source, c.part, torch_dtype(spec.dtype).itemsize)
+        needed.update(chunks_for(layout, spec, first, end))
+    staging = HeldVersion.reader(client.tenant, model, version, layout, layout.allocate())
+    target = Target(model, version, shard, staging, manifest, chunks=needed, holder=False)
+    stats = runs.run(target, holders, deadline, rate_floor=rate_floor, progress=progress)
+    for source, nbytes in stats.bytes_per_source.items():
+        result.bytes_per_source[source] = result.bytes_per_source.get(source, 0) + nbytes
+    result.chunks += stats.chunks
+    result.failed_sources.update(stats.failed_sources)
+    result.slow_sources.update(stats.slow_sources)
+    for c in copies:
+        target_slice = slices[c.name]
+        target_slice.tensor[c.part.slices_in(target_slice.box)] = staging.tensors[c.name][
+            c.part.slices_in(c.source)
+        ]
 
 
 def _plan(

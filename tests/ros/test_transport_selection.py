@@ -73,7 +73,7 @@ def test_a_dual_record_is_read_over_tcp_with_the_fallback_reason(
         "the hub lists only the dual record",
         lambda: [h.name for h in reader.inspect("policy", 1).holders] == ["dual"],
     )
-    with caplog.at_level(logging.INFO, logger="ros.client.fetching"):
+    with caplog.at_level(logging.INFO, logger="ros.client.orchestrator"):
         held = reader.fetch("policy", 1, timeout=30)
     for name, tensor in model.items():
         assert torch.equal(held.tensors[name], tensor)

@@ -18,7 +18,7 @@ from tensorhub.errors import (
 from tests.transport._model import MODEL, TENANT, make_model
 from tests.transport.conftest import StartHolder
 from transport.layout import Layout
-from transport.reader import FetchStats, Source, fetch
+from transport.reader import FetchStats, Source, fetch, read_round
 from transport.server import HolderServer, allow_all
 from transport.store import HeldVersion, HolderStore
 from transport.topology import Topology
@@ -238,17 +238,41 @@ def test_holder_whose_memory_drifted_is_caught_by_published_checksums(holders: S
     assert not _same(dest.tensors, model)
 
 
-def test_a_corrupt_first_source_falls_back_to_the_refreshed_holders(holders: StartHolder) -> None:
-    """A pipelined reader starts from one predecessor; when that one sends bad bytes, the
-    fetch must go on with the other holders (the refreshed list), not fail (invariant 4)."""
+def test_a_round_gives_up_a_corrupt_source_and_never_asks_for_more_sources(
+    holders: StartHolder,
+) -> None:
+    """One round over the sources it is given: a corrupt one is dropped and its chunks read
+    from the others; alone, the round ends with the missing chunks and the failure named
+    (who else to ask is the SDK orchestrator's call: tests/ros/test_orchestrator.py)."""
     model = make_model(6, tiny=50)
     layout = Layout.from_tensors(model, chunk_size=CHUNK)
     bad = holders(model, layout, name="predecessor", fault=Fault(corrupt=True))[2]
     good = holders(model, layout, name="publisher")[2]
-    dest, stats = _fetch(layout, [bad], refresh_sources=lambda: [bad, good])
+    dest, stats = _fetch(layout, [bad, good])
     assert _same(dest.tensors, model)
     assert "IntegrityError" in stats.failed_sources["predecessor"]
     assert stats.bytes_per_source.get("publisher", 0) > 0
-    # with nobody good to fall back to, the error still says what went wrong
+    alone = HeldVersion.reader(TENANT, MODEL, 1, layout, layout.allocate())
+    result = read_round(
+        TENANT, MODEL, 1, layout, alone, [bad], token=b"t",
+        deadline=time.monotonic() + 20, me=Topology(),
+    )  # fmt: skip
+    assert not result.done
+    assert result.missing == list(range(layout.num_chunks))
+    assert isinstance(result.failures["predecessor"], IntegrityError)
     with pytest.raises(IntegrityError):
-        _fetch(layout, [bad], refresh_sources=lambda: [bad])
+        _fetch(layout, [bad])
+
+
+def test_a_round_reads_only_the_chunks_asked_for(holders: StartHolder) -> None:
+    model = make_model(7, tiny=50)
+    layout = Layout.from_tensors(model, chunk_size=CHUNK)
+    good = holders(model, layout, name="publisher")[2]
+    dest = HeldVersion.reader(TENANT, MODEL, 1, layout, layout.allocate())
+    wanted = {1, layout.num_chunks - 1}
+    result = read_round(
+        TENANT, MODEL, 1, layout, dest, [good], token=b"t",
+        deadline=time.monotonic() + 20, me=Topology(), chunks=wanted,
+    )  # fmt: skip
+    assert result.done
+    assert set(range(layout.num_chunks)) - set(dest.missing()) == wanted

@@ -119,7 +119,7 @@ class RdmaChannel:
                     timeout=timeout,
                 )  # fmt: skip
         except TensorHubError:
-            f.touched.add(index)
+            f.stats.touched.add(index)
             raise
         hasher = xxhash.xxh3_64()
         for view in f.dest.sink_views(index):
@@ -127,7 +127,7 @@ class RdmaChannel:
         checksum = int(hasher.intdigest())
         nbytes = f.layout.payload_bytes(index)
         if f.expected is not None and checksum != f.expected[index] and f.checks.manifest:
-            f.touched.add(index)
+            f.stats.touched.add(index)
             with f.lock:
                 f.stats.discarded_bytes += nbytes
             why = f"chunk {index} differs from the published version"

@@ -1,0 +1,382 @@
+"""The one owner of a fetch on the SDK side: register → plan → rounds → failover → COMPLETE.
+
+`Hub.fetch` (a whole version, or one shard in the publisher's layout: the reader becomes a
+holder) and `Hub.fetch_slices` (the chunks of source shards that a block in another layout
+needs: no holder) both resolve through `Orchestrator.resolve` and then hand a `Target` to
+`Orchestrator.run`, which does the rest under one `RetryPolicy` (`FETCH_ROUNDS`) and the
+fetch's one `Deadline`:
+
+1. **register** (holders only): a PARTIAL record, which pins the version against retention
+   and whose answer carries the candidates as seen from our fence (no second Resolve); the
+   destination is in this client's holdings from here on, so it serves chunks as they land.
+2. **plan**: the candidates we can read (`transport.selection` picks the transport per
+   holder, and says why it passed a better one over), less the holders suspected so far,
+   through the pipeline policy (`transport.planner.pipeline_sources`: one predecessor, so
+   readers starting together form chains instead of all reading the publisher). A reader
+   that is no holder, or one with no predecessor, reads from all of them (nearest tier).
+3. **round**: `transport.reader.read_round` reads the wanted chunks still missing from
+   exactly those sources, once, and says which holders failed and why.
+4. **failover**: a round that left chunks missing because holders failed or sent bad bytes
+   (`VersionUnavailable`, `IntegrityError`) is followed, after the policy's backoff, by a
+   Resolve without the manifest (who holds it now) and a fresh plan by the same policy, less
+   every suspect. The rounds end when the chunks are in, the policy's tries are spent, no
+   usable holder is left, or the deadline passes.
+5. **COMPLETE** (holders only): UpdateHolder marks our record complete (and drops the pin
+   it held). A failure anywhere before that stops serving and deletes the PARTIAL record,
+   within the deadline (the session's lease removes what does not fit).
+
+The read token is renewed before it expires (`ros.client.read_token`), and every refresh's
+token is offered to it too. Progress is reported per chunk committed (`Progress`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+
+from consistency.retry import RetryPolicy
+from ros.client.base import ClientBase
+from ros.client.deadline import Deadline
+from ros.client.read_token import RenewingToken
+from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from tensorhub.errors import (
+    DeadlineExceeded,
+    IntegrityError,
+    InvalidArgument,
+    TensorHubError,
+    VersionUnavailable,
+)
+from transport.outcome import FetchStats, final_error
+from transport.pace import DEFAULT_RATE_FLOOR
+from transport.planner import Candidate, Source, pipeline_sources
+from transport.reader import read_round
+from transport.selection import choose
+from transport.store import HeldVersion
+from transport.topology import Topology
+
+log = logging.getLogger(__name__)
+
+
+def _another_round(exc: BaseException) -> bool:
+    """A round is worth another, against a refreshed plan, when holders failed it (gone,
+    cut, refused, too slow) or sent bad bytes; not after a refusal of the request itself."""
+    return isinstance(exc, (VersionUnavailable, IntegrityError))
+
+
+FETCH_ROUNDS = RetryPolicy(initial=0.05, maximum=1.0, tries=6, retry_on=_another_round)
+"""The rounds of one fetch: up to 6, backing off 50 ms doubling to 1 s (full jitter),
+within the fetch's deadline."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far a fetch is: chunks and payload bytes committed so far, of those it wants."""
+
+    chunks: int
+    total_chunks: int
+    bytes: int
+    total_bytes: int
+
+    @property
+    def fraction(self) -> float:
+        return self.bytes / self.total_bytes if self.total_bytes else 1.0
+
+
+ProgressCallback = Callable[[Progress], None]
+"""Called after every chunk committed, from the thread that received it: keep it quick.
+An exception it raises is logged, never propagated into the fetch."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """What one run fills: `dest`, a reader's copy of model@version (of shard `shard`, None:
+    the whole version) laid out as `manifest`; only the chunks in `chunks` (None: all). A
+    `holder` target registers and serves what it has; a non-holder one (a staging copy of
+    `fetch_slices`) is nobody's source and pins the version by other means."""
+
+    model: str
+    version: int
+    shard: int | None
+    dest: HeldVersion
+    manifest: pb.Manifest
+    chunks: Collection[int] | None = None
+    holder: bool = True
+
+    def wanted(self) -> list[int]:
+        every = range(self.dest.layout.num_chunks)
+        return list(every) if self.chunks is None else sorted(set(self.chunks))
+
+
+def holder_shard(holder: pb.Holder) -> int | None:
+    """The shard a holder of a model-parallel version holds (None: the whole version)."""
+    return holder.shard if holder.HasField("shard") else None
+
+
+def holders_of(response: pb.ResolveResponse, shard: int | None) -> list[pb.Holder]:
+    """The holders that have these bytes: of shard `shard`, or of the whole version (None)."""
+    return [h for h in response.holders if holder_shard(h) == shard]
+
+
+class _Counter:
+    """Chunks and bytes committed, counted from every worker thread, told to `progress`."""
+
+    def __init__(self, target: Target, progress: ProgressCallback | None) -> None:
+        wanted = target.wanted()
+        layout = target.dest.layout
+        self._total = Progress(0, len(wanted), 0, sum(layout.payload_bytes(c) for c in wanted))
+        self._chunks = self._bytes = 0
+        self._progress = progress
+        self._lock = threading.Lock()
+
+    def __call__(self, index: int, nbytes: int) -> None:
+        with self._lock:
+            self._chunks += 1
+            self._bytes += nbytes
+            now = Progress(
+                self._chunks, self._total.total_chunks, self._bytes, self._total.total_bytes
+            )
+        if self._progress is not None:
+            try:
+                self._progress(now)
+            except Exception:
+                log.exception("a fetch's progress callback raised; the fetch goes on")
+
+
+class Orchestrator:
+    """Runs every fetch of one client (module docstring). Thread-safe: a run keeps its state
+    on its own stack."""
+
+    def __init__(self, client: ClientBase, policy: RetryPolicy = FETCH_ROUNDS) -> None:
+        self._client = client
+        self._policy = policy
+
+    def resolve(
+        self, model: str, version: int, shard: int | None, deadline: Deadline
+    ) -> pb.ResolveResponse:
+        """Resolve model@version (0: latest), with its manifest (of shard `shard`)."""
+        return self._client._resolve(
+            model, version, shard=shard, timeout=deadline.work(self._client.timeout)
+        )
+
+    def holders(
+        self, model: str, version: int, shard: int | None, deadline: Deadline
+    ) -> pb.ResolveResponse:
+        """Who holds model@version (of shard `shard`) now, seen from our fence; no manifest."""
+        client = self._client
+        return client._resolve(
+            model, version, shard=shard, fence=client.holdings.fence(model, version),
+            manifest=False, timeout=deadline.work(client.timeout),
+        )  # fmt: skip
+
+    def run(
+        self,
+        target: Target,
+        resolved: pb.ResolveResponse,
+        deadline: Deadline,
+        *,
+        rate_floor: float = DEFAULT_RATE_FLOOR,
+        progress: ProgressCallback | None = None,
+    ) -> FetchStats:
+        """Fill `target` from the holders `resolved` names (a Resolve of its version and
+        shard), as the module docstring says; its stats, or the last round's named error."""
+        client = self._client
+        if target.holder:
+            client._holder_server()
+            client.holdings.hold(target.dest, target.shard)
+        start = time.monotonic()
+        try:
+            stats = self._rounds(target, resolved, deadline, rate_floor, _Counter(target, progress))
+            if target.holder:
+                self._complete(target, deadline)
+        except BaseException:
+            if target.holder:
+                self._abandon(target, deadline)
+            raise
+        stats.duration = time.monotonic() - start
+        return stats
+
+    # -- the steps ---------------------------------------------------------------------------
+
+    def _rounds(
+        self,
+        target: Target,
+        resolved: pb.ResolveResponse,
+        deadline: Deadline,
+        rate_floor: float,
+        counter: _Counter,
+    ) -> FetchStats:
+        client, dest = self._client, target.dest
+        model, version, shard = target.model, target.version, target.shard
+        what = f"fetch {model}@{version}" + ("" if shard is None else f" shard {shard}")
+        fence, candidates = 0, holders_of(resolved, shard)
+        if target.holder:
+            registered = client._register_holder(
+                model, version, complete=False, shard=shard,
+                timeout=deadline.work(client.timeout),
+            )  # fmt: skip
+            fence = int(registered.fence)
+            client.holdings.registered(model, version, fence)
+            candidates = list(registered.candidates) or candidates
+        tokens = self._token(target, resolved, deadline)
+        stats = FetchStats()
+        suspects: dict[str, BaseException] = {}  # every holder given up on, in any round
+        skipped: dict[str, str] = {}  # holders whose endpoints we cannot use: why
+        wanted = target.wanted()
+
+        def one_round() -> None:
+            nonlocal candidates
+            if stats.rounds:  # failover: who holds it now, and a fresh plan by the same policy
+                again = self.holders(model, version, shard, deadline)
+                tokens.offer(bytes(again.read_token), int(again.token_expiry_unix))
+                candidates = holders_of(again, shard)
+            sources = self._plan(candidates, fence, suspects, skipped, target)
+            if not sources:
+                raise _nobody_left(what, suspects, skipped)
+            stats.rounds += 1
+            result = read_round(
+                client.tenant, model, version, dest.layout, dest, sources,
+                token=tokens, deadline=deadline.work_end, me=client.topology, chunks=wanted,
+                expected=list(target.manifest.chunk_xxh3), tls=client._tls,
+                rate_floor=rate_floor, checks=client._hooks.checks, stats=stats,
+                on_chunk=counter,
+            )  # fmt: skip
+            suspects.update(result.failures)
+            if result.done:
+                return
+            if time.monotonic() >= deadline.work_end:
+                raise DeadlineExceeded(
+                    f"{what}: deadline passed with {len(result.missing)} chunks missing"
+                )
+            raise final_error(result.failures, what)
+
+        self._policy.retrying(deadline.work_end)(one_round)
+        for name, reason in skipped.items():
+            stats.failed_sources.setdefault(name, reason)
+        return stats
+
+    def _plan(
+        self,
+        holders: Sequence[pb.Holder],
+        fence: int,
+        suspects: Collection[str],
+        skipped: dict[str, str],
+        target: Target,
+    ) -> list[Source]:
+        """The sources of the next round: the usable candidates less the suspects, through
+        the pipeline policy for a holder (one predecessor), else all of them."""
+        usable = [
+            c
+            for c in self._candidates(holders, skipped, device_memory=target.dest.on_cuda)
+            if c.source.holder_id not in suspects
+        ]
+        if target.holder:
+            fence = self._client.holdings.fence(target.model, target.version, fence)
+            first = pipeline_sources(self._client.topology, fence, usable)
+            if first:
+                return first
+        return [c.source for c in usable]
+
+    def _candidates(
+        self, holders: Sequence[pb.Holder], skipped: dict[str, str], *, device_memory: bool
+    ) -> list[Candidate]:
+        """The holders we can read from, each over the best transport both sides have (rdma
+        → CUDA IPC, a later issue → tcp: `transport.selection`); why a better one was passed
+        over is logged and travels in `Source.fallback` into `stats.fallbacks`. A holder
+        whose endpoints we cannot use (written by an older hub, or naming only a transport
+        we lack; RDMA into device memory) is skipped, not fatal: it goes into `skipped` with
+        the reason, logged once per fetch, and the others are read."""
+        me = self._client.holder_name
+        tls = self._client._tls is not None
+        out = []
+        for h in holders:
+            if h.name == me:
+                continue
+            try:
+                route = choose(
+                    h.endpoints, complete=h.state == pb.COMPLETE, tls=tls,
+                    device_memory=device_memory,
+                )  # fmt: skip
+            except InvalidArgument as exc:
+                if h.name not in skipped:
+                    log.warning("skipping holder %s: %s", h.name, exc)
+                skipped[h.name] = f"skipped: {exc}"
+                continue
+            if route.fallback:
+                log.info("reading holder %s over %s: %s", h.name, route.kind.value, route.fallback)
+            topology = Topology(
+                **{k: v for k, v in h.topology.items() if k in ("dc", "rack", "host")}
+            )
+            source = Source(
+                h.name, route.host, route.port, topology,
+                transport=route.kind, fallback=route.fallback,
+            )  # fmt: skip
+            out.append(Candidate(source, int(h.fence), h.state == pb.COMPLETE))
+        return out
+
+    def _token(
+        self, target: Target, resolved: pb.ResolveResponse, deadline: Deadline
+    ) -> RenewingToken:
+        """The run's read token from `resolved`, renewed before it expires by a Resolve
+        without the manifest, within the fetch's deadline (ros.client.read_token)."""
+
+        def renew() -> tuple[bytes, int]:
+            again = self.holders(target.model, target.version, target.shard, deadline)
+            return bytes(again.read_token), int(again.token_expiry_unix)
+
+        return RenewingToken(bytes(resolved.read_token), int(resolved.token_expiry_unix), renew)
+
+    def _complete(self, target: Target, deadline: Deadline) -> None:
+        """Mark our record COMPLETE (under the fence a session recovery may have changed)."""
+        client = self._client
+        fence = client.holdings.fence(target.model, target.version)
+        update = pb.UpdateHolderRequest(
+            model=target.model, version=target.version,
+            holder=client._holder_pb(True, fence, target.shard),
+        )  # fmt: skip
+        budget = deadline.finish(client.timeout)
+        if budget is None:
+            raise DeadlineExceeded(
+                f"{deadline.what}: every byte arrived, but no time was left to mark it COMPLETE"
+            )
+        client._rpc("UpdateHolder", update, budget)  # also drops the pin our PARTIAL held
+
+    def _abandon(self, target: Target, deadline: Deadline) -> None:
+        """Undo a failed fetch within its deadline: stop serving, delete our PARTIAL record
+        (and the pin it held). What does not fit in time is left to the session's lease."""
+        client, model, version = self._client, target.model, target.version
+        try:  # forgets its fence and shard too
+            client.holdings.drop(
+                target.dest.key, min(1.0, max(deadline.end - time.monotonic(), 0.0))
+            )
+        except TensorHubError as exc:
+            log.warning("abandoning %s@%d: %s", model, version, exc)
+        request = pb.ReleaseHolderRequest(
+            model=model, version=version, holder=client.holder_name, force=True,
+            session_id=client.session.id,  # the hub checks that it owns the record
+        )  # fmt: skip
+        budget = deadline.finish(client.timeout)
+        try:  # deletes our record and the pin it held
+            if budget is None:
+                raise DeadlineExceeded("no time left before the fetch's deadline")
+            client._rpc("ReleaseHolder", request, budget)
+        except TensorHubError as exc:  # the lease removes them anyway when we go
+            log.warning(
+                "cleanup of %s@%d not done (%s): our PARTIAL record and its pin are left to "
+                "the session's lease (they go at close(), or when it expires)",
+                model, version, exc,
+            )  # fmt: skip
+
+
+def _nobody_left(
+    what: str, suspects: dict[str, BaseException], skipped: dict[str, str]
+) -> TensorHubError:
+    """The error when no usable holder is left: the most telling of the suspects' reasons
+    (bad bytes from all: `IntegrityError`), naming the holders skipped for their endpoints."""
+    error = final_error(suspects, what) if suspects else VersionUnavailable(f"{what}: no holder")
+    if skipped:
+        why = "; ".join(f"{name}: {reason}" for name, reason in sorted(skipped.items()))
+        error = type(error)(f"{error} (holders skipped: {why})")
+    return error
