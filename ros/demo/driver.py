@@ -177,7 +177,7 @@ class DemoRun:
             got = "+".join(short(s) for s in m["sources"])
             self.display.status(f"v{version}: {short(sender)} has it (from {got})")
             if sender == self.cfg.victim and version == self.cfg.kill_at:
-                self._kill(sender, version, 1.0)  # its fetch beat the freeze: kill it now
+                self._kill(sender, version, 1.0)  # a one-chunk model cannot freeze mid-fetch
         elif kind == "fetch_failed" and step is not None:
             step.fetch_failures[sender] = str(m["error"])
             self._maybe_send_batch(step)

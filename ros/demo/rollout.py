@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import torch
@@ -21,6 +20,7 @@ import torch
 import ros
 from consistency.watch import EventKind
 from ros.client.handles import Held
+from ros.client.orchestrator import Progress, ProgressCallback
 from ros.demo.channel import Link
 from ros.demo.config import MODEL, DemoConfig, rollout_name
 from ros.demo.policy import build_policy, contexts, digest, rewards, sample
@@ -32,20 +32,17 @@ def batch_seed(cfg: DemoConfig, version: int, index: int) -> int:
     return cfg.seed * 1_000_003 + version * 1_000 + index
 
 
-def freeze_mid_fetch(hub: ros.Hub, link: Link, version: int, done: threading.Event) -> None:
-    """Wait until the fetch of `version` has some but not all chunks, report, then SIGSTOP
-    this whole process so the driver's SIGKILL lands mid-fetch (not after it)."""
-    key = (hub.tenant, MODEL, version)
-    while not done.is_set():
-        held = hub.holdings.get(key)  # the version being filled: the demo's view of progress
-        if held is not None:
-            chunks = held.layout.num_chunks
-            missing = len(held.missing())
-            if 0 < missing < chunks:
-                link.send({"type": "mid_fetch", "version": version, "done": 1 - missing / chunks})
-                os.kill(os.getpid(), signal.SIGSTOP)
-                return
-        time.sleep(0.0002)
+def freeze_mid_fetch(link: Link, version: int) -> ProgressCallback:
+    """A fetch progress callback that, at the first chunk of `version` committed while others
+    are still missing, reports to the driver and SIGSTOPs this whole process from inside the
+    fetch, so the driver's SIGKILL lands with a PARTIAL version, whatever the timing."""
+
+    def at(progress: Progress) -> None:
+        if 0 < progress.chunks < progress.total_chunks:
+            link.send({"type": "mid_fetch", "version": version, "done": progress.fraction})
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    return at
 
 
 def release_previous(held: Held | None, timeout: float) -> None:
@@ -83,18 +80,15 @@ def run_rollout(cfg: DemoConfig, index: int) -> int:
                 release_previous(held, cfg.step_timeout)
                 held = None
                 link.send({"type": "fetching", "version": version})
-                done = threading.Event()
-                if name == cfg.victim and version == cfg.kill_at:
-                    threading.Thread(
-                        target=freeze_mid_fetch, args=(hub, link, version, done), daemon=True
-                    ).start()
+                victim = name == cfg.victim and version == cfg.kill_at
                 try:
-                    held = fetch_module(hub, MODEL, policy, version, timeout=cfg.step_timeout)
+                    held = fetch_module(
+                        hub, MODEL, policy, version, timeout=cfg.step_timeout,
+                        progress=freeze_mid_fetch(link, version) if victim else None,
+                    )  # fmt: skip
                 except TensorHubError as exc:
                     link.send({"type": "fetch_failed", "version": version, "error": repr(exc)})
                     continue
-                finally:
-                    done.set()
                 link.send(
                     {"type": "fetched", "version": version, "t_seen": seen, "t": time.time(),
                      "fetch_s": held.stats.duration, "sources": held.stats.bytes_per_source,

@@ -19,6 +19,7 @@ from torch import nn
 
 from ros.client.handles import Held, Publication
 from ros.client.hub import DEFAULT_FETCH_TIMEOUT, Hub
+from ros.client.orchestrator import ProgressCallback
 from tensorhub.errors import InvalidArgument
 
 
@@ -88,6 +89,7 @@ def fetch_state_dict(
     into: Mapping[str, torch.Tensor],
     timeout: float = DEFAULT_FETCH_TIMEOUT,
     shard: int | None = None,
+    progress: ProgressCallback | None = None,
 ) -> Held:
     """Fetch `model@version` in place into `into` (tied like the publisher's state).
 
@@ -102,7 +104,7 @@ def fetch_state_dict(
         name: torch.empty_like(t, memory_format=torch.contiguous_format) if name in staged else t
         for name, t in unique.items()
     }
-    held = hub.fetch(model, version, into=target, timeout=timeout, shard=shard)
+    held = hub.fetch(model, version, into=target, timeout=timeout, shard=shard, progress=progress)
     with torch.no_grad():
         for name, tensor in staged.items():
             tensor.copy_(held.tensors[name])
@@ -117,8 +119,11 @@ def fetch_module(
     *,
     timeout: float = DEFAULT_FETCH_TIMEOUT,
     shard: int | None = None,
+    progress: ProgressCallback | None = None,
 ) -> Held:
-    """Fetch `model@version` in place into `module`'s own parameters and buffers."""
+    """Fetch `model@version` in place into `module`'s own parameters and buffers
+    (`progress`: `Hub.fetch`'s)."""
     return fetch_state_dict(
-        hub, model, version, into=module.state_dict(), timeout=timeout, shard=shard
-    )
+        hub, model, version, into=module.state_dict(), timeout=timeout, shard=shard,
+        progress=progress,
+    )  # fmt: skip
