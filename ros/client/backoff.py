@@ -32,14 +32,6 @@ _UNARY_OVERLOAD = RetryPolicy(
 )
 
 
-def overload_delay(
-    attempt: int, *, base: float = OVERLOAD_BASE, cap: float = OVERLOAD_CAP
-) -> float:
-    """Seconds to wait before retry number `attempt` (0 for the first) of a refused stream:
-    the full-jitter backoff of `consistency.retry.RetryPolicy`, on the overload schedule."""
-    return RetryPolicy(initial=base, maximum=cap).delay(attempt + 1)
-
-
 def is_overloaded(exc: grpc.RpcError) -> bool:
     """Whether a failed call is the hub's `Overloaded` refusal (not a quota, not a crash)."""
     return (

@@ -171,6 +171,7 @@ class ClientBase:
         return ClientSession(
             self._stub, self._metadata, opened, on_lost=self._sessions.lost,
             on_keys=self._read_tokens.update,
+            policy=self.retry,  # how its stream is reopened, as every read is tried again
         )  # fmt: skip
 
     def _verifier(self, tenant: str, model: str, version: int, token: bytes) -> bool:

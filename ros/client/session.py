@@ -19,10 +19,12 @@ from typing import Any
 
 import grpc
 
-from ros.client.backoff import is_overloaded, overload_delay
+from consistency.retry import DEFAULT_POLICY, RetryPolicy
+from ros.client.backoff import is_overloaded
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
 from ros.tokens import ReadKey
+from tensorhub.errors import Overloaded
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,7 @@ class ClientSession:
         opened: pb.OpenSessionResponse,
         on_lost: Callable[[ClientSession], None] | None = None,
         on_keys: Callable[[list[ReadKey]], None] | None = None,
+        policy: RetryPolicy = DEFAULT_POLICY,
     ) -> None:
         self.id = int(opened.session_id)
         self.ttl = int(opened.ttl_seconds)
@@ -45,6 +48,10 @@ class ClientSession:
         self._stub = stub
         self._metadata = metadata
         self._on_lost = on_lost
+        # How a broken or refused stream is reopened (the client's `retry`): full-jitter
+        # backoff (50 ms doubling to 1 s; refused as Overloaded: 0.2 s to 5 s), never past
+        # half of what is left of the lease. Its sleep, when set, replaces the stop wait.
+        self._policy = policy
         self.lost = threading.Event()
         self._stop = threading.Event()
         self._call: Any = None  # the live KeepAlive call, cancelled by stop()
@@ -74,17 +81,16 @@ class ClientSession:
                 return
 
     def _run(self) -> None:
-        refusals = 0  # consecutive Overloaded refusals of the stream
+        failures = 0  # consecutive broken or refused streams, since the last renewal
         while not self._stop.is_set() and not self.lost.is_set():
             stream_stop = threading.Event()
-            delay = 0.1
             try:
                 call = self._stub.KeepAlive(self._requests(stream_stop), metadata=self._metadata)
                 self._call = call
                 if self._stop.is_set():
                     call.cancel()
                 for response in call:
-                    refusals = 0
+                    failures = 0
                     if response.ttl_seconds <= 0:
                         self._lose("lease expired")
                         return
@@ -100,21 +106,29 @@ class ClientSession:
             except grpc.RpcError as exc:
                 if self._stop.is_set() or self.lost.is_set():
                     return
-                if is_overloaded(exc):
-                    # The replica is at its stream limit: back off with full jitter, but
-                    # retry before the lease would run out (halving what is left).
-                    left = self._expires_at - time.monotonic()
-                    delay = max(min(overload_delay(refusals), left / 2), 0.05)
-                    refusals += 1
-                    log.info("session %x: hub overloaded; retrying in %.2fs", self.id, delay)
-                else:
-                    log.info("session %x: keepalive stream broke (%s); reopening", self.id, exc)
+                failures += 1
+                overloaded = is_overloaded(exc)
+                # back off with full jitter, but retry before the lease would run out
+                left = self._expires_at - time.monotonic()
+                delay = max(
+                    min(
+                        self._policy.delay(failures, Overloaded() if overloaded else exc), left / 2
+                    ),
+                    0.01,
+                )
+                why = "hub overloaded" if overloaded else f"keepalive stream broke ({exc})"
+                log.info("session %x: %s; reopening in %.2fs", self.id, why, delay)
+            else:
+                delay = self._policy.delay(1)  # the hub ended the stream: reopen soon
             finally:
                 stream_stop.set()
             if time.monotonic() >= self._expires_at:
                 self._lose("no renewal before the TTL ran out")
                 return
-            self._stop.wait(delay)
+            if self._policy.sleep is not None:
+                self._policy.sleep(delay)
+            else:
+                self._stop.wait(delay)
 
     def expire(self, why: str) -> None:
         """Declare the session lost now (the hub said so); idempotent."""
