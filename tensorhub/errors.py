@@ -253,6 +253,12 @@ class InternalError(TensorHubError):
     help."""
 
 
+@_code("FAILED_PRECONDITION")
+class EngineNotReady(TensorHubError):
+    """An engine integration was used before its set-up or out of order (vLLM's `tensorhub`
+    engine: an update before `init_weight_transfer_engine`, or two versions in one update)."""
+
+
 @_code("INTERNAL")
 class DemoFailed(TensorHubError):
     """A demo worker failed or the run could not go on (the report says why; `ros.demo`)."""

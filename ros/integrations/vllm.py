@@ -1,124 +1,172 @@
-"""vLLM: feed fetched versions to `model.load_weights`, around pause/resume hooks.
+"""vLLM: what its `tensorhub` weight-transfer engine does inside each worker, without vLLM.
 
-vLLM loads new weights through `model.load_weights(weights)`, which takes an iterable of
-`(name, tensor)` in the checkpoint's naming and does the model's own mapping (fusing q/k/v
-into `qkv_proj`, sharding for tensor parallelism). So the adapter does not write into vLLM's
-parameters itself: it fetches the version into a staging copy that it owns (and serves to the
-other rollouts), then streams that copy into `load_weights`.
+vLLM updates weights through its weight-transfer API: the trainer side calls
+`llm.start_weight_update()`, `llm.update_weights(...)`, `llm.finish_weight_update()`, and
+the engine registered under the backend name (`ros.integrations.vllm_engine`, loaded into
+every worker process by the `vllm.general_plugins` entry point) receives the weights there.
+The parameters of a vLLM CPU model are repacked for its kernels, so nothing may be written
+into them directly; the weights go in, in checkpoint naming, through the model's layerwise
+reload (`load_weights` between `initialize_layerwise_reload` and `finalize_layerwise_reload`).
 
-Bytes move while the engine keeps generating; only `load_weights` runs between `pause()` and
-`resume()` (e.g. `engine.pause_generation` / `resume_generation`, or `llm.sleep` / `wake_up`),
-and `resume()` runs even if loading fails. vLLM is not a dependency: `load_weights`, `pause`
-and `resume` are plain callables, so this is tested against a stand-in module.
+`VersionReceiver` is the TensorHub half of that: it fetches a whole version into host
+tensors it owns, in checkpoint layout, **before** anything touches the model, so a fetch
+that fails (no holder left, the deadline) raises its named error with the model still on the
+previous version, never half-updated. A model-parallel version (trainer ranks publishing
+shards with placements) is read whole with `fetch_slices`: vLLM's loaders take full
+checkpoint tensors and cut each worker's tensor-parallel part themselves. With `serve`, the
+checkpoint copy is kept and served to other rollouts until the next update (it costs one
+copy of the checkpoint in host memory, between updates too); without, it is released once
+loaded, and it costs that copy only during an update.
+
+`update_vllm(llm, version)` is the trainer-side driver of one update, and `reload_weights`
+the thin path for set-ups without a weight-transfer engine (one process only: tensors do not
+cross `collective_rpc` to worker processes).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 import torch
 
 from ros.client.handles import Held
-from ros.client.hub import DEFAULT_FETCH_TIMEOUT, Hub
+from ros.client.hub import Hub
+from ros.client.manifest import placement_of
+from ros.client.slices import Slice
+from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import InvalidArgument, RetentionViolation
+from transport.layout import torch_dtype
+from transport.outcome import FetchStats
 
 log = logging.getLogger(__name__)
 
-WeightLoader = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
+DEFAULT_UPDATE_TIMEOUT = 120.0
 
 
-def weights_iterator(
-    held: Held, *, device: str | torch.device | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """`(name, tensor)` for every tensor of a fetched version, in manifest order — what
-    vLLM's `model.load_weights` takes. With `device`, each tensor is copied there first."""
-    for name, tensor in held.tensors.items():
-        yield name, tensor if device is None else tensor.to(device, non_blocking=True)
+class WeightSyncEngine(Protocol):
+    """What `update_vllm` needs of a vLLM `LLM` (or anything with its weight-sync API)."""
+
+    def start_weight_update(self) -> None: ...
+
+    def update_weights(self, request: dict[str, Any]) -> None: ...
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None: ...
 
 
-class VLLMWeightUpdater:
-    """Keeps one vLLM model in step with `model` on the hub: `update()` per new version.
+class VersionReceiver:
+    """Fetches whole versions of `model` for one vLLM worker, in checkpoint layout.
 
-    The staging copy of the last version stays served to other readers until the next
-    update releases it (then it is reused in place). The last complete copy of a retained
-    version is spilled to host memory by that release and served from there (the client's
-    `spill_budget`); only past the budget (`SpillBudgetExceeded`, a `RetentionViolation`)
-    is the copy kept serving from the staging memory and the new version fetched into fresh
-    memory, the release being retried on the next update.
+    `receive(version)` returns the version and its `(name, tensor)` pairs once every byte is
+    in; `loaded(version)` then releases the copy, or keeps it served until the next
+    `receive` with `serve`. Not thread-safe: one worker drives it, one update at a time.
     """
 
     def __init__(
-        self,
-        hub: Hub,
-        model: str,
-        load_weights: WeightLoader,
-        *,
-        pause: Callable[[], object] | None = None,
-        resume: Callable[[], object] | None = None,
-        device: str | torch.device | None = None,
-        timeout: float = DEFAULT_FETCH_TIMEOUT,
+        self, hub: Hub, model: str, *, serve: bool = False, timeout: float = DEFAULT_UPDATE_TIMEOUT
     ) -> None:
-        self._hub = hub
+        self.hub = hub
         self.model = model
-        self._load_weights = load_weights
-        self._pause = pause
-        self._resume = resume
-        self._device = device
-        self._timeout = timeout
-        self.version = 0
-        self.held: Held | None = None
-        self._kept: list[Held] = []
+        self.serve = serve
+        self.timeout = timeout
+        self.version = 0  # the version last loaded (0: none yet)
+        self._held: Held | None = None  # the copy served (serve), or being loaded
+        self._kept: list[Held] = []  # copies a release refused (past the spill budget)
+        self.last_stats: FetchStats | None = None  # what the last fetch read, from whom
 
-    def update(self, version: int | str = "latest") -> int:
-        """Fetch `version` (default: the latest) and load it; returns the version now loaded.
-        A version not newer than the loaded one is a no-op."""
-        wanted = self._hub.latest(self.model) if version == "latest" else int(version)
-        if wanted <= self.version:
-            return self.version
-        self._retry_kept()
-        staging = self._free_staging()
-        try:
-            held = self._hub.fetch(self.model, wanted, into=staging, timeout=self._timeout)
-        except InvalidArgument:
-            if staging is None:
-                raise
-            log.info("%s@%d has a new layout: fetching into fresh memory", self.model, wanted)
-            held = self._hub.fetch(self.model, wanted, timeout=self._timeout)
-        self.held = held
-        if self._pause is not None:
-            self._pause()
-        try:
-            self._load_weights(weights_iterator(held, device=self._device))
-        finally:
-            if self._resume is not None:
-                self._resume()
-        self.version = held.version
-        return self.version
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of checkpoint copies this receiver holds now (its memory cost)."""
+        return sum(t.numel() * t.element_size() for h in self._copies() for t in h.tensors.values())
 
-    def _free_staging(self) -> dict[str, torch.Tensor] | None:
-        """Release the previous version and return its memory for reuse (None if kept)."""
-        previous, self.held = self.held, None
-        if previous is None:
-            return None
-        try:
-            previous.release()
-        except RetentionViolation:
-            self._kept.append(previous)
-            return None
-        return previous.tensors
+    def receive(self, version: int | str = "latest") -> tuple[int, list[tuple[str, torch.Tensor]]]:
+        """`version` (default: the latest) and all its tensors, fetched in full before this
+        returns. Raises the fetch's named error (`VersionUnavailable`, `DeadlineExceeded`,
+        ...) with nothing changed but the previous copy released."""
+        number = 0 if version == "latest" else int(version)
+        self._release_previous()
+        # the manifest (cached: the fetch below does not ask for it again) says its shape
+        resolved = self.hub._resolve(self.model, number, timeout=self.timeout)
+        number = int(resolved.version)
+        if resolved.shard_count or resolved.shards:
+            return number, self._receive_slices(number, list(resolved.shards))
+        self._held = self.hub.fetch(self.model, number, timeout=self.timeout)
+        self.last_stats = self._held.stats
+        return number, list(self._held.tensors.items())
 
-    def _retry_kept(self) -> None:
-        still = []
-        for held in self._kept:
+    def loaded(self, version: int) -> None:
+        """The model now runs `version`: stop serving its copy, unless `serve`."""
+        self.version = version
+        if not self.serve:
+            self._release_previous()
+
+    def _receive_slices(
+        self, version: int, parts: list[pb.Manifest]
+    ) -> list[tuple[str, torch.Tensor]]:
+        """A model-parallel version, read whole: each global tensor from its shards (a
+        reader of slices is no holder, so with `serve` nothing of it is served)."""
+        whole: dict[str, torch.Tensor] = {}
+        slices: dict[str, Slice] = {}
+        for part in parts:
+            for entry in part.tensors:
+                if entry.name in whole:
+                    continue
+                glob, _ = placement_of(entry)
+                whole[entry.name] = torch.empty(glob, dtype=torch_dtype(entry.dtype))
+                slices[entry.name] = Slice(whole[entry.name], (0,) * len(glob), glob)
+        self.hub.fetch_slices(self.model, version, slices=slices, timeout=self.timeout)
+        return list(whole.items())
+
+    def _copies(self) -> list[Held]:
+        return [*self._kept, *([self._held] if self._held is not None else [])]
+
+    def _release_previous(self) -> None:
+        """Stop serving the copies held; one a release refuses (the last complete holder of
+        a retained version, past the client's spill budget) keeps serving, and is tried
+        again at the next update."""
+        previous = self._copies()
+        self._held, self._kept = None, []
+        for held in previous:
             try:
                 held.release()
-            except RetentionViolation:
-                still.append(held)
-        self._kept = still
+            except RetentionViolation as exc:
+                log.warning("%s@%d still served: %s", self.model, held.version, exc)
+                self._kept.append(held)
 
     def close(self) -> None:
-        """Stop serving everything this updater holds (forced: the engine is going away)."""
-        for held in [*self._kept, *([self.held] if self.held else [])]:
+        """Stop serving (forced: the worker is going away) and close the hub connection."""
+        for held in self._copies():
             held.release(force=True)
-        self._kept, self.held = [], None
+        self._held, self._kept = None, []
+        self.hub.close()
+
+
+def update_vllm(
+    llm: WeightSyncEngine, version: int, *, update_info: dict[str, Any] | None = None
+) -> None:
+    """Move `llm` (a vLLM `LLM` built with `weight_transfer_config={"backend": "tensorhub"}`
+    and `init_weight_transfer_engine` done) to `version` of its model. Raises what the
+    workers raised; a fetch that failed leaves every worker on its previous version."""
+    info = {"version": int(version), **(update_info or {})}
+    llm.start_weight_update()
+    llm.update_weights({"update_info": info})
+    llm.finish_weight_update(weight_version=str(version))
+
+
+def reload_weights(llm: Any, receiver: VersionReceiver, version: int | str = "latest") -> int:
+    """The path without a weight-transfer engine: fetch `version` here, then hand the
+    tensors to vLLM's own `reload_weights` over `collective_rpc`. Only for an `LLM` whose
+    worker runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the `uni` executor):
+    tensors do not pickle to worker processes. Returns the version loaded."""
+    number, weights = receiver.receive(version)
+    if not weights:
+        raise InvalidArgument(f"{receiver.model}@{number} has no tensors")
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+    receiver.loaded(number)
+    return number
+
+
+def weights_iterator(held: Held) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(name, tensor)` of every tensor of a fetched version, in manifest order."""
+    yield from held.tensors.items()

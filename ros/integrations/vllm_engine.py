@@ -1,0 +1,162 @@
+"""vLLM's weight-transfer engine `tensorhub`: each worker fetches the version itself.
+
+Registered with vLLM's `WeightTransferEngineFactory` by `register()`, which vLLM calls in
+every process it starts (the `vllm.general_plugins` entry point `tensorhub` in
+pyproject.toml), so worker processes have it too. A user builds the engine with
+`LLM(..., weight_transfer_config={"backend": "tensorhub"})`, then:
+
+    llm.init_weight_transfer_engine({"init_info": {"hub": "10.0.0.1:7600",
+        "tenant": "team-a", "token": TOKEN, "model": "policy"}})
+    ros.integrations.vllm.update_vllm(llm, version)   # start / update_weights / finish
+
+Tensors never cross `collective_rpc` (memoryviews do not pickle to worker processes): the
+init info names the hub, tenant, model and topology, and every worker connects and fetches
+on its own. One update is one version:
+
+- `start_weight_update`: nothing yet (the model stays as it is).
+- `update_weights({"version": v})`: the whole version is fetched into host tensors first
+  (`ros.integrations.vllm.VersionReceiver`); a failed fetch raises its named error with the
+  model untouched. Only then does the layerwise reload begin, and `load_weights` reads from
+  local memory.
+- `finish_weight_update`: finalizes the layerwise reload (the model's kernels repack), and
+  the fetched copy is released, or kept and served to other rollouts with `serve`.
+
+vLLM is untyped where mypy runs (it is not installed there), so its base classes are Any.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+import ros
+from ros.integrations.vllm import DEFAULT_UPDATE_TIMEOUT, VersionReceiver
+from tensorhub.errors import EngineNotReady, TensorHubError
+
+log = logging.getLogger(__name__)
+
+BACKEND = "tensorhub"
+
+
+@dataclass
+class TensorHubInitInfo(WeightTransferInitInfo):  # type: ignore[misc]  # vLLM's: Any here
+    """What every worker needs to reach the hub: its address(es), the tenant and its token,
+    the model, this worker's topology labels, and whether to serve what it fetched."""
+
+    hub: str | list[str]
+    tenant: str
+    token: str
+    model: str
+    topology: dict[str, str] = field(default_factory=dict)
+    timeout: float = DEFAULT_UPDATE_TIMEOUT
+    serve: bool = False  # keep the fetched checkpoint copy and serve it until the next update
+    listen: str = "127.0.0.1:0"  # the worker's holder port (advertised to other readers)
+    advertise: str | None = None
+
+
+@dataclass
+class TensorHubUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]  # vLLM's: Any here
+    """One update: the version to move to ("latest": whatever the hub says now)."""
+
+    version: int | str = "latest"
+
+
+class TensorHubWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
+    """The worker side (module docstring). One instance per vLLM worker."""
+
+    init_info_cls = TensorHubInitInfo
+    update_info_cls = TensorHubUpdateInfo
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.receiver: VersionReceiver | None = None
+        self._loading: int | None = None  # the version between receive and finish
+
+    def init_transfer_engine(self, init_info: TensorHubInitInfo) -> None:
+        """Connect this worker to the hub (a session of its own; its holder port opens on
+        the first fetch)."""
+        if self.receiver is not None:
+            self.receiver.close()
+        hub = ros.connect(
+            init_info.hub, tenant=init_info.tenant, token=init_info.token,
+            topology=init_info.topology or None, listen=init_info.listen,
+            advertise=init_info.advertise,
+        )  # fmt: skip
+        self.receiver = VersionReceiver(
+            hub, init_info.model, serve=init_info.serve, timeout=init_info.timeout
+        )
+
+    def start_weight_update(self) -> None:
+        """Nothing to prepare: the model is left as it is until the version is here."""
+        self._loading = None
+
+    def receive_weights(self, update_info: TensorHubUpdateInfo) -> None:
+        """Fetch the whole version, then load it through the layerwise reload."""
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        receiver = self._receiver()
+        if self._loading is not None:
+            raise EngineNotReady("one version per update: call finish_weight_update first")
+        try:
+            version, weights = receiver.receive(update_info.version)  # model untouched
+        except TensorHubError as exc:
+            # vLLM's worker processes pass an error on by its text alone: lead with the class
+            raise type(exc)(f"{type(exc).__name__}: {exc}") from exc
+        initialize_layerwise_reload(self.model)
+        self._loading = version
+        _load(self.model, weights)
+        log.info("%s@%d loaded into the model", receiver.model, version)
+
+    def finish_weight_update(self) -> None:
+        """Finalize the reload (kernels repack), then release or keep serving the copy."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        if self._loading is None:
+            return  # no version arrived in this update: the model was never touched
+        finalize_layerwise_reload(self.model, self.model_config)
+        self._receiver().loaded(self._loading)
+        self._loading = None
+
+    def shutdown(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
+
+    @property
+    def version(self) -> int:
+        """The version this worker's model runs (0: its initial weights)."""
+        return 0 if self.receiver is None else self.receiver.version
+
+    def _receiver(self) -> VersionReceiver:
+        if self.receiver is None:
+            raise EngineNotReady("init_weight_transfer_engine first: no hub to fetch from")
+        return self.receiver
+
+
+def _load(model: Any, weights: list[Any]) -> None:
+    """`model.load_weights`, without vLLM's multi-token-prediction completeness check where
+    this vLLM has it (as its own IPC engine does: a checkpoint update may omit MTP heads)."""
+    try:
+        from vllm.model_executor.model_loader.mtp_validation import (
+            disable_mtp_completeness_check,
+        )
+    except ImportError:
+        model.load_weights(weights)
+        return
+    with disable_mtp_completeness_check():
+        model.load_weights(weights)
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point: register the engine (once per process)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, TensorHubWeightTransferEngine)

@@ -1,0 +1,93 @@
+"""A vLLM rollout serves what it fetched (`serve`), a rollout reads from it, and a version
+published by TP-2 trainer ranks is loaded whole (`fetch_slices`) into a TP-1 vLLM."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+import ros
+from ros.hub.server import HubServer
+from ros.integrations.vllm import update_vllm
+from tests.engines.vllm_cpu import tiny
+from tests.ros.helpers import digest
+
+TENANT = "team-a"
+MODEL = "policy"
+
+
+def held_bytes(worker: object) -> int:
+    """Run in vLLM's worker: what the engine's checkpoint copy costs there."""
+    engine = worker.weight_transfer_engine  # type: ignore[attr-defined]
+    return int(engine.receiver.held_bytes)
+
+
+def model_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def tp2_halves(tensors: dict[str, torch.Tensor], rank: int) -> tuple[dict, dict]:
+    """TP rank `rank` of 2: column-parallel weights split on dim 0, row-parallel on dim 1,
+    the rest whole (replicated): its tensors and their placements."""
+    own, placements = {}, {}
+    for name, t in tensors.items():
+        dim = 0 if any(k in name for k in ("q_proj", "k_proj", "v_proj", "gate", "up")) else None
+        if any(k in name for k in ("o_proj", "down")):
+            dim = 1
+        if dim is None or t.dim() != 2:
+            own[name] = t
+            continue
+        n = t.shape[dim] // 2
+        own[name] = t.narrow(dim, rank * n, n).contiguous()
+        offsets = (rank * n, 0) if dim == 0 else (0, rank * n)
+        placements[name] = (tuple(t.shape), offsets)
+    return own, placements
+
+
+@pytest.mark.timeout(300)
+def test_a_rollout_reads_from_a_vllm_rollout_and_tp2_shards_load_whole(
+    hub_server: HubServer, make_tenant: Callable[[str], str], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the engine in vLLM's worker
+    token = make_tenant(TENANT)
+    trainer = ros.connect(hub_server.address, tenant=TENANT, token=token, name="trainer")
+    reader = ros.connect(hub_server.address, tenant=TENANT, token=token, name="reader")
+    try:
+        llm = tiny.start_llm(tiny.save(0, tmp_path / "v0"))
+        llm.init_weight_transfer_engine(  # type: ignore[attr-defined]
+            {"init_info": {"hub": hub_server.address, "tenant": TENANT, "token": token,
+                           "model": MODEL, "serve": True}}
+        )  # fmt: skip
+        v1 = tiny.weights(1)
+        published = trainer.publish(MODEL, 1, v1, chunk_size=64 * 1024)
+        update_vllm(llm, 1)  # type: ignore[arg-type]
+        assert tiny.vllm_greedy(llm) == tiny.hf_greedy(1)
+        cost = llm.collective_rpc(held_bytes)  # type: ignore[attr-defined]
+        print(f"serve=True keeps {cost} bytes (the checkpoint: {model_bytes(v1)} bytes)")
+        assert cost == [model_bytes(v1)]
+        published.release()  # the trainer lets go: the vLLM rollout is v1's only holder
+        got = reader.fetch(MODEL, 1, timeout=30)
+        assert digest(got.tensors) == digest(v1)
+        assert "trainer" not in got.stats.bytes_per_source
+        assert sum(got.stats.bytes_per_source.values()) == model_bytes(v1)
+        got.release()
+
+        # v2 from two trainer ranks (TP 2), read whole into the TP-1 engine
+        v2 = tiny.weights(2)
+        ranks = [ros.connect(hub_server.address, tenant=TENANT, token=token) for _ in range(2)]
+        try:
+            for rank, client in enumerate(ranks):
+                own, placements = tp2_halves(v2, rank)
+                client.publish(MODEL, 2, own, shard=(rank, 2), placements=placements)
+            update_vllm(llm, 2)  # type: ignore[arg-type]
+            assert tiny.vllm_greedy(llm) == tiny.hf_greedy(2) != tiny.hf_greedy(1)
+        finally:
+            for client in ranks:
+                client.close()
+    finally:
+        reader.close()
+        trainer.close()

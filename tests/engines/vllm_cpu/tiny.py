@@ -1,0 +1,69 @@
+"""A tiny Llama for real-vLLM tests: versions of its weights, and Hugging Face's greedy tokens
+for a version (the reference vLLM's output must equal)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+PROMPTS = [[1, 2, 3, 4], [9, 8, 7]]
+NEW_TOKENS = 8
+
+
+def config() -> LlamaConfig:
+    # head_dim 64: vLLM's CPU attention refuses smaller heads
+    return LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
+        head_dim=64, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def model(version: int) -> LlamaForCausalLM:
+    """Version `version`'s weights: seeded, so every process builds the same ones."""
+    torch.manual_seed(1000 + version)
+    return LlamaForCausalLM(config()).eval()
+
+
+def weights(version: int) -> dict[str, torch.Tensor]:
+    return {k: v.contiguous() for k, v in model(version).state_dict().items()}
+
+
+def save(version: int, where: Path) -> str:
+    """Write version `version` as a Hugging Face checkpoint vLLM can start from."""
+    model(version).save_pretrained(where)
+    return str(where)
+
+
+def hf_greedy(version: int) -> list[list[int]]:
+    m = model(version)
+    with torch.no_grad():
+        return [
+            m.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[
+                0, len(p) :
+            ].tolist()
+            for p in PROMPTS
+        ]
+
+
+def vllm_greedy(llm: object) -> list[list[int]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, detokenize=False)
+    outs = llm.generate(  # type: ignore[attr-defined]
+        [TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False
+    )
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def start_llm(checkpoint: str) -> object:
+    from vllm import LLM
+
+    return LLM(
+        model=checkpoint, skip_tokenizer_init=True, dtype="float32", max_model_len=64,
+        enforce_eager=True, distributed_executor_backend="uni",
+        weight_transfer_config={"backend": "tensorhub"},
+    )  # fmt: skip
