@@ -1,8 +1,9 @@
-"""One fetch's shared state and the receipt of one chunk (the reader's hot path).
+"""One round's shared state and the receipt of one chunk (the reader's hot path).
 
-`FetchState` holds what a fetch's workers share: the destination, the deadline, the
-stats, the open sockets (so the fetch can cut them when it ends), the read token's source
-and the checks to run. `receive` reads one CHUNK (or ERROR) frame, receives the payload
+`FetchState` holds what a round's workers share: the destination, the deadline, the fetch's
+stats (shared by its rounds), the open sockets (so the round can cut them when it ends), the
+read token's source and the checks to run. Each round has its own, so a worker a round left
+behind can start nothing in the next one. `receive` reads one CHUNK (or ERROR) frame, receives the payload
 with recv_into straight into the destination while hashing it, verifies it and commits
 it, and says how that went as a typed `ChunkOutcome` (transport/outcome.py).
 """
@@ -44,7 +45,7 @@ gets a fresh one from the SDK (ros.client.read_token) without stopping."""
 
 
 class FetchState:
-    """The state shared by one fetch's workers."""
+    """The state shared by one round's workers."""
 
     def __init__(
         self,
