@@ -54,7 +54,7 @@ def tool(name: str) -> Path:
 
 
 def run(
-    argv: Sequence[str | Path], *, timeout: float = 90.0, **kwargs: Any
+    argv: Sequence[object], *, timeout: float = 90.0, **kwargs: Any
 ) -> subprocess.CompletedProcess[str]:
     """Run argv to completion (no shell), capturing text output."""
     return subprocess.run(
