@@ -198,7 +198,6 @@ class Trainer:
     def step(self, version: int, timeout: float) -> TrainerReport:
         """A stand-in optimizer step in place, then publish it from this memory, wait for one
         replica, release (leaving the `with`) so the next step may write these tensors."""
-        start = time.monotonic()
         deadline = Deadline(timeout)
         generator = torch.Generator().manual_seed(version)
         with torch.no_grad():
@@ -206,6 +205,7 @@ class Trainer:
                 p.add_(torch.randn(p.shape, generator=generator), alpha=1e-3)
         sha = digest(self.state)
         left = deadline.left(f"publish {self.cfg.model}@{version}")
+        start = time.monotonic()
         pub = self.hub.publish(self.cfg.model, version, self.state, timeout=left)
         with pub:  # leaving it releases (no force: a replica holds it by then)
             pub.wait_replicated(REPLICAS, timeout=deadline.left(f"replicate @{version}"))
@@ -265,8 +265,10 @@ class Rollout:
                     break  # nothing within the time left: the deadline passed
                 if event.kind is EventKind.VERSION_PUBLISHED and event.version >= version:
                     return
-                if event.kind is EventKind.RESYNC and self.hub.latest(self.cfg.model) >= version:
-                    return
+                if event.kind is EventKind.RESYNC:  # the watch fell behind: ask again
+                    latest = self.hub.latest(self.cfg.model, timeout=deadline.left(what))
+                    if latest >= version:
+                        return
         raise WaitTimeout(f"{what}: not within the deadline ({MAX_WATCH_EVENTS} events at most)")
 
     def _load(self, version: int | str, deadline: Deadline, start: float) -> RolloutReport:
@@ -320,7 +322,7 @@ def _get(refs: Any, timeout: float, what: str) -> Any:
 
 
 class _Run:
-    """The driver's side of one run: the actors, where they were placed, and the summary."""
+    """The driver's side of one run: the actors, and where each rollout was placed."""
 
     def __init__(self, cfg: Config, step_timeout: float) -> None:
         self.cfg = cfg
@@ -489,8 +491,8 @@ def parser() -> argparse.ArgumentParser:
         "--kill-at",
         type=int,
         default=None,
-        help="the step at which one rollout is killed and replaced; 0: none "
-        "(default: the middle step)",
+        help="after this step, kill one rollout (holding that version) with ray.kill and "
+        "start a new one that catches up; 0: none (default: the middle step)",
     )
     ap.add_argument(
         "--step-timeout",
@@ -509,6 +511,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if missing:
         ap.error(f"{', '.join(missing)} required (or $TENSORHUB_HUB/_TENANT/_TOKEN)")
     kill_at = (args.steps + 1) // 2 if args.kill_at is None else args.kill_at
+    if args.rollouts < 1 or args.steps < 1 or not 0 <= kill_at <= args.steps:
+        ap.error("need --rollouts >= 1, --steps >= 1 and 0 <= --kill-at <= --steps")
+    if args.model_mb <= 0 or args.step_timeout <= 0:
+        ap.error("--model-mb and --step-timeout must be positive")
     hubs = [h.strip() for h in args.hub.split(",") if h.strip()]
     cfg = Config(tuple(hubs), args.tenant, args.token, args.model, args.model_mb)
     ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=True)
