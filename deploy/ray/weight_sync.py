@@ -189,10 +189,19 @@ class Trainer:
         self.cfg = cfg
         self.model = build_model(cfg.model_mb, seed=0)
         self.state = self.model.state_dict()  # the parameters' own memory
-        self.hub = connect(cfg, f"ray-trainer-{os.getpid()}")
+        self._hub: ros.Hub | None = None
 
-    def first_version(self) -> int:
-        """Where this run starts: after every version already published (see the docstring)."""
+    @property
+    def hub(self) -> ros.Hub:
+        if self._hub is None:
+            raise WeightSyncError("the trainer has not started")
+        return self._hub
+
+    def start(self) -> int:
+        """Connect (in a method, not `__init__`, so a refused token reaches the driver as the
+        SDK's `PermissionDenied`), and say where this run starts: after every version already
+        published (see the module docstring)."""
+        self._hub = connect(self.cfg, f"ray-trainer-{os.getpid()}")
         return self.hub.latest(self.cfg.model) + 1
 
     def step(self, version: int, timeout: float) -> TrainerReport:
@@ -212,7 +221,8 @@ class Trainer:
         return TrainerReport(version, sha, time.monotonic() - start, self.hub.topology.host)
 
     def close(self) -> None:
-        self.hub.close()
+        if self._hub is not None:
+            self._hub.close()
 
 
 class Rollout:
@@ -224,8 +234,19 @@ class Rollout:
         self.name = name
         self.model = build_model(cfg.model_mb, seed=None)
         self.state = self.model.state_dict()  # fetched into in place, every version
-        self.hub = connect(cfg, f"ray-{name}-{os.getpid()}")
+        self._hub: ros.Hub | None = None
         self.held: ros.Held | None = None
+
+    @property
+    def hub(self) -> ros.Hub:
+        if self._hub is None:
+            raise WeightSyncError(f"{self.name} has not started")
+        return self._hub
+
+    def start(self) -> str:
+        """Connect (as `Trainer.start`); the node this rollout runs on."""
+        self._hub = connect(self.cfg, f"ray-{self.name}-{os.getpid()}")
+        return self.node()
 
     def node(self) -> str:
         return self.hub.topology.host
@@ -250,7 +271,8 @@ class Rollout:
         return RolloutReport(self.name, self.node(), version, digest(self.state), 0.0, 0.0, 0, 0)
 
     def close(self) -> None:
-        self.hub.close()  # stops serving what it holds; its records go with its session
+        if self._hub is not None:  # stops serving what it holds; its records go with it
+            self._hub.close()
 
     def _await(self, version: int, deadline: Deadline) -> None:
         """Return once `version` (or a later one) of the model is published; `WaitTimeout`
@@ -361,7 +383,8 @@ class _Run:
         alive = _alive_nodes()
         node = next((n for n in alive if n["NodeID"] == self.placed[victim]), alive[0])
         name, actor = self.start_rollout(node)
-        wait = ACTOR_START_TIMEOUT + self.step_timeout
+        _get(actor.start.remote(), ACTOR_START_TIMEOUT, f"{name} start")
+        wait = self.step_timeout
         record.replacement = _get(
             actor.catch_up.remote(record.version, wait), wait + 10, f"{name} catching up"
         )
@@ -380,8 +403,9 @@ def run(cfg: Config, rollouts: int, steps: int, kill_at: int, step_timeout: floa
         for i in range(rollouts):  # the first rollout on another node than the trainer's
             name, actor = r.start_rollout(r.nodes[(i + 1) % len(r.nodes)])
             r.live[name] = actor
-        first: int = _get(r.trainer.first_version.remote(), ACTOR_START_TIMEOUT, "trainer start")
-        _get([a.node.remote() for a in r.live.values()], ACTOR_START_TIMEOUT, "rollouts start")
+        starting = [a.start.remote() for a in r.live.values()]  # all start at once
+        first: int = _get(r.trainer.start.remote(), ACTOR_START_TIMEOUT, "trainer start")
+        _get(starting, ACTOR_START_TIMEOUT, "rollouts start")
         node_ips = [n["NodeManagerAddress"] for n in r.nodes]
         summary = Summary(cfg.model, first, first + steps - 1, node_ips, node_ips[0])
         print(
@@ -521,7 +545,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         summary = run(cfg, args.rollouts, args.steps, kill_at, args.step_timeout)
     except (WeightSyncError, ros.TensorHubError, RayError) as exc:
-        print(f"weight sync failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        cause = getattr(exc, "cause", None)  # an actor's exception: the SDK's own, not Ray's
+        shown = cause if isinstance(cause, BaseException) else exc
+        print(f"weight sync failed: {type(shown).__name__}: {shown}", file=sys.stderr, flush=True)
         return 1
     finally:
         ray.shutdown()

@@ -32,15 +32,21 @@ MODEL_MB = 2.0
 RUN_TIMEOUT = 110  # one run of the example, including its actors' start
 
 
-def run_example(address: str, hub: str, token: str, out: Path) -> dict[str, Any]:
+def example(
+    address: str, hub: str, token: str, out: Path, rollouts: int = ROLLOUTS
+) -> subprocess.CompletedProcess[str]:
     env = {**example_env(), "TENSORHUB_TOKEN": token}  # the token off the command line
-    proc = subprocess.run(
+    return subprocess.run(
         [sys.executable, str(EXAMPLE), "--ray-address", address, "--hub", hub,
-         "--tenant", TENANT, "--rollouts", str(ROLLOUTS), "--steps", str(STEPS),
+         "--tenant", TENANT, "--rollouts", str(rollouts), "--steps", str(STEPS),
          "--kill-at", str(KILL_AT), "--model-mb", str(MODEL_MB), "--step-timeout", "60",
          "--json", str(out)],
         env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT, check=False,
     )  # fmt: skip
+
+
+def run_example(address: str, hub: str, token: str, out: Path) -> dict[str, Any]:
+    proc = example(address, hub, token, out)
     print(proc.stdout)  # the run's table, shown by pytest on failure (or with -s)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
     summary: dict[str, Any] = json.loads(out.read_text())
@@ -114,3 +120,16 @@ def test_help_documents_the_flags() -> None:
     flags += ["--model-mb", "--kill-at", "--step-timeout", "--json", "TENSORHUB_TOKEN"]
     for flag in flags:
         assert flag in proc.stdout, flag
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 10)
+def test_a_refused_token_fails_the_run_with_the_sdks_error(
+    ray_cluster: str, hub_server: HubServer, make_tenant: Callable[[str], str], tmp_path: Path
+) -> None:
+    token = make_tenant(TENANT)
+    proc = example(ray_cluster, hub_server.address, token + "x", tmp_path / "run.json", 1)
+    assert proc.returncode == 1, proc.stdout
+    assert "weight sync failed: PermissionDenied" in proc.stderr, proc.stderr[-4000:]
+    assert not (tmp_path / "run.json").exists()
+    with ros.connect(hub_server.address, tenant=TENANT, token=token) as hub:
+        assert hub.latest("policy") == 0  # nothing was published
