@@ -4,17 +4,19 @@ The trainer actor updates its weights in place and publishes each version from i
 (`hub.publish`), waits until one rollout holds a complete copy, and releases it before the next
 update. Every rollout actor waits (a `versions_only` watch, under a deadline) for the version,
 releases the one it held, fetches the new one in place into its model's own tensors
-(`hub.fetch(..., into=...)`) and serves it to the other rollouts until the next one: the
-trainer's link carries one copy per step, the rollouts carry the rest. After every step the
-driver checks each rollout's bytes against the trainer's digest (sha256 over every tensor).
+(`hub.fetch(..., into=...)`) and serves it to the other rollouts until the next one, so the
+trainer serves only part of each step's copies (a table row shows how many MB came from
+the trainer and how many from peers). After every step the driver checks each rollout's
+bytes against the trainer's digest (sha256 over every tensor).
 
 Mid-run (`--kill-at STEP`, after that step), one rollout actor is killed with `ray.kill`
 while it holds the latest version complete and serves it, and a new one is started on the
 same node: it catches up to the latest version, then follows the run like the others. The
 dead rollout's holder record stays in the hub until its session's lease runs out (10 s), so
 the newcomer's nearest source is a dead port, and its fetch reads around it. The run ends
-with every live rollout on the final version, with the trainer's bytes, or it fails with
-`WeightSyncError` (exit status 1).
+with every live rollout on the final version, with the trainer's bytes (exit status 0), or
+exits 1 naming the error: `WeightSyncError` (bytes differ, `WaitTimeout`) or the SDK's own
+(e.g. `PermissionDenied` for a refused token).
 
 Version numbers: a run continues the model's versions, from `latest() + 1`. A model's
 versions are one monotonic sequence in the hub (a publish that is not newer than the latest
