@@ -47,7 +47,7 @@ test: lint typecheck
 # in its own environment, built on first use (minutes, several GB: vLLM's is 3.5 GB).
 test-engines: $(STAMP) $(foreach e,$(ENGINES),.venv-$(e)/.installed)
 	set -e; for e in $(ENGINES); do \
-	  echo "== tests/engines/$$e (.venv-$$e)"; \
+	  echo "== tests/engines/$$(echo $$e | tr - _) (.venv-$$e)"; \
 	  .venv-$$e/bin/python -m pytest tests/engines/$$(echo $$e | tr - _) $(PYTEST_ARGS); done
 
 .venv-%/.installed: pyproject.toml scripts/engine-venv.sh scripts/constraints.txt
