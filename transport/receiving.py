@@ -3,9 +3,10 @@
 `FetchState` holds what a round's workers share: the destination, the deadline, the fetch's
 stats (shared by its rounds), the open sockets (so the round can cut them when it ends), the
 read token's source and the checks to run. Each round has its own, so a worker a round left
-behind can start nothing in the next one. `receive` reads one CHUNK (or ERROR) frame, receives the payload
-with recv_into straight into the destination while hashing it, verifies it and commits
-it, and says how that went as a typed `ChunkOutcome` (transport/outcome.py).
+behind can start nothing in the next one. `receive` reads one CHUNK (or ERROR) frame,
+receives the payload with recv_into straight into the destination while hashing it,
+verifies it and commits it, and says how that went as a typed `ChunkOutcome`
+(transport/outcome.py).
 """
 
 from __future__ import annotations
