@@ -10,6 +10,12 @@ it with `transport.reader.fetch`. The references, measured in the same run:
   writes); the better of `-Z` and plain writes, at the largest block the binary accepts
   (Debian 12's caps it at 1 MiB). Skipped, and said so, where iperf3 is not installed.
 
+And one more figure that explains the gap to iperf3: the plain Python socket again, but
+with iperf3's working set, one 1 MiB buffer sent and received over and over on each end
+(cache-resident), where TensorHub and the plain socket stream a model-sized buffer from one
+process's memory into another's. Its ratio to iperf3 says how much of the gap is Python
+(none, if it is ~1) and its ratio to the plain socket how much is the working set.
+
 Each is measured with one connection and with `--parallel` connections (the plain socket
 then splits the bytes into that many ranges, one connection each; iperf3 runs `-P N`).
 Prints the table of `bench.report` with TensorHub's ratio to both references; the target:
@@ -28,7 +34,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 
 import torch
@@ -77,19 +83,30 @@ def _holder(size_mb: int, chunk: int, pipe: Connection) -> None:
     flat = torch.full((layout.total_bytes,), 7, dtype=torch.uint8)  # touched, like the model
     view = flat.numpy().data.cast("B")
     plain = socket.create_server(("127.0.0.1", 0), backlog=64)
-    pipe.send((server.address, plain.getsockname()[1], layout.to_dict()))
+    small = socket.create_server(("127.0.0.1", 0), backlog=64)  # iperf3's working set
+    block = memoryview(bytearray(b"\x07" * MiB))
+    pipe.send((server.address, plain.getsockname()[1], small.getsockname()[1], layout.to_dict()))
 
     def send_range(conn: socket.socket) -> None:
         with conn:
             offset, length = RANGE.unpack(_recv_exact(conn, RANGE.size))
             conn.sendall(view[offset : offset + length])
 
-    def plain_loop() -> None:
-        while True:
-            conn, _ = plain.accept()
-            threading.Thread(target=send_range, args=(conn,), daemon=True).start()
+    def send_block(conn: socket.socket) -> None:
+        with conn:
+            _, length = RANGE.unpack(_recv_exact(conn, RANGE.size))
+            while length > 0:
+                n = min(length, MiB)
+                conn.sendall(block[:n])
+                length -= n
 
-    threading.Thread(target=plain_loop, daemon=True).start()
+    def loop(listener: socket.socket, serve: Callable[[socket.socket], None]) -> None:
+        while True:
+            conn, _ = listener.accept()
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=loop, args=(plain, send_range), daemon=True).start()
+    threading.Thread(target=loop, args=(small, send_block), daemon=True).start()
     pipe.recv()  # parent says stop
     server.stop()
 
@@ -103,6 +120,25 @@ def _plain_range(port: int, buf: memoryview, lo: int, hi: int) -> None:
             if not got:
                 raise ConnectionError("plain sender closed early")
             pos += got
+
+
+def _block_range(port: int, length: int) -> None:
+    """Receive `length` bytes into one reused 1 MiB buffer (iperf3's working set)."""
+    block = memoryview(bytearray(MiB))
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(RANGE.pack(0, length))
+        while length > 0:
+            got = sock.recv_into(block[: min(MiB, length)])
+            if not got:
+                raise ConnectionError("plain sender closed early")
+            length -= got
+
+
+def _block_once(port: int, size: int) -> float:
+    """Seconds to receive `size` bytes over one connection into a reused 1 MiB buffer."""
+    start = time.perf_counter()
+    _block_range(port, size)
+    return time.perf_counter() - start
 
 
 def _plain_once(port: int, buf: memoryview, streams: int) -> float:
@@ -179,8 +215,9 @@ def run(args: argparse.Namespace, command: str = "tensorhub bench transport") ->
     child.start()
     plain_s: dict[int, list[float]] = {n: [] for n in settings}
     hub_s: dict[int, list[float]] = {n: [] for n in settings}
+    block_s: list[float] = []
     try:
-        addr, plain_port, layout_dict = ours.recv()
+        addr, plain_port, block_port, layout_dict = ours.recv()
         layout = Layout.from_dict(layout_dict)
         size = layout.total_bytes
         # Both receivers write into preallocated, already-touched memory (as `into=` does).
@@ -192,6 +229,7 @@ def run(args: argparse.Namespace, command: str = "tensorhub bench transport") ->
                     plain_s[n].append(_plain_once(plain_port, buf, n))
                     hub_s[n].append(_tensorhub_once(addr, layout, into, n))
                     ref.measure(n)
+                block_s.append(_block_once(block_port, size))
     finally:
         ours.send("stop")
         child.join(timeout=5)
@@ -226,6 +264,13 @@ def run(args: argparse.Namespace, command: str = "tensorhub bench transport") ->
             "plain_median_GBps": round(size / statistics.median(plain_s[n]) / 1e9, 3),
             "tensorhub_seconds": hub_s[n], "plain_seconds": plain_s[n],
         }  # fmt: skip
+    block = _gbps(size, block_s)
+    one = ref.best(1)
+    res.add("plain socket, 1 MiB working set (1 conn)", block, unit="GB/s")
+    if one is not None:
+        res.add("iperf3 / plain socket at iperf3's 1 MiB working set", one[0] / 1e9 / block)
+    res.add("plain socket: model-sized / 1 MiB working set", _gbps(size, plain_s[1]) / block)
+    details["plain_block_GBps"] = round(block, 3)
     res.details = details
     res.seconds = time.monotonic() - started
     return res
