@@ -34,10 +34,14 @@ DELAY = 0.25  # seconds before each chunk the slow holder sends
 
 
 @pytest.fixture
-def trainer(hub_server: HubServer, make_tenant: Callable[[str], str]) -> Iterator[ros.Hub]:
-    token = make_tenant(TENANT)
+def token(make_tenant: Callable[[str], str]) -> str:
+    """The tenant's token: the trainer, the engine and the holder processes all use it."""
+    return make_tenant(TENANT)
+
+
+@pytest.fixture
+def trainer(hub_server: HubServer, token: str) -> Iterator[ros.Hub]:
     hub = ros.connect(hub_server.address, tenant=TENANT, token=token, name="trainer")
-    hub.token = token  # type: ignore[attr-defined]  # for the other processes of the test
     yield hub
     hub.close()
 
@@ -47,11 +51,11 @@ def last_stats(worker: object) -> FetchStats:
     return worker.weight_transfer_engine.receiver.last_stats  # type: ignore[attr-defined, no-any-return]
 
 
-def slow_holder(hub: ros.Hub, address: str, version: int) -> tuple[subprocess.Popen[str], str]:
+def slow_holder(token: str, address: str, version: int) -> tuple[subprocess.Popen[str], str]:
     """A process that fetched `version` and now serves it slowly; (process, holder name)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.engines.vllm_cpu.slow_holder", address, TENANT,
-         hub.token, MODEL, str(version), str(DELAY)],  # type: ignore[attr-defined]
+         token, MODEL, str(version), str(DELAY)],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert proc.stdout is not None
@@ -91,43 +95,43 @@ def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
 
 @pytest.mark.timeout(300)
 def test_updates_match_hf_and_a_holder_killed_mid_update_never_mixes_weights(
-    trainer: ros.Hub, hub_server: HubServer, tmp_path: Path, mode: str
+    trainer: ros.Hub, token: str, hub_server: HubServer, tmp_path: Path, mode: str
 ) -> None:
     llm = tiny.start_llm(tiny.save(0, tmp_path / "v0"))
-    llm.init_weight_transfer_engine(  # type: ignore[attr-defined]
+    llm.init_weight_transfer_engine(
         {"init_info": {"hub": hub_server.address, "tenant": TENANT,
-                       "token": trainer.token, "model": MODEL}}  # type: ignore[attr-defined]
+                       "token": token, "model": MODEL}}
     )  # fmt: skip
     assert tiny.vllm_greedy(llm) == tiny.hf_greedy(0)
     published = {}
     # v1: an ordinary update from the trainer
     published[1] = trainer.publish(MODEL, 1, tiny.weights(1), chunk_size=CHUNK)
-    update_vllm(llm, 1)  # type: ignore[arg-type]
+    update_vllm(llm, 1)
     assert tiny.vllm_greedy(llm) == tiny.hf_greedy(1) != tiny.hf_greedy(0)
 
     # v2: served by a slow holder that is killed mid-update; a second holder is left
     published[2] = trainer.publish(MODEL, 2, tiny.weights(2), chunk_size=CHUNK)
-    spare = ros.connect(hub_server.address, tenant=TENANT, token=trainer.token, name="spare")  # type: ignore[attr-defined]
+    spare = ros.connect(hub_server.address, tenant=TENANT, token=token, name="spare")
     try:
         spare.fetch(MODEL, 2, timeout=30)
-        slow, slow_name = slow_holder(trainer, hub_server.address, 2)  # newest: read first
+        slow, slow_name = slow_holder(token, hub_server.address, 2)  # newest: read first
         published[2].release()
         killer = kill_when_read(trainer, 2, slow, {"trainer", "spare", slow_name})
-        update_vllm(llm, 2)  # type: ignore[arg-type]
+        update_vllm(llm, 2)
         killer.join(5)
         assert slow.wait(5) == -signal.SIGKILL  # it died while serving the update
-        [stats] = llm.collective_rpc(last_stats)  # type: ignore[attr-defined]
+        [stats] = llm.collective_rpc(last_stats)
         assert slow_name in stats.failed_sources  # read from it first, then failed over
         assert stats.bytes_per_source.get("spare", 0) > 0
         assert tiny.vllm_greedy(llm) == tiny.hf_greedy(2) != tiny.hf_greedy(1)
 
         # v3: only the slow holder has it, and it is killed mid-update: a named error
         published[3] = trainer.publish(MODEL, 3, tiny.weights(3), chunk_size=CHUNK)
-        slow, slow_name = slow_holder(trainer, hub_server.address, 3)
+        slow, slow_name = slow_holder(token, hub_server.address, 3)
         published[3].release()
         killer = kill_when_read(trainer, 3, slow, {"trainer", "spare", slow_name})
         with pytest.raises(Exception, match="VersionUnavailable: fetch policy@3") as failed:
-            update_vllm(llm, 3)  # type: ignore[arg-type]
+            update_vllm(llm, 3)
         if mode == "one-process":
             assert isinstance(failed.value, VersionUnavailable)
         killer.join(5)
@@ -136,7 +140,8 @@ def test_updates_match_hf_and_a_holder_killed_mid_update_never_mixes_weights(
         assert tiny.vllm_greedy(llm) == tiny.hf_greedy(2)  # still v2, untouched
         # the trainer publishes v4; the engine moves on from v2 to it
         trainer.publish(MODEL, 4, tiny.weights(4), chunk_size=CHUNK)
-        update_vllm(llm, 4)  # type: ignore[arg-type]
+        update_vllm(llm, 4)
         assert tiny.vllm_greedy(llm) == tiny.hf_greedy(4)
     finally:
         spare.close()
+        llm.shutdown_weight_transfer_engine()  # the engine's hub sessions end with the test

@@ -58,15 +58,15 @@ def test_a_rollout_reads_from_a_vllm_rollout_and_tp2_shards_load_whole(
     reader = ros.connect(hub_server.address, tenant=TENANT, token=token, name="reader")
     try:
         llm = tiny.start_llm(tiny.save(0, tmp_path / "v0"))
-        llm.init_weight_transfer_engine(  # type: ignore[attr-defined]
+        llm.init_weight_transfer_engine(
             {"init_info": {"hub": hub_server.address, "tenant": TENANT, "token": token,
                            "model": MODEL, "serve": True}}
         )  # fmt: skip
         v1 = tiny.weights(1)
         published = trainer.publish(MODEL, 1, v1, chunk_size=64 * 1024)
-        update_vllm(llm, 1)  # type: ignore[arg-type]
+        update_vllm(llm, 1)
         assert tiny.vllm_greedy(llm) == tiny.hf_greedy(1)
-        cost = llm.collective_rpc(held_bytes)  # type: ignore[attr-defined]
+        cost = llm.collective_rpc(held_bytes)
         print(f"serve=True keeps {cost} bytes (the checkpoint: {model_bytes(v1)} bytes)")
         assert cost == [model_bytes(v1)]
         published.release()  # the trainer lets go: the vLLM rollout is v1's only holder
@@ -83,11 +83,12 @@ def test_a_rollout_reads_from_a_vllm_rollout_and_tp2_shards_load_whole(
             for rank, client in enumerate(ranks):
                 own, placements = tp2_halves(v2, rank)
                 client.publish(MODEL, 2, own, shard=(rank, 2), placements=placements)
-            update_vllm(llm, 2)  # type: ignore[arg-type]
+            update_vllm(llm, 2)
             assert tiny.vllm_greedy(llm) == tiny.hf_greedy(2) != tiny.hf_greedy(1)
         finally:
             for client in ranks:
                 client.close()
+        llm.shutdown_weight_transfer_engine()  # the engine's hub session ends with the test
     finally:
         reader.close()
         trainer.close()

@@ -4,6 +4,7 @@ for a version (the reference vLLM's output must equal)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -48,18 +49,18 @@ def hf_greedy(version: int) -> list[list[int]]:
         ]
 
 
-def vllm_greedy(llm: object) -> list[list[int]]:
+def vllm_greedy(llm: Any) -> list[list[int]]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, detokenize=False)
-    outs = llm.generate(  # type: ignore[attr-defined]
-        [TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False
-    )
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def start_llm(checkpoint: str) -> object:
+def start_llm(checkpoint: str) -> Any:
+    """A vLLM `LLM` (untyped: vLLM is not installed where mypy runs) of `checkpoint`, its
+    weight-transfer engine TensorHub's."""
     from vllm import LLM
 
     return LLM(
