@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from tensorhub.checksum_kinds import KINDS
 from tensorhub.errors import InvalidArgument, InvalidManifest
 
 # The flat-space rules of `transport.layout` (equal there: checked by the tests).
@@ -77,6 +78,10 @@ def _check_manifest(manifest: pb.Manifest) -> None:
         )
     if not 0 <= total <= MAX_VERSION_BYTES:
         raise InvalidManifest(f"total_bytes {total} must be between 0 and {MAX_VERSION_BYTES}")
+    if manifest.checksum not in ("", *KINDS):
+        raise InvalidManifest(
+            f"unknown chunk checksum {manifest.checksum!r} (known: {', '.join(KINDS)})"
+        )
     chunks = (total + size - 1) // size
     if len(manifest.chunk_xxh3) != chunks:
         raise InvalidManifest(

@@ -39,6 +39,7 @@ from tensorhub.errors import (
 )
 from tensorhub.names import validate_name, validate_version
 from transport.checks import STRICT, ChunkChecks
+from transport.checksums import XXH3
 from transport.layout import Layout
 from transport.outcome import ChunkOutcome, ChunkStatus, FetchStats, final_error
 from transport.pace import DEFAULT_RATE_FLOOR
@@ -171,6 +172,7 @@ def read_round(
     checks: ChunkChecks = STRICT,
     stats: FetchStats | None = None,
     on_chunk: ChunkCallback | None = None,
+    checksum: str = XXH3,
 ) -> Round:
     """One round: read the chunks of `chunks` (default: every chunk) that `dest` misses, of
     tenant/model@version, from `sources`, before `deadline` (a time.monotonic() value), and
@@ -183,7 +185,8 @@ def read_round(
     one is suspected. `token` is the read token, or a callable asked for it before every GET
     (ros.client.read_token). `checks` are what each chunk must pass (`STRICT`; only chaos
     runs plant other ones). `stats` (a fresh `FetchStats` by default) is added to, so that
-    the rounds of one fetch count into one; `on_chunk` sees every chunk committed."""
+    the rounds of one fetch count into one; `on_chunk` sees every chunk committed.
+    `checksum` is the algorithm of `expected` (the manifest's: `transport.checksums`)."""
     validate_name(tenant, "tenant")
     validate_name(model, "model")
     validate_version(version)
@@ -198,7 +201,7 @@ def read_round(
     wanted = None if chunks is None else set(chunks)
     f = FetchState(
         tenant, model, version, dest, token, deadline, stall_timeout, expected, tls,
-        rate_floor, checks, stats, on_chunk,
+        rate_floor, checks, stats, on_chunk, checksum,
     )  # fmt: skip
     missing = [c for c in dest.missing() if wanted is None or c in wanted]
     usable = _routed(f.stats, sources)
@@ -247,6 +250,7 @@ def fetch(
     tls: TlsConfig | None = None,
     rate_floor: float = DEFAULT_RATE_FLOOR,
     checks: ChunkChecks = STRICT,
+    checksum: str = XXH3,
 ) -> FetchStats:
     """`read_round` from the holders named, raising when chunks are still missing after it:
     `IntegrityError` when the only bytes on offer were bad, `PermissionDenied` when every
@@ -257,7 +261,7 @@ def fetch(
     result = read_round(
         tenant, model, version, layout, dest, sources, token=token, deadline=deadline, me=me,
         chunks=chunks, parallel=parallel, stall_timeout=stall_timeout, expected=expected,
-        tls=tls, rate_floor=rate_floor, checks=checks, stats=stats,
+        tls=tls, rate_floor=rate_floor, checks=checks, stats=stats, checksum=checksum,
     )  # fmt: skip
     what = f"fetch {model}@{version}"
     if not result.done:

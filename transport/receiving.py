@@ -22,6 +22,7 @@ import xxhash
 
 from tensorhub.errors import DeadlineExceeded, IntegrityError, TransportError
 from transport.checks import STRICT, ChunkChecks
+from transport.checksums import WSUM64, XXH3, kind_of, wsum64_of_views
 from transport.netio import arm, recv_views
 from transport.outcome import ChunkOutcome, ChunkStatus, FetchStats
 from transport.pace import DEFAULT_RATE_FLOOR, Pace
@@ -63,10 +64,12 @@ class FetchState:
         checks: ChunkChecks = STRICT,
         stats: FetchStats | None = None,
         on_chunk: Callable[[int, int], None] | None = None,
+        checksum: str = XXH3,
     ) -> None:
         self.tenant, self.model, self.version = tenant, model, version
         self.rate_floor = rate_floor
         self.expected = expected
+        self.checksum = kind_of(checksum)  # the algorithm of `expected` (transport.checksums)
         self.checks = checks
         self.tls = tls.client_context() if tls is not None else None
         self.dest, self.layout = dest, dest.layout
@@ -81,6 +84,16 @@ class FetchState:
         # BATCH_BYTES per request, but never more chunks than a holder accepts in one GET
         # (small chunks: 4 KiB chunks would ask 16,384 at a time, and be refused).
         self.batch = min(max(1, BATCH_BYTES // self.layout.chunk_size), MAX_CHUNKS_PER_GET)
+
+    def published(self, index: int, xxh3: int, views: Sequence[memoryview]) -> bool:
+        """Whether chunk `index`, received into `views` (whose xxh3-64 is `xxh3`), is what the
+        publisher's manifest says, by the manifest's algorithm: the xxh3 itself, or a wsum64
+        of the received bytes. True without a manifest to check against."""
+        if self.expected is None or not self.checks.manifest:
+            return True
+        if self.checksum == WSUM64:
+            return wsum64_of_views(views) == self.expected[index]
+        return xxh3 == self.expected[index]
 
     def token(self) -> bytes:
         """The read token for the next GET (counted in `stats.read_tokens` when new)."""
@@ -157,19 +170,17 @@ class FetchState:
         if (h.index, h.offset, h.length) != (index, index * self.layout.chunk_size, expected):
             raise TransportError(f"holder sent chunk {h.index} ({h.length} B), wanted {index}")
         hasher = xxhash.xxh3_64()
+        views = self.dest.sink_views(index, staging)
         try:
-            recv_views(sock, self.dest.sink_views(index, staging), hasher, pace)
+            recv_views(sock, views, hasher, pace)
         except TransportError:
             self.stats.touched.add(index)
             raise
         why = ""
         if hasher.intdigest() != h.checksum and self.checks.checksum:
             why = f"chunk {index} failed its checksum"
-        elif (
-            self.expected is not None
-            and h.checksum != self.expected[index]
-            and self.checks.manifest
-        ):  # intact on the wire but not what was published: the holder's memory changed
+        elif not self.published(index, h.checksum, views):
+            # intact on the wire but not what was published: the holder's memory changed
             why = f"chunk {index} differs from the published version"
         if why:
             self.stats.touched.add(index)

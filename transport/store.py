@@ -18,6 +18,7 @@ import xxhash
 
 from tensorhub.errors import AlreadyExists, DeadlineExceeded, InvalidArgument, VersionUnavailable
 from tensorhub.names import validate_name, validate_version
+from transport.checksums import wsum64
 from transport.layout import Layout, Segment
 from transport.staging import StagingBuffer
 
@@ -180,6 +181,12 @@ class HeldVersion:
                 h.update(view)
             cached = self._checksums[index] = int(h.intdigest())
         return cached
+
+    def wsum64(self, index: int) -> int:
+        """wsum64 of chunk `index` (`transport.checksums`), computed where the tensors are:
+        for a version in GPU memory, kernels on the device and 8 bytes back, no host copy."""
+        parts = [self._flats[s.tensor][s.start : s.start + s.length] for s in self.segments(index)]
+        return wsum64(parts[0] if len(parts) == 1 else torch.cat(parts))
 
     def precompute_checksums(self) -> None:
         """Compute every present chunk's checksum now (e.g. at publish), off the read path."""

@@ -57,6 +57,7 @@ class Hub(ClientBase):
         timeout: float | None = None,
         shard: tuple[int, int] | None = None,
         placements: Placements | None = None,
+        checksum: str | None = None,
     ) -> Publication:
         """Publish `version` of `model`, served from these tensors' own memory.
 
@@ -70,10 +71,16 @@ class Hub(ClientBase):
         (global shape, offsets): the block of the global tensor this rank holds (tensors
         without one are whole, e.g. replicated). With them, readers in another layout read
         their own blocks with `fetch_slices`.
+
+        `checksum` is the algorithm of the per-chunk checksums in the manifest
+        (`transport.checksums`): `"xxh3-64"`, or `"wsum64"`, computed where the tensors are
+        (for tensors in GPU memory: kernels on the device, no copy of the model to the host).
+        None (the default) picks `wsum64` for tensors on a GPU and `xxh3-64` otherwise.
+        Readers verify either.
         """
         return self._publisher.publish(
             model, version, tensors, chunk_size=chunk_size, timeout=timeout, shard=shard,
-            placements=placements,
+            placements=placements, checksum=checksum,
         )  # fmt: skip
 
     def fetch(

@@ -12,21 +12,34 @@ from collections.abc import Mapping, Sequence
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import InvalidArgument
 from transport.boxes import Box
+from transport.checksums import KINDS, WSUM64, XXH3
 from transport.layout import Layout, TensorSpec
 from transport.store import HeldVersion
 
 Placements = Mapping[str, tuple[Sequence[int], Sequence[int]]]
 
 
-def manifest_of(held: HeldVersion, placements: Placements | None = None) -> pb.Manifest:
+def manifest_of(
+    held: HeldVersion, placements: Placements | None = None, checksum: str | None = None
+) -> pb.Manifest:
     """The manifest of a version held complete in memory (computes chunk checksums).
 
     `placements` maps a tensor name to (global shape, offsets): the block of a global
     tensor that this (model-parallel) rank holds. Checked before anything is computed.
+    `checksum` is the chunk checksum's algorithm (`transport.checksums`): `xxh3-64`, or
+    `wsum64`, computed where the tensors are; None picks `wsum64` for tensors in GPU memory
+    (no copy of the model to the host) and `xxh3-64` for host memory.
     """
     layout = held.layout
     boxes = _check_placements(layout, placements or {})
-    held.precompute_checksums()
+    kind = (WSUM64 if held.on_cuda else XXH3) if checksum is None else checksum
+    if kind not in KINDS:
+        raise InvalidArgument(f"checksum {checksum!r}: one of {', '.join(KINDS)}")
+    if kind == WSUM64:
+        sums = [held.wsum64(i) for i in range(layout.num_chunks)]
+    else:
+        held.precompute_checksums()
+        sums = [held.checksum(i) for i in range(layout.num_chunks)]
     return pb.Manifest(
         tensors=[
             pb.TensorEntry(
@@ -42,7 +55,8 @@ def manifest_of(held: HeldVersion, placements: Placements | None = None) -> pb.M
         ],
         total_bytes=layout.total_bytes,
         chunk_size=layout.chunk_size,
-        chunk_xxh3=[held.checksum(i) for i in range(layout.num_chunks)],
+        chunk_xxh3=sums,
+        checksum="" if kind == XXH3 else kind,  # "" reads as xxh3-64 everywhere
     )
 
 

@@ -47,6 +47,7 @@ class Publisher:
         timeout: float | None = None,
         shard: tuple[int, int] | None = None,
         placements: Placements | None = None,
+        checksum: str | None = None,
     ) -> Publication:
         """`Hub.publish` (its docstring is the contract)."""
         if placements and shard is None:
@@ -61,7 +62,7 @@ class Publisher:
             Layout.from_tensors(own) if chunk_size is None else Layout.from_tensors(own, chunk_size)
         )
         held = HeldVersion.publisher(self._client.tenant, model, version, own, layout)
-        manifest = manifest_of(held, placements)
+        manifest = manifest_of(held, placements, checksum)
         # the hub's own rules, so a manifest it would refuse fails here with its message
         check_manifest(manifest, "manifest" if shard is None else f"manifest of shard {shard[0]}")
         self._client._holder_server()

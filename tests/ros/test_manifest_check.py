@@ -84,6 +84,8 @@ def broken(case: str) -> pb.Manifest:
         m.metadata["blob"] = "x" * MAX_METADATA_BYTES
     elif case == "tensor name length":
         a.name = "x" * (MAX_TENSOR_NAME_BYTES + 1)
+    elif case == "unknown checksum algorithm":
+        m.checksum = "crc32"  # a reader could not run the check: refused, never skipped
     else:
         raise AssertionError(case)
     return m
@@ -95,6 +97,7 @@ CASES = [
     "1 TB tensor in a small version", "nbytes not dtype x shape", "unaligned offset",
     "no tensors", "negative dimension", "placement outside global shape",
     "placement of another rank", "metadata entries", "metadata bytes", "tensor name length",
+    "unknown checksum algorithm",
 ]  # fmt: skip
 
 

@@ -67,7 +67,7 @@ class TensorEntry(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., global_shape: _Optional[_Iterable[int]] = ..., global_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("tensors", "total_bytes", "chunk_size", "chunk_xxh3", "metadata")
+    __slots__ = ("tensors", "total_bytes", "chunk_size", "chunk_xxh3", "metadata", "checksum")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -80,12 +80,14 @@ class Manifest(_message.Message):
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     CHUNK_XXH3_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[TensorEntry]
     total_bytes: int
     chunk_size: int
     chunk_xxh3: _containers.RepeatedScalarFieldContainer[int]
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., chunk_size: _Optional[int] = ..., chunk_xxh3: _Optional[_Iterable[int]] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    checksum: str
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., chunk_size: _Optional[int] = ..., chunk_xxh3: _Optional[_Iterable[int]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., checksum: _Optional[str] = ...) -> None: ...
 
 class ReadKey(_message.Message):
     __slots__ = ("id", "key")
