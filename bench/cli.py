@@ -2,7 +2,8 @@
 
 `transport` is the existing loopback benchmark (`bench.transport.main`, its own flags);
 `fanout`, `elastic`, `crossdc`, `failover` and `metadata` run on emulated hosts (root
-needed); `sim` is the cluster-scale simulator (`bench.sim.cli`); `scale` is the scale
+needed); `gpu` is the GPU memory paths (`bench.gpu`, its own flags; needs a CUDA device);
+`sim` is the cluster-scale simulator (`bench.sim.cli`); `scale` is the scale
 envelope on loopback (`bench.scale.cli`, its own flags); `all` runs every emulated benchmark,
 a shortened `transport` and a shortened `scale` in sequence and writes one JSON report.
 Human table by default; `--json PATH` writes the figures (`-` for stdout).
@@ -35,7 +36,7 @@ ALL_TRANSPORT = ["--size-mb", "256", "--repeat", "2"]
 # `bench all` keeps scale to a few minutes: the two ends of the clients sweep, a shorter history
 ALL_SCALE = ["--clients", "100,2000", "--history-steps", "3000", "--history-seconds", "120",
              "--history-sample-every", "250"]  # fmt: skip
-NAMES = [*EMULATED, "transport", "sim", "scale", "all"]
+NAMES = [*EMULATED, "transport", "sim", "scale", "gpu", "all"]
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
@@ -80,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
         from bench import transport
 
         return transport.main(rest)
+    if name == "gpu":
+        from bench import gpu
+
+        return gpu.main(rest)
     if name == "sim":
         from bench.sim import cli as sim_cli
 
