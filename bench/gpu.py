@@ -32,8 +32,10 @@ from multiprocessing.connection import Connection
 import torch
 
 from bench.report import Result, table
+from ros.client.manifest import manifest_of
 from transport.checksums import WSUM64, XXH3
 from transport.layout import Layout
+from transport.planner import Source
 from transport.reader import fetch
 from transport.server import HolderServer, allow_all
 from transport.store import HeldVersion, HolderStore
@@ -85,8 +87,6 @@ def _holder(size_mb: int, chunk: int, device: str, pipe: Connection) -> None:
 
 def _fetch_rate(addr: tuple[str, int], layout: Layout, device: str, repeat: int) -> float:
     """Bytes/s of a fetch of the served model into `device` tensors (best of `repeat`)."""
-    from transport.planner import Source
-
     into = {k: t.zero_() for k, t in layout.allocate(device).items()}
 
     def once() -> None:
@@ -127,8 +127,6 @@ def run(args: argparse.Namespace, command: str) -> Result:
     copy_s = _best(lambda: copy.copy_(flat), device, args.repeat)
     chunks = range(layout.num_chunks)
     sums_s = _best(lambda: [held.wsum64(i) for i in chunks], device, args.repeat)
-    from ros.client.manifest import manifest_of
-
     gpu_publish = _best(lambda: manifest_of(held, checksum=WSUM64), device, args.repeat)
 
     def host_publish() -> None:

@@ -49,7 +49,6 @@ from tensorhub.errors import (
     TensorHubError,
     VersionUnavailable,
 )
-from transport.checksums import XXH3
 from transport.outcome import FetchStats, final_error
 from transport.pace import DEFAULT_RATE_FLOOR
 from transport.planner import Candidate, Source, pipeline_sources
@@ -242,7 +241,7 @@ class Orchestrator:
                 token=tokens, deadline=deadline.work_end, me=client.topology, chunks=wanted,
                 expected=list(target.manifest.chunk_xxh3), tls=client._tls,
                 rate_floor=rate_floor, checks=client._hooks.checks, stats=stats,
-                on_chunk=counter, checksum=target.manifest.checksum or XXH3,
+                on_chunk=counter, checksum=target.manifest.checksum,
             )  # fmt: skip
             suspects.update(result.failures)
             if result.done:
