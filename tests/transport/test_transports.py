@@ -28,6 +28,7 @@ from tests.transport._model import MODEL, TENANT, make_model
 from tests.transport._sockets import closed_by_peer
 from tests.transport.conftest import StartHolder
 from transport.backend import TransportKind
+from transport.frames import recv_message, send_message
 from transport.layout import Layout
 from transport.outcome import ChunkStatus
 from transport.planner import Source
@@ -40,8 +41,6 @@ from transport.rdma.control import (
     decode_request,
     encode_refusal,
     encode_request,
-    recv_message,
-    send_message,
 )
 from transport.reader import fetch
 from transport.receiving import FetchState

@@ -25,15 +25,11 @@ import xxhash
 
 from tensorhub.errors import IntegrityError, TensorHubError, TransportError
 from transport.backend import TransportKind
+from transport.frames import recv_message
+from transport.frames import send_message as send_control
 from transport.outcome import ChunkOutcome, ChunkStatus
 from transport.planner import Source
-from transport.rdma.control import (
-    RdmaRequest,
-    decode_reply,
-    encode_request,
-    recv_message,
-)
-from transport.rdma.control import send_message as send_control
+from transport.rdma.control import RdmaRequest, decode_reply, encode_request
 from transport.rdma.descriptor import MAX_ENCODED_BYTES
 from transport.receiving import FetchState
 from transport.staging import StagingBuffer

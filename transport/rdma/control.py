@@ -23,7 +23,6 @@ import contextlib
 import json
 import select
 import socket
-import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from typing import Any
 
 from tensorhub.errors import TransportError, VersionUnavailable
 from transport.admission import Admission, Conn
+from transport.frames import recv_message, send_message
 from transport.rdma.descriptor import (
     FORMAT,
     MAX_ENCODED_BYTES,
@@ -47,7 +47,6 @@ IO_TIMEOUT = 10.0
 MAX_CONNECTIONS = 128  # as the TCP data port (transport.server)
 PER_PEER = 64
 FRAME_TIMEOUT = 10.0
-_LEN = struct.Struct("!I")
 Verifier = Callable[[str, str, int, bytes], bool]
 
 
@@ -120,29 +119,6 @@ def decode_reply(data: bytes) -> RdmaDescriptor | Refusal:
     raw = int(error["code"])
     code = ErrorCode(raw) if raw in ErrorCode._value2member_map_ else None
     return Refusal(code, raw, str(error.get("message", "")))
-
-
-def send_message(sock: socket.socket, data: bytes) -> None:
-    """One length-prefixed message."""
-    sock.sendall(_LEN.pack(len(data)) + data)
-
-
-def recv_message(sock: socket.socket, limit: int) -> bytes:
-    """One length-prefixed message of at most `limit` bytes (`TransportError` otherwise)."""
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    if n > limit:
-        raise TransportError(f"RDMA control message of {n} bytes is over {limit}")
-    return _recv_exact(sock, n)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        got = sock.recv(n - len(buf))
-        if not got:
-            raise TransportError("RDMA control channel closed mid-message")
-        buf += got
-    return bytes(buf)
 
 
 class RdmaControlServer:
