@@ -72,6 +72,11 @@ class HeldVersion:
         self._cond = threading.Condition()
         self._inflight = 0
         self._released = False
+        # The seqlock word of same-host readers that copy this memory themselves (CUDA IPC:
+        # transport.ipc): even while the bytes are the advertised ones, odd from the moment
+        # a release may let the caller change them. A reader keeps what it copied only if
+        # the epoch it was granted is the one the holder reports after its copy.
+        self._epoch = 0
 
     @classmethod
     def publisher(
@@ -112,6 +117,12 @@ class HeldVersion:
     @property
     def reads_in_flight(self) -> int:
         return self._inflight
+
+    @property
+    def epoch(self) -> int:
+        """0 while the memory holds the advertised bytes; 1 once a release has returned or
+        given up waiting (the caller may change the memory from then on)."""
+        return self._epoch
 
     def missing(self) -> list[int]:
         """Indices of chunks not received yet."""
@@ -213,18 +224,24 @@ class HeldVersion:
 
     def release(self, timeout: float) -> None:
         """Refuse new reads, then wait up to `timeout` s for reads in flight to finish.
-        Raises `DeadlineExceeded` if they do not (the version stays refused)."""
+        Raises `DeadlineExceeded` if they do not (the version stays refused). Either way the
+        epoch turns odd on the way out: a same-host reader whose copy was still running
+        learns the memory may have changed under it, and drops what it copied."""
         end = time.monotonic() + timeout
         with self._cond:
             self._released = True
             self._cond.notify_all()
-            while self._inflight:
-                left = end - time.monotonic()
-                if left <= 0:
-                    raise DeadlineExceeded(
-                        f"{self._inflight} read(s) of {self.key} still in flight after {timeout}s"
-                    )
-                self._cond.wait(left)
+            try:
+                while self._inflight:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        raise DeadlineExceeded(
+                            f"{self._inflight} read(s) of {self.key} still in flight after "
+                            f"{timeout}s"
+                        )
+                    self._cond.wait(left)
+            finally:
+                self._epoch |= 1
 
 
 class HolderStore:
