@@ -10,6 +10,15 @@ Source shards are read one at a time into a staging copy of that shard's layout,
 only the needed chunks are filled; the peak extra memory is one source shard. A reader of
 slices does not become a holder (what it holds is no published layout); readers in the
 publisher's own layout use `fetch(shard=i)` and do.
+
+Slices in GPU memory: the staging copy is allocated on their device (when every slice a
+source shard fills is on that one device), received through the transport's pinned buffers
+like a `fetch` into GPU memory, and the intersections are copied device to device into the
+slices' own memory. So the peak extra memory is then one source shard *on the GPU*; a
+staging copy that does not fit there is put in host memory instead (logged). Host staging
+would have let an RDMA holder be read directly, but it costs a strided host-side copy and a
+pageable host-to-device copy per intersection; a fetch into GPU memory reads over TCP all
+the same (`transport.selection`: the RDMA channel reads into host memory only).
 """
 
 from __future__ import annotations
@@ -27,10 +36,10 @@ from ros.client.fetching import DEFAULT_FETCH_TIMEOUT
 from ros.client.manifest import layout_of, placement_of
 from ros.client.orchestrator import Orchestrator, ProgressCallback, Target
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
-from tensorhub.errors import DeadlineExceeded, InvalidArgument, TensorHubError
+from tensorhub.errors import DeadlineExceeded, InvalidArgument, OutOfMemory, TensorHubError
 from tensorhub.names import validate_name, validate_version
 from transport.boxes import Box, byte_span, chunks_for
-from transport.layout import dtype_name, torch_dtype
+from transport.layout import Layout, dtype_name, torch_dtype
 from transport.pace import DEFAULT_RATE_FLOOR
 from transport.store import HeldVersion
 
@@ -150,7 +159,13 @@ def _read_part(
     progress: ProgressCallback | None,
 ) -> None:
     """Fetch the chunks of one source shard that `copies` need (and only those: the others
-    of the staging copy stay missing), then copy the intersections out."""
+    of the staging copy stay missing), then copy the intersections out, in place.
+
+    The staging copy lives where the destinations are (`_staging_device`): for slices in GPU
+    memory it is on their device, so the bytes go wire -> pinned buffer -> device (the
+    transport's path for CUDA memory, as `fetch(into=...)`) and each intersection is copied
+    device to device, strided, into the slice's own memory; nothing goes back through host
+    memory and no tensor in GPU memory is viewed as numpy."""
     layout = layout_of(manifest)
     specs = {s.name: s for s in layout.tensors}
     needed: set[int] = set()
@@ -158,7 +173,9 @@ def _read_part(
         spec = specs[c.name]
         first, end = byte_span(c.source, c.part, torch_dtype(spec.dtype).itemsize)
         needed.update(chunks_for(layout, spec, first, end))
-    staging = HeldVersion.reader(client.tenant, model, version, layout, layout.allocate())
+    device = _staging_device([slices[c.name].tensor for c in copies])
+    tensors = _allocate_staging(layout, device, model, version, shard)
+    staging = HeldVersion.reader(client.tenant, model, version, layout, tensors)
     target = Target(model, version, shard, staging, manifest, chunks=needed, holder=False)
     stats = runs.run(target, holders, deadline, rate_floor=rate_floor, progress=progress)
     for source, nbytes in stats.bytes_per_source.items():
@@ -166,11 +183,59 @@ def _read_part(
     result.chunks += stats.chunks
     result.failed_sources.update(stats.failed_sources)
     result.slow_sources.update(stats.slow_sources)
+    _copy_parts(copies, staging.tensors, slices)
+
+
+def _staging_device(destinations: Sequence[torch.Tensor]) -> torch.device:
+    """Where to stage a source shard: on the CUDA device of the tensors it fills when they
+    are all on that one device (the intersections are then copied device to device), else
+    in host memory (CPU destinations, or destinations on several devices: each is then
+    filled from host memory, by a host-to-device copy where it is on a GPU)."""
+    devices = {t.device for t in destinations}
+    if len(devices) == 1:
+        (device,) = devices
+        if device.type == "cuda":
+            return device
+    return torch.device("cpu")
+
+
+def _allocate_staging(
+    layout: Layout, device: torch.device, model: str, version: int, shard: int | None
+) -> dict[str, torch.Tensor]:
+    """A staging copy of a source shard's layout on `device`; host memory if it does not
+    fit on the GPU (logged: the slices are then filled by host-to-device copies)."""
+    if device.type == "cuda":
+        try:
+            return layout.allocate(device)
+        except OutOfMemory as exc:
+            what = f"{model}@{version}" + ("" if shard is None else f" shard {shard}")
+            log.warning(
+                "fetch_slices %s: its staging copy (%d bytes) does not fit on %s (%s); "
+                "staging it in host memory instead", what, layout.total_bytes, device, exc,
+            )  # fmt: skip
+    return layout.allocate()
+
+
+def _copy_parts(
+    copies: Sequence[_Copy], sources: Mapping[str, torch.Tensor], slices: Mapping[str, Slice]
+) -> None:
+    """Copy each intersection `c.part` from its source shard's tensor (`sources[c.name]`,
+    which holds `c.source`) into the slice that wants it, in place: a strided `copy_` into
+    a view of the slice's own tensor (detached: a slice may be a model's parameter), on
+    whatever device both are. For a destination in GPU memory the copies are waited for
+    before this returns (as a `fetch` into GPU memory has every chunk in place when it
+    returns), so the tensors are filled for every CUDA stream and thread that reads them."""
+    gpus = {t.device for t in sources.values() if t.is_cuda}
+    for device in gpus:  # the transport's copies into the staging are done, on any stream
+        torch.cuda.synchronize(device)
     for c in copies:
-        target_slice = slices[c.name]
-        target_slice.tensor[c.part.slices_in(target_slice.box)] = staging.tensors[c.name][
-            c.part.slices_in(c.source)
-        ]
+        want = slices[c.name]
+        dest = want.tensor.detach()[c.part.slices_in(want.box)]
+        dest.copy_(sources[c.name][c.part.slices_in(c.source)])
+        if dest.is_cuda:
+            gpus.add(dest.device)
+    for device in gpus:
+        torch.cuda.synchronize(device)
 
 
 def _plan(
