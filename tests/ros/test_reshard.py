@@ -168,3 +168,28 @@ def test_a_dead_holder_of_a_source_shard_is_replaced_by_another(
     assert trainers[0].holder_name in stats.failed_sources  # it was tried, and failed over
     assert trainers[0].holder_name not in stats.bytes_per_source
     assert stats.bytes_per_source.get(standby.holder_name, 0) > 0
+
+
+def test_slices_are_filled_in_place_even_as_parameters_or_strided_views(
+    connect: Callable[..., ros.Hub],
+) -> None:
+    """A rollout's slices are often a module's parameters (which require grad) or views of a
+    larger fused buffer: both are written through, in place (before, a parameter failed with
+    "a view of a leaf Variable that requires grad is being used in an in-place operation")."""
+    publish_tp(connect, 2)
+    full = global_model()
+    qkv = torch.nn.Linear(IN, OUT, bias=False)  # the whole qkv.weight [OUT, IN], TP-1
+    fused = torch.full((IN, 2 * OUT), 5.0, dtype=torch.bfloat16)
+    o_block = fused[:, OUT:]  # o.weight [IN, OUT] as a strided view of a wider buffer
+    assert not o_block.is_contiguous()
+    pointers = (qkv.weight.data_ptr(), fused.data_ptr())
+    slices = {
+        "qkv.weight": ros.Slice(qkv.weight, (0, 0), (OUT, IN)),
+        "o.weight": ros.Slice(o_block, (0, 0), (IN, OUT)),
+    }
+    connect().fetch_slices("policy", 1, slices=slices, timeout=30)
+    assert torch.equal(qkv.weight.detach(), full["qkv.weight"])
+    assert qkv.weight.requires_grad  # still the module's parameter
+    assert torch.equal(o_block, full["o.weight"])
+    assert torch.equal(fused[:, :OUT], torch.full((IN, OUT), 5.0, dtype=torch.bfloat16))
+    assert (qkv.weight.data_ptr(), fused.data_ptr()) == pointers
