@@ -38,8 +38,18 @@ import torch
 
 from tensorhub.checksum_kinds import KINDS, WSUM64, XXH3
 from tensorhub.errors import InvalidManifest
+from transport.layout import Segment
 
-__all__ = ["KINDS", "WSUM64", "XXH3", "kind_of", "wsum64", "wsum64_of_views", "wsum64_reference"]
+__all__ = [
+    "KINDS",
+    "WSUM64",
+    "XXH3",
+    "kind_of",
+    "wsum64",
+    "wsum64_of_segments",
+    "wsum64_of_views",
+    "wsum64_reference",
+]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _lock = threading.Lock()
@@ -98,6 +108,16 @@ def wsum64(data: torch.Tensor) -> int:
     words = data.view(torch.int64)
     total = torch.sum(words * multipliers(words.numel(), data.device))
     return int(total.item()) & 0xFFFF_FFFF_FFFF_FFFF
+
+
+def wsum64_of_segments(flats: Sequence[torch.Tensor], segments: Sequence[Segment]) -> int:
+    """wsum64 of one chunk given as `segments` of the uint8 tensors `flats` (one per layout
+    tensor), computed where they are: one kernel pass when the chunk is one segment, else
+    over the segments joined (a chunk that packs small tensors is small itself)."""
+    parts = [flats[s.tensor][s.start : s.start + s.length] for s in segments]
+    if not parts:
+        return 0
+    return wsum64(parts[0] if len(parts) == 1 else torch.cat(parts))
 
 
 def wsum64_of_views(views: Sequence[memoryview]) -> int:

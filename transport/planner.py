@@ -25,7 +25,8 @@ class Source:
     """A holder to read from. `load` is a hint (e.g. readers it serves now); higher means
     it gets proportionally fewer chunks. `transport` is the kind it is read over
     (host:port is that kind's endpoint), `fallback` why a better kind it offered was not
-    used (`transport.selection`; '' when none was passed over)."""
+    used (`transport.selection`; '' when none was passed over), `tcp` its TCP endpoint
+    when the transport may still fall back to it on opening (same-host IPC)."""
 
     holder_id: str
     host: str
@@ -34,6 +35,7 @@ class Source:
     load: int = 0
     transport: TransportKind = TransportKind.TCP
     fallback: str = ""
+    tcp: tuple[str, int] | None = None  # its TCP endpoint, when `transport` may fall back
 
 
 def rank(me: Topology, sources: Iterable[Source]) -> list[Source]:

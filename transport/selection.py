@@ -1,12 +1,18 @@
 """Which transport a reader uses for one holder, and why it did not use a better one.
 
 A holder record advertises one endpoint per transport it serves (`tensorhub.endpoints`).
-A reader tries them in preference order, RDMA → same-host CUDA IPC (a later issue: the
-slot is `PREFERENCE`'s second place, not yet a kind) → TCP, and takes the first that
-both sides can use. Each kind it passes over leaves its reason in `Route.fallback`, so a
-fetch that runs over TCP although the holder offered RDMA says so (log and
-`FetchStats.fallbacks`); a holder with no kind this reader can use raises
-`NoUsableTransport` with every reason, and the SDK skips it.
+A reader tries them in preference order, RDMA → same-host CUDA IPC → TCP, and takes the
+first that both sides can use. RDMA reads into host memory and IPC copies into GPU memory,
+so for one destination at most one of them is in the running. Each kind it passes over
+leaves its reason in `Route.fallback`, so a fetch that runs over TCP although the holder
+offered RDMA says so (log and `FetchStats.fallbacks`); a holder with no kind this reader
+can use raises `NoUsableTransport` with every reason, and the SDK skips it.
+
+IPC is chosen here only on what can be known before connecting (this process has CUDA,
+the destination is GPU memory, the holder is COMPLETE, no TLS, no recent failure with this
+holder: `transport.ipc.fingerprint.VERDICTS`). Whether the two processes can really share
+memory is proven when the channel opens (`transport.ipc.channel`): it falls back to the
+holder's TCP endpoint (`Route.tcp`), with the reason, when they cannot.
 """
 
 from __future__ import annotations
@@ -18,20 +24,22 @@ from tensorhub.endpoints import parse_endpoint
 from tensorhub.errors import InvalidArgument, NoUsableTransport
 from transport.backend import TransportKind, available_transports
 
-# Best first. Same-host CUDA IPC goes between RDMA and TCP when the GPU issue adds it.
-PREFERENCE: tuple[TransportKind, ...] = (TransportKind.RDMA, TransportKind.TCP)
+# Best first.
+PREFERENCE: tuple[TransportKind, ...] = (TransportKind.RDMA, TransportKind.IPC, TransportKind.TCP)
 
 
 @dataclass(frozen=True)
 class Route:
-    """How to read one holder: over `kind`, at `host:port` (for RDMA: its TCP control
-    channel); `fallback` says why a better kind the holder offered was not used ('' when
-    the best one was)."""
+    """How to read one holder: over `kind`, at `host:port` (for RDMA and IPC: its TCP
+    control channel); `fallback` says why a better kind the holder offered was not used
+    ('' when the best one was); `tcp` is the holder's TCP endpoint when `kind` may still
+    fall back to it on opening (IPC), else None."""
 
     kind: TransportKind
     host: str
     port: int
     fallback: str = ""
+    tcp: tuple[str, int] | None = None
 
 
 def local_reason(kind: TransportKind, local: Sequence[TransportKind]) -> str:
@@ -42,7 +50,47 @@ def local_reason(kind: TransportKind, local: Sequence[TransportKind]) -> str:
         from transport.rdma import rdma_unavailable_reason
 
         return f"no RDMA here ({rdma_unavailable_reason() or 'not offered by this process'})"
+    if kind is TransportKind.IPC:
+        from transport.ipc.availability import ipc_unavailable_reason
+
+        return ipc_unavailable_reason() or "not offered by this process"
     return f"{kind.value} is not available here"
+
+
+def _refusal(
+    kind: TransportKind, address: str, *, complete: bool, tls: bool, device_memory: bool
+) -> str:
+    """Why this reader passes over `kind` for a holder that advertises it ('' if it does
+    not), on what the reader knows before connecting."""
+    if kind is TransportKind.RDMA:
+        if tls:
+            return "TLS is required and RDMA reads are not encrypted"
+        if device_memory:
+            return "the destination is device memory (the RDMA channel reads into host memory)"
+        if not complete:
+            return "the holder is PARTIAL (one-sided reads cannot wait for its chunks)"
+    if kind is TransportKind.IPC:
+        if not device_memory:
+            return "the destination is host memory (CUDA IPC copies GPU memory to GPU memory)"
+        if tls:
+            return "TLS is required and the IPC control channel is not encrypted"
+        if not complete:
+            return "the holder is PARTIAL (a lease maps the whole version at once)"
+        from transport.ipc.fingerprint import VERDICTS
+
+        if known := VERDICTS.known(address):
+            return f"failed with this holder lately: {known}"
+    return ""
+
+
+def _tcp(endpoints: Mapping[str, str]) -> tuple[str, int] | None:
+    address = endpoints.get(TransportKind.TCP.value)
+    if address is None:
+        return None
+    try:
+        return parse_endpoint(address)
+    except InvalidArgument:
+        return None
 
 
 def choose(
@@ -60,8 +108,8 @@ def choose(
     `tls`: this reader requires TLS (RDMA reads are not encrypted, so TLS means TCP).
     `local`: the kinds this process can use (default `available_transports()`).
     `device_memory`: the destination is GPU memory, which the RDMA channel cannot register
-    (it reads into host memory only), so such a fetch reads the holder over TCP (staged)
-    instead of dropping it.
+    (it reads into host memory only), so such a fetch reads the holder over same-host CUDA
+    IPC or TCP (staged) instead of dropping it; IPC needs it.
     Raises `NoUsableTransport` naming every reason when none fits.
     """
     have = available_transports() if local is None else list(local)
@@ -73,13 +121,9 @@ def choose(
             if kind is TransportKind.TCP or reasons:
                 reasons.append(f"{kind.value}: not advertised")
             continue
-        why = local_reason(kind, have)
-        if not why and kind is TransportKind.RDMA and tls:
-            why = "TLS is required and RDMA reads are not encrypted"
-        if not why and kind is TransportKind.RDMA and device_memory:
-            why = "the destination is device memory (the RDMA channel reads into host memory)"
-        if not why and kind is TransportKind.RDMA and not complete:
-            why = "the holder is PARTIAL (one-sided reads cannot wait for its chunks)"
+        why = local_reason(kind, have) or _refusal(
+            kind, address, complete=complete, tls=tls, device_memory=device_memory
+        )
         if why:
             reasons.append(f"{kind.value}: {why}")
             continue
@@ -89,7 +133,8 @@ def choose(
             reasons.append(f"{kind.value}: {exc}")
             bad.append(exc)
             continue
-        return Route(kind, host, port, "; ".join(reasons))
+        fallback = _tcp(endpoints) if kind is TransportKind.IPC else None
+        return Route(kind, host, port, "; ".join(reasons), fallback)
     if len(reasons) == 1 and bad:  # one endpoint, malformed: its own message says it all
         raise bad[0]
     shown = sorted(endpoints)

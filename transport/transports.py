@@ -12,7 +12,8 @@ runs unchanged over every transport:
   (`transport.receiving`);
 - `RdmaTransport` (`transport.rdma.channel`): a descriptor over a TCP control channel,
   then one-sided reads;
-- same-host CUDA IPC is the slot a later issue fills (`transport.selection.PREFERENCE`).
+- `IpcTransport` (`transport.ipc.channel`): a lease on a same-host holder's GPU memory,
+  copied device to device (falling back to TCP, with the reason, when it cannot map).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from transport.netio import arm
 from transport.outcome import ChunkOutcome, ChunkStatus
 from transport.pace import Pace
 from transport.planner import Source
-from transport.receiving import FetchState
+from transport.receiving import FetchState, Settling
 from transport.staging import StagingBuffer
 from transport.wire import GetRequest, encode_get
 
@@ -65,6 +66,7 @@ class TcpChannel:
     def read(self, chunks: Sequence[int]) -> Iterator[ChunkOutcome]:
         f = self._f
         index = chunks[0] if chunks else -1
+        settling = Settling(self._staging)  # DONE once committed (staging: copy completed)
         try:
             if self._sock is None:
                 self._sock = f.connect(self._source)
@@ -86,20 +88,30 @@ class TcpChannel:
             pace: Pace | None = None
             for index in chunks:
                 out = f.receive(sock, index, self._staging, pace)
-                yield out
                 if out.status is not ChunkStatus.DONE:
+                    yield from settling.flush()
+                    yield out
                     return
+                yield from settling.done(out)
                 if out.complete and pace is None and (pace := f.pace(sock)) is not None:
                     pace.note(0)  # its window starts now
+            yield from settling.flush()
         except (TensorHubError, OSError) as exc:
+            yield from settling.flush()  # chunks already verified are committed first
             yield ChunkOutcome.failed(index, exc)
 
     def close(self) -> None:
-        if self._sock is not None:
-            sock, self._sock = self._sock, None
-            with self._f.lock:
-                self._f.socks.discard(sock)
-            sock.close()
+        """Close the connection; copies still pending (a batch its reader abandoned) are
+        completed and their chunks committed, unreported, so none outlives the channel."""
+        try:
+            if self._staging is not None:
+                self._staging.flush()
+        finally:
+            if self._sock is not None:
+                sock, self._sock = self._sock, None
+                with self._f.lock:
+                    self._f.socks.discard(sock)
+                sock.close()
 
 
 class TcpTransport:
@@ -112,11 +124,15 @@ class TcpTransport:
 
 
 def transport_for(kind: TransportKind) -> Transport:
-    """The transport of `kind` (RDMA's module is imported only when asked for)."""
+    """The transport of `kind` (RDMA's and IPC's modules are imported only when asked for)."""
     if kind is TransportKind.RDMA:
         from transport.rdma.channel import RdmaTransport
 
         return RdmaTransport()
+    if kind is TransportKind.IPC:
+        from transport.ipc.channel import IpcTransport
+
+        return IpcTransport()
     if kind is TransportKind.TCP:
         return TcpTransport()
     raise TransportError(f"no transport of kind {kind!r}")

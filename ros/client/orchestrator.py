@@ -283,7 +283,7 @@ class Orchestrator:
         self, holders: Sequence[pb.Holder], skipped: dict[str, str], *, device_memory: bool
     ) -> list[Candidate]:
         """The holders we can read from, each over the best transport both sides have (rdma
-        → CUDA IPC, a later issue → tcp: `transport.selection`); why a better one was passed
+        → same-host CUDA IPC → tcp: `transport.selection`); why a better one was passed
         over is logged and travels in `Source.fallback` into `stats.fallbacks`. A holder
         whose endpoints we cannot use (written by an older hub, or naming only a transport
         we lack; RDMA into device memory) is skipped, not fatal: it goes into `skipped` with
@@ -311,7 +311,7 @@ class Orchestrator:
             )
             source = Source(
                 h.name, route.host, route.port, topology,
-                transport=route.kind, fallback=route.fallback,
+                transport=route.kind, fallback=route.fallback, tcp=route.tcp,
             )  # fmt: skip
             out.append(Candidate(source, int(h.fence), h.state == pb.COMPLETE))
         return out

@@ -1,0 +1,177 @@
+"""The holder side of same-host CUDA IPC: grant leases on held versions' GPU memory.
+
+A reader connects to the holder's `ipc` endpoint and sends an `IpcRequest`. Before anything
+of the memory is shared, the request's read token must pass the holder's verifier (the same
+one as the TCP port's), the version must be held here, COMPLETE, not released, laid out as
+the reader expects, and in GPU memory; otherwise the reader gets a refusal with its
+`ErrorCode` (NOT_READY for "not here over IPC: read over TCP").
+
+A granted lease counts as one read of the version (`HeldVersion.reading()`) from the grant
+until the reader's final report, its silence for `lease_idle` seconds, or its disconnect.
+So releasing a version (`HolderStore.release`) refuses new leases at once and then waits,
+within its own timeout, for every reader to report its copy done: the memory does not change
+under a copy that reports in time. Each report is answered with the version's epoch; once a
+release has returned or given up waiting, the epoch is odd and a reader whose copy was still
+running drops it (`HeldVersion.epoch`, the RDMA seqlock's rule).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from collections.abc import Callable
+
+from tensorhub.errors import TransportError, VersionUnavailable
+from transport.admission import Conn
+from transport.frames import recv_message, send_message
+from transport.ipc.cuda import Export, IpcIneligible, export, probe_sum
+from transport.ipc.protocol import (
+    MAX_REQUEST_BYTES,
+    MAX_SMALL_BYTES,
+    Ack,
+    IpcRequest,
+    Report,
+    encode_refusal,
+)
+from transport.listener import (
+    FRAME_TIMEOUT,
+    IO_TIMEOUT,
+    MAX_CONNECTIONS,
+    PER_PEER,
+    ControlListener,
+)
+from transport.store import HeldVersion, HolderStore
+from transport.wire import ErrorCode
+
+LEASE_IDLE = 30.0  # the longest a reader may take between reports before its lease ends
+
+Verifier = Callable[[str, str, int, bytes], bool]
+Exporter = Callable[[HeldVersion, int], Export]
+"""`(held, probe sum) -> Export`: share `held` for one lease (`transport.ipc.cuda.export`)."""
+
+
+class IpcControlServer(ControlListener):
+    """Grants CUDA IPC leases on the versions of `store` to readers whose token `verifier`
+    accepts (module docstring). `exporter` shares the memory (default: CUDA's); `leases`
+    is the number granted and not ended, for metrics and tests."""
+
+    name = "ipc-control"
+
+    def __init__(
+        self,
+        store: HolderStore,
+        verifier: Verifier,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        exporter: Exporter = export,
+        lease_idle: float = LEASE_IDLE,
+        max_connections: int = MAX_CONNECTIONS,
+        per_peer: int = PER_PEER,
+        frame_timeout: float = FRAME_TIMEOUT,
+    ) -> None:
+        super().__init__(
+            host, port,
+            max_connections=max_connections, per_peer=per_peer, frame_timeout=frame_timeout,
+        )  # fmt: skip
+        self._store, self._verifier, self._exporter = store, verifier, exporter
+        self._lease_idle = lease_idle
+        self._lock = threading.Lock()
+        self._probes: dict[int, tuple[HeldVersion, int]] = {}
+        self.leases = 0
+
+    def start(self) -> IpcControlServer:
+        self.start_listening()
+        return self
+
+    def stop(self) -> None:
+        """Stop accepting and end every lease (their readers' next reports fail)."""
+        self.stop_listening()
+
+    def refusal(self, code: ErrorCode, message: str) -> bytes:
+        return encode_refusal(code, message)
+
+    def tick(self) -> None:
+        """Forget the probes of released versions."""
+        with self._lock:
+            for key in [k for k, (h, _) in self._probes.items() if h.released]:
+                del self._probes[key]
+
+    def serve(self, conn: socket.socket, record: Conn) -> None:
+        conn.settimeout(IO_TIMEOUT)
+        try:
+            req = IpcRequest.decode(recv_message(conn, MAX_REQUEST_BYTES))
+        except (TransportError, OSError) as exc:
+            with contextlib.suppress(OSError):
+                send_message(conn, encode_refusal(ErrorCode.BAD_FRAME, str(exc)))
+            return
+        self.admission.answering(record)  # a whole request: no deadline meanwhile
+        found = self._check(req)
+        if not isinstance(found, HeldVersion):
+            send_message(conn, encode_refusal(*found))
+            return
+        self.admission.authenticated(record)  # a valid token: never evicted from here on
+        try:
+            with found.reading():  # counted until the lease ends: release waits for it
+                try:
+                    granted = self._exporter(found, self._probe(found))
+                except IpcIneligible as exc:
+                    send_message(conn, encode_refusal(ErrorCode.NOT_READY, f"{exc}: read over tcp"))
+                    return
+                with self._lock:
+                    self.leases += 1
+                try:
+                    send_message(conn, granted.grant.encode())
+                    self._hold(conn, found)
+                finally:
+                    with self._lock:
+                        self.leases -= 1
+                del granted  # the lease is over: the event it named may go
+        except VersionUnavailable as exc:
+            send_message(conn, encode_refusal(ErrorCode.RELEASED, str(exc)))
+        except TransportError as exc:
+            send_message(conn, encode_refusal(ErrorCode.BAD_REQUEST, str(exc)))
+
+    def _check(self, req: IpcRequest) -> tuple[ErrorCode, str] | HeldVersion:
+        try:
+            ok = self._verifier(req.tenant, req.model, req.version, req.token)
+        except Exception:  # a verifier that raises counts as a refusal
+            ok = False
+        if not ok:
+            return ErrorCode.DENIED, "read token refused"
+        held = self._store.get((req.tenant, req.model, req.version))
+        if held is None:
+            return ErrorCode.NOT_HELD, f"{req.model}@{req.version} is not held here"
+        if held.released:
+            return ErrorCode.RELEASED, f"{req.model}@{req.version} is released"
+        if held.layout.digest != req.layout_digest:
+            return ErrorCode.LAYOUT_MISMATCH, "layout digest differs"
+        if not held.complete:
+            return ErrorCode.NOT_READY, f"{req.model}@{req.version} is PARTIAL here: read over tcp"
+        return held
+
+    def _probe(self, held: HeldVersion) -> int:
+        """wsum64 of chunk 0 of `held`, computed once per held version."""
+        with self._lock:
+            entry = self._probes.get(id(held))
+        if entry is not None and entry[0] is held:
+            return entry[1]
+        value = probe_sum(held)
+        with self._lock:
+            self._probes[id(held)] = (held, value)
+        return value
+
+    def _hold(self, conn: socket.socket, held: HeldVersion) -> None:
+        """Answer the lease's reports with the epoch until the final one, a release, the
+        reader's silence for `lease_idle`, its disconnect, or our stop."""
+        conn.settimeout(self._lease_idle)
+        while not self.stopping.is_set():
+            try:
+                report = Report.decode(recv_message(conn, MAX_SMALL_BYTES))
+            except (TransportError, OSError):
+                return  # gone, garbled or silent: the lease ends
+            done = held.released or report.final
+            send_message(conn, Ack(held.epoch, done).encode())
+            if done:
+                return
