@@ -29,8 +29,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from tensorhub.errors import TransportError, VersionUnavailable
-from transport.admission import Admission, Conn
+from transport.admission import Conn
 from transport.frames import recv_message, send_message
+from transport.listener import (
+    FRAME_TIMEOUT,
+    IO_TIMEOUT,
+    MAX_CONNECTIONS,
+    PER_PEER,
+    ControlListener,
+)
 from transport.rdma.descriptor import (
     FORMAT,
     MAX_ENCODED_BYTES,
@@ -43,10 +50,6 @@ from transport.store import HeldVersion, HolderStore
 from transport.wire import ErrorCode, Refusal
 
 MAX_REQUEST_BYTES = 64 * 1024
-IO_TIMEOUT = 10.0
-MAX_CONNECTIONS = 128  # as the TCP data port (transport.server)
-PER_PEER = 64
-FRAME_TIMEOUT = 10.0
 Verifier = Callable[[str, str, int, bytes], bool]
 
 
@@ -121,12 +124,15 @@ def decode_reply(data: bytes) -> RdmaDescriptor | Refusal:
     return Refusal(code, raw, str(error.get("message", "")))
 
 
-class RdmaControlServer:
+class RdmaControlServer(ControlListener):
     """Serves descriptors for the versions in `store` to RDMA readers whose token
     `verifier` accepts. The device is opened on the first request that needs it
     (`device_factory`, default `RdmaDevice()`), so refusals need no device; one
     `RdmaExporter` per held version, closed once the version is released and its last
-    reader has gone."""
+    reader has gone. Admission and the accept loop are `transport.listener`'s: the same
+    rules as the TCP data port (issue 12, slowloris)."""
+
+    name = "rdma-control"
 
     def __init__(
         self,
@@ -140,35 +146,23 @@ class RdmaControlServer:
         per_peer: int = PER_PEER,
         frame_timeout: float = FRAME_TIMEOUT,
     ) -> None:
+        super().__init__(
+            host, port,
+            max_connections=max_connections, per_peer=per_peer, frame_timeout=frame_timeout,
+        )  # fmt: skip
         self._store, self._verifier = store, verifier
-        # The same admission rules as the TCP data port (issue 12, slowloris): a request
-        # must arrive whole within `frame_timeout`, connections that have not shown a valid
-        # read token are evicted first when full, and one address holds at most `per_peer`.
-        self._admission = Admission(max_connections, per_peer, frame_timeout, IO_TIMEOUT)
         self._device_factory = device_factory
         self._device: Any = None
         self._lock = threading.Lock()
         self._exporters: dict[int, tuple[HeldVersion, Any, int]] = {}  # id -> (held, exp, readers)
-        self._sock = socket.create_server((host, port))
-        self._sock.settimeout(min(0.5, frame_timeout / 4))
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._accept, name="rdma-control", daemon=True)
-
-    @property
-    def address(self) -> tuple[str, int]:
-        host, port = self._sock.getsockname()[:2]
-        return str(host), int(port)
 
     def start(self) -> RdmaControlServer:
-        self._thread.start()
+        self.start_listening()
         return self
 
     def stop(self) -> None:
         """Stop accepting, close every exporter (destroying its readers' queue pairs)."""
-        self._stopping.set()
-        self._sock.close()
-        if self._thread.is_alive():
-            self._thread.join(timeout=2.0)
+        self.stop_listening()
         with self._lock:
             exporters, self._exporters = self._exporters, {}
             device, self._device = self._device, None
@@ -177,28 +171,10 @@ class RdmaControlServer:
         if device is not None:
             device.close()
 
-    def _accept(self) -> None:
-        while not self._stopping.is_set():
-            self._sweep()
-            for late in self._admission.expired():  # no whole request in time: cut it
-                _shut(late.sock)
-            try:
-                conn, addr = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            record, victim, why = self._admission.admit(conn, str(addr[0]))
-            if victim is not None:
-                _shut(victim.sock)
-            if record is None:
-                with conn, contextlib.suppress(OSError):
-                    conn.settimeout(1.0)
-                    send_message(conn, encode_refusal(ErrorCode.BUSY, why))
-                continue
-            threading.Thread(target=self._serve, args=(conn, record), daemon=True).start()
+    def refusal(self, code: ErrorCode, message: str) -> bytes:
+        return encode_refusal(code, message)
 
-    def _sweep(self) -> None:
+    def tick(self) -> None:
         """Close the exporters of released versions that no reader uses any more."""
         with self._lock:
             idle = [k for k, (h, _, n) in self._exporters.items() if h.released and n == 0]
@@ -206,23 +182,16 @@ class RdmaControlServer:
         for exporter in gone:
             exporter.close()
 
-    def _serve(self, conn: socket.socket, record: Conn) -> None:
+    def serve(self, conn: socket.socket, record: Conn) -> None:
         try:
-            with conn:
-                try:
-                    conn.settimeout(IO_TIMEOUT)
-                    req = decode_request(recv_message(conn, MAX_REQUEST_BYTES))
-                except (TransportError, OSError) as exc:
-                    with contextlib.suppress(OSError):
-                        send_message(conn, encode_refusal(ErrorCode.BAD_FRAME, str(exc)))
-                    return
-                self._admission.answering(record)  # a whole request: no deadline meanwhile
-                try:
-                    self._answer(conn, req, record)
-                except OSError:
-                    return
-        finally:
-            self._admission.forget(record)
+            conn.settimeout(IO_TIMEOUT)
+            req = decode_request(recv_message(conn, MAX_REQUEST_BYTES))
+        except (TransportError, OSError) as exc:
+            with contextlib.suppress(OSError):
+                send_message(conn, encode_refusal(ErrorCode.BAD_FRAME, str(exc)))
+            return
+        self.admission.answering(record)  # a whole request: no deadline meanwhile
+        self._answer(conn, req, record)
 
     def _refuse(self, req: RdmaRequest) -> tuple[ErrorCode, str] | HeldVersion:
         try:
@@ -251,7 +220,7 @@ class RdmaControlServer:
         if not isinstance(found, HeldVersion):
             send_message(conn, encode_refusal(*found))
             return
-        self._admission.authenticated(record)  # a valid token: never evicted from here on
+        self.admission.authenticated(record)  # a valid token: never evicted from here on
         held = found
         try:
             with held.reading():  # counted until this reader's queue pair is gone
@@ -290,17 +259,11 @@ class RdmaControlServer:
             entry = self._exporters.get(id(held))
             if entry is not None:
                 self._exporters[id(held)] = (entry[0], entry[1], entry[2] - 1)
-        self._sweep()
+        self.tick()
 
     def _hold(self, conn: socket.socket, held: HeldVersion) -> None:
         """Wait until the reader closes the channel, the version is released, or we stop."""
-        while not (held.released or self._stopping.is_set()):
+        while not (held.released or self.stopping.is_set()):
             ready, _, _ = select.select([conn], [], [], 0.05)
             if ready and not conn.recv(1):
                 return
-
-
-def _shut(sock: socket.socket) -> None:
-    """Cut a connection at the TCP level; its thread sees the error and ends."""
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
