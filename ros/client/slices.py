@@ -12,13 +12,14 @@ slices does not become a holder (what it holds is no published layout); readers 
 publisher's own layout use `fetch(shard=i)` and do.
 
 Slices in GPU memory: the staging copy is allocated on their device (when every slice a
-source shard fills is on that one device), received through the transport's pinned buffers
-like a `fetch` into GPU memory, and the intersections are copied device to device into the
-slices' own memory. So the peak extra memory is then one source shard *on the GPU*; a
-staging copy that does not fit there is put in host memory instead (logged). Host staging
-would have let an RDMA holder be read directly, but it costs a strided host-side copy and a
-pageable host-to-device copy per intersection; a fetch into GPU memory reads over TCP all
-the same (`transport.selection`: the RDMA channel reads into host memory only).
+source shard fills is on that one device) and filled exactly as a `fetch` into GPU memory
+is (the transports that serve device memory, `transport.selection` with `device_memory`:
+over TCP through pinned host buffers), and the intersections are copied device to device
+into the slices' own memory. So the peak extra memory is then one source shard *on the
+GPU*; a staging copy that does not fit there is put in host memory instead (logged). Host
+staging would let an RDMA holder be read (its channel reads into host memory only), but
+each intersection would then cost a strided host-side copy and a pageable host-to-device
+copy, and a transport into GPU memory could not be used.
 """
 
 from __future__ import annotations
