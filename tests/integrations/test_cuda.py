@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 import ros
+from ros.hub.server import HubServer
 from ros.integrations.pytorch import fetch_module, publish_module
+from tests.integrations.ipc_trainer_proc import weights
 
 pytestmark = [
     pytest.mark.gpu,
@@ -50,3 +56,35 @@ def test_the_last_holder_of_a_cuda_version_spills_it_to_host_memory(
     held = connect().fetch("gpu", 1, timeout=60)
     for name, tensor in expected.items():
         assert torch.equal(held.tensors[name], tensor), name
+
+
+def test_a_rollout_on_the_same_gpu_reads_a_trainer_process_over_cuda_ipc(
+    connect: Callable[..., ros.Hub], make_tenant: Callable[[str], str], hub_server: HubServer
+) -> None:
+    """Colocated RL: trainer and rollout processes on one host and GPU. The fetch goes over
+    CUDA IPC (the trainer's record advertises `ipc`), straight into the rollout's GPU
+    tensors; a rollout in the trainer's own process falls back to TCP and says why."""
+    token = make_tenant("team-ipc")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "tests.integrations.ipc_trainer_proc", hub_server.address,
+         "team-ipc", token],
+        cwd=root, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert trainer.stdout is not None
+        assert trainer.stdout.readline().strip() == "READY"
+        rollout = connect("team-ipc")
+        into = {name: torch.empty_like(t, device="cuda") for name, t in weights().items()}
+        held = rollout.fetch("gpu-ipc", 1, into=into, timeout=60)
+        assert set(held.stats.transports.values()) == {"ipc"}, held.stats
+        assert held.stats.fallbacks == {}
+        for name, t in weights().items():
+            assert held.tensors[name].data_ptr() == into[name].data_ptr()  # in place
+            assert torch.equal(into[name].cpu(), t), name
+        held.release(force=True)
+    finally:
+        assert trainer.stdin is not None
+        trainer.stdin.close()
+        trainer.wait(timeout=30)

@@ -13,12 +13,14 @@ runs only where there is a GPU.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -118,17 +120,20 @@ def test_verdicts_expire() -> None:
 def test_this_process_has_a_boot_id_and_an_ipc_namespace() -> None:
     assert len(ME.boot_id) == 36
     assert ME.ipc_namespace.startswith("ipc:[")
+    assert ME.pid == os.getpid()
     assert HostFingerprint.from_json(json.loads(json.dumps(ME.to_json()))) == ME
 
 
 def test_mismatch_names_what_differs() -> None:
-    cuda_me = HostFingerprint(ME.boot_id, ME.ipc_namespace, "12080")
-    assert mismatch(cuda_me, cuda_me) == ""
-    other = HostFingerprint("0" * 36, ME.ipc_namespace, "12080")
+    cuda_me = HostFingerprint(ME.boot_id, ME.ipc_namespace, "12080", 100)
+    holder = HostFingerprint(ME.boot_id, ME.ipc_namespace, "12080", 200)
+    assert mismatch(cuda_me, holder) == ""
+    assert "the holder is this process" in mismatch(cuda_me, cuda_me)
+    other = HostFingerprint("0" * 36, ME.ipc_namespace, "12080", 200)
     assert "another machine" in mismatch(cuda_me, other)
-    driver = HostFingerprint(ME.boot_id, ME.ipc_namespace, "12040")
+    driver = HostFingerprint(ME.boot_id, ME.ipc_namespace, "12040", 200)
     assert "another CUDA driver (12040 vs 12080)" in mismatch(cuda_me, driver)
-    no_cuda = HostFingerprint(ME.boot_id, ME.ipc_namespace, "")
+    no_cuda = HostFingerprint(ME.boot_id, ME.ipc_namespace, "", 200)
     assert mismatch(no_cuda, cuda_me) == "no CUDA driver in this process"
     assert mismatch(cuda_me, no_cuda) == "no CUDA driver in the holder"
 
@@ -149,8 +154,9 @@ def test_a_process_in_another_ipc_namespace_is_told_apart() -> None:
     theirs = HostFingerprint.from_json(json.loads(run.stdout))
     assert theirs.boot_id == ME.boot_id
     assert theirs.ipc_namespace != ME.ipc_namespace
-    cuda_me = HostFingerprint(ME.boot_id, ME.ipc_namespace, "1")
-    why = mismatch(cuda_me, HostFingerprint(theirs.boot_id, theirs.ipc_namespace, "1"))
+    assert theirs.pid != ME.pid
+    cuda_me = HostFingerprint(ME.boot_id, ME.ipc_namespace, "1", ME.pid)
+    why = mismatch(cuda_me, HostFingerprint(theirs.boot_id, theirs.ipc_namespace, "1", theirs.pid))
     assert "another IPC namespace (containers without a shared --ipc)" in why
 
 
@@ -264,17 +270,9 @@ def held() -> tuple[HolderStore, HeldVersion]:
     return store, version
 
 
-class _Server:
-    """An `IpcControlServer` over `store` (token b"ok"), stopped on exit."""
-
-    def __init__(self, store: HolderStore, **kwargs: object) -> None:
-        self.server = IpcControlServer(store, _only_ok, **kwargs)  # type: ignore[arg-type]
-
-    def __enter__(self) -> IpcControlServer:
-        return self.server.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.stop()
+def _server(store: HolderStore, **kwargs: Any) -> IpcControlServer:
+    """An `IpcControlServer` over `store` (token b"ok"); `with` starts and stops it."""
+    return IpcControlServer(store, _only_ok, **kwargs)
 
 
 def _ask(server: IpcControlServer, req: IpcRequest) -> tuple[socket.socket, IpcGrant | Refusal]:
@@ -300,7 +298,7 @@ def test_nothing_is_shared_without_a_valid_token(held: tuple[HolderStore, HeldVe
         exported.append(probe)
         return _placeholder_export(h, probe)
 
-    with _Server(store, exporter=exporter) as server:
+    with _server(store, exporter=exporter) as server:
         sock, reply = _ask(server, _request(version, token=b"stolen"))
         sock.close()
     assert isinstance(reply, Refusal)
@@ -327,7 +325,7 @@ def test_refusals_before_any_memory_is_shared(case: str, code: ErrorCode) -> Non
     if case == "released":
         version.release(1.0)
     req = _request(version, digest=1 if case == "layout" else None)
-    with _Server(store) as server:
+    with _server(store) as server:
         sock, reply = _ask(server, req)
         sock.close()
     assert isinstance(reply, Refusal)
@@ -339,7 +337,7 @@ def test_refusals_before_any_memory_is_shared(case: str, code: ErrorCode) -> Non
 
 def test_a_garbled_request_is_answered_bad_frame(held: tuple[HolderStore, HeldVersion]) -> None:
     store, _ = held
-    with _Server(store) as server, socket.create_connection(server.address, timeout=10) as sock:
+    with _server(store) as server, socket.create_connection(server.address, timeout=10) as sock:
         send_message(sock, b'{"format":"tensorhub.ipc/1","tenant":7}')
         reply = decode_reply(recv_message(sock, MAX_GRANT_BYTES))
     assert isinstance(reply, Refusal)
@@ -350,7 +348,7 @@ def test_a_request_never_finished_is_cut_at_the_frame_deadline(
     held: tuple[HolderStore, HeldVersion],
 ) -> None:
     store, _ = held
-    with _Server(store, frame_timeout=0.3) as server:
+    with _server(store, frame_timeout=0.3) as server:
         sock = socket.create_connection(server.address, timeout=10)
         sock.sendall(b"\x00\x00\x01\x00{")  # 256 bytes announced, one sent
         start = time.monotonic()
@@ -394,7 +392,7 @@ def test_a_release_waits_for_the_readers_report_and_refuses_new_leases(
     held: tuple[HolderStore, HeldVersion],
 ) -> None:
     store, version = held
-    with _Server(store, exporter=_placeholder_export) as server:
+    with _server(store, exporter=_placeholder_export) as server:
         sock, grant = _lease(server, version)
         assert grant.epoch == 0
         assert grant.probe == (0, version.wsum64(0))  # the holder's own sum of chunk 0
@@ -419,7 +417,7 @@ def test_a_copy_still_running_when_the_release_gives_up_is_dropped(
     held: tuple[HolderStore, HeldVersion],
 ) -> None:
     store, version = held
-    with _Server(store, exporter=_placeholder_export) as server:
+    with _server(store, exporter=_placeholder_export) as server:
         sock, grant = _lease(server, version)
         with pytest.raises(DeadlineExceeded):
             store.release(version.key, 0.3)
@@ -433,7 +431,7 @@ def test_a_silent_reader_loses_its_lease_after_lease_idle(
     held: tuple[HolderStore, HeldVersion],
 ) -> None:
     store, version = held
-    with _Server(store, exporter=_placeholder_export, lease_idle=0.3) as server:
+    with _server(store, exporter=_placeholder_export, lease_idle=0.3) as server:
         sock, _ = _lease(server, version)
         assert server.leases == 1
         assert sock.recv(1) == b""  # the holder ended the lease
@@ -443,7 +441,7 @@ def test_a_silent_reader_loses_its_lease_after_lease_idle(
 
 def test_a_reader_that_disconnects_ends_its_lease(held: tuple[HolderStore, HeldVersion]) -> None:
     store, version = held
-    with _Server(store, exporter=_placeholder_export) as server:
+    with _server(store, exporter=_placeholder_export) as server:
         sock, _ = _lease(server, version)
         sock.close()
         deadline = time.monotonic() + 10
@@ -464,7 +462,7 @@ def test_a_host_memory_reader_routed_to_ipc_reads_the_same_holder_over_tcp() -> 
     layout = Layout.from_tensors(tensors, chunk_size=32 * 1024)
     store = HolderStore()
     store.add(HeldVersion.publisher(TENANT, MODEL, 1, tensors, layout))
-    with HolderServer(store, allow_all) as tcp, _Server(store) as ipc:
+    with HolderServer(store, allow_all) as tcp, _server(store) as ipc:
         source = Source(
             "h", *ipc.address, transport=TransportKind.IPC, tcp=tcp.address,
         )  # fmt: skip

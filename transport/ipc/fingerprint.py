@@ -7,7 +7,9 @@ Both ends send a `HostFingerprint` instead, facts the kernel and the driver stat
 - the boot id (`/proc/sys/kernel/random/boot_id`): a different one is another machine;
 - the IPC namespace (`/proc/self/ns/ipc`): CUDA IPC handles do not open across IPC
   namespaces, the usual case of two containers started without a shared `--ipc`;
-- the CUDA driver version: handles from one driver do not open under another.
+- the CUDA driver version: handles from one driver do not open under another;
+- the process id: CUDA IPC maps another process's memory, never the process's own (two
+  clients in one process read each other over TCP).
 
 A match is necessary, not sufficient: the proof is that the handles open and that the
 mapped bytes are the holder's (the grant's probe, `transport.ipc.channel`). A reader that
@@ -17,6 +19,7 @@ that holder over TCP at once (`transport.selection`) and say why.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import threading
@@ -65,9 +68,13 @@ class HostFingerprint:
     boot_id: str
     ipc_namespace: str
     driver: str
+    pid: int = 0
 
-    def to_json(self) -> dict[str, str]:
-        return {"boot": self.boot_id, "ipc": self.ipc_namespace, "driver": self.driver}
+    def to_json(self) -> dict[str, str | int]:
+        return {
+            "boot": self.boot_id, "ipc": self.ipc_namespace, "driver": self.driver,
+            "pid": self.pid,
+        }  # fmt: skip
 
     @classmethod
     def from_json(cls, value: Any) -> HostFingerprint:
@@ -75,14 +82,20 @@ class HostFingerprint:
             raise TransportError("IPC message: host must be an object")
         fields = [value.get(k) for k in ("boot", "ipc", "driver")]
         strings = [v for v in fields if isinstance(v, str) and len(v) <= _MAX_FIELD]
-        if len(strings) != len(fields):
-            raise TransportError("IPC message: host fields must be short strings")
-        return cls(*strings)
+        pid = value.get("pid")
+        if len(strings) != len(fields) or type(pid) is not int or not 0 <= pid < 1 << 32:
+            raise TransportError("IPC message: host fields must be short strings and a pid")
+        boot, ipc, driver = strings
+        return cls(boot, ipc, driver, pid)
+
+
+def local_fingerprint() -> HostFingerprint:
+    """This process's fingerprint (its pid read anew: a forked child is another process)."""
+    return dataclasses.replace(_host(), pid=os.getpid())
 
 
 @functools.cache
-def local_fingerprint() -> HostFingerprint:
-    """This process's fingerprint (fixed for its life)."""
+def _host() -> HostFingerprint:
     return HostFingerprint(
         _read("/proc/sys/kernel/random/boot_id"), _link("/proc/self/ns/ipc"), _driver()
     )
@@ -101,6 +114,8 @@ def mismatch(mine: HostFingerprint, theirs: HostFingerprint) -> str:
         return "no CUDA driver in " + ("this process" if not mine.driver else "the holder")
     if mine.driver != theirs.driver:
         return f"the holder runs another CUDA driver ({theirs.driver} vs {mine.driver})"
+    if mine.pid == theirs.pid:
+        return "the holder is this process (CUDA IPC maps another process's memory)"
     return ""
 
 

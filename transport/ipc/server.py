@@ -89,6 +89,12 @@ class IpcControlServer(ControlListener):
         """Stop accepting and end every lease (their readers' next reports fail)."""
         self.stop_listening()
 
+    def __enter__(self) -> IpcControlServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def refusal(self, code: ErrorCode, message: str) -> bytes:
         return encode_refusal(code, message)
 
