@@ -13,8 +13,8 @@ publisher's own layout use `fetch(shard=i)` and do.
 
 Slices in GPU memory: the staging copy is allocated on their device (when every slice a
 source shard fills is on that one device) and filled exactly as a `fetch` into GPU memory
-is (the transports that serve device memory, `transport.selection` with `device_memory`:
-over TCP through pinned host buffers), and the intersections are copied device to device
+is (`transport.selection` with `device_memory`: same-host CUDA IPC where it can, else TCP
+through pinned host buffers), and the intersections are copied device to device
 into the slices' own memory. So the peak extra memory is then one source shard *on the
 GPU*; a staging copy that does not fit there is put in host memory instead (logged). Host
 staging would let an RDMA holder be read (its channel reads into host memory only), but
@@ -163,10 +163,10 @@ def _read_part(
     of the staging copy stay missing), then copy the intersections out, in place.
 
     The staging copy lives where the destinations are (`_staging_device`): for slices in GPU
-    memory it is on their device, so the bytes go wire -> pinned buffer -> device (the
-    transport's path for CUDA memory, as `fetch(into=...)`) and each intersection is copied
-    device to device, strided, into the slice's own memory; nothing goes back through host
-    memory and no tensor in GPU memory is viewed as numpy."""
+    memory it is on their device, so the bytes take the transports' path into GPU memory
+    (as `fetch(into=...)`: IPC, or TCP -> pinned buffer -> device) and each intersection
+    is copied device to device, strided, into the slice's own memory; nothing goes back
+    through host memory and no tensor in GPU memory is viewed as numpy."""
     layout = layout_of(manifest)
     specs = {s.name: s for s in layout.tensors}
     needed: set[int] = set()
