@@ -12,7 +12,11 @@ For a model of `--size-mb` MiB in device memory (default 2 GiB; issue 15 asks fo
 - **Publish.** The manifest built with GPU checksums (`wsum64`: kernels, 8 bytes back per
   chunk) against the same with host xxh3 (every chunk copied device→host first): the time
   a publish spends on checksums, both ways (a figure; issue 15 names no target).
-- **CUDA IPC.** Not built yet (issue 15); the bench says so instead of a figure.
+- **CUDA IPC.** The holder process also grants CUDA IPC leases (`transport.ipc`); this
+  process fetches the version into its own GPU tensors over IPC, every chunk verified
+  against the holder's wsum64 sums, against a device-to-device `copy_` of the same bytes in
+  one process. Target: ≥ 0.5. On one GPU this is same-device IPC only. With `--device cpu`
+  there is no IPC figure (IPC maps GPU memory).
 
 `--device cpu` runs the same code on host tensors (a smoke run of the bench itself; its
 ratios say nothing about a GPU). Without a CUDA device and without `--device cpu` it exits 2
@@ -33,8 +37,11 @@ import torch
 
 from bench.report import Result, table
 from ros.client.manifest import manifest_of
+from transport.backend import TransportKind
 from transport.checksums import WSUM64, XXH3
+from transport.ipc.server import IpcControlServer
 from transport.layout import Layout
+from transport.outcome import FetchStats
 from transport.planner import Source
 from transport.reader import fetch
 from transport.server import HolderServer, allow_all
@@ -42,7 +49,7 @@ from transport.store import HeldVersion, HolderStore
 from transport.topology import Topology
 
 MiB = 1 << 20
-TCP_TARGET, CHECKSUM_TARGET = 0.8, 0.3
+TCP_TARGET, CHECKSUM_TARGET, IPC_TARGET = 0.8, 0.3, 0.5
 
 
 def _model(size_mb: int, device: str) -> dict[str, torch.Tensor]:
@@ -69,8 +76,11 @@ def _best(fn: Callable[[], object], device: str, repeat: int) -> float:
 
 
 def _holder(size_mb: int, chunk: int, device: str, pipe: Connection) -> None:
-    """Child process: serve the model from `device` memory, and again from host memory."""
+    """Child process: serve the model from `device` memory (over TCP, and over CUDA IPC on
+    a GPU), and again from host memory over TCP."""
     stores = {}
+    ipc: IpcControlServer | None = None
+    sums: list[int] = []
     for where in (device, "cpu"):
         tensors = _model(size_mb, where)
         layout = Layout.from_tensors(tensors, chunk_size=chunk)
@@ -79,24 +89,35 @@ def _holder(size_mb: int, chunk: int, device: str, pipe: Connection) -> None:
         held.precompute_checksums()  # publish-time work, outside the measured fetch
         store.add(held)
         stores[where] = (HolderServer(store, allow_all).start(), layout)
-    pipe.send({where: (srv.address, lay.to_dict()) for where, (srv, lay) in stores.items()})
+        if where == "cuda":
+            sums = [held.wsum64(i) for i in range(layout.num_chunks)]
+            ipc = IpcControlServer(store, allow_all).start()
+    served = {where: (srv.address, lay.to_dict()) for where, (srv, lay) in stores.items()}
+    pipe.send({"served": served, "ipc": ipc.address if ipc else None, "sums": sums})
     pipe.recv()  # the parent says stop
     for server, _ in stores.values():
         server.stop()
+    if ipc is not None:
+        ipc.stop()
 
 
-def _fetch_rate(addr: tuple[str, int], layout: Layout, device: str, repeat: int) -> float:
-    """Bytes/s of a fetch of the served model into `device` tensors (best of `repeat`)."""
+def _fetch_rate(
+    source: Source, layout: Layout, device: str, repeat: int, sums: list[int] | None = None
+) -> tuple[float, FetchStats]:
+    """Bytes/s of a fetch of the served model from `source` into `device` tensors (best of
+    `repeat`), verified against `sums` (wsum64) when given; and the last fetch's stats."""
     into = {k: t.zero_() for k, t in layout.allocate(device).items()}
+    last: list[FetchStats] = []
 
     def once() -> None:
         dest = HeldVersion.reader("bench", "model", 1, layout, into)
-        fetch(
-            "bench", "model", 1, layout, dest, [Source("holder", *addr)], token=b"",
-            deadline=time.monotonic() + 300, me=Topology(),
-        )  # fmt: skip
+        last[:] = [fetch(
+            "bench", "model", 1, layout, dest, [source], token=b"",
+            deadline=time.monotonic() + 300, me=Topology(), expected=sums,
+            checksum=WSUM64 if sums else XXH3,
+        )]  # fmt: skip
 
-    return layout.total_bytes / _best(once, device, repeat)
+    return layout.total_bytes / _best(once, device, repeat), last[0]
 
 
 def _pinned_rate(chunk: int, device: str, repeat: int) -> float:
@@ -147,10 +168,21 @@ def run(args: argparse.Namespace, command: str) -> Result:
     child = ctx.Process(target=_holder, args=(args.size_mb, chunk, device, theirs), daemon=True)
     child.start()
     try:
-        served = ours.recv()
+        info = ours.recv()
+        served = info["served"]
         (dev_addr, dev_layout), (cpu_addr, cpu_layout) = served[device], served["cpu"]
-        staged = _fetch_rate(tuple(dev_addr), Layout.from_dict(dev_layout), device, args.repeat)
-        tcp = _fetch_rate(tuple(cpu_addr), Layout.from_dict(cpu_layout), "cpu", args.repeat)
+        dev_layout = Layout.from_dict(dev_layout)
+        staged, _ = _fetch_rate(Source("holder", *dev_addr), dev_layout, device, args.repeat)
+        tcp_source = Source("holder", *cpu_addr)
+        tcp, _ = _fetch_rate(tcp_source, Layout.from_dict(cpu_layout), "cpu", args.repeat)
+        if info["ipc"] is not None:
+            ipc_host, ipc_port = info["ipc"]
+            dev_host, dev_port = dev_addr
+            ipc_source = Source(
+                "holder", ipc_host, ipc_port, transport=TransportKind.IPC,
+                tcp=(dev_host, dev_port),
+            )  # fmt: skip
+            ipc, ipc_stats = _fetch_rate(ipc_source, dev_layout, device, args.repeat, info["sums"])
     finally:
         ours.send("stop")
         child.join(timeout=10)
@@ -162,8 +194,18 @@ def run(args: argparse.Namespace, command: str) -> Result:
     res.add("loopback TCP, host to host (same data plane)", tcp / 1e9, unit="GB/s")
     res.details = {
         "size_bytes": size, "chunk_bytes": chunk, "repeat": args.repeat, "device": device,
-        "cuda_ipc": "not built (issue 15): no figure",
     }  # fmt: skip
+    if info["ipc"] is None:
+        res.details["cuda_ipc"] = "needs a GPU (--device cpu): no figure"
+    else:
+        over = ipc_stats.transports.get("holder", "?")
+        res.details["cuda_ipc"] = {"transport": over, "fallbacks": ipc_stats.fallbacks}
+        res.add(
+            "CUDA IPC (verified) / device-to-device copy_",
+            ipc / (size / copy_s),
+            f">= {IPC_TARGET}",
+        )
+        res.add(f"CUDA IPC between two processes, over {over}", ipc / 1e9, unit="GB/s")
     res.seconds = time.monotonic() - started
     return res
 
@@ -195,7 +237,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if res.note:
         print(f"note: {res.note}")
     print(table([res]))
-    print("CUDA IPC: not built yet (issue 15); no figure")
+    ipc = res.details.get("cuda_ipc")
+    if isinstance(ipc, str):
+        print(f"CUDA IPC: {ipc}")
+    elif isinstance(ipc, dict) and ipc.get("fallbacks"):
+        print(f"CUDA IPC fell back: {ipc['fallbacks']}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(res.to_dict(), fh, indent=2)

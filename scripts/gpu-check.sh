@@ -20,11 +20,14 @@ else
 fi
 "$py" -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
   torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")' | tee "$out/device.txt"
-timeout 300 "$py" -m pytest -p no:cacheprovider -q -rs -m gpu \
-  tests/transport/test_cuda.py tests/integrations/test_cuda.py 2>&1 | tee "$out/tests.log"
-tests=${PIPESTATUS[0]}
+tests=(tests/transport/test_cuda.py tests/transport/test_cuda_staging.py
+  tests/transport/test_cuda_ipc.py tests/integrations/test_cuda.py
+  tests/integrations/test_cuda_reshard.py)
+timeout 300 "$py" -m pytest -p no:cacheprovider -q -rs -m gpu "${tests[@]}" 2>&1 \
+  | tee "$out/tests.log"
+tests_rc=${PIPESTATUS[0]}
 timeout 240 "$py" -m ros.cli bench gpu --device "${DEVICE:-cuda}" --size-mb "${GPU_MB:-2048}" \
   --json "$out/bench-gpu.json" 2>&1 | tee "$out/bench.log"
 bench=${PIPESTATUS[0]}
-echo "gpu-check: tests exit $tests, bench exit $bench"
-[ "$tests" = 0 ] && [ "$bench" = 0 ]
+echo "gpu-check: tests exit $tests_rc, bench exit $bench"
+[ "$tests_rc" = 0 ] && [ "$bench" = 0 ]

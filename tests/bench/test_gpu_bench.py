@@ -31,3 +31,4 @@ def test_the_cpu_smoke_run_covers_every_step_and_withholds_its_ratios(tmp_path: 
             "publish checksums: host xxh3 / GPU wsum64"} <= names  # fmt: skip
     assert report["ok"] is False  # a CPU run is no GPU figure
     assert "smoke run" in report["note"]
+    assert report["details"]["cuda_ipc"] == "needs a GPU (--device cpu): no figure"
