@@ -49,6 +49,7 @@ from tensorhub.errors import (
     TensorHubError,
     VersionUnavailable,
 )
+from transport.backend import TransportKind
 from transport.outcome import FetchStats, final_error
 from transport.pace import DEFAULT_RATE_FLOOR
 from transport.planner import Candidate, Source, pipeline_sources
@@ -265,13 +266,18 @@ class Orchestrator:
         skipped: dict[str, str],
         target: Target,
     ) -> list[Source]:
-        """The sources of the next round: the usable candidates less the suspects, through
-        the pipeline policy for a holder (one predecessor), else all of them."""
+        """The sources of the next round: the usable candidates less the suspects; the
+        same-host CUDA IPC ones alone when there are any (a device-to-device copy costs the
+        holder no NIC and next to no CPU, so colocated rollouts need not chain); else
+        through the pipeline policy for a holder (one predecessor), else all of them."""
         usable = [
             c
             for c in self._candidates(holders, skipped, device_memory=target.dest.on_cuda)
             if c.source.holder_id not in suspects
         ]
+        local = [c.source for c in usable if c.source.transport is TransportKind.IPC]
+        if local:
+            return local
         if target.holder:
             fence = self._client.holdings.fence(target.model, target.version, fence)
             first = pipeline_sources(self._client.topology, fence, usable)

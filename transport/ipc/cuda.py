@@ -70,6 +70,13 @@ def export(held: HeldVersion, probe_sum: int) -> Export:
         raise IpcIneligible("the version is in host memory here (CUDA IPC shares GPU memory)")
     tensors = list(held.tensors.values())
     device = tensors[0].device
+    with _cuda.device(device):  # the event on the tensors' GPU, whatever this thread's is
+        return _export(held, tensors, device, probe_sum)
+
+
+def _export(
+    held: HeldVersion, tensors: list[torch.Tensor], device: torch.device, probe_sum: int
+) -> Export:
     storages: list[Storage] = []
     seen: dict[int, int] = {}
     places: list[tuple[int, int]] = []
@@ -79,16 +86,17 @@ def export(held: HeldVersion, probe_sum: int) -> Export:
         if key not in seen:
             _, handle, size, offset, ref, ref_off, ev, sync = storage._share_cuda_()
             seen[key] = len(storages)
-            shared = Storage(bytes(handle), size, offset, bytes(ref), ref_off, bytes(ev), sync)
+            event = bytes(ev or b"")  # None when torch needs no share event
+            shared = Storage(bytes(handle), size, offset, bytes(ref), ref_off, event, sync)
             storages.append(shared)
         places.append((seen[key], int(t.storage_offset()) * t.element_size()))
-    event = _cuda.Event(interprocess=True)
-    event.record(_cuda.current_stream(device))
+    written = _cuda.Event(interprocess=True)
+    written.record(_cuda.current_stream(device))
     grant = IpcGrant(
-        local_fingerprint(), device_uuid(device), held.epoch, bytes(event.ipc_handle()),
+        local_fingerprint(), device_uuid(device), held.epoch, bytes(written.ipc_handle()),
         tuple(storages), tuple(places), (0, probe_sum),
     )  # fmt: skip
-    return Export(grant, event)
+    return Export(grant, written)
 
 
 def probe_sum(held: HeldVersion) -> int:
@@ -133,7 +141,7 @@ def _open_storage(device: int, s: Storage) -> Any:
     """One shared storage opened in this process, as torch's own rebuild opens it."""
     return _torch.UntypedStorage._new_shared_cuda(
         device, s.handle, s.size, s.offset, s.ref_counter, s.ref_counter_offset,
-        s.event, s.event_sync_required,
+        s.event if s.event_sync_required else None, s.event_sync_required,
     )  # fmt: skip
 
 

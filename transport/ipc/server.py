@@ -27,6 +27,7 @@ from transport.admission import Conn
 from transport.frames import recv_message, send_message
 from transport.ipc.cuda import Export, IpcIneligible, export, probe_sum
 from transport.ipc.protocol import (
+    MAX_GRANT_BYTES,
     MAX_REQUEST_BYTES,
     MAX_SMALL_BYTES,
     Ack,
@@ -125,10 +126,15 @@ class IpcControlServer(ControlListener):
                 except IpcIneligible as exc:
                     send_message(conn, encode_refusal(ErrorCode.NOT_READY, f"{exc}: read over tcp"))
                     return
+                encoded = granted.grant.encode()
+                if len(encoded) > MAX_GRANT_BYTES:  # a reader would refuse to parse it
+                    why = f"a grant of {len(granted.grant.storages)} storages is too large"
+                    send_message(conn, encode_refusal(ErrorCode.NOT_READY, f"{why}: read over tcp"))
+                    return
                 with self._lock:
                     self.leases += 1
                 try:
-                    send_message(conn, granted.grant.encode())
+                    send_message(conn, encoded)
                     self._hold(conn, found)
                 finally:
                     with self._lock:
