@@ -1,16 +1,22 @@
-"""Length-prefixed messages for the holder's control channels (RDMA, same-host CUDA IPC).
+"""Length-prefixed messages for the holder's control channels (RDMA, same-host CUDA IPC),
+and the checks a request passes on either before any memory is shared.
 
 Each message is a u32 big-endian length and that many bytes; both channels put UTF-8 JSON
-in it. A length over the receiver's limit is refused before any of the body is read, so a
-peer cannot make the holder buffer more than the limit.
+in it, tagged with the channel's format. A length over the receiver's limit is refused
+before any of the body is read, so a peer cannot make the holder buffer more than the limit.
 """
 
 from __future__ import annotations
 
+import json
 import socket
 import struct
+from collections.abc import Callable
+from typing import Any
 
 from tensorhub.errors import TransportError
+from transport.store import HeldVersion, HolderStore
+from transport.wire import ErrorCode
 
 _LEN = struct.Struct("!I")
 
@@ -36,3 +42,43 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
             raise TransportError("control channel closed mid-message")
         buf += got
     return bytes(buf)
+
+
+def decode_json(data: bytes, limit: int, what: str, fmt: str) -> dict[str, Any]:
+    """A JSON object of at most `limit` bytes whose "format" is `fmt`; `TransportError`
+    (its message names `what`) for anything else."""
+    if len(data) > limit:
+        raise TransportError(f"{what} of {len(data)} bytes is over {limit}")
+    try:
+        doc = json.loads(bytes(data).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise TransportError(f"{what} is not JSON ({exc})") from exc
+    if not isinstance(doc, dict) or doc.get("format") != fmt:
+        raise TransportError(f"{what}: format is not {fmt!r}")
+    return doc
+
+
+def held_for(
+    store: HolderStore,
+    verifier: Callable[[str, str, int, bytes], bool],
+    key: tuple[str, str, int],
+    token: bytes,
+    layout_digest: int,
+) -> tuple[ErrorCode, str] | HeldVersion:
+    """The held version a control request names, or why it is refused: the token first (a
+    verifier that raises refuses), then held here, not released, the same layout."""
+    tenant, model, version = key
+    try:
+        ok = verifier(tenant, model, version, token)
+    except Exception:  # a verifier that raises counts as a refusal
+        ok = False
+    if not ok:
+        return ErrorCode.DENIED, "read token refused"
+    held = store.get(key)
+    if held is None:
+        return ErrorCode.NOT_HELD, f"{model}@{version} is not held here"
+    if held.released:
+        return ErrorCode.RELEASED, f"{model}@{version} is released"
+    if held.layout.digest != layout_digest:
+        return ErrorCode.LAYOUT_MISMATCH, "layout digest differs"
+    return held

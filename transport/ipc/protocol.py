@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tensorhub.errors import TransportError
+from transport.frames import decode_json
 from transport.ipc.fingerprint import HostFingerprint
 from transport.wire import ErrorCode, Refusal
 
@@ -59,15 +60,7 @@ def _str(value: object, field: str, limit: int = 256) -> str:
 
 
 def _doc(data: bytes, limit: int) -> dict[str, Any]:
-    if len(data) > limit:
-        raise TransportError(f"IPC message of {len(data)} bytes is over {limit}")
-    try:
-        doc = json.loads(bytes(data).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise TransportError(f"IPC message is not JSON ({exc})") from exc
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise TransportError(f"IPC message: format is not {FORMAT!r}")
-    return doc
+    return decode_json(data, limit, "IPC message", FORMAT)
 
 
 def _dump(doc: dict[str, Any]) -> bytes:

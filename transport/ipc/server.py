@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from tensorhub.errors import TransportError, VersionUnavailable
 from transport.admission import Conn
-from transport.frames import recv_message, send_message
+from transport.frames import held_for, recv_message, send_message
 from transport.ipc.cuda import Export, IpcIneligible, export, probe_sum
 from transport.ipc.protocol import (
     MAX_GRANT_BYTES,
@@ -146,22 +146,11 @@ class IpcControlServer(ControlListener):
             send_message(conn, encode_refusal(ErrorCode.BAD_REQUEST, str(exc)))
 
     def _check(self, req: IpcRequest) -> tuple[ErrorCode, str] | HeldVersion:
-        try:
-            ok = self._verifier(req.tenant, req.model, req.version, req.token)
-        except Exception:  # a verifier that raises counts as a refusal
-            ok = False
-        if not ok:
-            return ErrorCode.DENIED, "read token refused"
-        held = self._store.get((req.tenant, req.model, req.version))
-        if held is None:
-            return ErrorCode.NOT_HELD, f"{req.model}@{req.version} is not held here"
-        if held.released:
-            return ErrorCode.RELEASED, f"{req.model}@{req.version} is released"
-        if held.layout.digest != req.layout_digest:
-            return ErrorCode.LAYOUT_MISMATCH, "layout digest differs"
-        if not held.complete:
+        key = (req.tenant, req.model, req.version)
+        found = held_for(self._store, self._verifier, key, req.token, req.layout_digest)
+        if isinstance(found, HeldVersion) and not found.complete:
             return ErrorCode.NOT_READY, f"{req.model}@{req.version} is PARTIAL here: read over tcp"
-        return held
+        return found
 
     def _probe(self, held: HeldVersion) -> int:
         """wsum64 of chunk 0 of `held`, computed once per held version."""

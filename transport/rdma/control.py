@@ -30,7 +30,7 @@ from typing import Any
 
 from tensorhub.errors import TransportError, VersionUnavailable
 from transport.admission import Conn
-from transport.frames import recv_message, send_message
+from transport.frames import decode_json, held_for, recv_message, send_message
 from transport.listener import (
     FRAME_TIMEOUT,
     IO_TIMEOUT,
@@ -75,15 +75,7 @@ def encode_request(req: RdmaRequest) -> bytes:
 
 
 def _doc(data: bytes, limit: int) -> dict[str, Any]:
-    if len(data) > limit:
-        raise TransportError(f"RDMA control message of {len(data)} bytes is over {limit}")
-    try:
-        doc = json.loads(bytes(data).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as ex:
-        raise TransportError(f"RDMA control message is not JSON ({ex})") from ex
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise TransportError(f"RDMA control message: format is not {FORMAT!r}")
-    return doc
+    return decode_json(data, limit, "RDMA control message", FORMAT)
 
 
 def decode_request(data: bytes) -> RdmaRequest:
@@ -194,20 +186,9 @@ class RdmaControlServer(ControlListener):
         self._answer(conn, req, record)
 
     def _refuse(self, req: RdmaRequest) -> tuple[ErrorCode, str] | HeldVersion:
-        try:
-            ok = self._verifier(req.tenant, req.model, req.version, req.token)
-        except Exception:  # a verifier that raises counts as a refusal
-            ok = False
-        if not ok:
-            return ErrorCode.DENIED, "read token refused"
-        held = self._store.get((req.tenant, req.model, req.version))
-        if held is None:
-            return ErrorCode.NOT_HELD, f"{req.model}@{req.version} is not held here"
-        if held.released:
-            return ErrorCode.RELEASED, f"{req.model}@{req.version} is released"
-        if held.layout.digest != req.layout_digest:
-            return ErrorCode.LAYOUT_MISMATCH, "layout digest differs"
-        if not held.complete or held.on_cuda:
+        key = (req.tenant, req.model, req.version)
+        held = held_for(self._store, self._verifier, key, req.token, req.layout_digest)
+        if isinstance(held, HeldVersion) and (not held.complete or held.on_cuda):
             why = "PARTIAL here" if not held.complete else "on CUDA (RDMA serves CPU memory)"
             return (
                 ErrorCode.NOT_READY,
