@@ -113,11 +113,21 @@ def _pull(
             return ChunkOutcome.failed(batch[0], TransportError("channel ended mid-batch"))
 
 
-def _worker(f: FetchState, sched: ChunkScheduler, source: Source) -> None:
+def _staging(f: FetchState) -> StagingBuffer | None:
+    """A worker's host staging for a CUDA destination (None: received in place). Created in
+    the caller's thread, after the destination was allocated: its copy streams wait on the
+    caller's current streams (transport.copies.CudaCopies)."""
+    if not f.dest.on_cuda:
+        return None
+    return StagingBuffer.for_tensors(f.layout.chunk_size, f.dest.tensors.values())
+
+
+def _worker(
+    f: FetchState, sched: ChunkScheduler, source: Source, staging: StagingBuffer | None
+) -> None:
     """One connection's worth of work against `source`, over its transport; reconnects
     only after NOT_READY (a PARTIAL holder that lacks a chunk yet), and gives the holder
     up on any other outcome or on a second NOT_READY without progress in between."""
-    staging = StagingBuffer(f.layout.chunk_size) if f.dest.on_cuda else None
     transport = transport_for(source.transport)
     strikes = 0
     while not f.aborted:
@@ -211,7 +221,10 @@ def read_round(
     per_source = max(1, math.ceil(parallel / len(usable)))
     threads = [
         threading.Thread(
-            target=_worker, args=(f, sched, s), name=f"fetch-{s.holder_id}", daemon=True
+            target=_worker,
+            args=(f, sched, s, _staging(f)),
+            name=f"fetch-{s.holder_id}",
+            daemon=True,
         )
         for s in rank(me, usable)
         for _ in range(per_source)

@@ -16,7 +16,8 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 
 import xxhash
 
@@ -148,12 +149,15 @@ class FetchState:
     def receive(
         self, sock: socket.socket, index: int, staging: StagingBuffer | None, pace: Pace | None
     ) -> ChunkOutcome:
-        """Receive one CHUNK for `index` into `dest`, verify it, mark it present. What the
+        """Receive one CHUNK for `index` into `dest`, verify it, commit it. What the
         holder answered is the outcome: DONE (with its payload bytes and whether the holder
         has the whole version), CORRUPT, or the status of its ERROR frame's code. I/O
         failures (a timeout, a cut connection, the rate floor) raise, and a chunk that
         fails part-way is remembered in `touched`. The frame is judged by `pace` when given
-        (a COMPLETE holder: across frames), else from its own first byte (transport/pace)."""
+        (a COMPLETE holder: across frames), else from its own first byte (transport/pace).
+        Through `staging` (CUDA) the chunk is received and verified in a host buffer, and a
+        DONE means its copy to the device was started: it is marked present once that copy
+        completed, and `Settling` holds its DONE back until then."""
         arm(sock, self.deadline, self.stall)
         pace = pace or self.pace(sock)
         ftype, flags, body = read_flagged_frame(sock, pace)
@@ -191,3 +195,35 @@ class FetchState:
         return ChunkOutcome(
             index, ChunkStatus.DONE, nbytes=expected, complete=bool(flags & FLAG_COMPLETE)
         )
+
+
+class Settling:
+    """The DONE outcomes of one channel's batch, reported only once their chunks are
+    committed. Without staging a chunk is present when `receive` returns, so its DONE goes
+    out at once. Through `staging` its copy to the device is still running: its DONE waits
+    until the copy completed and the chunk was marked present, so a chunk is never
+    counted, told (`on_chunk`), or taken off the schedule before its bytes are in `dest`.
+    Outcomes leave in the order the chunks were received."""
+
+    def __init__(self, staging: StagingBuffer | None) -> None:
+        self._staging = staging
+        self._waiting: deque[ChunkOutcome] = deque()
+
+    def done(self, out: ChunkOutcome) -> Iterator[ChunkOutcome]:
+        """Hold `out` (a DONE from `receive`); yield every DONE whose chunk is committed."""
+        self._waiting.append(out)
+        yield from self._report(None if self._staging is None else self._staging.settled())
+
+    def flush(self) -> Iterator[ChunkOutcome]:
+        """Wait for every pending copy, commit it, and yield the DONEs still held: at the end
+        of a batch and before any outcome that is not DONE (a failure included)."""
+        yield from self._report(None if self._staging is None else self._staging.flush())
+
+    def _report(self, settled: list[int] | None) -> Iterator[ChunkOutcome]:
+        if settled is None:  # no staging: committed in `receive`
+            settled = [out.index for out in self._waiting]
+        for index in settled:
+            out = self._waiting.popleft()
+            if out.index != index:
+                raise TransportError(f"chunk {index} committed where {out.index} was due")
+            yield out

@@ -51,6 +51,17 @@ FRAME_TIMEOUT = 10.0  # seconds for a complete request frame (from accept, or it
 Verifier = Callable[[str, str, int, bytes], bool]
 """`(tenant, model, version, token) -> bool`: may this token read this version here?"""
 
+Stager = Callable[[HeldVersion], StagingBuffer | None]
+"""The host staging a connection sends a version's chunks through (None: straight from the
+tensors' memory). Called once per connection and kind of version (device, chunk size)."""
+
+
+def cuda_staging(held: HeldVersion) -> StagingBuffer | None:
+    """Double-buffered pinned staging for a CUDA-resident version, none for host memory."""
+    if not held.on_cuda:
+        return None
+    return StagingBuffer.for_tensors(held.layout.chunk_size, held.tensors.values())
+
 
 def allow_all(tenant: str, model: str, version: int, token: bytes) -> bool:
     """A verifier that accepts every token: for tests and single-user development only."""
@@ -87,7 +98,8 @@ class HolderServer:
     """Serve the chunks of `store`'s versions on `host:port` (port 0: pick a free one).
 
     `verifier` decides who may read; `send` puts each chunk on the wire (`send_chunk`:
-    tests and chaos runs pass a misbehaving one); both are fixed at construction."""
+    tests and chaos runs pass a misbehaving one); `stage` picks the host staging of a
+    version's chunks (`cuda_staging`); all are fixed at construction."""
 
     def __init__(
         self,
@@ -104,9 +116,11 @@ class HolderServer:
         tls: TlsConfig | None = None,
         on_served: Callable[[int], None] | None = None,
         send: ChunkSender = send_chunk,
+        stage: Stager = cuda_staging,
     ) -> None:
         self.store, self.verifier = store, verifier
         self._send = send  # how each chunk goes out: fixed for the server's life
+        self._stage = stage
         self._tls = tls.server_context() if tls is not None else None
         self._on_served = on_served  # called with each chunk's payload bytes (metrics)
         self._bind = (host, port)
@@ -190,7 +204,7 @@ class HolderServer:
                 conn = self._handshake(record)
             set_kernel_timeout(conn, self._io_timeout)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            staging: list[StagingBuffer] = []  # created on first CUDA chunk
+            staging: dict[tuple[bool, int], StagingBuffer | None] = {}  # made when first needed
             while not self._stopped.is_set():
                 try:
                     req = self._request(record, conn)
@@ -266,38 +280,59 @@ class HolderServer:
         return held
 
     def _answer(
-        self, record: Conn, conn: socket.socket, req: GetRequest, staging: list[StagingBuffer]
+        self,
+        record: Conn,
+        conn: socket.socket,
+        req: GetRequest,
+        staging: dict[tuple[bool, int], StagingBuffer | None],
     ) -> None:
         held = self._lookup(record, req)
-        if held.on_cuda and not staging:
-            staging.append(StagingBuffer(held.layout.chunk_size))
-        buf = staging[0] if staging else None
-        wait = min(req.wait_ms / 1000, self._max_wait)
+        kind = (held.on_cuda, held.layout.chunk_size)
+        if kind not in staging:
+            staging[kind] = self._stage(held)
+        buf = staging[kind]
         try:
             with held.reading():
-                for index in req.chunks:
-                    if not held.is_present(index) and not held.wait_present(index, wait):
-                        raise _Refuse(ErrorCode.NOT_READY, f"chunk {index} not received yet")
-                    checksum = held.checksum(index, buf)
-                    views = held.source_views(index, buf)
-                    header = ChunkHeader(
-                        req.tenant,
-                        req.model,
-                        req.version,
-                        index,
-                        index * held.layout.chunk_size,
-                        sum(len(v) for v in views),
-                        checksum,
-                    )
-                    self._send(conn, header, views, held.complete)
-                    if self._on_served is not None:
-                        self._on_served(header.length)
+                try:
+                    self._send_chunks(conn, req, held, buf)
+                finally:
+                    if buf is not None:  # no copy may outlive the read (release waits for it)
+                        buf.drain()
         except VersionUnavailable as exc:
             raise _Refuse(ErrorCode.RELEASED, str(exc)) from exc
         except TensorHubError as exc:
             if isinstance(exc, TransportError):
                 raise
             raise _Refuse(ErrorCode.BAD_REQUEST, str(exc)) from exc
+
+    def _send_chunks(
+        self, conn: socket.socket, req: GetRequest, held: HeldVersion, buf: StagingBuffer | None
+    ) -> None:
+        """Send the chunks of `req` in order. Through staging, each chunk's device→host copy
+        is started while the one before it is being sent (`then`: the next chunk, when this
+        holder has it), and a chunk is sent once its own copy completed; the checksum is
+        computed over the staged bytes when not cached."""
+        wait = min(req.wait_ms / 1000, self._max_wait)
+        chunks = req.chunks
+        for k, index in enumerate(chunks):
+            if not held.is_present(index) and not held.wait_present(index, wait):
+                raise _Refuse(ErrorCode.NOT_READY, f"chunk {index} not received yet")
+            nxt = chunks[k + 1] if k + 1 < len(chunks) else None
+            then = nxt if buf is not None and nxt is not None and held.is_present(nxt) else None
+            views = held.source_views(index, buf, then=then)
+            checksum = held.checksum(index, buf)  # the same staged bytes: no second copy
+            header = ChunkHeader(
+                req.tenant,
+                req.model,
+                req.version,
+                index,
+                index * held.layout.chunk_size,
+                sum(len(v) for v in views),
+                checksum,
+            )
+            self._send(conn, header, views, held.complete)
+            if self._on_served is not None:
+                self._on_served(header.length)
 
 
 def _shut(sock: socket.socket) -> None:

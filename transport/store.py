@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 import xxhash
@@ -159,28 +160,47 @@ class HeldVersion:
 
     # -- bytes ---------------------------------------------------------------------------
 
-    def source_views(self, index: int, staging: StagingBuffer | None = None) -> list[memoryview]:
-        """The payload of chunk `index` as views over the tensors (CUDA: staged in `staging`)."""
-        segs = self.segments(index)
-        if self.on_cuda:
-            if staging is None:
+    def source_views(
+        self, index: int, staging: StagingBuffer | None = None, *, then: int | None = None
+    ) -> list[memoryview]:
+        """The payload of chunk `index`: views over the tensors' own memory, or, through
+        `staging` (required for CUDA), its copy in one of staging's host buffers, valid
+        until the next call on `staging`. `then`, the chunk to be asked for next, starts
+        gathering into staging's other buffer before this call waits for its own copy, so
+        that copy overlaps the send of this chunk (a PARTIAL holder passes only a chunk it
+        has). The caller drains `staging` (`StagingBuffer.drain`) before a read ends."""
+        if staging is None:
+            if self.on_cuda:
                 raise InvalidArgument("a CUDA-resident version needs a staging buffer")
-            return [staging.gather(self._flats, segs)]
-        return [self._views[s.tensor][s.start : s.start + s.length] for s in segs]
+            segs = self.segments(index)
+            return [self._views[s.tensor][s.start : s.start + s.length] for s in segs]
+        ahead = None if then is None else ((id(self), then), partial(self._parts, then))
+        return [staging.gather((id(self), index), partial(self._parts, index), ahead)]
+
+    def _parts(self, index: int) -> list[torch.Tensor]:
+        """Chunk `index`'s segments as flat uint8 tensors over the tensors (any device)."""
+        return [self._flats[s.tensor][s.start : s.start + s.length] for s in self.segments(index)]
 
     def sink_views(self, index: int, staging: StagingBuffer | None = None) -> list[memoryview]:
-        """Where to receive chunk `index`: tensor memory itself (CUDA: the staging buffer)."""
-        if self.on_cuda:
-            if staging is None:
+        """Where to receive chunk `index`: the tensors' own memory, or a free host buffer of
+        `staging` (required for CUDA), whose earlier copy has completed."""
+        if staging is None:
+            if self.on_cuda:
                 raise InvalidArgument("a CUDA-resident version needs a staging buffer")
-            return [staging.view[: self.layout.payload_bytes(index)]]
-        return self.source_views(index)
+            return self.source_views(index)
+        return [staging.sink(self.layout.payload_bytes(index))]
 
     def commit(self, index: int, checksum: int, staging: StagingBuffer | None = None) -> None:
-        """Make a received, verified chunk visible (CUDA: copy it to the device first)."""
-        if self.on_cuda and staging is not None:
-            staging.scatter(self._flats, self.segments(index))
-        self.mark_present(index, checksum)
+        """Make a received, verified chunk visible. Received through `staging`: its copy to
+        the tensors is started, and the chunk is marked present only once that copy
+        completed (`staging.settled()` / `flush()` say when), never before: a holder must
+        not serve bytes that are not in its memory yet."""
+        if staging is None:
+            self.mark_present(index, checksum)
+            return
+        # A chunk present already (received twice) is served: its memory is not rewritten.
+        parts = [] if self.is_present(index) else self._parts(index)
+        staging.scatter(parts, index, partial(self.mark_present, index, checksum))
 
     def checksum(self, index: int, staging: StagingBuffer | None = None) -> int:
         """xxh3-64 of chunk `index`'s payload; computed once, then cached (the memory of an
@@ -200,11 +220,24 @@ class HeldVersion:
         return wsum64(parts[0] if len(parts) == 1 else torch.cat(parts))
 
     def precompute_checksums(self) -> None:
-        """Compute every present chunk's checksum now (e.g. at publish), off the read path."""
-        staging = StagingBuffer(self.layout.chunk_size) if self.on_cuda else None
-        for i in range(self.layout.num_chunks):
-            if self._present[i]:
-                self.checksum(i, staging)
+        """Compute every present chunk's checksum now (e.g. at publish), off the read path.
+        CUDA: over the staged host bytes, each chunk's copy overlapping the previous hash."""
+        todo = [
+            i
+            for i in range(self.layout.num_chunks)
+            if self._present[i] and self._checksums[i] is None
+        ]
+        if not self.on_cuda:
+            for i in todo:
+                self.checksum(i)
+            return
+        staging = StagingBuffer.for_tensors(self.layout.chunk_size, self.tensors.values())
+        try:
+            for i, then in zip(todo, [*todo[1:], None], strict=True):
+                self.source_views(i, staging, then=then)  # stage i, start gathering `then`
+                self.checksum(i, staging)  # over i's staged bytes
+        finally:
+            staging.drain()
 
     # -- reads in flight and release -----------------------------------------------------
 
