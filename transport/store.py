@@ -19,7 +19,7 @@ import xxhash
 
 from tensorhub.errors import AlreadyExists, DeadlineExceeded, InvalidArgument, VersionUnavailable
 from tensorhub.names import validate_name, validate_version
-from transport.checksums import wsum64
+from transport.checksums import wsum64_of_segments
 from transport.layout import Layout, Segment
 from transport.staging import StagingBuffer
 
@@ -143,14 +143,21 @@ class HeldVersion:
                     break
             return bool(self._present[index]) and not self._released
 
-    def mark_present(self, index: int, checksum: int) -> None:
-        """Record chunk `index` as received and verified; wakes holders waiting on it."""
+    def mark_present(self, index: int, checksum: int | None) -> None:
+        """Record chunk `index` as received and verified; wakes holders waiting on it.
+        `checksum` is its xxh3-64 (None: not known yet, computed when first served)."""
         with self._cond:
             if not self._present[index]:
                 self._present[index] = 1
                 self._missing -= 1
             self._checksums[index] = checksum
             self._cond.notify_all()
+
+    @property
+    def flats(self) -> list[torch.Tensor]:
+        """One flat uint8 view per layout tensor over its own memory (any device): what a
+        same-host reader copies into (transport.ipc)."""
+        return self._flats
 
     def segments(self, index: int) -> list[Segment]:
         segs = self._segments[index]
@@ -216,8 +223,7 @@ class HeldVersion:
     def wsum64(self, index: int) -> int:
         """wsum64 of chunk `index` (`transport.checksums`), computed where the tensors are:
         for a version in GPU memory, kernels on the device and 8 bytes back, no host copy."""
-        parts = [self._flats[s.tensor][s.start : s.start + s.length] for s in self.segments(index)]
-        return wsum64(parts[0] if len(parts) == 1 else torch.cat(parts))
+        return wsum64_of_segments(self._flats, self.segments(index))
 
     def precompute_checksums(self) -> None:
         """Compute every present chunk's checksum now (e.g. at publish), off the read path.
