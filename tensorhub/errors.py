@@ -293,6 +293,13 @@ class SlowHolder(TransportError):
     rate: float = 0.0  # the bytes/s it delivered over the window it was judged on
 
 
+@_code("UNAVAILABLE")
+class IpcIneligible(TransportError):
+    """Same-host CUDA IPC cannot be used with this holder (another IPC namespace, driver or
+    process; handles that do not open; a failed probe); the message says why. The reader
+    reads the same holder over TCP instead and records the reason (`transport.ipc`)."""
+
+
 @_code("DATA_LOSS", default_for=("DATA_LOSS",))
 class IntegrityError(TensorHubError):
     """Bytes failed their checksum or carried the wrong version, and no holder had good ones."""

@@ -34,6 +34,7 @@ import xxhash
 from tensorhub.endpoints import format_endpoint
 from tensorhub.errors import (
     IntegrityError,
+    IpcIneligible,
     TensorHubError,
     TransportError,
     VersionUnavailable,
@@ -42,7 +43,6 @@ from transport.backend import TransportKind
 from transport.checksums import WSUM64
 from transport.frames import recv_message, send_message
 from transport.ipc.cuda import (
-    IpcIneligible,
     Mapping,
     copy_spans,
     mapped_wsum64,

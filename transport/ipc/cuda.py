@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from tensorhub.errors import TransportError
+from tensorhub.errors import IpcIneligible
 from transport.checksums import wsum64_of_segments
 from transport.ipc.fingerprint import local_fingerprint
 from transport.ipc.protocol import IpcGrant, Storage
@@ -34,10 +34,6 @@ from transport.store import HeldVersion
 # torch's CUDA and storage-sharing calls are untyped; they are reached through these.
 _cuda: Any = torch.cuda
 _torch: Any = torch
-
-
-class IpcIneligible(TransportError):
-    """CUDA IPC cannot be used with this holder; the message says why (a TCP fallback)."""
 
 
 def device_uuid(device: torch.device) -> str:

@@ -22,10 +22,10 @@ import socket
 import threading
 from collections.abc import Callable
 
-from tensorhub.errors import TransportError, VersionUnavailable
+from tensorhub.errors import IpcIneligible, TransportError, VersionUnavailable
 from transport.admission import Conn
 from transport.frames import held_for, recv_message, send_message
-from transport.ipc.cuda import Export, IpcIneligible, export, probe_sum
+from transport.ipc.cuda import Export, export, probe_sum
 from transport.ipc.protocol import (
     MAX_GRANT_BYTES,
     MAX_REQUEST_BYTES,
