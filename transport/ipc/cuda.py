@@ -8,9 +8,11 @@ stream, after every write the holder made through it. torch shares per call, so 
 gets its own counters.
 
 Reader side (`open_grant`): the grant's GPU is found by UUID among this process's devices,
-each storage is opened with `UntypedStorage._new_shared_cuda` (torch's own rebuild path,
-which also waits on the share event), each tensor becomes a uint8 view of its storage, and
-the holder's event is opened for the copy stream to wait on.
+each storage is opened with `UntypedStorage._new_shared_cuda` (torch's own rebuild path: it
+takes every field as torch gave it, the event handle as bytes even when no sync is
+required, and waits on the share event on the default stream), each tensor becomes a uint8
+view of its storage, and the holder's event is opened for the copy stream to wait on.
+Empty tensors share nothing (torch has no handle for an empty storage).
 
 Nothing here runs without a CUDA device; every failure to open is `IpcIneligible`, which the
 channel turns into a TCP fallback with that reason.
@@ -78,12 +80,14 @@ def _export(
     places: list[tuple[int, int]] = []
     for t in tensors:
         storage: Any = t.untyped_storage()
+        if not t.numel() or not storage.nbytes():  # nothing to share (torch has no handle)
+            places.append((0, 0))
+            continue
         key = int(storage.data_ptr())
         if key not in seen:
             _, handle, size, offset, ref, ref_off, ev, sync = storage._share_cuda_()
             seen[key] = len(storages)
-            event = bytes(ev or b"")  # None when torch needs no share event
-            shared = Storage(bytes(handle), size, offset, bytes(ref), ref_off, event, sync)
+            shared = Storage(bytes(handle), size, offset, bytes(ref), ref_off, bytes(ev), sync)
             storages.append(shared)
         places.append((seen[key], int(t.storage_offset()) * t.element_size()))
     written = _cuda.Event(interprocess=True)
@@ -125,6 +129,11 @@ def open_grant(grant: IpcGrant, layout: Layout) -> Mapping:
         raise IpcIneligible(f"the holder's CUDA IPC handles do not open here: {exc}") from exc
     flats = []
     for spec, (which, offset) in zip(layout.tensors, grant.places, strict=True):
+        if not spec.nbytes:  # an empty tensor: nothing shared, nothing to copy
+            flats.append(torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index)))
+            continue
+        if which >= len(opened):
+            raise IpcIneligible(f"the grant shares no storage for {spec.name!r}")
         storage = opened[which]
         if offset + spec.nbytes > storage.nbytes():
             raise IpcIneligible(f"the grant's storage for {spec.name!r} is too small for it")
@@ -137,7 +146,7 @@ def _open_storage(device: int, s: Storage) -> Any:
     """One shared storage opened in this process, as torch's own rebuild opens it."""
     return _torch.UntypedStorage._new_shared_cuda(
         device, s.handle, s.size, s.offset, s.ref_counter, s.ref_counter_offset,
-        s.event if s.event_sync_required else None, s.event_sync_required,
+        s.event, s.event_sync_required,
     )  # fmt: skip
 
 
