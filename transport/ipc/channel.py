@@ -151,7 +151,8 @@ class IpcChannel:
                 bad = ChunkOutcome(index, ChunkStatus.CORRUPT, IntegrityError(why))
                 break
             good.append((index, checksum))
-        ack = self._report(len(chunks))
+        assert self._sock is not None
+        ack = _report(self._sock, len(chunks))
         if not epoch_ok(grant.epoch, ack.epoch, grant.epoch):
             self._drop(chunks)
             self._end_lease()
@@ -186,11 +187,6 @@ class IpcChannel:
         value = int(h.intdigest())
         return value == f.expected[index], value
 
-    def _report(self, copied: int, *, final: bool = False) -> Ack:
-        assert self._sock is not None
-        send_message(self._sock, Report(copied, final).encode())
-        return Ack.decode(recv_message(self._sock, MAX_SMALL_BYTES))
-
     def _drop(self, chunks: Sequence[int]) -> None:
         f = self._f
         with f.lock:
@@ -221,9 +217,7 @@ class IpcChannel:
         if sock is not None:
             if self._grant is not None:
                 with contextlib.suppress(TensorHubError, OSError):
-                    self._sock = sock
-                    self._report(0, final=True)
-                self._sock = None
+                    _report(sock, 0, final=True)
             with self._f.lock:
                 self._f.socks.discard(sock)
             with contextlib.suppress(OSError):
@@ -234,6 +228,12 @@ class IpcChannel:
         self._end_lease()
         if self._tcp is not None:
             self._tcp.close()
+
+
+def _report(sock: socket.socket, copied: int, *, final: bool = False) -> Ack:
+    """Report `copied` chunks done on the lease; the holder's answer (its epoch now)."""
+    send_message(sock, Report(copied, final).encode())
+    return Ack.decode(recv_message(sock, MAX_SMALL_BYTES))
 
 
 class IpcTransport:
