@@ -5,7 +5,7 @@ usable device: the client then starts an `RdmaControlServer` over the same store
 verifier as its TCP server, and advertises its `HOST:PORT` (same host as the tcp
 endpoint) as the `rdma` endpoint. Queue-pair numbers, GIDs and keys are exchanged on that
 channel per reader, never written into the record (tensorhub/endpoints.py). Same-host CUDA
-IPC likewise when this process has a CUDA device (`ipc_available()`): an
+IPC likewise when this process has a CUDA device (`ipc_unavailable_reason()` is empty): an
 `IpcControlServer`, advertised as `ipc`; it grants leases only on versions held in GPU
 memory. A client with TLS advertises neither: their control channels (and one-sided
 reads) are not encrypted, and a holder that requires TLS must not serve bytes without
@@ -19,9 +19,10 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from tensorhub.endpoints import format_endpoint, parse_endpoint
-from transport.ipc import ipc_available, ipc_unavailable_reason
+from transport.ipc import ipc_unavailable_reason
 from transport.ipc.server import IpcControlServer
 from transport.rdma import rdma_available, rdma_unavailable_reason
 from transport.rdma.control import RdmaControlServer
@@ -62,12 +63,19 @@ def served_endpoints(
     can serve them, {"rdma": ..., "ipc": ...}, HOST:PORT of their control channels,
     started on first use."""
     endpoints = {"tcp": tcp}
+    no_rdma = "" if rdma_available() else rdma_unavailable_reason() or "no device"
     with _lock:
         if owner not in _servers:
             _servers[owner] = _Served(
-                _start_rdma(store, verifier, listen_host, tls),
-                _start_ipc(store, verifier, listen_host, tls),
-            )
+                _start(
+                    "rdma", no_rdma, tls,
+                    lambda: RdmaControlServer(store, verifier, listen_host, 0).start(),
+                ),
+                _start(
+                    "ipc", ipc_unavailable_reason(), tls,
+                    lambda: IpcControlServer(store, verifier, listen_host, 0).start(),
+                ),
+            )  # fmt: skip
         served = _servers[owner]
     host, _ = parse_endpoint(tcp)
     if served.rdma is not None:
@@ -77,35 +85,23 @@ def served_endpoints(
     return endpoints
 
 
-def _start_rdma(
-    store: HolderStore, verifier: Verifier, listen_host: str, tls: bool
-) -> RdmaControlServer | None:
-    if not rdma_available():
-        log.debug("advertising no rdma: %s", rdma_unavailable_reason())
-        return None
-    if tls:
-        log.info("advertising no rdma: TLS is on and RDMA reads are not encrypted")
-        return None
-    try:
-        return RdmaControlServer(store, verifier, listen_host, 0).start()
-    except OSError as exc:
-        log.warning("advertising no rdma: cannot listen for RDMA readers: %s", exc)
-        return None
+S = TypeVar("S", RdmaControlServer, IpcControlServer)
 
 
-def _start_ipc(
-    store: HolderStore, verifier: Verifier, listen_host: str, tls: bool
-) -> IpcControlServer | None:
-    if not ipc_available():
-        log.debug("advertising no ipc: %s", ipc_unavailable_reason())
+def _start(kind: str, unavailable: str, tls: bool, start: Callable[[], S]) -> S | None:
+    """The `kind` control channel started by `start`, or None (logged why): not available
+    here (`unavailable`, the probe's reason), TLS on (neither channel is encrypted), or it
+    cannot listen."""
+    if unavailable:
+        log.debug("advertising no %s: %s", kind, unavailable)
         return None
     if tls:
-        log.info("advertising no ipc: TLS is on and the IPC control channel is not encrypted")
+        log.info("advertising no %s: TLS is on and its control channel is not encrypted", kind)
         return None
     try:
-        return IpcControlServer(store, verifier, listen_host, 0).start()
+        return start()
     except OSError as exc:
-        log.warning("advertising no ipc: cannot listen for IPC readers: %s", exc)
+        log.warning("advertising no %s: cannot listen for its readers: %s", kind, exc)
         return None
 
 
