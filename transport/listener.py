@@ -10,6 +10,7 @@ no thread waits on a peer past it.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import logging
 import socket
@@ -33,9 +34,9 @@ def shut(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RDWR)
 
 
-class ControlListener:
+class ControlListener(abc.ABC):
     """Accepts control connections on `host:port` (0: a free port) and serves each one in a
-    thread. Subclasses implement `serve` and `refusal`; `tick` runs on every loop turn."""
+    thread. Subclasses implement `serve`, `refusal` and `tick` (run on every loop turn)."""
 
     name = "control"
 
@@ -71,14 +72,15 @@ class ControlListener:
         if self._thread.is_alive():
             self._thread.join(timeout=2.0)
 
+    @abc.abstractmethod
     def serve(self, conn: socket.socket, record: Conn) -> None:
         """Answer one admitted connection (its thread); the listener forgets and closes it."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def refusal(self, code: ErrorCode, message: str) -> bytes:
         """The encoded refusal this channel's readers understand."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def tick(self) -> None:
         """Housekeeping on every turn of the accept loop (at least twice a second)."""
 

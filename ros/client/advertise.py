@@ -63,9 +63,9 @@ def served_endpoints(
     can serve them, {"rdma": ..., "ipc": ...}, HOST:PORT of their control channels,
     started on first use."""
     endpoints = {"tcp": tcp}
-    no_rdma = "" if rdma_available() else rdma_unavailable_reason() or "no device"
     with _lock:
         if owner not in _servers:
+            no_rdma = "" if rdma_available() else rdma_unavailable_reason() or "no device"
             _servers[owner] = _Served(
                 _start(
                     "rdma", no_rdma, tls,
