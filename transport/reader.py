@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import TypedDict, Unpack
 
 from tensorhub.errors import (
     DeadlineExceeded,
@@ -57,6 +58,7 @@ __all__ = [
     "ChunkCallback",
     "FetchStats",
     "Round",
+    "RoundOptions",
     "Source",
     "TokenSource",
     "fetch",
@@ -245,6 +247,19 @@ def read_round(
     return Round([c for c in missing if not dest.is_present(c)], dict(sched.failures))
 
 
+class RoundOptions(TypedDict, total=False):
+    """The keyword options `fetch` passes through to `read_round` (see it for each one)."""
+
+    chunks: Collection[int] | None
+    parallel: int
+    stall_timeout: float
+    expected: Sequence[int] | None
+    tls: TlsConfig | None
+    rate_floor: float
+    checks: ChunkChecks
+    checksum: str
+
+
 def fetch(
     tenant: str,
     model: str,
@@ -256,25 +271,18 @@ def fetch(
     token: bytes | TokenSource,
     deadline: float,
     me: Topology,
-    chunks: Collection[int] | None = None,
-    parallel: int = DEFAULT_PARALLEL,
-    stall_timeout: float = DEFAULT_STALL,
-    expected: Sequence[int] | None = None,
-    tls: TlsConfig | None = None,
-    rate_floor: float = DEFAULT_RATE_FLOOR,
-    checks: ChunkChecks = STRICT,
-    checksum: str = XXH3,
+    **options: Unpack[RoundOptions],
 ) -> FetchStats:
     """`read_round` from the holders named, raising when chunks are still missing after it:
     `IntegrityError` when the only bytes on offer were bad, `PermissionDenied` when every
     holder refused the token, `DeadlineExceeded` when time ran out, else `VersionUnavailable`
-    (no holder left). Its stats, with the round's duration, when every chunk arrived."""
+    (no holder left). Its stats, with the round's duration, when every chunk arrived.
+    `options` are `read_round`'s, with its defaults."""
     start = time.monotonic()
     stats = FetchStats()
     result = read_round(
         tenant, model, version, layout, dest, sources, token=token, deadline=deadline, me=me,
-        chunks=chunks, parallel=parallel, stall_timeout=stall_timeout, expected=expected,
-        tls=tls, rate_floor=rate_floor, checks=checks, stats=stats, checksum=checksum,
+        stats=stats, **options,
     )  # fmt: skip
     what = f"fetch {model}@{version}"
     if not result.done:
