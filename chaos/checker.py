@@ -14,6 +14,11 @@ served at, so visibility is checked by version and by revision.
 4. nothing acknowledged is lost: `chaos.checker_lost`;
 5. no hangs: every completed call ended within its deadline (plus `grace`);
 6. isolation: no intruder probe was allowed.
+
+Versions of the model-parallel workload (`MP_MODEL`) are checked by `chaos.checker_shards`:
+1 there also means every visible version is whole (no version visible with a shard missing)
+and every shard read has its rank's bytes; 2 and 3 hold for its `latest` as here; 4 covers
+a shard left without holders, and a rank's retried shard publish that was refused.
 """
 
 from __future__ import annotations
@@ -24,16 +29,18 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from chaos.history import FAIL, INFO, OK, Op
+from chaos.history import FAIL, INFO, MP_MODEL, OK, Op
 
 INVARIANTS = {
     "torn-read": 1,
+    "partial-version": 1,
     "stale-read": 2,
     "phantom-read": 2,
     "missed-watch": 2,
     "watch-filter": 2,
     "non-monotonic": 3,
     "lost-version": 4,
+    "shard-retry": 4,
     "past-deadline": 5,
     "cross-tenant": 6,
 }
@@ -87,9 +94,11 @@ class Facts:
 def check(facts: Facts) -> list[Violation]:
     """Run every check; violations are ordered by invariant."""
     from chaos.checker_lost import check_lost
+    from chaos.checker_shards import check_shards
 
     found = [
         *check_torn(facts.ops),
+        *check_shards(facts),
         *check_visibility(facts.ops),
         *check_watch_gaps(facts.ops),
         *check_monotonic(facts.ops),
@@ -127,9 +136,42 @@ def check_torn(ops: list[Op]) -> list[Violation]:
 
 
 def check_visibility(ops: list[Op]) -> list[Violation]:
-    """Linearizable `latest`: never older than a publish acknowledged before it began,
-    and never a version that no publish may have written."""
-    acked = sorted((p for p in ops if p.f == "publish" and p.outcome == OK), key=lambda p: p.end)
+    """Linearizable `latest` of the whole-version model: never older than a publish
+    acknowledged before it began, and never a version that no publish may have written."""
+    publishes = _publishes(ops)
+    out, reads = [], []
+    for op in ops:
+        if op.f not in ("latest", "watch") or op.outcome != OK or model_of(op) == MP_MODEL:
+            continue
+        version = int(op.value["version"])
+        if op.f == "latest":
+            reads.append(op)
+        if not version:
+            continue
+        possible = [
+            p for p in publishes.get(version, []) if p.outcome != FAIL and p.invoke <= op.end
+        ]
+        if not possible:
+            out.append(
+                Violation(
+                    "phantom-read",
+                    f"{op.f} saw policy@{version}, which no publish may have written",
+                    [op, *publishes.get(version, [])],
+                )
+            )
+    acked = [p for p in ops if p.f == "publish" and p.outcome == OK]
+    return out + stale_reads(reads, acked)
+
+
+def model_of(op: Op) -> str:
+    """The model an operation is about (watch events carry none: the whole-version one)."""
+    return str(op.args.get("model", "policy"))
+
+
+def stale_reads(reads: list[Op], acked: list[Op]) -> list[Violation]:
+    """`latest` reads that returned a version, or a revision, older than one of `acked` (the
+    publishes that moved `latest`, with their commit revision) had before the read began."""
+    acked = sorted(acked, key=lambda p: p.end)
     ends = [p.end for p in acked]
     best: list[Op] = []  # best[i]: the highest acknowledged publish among acked[: i + 1]
     for p in acked:
@@ -141,26 +183,9 @@ def check_visibility(ops: list[Op]) -> list[Violation]:
     for p in acked:
         newer = not by_revision or int(p.value["revision"]) > int(by_revision[-1].value["revision"])
         by_revision.append(p if newer else by_revision[-1])
-    publishes = _publishes(ops)
     out = []
-    for op in ops:
-        if op.f not in ("latest", "watch") or op.outcome != OK:
-            continue
+    for op in reads:
         version, revision = int(op.value["version"]), int(op.value["revision"])
-        if version:
-            possible = [
-                p for p in publishes.get(version, []) if p.outcome != FAIL and p.invoke <= op.end
-            ]
-            if not possible:
-                out.append(
-                    Violation(
-                        "phantom-read",
-                        f"{op.f} saw policy@{version}, which no publish may have written",
-                        [op, *publishes.get(version, [])],
-                    )
-                )
-        if op.f != "latest":
-            continue
         i = bisect.bisect_left(ends, op.invoke) - 1
         if i < 0:
             continue
@@ -236,11 +261,11 @@ def check_watch_gaps(ops: list[Op]) -> list[Violation]:
 def check_monotonic(ops: list[Op]) -> list[Violation]:
     """Per client: versions and revisions of `latest` never decrease; watched versions rise."""
     out = []
-    last: dict[tuple[str, str], Op] = {}
+    last: dict[tuple[str, str, str], Op] = {}
     for op in sorted(ops, key=lambda o: o.end):
         if op.f not in ("latest", "watch") or op.outcome != OK:
             continue
-        key = (op.client, op.f)
+        key = (op.client, op.f, model_of(op))
         prev = last.get(key)
         last[key] = op
         if prev is None:

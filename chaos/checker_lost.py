@@ -14,6 +14,10 @@ was retained:
 
 Everything that could excuse the failure is given the benefit of the doubt, so what remains
 is a version the system lost while it had every means to serve it.
+
+Shards of model-parallel versions (`publish-shard`, `fetch-shard`) are checked the same way,
+per shard: a fetch of shard i fails only when no healthy holder of shard i is left (its rank,
+or a reader that fetched shard i). Holds, releases and retention are counted per model.
 """
 
 from __future__ import annotations
@@ -30,6 +34,12 @@ from chaos.history import FAIL, OK, Op
 LOST_ERRORS = ("VersionUnavailable", "VersionNotFound", "IntegrityError")
 
 
+PUBLISHES, FETCHES = ("publish", "publish-shard"), ("fetch", "fetch-shard")
+
+# What a hold is of: (model, version, shard), the shard None for a whole version.
+Part = tuple[str, int, int | None]
+
+
 @dataclass(frozen=True)
 class Hold:
     client: str
@@ -39,39 +49,57 @@ class Hold:
     op: Op
 
 
-def holds(facts: Facts) -> dict[int, list[Hold]]:
-    """Who held which version from when to when, according to the history."""
-    released: dict[tuple[str, int], float] = {}
+def part_of(op: Op) -> Part:
+    shard = op.args.get("shard")
+    return (
+        str(op.args.get("model", "policy")),
+        int(op.args["version"]),
+        (None if shard is None else int(shard)),
+    )
+
+
+def _what(part: Part) -> str:
+    model, version, shard = part
+    return f"{model}@{version}" if shard is None else f"shard {shard} of {model}@{version}"
+
+
+def holds(facts: Facts) -> dict[Part, list[Hold]]:
+    """Who held which version (or shard) from when to when, according to the history."""
+    released: dict[tuple[str, str, int], float] = {}
     for op in facts.ops:
         if op.f == "release":
-            key = (op.client, int(op.args["version"]))
+            model, version, _ = part_of(op)
+            key = (op.client, model, version)  # a client holds one shard of a version
             released[key] = min(released.get(key, op.invoke), op.invoke)
-    out: dict[int, list[Hold]] = defaultdict(list)
+    out: dict[Part, list[Hold]] = defaultdict(list)
     for op in facts.ops:
-        if op.outcome != OK or op.f not in ("publish", "fetch") or op.complete is None:
+        if op.outcome != OK or op.f not in (*PUBLISHES, *FETCHES) or op.complete is None:
             continue
-        version = int(op.args["version"])
+        part = part_of(op)
         life = facts.incarnations.get(op.client, (op.invoke, float("inf")))[1]
-        end = min(released.get((op.client, version), float("inf")), life)
-        out[version].append(Hold(op.client, version, op.complete, end, op))
+        end = min(released.get((op.client, part[0], part[1]), float("inf")), life)
+        out[part].append(Hold(op.client, part[1], op.complete, end, op))
     return out
 
 
 def check_lost(facts: Facts) -> list[Violation]:
     all_holds = holds(facts)
     newer_publishes = sorted(
-        (int(p.args["version"]), p.invoke)
+        (part_of(p)[0], int(p.args["version"]), p.invoke)
         for p in facts.ops
-        if p.f == "publish" and p.outcome != FAIL
+        if p.f in PUBLISHES and p.outcome != FAIL
     )
     out = []
     for op in facts.ops:
-        if op.f != "fetch" or op.outcome != FAIL or op.complete is None:
+        if op.f not in FETCHES or op.outcome != FAIL or op.complete is None:
             continue
         if not op.error.startswith(LOST_ERRORS):
             continue
-        version = int(op.args["version"])
-        newer = {v for v, t in newer_publishes if v > version and t <= op.complete}
+        part = part_of(op)
+        model, version, _ = part
+        newer = {
+            v for m, v, t in newer_publishes if m == model and v > version and t <= op.complete
+        }
         if len(newer) >= facts.retain:
             continue
         quiet_from = op.invoke - facts.session_ttl - 1.0
@@ -80,7 +108,7 @@ def check_lost(facts: Facts) -> list[Violation]:
             for f in facts.faults
         ):
             continue
-        for hold in all_holds.get(version, []):
+        for hold in all_holds.get(part, []):
             if hold.client == op.client or hold.start > op.invoke or hold.end < op.complete:
                 continue
             worker = hold.client.split("#", 1)[0]
@@ -92,7 +120,7 @@ def check_lost(facts: Facts) -> list[Violation]:
             out.append(
                 Violation(
                     "lost-version",
-                    f"policy@{version} was unavailable although {hold.client} held it, "
+                    f"{_what(part)} was unavailable although {hold.client} held it, "
                     "healthy, for the whole fetch",
                     [hold.op, op],
                 )

@@ -47,6 +47,10 @@ DEFINITE_WRITE_ERRORS: tuple[type[Exception], ...] = (
 
 OK, FAIL, INFO = "ok", "fail", "info"
 
+# The model of the model-parallel workload (`chaos.shards`): its operations are checked by
+# `chaos.checker_shards`, the whole-version model's by the rest of the checker.
+MP_MODEL = "policy-mp"
+
 
 @dataclass
 class Op:
@@ -54,7 +58,7 @@ class Op:
 
     id: int
     client: str  # worker name and incarnation, e.g. "reader-0#2"
-    f: str  # publish, latest, fetch, release, watch, probe
+    f: str  # publish, latest, fetch, release, watch, probe; publish-shard, fetch-shard, ...
     invoke: float
     timeout: float
     args: dict[str, Any] = field(default_factory=dict)
