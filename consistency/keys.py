@@ -7,7 +7,7 @@
 {p}/t/{tenant}/m/{model}/v/{version:020d}/h/{holder}
 {p}/t/{tenant}/m/{model}/v/{version:020d}/pin/{id}
 {p}/t/{tenant}/mp/{model}/{version:020d}/{part}/{writer}/{page:06d}   (manifest pages)
-{p}/t/{tenant}/mp/{model}/{version:020d}/arrived       (shard counter: its version counts)
+{p}/t/{tenant}/mp/{model}/{version:020d}/arrived       (shard counter: count, arrived)
 {p}/t/{tenant}/s/{session:x}                           (marks a lease as the tenant's)
 {p}/t/{tenant}/quota/{what}                            (fence of a counted create: models, sessions)
 {p}/tenants/{tenant}
@@ -151,7 +151,8 @@ class Keys:
         return f"{part_prefix}{validate_name(writer, 'writer')}/"
 
     def shard_arrivals(self, tenant: str, model: str, version: int) -> str:
-        """Put once by every shard's publish: its etcd `version` counts the shards arrived."""
+        """The version's shard counter, `{"count": n, "arrived": k}`: put once by every
+        batch of its shards (`consistency.shard_commit`)."""
         return f"{self.manifest_pages(tenant, model, version)}arrived"
 
     # -- parsing ---------------------------------------------------------------------------

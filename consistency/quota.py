@@ -57,3 +57,21 @@ class CountedCreate:
         if count >= self._limit:
             raise QuotaExceeded(f"{count} {self._what} (quota {self._limit})")
         return [ops.mod(self._fence, "==", seen)], [ops.put(self._fence, b"")]
+
+    def admit_many(
+        self, wanted: int, timeout: float
+    ) -> tuple[int, list[ops.Cmp], list[ops.Op], QuotaExceeded | None]:
+        """`admit` for `wanted` unnamed creates in one transaction (a batch of sessions):
+        how many fit, the compare and put to add for those, and the refusal for the rest
+        (None if all fit). One fence read and one count, whatever `wanted` is."""
+        kv, _ = self._etcd.get(self._fence, timeout=timeout)
+        seen = kv.mod_revision if kv is not None else 0
+        members = self._members(timeout)
+        count = members if isinstance(members, int) else len(members)
+        admitted = max(0, min(wanted, self._limit - count))
+        refusal = None
+        if admitted < wanted:
+            refusal = QuotaExceeded(f"{count + admitted} {self._what} (quota {self._limit})")
+        if not admitted:
+            return 0, [], [], refusal
+        return admitted, [ops.mod(self._fence, "==", seen)], [ops.put(self._fence, b"")], refusal

@@ -15,9 +15,12 @@ A publish adds `charge`'s compare and put to its own transaction: the compare is
 usage key's mod_revision as read, so two publishes that both read the same usage cannot both
 commit (the loser retries, re-reading it), and the budget holds across every hub replica
 with no state of their own. Past either limit the publish fails with `QuotaExceeded` before
-it writes (`charge` is also asked once before the manifest is staged). The cost: a tenant's
-publishes commit one at a time in etcd (on one replica they queue on a lock first:
-`ros.hub.budget.tenant_serial`).
+it writes (`charge` is also asked once before the manifest is staged). The cost: two
+publishes of one tenant that read the same usage cannot both commit, so the loser reads again
+and retries. The shards of one version are charged once per batch (`charge_many`,
+`consistency.shard_commit`), so a burst of thousands of ranks costs one charge per
+transaction, not one contended charge per shard; different models of a tenant retry each
+other's compares only when they commit at the same instant (no lock serializes them).
 
 Holder, pin and session records are not charged here: they are small, bounded in size, and
 bounded in number by the session quota (each lives under its session's lease).
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from consistency import ops
@@ -82,25 +85,54 @@ class TenantBudget:
     def charge(self, nbytes: int, publishes: float, timeout: float) -> Guard:
         """The compare and put that charge a publish in its transaction, or `QuotaExceeded`.
         Call again (a fresh read) after the transaction fails."""
+        admitted, compares, puts, refusal = self.charge_many([nbytes], timeout, publishes)
+        if not admitted:
+            assert refusal is not None  # charge_many names why it admitted nothing
+            raise refusal
+        return compares, puts
+
+    def charge_many(
+        self, sizes: Sequence[int], timeout: float, publishes: float = 1.0
+    ) -> tuple[int, list[ops.Cmp], list[ops.Op], QuotaExceeded | None]:
+        """Charge a batch of publishes (`sizes`: each one's manifest bytes, `publishes`
+        tokens each) in one compare and put, after one read: how many of them, in order,
+        fit; the compare and put that charge those; and the refusal for the rest (None if
+        all fit). Call again (a fresh read) after the transaction fails."""
         kv, _ = self._etcd.get(self._key, timeout=timeout)
         usage = Usage.decode(kv.value) if kv is not None else Usage()
         now = self._clock()
         tokens = float(self._rate) if usage.tokens < 0 else usage.tokens
         tokens = min(float(self._rate), tokens + max(0.0, now - usage.at) * self._rate / 60.0)
-        charged = nbytes + RECORD_BYTES
-        if usage.held + charged > self._max_bytes:
-            raise QuotaExceeded(
-                f"tenant {self._tenant} holds {usage.held} bytes in etcd; {charged} more "
-                f"would pass its quota of {self._max_bytes} (max_etcd_bytes)"
-            )
-        if tokens < publishes - 1e-9:
-            raise QuotaExceeded(
-                f"tenant {self._tenant} publishes faster than its quota of {self._rate} "
-                "per minute (max_publishes_per_minute): retry later"
-            )
-        after = Usage(usage.held + charged, tokens - publishes, now)
+        held = usage.held
+        admitted = 0
+        refusal: QuotaExceeded | None = None
+        for nbytes in sizes:
+            charged = nbytes + RECORD_BYTES
+            if held + charged > self._max_bytes:
+                refusal = QuotaExceeded(
+                    f"tenant {self._tenant} holds {held} bytes in etcd; {charged} more "
+                    f"would pass its quota of {self._max_bytes} (max_etcd_bytes)"
+                )
+                break
+            if tokens < publishes - 1e-9:
+                refusal = QuotaExceeded(
+                    f"tenant {self._tenant} publishes faster than its quota of {self._rate} "
+                    "per minute (max_publishes_per_minute): retry later"
+                )
+                break
+            held += charged
+            tokens -= publishes
+            admitted += 1
+        if not admitted:
+            return 0, [], [], refusal
+        after = Usage(held, tokens, now)
         seen = kv.mod_revision if kv is not None else 0
-        return [ops.mod(self._key, "==", seen)], [ops.put(self._key, after.encode())]
+        return (
+            admitted,
+            [ops.mod(self._key, "==", seen)],
+            [ops.put(self._key, after.encode())],
+            refusal,
+        )
 
 
 def release(etcd: Etcd, keys: Keys, tenant: str, nbytes: int, timeout: float) -> Guard:

@@ -3,10 +3,10 @@
 Publish is one etcd transaction that compares `latest`'s mod_revision with the one read, so
 two publishers racing for the same version cannot both win, and `latest` only ever moves up.
 A manifest too big for one etcd value is paged first (`consistency.manifests`) and its pages
-are committed by the same transaction. Model-parallel ranks each write a shard record and
-bump a per-version counter; a nested transaction moves `latest` only in the transaction that
-finds every other shard counted, so no reader ever sees a version with missing shards, and no
-transaction compares more than its own keys (4,096 shards within etcd's 128 ops).
+are committed by the same transaction. Model-parallel ranks' shards are committed in batches
+(`consistency.shard_commit`): each batch writes its shards' records and counts them in the
+version's counter, and the batch that counts the last shard moves `latest`, so no reader ever
+sees a version with missing shards.
 Retention keeps the newest N complete versions; older ones are deleted unless a reader has
 pinned them. The publish transaction and its retry loop are `consistency.publishing`.
 """
@@ -31,6 +31,7 @@ from consistency.manifests import (
 from consistency.publishing import DEFAULT_TIMEOUT, Admit, Published, Publisher
 from consistency.records import HolderRecord, HolderState, PartHeader, ShardRecord
 from consistency.retry import CAS_POLICY, LostRace
+from consistency.shard_commit import Budget, ShardCommitter, ShardEntry
 from tensorhub.errors import InvalidArgument, TensorHubError
 from tensorhub.names import validate_name, validate_version
 
@@ -230,20 +231,40 @@ class VersionRegistry:
         *,
         timeout: float = DEFAULT_TIMEOUT,
         admit_model: Admit | None = None,
-        charge: Admit | None = None,
-        serial: AbstractContextManager[object] | None = None,
+        budget: Budget | None = None,
     ) -> Published:
-        """Publish one rank's shard of a model-parallel version (`admit_model`: as `publish`).
+        """Publish one rank's shard of a model-parallel version, alone (a batch of one:
+        `consistency.shard_commit`, which the hub uses to commit concurrent ranks together).
 
         The transaction writes the shard record, the rank's holder record and the shard's
-        manifest pages, and puts the version's `arrived` counter, whose etcd `version` then
-        counts the shards committed. A nested transaction moves `latest` only if the counter
-        had counted `count - 1` shards before this one (nested compares see the state before
-        the transaction), so exactly one rank (the last) makes the version visible, with one
-        compare whatever the shard count. `Published.visible` says which. The counter's value
-        is the shard count: a rank that names another count than the ranks before it gets
-        `InvalidArgument` and writes nothing.
+        manifest pages, and counts the shard in the version's counter; the one that counts
+        the last shard moves `latest` (`Published.visible`). A rank that names another shard
+        count than the ranks before it gets `InvalidArgument` and writes nothing; a shard
+        index already published by another holder gets `AlreadyExists`.
         """
+        entry = self.stage_shard(tenant, model, version, index, count, manifest, holder,
+                                 timeout=timeout)  # fmt: skip
+        outcome = self.shard_committer(
+            tenant, model, version, admit_model=admit_model, budget=budget
+        ).commit([entry])[0]
+        if isinstance(outcome, TensorHubError):
+            raise outcome
+        return outcome
+
+    def stage_shard(
+        self,
+        tenant: str,
+        model: str,
+        version: int,
+        index: int,
+        count: int,
+        manifest: bytes,
+        holder: HolderRecord,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> ShardEntry:
+        """Check one rank's shard publish and write its manifest's pages (if any) under its
+        session: a `ShardEntry` ready for a batch (`shard_committer`)."""
         validate_version(version)
         check_shard_count(count)
         if not 0 <= index < count:
@@ -252,39 +273,26 @@ class VersionRegistry:
             raise InvalidArgument(f"holder names shard {holder.shard} but publishes shard {index}")
         check_manifest_size(len(manifest), f"the manifest of shard {index}")
         holder = replace(self._complete(holder), shard=index)
-        keys = self.keys
         deadline = time.monotonic() + timeout
         staged = self.manifests.stage(
             tenant, model, version, index, manifest, holder.session, timeout=timeout
         )
         record = ShardRecord(index, count, holder.holder, staged.header).encode()
-        arrived = keys.shard_arrivals(tenant, model, version)
-        last = ops.nested(
-            [ops.version(arrived, "==", count - 1)],  # seen before this transaction's put
-            [
-                ops.put(keys.latest(tenant, model), str(version)),
-                ops.put(
-                    keys.manifest(tenant, model, version), PartHeader(0, b"", shards=count).encode()
-                ),
-            ],
-        )
+        return ShardEntry(index, count, holder, staged, record, len(manifest), deadline)
 
-        def agree(remaining: float) -> list[ops.Cmp]:
-            """The compare that this rank's shard count is every earlier rank's."""
-            kv, _ = self.etcd.get(arrived, timeout=remaining)
-            if kv is None:
-                return [ops.absent(arrived)]
-            if kv.value != str(count).encode():
-                raise InvalidArgument(
-                    f"shard {index} says {model}@{version} has {count} shards; "
-                    f"the shards published before it say {kv.value.decode()}"
-                )
-            return [ops.value(arrived, "==", str(count))]  # equal values: no contention
-
-        return self._publisher.publish_staged(
-            tenant, model, version, holder, staged, keys.shard(tenant, model, version, index),
-            record, [ops.put(arrived, str(count))], [last], deadline, admit_model, agree,
-            charge=charge, serial=serial,
+    def shard_committer(
+        self,
+        tenant: str,
+        model: str,
+        version: int,
+        *,
+        admit_model: Admit | None = None,
+        budget: Budget | None = None,
+    ) -> ShardCommitter:
+        """The committer of `model@version`'s shards, with this registry's retention."""
+        return ShardCommitter(
+            self.etcd, self.keys, self.manifests, tenant, model, validate_version(version),
+            admit_model=admit_model, budget=budget, on_visible=self._after_publish,
         )  # fmt: skip
 
     @staticmethod

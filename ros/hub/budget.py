@@ -1,39 +1,50 @@
 """A tenant's etcd budget at Publish: refuse before any write, then charge in the publish's
 own transaction (`consistency.usage`: live manifest bytes and publishes per minute, from the
-tenant's `Quotas`)."""
+tenant's `Quotas`); for a batch of shards, once per batch."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from consistency import Etcd, Keys
+from consistency import Etcd, Keys, ops
+from consistency.shard_commit import Budget
 from consistency.usage import Guard, TenantBudget
 from ros.hub.tenants import Tenant
 from ros.metrics import HUB_PUBLISHES_REFUSED
 from tensorhub.errors import QuotaExceeded
 from tensorhub.lru import SizedLru
 
-MAX_TENANT_LOCKS = 4096  # tenants publishing through one process at once, remembered
-_locks: SizedLru[str, threading.Lock] = SizedLru(MAX_TENANT_LOCKS, lambda _: 1)
+MAX_MODEL_LOCKS = 4096  # models publishing through one process at once, remembered
+_locks: SizedLru[tuple[str, str], threading.Lock] = SizedLru(MAX_MODEL_LOCKS, lambda _: 1)
 _locks_guard = threading.Lock()
 
 
-def tenant_serial(tenant: str) -> threading.Lock:
-    """The lock this process's publishes of `tenant` hold around each publish transaction.
+def model_serial(tenant: str, model: str) -> threading.Lock:
+    """The lock this process's whole-version publishes of one model hold around each
+    publish transaction.
 
-    Every publish of a tenant compares the tenant's one usage key: unserialized, N
-    concurrent publishes (the ranks of a sharded version) fail each other's compares and
-    retry, O(N) wasted transactions per commit (4,096 shards, 32 in flight: 170 s, against
-    56 s with no budget, 73 s with this lock). Serialized here, each commits at its first
-    attempt; only publishes through other replicas still race in etcd, where the compare
-    keeps the budget exact. An evicted lock only costs retries, never correctness."""
+    Publishes of one model compare its `latest` and their tenant's usage key: unserialized,
+    a model's concurrent publishes fail each other's compares and retry. Serialized here,
+    each commits at its first attempt. The lock is per model, not per tenant, so one
+    tenant's unrelated models never wait for each other (they race only in etcd, on the
+    usage compare, where the loser reads again). Shards of a model-parallel version do not
+    take it: they are batched (`ros.hub.shard_publish`). An evicted lock only costs
+    retries, never correctness."""
     with _locks_guard:
-        lock = _locks.get(tenant)
+        lock = _locks.get((tenant, model))
         if lock is None:
             lock = threading.Lock()
-            _locks.put(tenant, lock)
+            _locks.put((tenant, model), lock)
         return lock
+
+
+def _budget(etcd: Etcd, keys: Keys, tenant: Tenant) -> TenantBudget:
+    return TenantBudget(
+        etcd, keys, tenant.name,
+        max_bytes=tenant.quotas.max_etcd_bytes,
+        publishes_per_minute=tenant.quotas.max_publishes_per_minute,
+    )  # fmt: skip
 
 
 def publish_charge(
@@ -42,11 +53,7 @@ def publish_charge(
     """Check that a publish of a `size`-byte manifest (one shard of `shard_count`, or a
     whole version with 0) fits the tenant's budget now, else `QuotaExceeded` with nothing
     written; returns the charge its transaction adds (it checks again, race-free)."""
-    budget = TenantBudget(
-        etcd, keys, tenant.name,
-        max_bytes=tenant.quotas.max_etcd_bytes,
-        publishes_per_minute=tenant.quotas.max_publishes_per_minute,
-    )  # fmt: skip
+    budget = _budget(etcd, keys, tenant)
     publishes = 1.0 / shard_count if shard_count else 1.0
 
     def charge(remaining: float) -> Guard:
@@ -57,4 +64,20 @@ def publish_charge(
             raise
 
     charge(timeout)
+    return charge
+
+
+def batch_budget(etcd: Etcd, keys: Keys, tenant: Tenant, shard_count: int) -> Budget:
+    """The charge of a batch of one version's shards (`consistency.shard_commit.Budget`):
+    one compare and put for the batch, each shard 1/`shard_count` of a publish."""
+    budget = _budget(etcd, keys, tenant)
+
+    def charge(
+        sizes: Sequence[int], remaining: float
+    ) -> tuple[int, list[ops.Cmp], list[ops.Op], QuotaExceeded | None]:
+        admitted, compares, puts, refusal = budget.charge_many(sizes, remaining, 1.0 / shard_count)
+        if refusal is not None:
+            HUB_PUBLISHES_REFUSED.labels("etcd_budget").inc(len(sizes) - admitted)
+        return admitted, compares, puts, refusal
+
     return charge

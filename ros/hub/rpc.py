@@ -35,6 +35,8 @@ from ros.hub.fanout import WatchFanout
 from ros.hub.holder_index import HolderIndex
 from ros.hub.limits import Limits, StreamLimits
 from ros.hub.manifest_cache import ManifestCache
+from ros.hub.session_marks import SessionMarks
+from ros.hub.shard_publish import ShardBatches
 from ros.hub.tenants import Tenant, TenantStore
 from ros.metrics import HUB_INTERNAL_ERRORS, HUB_LATENCY, HUB_REQUESTS
 from ros.tokens import MAX_READ_TOKEN_LIFETIME, READ_KEY_PERIOD, READ_TOKEN_TTL
@@ -107,22 +109,41 @@ def unary(
     """Make a synchronous handler body an aio handler: run it in the replica's bounded
     worker pool with a `CallContext`; timing, status metrics, error mapping."""
 
-    @functools.wraps(fn)
+    async def body(self: S, request: Req, call: CallContext) -> Resp:
+        return await self._blocking(fn, self, request, call, deadline_of=call)
+
+    return functools.wraps(fn)(_answered(fn.__name__, body))
+
+
+def unary_async(
+    fn: Callable[[S, Req, CallContext], Coroutine[Any, Any, Resp]],
+) -> Callable[[S, Req, AioContext], Coroutine[Any, Any, Resp]]:
+    """`unary` for a handler body that is a coroutine: it runs on the event loop and hands
+    its blocking parts to the worker pool itself (`HubBase._blocking`), so that while it
+    waits (for a group commit: `ros.hub.group_commit`) it holds no worker."""
+    return functools.wraps(fn)(_answered(fn.__name__, fn))
+
+
+def _answered(
+    name: str, body: Callable[[S, Req, CallContext], Coroutine[Any, Any, Resp]]
+) -> Callable[[S, Req, AioContext], Coroutine[Any, Any, Resp]]:
+    """The aio handler around `body`: timing, status metrics, error mapping."""
+
     async def wrapper(self: S, request: Req, context: AioContext) -> Resp:
         start = time.monotonic()
         call = CallContext.of(context)
         error: TensorHubError
         try:
-            response = await self._blocking(fn, self, request, call, deadline_of=call)
+            response = await body(self, request, call)
         except TensorHubError as exc:
             error = exc
         except Exception as exc:  # a bug: answered INTERNAL, not UNKNOWN
-            error = _internal(fn.__name__, exc)
+            error = _internal(name, exc)
         else:
-            HUB_REQUESTS.labels(fn.__name__, "OK").inc()
-            HUB_LATENCY.labels(fn.__name__).observe(time.monotonic() - start)
+            HUB_REQUESTS.labels(name, "OK").inc()
+            HUB_LATENCY.labels(name).observe(time.monotonic() - start)
             return response
-        await _abort(context, fn.__name__, error)
+        await _abort(context, name, error)
         raise error  # not reached: abort raises
 
     return wrapper
@@ -190,6 +211,10 @@ class HubBase:
         # Resolve's view of who holds what (caches only: see ros.hub.holder_index).
         self._holder_index = HolderIndex(etcd, keys)
         self._manifest_cache = ManifestCache()
+        # Shard publishes of one version waiting at once commit in one transaction.
+        self._shard_batches = ShardBatches(etcd, keys, self._workers)
+        # So do the session marks of one tenant opening at once (a herd of clients).
+        self._session_marks = SessionMarks(etcd, keys, self._workers)
         # Sessions this replica opened, by id: their tenant is known without an etcd read
         # (a lease never changes tenant), so their first renewal costs no worker. Bounded.
         self.opened_sessions: SizedLru[int, str] = SizedLru(MAX_OPENED_SESSIONS, lambda _: 1)

@@ -7,14 +7,21 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 
-from consistency import Session, ops
-from consistency.quota import CountedCreate
-from consistency.retry import CAS_POLICY, LostRace
-from ros.hub.rpc import MAX_CALL_SECONDS, AioContext, CallContext, HubBase, streaming, unary
+from consistency import Session
+from ros.hub.rpc import (
+    MAX_CALL_SECONDS,
+    AioContext,
+    CallContext,
+    HubBase,
+    streaming,
+    unary,
+    unary_async,
+)
+from ros.hub.session_marks import MarkJob
 from ros.hub.tenants import Tenant
 from ros.metrics import HUB_SESSIONS, HUB_SESSIONS_OPENED
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
-from tensorhub.errors import DeadlineExceeded, InvalidArgument, TensorHubError
+from tensorhub.errors import InvalidArgument, TensorHubError
 
 log = logging.getLogger(__name__)
 
@@ -25,20 +32,27 @@ RENEW_SECONDS = 10.0  # deadline of one renewal on the shared etcd keepalive str
 class SessionRPCs(HubBase):
     """Session handlers: a session is an etcd lease, kept alive over a stream any replica serves."""
 
-    @unary
-    def OpenSession(
-        self, request: pb.OpenSessionRequest, context: CallContext
+    @unary_async
+    async def OpenSession(
+        self, request: pb.OpenSessionRequest, call: CallContext
     ) -> pb.OpenSessionResponse:
-        tenant = self._tenant(context)
-        timeout = self._timeout(context)
+        """Grant a lease (in a worker) and mark it as the caller's within its session quota,
+        in a batch with every other session of the tenant opening on this replica at that
+        moment (`ros.hub.session_marks`), waiting for it without holding a worker."""
+        tenant = await self._stream_tenant(call)
+        timeout = self._timeout(call)
         ttl = request.ttl_seconds or 10
         if not 1 <= ttl <= MAX_SESSION_TTL:
             raise InvalidArgument(f"session TTL must be 1..{MAX_SESSION_TTL} s, got {ttl}")
-        session = Session(self.etcd, ttl=ttl, keepalive=False)
+        session = await self._blocking(self._grant, ttl, deadline_of=call)
         try:
-            revision = self._mark_session(tenant, session.id, timeout)
-        except BaseException:
-            self._revoke_quietly(session.id)
+            revision = await self._session_marks.mark(
+                MarkJob(tenant, session.id, time.monotonic() + timeout)
+            )
+        except BaseException:  # refused, failed or cancelled: the lease goes at once
+            asyncio.get_running_loop().run_in_executor(
+                self._workers, self._revoke_quietly, session.id
+            )
             raise
         HUB_SESSIONS_OPENED.inc()
         self.opened_sessions.put(session.id, tenant.name)
@@ -50,38 +64,14 @@ class SessionRPCs(HubBase):
             read_keys=self._read_keys_pb(tenant),
         )
 
+    def _grant(self, ttl: int) -> Session:
+        """A lease of `ttl` seconds that nothing renews yet (its owner will, by KeepAlive)."""
+        return Session(self.etcd, ttl=ttl, keepalive=False)
+
     def _read_keys_pb(self, tenant: Tenant) -> list[pb.ReadKey]:
         """The tenant's read keys a holder accepts now, for a live session of the tenant
         (OpenSession, every KeepAlive answer): that is how holders follow rotation."""
         return [pb.ReadKey(id=k.id, key=k.key) for k in self.tenants.read_keys(tenant)]
-
-    def _mark_session(self, tenant: Tenant, session_id: int, timeout: float) -> int:
-        """Mark the lease as the tenant's, within its session quota (race-free: see
-        `consistency.quota`); returns the revision of the mark."""
-        sessions = self.keys.sessions(tenant.name)
-        quota = CountedCreate(
-            self.etcd,
-            self.keys.quota_fence(tenant.name, "sessions"),
-            tenant.quotas.max_sessions,
-            # a count, not the keys: at thousands of sessions a listing per open is O(N²)
-            lambda t: self.etcd.count(sessions, timeout=t),
-            f"sessions of tenant {tenant.name}",
-        )
-        mark = ops.put(self.keys.session(tenant.name, session_id), b"", lease=session_id)
-        deadline = time.monotonic() + timeout
-
-        def attempt() -> int:
-            guard, bump = quota.admit(deadline - time.monotonic())
-            result = self.etcd.txn(guard, [*bump, mark], timeout=deadline - time.monotonic())
-            if not result.succeeded:  # another session was marked meanwhile: count again
-                raise LostRace(f"the sessions fence of tenant {tenant.name} moved")
-            return result.revision
-
-        return CAS_POLICY.compare_and_set(
-            attempt,
-            deadline,
-            lambda: DeadlineExceeded("opening a session: the session count kept changing"),
-        )
 
     def _revoke_quietly(self, session_id: int) -> None:
         try:

@@ -16,10 +16,12 @@ from consistency.manifests import (
     check_manifest_size,
     check_shard_count,
 )
+from consistency.publishing import Admit, Published
 from consistency.quota import CountedCreate
-from ros.hub.budget import publish_charge, tenant_serial
+from ros.hub.budget import model_serial, publish_charge
 from ros.hub.convert import holder_from_pb, holder_to_pb
-from ros.hub.rpc import AioContext, CallContext, HubBase, streaming, unary
+from ros.hub.rpc import AioContext, CallContext, HubBase, streaming, unary, unary_async
+from ros.hub.shard_publish import ShardJob
 from ros.hub.tenants import Tenant
 from ros.manifest_check import check_manifest, check_topology
 from ros.metrics import HUB_PUBLISH_LIMIT, HUB_PUBLISHES_REFUSED, HUB_WATCHES
@@ -35,10 +37,29 @@ MAX_PAGE_SIZE = 5000  # the most holders one Inspect page lists
 class VersionRPCs(HubBase):
     """Version handlers: publish, latest, watch, resolve (with a read token), list, inspect."""
 
-    @unary
-    def Publish(self, request: pb.PublishRequest, context: CallContext) -> pb.PublishResponse:
-        tenant = self._tenant(context)
-        timeout = self._timeout(context)
+    @unary_async
+    async def Publish(self, request: pb.PublishRequest, call: CallContext) -> pb.PublishResponse:
+        """Publish a whole version (in a worker, as any unary call), or one shard of a
+        model-parallel version: checked and staged in a worker, then committed with the
+        other shards of its version waiting on this replica (`ros.hub.shard_publish`)."""
+        if not request.shard_count:
+            published = await self._blocking(self._publish_whole, request, call, deadline_of=call)
+        else:
+            model, version, job = await self._blocking(
+                self._stage_shard, request, call, deadline_of=call
+            )
+            published = await self._shard_batches.publish(model, version, job)
+        return pb.PublishResponse(
+            version=published.version, revision=published.revision, visible=published.visible
+        )
+
+    def _publish_checks(
+        self, request: pb.PublishRequest, call: CallContext
+    ) -> tuple[Tenant, float, str, int, bytes, HolderRecord, Admit]:
+        """What every publish checks before it writes: the caller, the bounds, its session,
+        every manifest rule, the tenant's budget; and the model quota's admission."""
+        tenant = self._tenant(call)
+        timeout = self._timeout(call)
         model = validate_name(request.model, "model")
         version = validate_version(request.version)
         _check_publish_limits(request)  # bounds first: a limit answers before any work
@@ -58,31 +79,35 @@ class VersionRPCs(HubBase):
         def admit(remaining: float) -> tuple[list[Any], list[Any]]:
             return quota.admit(remaining, model)
 
+        return tenant, timeout, model, version, manifest, holder, admit
+
+    def _publish_whole(self, request: pb.PublishRequest, call: CallContext) -> Published:
+        tenant, timeout, model, version, manifest, holder, admit = self._publish_checks(
+            request, call
+        )
         charge = publish_charge(  # the etcd budget: refused here, before any write
-            self.etcd, self.keys, tenant, len(manifest), request.shard_count, timeout
+            self.etcd, self.keys, tenant, len(manifest), 0, timeout
         )
-        if request.shard_count:
-            published = versions.publish_shard(
-                tenant.name,
-                model,
-                version,
-                request.shard_index,
-                request.shard_count,
-                manifest,
-                holder,
-                timeout=timeout,
-                admit_model=admit,
-                charge=charge,
-                serial=tenant_serial(tenant.name),
-            )
-        else:
-            published = versions.publish(
-                tenant.name, model, version, manifest, holder, timeout=timeout,
-                admit_model=admit, charge=charge, serial=tenant_serial(tenant.name),
-            )  # fmt: skip
-        return pb.PublishResponse(
-            version=published.version, revision=published.revision, visible=published.visible
+        return self._versions(tenant).publish(
+            tenant.name, model, version, manifest, holder, timeout=timeout,
+            admit_model=admit, charge=charge, serial=model_serial(tenant.name, model),
+        )  # fmt: skip
+
+    def _stage_shard(
+        self, request: pb.PublishRequest, call: CallContext
+    ) -> tuple[str, int, ShardJob]:
+        """A shard publish checked (its budget too, before any write) and its manifest
+        staged: a job for its version's next batch."""
+        tenant, timeout, model, version, manifest, holder, admit = self._publish_checks(
+            request, call
         )
+        publish_charge(self.etcd, self.keys, tenant, len(manifest), request.shard_count, timeout)
+        versions = self._versions(tenant)
+        entry = versions.stage_shard(
+            tenant.name, model, version, request.shard_index, request.shard_count, manifest,
+            holder, timeout=timeout,
+        )  # fmt: skip
+        return model, version, ShardJob(tenant, versions, admit, entry)
 
     @unary
     def Latest(self, request: pb.LatestRequest, context: CallContext) -> pb.LatestResponse:

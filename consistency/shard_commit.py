@@ -1,0 +1,421 @@
+"""Group commit of a model-parallel version's shards: many ranks' shards in one transaction.
+
+After an optimizer step every rank publishes its shard of the new version at once. Committed
+one transaction per shard, those N transactions all write one shared key (the version's
+shard counter) and the tenant's usage key, so they fail each other's compares or queue on a
+lock: 4,096 shards took 244 s (20,785x one shard). Here the shards of one version that are
+waiting at the same moment commit together, as many per transaction as etcd's default
+`--max-txn-ops` (128) allows, so N shards cost about N / 61 transactions, and the shared keys
+are written once per batch instead of once per shard.
+
+One batch is one transaction:
+
+- compares: `latest` and the version's counter `arrived` unchanged since read (so batches of
+  one version committed by different hub replicas serialize in etcd, and the one that
+  completes the version is exactly one), each shard's record absent, each paged manifest's
+  pages still present, plus the model quota's fence and the tenant's usage (`Budget`);
+- puts: each shard's record and its holder record (under the rank's session lease), each
+  paged manifest's pages detached from the lease, the counter (`{"count": n, "arrived": k}`),
+  the usage and the fence; and, in the batch that brings `arrived` to `n`, `latest` and the
+  version's header `{"shards": n}`. So the version becomes visible exactly once, atomically,
+  with its last shard, and `Latest` never shows a partial version.
+
+Every attempt starts with one read-only transaction (latest, the counter, each shard's record
+and holder record), which is also the retry-safe check for our own earlier write: a shard
+whose record is there, written for its holder under its session, succeeded (a retried
+publish after a lost reply is idempotent); one written by another holder is `AlreadyExists`.
+A shard that fails alone fails alone, with its named error, and the rest of its batch
+commits: a shard count that disagrees (`InvalidArgument`), a budget that is full
+(`QuotaExceeded`), a session that died while its shard waited (`SessionExpired`: etcd refuses
+a whole transaction that writes under a missing lease, so the batch finds the dead leases and
+commits again without them), pages that vanished with their lease (`LeaseLost`). Pages of a
+shard that definitely failed are deleted at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from consistency import ops
+from consistency.etcd import Etcd
+from consistency.keys import Keys
+from consistency.manifests import ManifestStore, Staged
+from consistency.publishing import Admit, Published
+from consistency.records import HolderRecord, PartHeader, ShardRecord
+from consistency.retry import CAS_POLICY, LostRace
+from tensorhub.errors import (
+    AlreadyExists,
+    DeadlineExceeded,
+    InvalidArgument,
+    LeaseLost,
+    LeaseNotFound,
+    OutcomeUnknown,
+    QuotaExceeded,
+    SessionExpired,
+    StaleVersion,
+    TensorHubError,
+    Unavailable,
+)
+
+MAX_TXN_OPS = 128  # etcd's default --max-txn-ops, which we never ask an operator to raise
+FIXED_OPS = 5  # per batch: the counter, the usage, the model fence, `latest`, the header
+MAX_BATCH = (MAX_TXN_OPS - 2) // 2  # the opening read: 2 gets per shard, 2 for the version
+
+
+@dataclass
+class ShardEntry:
+    """One rank's shard publish, staged (its pages, if any, written under its lease) and
+    waiting for a batch. `size` is what the tenant's budget is charged for it."""
+
+    index: int
+    count: int
+    holder: HolderRecord
+    staged: Staged
+    record: bytes
+    size: int
+    deadline: float
+    ambiguous: bool = field(default=False, compare=False)
+
+    @property
+    def ops(self) -> int:
+        """The operations this shard adds to a batch's largest list (its puts)."""
+        return 2 + self.staged.header.pages
+
+
+class Budget(Protocol):
+    """The tenant's budget for a batch (`consistency.usage.TenantBudget.charge_many`)."""
+
+    def __call__(
+        self, sizes: Sequence[int], remaining: float
+    ) -> tuple[int, list[ops.Cmp], list[ops.Op], QuotaExceeded | None]: ...
+
+
+Outcome = Published | TensorHubError
+
+
+def take(queue: list[ShardEntry]) -> list[ShardEntry]:
+    """The next batch from `queue`, oldest first, within etcd's operation limit, with at
+    most one entry per shard index (a second publish of an index waits for the next batch,
+    where it finds the first one's record). Removes what it takes from `queue`."""
+    batch: list[ShardEntry] = []
+    indices: set[int] = set()
+    used = FIXED_OPS
+    rest: list[ShardEntry] = []
+    for entry in queue:
+        if (
+            len(batch) < MAX_BATCH
+            and entry.index not in indices
+            and used + entry.ops <= MAX_TXN_OPS
+        ):
+            batch.append(entry)
+            indices.add(entry.index)
+            used += entry.ops
+        else:
+            rest.append(entry)
+    queue[:] = rest
+    return batch
+
+
+@dataclass(frozen=True)
+class _Read:
+    """What an attempt read: `latest`, the counter, and each pending shard's own records."""
+
+    latest: int
+    latest_mod: int
+    count: int  # 0: no shard arrived yet
+    arrived: int
+    arrived_mod: int
+    records: dict[int, ops.KV]  # shard index -> its shard record, where one exists
+    holders: dict[int, ops.KV]  # shard index -> the entry's holder record, where one exists
+
+
+class ShardCommitter:
+    """Commits batches of shards of one version `tenant/model@version` (module docstring).
+
+    `admit_model` (the model quota) is asked while the model has no `latest`; `budget`
+    (the tenant's usage) is charged per batch; `on_visible(tenant, model)` runs after the
+    batch that made the version visible (retention)."""
+
+    def __init__(
+        self,
+        etcd: Etcd,
+        keys: Keys,
+        manifests: ManifestStore,
+        tenant: str,
+        model: str,
+        version: int,
+        *,
+        admit_model: Admit | None = None,
+        budget: Budget | None = None,
+        on_visible: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self.etcd = etcd
+        self.keys = keys
+        self.manifests = manifests
+        self.tenant = tenant
+        self.model = model
+        self.version = version
+        self._admit = admit_model
+        self._budget = budget
+        self._on_visible = on_visible
+        self._arrived = keys.shard_arrivals(tenant, model, version)
+        self._latest = keys.latest(tenant, model)
+        self._found: set[int] = set()  # entries whose earlier write a read found (per commit)
+
+    # -- keys ------------------------------------------------------------------------------
+
+    def _shard_key(self, entry: ShardEntry) -> str:
+        return self.keys.shard(self.tenant, self.model, self.version, entry.index)
+
+    def _holder_key(self, entry: ShardEntry) -> str:
+        return self.keys.holder(self.tenant, self.model, self.version, entry.holder.holder)
+
+    # -- the batch -------------------------------------------------------------------------
+
+    def commit(self, entries: Sequence[ShardEntry]) -> list[Outcome]:
+        """Commit `entries` (one batch: see `take`), retrying lost races until each has an
+        outcome or its deadline passes; the outcomes in `entries`' order. Never raises for
+        one entry's failure: each gets its own."""
+        outcomes: dict[int, Outcome] = {}
+        self._found = set()
+        pending = list(entries)
+
+        def attempt() -> None:
+            now = time.monotonic()
+            for entry in [e for e in pending if e.deadline <= now]:
+                outcomes[id(entry)] = self._expired(entry)
+            pending[:] = [e for e in pending if id(e) not in outcomes]
+            if not pending:
+                return
+            self._attempt(pending, outcomes)
+            pending[:] = [e for e in pending if id(e) not in outcomes]
+            if pending:
+                raise LostRace(f"{self.what()} moved during a batch of its shards")
+
+        deadline = max(e.deadline for e in entries) if entries else time.monotonic()
+        with contextlib.suppress(LostRace):  # each entry still pending gets its outcome below
+            CAS_POLICY.compare_and_set(attempt, deadline, lambda: LostRace("deadline"))
+        for entry in pending:
+            outcomes.setdefault(id(entry), self._expired(entry))
+        for entry in entries:
+            if id(entry) in self._found or not isinstance(outcomes[id(entry)], Published):
+                self._discard(entry, outcomes[id(entry)])
+        return [outcomes[id(e)] for e in entries]
+
+    def what(self, entry: ShardEntry | None = None) -> str:
+        if entry is None:
+            return f"{self.model}@{self.version}"
+        return f"shard {entry.index} of {self.model}@{self.version}"
+
+    def _expired(self, entry: ShardEntry) -> TensorHubError:
+        if entry.ambiguous:
+            return OutcomeUnknown(
+                f"publish of {self.what(entry)} outcome unknown at its deadline: check "
+                "latest() or inspect"
+            )
+        return DeadlineExceeded(f"publish of {self.what(entry)} did not complete in time")
+
+    def _discard(self, entry: ShardEntry, outcome: Outcome) -> None:
+        """Delete the pages of a shard that definitely failed, or whose earlier publish
+        won with other pages, unless its record names them (then they are live). An unknown
+        outcome leaves them: live if it committed, gone with the lease if not."""
+        if isinstance(outcome, OutcomeUnknown) or not entry.staged.prefix:
+            return
+        self.manifests.discard(entry.staged, self._shard_key(entry), entry.record, 2.5)
+
+    def _attempt(self, pending: list[ShardEntry], outcomes: dict[int, Outcome]) -> None:
+        """One read and, for what is left to write, one transaction. Sets the outcome of
+        every entry it decides; raising `LostRace` (by leaving entries pending) retries."""
+        remaining = max(max(e.deadline for e in pending) - time.monotonic(), 0.05)
+        try:
+            state = self._read(pending, remaining)
+        except (Unavailable, DeadlineExceeded):
+            return  # nothing sent: try again while time is left
+        writing = self._settle(pending, state, outcomes)
+        if not writing:
+            return
+        compares, puts, visible = self._guards(writing, state, outcomes, remaining)
+        writing = [e for e in writing if id(e) not in outcomes]
+        if not writing:
+            return
+        for entry in writing:
+            compares += [ops.absent(self._shard_key(entry)), *entry.staged.compares]
+            puts += [
+                ops.put(self._shard_key(entry), entry.record),
+                ops.put(self._holder_key(entry), entry.holder.encode(), lease=entry.holder.session),
+                *entry.staged.commits,
+            ]
+        paged = [e for e in writing if e.staged.prefix]
+        try:
+            result = self.etcd.txn(
+                compares,
+                puts,
+                [op for e in paged for op in e.staged.count_op()],
+                timeout=max(max(e.deadline for e in writing) - time.monotonic(), 0.05),
+            )
+        except LeaseNotFound:
+            self._dead_sessions(writing, outcomes)
+            return
+        except (Unavailable, DeadlineExceeded, OutcomeUnknown):
+            for entry in writing:  # it may have been applied: the next read tells
+                entry.ambiguous = True
+            return
+        if result.attempts > 1:
+            for entry in writing:
+                entry.ambiguous = True
+        if result.succeeded:
+            for entry in writing:
+                outcomes[id(entry)] = Published(self.version, result.revision, visible)
+            if visible and self._on_visible is not None:
+                self._on_visible(self.tenant, self.model)
+            return
+        for entry, response in zip(paged, result.responses, strict=True):
+            if int(response.response_range.count) < entry.staged.header.pages:
+                outcomes[id(entry)] = LeaseLost(
+                    f"the manifest pages of {self.what(entry)} vanished before the publish "
+                    "committed: the publisher's session (lease) expired"
+                )
+
+    def _read(self, pending: list[ShardEntry], remaining: float) -> _Read:
+        """latest, the counter, and each pending shard's records, at one revision."""
+        gets = [ops.get(self._latest), ops.get(self._arrived)]
+        for entry in pending:
+            gets += [ops.get(self._shard_key(entry)), ops.get(self._holder_key(entry))]
+        result = self.etcd.txn([], gets, timeout=remaining)
+        found = [ops.KV.from_pb(r.response_range.kvs[0]) if r.response_range.kvs else None
+                 for r in result.responses]  # fmt: skip
+        latest, arrived = found[0], found[1]
+        count, so_far = _counter(arrived.value if arrived is not None else None)
+        records = {e.index: kv for e, kv in zip(pending, found[2::2], strict=True) if kv}
+        holders = {e.index: kv for e, kv in zip(pending, found[3::2], strict=True) if kv}
+        return _Read(
+            int(latest.value) if latest is not None else 0,
+            latest.mod_revision if latest is not None else 0,
+            count, so_far,
+            arrived.mod_revision if arrived is not None else 0,
+            records, holders,
+        )  # fmt: skip
+
+    def _settle(
+        self, pending: list[ShardEntry], state: _Read, outcomes: dict[int, Outcome]
+    ) -> list[ShardEntry]:
+        """Decide what the read already decides (our own earlier write, another holder's
+        shard, a stale version, a disagreeing shard count); the entries left to write."""
+        visible = state.latest >= self.version
+        count = state.count
+        writing: list[ShardEntry] = []
+        for entry in pending:
+            record = state.records.get(entry.index)
+            holder = state.holders.get(entry.index)
+            if record is not None:
+                if holder is not None and _ours(record, holder, entry):
+                    outcomes[id(entry)] = Published(self.version, holder.mod_revision, visible)
+                    self._found.add(id(entry))
+                else:
+                    outcomes[id(entry)] = AlreadyExists(
+                        f"{self.what(entry)} was already published by another holder"
+                    )
+            elif state.latest >= self.version:
+                outcomes[id(entry)] = StaleVersion(
+                    f"{self.model}@{self.version} is not newer than latest "
+                    f"{self.model}@{state.latest}"
+                )
+            elif count and entry.count != count:
+                outcomes[id(entry)] = InvalidArgument(
+                    f"shard {entry.index} says {self.what()} has {entry.count} shards; "
+                    f"the shards published before it say {count}"
+                )
+            else:
+                count = count or entry.count
+                writing.append(entry)
+        return writing
+
+    def _guards(
+        self,
+        writing: list[ShardEntry],
+        state: _Read,
+        outcomes: dict[int, Outcome],
+        remaining: float,
+    ) -> tuple[list[ops.Cmp], list[ops.Op], bool]:
+        """The batch's shared compares and puts: latest, the counter, the model quota, the
+        budget (entries past it get `QuotaExceeded`), and visibility if this batch
+        completes the version."""
+        count = state.count or writing[0].count
+        compares = [
+            ops.mod(self._latest, "==", state.latest_mod),
+            ops.mod(self._arrived, "==", state.arrived_mod),
+        ]
+        puts: list[ops.Op] = []
+        if self._admit is not None and not state.latest_mod and not state.arrived_mod:
+            # (a counter means an earlier batch counted the model: its shards are keys of it)
+            try:
+                guard, bump = self._admit(remaining)
+            except QuotaExceeded as exc:
+                for entry in writing:
+                    outcomes[id(entry)] = exc
+                return [], [], False
+            compares += guard
+            puts += bump
+        if self._budget is not None:
+            admitted, guard, charge, refusal = self._budget([e.size for e in writing], remaining)
+            for entry in writing[admitted:]:
+                outcomes[id(entry)] = refusal or QuotaExceeded("tenant budget")
+            compares += guard
+            puts += charge
+            writing = writing[:admitted]
+        arrived = state.arrived + len(writing)
+        puts.append(ops.put(self._arrived, json.dumps({"count": count, "arrived": arrived})))
+        visible = arrived == count
+        if visible:
+            puts += [
+                ops.put(self._latest, str(self.version)),
+                ops.put(
+                    self.keys.manifest(self.tenant, self.model, self.version),
+                    PartHeader(0, b"", shards=count).encode(),
+                ),
+            ]
+        return compares, puts, visible
+
+    def _dead_sessions(self, writing: list[ShardEntry], outcomes: dict[int, Outcome]) -> None:
+        """etcd refused the batch for a lease it does not know: find which sessions died
+        (one TimeToLive each) and fail their shards; the rest go again."""
+        dead: set[int] = set()
+        for lease in {e.holder.session for e in writing}:
+            try:
+                if self.etcd.lease_ttl(lease, timeout=2.0) < 0:
+                    dead.add(lease)
+            except TensorHubError:
+                continue  # unknown: the next attempt asks again
+        for entry in writing:
+            if entry.holder.session in dead:
+                outcomes[id(entry)] = SessionExpired(
+                    f"the session {entry.holder.session:x} publishing {self.what(entry)} "
+                    "expired before its shard committed: open a new one"
+                )
+
+
+def _ours(record: ops.KV, holder: ops.KV, entry: ShardEntry) -> bool:
+    """Whether a shard record and holder record read back are the entry's own earlier
+    write: written for its holder, whose record is under its session and names its shard."""
+    if holder.lease != entry.holder.session:
+        return False
+    written = ShardRecord.decode(record.value)
+    return written.holder == entry.holder.holder and (
+        HolderRecord.decode(holder.value).shard == entry.index
+    )
+
+
+def _counter(raw: bytes | None) -> tuple[int, int]:
+    """(shard count, shards arrived) from the counter's value; (0, 0) without one."""
+    if raw is None:
+        return 0, 0
+    try:
+        data = json.loads(raw)
+        return int(data["count"]), int(data["arrived"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise InvalidArgument(f"unreadable shard counter {raw[:80]!r}") from exc

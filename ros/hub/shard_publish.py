@@ -1,0 +1,85 @@
+"""A replica's batches of model-parallel shard publishes (`ros.hub.group_commit` over
+`consistency.shard_commit`).
+
+A shard's Publish is checked and its manifest staged in a worker, like any unary call; then
+it waits, holding no worker, for a batch of its version, and the batch commits in one
+transaction with every other shard of that version waiting on this replica by then. Shards
+of one version that arrive at other replicas batch there; their batches serialize in etcd on
+the version's counter. Different versions, models and tenants never share a batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+from consistency import Etcd, Keys, VersionRegistry
+from consistency.publishing import Admit, Published
+from consistency.shard_commit import ShardEntry, take
+from ros.hub.budget import batch_budget
+from ros.hub.group_commit import GroupCommit
+from ros.hub.tenants import Tenant
+from tensorhub.errors import TensorHubError
+
+Key = tuple[str, str, int]  # tenant, model, version
+
+
+@dataclass
+class ShardJob:
+    """One staged shard publish and what its batch needs to know of its caller: the tenant
+    (its quotas), the registry (its retention) and the model quota's admission."""
+
+    tenant: Tenant
+    registry: VersionRegistry
+    admit_model: Admit
+    entry: ShardEntry
+
+
+class ShardBatches:
+    """Group commit of shard publishes, one batch in flight per version (module docstring)."""
+
+    def __init__(self, etcd: Etcd, keys: Keys, executor: Executor) -> None:
+        self._etcd = etcd
+        self._keys = keys
+        self.group: GroupCommit[Key, ShardJob, Published] = GroupCommit(
+            executor, self._commit, _take, self._abandon
+        )
+
+    async def publish(self, model: str, version: int, job: ShardJob) -> Published:
+        """Commit `job` in its version's next batch; its outcome, raised if an error."""
+        return await self.group.submit((job.tenant.name, model, version), job)
+
+    def _commit(self, key: Key, jobs: list[ShardJob]) -> Sequence[Published | TensorHubError]:
+        """One batch (run in a worker): the first job's tenant, registry and admission
+        speak for the batch (all of one tenant's model)."""
+        tenant, model, version = key
+        first = jobs[0]
+        committer = first.registry.shard_committer(
+            tenant, model, version, admit_model=first.admit_model,
+            budget=batch_budget(self._etcd, self._keys, first.tenant, first.entry.count),
+        )  # fmt: skip
+        return committer.commit([job.entry for job in jobs])
+
+    def _abandon(self, key: Key, jobs: list[ShardJob]) -> None:
+        """Pages of shards whose callers left before their batch: deleted, best effort
+        (what is left goes with the session's lease)."""
+        tenant, model, version = key
+        for job in jobs:
+            committer = job.registry.shard_committer(tenant, model, version)
+            committer.commit([_expired(job.entry)])
+
+
+def _expired(entry: ShardEntry) -> ShardEntry:
+    """The entry with its deadline passed: committing it only cleans up after it."""
+    entry.deadline = 0.0
+    return entry
+
+
+def _take(jobs: list[ShardJob]) -> list[ShardJob]:
+    """`consistency.shard_commit.take` over jobs: one etcd transaction's worth."""
+    by_entry: dict[int, ShardJob] = {id(job.entry): job for job in jobs}
+    entries = [job.entry for job in jobs]
+    batch = take(entries)
+    jobs[:] = [by_entry[id(e)] for e in entries]
+    return [by_entry[id(e)] for e in batch]
