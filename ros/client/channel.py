@@ -1,16 +1,36 @@
-"""The gRPC channel to the hub: several replicas, failover and retries in the service config.
+"""The gRPC channel to the hub: several replicas, spread, failover and retries.
 
-All replica addresses go into one channel target (`ipv4:a:p,b:p`) with `pick_first`, so the
-channel moves to another replica when the one in use fails; idempotent methods are retried on
-UNAVAILABLE by gRPC itself (`retryPolicy` in the service config). `Publish` is deliberately not
-in that list: a retried publish whose first attempt landed would look stale, so the SDK
-recovers it explicitly (`ros.client.hub`).
+All replica addresses (every IP each name resolves to) go into one channel target
+(`ipv4:a:p,b:p`) with `pick_first`: one replica at a time carries all of a client's calls
+and its streams (KeepAlive and Watch need one replica at once), and when that one fails the
+channel moves to the next in the list. The list is **shuffled per channel** (issue 21): in
+the order given, every client of a job took the first replica while the others idled, and
+when it died they all moved to the same next one. A random order per client puts N clients
+on each of R replicas about N/R at a time, and the clients of a replica that dies go on to
+the others evenly (each has its own second choice). `pick_first` follows the list even when
+another channel of the process is already connected to a later address (the subchannel is
+shared, the choice is not: checked on grpcio 1.62 and 1.85), so clients of one process
+spread too. `shuffle=False` keeps the given order, and `rng` makes the order reproducible
+(tests); the default is the `random` module's, which is reseeded in a forked child so forked
+ranks do not share one order. `pick_first` is sticky: a replica that comes back gets new
+clients, and those whose own replica fails, not the ones that moved away.
+
+Reconnecting is spread in time as well: gRPC jitters its reconnect backoff
+(`grpc.initial_reconnect_backoff_ms`, ±20 %) and its retries (`retryPolicy` below: a uniform
+draw up to the backoff), and the SDK reopens a broken stream after a full-jitter backoff
+(`ros.client.session`, `ros.client.watch`), so the clients of a dead replica do not arrive
+at the others in one instant.
+
+Idempotent methods are retried on UNAVAILABLE by gRPC itself (`retryPolicy` in the service
+config). `Publish` is deliberately not in that list: a retried publish whose first attempt
+landed would look stale, so the SDK recovers it explicitly (`ros.client.hub`).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import json
+import random
 import socket
 from collections.abc import Sequence
 from pathlib import Path
@@ -58,8 +78,12 @@ def parse_address(address: str, *, allow_zero: bool = False) -> tuple[str, int]:
     return parse_endpoint(address)
 
 
-def channel_target(endpoints: Sequence[str]) -> str:
-    """One target naming every replica by IP, for `pick_first` failover across them."""
+def channel_target(
+    endpoints: Sequence[str], *, shuffle: bool = True, rng: random.Random | None = None
+) -> str:
+    """One target naming every replica by IP, for `pick_first` failover across them, in a
+    random order (`rng`, or the `random` module's) unless `shuffle` is False: the order
+    decides which replica this channel uses first and where it goes when that one fails."""
     if not endpoints:
         raise InvalidArgument("at least one hub address is needed")
     v4: list[str] = []
@@ -71,9 +95,11 @@ def channel_target(endpoints: Sequence[str]) -> str:
                 v4.append(f"{ip}:{port}")
             else:
                 v6.append(f"[{ip}]:{port}")
-    if v4:
-        return "ipv4:" + ",".join(dict.fromkeys(v4))
-    return "ipv6:" + ",".join(dict.fromkeys(v6))
+    scheme, addresses = ("ipv4", v4) if v4 else ("ipv6", v6)
+    addresses = list(dict.fromkeys(addresses))
+    if shuffle:
+        (rng or random).shuffle(addresses)
+    return f"{scheme}:" + ",".join(addresses)
 
 
 def _resolve(host: str) -> list[str]:
@@ -90,10 +116,16 @@ def _resolve(host: str) -> list[str]:
 
 
 def open_channel(
-    endpoints: Sequence[str], *, tls: TlsConfig | None = None, tls_server_name: str | None = None
+    endpoints: Sequence[str],
+    *,
+    tls: TlsConfig | None = None,
+    tls_server_name: str | None = None,
+    shuffle: bool = True,
+    rng: random.Random | None = None,
 ) -> grpc.Channel:
-    """A channel to every replica; with `tls`, verified against its CA (and presenting our
-    certificate, for hubs that require client certificates)."""
+    """A channel to every replica, tried in a random order per channel (`channel_target`);
+    with `tls`, verified against its CA (and presenting our certificate, for hubs that
+    require client certificates)."""
     options: list[tuple[str, object]] = [
         ("grpc.service_config", SERVICE_CONFIG),
         ("grpc.enable_retries", 1),
@@ -104,7 +136,7 @@ def open_channel(
         ("grpc.keepalive_time_ms", 10_000),
         ("grpc.keepalive_timeout_ms", 5_000),
     ]
-    target = channel_target(endpoints)
+    target = channel_target(endpoints, shuffle=shuffle, rng=rng)
     if tls is None:
         return grpc.insecure_channel(target, options=options)
     if tls_server_name:
