@@ -1,9 +1,14 @@
 """The client's session: a lease granted by the hub, kept alive over a hub stream.
 
 The session id is the etcd lease id, so when the hub replica carrying the keepalive stream
-dies, the stream is reopened (the channel fails over to another replica) and that replica
-renews the same lease. If no renewal succeeds before the TTL runs out, the session is lost:
-`lost` is set and `on_lost` runs, so the client stops serving at once and re-registers.
+dies, the stream is reopened (the channel fails over to the next replica in this client's
+own shuffled order: `ros.client.channel`) and that replica renews the same lease: the
+session, and every holder record on it, survive the replica. The reopening waits a
+full-jitter backoff on the client's `RetryPolicy` (by default a uniform draw up to 50 ms,
+the bound doubling to 1 s; never past half of what is left of the lease), so the clients
+of a replica that died reach the others spread over that window, not in one instant.
+If no renewal succeeds before the TTL runs out, the session is lost: `lost` is set and
+`on_lost` runs, so the client stops serving at once and re-registers.
 
 Every KeepAlive answer carries the tenant's current read keys (they rotate: `ros.tokens`);
 `on_keys` hands them to the holder server's verifier, so a long-lived holder follows rotation.
@@ -57,6 +62,7 @@ class ClientSession:
         self._call: Any = None  # the live KeepAlive call, cancelled by stop()
         self._expires_at = time.monotonic() + self.ttl
         self.renewals = 0  # renewals the hub confirmed (the first is sent at once)
+        self.streams_opened = 0  # KeepAlive streams opened: 1, plus one per reopening
         self._thread = threading.Thread(
             target=self._run, name=f"hub-session-{self.id:x}", daemon=True
         )
@@ -85,6 +91,7 @@ class ClientSession:
         while not self._stop.is_set() and not self.lost.is_set():
             stream_stop = threading.Event()
             try:
+                self.streams_opened += 1
                 call = self._stub.KeepAlive(self._requests(stream_stop), metadata=self._metadata)
                 self._call = call
                 if self._stop.is_set():
