@@ -212,9 +212,9 @@ class HubBase:
         self._holder_index = HolderIndex(etcd, keys)
         self._manifest_cache = ManifestCache()
         # Shard publishes of one version waiting at once commit in one transaction.
-        self._shard_batches = ShardBatches(etcd, keys, self._workers)
+        self.shard_batches = ShardBatches(etcd, keys, self._workers)
         # So do the session marks of one tenant opening at once (a herd of clients).
-        self._session_marks = SessionMarks(etcd, keys, self._workers)
+        self.session_marks = SessionMarks(etcd, keys, self._workers)
         # Sessions this replica opened, by id: their tenant is known without an etcd read
         # (a lease never changes tenant), so their first renewal costs no worker. Bounded.
         self.opened_sessions: SizedLru[int, str] = SizedLru(MAX_OPENED_SESSIONS, lambda _: 1)

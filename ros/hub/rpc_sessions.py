@@ -46,7 +46,7 @@ class SessionRPCs(HubBase):
             raise InvalidArgument(f"session TTL must be 1..{MAX_SESSION_TTL} s, got {ttl}")
         session = await self._blocking(self._grant, ttl, deadline_of=call)
         try:
-            revision = await self._session_marks.mark(
+            revision = await self.session_marks.mark(
                 MarkJob(tenant, session.id, time.monotonic() + timeout)
             )
         except BaseException:  # refused, failed or cancelled: the lease goes at once

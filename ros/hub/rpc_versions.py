@@ -48,7 +48,7 @@ class VersionRPCs(HubBase):
             model, version, job = await self._blocking(
                 self._stage_shard, request, call, deadline_of=call
             )
-            published = await self._shard_batches.publish(model, version, job)
+            published = await self.shard_batches.publish(model, version, job)
         return pb.PublishResponse(
             version=published.version, revision=published.revision, visible=published.visible
         )

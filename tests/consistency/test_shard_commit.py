@@ -1,0 +1,189 @@
+"""Batches of one version's shards (`consistency.shard_commit`), against a real etcd: one
+transaction per batch, visibility exactly once with the last shard, each failure alone."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from consistency import Etcd, HolderRecord, Session, VersionRegistry
+from consistency.manifests import PAGE_BYTES
+from consistency.shard_commit import FIXED_OPS, MAX_BATCH, MAX_TXN_OPS, ShardEntry, take
+from consistency.usage import TenantBudget
+from tensorhub.errors import (
+    AlreadyExists,
+    InvalidArgument,
+    LeaseLost,
+    QuotaExceeded,
+    SessionExpired,
+    StaleVersion,
+)
+
+
+def rec(session: int, name: str) -> HolderRecord:
+    return HolderRecord(name, {"tcp": "127.0.0.1:9"}, session=session)
+
+
+def stage(
+    versions: VersionRegistry, model: str, index: int, count: int, session: int, body: bytes = b""
+) -> ShardEntry:
+    manifest = body or f"part{index}".encode()
+    return versions.stage_shard(
+        "t", model, 1, index, count, manifest, rec(session, f"rank{index}"), timeout=10
+    )
+
+
+def latest(versions: VersionRegistry, model: str) -> int:
+    return versions.latest("t", model)[0]
+
+
+def test_a_batch_is_one_transaction_and_the_last_makes_the_version_visible(
+    etcd: Etcd, versions: VersionRegistry
+) -> None:
+    count = 3 * MAX_BATCH + 5
+    with Session(etcd, ttl=10) as session:
+        queue = [stage(versions, "mp", i, count, session.id) for i in range(count)]
+        committer = versions.shard_committer("t", "mp", 1)
+        revisions: list[int] = []
+        before = versions.latest("t", "mp")[1]
+        batches = 0
+        while queue:
+            batch = take(queue)
+            batches += 1
+            assert len(batch) == min(len(batch) + len(queue), (MAX_TXN_OPS - FIXED_OPS) // 2)
+            outcomes = committer.commit(batch)
+            assert all(not isinstance(o, Exception) for o in outcomes), outcomes
+            revision = {o.revision for o in outcomes}  # type: ignore[union-attr]
+            assert len(revision) == 1  # the whole batch: one transaction
+            revisions.append(revision.pop())
+            visible = {o.visible for o in outcomes}  # type: ignore[union-attr]
+            assert visible == {not queue}  # visible exactly with the batch of the last shard
+            assert latest(versions, "mp") == (0 if queue else 1)
+        assert versions.latest("t", "mp")[1] - before == batches  # a revision per batch
+        assert batches == math.ceil(count / ((MAX_TXN_OPS - FIXED_OPS) // 2))
+        info = versions.describe("t", "mp", 1)
+        assert [s.index for s in info.shards] == list(range(count))
+        assert [s.manifest for s in info.shards] == [f"part{i}".encode() for i in range(count)]
+        assert len(info.complete_holders) == count
+
+
+def test_take_respects_etcds_operation_limit_and_one_entry_per_index(
+    etcd: Etcd, versions: VersionRegistry
+) -> None:
+    paged = b"x" * (PAGE_BYTES * 20)  # 20 pages: 22 puts each
+    with Session(etcd, ttl=10) as session:
+        queue = [stage(versions, "ops", i, 8, session.id, paged) for i in range(8)]
+        queue.append(stage(versions, "ops", 0, 8, session.id))  # index 0 again
+        batch = take(queue)
+        assert sum(e.ops for e in batch) + FIXED_OPS <= MAX_TXN_OPS
+        assert len(batch) == 5  # 5 * 22 + 5 <= 128 < 6 * 22 + 5
+        assert [e.index for e in queue] == [5, 6, 7, 0]  # the second index 0 waits
+        outcomes = versions.shard_committer("t", "ops", 1).commit(batch)
+        assert not any(isinstance(o, Exception) for o in outcomes)
+
+
+def test_a_dead_session_in_a_batch_fails_alone_and_leaves_nothing(
+    etcd: Etcd, versions: VersionRegistry
+) -> None:
+    """etcd refuses a whole transaction that writes under a missing lease: the batch finds
+    the dead sessions, fails their shards alone, and commits the others. A paged shard's
+    pages went with the lease (LeaseLost: the compare on its pages fails); an inline one's
+    holder record names the dead lease (SessionExpired, after etcd refuses the batch)."""
+    count = 6
+    live = Session(etcd, ttl=10)
+    dying = [Session(etcd, ttl=2), Session(etcd, ttl=2)]
+    paged = b"p" * (PAGE_BYTES + 10)  # staged under the dying lease: pages to vanish
+    entries = [stage(versions, "dead", i, count, live.id) for i in range(count) if i not in (3, 4)]
+    entries.insert(3, stage(versions, "dead", 3, count, dying[0].id, paged))
+    entries.insert(4, stage(versions, "dead", 4, count, dying[1].id))
+    for session in dying:
+        session.orphan()
+        etcd.lease_revoke(session.id)  # its session dies while its shard waits in the batch
+    outcomes = versions.shard_committer("t", "dead", 1).commit(entries)
+    assert type(outcomes[3]) is LeaseLost, outcomes[3]
+    assert isinstance(outcomes[4], SessionExpired), outcomes[4]
+    assert all(not isinstance(o, Exception) for i, o in enumerate(outcomes) if i not in (3, 4))
+    assert latest(versions, "dead") == 0  # shards 3 and 4 missing: not visible
+    keys = versions.keys
+    for index in (3, 4):
+        assert etcd.get(keys.shard("t", "dead", 1, index))[0] is None
+        assert etcd.get(keys.holder("t", "dead", 1, f"rank{index}"))[0] is None
+        assert etcd.count(keys.manifest_part("t", "dead", 1, index)) == 0  # nothing orphaned
+    # A new session publishes the two missing shards and makes the version visible.
+    with Session(etcd, ttl=10) as again:
+        assert not versions.publish_shard(
+            "t", "dead", 1, 3, count, b"p3", rec(again.id, "rank3")
+        ).visible
+        assert versions.publish_shard(
+            "t", "dead", 1, 4, count, b"p4", rec(again.id, "rank4")
+        ).visible
+        assert latest(versions, "dead") == 1
+    live.close()
+
+
+def test_failures_in_a_batch_are_each_entrys_own(etcd: Etcd, versions: VersionRegistry) -> None:
+    with Session(etcd, ttl=10) as session:
+        versions.publish_shard("t", "mix", 1, 0, 4, b"p0", rec(session.id, "rank0"))
+        batch = [
+            stage(versions, "mix", 1, 4, session.id),
+            stage(versions, "mix", 2, 5, session.id),  # another shard count
+            versions.stage_shard("t", "mix", 1, 0, 4, b"p0", rec(session.id, "intruder")),
+            stage(versions, "mix", 3, 4, session.id),
+        ]
+        outcomes = versions.shard_committer("t", "mix", 1).commit(batch)
+        assert isinstance(outcomes[1], InvalidArgument)
+        assert "5 shards" in str(outcomes[1])
+        assert "say 4" in str(outcomes[1])
+        assert isinstance(outcomes[2], AlreadyExists)
+        assert not isinstance(outcomes[0], Exception)
+        assert not isinstance(outcomes[3], Exception)
+        assert latest(versions, "mix") == 0  # shard 2 is still missing
+        last = versions.publish_shard("t", "mix", 1, 2, 4, b"p2", rec(session.id, "rank2"))
+        assert last.visible
+        assert latest(versions, "mix") == 1
+        # A newer version makes what is left of this one stale.
+        with pytest.raises(StaleVersion):
+            versions.publish_shard("t", "mix", 1, 9, 10, b"x", rec(session.id, "late"))
+
+
+def test_a_retried_shard_is_idempotent(etcd: Etcd, versions: VersionRegistry) -> None:
+    """A publish whose reply was lost, sent again (restaged: new pages), succeeds with the
+    first write's revision, and the second attempt's pages are deleted."""
+    paged = b"r" * (PAGE_BYTES + 1)
+    with Session(etcd, ttl=10) as session:
+        first = versions.publish_shard("t", "retry", 1, 0, 2, paged, rec(session.id, "rank0"))
+        again = versions.publish_shard("t", "retry", 1, 0, 2, paged, rec(session.id, "rank0"))
+        assert again.revision == first.revision
+        assert not again.visible
+        part = versions.keys.manifest_part("t", "retry", 1, 0)
+        assert etcd.count(part) == 2  # the first write's two pages; the retry's are gone
+        assert versions.publish_shard("t", "retry", 1, 1, 2, b"p1", rec(session.id, "r1")).visible
+        assert versions.manifest("t", "retry", 1, 0) == paged
+
+
+def test_the_budget_admits_a_batch_prefix(etcd: Etcd, versions: VersionRegistry) -> None:
+    """A batch charges the tenant once; the shards past its budget fail with QuotaExceeded
+    and the rest land."""
+    budget = TenantBudget(etcd, versions.keys, "t", max_bytes=3 * 1100, publishes_per_minute=600)
+
+    def charge(sizes: list[int], remaining: float):  # type: ignore[no-untyped-def]
+        return budget.charge_many(sizes, remaining, 0.25)
+
+    with Session(etcd, ttl=10) as session:
+        batch = [stage(versions, "quota", i, 4, session.id) for i in range(4)]
+        outcomes = versions.shard_committer("t", "quota", 1, budget=charge).commit(batch)
+        assert [type(o).__name__ for o in outcomes][3] == "QuotaExceeded"
+        assert isinstance(outcomes[3], QuotaExceeded)
+        assert not any(isinstance(o, Exception) for o in outcomes[:3])
+        assert latest(versions, "quota") == 0
+
+
+def test_an_expired_entry_is_not_written(etcd: Etcd, versions: VersionRegistry) -> None:
+    with Session(etcd, ttl=10) as session:
+        entry = stage(versions, "late", 0, 1, session.id)
+        entry.deadline = time.monotonic() - 1
+        (outcome,) = versions.shard_committer("t", "late", 1).commit([entry])
+        assert type(outcome).__name__ == "DeadlineExceeded"
+        assert etcd.get(versions.keys.shard("t", "late", 1, 0))[0] is None
