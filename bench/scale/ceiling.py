@@ -6,7 +6,11 @@ queue, and Latest answers an empty reply. The same client processes, on the same
 messages, run against it and against the hub in one run, so the hub's fan-out and unary
 latencies are read as multiples of this floor on the same machine at the same moment.
 
-`python -m bench.scale.ceiling --listen 127.0.0.1:0 --ready-file F` runs it until SIGTERM.
+`python -m bench.scale.ceiling --listen 127.0.0.1:0 --ready-file F` runs it until SIGTERM;
+with `--metrics-port P` it counts its open Watch and KeepAlive streams on a Prometheus
+endpoint under the hub's gauge names (`tensorhub_hub_watches_active`,
+`tensorhub_hub_sessions_active`), so the herd part reads "every client is watching" from
+both servers the same way.
 """
 
 from __future__ import annotations
@@ -20,11 +24,15 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
 
 QUEUE_LIMIT = 1024  # a stream further behind than this is cut off, as the hub does
+REGISTRY = CollectorRegistry()  # its own: only the two gauges, no process collectors
+WATCHES = Gauge("tensorhub_hub_watches_active", "Watch streams open", registry=REGISTRY)
+SESSIONS = Gauge("tensorhub_hub_sessions_active", "KeepAlive streams open", registry=REGISTRY)
 
 
 class Ceiling(hub_pb2_grpc.TensorHubServicer):
@@ -47,18 +55,24 @@ class Ceiling(hub_pb2_grpc.TensorHubServicer):
         requests: AsyncIterator[pb.KeepAliveRequest],
         context: grpc.aio.ServicerContext[object, object],
     ) -> AsyncIterator[pb.KeepAliveResponse]:
-        async for request in requests:
-            yield pb.KeepAliveResponse(session_id=request.session_id, ttl_seconds=10)
+        SESSIONS.inc()
+        try:
+            async for request in requests:
+                yield pb.KeepAliveResponse(session_id=request.session_id, ttl_seconds=10)
+        finally:
+            SESSIONS.dec()
 
     async def Watch(  # noqa: N802
         self, request: pb.WatchRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> AsyncIterator[pb.WatchEvent]:
         queue: asyncio.Queue[pb.WatchEvent] = asyncio.Queue(QUEUE_LIMIT)
         self._streams.add(queue)
+        WATCHES.inc()
         try:
             while True:
                 yield await queue.get()
         finally:
+            WATCHES.dec()
             self._streams.discard(queue)
 
     async def Publish(  # noqa: N802
@@ -82,8 +96,10 @@ class Ceiling(hub_pb2_grpc.TensorHubServicer):
         return pb.LatestResponse(version=self._latest, revision=self._latest)
 
 
-async def serve(listen: str, ready_file: Path | None) -> None:
+async def serve(listen: str, ready_file: Path | None, metrics_port: int = 0) -> None:
     """Serve until SIGINT/SIGTERM; write the bound address to `ready_file` once serving."""
+    if metrics_port:
+        start_http_server(metrics_port, addr="127.0.0.1", registry=REGISTRY)
     server = grpc.aio.server()
     hub_pb2_grpc.add_TensorHubServicer_to_server(Ceiling(), server)  # type: ignore[no-untyped-call]
     port = server.add_insecure_port(listen)
@@ -103,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.scale.ceiling")
     ap.add_argument("--listen", default="127.0.0.1:0")
     ap.add_argument("--ready-file", type=Path)
+    ap.add_argument("--metrics-port", type=int, default=0, help="count streams here (0: off)")
     args = ap.parse_args(argv)
-    asyncio.run(serve(args.listen, args.ready_file))
+    asyncio.run(serve(args.listen, args.ready_file, args.metrics_port))
     return 0
 
 

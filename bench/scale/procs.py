@@ -24,7 +24,7 @@ from typing import Any
 
 import grpc
 
-from consistency.embedded import stop_process
+from consistency.embedded import free_port, stop_process
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
 from tensorhub.errors import TensorHubError
@@ -84,6 +84,7 @@ class Server:
         self.name = name
         self.proc: subprocess.Popen[bytes] | None = None
         self.address = ""
+        self.metrics_port = 0  # its Prometheus port, when it was started with one
 
     def start(self, timeout: float = START_SECONDS) -> Server:
         with open(self.log_path, "ab") as log:
@@ -122,6 +123,12 @@ class Server:
             return " | ".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         return "(no log)"
 
+    def kill(self) -> None:
+        """SIGKILL now (a replica that dies without a word), and reap it."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
     def stop(self) -> str:
         """SIGTERM, then SIGKILL after a grace period; returns how it ended."""
         how = "not started" if self.proc is None else stop_process(self.proc, grace=5.0)
@@ -138,10 +145,16 @@ class Server:
 
 
 def hub_server(
-    etcd: list[str], admin_token: str, *, tree: str | None = None, extra: list[str] | None = None
+    etcd: list[str],
+    admin_token: str,
+    *,
+    tree: str | None = None,
+    extra: list[str] | None = None,
+    metrics: bool = False,
 ) -> Server:
     """`tensorhub serve` over `etcd` on a free loopback port; `tree`: run the code of another
-    checkout (its root goes first on PYTHONPATH, e.g. the BEFORE worktree)."""
+    checkout (its root goes first on PYTHONPATH, e.g. the BEFORE worktree); `metrics`: with
+    `--metrics-port` on a free port (`Server.metrics_port`; see `gauge`)."""
     env = dict(os.environ)
     if tree is not None:
         env["PYTHONPATH"] = tree
@@ -154,17 +167,43 @@ def hub_server(
         ",".join(etcd),
         "--listen",
         "127.0.0.1:0",
-        "--admin-token",
-        admin_token,
+        f"--admin-token={admin_token}",  # one glued argument: a token may begin with "-"
         *(extra or []),
     ]
-    return Server(argv, cwd=tree, env=env, name="hub")
+    port = free_port() if metrics else 0
+    if port:
+        argv += ["--metrics-port", str(port)]
+    server = Server(argv, cwd=tree, env=env, name="hub")
+    server.metrics_port = port
+    return server
 
 
-def ceiling_server() -> Server:
-    """The minimal grpc.aio fan-out server (`bench.scale.ceiling`) on a free loopback port."""
+def ceiling_server(metrics: bool = False) -> Server:
+    """The minimal grpc.aio fan-out server (`bench.scale.ceiling`) on a free loopback port;
+    `metrics`: it counts its streams on a Prometheus port as the hub does (`gauge`)."""
     argv = [sys.executable, "-m", "bench.scale.ceiling", "--listen", "127.0.0.1:0"]
-    return Server(argv, name="ceiling")
+    port = free_port() if metrics else 0
+    if port:
+        argv += ["--metrics-port", str(port)]
+    server = Server(argv, name="ceiling")
+    server.metrics_port = port
+    return server
+
+
+def gauge(port: int, name: str, timeout: float = 2.0) -> float | None:
+    """A gauge of the Prometheus endpoint on 127.0.0.1:`port`, summed over its labels (None
+    if the endpoint does not answer or has no such gauge: an older hub)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as r:
+            text = r.read().decode(errors="replace")
+    except (OSError, ValueError):
+        return None
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and line[len(name) : len(name) + 1] in (" ", "{")
+    ]
+    return sum(values) if values else None
 
 
 def create_tenant(address: str, admin_token: str, max_sessions: int, timeout: float = 30.0) -> str:

@@ -1,11 +1,13 @@
-"""An etcd at its default limits, one hub process over it, and a tenant with raised quotas:
-what the holders, manifest, shards and history parts run against. Always torn down."""
+"""An etcd at stated limits, one or more hub replicas over it, and a tenant with raised quotas:
+what the holders, manifest, shards, herd, reconnect and history parts run against. Always
+torn down."""
 
 from __future__ import annotations
 
 import secrets
 import subprocess
 import sys
+from dataclasses import dataclass
 from types import TracebackType
 
 from bench.scale.procs import (
@@ -20,22 +22,62 @@ from bench.scale.procs import (
 from consistency.embedded import EtcdCluster
 
 
-class World:
-    """`with World() as w:` — `w.address`, `w.token`, `w.etcd_endpoint`, `w.hub` (a Server)."""
+@dataclass(frozen=True)
+class EtcdLimits:
+    """The etcd request limits a part runs under, passed to etcd explicitly so the figures
+    say what they were measured against. The defaults are etcd's own (3.4 and 3.5)."""
 
-    def __init__(self, hub_flags: list[str] | None = None, max_sessions: int = 4096) -> None:
+    max_txn_ops: int = 128
+    max_request_bytes: int = 1_572_864  # 1.5 MiB
+
+    def args(self) -> list[str]:
+        return [f"--max-txn-ops={self.max_txn_ops}",
+                f"--max-request-bytes={self.max_request_bytes}"]  # fmt: skip
+
+    def describe(self) -> str:
+        return f"--max-txn-ops {self.max_txn_ops} --max-request-bytes {self.max_request_bytes}"
+
+
+class World:
+    """`with World() as w:` — `w.address` (the first replica), `w.addresses` (every replica),
+    `w.token`, `w.etcd_endpoint`, `w.hub` / `w.hubs` (Servers).
+
+    `replicas` hub processes share one etcd (sessions are etcd leases, so any replica serves
+    any session); `tree` runs another checkout's hub (`--hub-tree`); `metrics` starts each
+    with a Prometheus port (`Server.metrics_port`)."""
+
+    def __init__(
+        self,
+        hub_flags: list[str] | None = None,
+        max_sessions: int = 4096,
+        *,
+        replicas: int = 1,
+        tree: str | None = None,
+        limits: EtcdLimits | None = None,
+        metrics: bool = False,
+    ) -> None:
         self._flags = hub_flags or []
         self._max_sessions = max_sessions
-        self.etcd = EtcdCluster(size=1)
+        self._replicas = replicas
+        self._tree = tree
+        self._metrics = metrics
+        self.limits = limits or EtcdLimits()
+        self.etcd = EtcdCluster(size=1, extra_args=self.limits.args())
         self.admin = secrets.token_urlsafe(16)
-        self.hub: Server | None = None
+        self.hubs: list[Server] = []
         self.token = ""
 
     def __enter__(self) -> World:
         self.etcd.start()
         try:
-            self.hub = hub_server(self.etcd.endpoints, self.admin, extra=self._flags).start()
-            self.token = create_tenant(self.hub.address, self.admin, self._max_sessions)
+            for _ in range(self._replicas):
+                self.hubs.append(
+                    hub_server(
+                        self.etcd.endpoints, self.admin, tree=self._tree, extra=self._flags,
+                        metrics=self._metrics,
+                    ).start()
+                )  # fmt: skip
+            self.token = create_tenant(self.address, self.admin, self._max_sessions)
         except BaseException:
             self.close()
             raise
@@ -47,16 +89,24 @@ class World:
         self.close()
 
     def close(self) -> None:
-        if self.hub is not None:
-            self.hub.stop()
-            self.hub = None
+        for hub in self.hubs:
+            hub.stop()
+        self.hubs = []
         self.etcd.stop()
 
     @property
+    def hub(self) -> Server | None:
+        return self.hubs[0] if self.hubs else None
+
+    @property
     def address(self) -> str:
-        if self.hub is None:
+        if not self.hubs:
             raise ServerStartError("no hub: use the World inside `with`")
-        return self.hub.address
+        return self.hubs[0].address
+
+    @property
+    def addresses(self) -> list[str]:
+        return [h.address for h in self.hubs]
 
     @property
     def tenant(self) -> str:
