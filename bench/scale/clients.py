@@ -7,7 +7,12 @@ One asyncio loop per worker process holds hundreds of them, which is how one 2-c
 holds 2,000. A worker can instead be a prober that calls `Latest` in a loop.
 
 The parent drives workers through a pipe (`Fleet`): every command and every wait on a reply
-has a deadline, so a server that stops answering ends a round, never the run.
+has a deadline, so a server that stops answering ends a round, never the run. `serve_pipe`
+is that loop for any `Handler`, so other parts (shards' ranks, the SDK clients of the
+reconnect part) run their own workers on the same `Fleet`.
+
+The herd part (`bench.scale.herd`) uses `prepare` and `go`: every worker makes its clients'
+channels first, then all of them open at one CLOCK_MONOTONIC instant, with no gate.
 """
 
 from __future__ import annotations
@@ -17,10 +22,10 @@ import contextlib
 import multiprocessing
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -58,15 +63,31 @@ class _Client:
     seen: list[tuple[int, float]] = field(default_factory=list)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     keepalives: int = 0
+    opened_at: float = 0.0  # OpenSession answered (CLOCK_MONOTONIC)
+    renewed_at: float = 0.0  # its first renewal answered
+    last_renewal: float = 0.0  # the lease's last renewal (OpenSession counts as one)
+    max_gap: float = 0.0  # the longest time between two renewals of its lease
+    expired: bool = False  # not renewed before its TTL ran out, or the server said so
 
 
 class Clients:
-    """`count` clients of one worker against `target`, opened with bounded concurrency."""
+    """`count` clients of one worker, opened with bounded concurrency (or, in a herd, all at
+    once). `target` is one address or several replicas: the worker's client i talks to
+    `targets[(first + i) % len(targets)]`, so clients alternate replicas across workers."""
 
     def __init__(
-        self, target: str, token: str, count: int, model: str, ttl: int, connect_seconds: float
+        self,
+        target: str | Sequence[str],
+        token: str,
+        count: int,
+        model: str,
+        ttl: int,
+        connect_seconds: float,
+        first: int = 0,
     ) -> None:
-        self.target = target
+        self.targets = [target] if isinstance(target, str) else list(target)
+        self.target = self.targets[0]
+        self.first = first
         self.metadata = (("authorization", f"Bearer {token}"),)
         self.count = count
         self.model = model
@@ -77,21 +98,45 @@ class Clients:
         self.keepalive_ms: list[float] = []
         self.keepalive_late = 0
         self.connecting = False
+        self._prepared = False
 
-    async def connect(self) -> dict[str, Any]:
-        """Open every client (bounded by `connect_seconds`); how many got a session."""
-        start = time.monotonic()
-        gate = asyncio.Semaphore(OPEN_CONCURRENCY)
+    def _client(self, i: int) -> _Client:
+        target = self.targets[(self.first + i) % len(self.targets)]
+        client = _Client(i, grpc.aio.insecure_channel(target, CHANNEL_OPTIONS))
+        self.clients.append(client)
+        return client
+
+    def prepare(self) -> dict[str, Any]:
+        """Make every client's channel now (no call yet: it connects on its first call), so
+        a herd measures the opens, not this process building its objects."""
+        for i in range(self.count):
+            self._client(i)
+        self._prepared = True
+        return {"prepared": len(self.clients)}
+
+    async def connect(
+        self, start_at: float | None = None, concurrency: int | None = OPEN_CONCURRENCY
+    ) -> dict[str, Any]:
+        """Open every client (bounded by `connect_seconds`); how many got a session.
+
+        `start_at` (CLOCK_MONOTONIC): wait until then, the barrier every worker of a herd
+        shares. `concurrency` None: every OpenSession at once, no gate."""
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        start = time.monotonic() if start_at is None else start_at
+        gate: asyncio.Semaphore | contextlib.nullcontext[None] = (
+            contextlib.nullcontext() if concurrency is None else asyncio.Semaphore(concurrency)
+        )
         deadline = start + self.connect_seconds
+        clients = self.clients if self._prepared else [None] * self.count
 
-        async def one(i: int) -> None:
+        async def one(i: int, made: _Client | None) -> None:
             async with gate:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self.errors["open: connect deadline"] += 1
                     return
-                client = _Client(i, grpc.aio.insecure_channel(self.target, CHANNEL_OPTIONS))
-                self.clients.append(client)
+                client = made or self._client(i)
                 stub = hub_pb2_grpc.TensorHubStub(client.channel)  # type: ignore[no-untyped-call]
                 try:
                     opened = await stub.OpenSession(
@@ -102,6 +147,7 @@ class Clients:
                 except (TimeoutError, grpc.aio.AioRpcError) as exc:
                     self.errors[f"open: {_code(exc)}"] += 1
                     return
+                client.opened_at = client.last_renewal = time.monotonic()
                 client.session = int(opened.session_id)
                 client.tasks = [
                     asyncio.create_task(self._keepalive(client, stub)),
@@ -109,18 +155,20 @@ class Clients:
                 ]
 
         self.connecting = True
-        await asyncio.gather(*(one(i) for i in range(self.count)))
+        await asyncio.gather(*(one(i, c) for i, c in enumerate(clients)))
         self.connecting = False
         return {
             "sessions": sum(1 for c in self.clients if c.session),
             "connect_s": time.monotonic() - start,
+            "opened_at": [c.opened_at for c in self.clients if c.session],
             "errors": dict(self.errors),
         }
 
     async def _keepalive(self, client: _Client, stub: hub_pb2_grpc.TensorHubStub) -> None:
         """Renew every ttl/3. A renewal answered later than that is counted as late; one not
         answered before the lease would expire (ttl after the last renewal) loses the
-        session: an error, and this client stops renewing."""
+        session: an error, and this client stops renewing. So does an answer with a TTL of 0
+        (the server says the lease is gone)."""
         period = self.ttl / 3.0
         call = stub.KeepAlive(metadata=self.metadata)
         renewed = time.monotonic()
@@ -136,6 +184,14 @@ class Clients:
                     self.errors["keepalive: ended"] += 1
                     return
                 renewed = time.monotonic()
+                if reply.ttl_seconds <= 0:
+                    client.expired = True
+                    self.errors["keepalive: session expired (the server says)"] += 1
+                    call.cancel()
+                    return
+                client.max_gap = max(client.max_gap, renewed - client.last_renewal)
+                client.last_renewal = renewed
+                client.renewed_at = client.renewed_at or renewed
                 took = renewed - t0
                 self.keepalive_ms.append(took * 1000)
                 self.keepalive_late += took > period
@@ -145,6 +201,7 @@ class Clients:
             call.cancel()
             raise
         except TimeoutError:
+            client.expired = True
             when = " while the others connected" if self.connecting else ""
             self.errors[f"keepalive: session expired unrenewed{when}"] += 1
             call.cancel()
@@ -179,6 +236,9 @@ class Clients:
             "keepalive_ms": self.keepalive_ms[-2000:],
             "keepalives": sum(c.keepalives for c in self.clients),
             "keepalive_late": self.keepalive_late,
+            "renewed_at": [c.renewed_at for c in self.clients if c.renewed_at],
+            "max_gap_s": max((c.max_gap for c in self.clients), default=0.0),
+            "expired": sum(1 for c in self.clients if c.expired),
         }
 
     async def close(self) -> None:
@@ -217,49 +277,110 @@ async def probe(
     return {"latest_ms": latencies, "errors": dict(errors)}
 
 
-async def _serve(conn: Connection) -> None:
+async def open_once(target: str, token: str, ttl: int, times: int) -> dict[str, Any]:
+    """`times` opens, one at a time, each on a fresh channel (its connection included), as a
+    herd's client opens: the baseline of one open alone. Latencies in ms."""
+    metadata = (("authorization", f"Bearer {token}"),)
+    out: list[float] = []
+    errors: Counter[str] = Counter()
+    for _ in range(times):
+        async with grpc.aio.insecure_channel(target, CHANNEL_OPTIONS) as channel:
+            stub = hub_pb2_grpc.TensorHubStub(channel)  # type: ignore[no-untyped-call]
+            t0 = time.monotonic()
+            try:
+                await stub.OpenSession(
+                    pb.OpenSessionRequest(ttl_seconds=ttl), metadata=metadata, timeout=CALL_SECONDS
+                )
+                out.append((time.monotonic() - t0) * 1000)
+            except grpc.aio.AioRpcError as exc:
+                errors[_code(exc)] += 1
+    return {"open_ms": out, "errors": dict(errors)}
+
+
+class Handler(Protocol):
+    """What a worker process does with each command of its `Fleet` (`serve_pipe`)."""
+
+    async def handle(self, command: str, kwargs: dict[str, Any]) -> dict[str, Any]: ...
+
+    async def close(self) -> None: ...
+
+
+async def serve_pipe(conn: Connection, handler: Handler) -> None:
+    """Answer the parent's commands, one at a time, until `exit` (which closes `handler`).
+    A command that raises is answered with `failed`: the parent decides."""
     loop = asyncio.get_running_loop()
-    clients: Clients | None = None
     while True:
         command, kwargs = await loop.run_in_executor(None, conn.recv)
-        reply: dict[str, Any] = {}
+        if command == "exit":
+            with contextlib.suppress(Exception):
+                await handler.close()
+            conn.send({})
+            return
         try:
-            if command == "connect":
-                clients = Clients(**kwargs)
-                reply = await clients.connect()
-            elif command == "report" and clients is not None:
-                reply = clients.report()
-            elif command == "probe":
-                reply = await probe(**kwargs)
-            elif command == "close":
-                if clients is not None:
-                    await clients.close()
-                clients = None
-            elif command == "exit":
-                if clients is not None:
-                    await clients.close()
-                conn.send({})
-                return
+            reply = await handler.handle(command, kwargs)
         except Exception as exc:  # reported to the parent, which decides
             reply = {"failed": f"{type(exc).__name__}: {exc}"}
         conn.send(reply)
 
 
+class ClientsHandler:
+    """The clients and herd parts' worker: `connect`, `prepare` + `go`, `report`, `probe`,
+    `open_once`, `close`."""
+
+    def __init__(self) -> None:
+        self.clients: Clients | None = None
+
+    async def handle(self, command: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if command == "connect":
+            self.clients = Clients(**kwargs)
+            return await self.clients.connect()
+        if command == "prepare":
+            await self.close()
+            self.clients = Clients(**kwargs)
+            return self.clients.prepare()
+        if command == "go" and self.clients is not None:
+            return await self.clients.connect(kwargs["start_at"], kwargs.get("concurrency"))
+        if command == "report" and self.clients is not None:
+            return self.clients.report()
+        if command == "probe":
+            return await probe(**kwargs)
+        if command == "open_once":
+            return await open_once(**kwargs)
+        if command == "close":
+            await self.close()
+            return {}
+        return {}
+
+    async def close(self) -> None:
+        if self.clients is not None:
+            await self.clients.close()
+        self.clients = None
+
+
 def worker_main(conn: Connection) -> None:
     """Entry point of a worker process: serve commands from the parent until `exit`."""
-    asyncio.run(_serve(conn))
+    asyncio.run(serve_pipe(conn, ClientsHandler()))
 
 
 class Fleet:
-    """`workers` client processes plus one prober, driven over pipes with deadlines."""
+    """`workers` client processes plus one prober, driven over pipes with deadlines.
 
-    def __init__(self, workers: int) -> None:
+    `target` is each process's entry point (`worker_main`, or another part's); `prober`
+    False: no prober process."""
+
+    def __init__(
+        self,
+        workers: int,
+        target: Callable[[Connection], None] = worker_main,
+        prober: bool = True,
+    ) -> None:
         ctx = multiprocessing.get_context("spawn")  # grpc does not survive fork
         self._conns: list[Connection] = []
         self._procs: list[multiprocessing.process.BaseProcess] = []
-        for _ in range(workers + 1):
+        self._prober = prober
+        for _ in range(workers + (1 if prober else 0)):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, args=(child,), daemon=True)
+            proc = ctx.Process(target=target, args=(child,), daemon=True)
             proc.start()
             child.close()
             self._conns.append(parent)
@@ -267,10 +388,12 @@ class Fleet:
 
     @property
     def workers(self) -> list[Connection]:
-        return self._conns[:-1]
+        return self._conns[:-1] if self._prober else list(self._conns)
 
     @property
     def prober(self) -> Connection:
+        if not self._prober:
+            raise WorkerLost("this fleet has no prober")
         return self._conns[-1]
 
     @staticmethod
