@@ -4,6 +4,10 @@ Prints each figure with its target and verdict (the table every benchmark prints
 are taken within one run: the clients part measures its ceiling server at each N with the
 same client processes, just before the hub at that N. Targets apply at the largest
 N of the run (2,000 by default: DESIGN.md §8 asks for 2,000 clients on one replica).
+The shards part's bursts are ratios to a one-shard publish in the same World, the herd's to
+the ceiling server with the same clients in the same run. Every etcd runs with
+`--max-txn-ops` and `--max-request-bytes` stated (etcd's defaults unless given), and the
+parts that depend on them print them.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any
 
 from bench.report import Result, table
 
-PARTS = ("clients", "holders", "manifest", "history", "shards")
+PARTS = ("clients", "holders", "manifest", "history", "shards", "herd", "reconnect")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -60,7 +64,44 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         default=5.0,
         help="the hub's --compact-interval in the history part",
     )
-    ap.add_argument("--shards", type=int, default=4096)
+    ap.add_argument("--shards", type=int, default=4096, help="shards of the in-flight case")
+    ap.add_argument("--inflight", type=int, default=256, help="its shard publishes in flight")
+    ap.add_argument(
+        "--ranks", type=int, default=1024, help="ranks of the barrier case (a session each)"
+    )
+    ap.add_argument(
+        "--shard-timeout", type=float, default=600.0, help="deadline of one shard's Publish (s)"
+    )
+    ap.add_argument(
+        "--replicas",
+        default="1,2",
+        help="hub replicas of the shards and herd parts, one run each (default %(default)s)",
+    )
+    ap.add_argument("--herd-clients", type=int, default=2000, help="clients opening at once")
+    ap.add_argument(
+        "--herd-hold",
+        type=float,
+        default=None,
+        help="seconds the herd stays open after its last open (default: --ttl)",
+    )
+    ap.add_argument(
+        "--reconnect-clients", type=int, default=2000, help="SDK clients under the killed replica"
+    )
+    ap.add_argument(
+        "--reconnect-observe",
+        type=float,
+        default=None,
+        help="seconds watched after the kill (default: --ttl + 5)",
+    )
+    ap.add_argument(
+        "--max-txn-ops", type=int, default=128, help="etcd's --max-txn-ops (its default)"
+    )
+    ap.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=1_572_864,
+        help="etcd's --max-request-bytes (its default, 1.5 MiB)",
+    )
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON (- = stdout)")
 
 
@@ -207,17 +248,117 @@ def _fill_history(res: Result, data: dict[str, Any]) -> None:
         res.note = "fewer than two samples after the first compaction"
 
 
+def _limits(res: Result, data: dict[str, Any]) -> None:
+    """The etcd limits the part ran under, as rows of its table."""
+    limits = data.get("limits", {})
+    res.add("etcd --max-txn-ops (ran under)", limits.get("max_txn_ops"), unit="ops")
+    size = limits.get("max_request_bytes")
+    res.add("etcd --max-request-bytes (ran under)", None if size is None else size / 1024,
+            unit="KiB")  # fmt: skip
+
+
 def _fill_shards(res: Result, data: dict[str, Any]) -> None:
-    res.add(
-        f"{data['shards']} shards: last publish visible and Latest moved",
-        1.0 if data["ok"] else 0.0,
-        ">= 1",
-    )
-    res.add("shards refused", sum(data["failures"].values()), "<= 0")
-    res.add("publish of every shard", data["seconds"], unit="s")
-    res.add("etcd writes", data["etcd_writes"], unit="revisions")
-    if data.get("first_error") or data.get("last_error"):
-        res.note = f"first error: {data.get('first_error') or data.get('last_error')}"[:300]
+    _limits(res, data)
+    res.add("operations one shard writes (consistency/versions.py publish_shard)",
+            data["ops_per_shard"], unit="ops")  # fmt: skip
+    for r, ms in sorted(data.get("one_shard_ms", {}).items()):
+        res.add(f"x{r}: one shard (unsharded) publish, median", ms, unit="ms")
+    notes = []
+    for c in data["cases"]:
+        x = f"x{c.get('replicas')}"
+        base = c.get("one_shard_ms")
+        seconds = c.get("seconds")
+        ratio = None if seconds is None or not base else seconds * 1000 / base
+        n = c.get("shards")
+        if c.get("case") == "ranks":
+            what, target = f"{n} ranks, a session each, at a barrier, {x}", "<= 60"
+            revisions = ""
+        else:
+            what = f"{n} shards, {c.get('inflight')} in flight, {x}"
+            target = "<= 150"
+            revisions = f"<= {data['revision_target']}"
+        res.add(f"{what}: visible / one shard", ratio, target)
+        res.add(f"{what}: etcd revisions for the version", c.get("etcd_writes"), revisions)
+        res.add(
+            f"{what}: Latest moved with the last shard only, one visible, none refused",
+            1.0 if c.get("ok") else 0.0,
+            ">= 1",
+        )
+        res.add(f"{what}: Publish replies that said visible", c.get("visible_replies"), "<= 1")
+        res.add(f"{what}: visible after", seconds, unit="s")
+        failures = c.get("failures") or {}
+        if c.get("failed") or failures or c.get("last_error"):
+            why = c.get("failed") or c.get("first_error") or c.get("last_error") or failures
+            notes.append(f"{what}: {why}")
+    if notes:
+        res.note = "; ".join(str(n) for n in notes)[:300]
+
+
+def _fill_herd(res: Result, data: dict[str, Any]) -> None:
+    _limits(res, data)
+    rounds: list[dict[str, Any]] = data["rounds"]
+    for r in sorted({x["replicas"] for x in rounds}):
+        hub = next((x for x in rounds if x["replicas"] == r and x["server"] == "hub"), {})
+        ceil = next((x for x in rounds if x["replicas"] == r and x["server"] == "ceiling"), {})
+        n = data["clients"]
+        what = f"{n} at once, x{r}"
+        errors = sum(hub.get("errors", {}).values()) + (1 if "failed" in hub else 0)
+        if hub.get("sessions", 0) < n:
+            errors = max(errors, 1)
+        res.add(f"{what}: errors (open, keepalive, watch)", errors, "<= 0")
+        res.add(f"{what}: sessions expired or renewed later than the TTL",
+                hub.get("expired"), "<= 0")  # fmt: skip
+        res.add(
+            f"{what}: all open and watching / ceiling",
+            _ratio(hub.get("all_open_and_watching_s"), ceil.get("all_open_and_watching_s")),
+            "<= 3",
+        )
+        one = hub.get("one_open_ms")
+        res.add(
+            f"{what}: all {n} OpenSessions answered / one open alone",
+            _ratio(hub.get("all_opened_s"), None if one is None else one / 1000),
+        )
+        res.add(f"{what}: hub all open and watching", hub.get("all_open_and_watching_s"),
+                unit="s")  # fmt: skip
+        res.add(f"{what}: ceiling all open and watching", ceil.get("all_open_and_watching_s"),
+                unit="s")  # fmt: skip
+        res.add(f"{what}: hub all OpenSessions answered", hub.get("all_opened_s"), unit="s")
+        res.add(f"{what}: hub one open alone, median", one, unit="ms")
+        res.add(f"{what}: hub longest time between renewals", hub.get("max_renewal_gap_s"),
+                unit="s")  # fmt: skip
+        res.add(f"{what}: hub renewals later than ttl/3", hub.get("keepalive_late"),
+                unit="renewals")  # fmt: skip
+        res.add(f"{what}: hub RSS", hub.get("rss_mb"), unit="MB")
+        if hub.get("watches_unavailable"):
+            res.note = "the hub has no watches gauge: 'watching' not measured"
+        if "failed" in hub:
+            res.note = f"x{r}: {hub['failed']}"[:300]
+
+
+def _fill_reconnect(res: Result, data: dict[str, Any]) -> None:
+    _limits(res, data)
+    n = data["clients"]
+    res.add(f"{n} SDK clients: sessions on the same lease after the kill / clients",
+            _ratio(data.get("same_session"), n), ">= 1")  # fmt: skip
+    res.add("holder records intact, same session / clients",
+            _ratio(data.get("holders_intact"), n), ">= 1")  # fmt: skip
+    res.add("renewed within the TTL across the kill / clients",
+            _ratio(data.get("renewed_within_ttl"), n), ">= 1")  # fmt: skip
+    res.add("errors (connect, publish, lost sessions, recoveries)", data.get("errors"), "<= 0")
+    res.add("clients connected and published", data.get("connected"), unit="clients")
+    res.add("keepalive streams on the killed replica", data.get("streams_on_killed"),
+            unit="streams")  # fmt: skip
+    res.add("keepalive streams on the other, after", data.get("streams_on_other_after"),
+            unit="streams")  # fmt: skip
+    res.add("sessions on the same lease", data.get("same_session"), unit="sessions")
+    res.add("holder records intact", data.get("holders_intact"), unit="records")
+    res.add("lost sessions", data.get("lost"), unit="sessions")
+    res.add("recoveries (a new lease)", data.get("recoveries"), unit="sessions")
+    res.add("longest renewal gap across the kill", data.get("max_gap_s"), unit="s")
+    res.add("every session renewed again after the kill", data.get("all_back_s"), unit="s")
+    res.add("connect and publish", data.get("connect_s"), unit="s")
+    if data.get("failed") or data.get("first_error"):
+        res.note = f"{data.get('failed') or data.get('first_error')}"[:300]
 
 
 def _clients(args: argparse.Namespace) -> dict[str, Any]:
@@ -228,7 +369,7 @@ def _clients(args: argparse.Namespace) -> dict[str, Any]:
     from consistency.embedded import EtcdCluster
 
     rounds = []
-    with EtcdCluster(size=1) as etcd:
+    with EtcdCluster(size=1, extra_args=_etcd_limits(args).args()) as etcd:
         for n in [int(x) for x in args.clients.split(",") if x]:
             spec = RoundSpec(clients=n, versions=args.versions, gap=args.gap,
                              workers=args.workers, ttl=args.ttl,
@@ -252,9 +393,86 @@ def _clients(args: argparse.Namespace) -> dict[str, Any]:
     return {"rounds": rounds, "hub_tree": args.hub_tree}
 
 
+def _etcd_limits(args: argparse.Namespace) -> Any:
+    from bench.scale.world import EtcdLimits
+
+    return EtcdLimits(args.max_txn_ops, args.max_request_bytes)
+
+
+def _replicas(args: argparse.Namespace) -> tuple[int, ...]:
+    return tuple(int(x) for x in args.replicas.split(",") if x)
+
+
+def _herd(args: argparse.Namespace) -> dict[str, Any]:
+    """At each replica count: the ceiling, then the hub, with the same client processes."""
+    from bench.scale.clients import Fleet
+    from bench.scale.herd import HerdSpec, ceiling_herd, herd_round, summary
+    from bench.scale.procs import ServerStartError
+    from bench.scale.world import World
+
+    limits = _etcd_limits(args)
+    spec = HerdSpec(
+        clients=args.herd_clients, workers=args.workers, ttl=args.ttl,
+        hold=float(args.ttl) if args.herd_hold is None else args.herd_hold,
+        connect_seconds=args.connect_seconds,
+    )  # fmt: skip
+    _log(f"  etcd at {limits.describe()}")
+    rounds = []
+    fleet = Fleet(args.workers, prober=False)
+    try:
+        for r in _replicas(args):
+            for name in ("ceiling", "hub"):
+                t0 = time.monotonic()
+                if name == "ceiling":
+                    res = ceiling_herd(r, spec, fleet, _log)
+                else:
+                    world = World(max_sessions=2 * spec.clients + 64, replicas=r,
+                                  tree=args.hub_tree, limits=limits, metrics=True)  # fmt: skip
+                    try:
+                        with world:
+                            res = herd_round("hub", world.hubs, world.token, spec, fleet, _log)
+                    except ServerStartError as exc:
+                        res = {"server": "hub", "replicas": r, "failed": str(exc)}
+                res["round_s"] = round(time.monotonic() - t0, 1)
+                _log(summary(res))
+                rounds.append(res)
+                if res.get("fleet_broken"):  # the next round gets fresh processes
+                    fleet.close()
+                    fleet = Fleet(args.workers, prober=False)
+    finally:
+        fleet.close()
+    return {
+        "clients": spec.clients,
+        "rounds": rounds,
+        "hub_tree": args.hub_tree,
+        "limits": {"max_txn_ops": limits.max_txn_ops,
+                   "max_request_bytes": limits.max_request_bytes},
+    }  # fmt: skip
+
+
+def _shards(args: argparse.Namespace) -> dict[str, Any]:
+    from bench.scale import shards
+
+    return shards.run(
+        args.shards, args.ranks, args.inflight, _replicas(args), workers=args.workers,
+        timeout=args.shard_timeout, tree=args.hub_tree, limits=_etcd_limits(args), log=_log,
+    )  # fmt: skip
+
+
+def _reconnect(args: argparse.Namespace) -> dict[str, Any]:
+    from bench.scale import reconnect
+
+    out = reconnect.run(
+        args.reconnect_clients, workers=args.workers, ttl=args.ttl,
+        observe=args.reconnect_observe, tree=args.hub_tree, limits=_etcd_limits(args), log=_log,
+    )  # fmt: skip
+    _log(reconnect.summary(out))
+    return out
+
+
 def results(args: argparse.Namespace) -> list[Result]:
     """Run the chosen parts in order; one Result per part."""
-    from bench.scale import history, holders, manifest, shards
+    from bench.scale import history, holders, manifest
 
     parts = [p for p in args.parts.split(",") if p]
     unknown = set(parts) - set(PARTS)
@@ -262,6 +480,8 @@ def results(args: argparse.Namespace) -> list[Result]:
         raise SystemExit(f"unknown parts: {', '.join(sorted(unknown))}")
     small, large = (int(x) for x in args.holders.split(","))
     cmd = "tensorhub bench scale --parts "
+    limits = f" --max-txn-ops {args.max_txn_ops} --max-request-bytes {args.max_request_bytes}"
+    tree = f" --hub-tree {args.hub_tree}" if args.hub_tree else ""
     runs: dict[str, tuple[str, Callable[[], dict[str, Any]], Any]] = {
         "clients": (
             f"{cmd}clients --clients {args.clients}",
@@ -289,9 +509,22 @@ def results(args: argparse.Namespace) -> list[Result]:
             _fill_history,
         ),
         "shards": (
-            f"{cmd}shards --shards {args.shards}",
-            lambda: shards.run(args.shards),
+            f"{cmd}shards --shards {args.shards} --inflight {args.inflight} --ranks {args.ranks}"
+            f" --replicas {args.replicas}{limits}{tree}",
+            lambda: _shards(args),
             _fill_shards,
+        ),
+        "herd": (
+            f"{cmd}herd --herd-clients {args.herd_clients} --replicas {args.replicas} "
+            f"--ttl {args.ttl}{limits}{tree}",
+            lambda: _herd(args),
+            _fill_herd,
+        ),
+        "reconnect": (
+            f"{cmd}reconnect --reconnect-clients {args.reconnect_clients} --ttl {args.ttl}"
+            f"{limits}{tree}",
+            lambda: _reconnect(args),
+            _fill_reconnect,
         ),
     }
     return [_timed(f"scale/{p}", runs[p][0], runs[p][1], runs[p][2]) for p in parts]

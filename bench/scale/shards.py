@@ -1,30 +1,72 @@
-"""Shards: one version of 4,096 model-parallel shards against etcd's default --max-txn-ops.
+"""Shards: realistic bursts of one model-parallel version, at etcd's stated limits.
 
-Every shard is one PublishRequest (shard_index/shard_count) of its own rank's holder, under a
-few sessions. All but the last are sent with bounded concurrency; the last goes alone, so
-"the last shard's publish reports visible and Latest moves" is a crisp pass condition:
-Latest must not move before it and must move with it.
+Two cases, each on one hub replica and on two (shard or rank i talks to replica i mod R),
+each against a one-shard publish measured in the same World (an unsharded version of a
+one-tensor manifest: the median of a few):
+
+- ranks: N ranks (1,024), each a trainer rank as it really is: its own channel and its own
+  session (OpenSession), all waiting at one barrier (CLOCK_MONOTONIC, shared by the worker
+  processes), then every rank's shard Publish at once, no pacing. Time until visible: from
+  the barrier to the first reply that says the version is visible. Checked: exactly one Publish
+  reports visible, every other shard committed at or before its revision (so `latest` did
+  not move before the last shard), Latest is 0 before and 1 after, no shard refused.
+- inflight: N shards (4,096) with K (256) in flight under a few sessions. The first N-1
+  go as a burst; then Latest must still be 0 and no reply may have said visible; then the
+  last shard goes alone and must report visible, with Latest 1 after it. Time until visible:
+  from the start of the burst to the last shard's reply.
+
+Both report `etcd_writes`: the revisions etcd used between the barrier and the last reply
+(every session was opened before). Every shard is a raw PublishRequest (shard_index,
+shard_count) of a tiny inline manifest and its rank's holder record; the ranks are spread
+over `Fleet` worker processes so no one client process serializes them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
+import contextlib
+import math
+import statistics
 import time
+from collections import Counter
+from collections.abc import Callable
+from multiprocessing.connection import Connection
 from typing import Any
 
-from bench.scale.rpc import Hub, bounded, failures, first_error, holder, tiny_manifest
-from bench.scale.world import World
+import grpc
+
+from bench.scale.clients import Fleet, WorkerLost, serve_pipe
+from bench.scale.rpc import OPTIONS, Hub, first_error, holder, tiny_manifest
+from bench.scale.world import EtcdLimits, World
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from ros.proto.tensorhub.v1 import hub_pb2_grpc
 
-MODEL = "shards"
-SESSIONS = 4
-CONCURRENCY = 32
+Log = Callable[[str], None]
+# The etcd operations one shard's publish writes, counted from consistency/versions.py
+# publish_shard (through consistency/publishing.py publish_staged) for a tiny inline manifest
+# (no manifest pages): the shard record, the rank's holder record and the put of the
+# version's `arrived` counter. The last shard's nested transaction (latest, the version's
+# header) is once per version, as is the model's admission on its first publish; the tenant
+# budget's charge (ros/hub/budget.py) is one put per transaction, however many shards it
+# carries. Those are what the "+ 10" of the revisions target leaves room for.
+OPS_PER_SHARD = 3
+REVISION_SLACK = 10
+SINGLE_MODEL = "single"
+SESSION_TTL = 300  # the ranks' sessions outlive the slowest burst without a KeepAlive
+OPEN_CONCURRENCY = 16  # OpenSession calls in flight per worker while the ranks get ready
+CHANNEL_OPTIONS = [*OPTIONS, ("grpc.use_local_subchannel_pool", 1)]  # a connection each
+BARRIER_SECONDS = 1.0
 
 
-def _request(i: int, count: int, session: int) -> pb.PublishRequest:
+def revision_target(shards: int, limits: EtcdLimits) -> int:
+    """The most revisions a version of `shards` shards should take: its operations packed
+    into transactions of `--max-txn-ops`, plus `REVISION_SLACK`."""
+    return math.ceil(shards * OPS_PER_SHARD / limits.max_txn_ops) + REVISION_SLACK
+
+
+def _request(model: str, i: int, count: int, session: int) -> pb.PublishRequest:
     return pb.PublishRequest(
-        model=MODEL,
+        model=model,
         version=1,
         manifest=tiny_manifest(),
         holder=holder(f"rank-{i:05d}", session, complete=True, shard=i),
@@ -33,50 +75,375 @@ def _request(i: int, count: int, session: int) -> pb.PublishRequest:
     )
 
 
-async def _run(world: World, count: int) -> dict[str, Any]:
-    hub = Hub(world.address, world.token)
-    try:
-        sessions = [await hub.session() for _ in range(SESSIONS)]
-        rev0 = world.status()["revision"]
-        t0 = time.monotonic()
-        results = await bounded(
-            [
-                functools.partial(hub.call, "Publish", _request(i, count, sessions[i % SESSIONS]))
-                for i in range(count - 1)
-            ],
-            CONCURRENCY,
+class Ranks:
+    """A worker's share of the ranks (`prepare`), then their Publishes (`go`)."""
+
+    def __init__(self) -> None:
+        self.channels: list[grpc.aio.Channel] = []
+        self.ranks: list[tuple[int, hub_pb2_grpc.TensorHubStub, int]] = []  # index, stub, session
+        self.model = ""
+        self.count = 0
+        self.metadata: tuple[tuple[str, str], ...] = ()
+
+    async def prepare(
+        self,
+        targets: list[str],
+        token: str,
+        indices: list[int],
+        count: int,
+        model: str,
+        per_rank: bool,
+    ) -> dict[str, Any]:
+        """`per_rank`: every rank its own channel and session (to replica index mod R);
+        else one channel per replica and one session for this worker's shards."""
+        await self.close()
+        self.model, self.count = model, count
+        self.metadata = (("authorization", f"Bearer {token}"),)
+        errors: Counter[str] = Counter()
+        gate = asyncio.Semaphore(OPEN_CONCURRENCY)
+
+        def channel(target: str) -> grpc.aio.Channel:
+            made = grpc.aio.insecure_channel(target, CHANNEL_OPTIONS)
+            self.channels.append(made)
+            return made
+
+        async def session(stub: hub_pb2_grpc.TensorHubStub) -> int:
+            async with gate:
+                opened = await stub.OpenSession(
+                    pb.OpenSessionRequest(ttl_seconds=SESSION_TTL),
+                    metadata=self.metadata,
+                    timeout=60.0,
+                )
+            return int(opened.session_id)
+
+        async def rank(i: int, stub: hub_pb2_grpc.TensorHubStub, shared: int) -> None:
+            try:
+                self.ranks.append((i, stub, shared or await session(stub)))
+            except grpc.aio.AioRpcError as exc:
+                errors[f"open: {exc.code().name}"] += 1
+
+        if per_rank:
+            stubs = [
+                hub_pb2_grpc.TensorHubStub(channel(targets[i % len(targets)]))  # type: ignore[no-untyped-call]
+                for i in indices
+            ]
+            await asyncio.gather(*(rank(i, s, 0) for i, s in zip(indices, stubs, strict=True)))
+        else:
+            per_target = [hub_pb2_grpc.TensorHubStub(channel(t)) for t in targets]  # type: ignore[no-untyped-call]
+            shared = await session(per_target[0])
+            for i in indices:
+                await rank(i, per_target[i % len(targets)], shared)
+        self.ranks.sort(key=lambda r: r[0])
+        return {"ready": len(self.ranks), "errors": dict(errors)}
+
+    async def go(self, start_at: float, inflight: int | None, timeout: float) -> dict[str, Any]:
+        """At `start_at`, every rank's Publish (at most `inflight` at once; None: all)."""
+        gate: asyncio.Semaphore | contextlib.nullcontext[None] = (
+            contextlib.nullcontext() if inflight is None else asyncio.Semaphore(inflight)
         )
-        early_visible = sum(1 for r in results if isinstance(r, pb.PublishResponse) and r.visible)
-        before = await hub.call("Latest", pb.LatestRequest(model=MODEL))
-        out: dict[str, Any] = {
-            "shards": count,
-            "failures": failures(results),
-            "first_error": first_error(results),
-            "visible_before_last": early_visible,
-            "latest_before_last": int(before.version),
+        visible: list[tuple[int, int, float]] = []  # index, revision, reply time
+        revisions: list[int] = []
+        results: list[object] = []
+
+        async def one(i: int, stub: hub_pb2_grpc.TensorHubStub, session: int) -> None:
+            async with gate:
+                try:
+                    reply = await stub.Publish(
+                        _request(self.model, i, self.count, session),
+                        metadata=self.metadata,
+                        timeout=timeout,
+                    )
+                except grpc.aio.AioRpcError as exc:
+                    results.append(exc)
+                    return
+            results.append(reply)
+            if reply.visible:
+                visible.append((i, int(reply.revision), time.monotonic()))
+            else:
+                revisions.append(int(reply.revision))
+
+        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        await asyncio.gather(*(one(*r) for r in self.ranks))
+        failed = [r for r in results if isinstance(r, BaseException)]
+        codes = Counter(
+            r.code().name if isinstance(r, grpc.aio.AioRpcError) else type(r).__name__
+            for r in failed
+        )
+        return {
+            "published": len(results) - len(failed),
+            "failures": dict(codes),
+            "first_error": first_error(failed),
+            "visible": visible,
+            "max_revision": max(revisions, default=0),  # of the shards that said not visible
+            "last_reply_at": time.monotonic(),
         }
-        try:
-            last = await hub.call("Publish", _request(count - 1, count, sessions[0]))
-            out["last_visible"] = bool(last.visible)
-        except Exception as exc:  # the figure says it failed, and why
-            out["last_visible"] = False
-            out["last_error"] = first_error([exc])
-        out["seconds"] = time.monotonic() - t0
-        after = await hub.call("Latest", pb.LatestRequest(model=MODEL))
-        out["latest_after"] = int(after.version)
-        out["etcd_writes"] = world.status()["revision"] - rev0
-        out["ok"] = (
-            out["last_visible"]
-            and out["latest_before_last"] == 0
-            and out["latest_after"] == 1
-            and not out["failures"]
-        )
+
+    async def handle(self, command: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if command == "prepare":
+            return await self.prepare(**kwargs)
+        if command == "go":
+            return await self.go(**kwargs)
+        if command == "close":
+            await self.close()
+        return {}
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close(0) for c in self.channels), return_exceptions=True)
+        self.channels, self.ranks = [], []
+
+
+def rank_worker(conn: Connection) -> None:
+    """Entry point of a rank worker process (`Fleet(..., target=rank_worker)`)."""
+    asyncio.run(serve_pipe(conn, Ranks()))
+
+
+async def _one_shard(address: str, token: str, times: int) -> list[float]:
+    """`times` unsharded publishes (versions 1..times of `SINGLE_MODEL`), one at a time:
+    each one's latency in ms (a failure raises: the part has no baseline then)."""
+    hub = Hub(address, token)
+    try:
+        session = await hub.session()
+        out = []
+        for v in range(1, times + 1):
+            request = pb.PublishRequest(
+                model=SINGLE_MODEL,
+                version=v,
+                manifest=tiny_manifest(),
+                holder=holder("single", session, complete=True),
+            )
+            t0 = time.monotonic()
+            await hub.call("Publish", request)
+            out.append((time.monotonic() - t0) * 1000)
         return out
     finally:
         await hub.close()
 
 
-def run(count: int = 4096) -> dict[str, Any]:
-    """The shards part on its own etcd and hub (default limits)."""
-    with World() as world:
-        return asyncio.run(_run(world, count))
+async def _latest(address: str, token: str, model: str) -> tuple[int, int]:
+    hub = Hub(address, token)
+    try:
+        reply = await hub.call("Latest", pb.LatestRequest(model=model))
+        return int(reply.version), int(reply.revision)
+    finally:
+        await hub.close()
+
+
+async def _session(address: str, token: str) -> int:
+    hub = Hub(address, token)
+    try:
+        return await hub.session(SESSION_TTL)
+    finally:
+        await hub.close()
+
+
+async def _last_shard(
+    address: str, token: str, model: str, index: int, count: int, session: int, timeout: float
+) -> tuple[pb.PublishResponse | None, str, float]:
+    """The last shard alone, under `session`: (reply or None, error, reply time)."""
+    hub = Hub(address, token)
+    try:
+        try:
+            reply = await hub.call("Publish", _request(model, index, count, session), timeout)
+            return reply, "", time.monotonic()
+        except Exception as exc:  # the figure says it failed, and why
+            return None, first_error([exc]), time.monotonic()
+    finally:
+        await hub.close()
+
+
+def _merge(replies: list[dict[str, Any]]) -> dict[str, Any]:
+    failures: Counter[str] = Counter()
+    for r in replies:
+        failures.update(r.get("failures", {}))
+        if "failed" in r:
+            failures[f"worker: {r['failed']}"] += 1
+    return {
+        "published": sum(int(r.get("published", 0)) for r in replies),
+        "failures": dict(failures),
+        "first_error": next((r["first_error"] for r in replies if r.get("first_error")), ""),
+        "visible": sorted(v for r in replies for v in r.get("visible", [])),
+        "max_revision": max((int(r.get("max_revision", 0)) for r in replies), default=0),
+    }
+
+
+def _split(indices: list[int], parts: int) -> list[list[int]]:
+    return [indices[w::parts] for w in range(parts)]
+
+
+def ranks_case(world: World, fleet: Fleet, ranks: int, timeout: float) -> dict[str, Any]:
+    """N ranks, a channel and a session each, at one barrier; see the module docstring."""
+    model = "ranks"
+    workers = fleet.workers
+    out: dict[str, Any] = {"case": "ranks", "shards": ranks, "replicas": len(world.hubs)}
+    prepared = fleet.call(
+        "prepare",
+        [{"targets": world.addresses, "token": world.token, "indices": part, "count": ranks,
+          "model": model, "per_rank": True} for part in _split(list(range(ranks)), len(workers))],
+        300.0,
+    )  # fmt: skip
+    out["sessions"] = sum(int(p.get("ready", 0)) for p in prepared)
+    out["latest_before"], _ = asyncio.run(_latest(world.address, world.token, model))
+    rev0 = world.status()["revision"]
+    start_at = time.monotonic() + BARRIER_SECONDS
+    replies = fleet.call(
+        "go", [{"start_at": start_at, "inflight": None, "timeout": timeout}] * len(workers),
+        BARRIER_SECONDS + timeout + 60,
+    )  # fmt: skip
+    out["etcd_writes"] = world.status()["revision"] - rev0
+    out["latest_after"], latest_revision = asyncio.run(_latest(world.address, world.token, model))
+    fleet.call("close", [{}] * len(workers), 60.0)
+    merged = _merge(replies)
+    out.update(merged)
+    visible = merged["visible"]
+    out["visible_replies"] = len(visible)
+    if visible:  # the first reply that says visible: when the version became visible
+        revision = min(v[1] for v in visible)
+        out["seconds"] = min(v[2] for v in visible) - start_at
+        out["visible_revision"] = revision
+        out["ordered"] = merged["max_revision"] <= revision <= latest_revision
+    else:
+        out["seconds"], out["ordered"] = None, False
+    out["ok"] = bool(
+        out["ordered"]
+        and len(visible) == 1
+        and out["sessions"] == ranks
+        and merged["published"] == ranks
+        and not merged["failures"]
+        and out["latest_before"] == 0
+        and out["latest_after"] == 1
+    )
+    return out
+
+
+def inflight_case(
+    world: World, fleet: Fleet, count: int, inflight: int, timeout: float
+) -> dict[str, Any]:
+    """N-1 shards with `inflight` in flight, then the last alone; see the module docstring."""
+    model = "shards"
+    workers = fleet.workers
+    out: dict[str, Any] = {
+        "case": "inflight", "shards": count, "inflight": inflight, "replicas": len(world.hubs),
+    }  # fmt: skip
+    fleet.call(
+        "prepare",
+        [{"targets": world.addresses, "token": world.token, "indices": part, "count": count,
+          "model": model, "per_rank": False}
+         for part in _split(list(range(count - 1)), len(workers))],
+        300.0,
+    )  # fmt: skip
+    out["latest_at_start"], _ = asyncio.run(_latest(world.address, world.token, model))
+    last_address = world.addresses[(count - 1) % len(world.addresses)]
+    last_session = asyncio.run(_session(last_address, world.token))  # before rev0
+    each = max(1, inflight // len(workers))
+    rev0 = world.status()["revision"]
+    start_at = time.monotonic() + BARRIER_SECONDS
+    replies = fleet.call(
+        "go", [{"start_at": start_at, "inflight": each, "timeout": timeout}] * len(workers),
+        BARRIER_SECONDS + timeout * count / max(1, inflight) + 120,
+    )  # fmt: skip
+    merged = _merge(replies)
+    out["latest_before"], _ = asyncio.run(_latest(world.address, world.token, model))
+    reply, error, at = asyncio.run(
+        _last_shard(last_address, world.token, model, count - 1, count, last_session, timeout)
+    )
+    out["etcd_writes"] = world.status()["revision"] - rev0
+    out["latest_after"], latest_revision = asyncio.run(_latest(world.address, world.token, model))
+    fleet.call("close", [{}] * len(workers), 60.0)
+    out.update(merged)
+    out["visible_before_last"] = len(merged["visible"])
+    out["visible_replies"] = len(merged["visible"]) + (1 if reply and reply.visible else 0)
+    out["last_visible"] = bool(reply is not None and reply.visible)
+    if error:
+        out["last_error"] = error
+    out["seconds"] = at - start_at if out["last_visible"] else None
+    revision = int(reply.revision) if reply is not None else 0
+    out["ordered"] = out["last_visible"] and merged["max_revision"] <= revision <= latest_revision
+    out["published"] = merged["published"] + (1 if reply is not None else 0)
+    out["ok"] = bool(
+        out["ordered"]
+        and out["visible_before_last"] == 0
+        and out["published"] == count
+        and not merged["failures"]
+        and out["latest_at_start"] == 0
+        and out["latest_before"] == 0
+        and out["latest_after"] == 1
+    )
+    return out
+
+
+def run(
+    shards: int = 4096,
+    ranks: int = 1024,
+    inflight: int = 256,
+    replicas: tuple[int, ...] = (1, 2),
+    *,
+    workers: int = 4,
+    singles: int = 5,
+    timeout: float = 600.0,
+    tree: str | None = None,
+    limits: EtcdLimits | None = None,
+    log: Log = lambda _: None,
+) -> dict[str, Any]:
+    """Both cases at each replica count, each World its own etcd and hubs; a case that
+    breaks is reported with why, and the others still run."""
+    limits = limits or EtcdLimits()
+    out: dict[str, Any] = {
+        "limits": {"max_txn_ops": limits.max_txn_ops,
+                   "max_request_bytes": limits.max_request_bytes},
+        "ops_per_shard": OPS_PER_SHARD,
+        "revision_target": revision_target(shards, limits),
+        "cases": [],
+    }  # fmt: skip
+    log(f"  etcd at {limits.describe()}; one shard writes {OPS_PER_SHARD} operations")
+    fleet = Fleet(workers, target=rank_worker, prober=False)
+    try:
+        for r in replicas:
+            with World(max_sessions=ranks + 64, replicas=r, tree=tree, limits=limits) as world:
+                single = asyncio.run(_one_shard(world.address, world.token, singles))
+                base = statistics.median(single)
+                out.setdefault("one_shard_ms", {})[str(r)] = base
+                log(f"  x{r}: one shard (unsharded) publish: median {base:.1f} ms of "
+                    f"{', '.join(f'{x:.1f}' for x in single)}")  # fmt: skip
+                for name in ("ranks", "inflight"):
+                    t0 = time.monotonic()
+                    try:
+                        if name == "ranks":
+                            res = ranks_case(world, fleet, ranks, timeout)
+                        else:
+                            res = inflight_case(world, fleet, shards, inflight, timeout)
+                    except WorkerLost as exc:
+                        res = {"case": name, "replicas": r, "failed": str(exc), "ok": False}
+                        fleet.close()
+                        fleet = Fleet(workers, target=rank_worker, prober=False)
+                    except Exception as exc:  # reported; the next case still runs
+                        res = {"case": name, "replicas": r, "ok": False,
+                               "failed": f"{type(exc).__name__}: {exc}"[:300]}  # fmt: skip
+                    res["one_shard_ms"] = base
+                    res["wall_s"] = time.monotonic() - t0
+                    log(summary(res))
+                    out["cases"].append(res)
+    finally:
+        fleet.close()
+    return out
+
+
+def summary(r: dict[str, Any]) -> str:
+    """One human line per case."""
+    what = (
+        f"{r.get('shards')} ranks, a session each"
+        if r.get("case") == "ranks"
+        else f"{r.get('shards')} shards, {r.get('inflight')} in flight"
+    )
+    if "failed" in r:
+        return f"  {what} x{r.get('replicas')}: FAILED {r['failed']}"
+    seconds = r.get("seconds")
+    ratio = None if seconds is None else seconds * 1000 / r["one_shard_ms"]
+    return (
+        f"  {what} x{r['replicas']}: visible after "
+        + ("-" if seconds is None else f"{seconds:.2f}s ({ratio:.0f}x one shard)")
+        + f", etcd revisions {r.get('etcd_writes')}, published {r.get('published')}, "
+        f"visible replies {len(r.get('visible', []))}, Latest {r.get('latest_before')}->"
+        f"{r.get('latest_after')}, ordered {r.get('ordered')}, failures {r.get('failures')}"
+        + (f" ({r.get('first_error') or r.get('last_error')})" if r.get("failures") else "")
+        + f", ok {r.get('ok')}"
+    )
