@@ -79,6 +79,7 @@ class ShardEntry:
     record: bytes
     size: int
     deadline: float
+    session_key: str = ""  # the session's mark that must exist (a hub: the tenant's own)
     ambiguous: bool = field(default=False, compare=False)
 
     @property
@@ -250,12 +251,17 @@ class ShardCommitter:
                 ops.put(self._holder_key(entry), entry.holder.encode(), lease=entry.holder.session),
                 *entry.staged.commits,
             ]
+        marks = sorted({e.session_key for e in writing if e.session_key})
+        compares += [ops.exists(mark) for mark in marks]
         paged = [e for e in writing if e.staged.prefix]
         try:
             result = self.etcd.txn(
                 compares,
                 puts,
-                [op for e in paged for op in e.staged.count_op()],
+                [
+                    *(op for e in paged for op in e.staged.count_op()),
+                    *(ops.get(mark, count_only=True) for mark in marks),
+                ],
                 timeout=max(max(e.deadline for e in writing) - time.monotonic(), 0.05),
             )
         except LeaseNotFound:
@@ -274,11 +280,18 @@ class ShardCommitter:
             if visible and self._on_visible is not None:
                 self._on_visible(self.tenant, self.model)
             return
-        for entry, response in zip(paged, result.responses, strict=True):
+        for entry, response in zip(paged, result.responses, strict=False):
             if int(response.response_range.count) < entry.staged.header.pages:
                 outcomes[id(entry)] = LeaseLost(
                     f"the manifest pages of {self.what(entry)} vanished before the publish "
                     "committed: the publisher's session (lease) expired"
+                )
+        counted = result.responses[len(paged) :]
+        gone = {m for m, r in zip(marks, counted, strict=True) if not r.response_range.count}
+        for entry in writing:
+            if entry.session_key in gone and id(entry) not in outcomes:
+                outcomes[id(entry)] = SessionExpired(
+                    f"session {entry.holder.session:x} has expired or was revoked: open a new one"
                 )
 
     def _read(self, pending: list[ShardEntry], remaining: float) -> _Read:

@@ -262,9 +262,12 @@ class VersionRegistry:
         holder: HolderRecord,
         *,
         timeout: float = DEFAULT_TIMEOUT,
+        session_key: str = "",
     ) -> ShardEntry:
         """Check one rank's shard publish and write its manifest's pages (if any) under its
-        session: a `ShardEntry` ready for a batch (`shard_committer`)."""
+        session: a `ShardEntry` ready for a batch (`shard_committer`). With `session_key`,
+        the batch commits it only while that key exists (the hub: the session's mark as
+        the caller tenant's own)."""
         validate_version(version)
         check_shard_count(count)
         if not 0 <= index < count:
@@ -278,7 +281,9 @@ class VersionRegistry:
             tenant, model, version, index, manifest, holder.session, timeout=timeout
         )
         record = ShardRecord(index, count, holder.holder, staged.header).encode()
-        return ShardEntry(index, count, holder, staged, record, len(manifest), deadline)
+        return ShardEntry(
+            index, count, holder, staged, record, len(manifest), deadline, session_key
+        )
 
     def shard_committer(
         self,

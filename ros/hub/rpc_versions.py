@@ -12,6 +12,7 @@ from consistency import HolderRecord, HolderState, ops
 from consistency.manifests import (
     MAX_MANIFEST_BYTES,
     MAX_SHARDS,
+    SHARD_INLINE_BYTES,
     ManifestHeader,
     check_manifest_size,
     check_shard_count,
@@ -56,8 +57,9 @@ class VersionRPCs(HubBase):
     def _publish_checks(
         self, request: pb.PublishRequest, call: CallContext
     ) -> tuple[Tenant, float, str, int, bytes, HolderRecord, Admit]:
-        """What every publish checks before it writes: the caller, the bounds, its session,
-        every manifest rule, the tenant's budget; and the model quota's admission."""
+        """What every publish checks before it writes: the caller, the bounds, every
+        manifest rule; and the model quota's admission. (Its session is checked by the
+        caller: before the write, or for a shard inside its batch's transaction.)"""
         tenant = self._tenant(call)
         timeout = self._timeout(call)
         model = validate_name(request.model, "model")
@@ -65,7 +67,6 @@ class VersionRPCs(HubBase):
         _check_publish_limits(request)  # bounds first: a limit answers before any work
         manifest = request.manifest.SerializeToString()
         holder = holder_from_pb(request.holder, default_state=HolderState.COMPLETE)
-        self._own_session(tenant, holder.session, timeout)
         check_manifest(request.manifest, _what(request))  # every rule, before any write
         versions = self._versions(tenant)
         quota = CountedCreate(
@@ -85,6 +86,7 @@ class VersionRPCs(HubBase):
         tenant, timeout, model, version, manifest, holder, admit = self._publish_checks(
             request, call
         )
+        self._own_session(tenant, holder.session, timeout)
         charge = publish_charge(  # the etcd budget: refused here, before any write
             self.etcd, self.keys, tenant, len(manifest), 0, timeout
         )
@@ -96,16 +98,22 @@ class VersionRPCs(HubBase):
     def _stage_shard(
         self, request: pb.PublishRequest, call: CallContext
     ) -> tuple[str, int, ShardJob]:
-        """A shard publish checked (its budget too, before any write) and its manifest
-        staged: a job for its version's next batch."""
+        """A shard publish checked and its manifest staged: a job for its version's next
+        batch. Its session and budget are checked in the batch's own transaction, race-free
+        and once per batch; only a shard whose manifest is paged (a write before the batch)
+        checks them first, so that a refused publish writes nothing."""
         tenant, timeout, model, version, manifest, holder, admit = self._publish_checks(
             request, call
         )
-        publish_charge(self.etcd, self.keys, tenant, len(manifest), request.shard_count, timeout)
+        if len(manifest) > SHARD_INLINE_BYTES:
+            self._own_session(tenant, holder.session, timeout)
+            publish_charge(
+                self.etcd, self.keys, tenant, len(manifest), request.shard_count, timeout
+            )
         versions = self._versions(tenant)
         entry = versions.stage_shard(
             tenant.name, model, version, request.shard_index, request.shard_count, manifest,
-            holder, timeout=timeout,
+            holder, timeout=timeout, session_key=self.keys.session(tenant.name, holder.session),
         )  # fmt: skip
         return model, version, ShardJob(tenant, versions, admit, entry)
 

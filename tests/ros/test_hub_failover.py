@@ -1,5 +1,8 @@
 """Two hub replicas as real processes: the one a client uses dies mid-watch.
 
+Each client tries the replicas in its own random order (`ros.client.channel`), so the one
+killed is found by its metrics: the replica serving the client's watch.
+
 The client continues on the other replica with no missed or repeated watch event, its
 session (lease) survives, and `latest` never goes backwards.
 """
@@ -8,9 +11,11 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,11 +29,14 @@ from tests.ros.helpers import make_model
 ADMIN = "failover-admin"
 
 
-def start_hub(etcd_cluster: EtcdCluster, keys: Keys, ready: Path) -> subprocess.Popen[bytes]:
+def start_hub(
+    etcd_cluster: EtcdCluster, keys: Keys, ready: Path, metrics_port: int
+) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "ros.cli", "serve", "--listen", "127.0.0.1:0",
          "--etcd", ",".join(etcd_cluster.endpoints), "--admin-token", ADMIN,
-         "--prefix", keys.prefix, "--ready-file", str(ready)],
+         "--prefix", keys.prefix, "--ready-file", str(ready),
+         "--metrics-port", str(metrics_port)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     deadline = time.monotonic() + 30
@@ -39,17 +47,30 @@ def start_hub(etcd_cluster: EtcdCluster, keys: Keys, ready: Path) -> subprocess.
     return proc
 
 
+def watches(metrics_port: int) -> float:
+    """Watch streams the replica serving metrics on this port has open now."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith("tensorhub_hub_watches_active "):
+                return float(line.split()[1])
+    return 0.0
+
+
 @pytest.fixture
 def two_hubs(
     etcd_cluster: EtcdCluster, keys: Keys, tmp_path: Path
-) -> Iterator[list[tuple[subprocess.Popen[bytes], str]]]:
+) -> Iterator[list[tuple[subprocess.Popen[bytes], str, int]]]:
     hubs = []
     for i in range(2):
         ready = tmp_path / f"hub{i}.json"
-        proc = start_hub(etcd_cluster, keys, ready)
-        hubs.append((proc, json.loads(ready.read_text())["address"]))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc = start_hub(etcd_cluster, keys, ready, port)
+        hubs.append((proc, json.loads(ready.read_text())["address"], port))
     yield hubs
-    for proc, _ in hubs:
+    for proc, _, _ in hubs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -60,18 +81,24 @@ def two_hubs(
 
 @pytest.mark.timeout(120)
 def test_client_survives_the_death_of_its_hub_replica(
-    two_hubs: list[tuple[subprocess.Popen[bytes], str]], etcd_cluster: EtcdCluster, keys: Keys
+    two_hubs: list[tuple[subprocess.Popen[bytes], str, int]],
+    etcd_cluster: EtcdCluster,
+    keys: Keys,
 ) -> None:
     with Etcd(etcd_cluster.endpoints) as etcd:
         token = TenantStore(etcd, keys).create("team-a")
-    (first, first_addr), (_, second_addr) = two_hubs
-    addresses = [first_addr, second_addr]  # pick_first: the client starts on the first
+    addresses = [address for _, address, _ in two_hubs]
     publisher = ros.connect(addresses, tenant="team-a", token=token, session_ttl=3)
     client = ros.connect(addresses, tenant="team-a", token=token, session_ttl=3)
     try:
         publisher.publish("policy", 1, make_model(1))
         held = client.fetch("policy", 1)
         watch = client.watch("policy")
+        deadline = time.monotonic() + 10
+        while not (serving := [p for p, _, port in two_hubs if watches(port) >= 1]):
+            assert time.monotonic() < deadline, "the client's watch reached no replica"
+            time.sleep(0.05)
+        (first,) = serving  # the replica the client uses: the one to kill
         seen_latest = [client.latest("policy")]
         published = []
         killed_at = None
