@@ -30,6 +30,13 @@ from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
 
 QUEUE_LIMIT = 1024  # a stream further behind than this is cut off, as the hub does
+# gRPC core cancels calls the application has not picked up once more than 1,000 wait (its
+# default): a herd of 2,000 opens met that as CANCELLED. The hub raises both limits to its
+# stream limit (ros/hub/server.py); the ceiling does the same, with the hub's default.
+SERVER_OPTIONS = [
+    ("grpc.server.max_pending_requests", 16384),
+    ("grpc.server.max_pending_requests_hard_limit", 2 * 16384),
+]
 REGISTRY = CollectorRegistry()  # its own: only the two gauges, no process collectors
 WATCHES = Gauge("tensorhub_hub_watches_active", "Watch streams open", registry=REGISTRY)
 SESSIONS = Gauge("tensorhub_hub_sessions_active", "KeepAlive streams open", registry=REGISTRY)
@@ -100,7 +107,7 @@ async def serve(listen: str, ready_file: Path | None, metrics_port: int = 0) -> 
     """Serve until SIGINT/SIGTERM; write the bound address to `ready_file` once serving."""
     if metrics_port:
         start_http_server(metrics_port, addr="127.0.0.1", registry=REGISTRY)
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     hub_pb2_grpc.add_TensorHubServicer_to_server(Ceiling(), server)  # type: ignore[no-untyped-call]
     port = server.add_insecure_port(listen)
     await server.start()

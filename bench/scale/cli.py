@@ -322,17 +322,25 @@ def _fill_herd(res: Result, data: dict[str, Any]) -> None:
                 unit="s")  # fmt: skip
         res.add(f"{what}: ceiling all open and watching", ceil.get("all_open_and_watching_s"),
                 unit="s")  # fmt: skip
+        res.add(f"{what}: hub sessions opened", hub.get("sessions"), unit="sessions")
         res.add(f"{what}: hub all OpenSessions answered", hub.get("all_opened_s"), unit="s")
+        res.add(f"{what}: hub last successful open", hub.get("last_open_s"), unit="s")
         res.add(f"{what}: hub one open alone, median", one, unit="ms")
         res.add(f"{what}: hub longest time between renewals", hub.get("max_renewal_gap_s"),
                 unit="s")  # fmt: skip
         res.add(f"{what}: hub renewals later than ttl/3", hub.get("keepalive_late"),
                 unit="renewals")  # fmt: skip
         res.add(f"{what}: hub RSS", hub.get("rss_mb"), unit="MB")
+        notes = []
         if hub.get("watches_unavailable"):
-            res.note = "the hub has no watches gauge: 'watching' not measured"
-        if "failed" in hub:
-            res.note = f"x{r}: {hub['failed']}"[:300]
+            notes.append("the hub has no watches gauge: 'watching' not measured")
+        for who, x in (("hub", hub), ("ceiling", ceil)):
+            if "failed" in x:
+                notes.append(f"{who} x{r}: {x['failed']}")
+            elif x.get("error_details"):
+                notes.append(f"{who} x{r}: {x['error_details']}")
+        if notes:
+            res.note = "; ".join([res.note, *notes] if res.note else notes)[:300]
 
 
 def _fill_reconnect(res: Result, data: dict[str, Any]) -> None:

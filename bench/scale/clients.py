@@ -99,6 +99,14 @@ class Clients:
         self.keepalive_late = 0
         self.connecting = False
         self._prepared = False
+        self.error_details: dict[str, str] = {}  # the first of each kind, with its details
+
+    def _error(self, kind: str, exc: BaseException, after: float | None = None) -> None:
+        self.errors[kind] += 1
+        if kind not in self.error_details:
+            details = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            when = "" if after is None else f" (after {after:.2f}s)"
+            self.error_details[kind] = f"{details}{when}"[:200]
 
     def _client(self, i: int) -> _Client:
         target = self.targets[(self.first + i) % len(self.targets)]
@@ -145,7 +153,7 @@ class Clients:
                         timeout=min(CALL_SECONDS, left),
                     )
                 except (TimeoutError, grpc.aio.AioRpcError) as exc:
-                    self.errors[f"open: {_code(exc)}"] += 1
+                    self._error(f"open: {_code(exc)}", exc, time.monotonic() - start)
                     return
                 client.opened_at = client.last_renewal = time.monotonic()
                 client.session = int(opened.session_id)
@@ -162,6 +170,7 @@ class Clients:
             "connect_s": time.monotonic() - start,
             "opened_at": [c.opened_at for c in self.clients if c.session],
             "errors": dict(self.errors),
+            "error_details": dict(self.error_details),
         }
 
     async def _keepalive(self, client: _Client, stub: hub_pb2_grpc.TensorHubStub) -> None:
@@ -206,7 +215,7 @@ class Clients:
             self.errors[f"keepalive: session expired unrenewed{when}"] += 1
             call.cancel()
         except grpc.aio.AioRpcError as exc:
-            self.errors[f"keepalive: {_code(exc)}"] += 1
+            self._error(f"keepalive: {_code(exc)}", exc)
             call.cancel()
 
     async def _watch(self, client: _Client, stub: hub_pb2_grpc.TensorHubStub, start: int) -> None:
@@ -221,7 +230,7 @@ class Clients:
             call.cancel()
             raise
         except grpc.aio.AioRpcError as exc:
-            self.errors[f"watch: {_code(exc)}"] += 1
+            self._error(f"watch: {_code(exc)}", exc)
 
     def report(self) -> dict[str, Any]:
         """What every client saw: version -> the times it was seen (one per client)."""
@@ -236,6 +245,7 @@ class Clients:
             "keepalive_ms": self.keepalive_ms[-2000:],
             "keepalives": sum(c.keepalives for c in self.clients),
             "keepalive_late": self.keepalive_late,
+            "error_details": dict(self.error_details),
             "renewed_at": [c.renewed_at for c in self.clients if c.renewed_at],
             "max_gap_s": max((c.max_gap for c in self.clients), default=0.0),
             "expired": sum(1 for c in self.clients if c.expired),

@@ -133,23 +133,28 @@ def herd_round(
             counter.stop()
         opened = [t for r in connected for t in r.get("opened_at", [])]
         errors: Counter[str] = Counter()
+        details: dict[str, str] = {}
         for r in connected:
             errors.update(r.get("errors", {}))
+            details = {**r.get("error_details", {}), **details}
             if "failed" in r:
                 errors[f"worker: {r['failed']}"] += 1
         sessions = sum(int(r.get("sessions", 0)) for r in connected)
         out.update(
             sessions=sessions,
             open_errors=dict(errors),
-            all_opened_s=(max(opened) - start_at) if opened else None,
+            error_details=details,
+            # of the opens that succeeded: the figures use it only when every client opened
+            last_open_s=(max(opened) - start_at) if opened else None,
+            all_opened_s=(max(opened) - start_at) if sessions >= spec.clients else None,
             open_p50_s=(statistics.median(opened) - start_at) if opened else None,
             watches_counted=counter.last,
             watches_unavailable=counter.unavailable,
             all_watching_s=None if counter.reached_at is None else counter.reached_at - start_at,
         )
-        log(f"  {name} x{len(servers)}: {sessions}/{spec.clients} sessions, all opened "
-            f"{_s(out['all_opened_s'])}, all watching {_s(out['all_watching_s'])}"
-            + (f", errors {dict(errors)}" if errors else ""))  # fmt: skip
+        log(f"  {name} x{len(servers)}: {sessions}/{spec.clients} sessions, the last opened at "
+            f"{_s(out['last_open_s'])}, all watching {_s(out['all_watching_s'])}"
+            + (f", errors {dict(errors)}: {details}" if errors else ""))  # fmt: skip
         time.sleep(spec.hold)
         reports = fleet.call("report", [{}] * len(workers), 60.0)
         after = [s.stats() for s in servers]
@@ -157,6 +162,7 @@ def herd_round(
         stream_errors: Counter[str] = Counter()
         for r in reports:
             stream_errors.update(r.get("errors", {}))
+            out["error_details"] = {**r.get("error_details", {}), **out["error_details"]}
         stream_errors.update({k: v for k, v in errors.items() if k.startswith("worker:")})
         all_renewed_s = (max(renewed) - start_at) if len(renewed) >= spec.clients else None
         parts = [out["all_opened_s"], all_renewed_s]
