@@ -85,6 +85,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="seconds the herd stays open after its last open (default: --ttl)",
     )
     ap.add_argument(
+        "--herd-open-seconds",
+        type=float,
+        default=10.0,
+        help="deadline of one OpenSession in the herd (default: the SDK's timeout, 10 s)",
+    )
+    ap.add_argument(
         "--reconnect-clients", type=int, default=2000, help="SDK clients under the killed replica"
     )
     ap.add_argument(
@@ -422,7 +428,7 @@ def _herd(args: argparse.Namespace) -> dict[str, Any]:
     spec = HerdSpec(
         clients=args.herd_clients, workers=args.workers, ttl=args.ttl,
         hold=float(args.ttl) if args.herd_hold is None else args.herd_hold,
-        connect_seconds=args.connect_seconds,
+        connect_seconds=args.connect_seconds, open_seconds=args.herd_open_seconds,
     )  # fmt: skip
     _log(f"  etcd at {limits.describe()}")
     rounds = []
@@ -524,7 +530,7 @@ def results(args: argparse.Namespace) -> list[Result]:
         ),
         "herd": (
             f"{cmd}herd --herd-clients {args.herd_clients} --replicas {args.replicas} "
-            f"--ttl {args.ttl}{limits}{tree}",
+            f"--ttl {args.ttl} --herd-open-seconds {args.herd_open_seconds:g}{limits}{tree}",
             lambda: _herd(args),
             _fill_herd,
         ),

@@ -84,7 +84,9 @@ class Clients:
         ttl: int,
         connect_seconds: float,
         first: int = 0,
+        open_seconds: float = CALL_SECONDS,
     ) -> None:
+        self.open_seconds = open_seconds  # one OpenSession's deadline
         self.targets = [target] if isinstance(target, str) else list(target)
         self.target = self.targets[0]
         self.first = first
@@ -150,7 +152,7 @@ class Clients:
                     opened = await stub.OpenSession(
                         pb.OpenSessionRequest(ttl_seconds=self.ttl),
                         metadata=self.metadata,
-                        timeout=min(CALL_SECONDS, left),
+                        timeout=min(self.open_seconds, left),
                     )
                 except (TimeoutError, grpc.aio.AioRpcError) as exc:
                     self._error(f"open: {_code(exc)}", exc, time.monotonic() - start)

@@ -46,6 +46,7 @@ class HerdSpec:
     ttl: int = 10
     hold: float = 10.0  # seconds every client stays open after the last open
     connect_seconds: float = 120.0
+    open_seconds: float = 10.0  # one OpenSession's deadline: the SDK's default timeout
     singles: int = 5  # opens alone, for the one-open baseline (median)
     poll: float = 0.05
 
@@ -95,7 +96,8 @@ def herd_round(
     """One herd against `servers` (a ceiling or the hub's replicas) with `fleet`'s clients;
     never raises for a server that stopped answering (a `WorkerLost` marks the fleet
     `fleet_broken`: the caller replaces it)."""
-    out: dict[str, Any] = {"server": name, "replicas": len(servers), "clients": spec.clients}
+    out: dict[str, Any] = {"server": name, "replicas": len(servers), "clients": spec.clients,
+                           "open_seconds": spec.open_seconds}  # fmt: skip
     addresses = [s.address for s in servers]
     workers = fleet.workers
     try:
@@ -111,7 +113,8 @@ def herd_round(
         firsts = [sum(counts[:i]) for i in range(len(counts))]
         each = [
             {"target": addresses, "token": token, "count": c, "model": MODEL, "ttl": spec.ttl,
-             "connect_seconds": spec.connect_seconds, "first": f}
+             "connect_seconds": spec.connect_seconds, "first": f,
+             "open_seconds": spec.open_seconds}
             for c, f in zip(counts, firsts, strict=True)
         ]  # fmt: skip
         fleet.call("prepare", each, 120.0)
