@@ -64,7 +64,7 @@ from tensorhub.errors import (
 
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops, which we never ask an operator to raise
 FIXED_OPS = 5  # per batch: the counter, the usage, the model fence, `latest`, the header
-MAX_BATCH = (MAX_TXN_OPS - 2) // 2  # the opening read: 2 gets per shard, 2 for the version
+MAX_BATCH = (MAX_TXN_OPS - 3) // 2  # the opening read: 2 gets per shard, 3 for the batch
 
 
 @dataclass
@@ -89,10 +89,15 @@ class ShardEntry:
 
 
 class Budget(Protocol):
-    """The tenant's budget for a batch (`consistency.usage.TenantBudget.charge_many`)."""
+    """The tenant's budget for a batch (`consistency.usage.TenantBudget`): the key it keeps
+    the usage in (read with the batch's opening read, so charging costs no round trip of
+    its own), and how many of the batch's `sizes`, in order, fit the usage as read, with
+    the compare and put that charge them and the refusal for the rest."""
 
-    def __call__(
-        self, sizes: Sequence[int], remaining: float
+    key: str
+
+    def charge(
+        self, sizes: Sequence[int], usage: ops.KV | None
     ) -> tuple[int, list[ops.Cmp], list[ops.Op], QuotaExceeded | None]: ...
 
 
@@ -133,6 +138,7 @@ class _Read:
     arrived_mod: int
     records: dict[int, ops.KV]  # shard index -> its shard record, where one exists
     holders: dict[int, ops.KV]  # shard index -> the entry's holder record, where one exists
+    usage: ops.KV | None = None  # the tenant's usage key, with a budget
 
 
 class ShardCommitter:
@@ -299,9 +305,12 @@ class ShardCommitter:
         gets = [ops.get(self._latest), ops.get(self._arrived)]
         for entry in pending:
             gets += [ops.get(self._shard_key(entry)), ops.get(self._holder_key(entry))]
+        if self._budget is not None:
+            gets.append(ops.get(self._budget.key))
         result = self.etcd.txn([], gets, timeout=remaining)
         found = [ops.KV.from_pb(r.response_range.kvs[0]) if r.response_range.kvs else None
                  for r in result.responses]  # fmt: skip
+        usage = found.pop() if self._budget is not None else None
         latest, arrived = found[0], found[1]
         count, so_far = _counter(arrived.value if arrived is not None else None)
         records = {e.index: kv for e, kv in zip(pending, found[2::2], strict=True) if kv}
@@ -311,7 +320,7 @@ class ShardCommitter:
             latest.mod_revision if latest is not None else 0,
             count, so_far,
             arrived.mod_revision if arrived is not None else 0,
-            records, holders,
+            records, holders, usage,
         )  # fmt: skip
 
     def _settle(
@@ -375,7 +384,9 @@ class ShardCommitter:
             compares += guard
             puts += bump
         if self._budget is not None:
-            admitted, guard, charge, refusal = self._budget([e.size for e in writing], remaining)
+            admitted, guard, charge, refusal = self._budget.charge(
+                [e.size for e in writing], state.usage
+            )
             for entry in writing[admitted:]:
                 outcomes[id(entry)] = refusal or QuotaExceeded("tenant budget")
             compares += guard

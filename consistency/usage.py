@@ -76,7 +76,7 @@ class TenantBudget:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._etcd = etcd
-        self._key = keys.quota_fence(tenant, "usage")
+        self.key = keys.quota_fence(tenant, "usage")
         self._tenant = tenant
         self._max_bytes = max_bytes
         self._rate = publishes_per_minute
@@ -98,7 +98,14 @@ class TenantBudget:
         tokens each) in one compare and put, after one read: how many of them, in order,
         fit; the compare and put that charge those; and the refusal for the rest (None if
         all fit). Call again (a fresh read) after the transaction fails."""
-        kv, _ = self._etcd.get(self._key, timeout=timeout)
+        kv, _ = self._etcd.get(self.key, timeout=timeout)
+        return self.charge_read(sizes, kv, publishes)
+
+    def charge_read(
+        self, sizes: Sequence[int], kv: ops.KV | None, publishes: float = 1.0
+    ) -> tuple[int, list[ops.Cmp], list[ops.Op], QuotaExceeded | None]:
+        """`charge_many` against the usage key as the caller read it (`kv`; None: it does
+        not exist), with no read of its own (`consistency.shard_commit.Budget`)."""
         usage = Usage.decode(kv.value) if kv is not None else Usage()
         now = self._clock()
         tokens = float(self._rate) if usage.tokens < 0 else usage.tokens
@@ -129,8 +136,8 @@ class TenantBudget:
         seen = kv.mod_revision if kv is not None else 0
         return (
             admitted,
-            [ops.mod(self._key, "==", seen)],
-            [ops.put(self._key, after.encode())],
+            [ops.mod(self.key, "==", seen)],
+            [ops.put(self.key, after.encode())],
             refusal,
         )
 

@@ -8,7 +8,6 @@ import threading
 from collections.abc import Callable, Sequence
 
 from consistency import Etcd, Keys, ops
-from consistency.shard_commit import Budget
 from consistency.usage import Guard, TenantBudget
 from ros.hub.tenants import Tenant
 from ros.metrics import HUB_PUBLISHES_REFUSED
@@ -67,17 +66,20 @@ def publish_charge(
     return charge
 
 
-def batch_budget(etcd: Etcd, keys: Keys, tenant: Tenant, shard_count: int) -> Budget:
+class BatchBudget:
     """The charge of a batch of one version's shards (`consistency.shard_commit.Budget`):
-    one compare and put for the batch, each shard 1/`shard_count` of a publish."""
-    budget = _budget(etcd, keys, tenant)
+    one compare and put for the batch, each shard 1/`shard_count` of a publish, against
+    the usage the batch read."""
+
+    def __init__(self, etcd: Etcd, keys: Keys, tenant: Tenant, shard_count: int) -> None:
+        self._budget = _budget(etcd, keys, tenant)
+        self._publishes = 1.0 / shard_count
+        self.key = self._budget.key
 
     def charge(
-        sizes: Sequence[int], remaining: float
+        self, sizes: Sequence[int], usage: ops.KV | None
     ) -> tuple[int, list[ops.Cmp], list[ops.Op], QuotaExceeded | None]:
-        admitted, compares, puts, refusal = budget.charge_many(sizes, remaining, 1.0 / shard_count)
+        admitted, compares, puts, refusal = self._budget.charge_read(sizes, usage, self._publishes)
         if refusal is not None:
             HUB_PUBLISHES_REFUSED.labels("etcd_budget").inc(len(sizes) - admitted)
         return admitted, compares, puts, refusal
-
-    return charge

@@ -211,10 +211,15 @@ class HubBase:
         # Resolve's view of who holds what (caches only: see ros.hub.holder_index).
         self._holder_index = HolderIndex(etcd, keys)
         self._manifest_cache = ManifestCache()
-        # Shard publishes of one version waiting at once commit in one transaction.
-        self.shard_batches = ShardBatches(etcd, keys, self._workers)
-        # So do the session marks of one tenant opening at once (a herd of clients).
-        self.session_marks = SessionMarks(etcd, keys, self._workers)
+        # Shard publishes of one version waiting at once commit in one transaction; so do
+        # the session marks of one tenant opening at once (a herd of clients). Their
+        # transactions run on threads of their own, never queued behind the calls whose
+        # writes they carry (one in flight per version or tenant).
+        self._committers = ThreadPoolExecutor(
+            max_workers=self.limits.workers, thread_name_prefix="hub-commit"
+        )
+        self.shard_batches = ShardBatches(etcd, keys, self._committers)
+        self.session_marks = SessionMarks(etcd, keys, self._committers)
         # Sessions this replica opened, by id: their tenant is known without an etcd read
         # (a lease never changes tenant), so their first renewal costs no worker. Bounded.
         self.opened_sessions: SizedLru[int, str] = SizedLru(MAX_OPENED_SESSIONS, lambda _: 1)
@@ -225,6 +230,7 @@ class HubBase:
         dropped: the next publish of each model runs its retention again), the shared
         watches and the lease keepalive stream."""
         self._workers.shutdown(wait=False, cancel_futures=True)
+        self._committers.shutdown(wait=False, cancel_futures=True)
         self._collector.shutdown(wait=False, cancel_futures=True)
         self._fanout.close()
         self._leases.close()
@@ -261,6 +267,15 @@ class HubBase:
         if cached is not None:
             return _as_named(context, cached)
         return await self._blocking(self._tenant, context)
+
+    def _knows_caller(self, context: CallContext) -> bool:
+        """Whether `_tenant` can answer from memory (no etcd read): then it may be asked
+        on the event loop. False for a token memory cannot settle either way."""
+        token = bearer(context)
+        try:
+            return token is not None and self.tenants.cached(token) is not None
+        except PermissionDenied:
+            return True  # refused from memory: `_tenant` refuses it the same way, no I/O
 
     @staticmethod
     def _timeout(context: CallContext) -> float:

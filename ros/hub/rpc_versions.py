@@ -46,9 +46,14 @@ class VersionRPCs(HubBase):
         if not request.shard_count:
             published = await self._blocking(self._publish_whole, request, call, deadline_of=call)
         else:
-            model, version, job = await self._blocking(
-                self._stage_shard, request, call, deadline_of=call
-            )
+            if self._knows_caller(call) and request.manifest.ByteSize() <= SHARD_INLINE_BYTES:
+                # Nothing to read or write before the batch: checked here, on the loop,
+                # without a trip through the worker pool (a burst is thousands of these).
+                model, version, job = self._stage_shard(request, call)
+            else:
+                model, version, job = await self._blocking(
+                    self._stage_shard, request, call, deadline_of=call
+                )
             published = await self.shard_batches.publish(model, version, job)
         return pb.PublishResponse(
             version=published.version, revision=published.revision, visible=published.visible

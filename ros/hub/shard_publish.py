@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from consistency import Etcd, Keys, VersionRegistry
 from consistency.publishing import Admit, Published
 from consistency.shard_commit import ShardEntry, take
-from ros.hub.budget import batch_budget
+from ros.hub.budget import BatchBudget
 from ros.hub.group_commit import GroupCommit
 from ros.hub.tenants import Tenant
 from tensorhub.errors import TensorHubError
@@ -57,7 +57,7 @@ class ShardBatches:
         first = jobs[0]
         committer = first.registry.shard_committer(
             tenant, model, version, admit_model=first.admit_model,
-            budget=batch_budget(self._etcd, self._keys, first.tenant, first.entry.count),
+            budget=BatchBudget(self._etcd, self._keys, first.tenant, first.entry.count),
         )  # fmt: skip
         return committer.commit([job.entry for job in jobs])
 

@@ -166,14 +166,19 @@ def test_a_retried_shard_is_idempotent(etcd: Etcd, versions: VersionRegistry) ->
 def test_the_budget_admits_a_batch_prefix(etcd: Etcd, versions: VersionRegistry) -> None:
     """A batch charges the tenant once; the shards past its budget fail with QuotaExceeded
     and the rest land."""
-    budget = TenantBudget(etcd, versions.keys, "t", max_bytes=3 * 1100, publishes_per_minute=600)
+    tenant_budget = TenantBudget(
+        etcd, versions.keys, "t", max_bytes=3 * 1100, publishes_per_minute=600
+    )
 
-    def charge(sizes: list[int], remaining: float):  # type: ignore[no-untyped-def]
-        return budget.charge_many(sizes, remaining, 0.25)
+    class Quarter:
+        key = tenant_budget.key
+
+        def charge(self, sizes, usage):  # type: ignore[no-untyped-def]
+            return tenant_budget.charge_read(sizes, usage, 0.25)
 
     with Session(etcd, ttl=10) as session:
         batch = [stage(versions, "quota", i, 4, session.id) for i in range(4)]
-        outcomes = versions.shard_committer("t", "quota", 1, budget=charge).commit(batch)
+        outcomes = versions.shard_committer("t", "quota", 1, budget=Quarter()).commit(batch)
         assert [type(o).__name__ for o in outcomes][3] == "QuotaExceeded"
         assert isinstance(outcomes[3], QuotaExceeded)
         assert not any(isinstance(o, Exception) for o in outcomes[:3])
