@@ -2,8 +2,9 @@
 
 Roles: `publisher` (a trainer: publishes new versions with random content), `reader` (a
 rollout worker: fetches the latest version in place, double-buffered, and serves it),
-`watcher` (watches new versions), `poller` (calls `latest` in a loop) and `intruder` (the
-other tenant, see `chaos.intruder`). Every call goes into the history (`chaos.history`)
+`watcher` (watches new versions), `poller` (calls `latest` in a loop), `intruder` (the
+other tenant, see `chaos.intruder`), and the model-parallel workload's `rank` and
+`shard-reader` (`chaos.shards`). Every call goes into the history (`chaos.history`)
 with its deadline; content is hashed on both sides so the checker can compare bytes.
 
 The process waits for the run's start file (which holds the run's end time), works until
@@ -16,6 +17,7 @@ ends it after the current operation.
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import sys
@@ -111,15 +113,15 @@ class Worker:
             raise InvalidArgument("the worker is not connected yet")
         return self.hub
 
-    def latest(self) -> int | None:
+    def latest(self, model: str = MODEL) -> int | None:
         hub = self.client
 
         def read() -> dict[str, Any]:
-            version = hub.latest(MODEL, timeout=LATEST_TIMEOUT)
+            version = hub.latest(model, timeout=LATEST_TIMEOUT)
             # One operation at a time per process: the floor is this answer's revision.
             return {"version": version, "revision": hub.floor.value}
 
-        value = self.call("latest", LATEST_TIMEOUT, read, model=MODEL)
+        value = self.call("latest", LATEST_TIMEOUT, read, model=model)
         return None if value is None else int(value["version"])
 
     def pause(self, low: float, high: float) -> None:
@@ -158,7 +160,10 @@ def publisher(w: Worker) -> None:
 
 
 def release(w: Worker, handle: ros.Publication | ros.Held) -> None:
-    op = w.rec.invoke("release", RELEASE_TIMEOUT, model=MODEL, version=handle.version)
+    shard = {} if handle.shard is None else {"shard": handle.shard}
+    op = w.rec.invoke(
+        "release", RELEASE_TIMEOUT, model=handle.model, version=handle.version, **shard
+    )
     try:
         handle.release(force=True, timeout=RELEASE_TIMEOUT)
     except TensorHubError as exc:
@@ -269,6 +274,10 @@ def main(argv: list[str]) -> int:
         from chaos.intruder import intruder
 
         roles["intruder"] = intruder
+    if spec["role"] in ("rank", "shard-reader"):
+        from chaos.shards import rank, shard_reader
+
+        roles.update({"rank": rank, "shard-reader": shard_reader})
     try:
         roles[spec["role"]](w)
     except TensorHubError as exc:  # e.g. the hub never came back before the end
@@ -280,5 +289,16 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def _exit(code: int) -> None:
+    """Leave at once, without the interpreter's finalization: its last garbage collection
+    over torch's objects costs a second or two of CPU per process, which a run's 18 or more
+    workers ending together on two cores turned into 10-15 s between the run's end and its
+    check. Everything worth keeping is written by then (the history is flushed per line and
+    closed, the hub connection closed)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    _exit(main(sys.argv[1:]))
