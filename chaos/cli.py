@@ -29,6 +29,23 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         "--faults",
         help=f"comma-separated failpoints (default: all available): {','.join(NAMES)}",
     )
+    p.add_argument(
+        "--workload",
+        choices=runner.WORKLOADS,
+        default="whole",
+        help="whole: publishers of whole versions, readers, watchers, a poller, an intruder; "
+        "model-parallel: --ranks rank processes each publishing its shard of every version "
+        "(shard=(rank, ranks)), shard readers checking every visible version is whole and "
+        "every shard has its rank's bytes, the intruder; with the kill-rank failpoint, and "
+        "kill-hub striking mid-burst; mixed: both (default %(default)s)",
+    )
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=16,
+        help="shards per version of the model-parallel workload, one process each "
+        f"(1..{runner.MAX_RANKS}; default %(default)s)",
+    )
     p.add_argument("--json", type=Path, help="also write the full report (with history) here")
     p.add_argument("--keep", action="store_true", help="keep the work dir (histories, logs)")
     c = sub.add_parser("check", help="run the checker again over a saved --json report")
@@ -58,9 +75,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{time.monotonic() - started:6.1f}s] {text}", file=sys.stderr, flush=True)
 
     signal.signal(signal.SIGTERM, _interrupt)
-    config = runner.RunConfig(
-        duration=args.duration, seed=args.seed, faults=faults, planted=args.planted_bug,
-        keep=args.keep, progress=progress,
+    config = runner.for_workload(
+        args.workload, args.ranks, duration=args.duration, seed=args.seed, faults=faults,
+        planted=args.planted_bug, keep=args.keep, progress=progress,
     )  # fmt: skip
     result = runner.run(config)
     print(summary(result))

@@ -96,8 +96,21 @@ class KillHolder(Failpoint):
 
 def _mid_fetch(worker: WorkerProcess) -> bool:
     """Whether the worker's last history record is the invoke of a fetch."""
-    if worker.role != "reader":
-        return False
+    return worker.role == "reader" and _mid(worker, "fetch")
+
+
+def _mid_burst(worker: WorkerProcess) -> bool:
+    """Whether a rank of the model-parallel workload is publishing its shard right now."""
+    return (
+        worker.role == "rank"
+        and worker.alive
+        and not worker.paused
+        and _mid(worker, "publish-shard")
+    )
+
+
+def _mid(worker: WorkerProcess, f: str) -> bool:
+    """Whether the worker's last history record is the invoke of an `f` operation."""
     try:
         with worker.history_path().open("rb") as fh:
             fh.seek(0, os.SEEK_END)
@@ -105,7 +118,45 @@ def _mid_fetch(worker: WorkerProcess) -> bool:
             last = fh.read().rstrip(b"\n").rsplit(b"\n", 1)[-1]
     except OSError:
         return False
-    return b'"type":"invoke"' in last and b'"f":"fetch"' in last
+    return b'"type":"invoke"' in last and f'"f":"{f}"'.encode() in last
+
+
+def _wait_for_burst(workers: list[WorkerProcess], timeout: float) -> list[WorkerProcess]:
+    """The ranks caught publishing their shard, polled for up to `timeout` seconds (none
+    when the run has no ranks, or no burst came: the caller acts anyway)."""
+    if not any(w.role == "rank" for w in workers):
+        return []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        busy = [w for w in workers if _mid_burst(w)]
+        if busy:
+            return busy
+        time.sleep(0.01)
+    return []
+
+
+class KillRank(KillHolder):
+    """SIGKILL a rank of the model-parallel workload mid-burst: one caught between the
+    invoke and the completion of its shard publish, so its shard may or may not have
+    landed. Recovery starts a new incarnation, which publishes the version in flight again
+    (the same bytes: a retried shard publish must be idempotent)."""
+
+    name, scope = "kill-rank", "holder"
+
+    def __init__(self, env: Env) -> None:
+        super().__init__(env)
+        if not any(w.role == "rank" for w in env.workers):
+            self.reason = "no model-parallel ranks in this run (--workload model-parallel)"
+
+    def inject(self, rng: random.Random) -> str:
+        busy = _wait_for_burst(self.env.workers, self.wait_for_transfer)
+        live = busy or [w for w in self.env.workers if w.role == "rank" and w.alive]
+        if not live:
+            raise NoTarget("no live rank")
+        worker = rng.choice(live)
+        self.target = worker.name
+        worker.kill()
+        return f"{worker.client}" + (" (mid-burst)" if busy else "")
 
 
 class PauseHolder(Failpoint):
@@ -140,14 +191,19 @@ class KillEtcdLeader(Failpoint):
 
 
 class KillHub(Failpoint):
-    """SIGKILL one hub replica; recovery restarts it (its proxy, the clients' address, stays)."""
+    """SIGKILL one hub replica; recovery restarts it (its proxy, the clients' address, stays).
+
+    With ranks of the model-parallel workload in the run, it waits (a few seconds at most)
+    for a burst, so the replica dies while ranks are publishing their shards through it."""
 
     name = "kill-hub"
+    wait_for_burst = 3.0
 
     def inject(self, rng: random.Random) -> str:
+        busy = _wait_for_burst(self.env.workers, self.wait_for_burst)
         self.index = rng.randrange(len(self.env.cluster.hubs))
         self.env.cluster.hubs[self.index].kill()
-        return f"hub {self.index}"
+        return f"hub {self.index}" + (" (mid-burst)" if busy else "")
 
     def recover(self) -> None:
         self.env.cluster.restart_hub(self.index)
@@ -301,6 +357,6 @@ class StaleReplica(Failpoint):
 
 ALL: tuple[type[Failpoint], ...] = (
     KillHolder, PauseHolder, KillEtcdLeader, KillHub, BlackholeHolder, DelayHolder,
-    BlackholeHub, DelayHub, SqueezeLink, CorruptHolder, ExpireLease, StaleReplica,
+    BlackholeHub, DelayHub, SqueezeLink, CorruptHolder, ExpireLease, StaleReplica, KillRank,
 )  # fmt: skip
 NAMES = tuple(fp.name for fp in ALL)

@@ -20,6 +20,8 @@ from typing import Any
 from chaos.netns import Namespace
 from consistency.embedded import stop_process
 
+HOLDER_ROLES = ("publisher", "reader", "rank", "shard-reader")  # they serve what they hold
+
 
 @dataclass
 class Incarnation:
@@ -46,7 +48,7 @@ class WorkerProcess:
 
     @property
     def holder(self) -> bool:
-        return self.role in ("publisher", "reader")
+        return self.role in HOLDER_ROLES
 
     @property
     def client(self) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from chaos.checker import INVARIANTS
+from chaos.checker_shards import seen_visible
 from chaos.history import OK
 from chaos.runner import FaultRecord, RunResult
 
@@ -53,6 +54,24 @@ def checked(result: RunResult) -> dict[str, int]:
         "cross-tenant probes refused (6)": sum(
             op.f == "probe" and op.value.get("result") == "refused" for op in ok
         ),
+        **(_sharded(result) if result.config.ranks else {}),
+    }
+
+
+def _sharded(result: RunResult) -> dict[str, int]:
+    """The evidence of the model-parallel workload's checks (chaos.checker_shards)."""
+    ok = [op for op in result.ops if op.outcome == OK]
+    sent = [op for op in result.ops if op.f == "publish-shard"]
+    return {
+        "acknowledged shard publishes": sum(op.f == "publish-shard" for op in ok),
+        "shard publishes sent again, same bytes (4)": len(sent)
+        - len({(op.args["version"], op.args["shard"]) for op in sent}),
+        "model-parallel versions seen visible, checked whole (1)": len(
+            {seen_visible(op) for op in result.ops} - {0}
+        ),
+        "shard fetches compared with their rank's bytes (1)": sum(
+            op.f == "fetch-shard" for op in ok
+        ),
     }
 
 
@@ -61,6 +80,11 @@ def summary(result: RunResult) -> str:
     lines = [
         f"chaos run: seed {c.seed}, {c.duration:.0f}s, "
         f"planted bug: {c.planted or 'none'}, work dir {result.workdir}",
+        *(
+            [f"model-parallel workload: {c.ranks} ranks, {c.shard_readers} shard readers"]
+            if c.ranks
+            else []
+        ),
         "",
         "faults injected:",
     ]

@@ -26,7 +26,7 @@ from chaos.cluster import ChaosCluster, write_start_file
 from chaos.history import Op, load_ops
 from chaos.netns import Namespace, unavailable_reason
 from chaos.planted import KNOWN as PLANTED_KNOWN
-from chaos.processes import WorkerProcess
+from chaos.processes import HOLDER_ROLES, WorkerProcess
 from chaos.proxy import Proxy
 from consistency.embedded import free_port
 from tensorhub.errors import InvalidArgument, TensorHubError
@@ -51,6 +51,28 @@ class RunConfig:
     session_ttl: int = 5
     keep: bool = False  # keep the work dir (histories, logs)
     progress: Callable[[str], None] | None = None
+    ranks: int = 0  # the model-parallel workload (chaos.shards): shards per version, 0: none
+    shard_readers: int = 2  # with ranks: readers of shards
+    shard_fetches: int = 4  # shards each shard reader fetches of every version (at most ranks)
+
+
+WORKLOADS = ("whole", "model-parallel", "mixed")
+MAX_RANKS = 64  # one process each
+
+
+def for_workload(name: str, ranks: int = 16, **options: Any) -> RunConfig:
+    """The config of a named workload: `whole` (publishers of whole versions, readers,
+    watchers, a poller, an intruder), `model-parallel` (`ranks` rank processes publishing
+    one shard each of every version, shard readers, the intruder) or `mixed` (both)."""
+    if name not in WORKLOADS:
+        raise InvalidArgument(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+    if name == "whole":
+        return RunConfig(**options)
+    if not 1 <= ranks <= MAX_RANKS:
+        raise InvalidArgument(f"ranks must be 1..{MAX_RANKS} (one process each)")
+    if name == "model-parallel":
+        options = {"publishers": 0, "readers": 0, "watchers": 0, "pollers": 0, **options}
+    return RunConfig(ranks=ranks, **options)
 
 
 @dataclass
@@ -92,6 +114,10 @@ def _validate(config: RunConfig) -> None:
         raise InvalidArgument(f"unknown planted bug {config.planted!r}; known: {PLANTED_KNOWN}")
     if not 5 <= config.duration <= 3600:
         raise InvalidArgument("duration must be 5..3600 seconds")
+    if not 0 <= config.ranks <= MAX_RANKS:
+        raise InvalidArgument(f"ranks must be 0..{MAX_RANKS} (one process each)")
+    if config.shard_fetches < 1:
+        raise InvalidArgument("shard_fetches must be at least 1")
 
 
 class _Run:
@@ -148,6 +174,9 @@ class _Run:
             ("intruder", config.intruders),
         ):  # fmt: skip
             slots += [(f"{role}-{i}", role) for i in range(count)]
+        if config.ranks:
+            slots += [(f"rank-{i}", "rank") for i in range(config.ranks)]
+            slots += [(f"shard-reader-{i}", "shard-reader") for i in range(config.shard_readers)]
         for k, (name, role) in enumerate(slots):
             spec: dict[str, Any] = {**base, "history": str(self.root / f"{name}.jsonl")}
             order = hubs[:]
@@ -157,7 +186,12 @@ class _Run:
             if in_ns and netns is not None:
                 spec["hubs"] = [self._proxy((netns.host_ip, 0), _split(h)).address for h in order]
                 env.netns_worker = name
-            if role in ("publisher", "reader"):
+            if role in ("rank", "shard-reader"):
+                spec["ranks"], spec["fetches"] = config.ranks, config.shard_fetches
+                index = int(name.rsplit("-", 1)[1])  # the rank, or the reader's number
+                spec["index"] = index
+                spec["offset"] = index * config.ranks // max(1, config.shard_readers)
+            if role in HOLDER_ROLES:
                 port, alias = free_port(), f"127.0.1.{k + 1}"
                 host = netns.ns_ip if in_ns and netns is not None else "127.0.0.1"
                 env.holder_proxies[name] = self._proxy((alias, port), (host, port))
@@ -260,7 +294,7 @@ def _execute(config: RunConfig, stack: contextlib.ExitStack) -> RunResult:
     r = _Run(config, stack)
     _say(config, f"work dir {r.root}")
     env = r.setup()
-    _say(config, "cluster up: 3 etcd members, 2 hubs; starting workers")
+    _say(config, f"cluster up: 3 etcd members, 2 hubs; starting {len(r.workers)} workers")
     start = r.start_workers()
     end = start + config.duration
     _say(config, f"running for {config.duration:.0f}s (seed {config.seed})")
