@@ -83,6 +83,12 @@ HUB_RESOLVE_READS = Counter(
     "Candidate lookups answered by a direct etcd read, not the holder index, by why",
     ["reason"],
 )
+HUB_BATCH_SIZE = Histogram(
+    "tensorhub_hub_group_commit_batch",
+    "Writes one group-commit transaction carried (ros.hub.group_commit), by kind",
+    ["kind"],
+    buckets=(1, 2, 4, 8, 16, 32, 61, 127),
+)
 HUB_PUBLISH_LIMIT = Gauge(
     "tensorhub_hub_publish_limit",
     "Publish limits checked before any write (manifest_bytes, shards; consistency.manifests)",

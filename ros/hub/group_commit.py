@@ -24,6 +24,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from ros.metrics import HUB_BATCH_SIZE
+
 K = TypeVar("K", bound=Hashable)
 E = TypeVar("E")
 R = TypeVar("R")
@@ -55,8 +57,11 @@ class GroupCommit(Generic[K, E, R]):
         commit: Commit[K, E, R],
         take: Callable[[list[E]], list[E]],
         abandon: Callable[[K, list[E]], None] | None = None,
+        *,
+        kind: str = "",
     ) -> None:
         self._executor = executor
+        self._sizes = HUB_BATCH_SIZE.labels(kind or "other")
         self._commit = commit
         self._take = take
         self._abandon = abandon
@@ -98,6 +103,7 @@ class GroupCommit(Generic[K, E, R]):
         queue.busy = True
         self.batches += 1
         self.largest = max(self.largest, len(batch))
+        self._sizes.observe(len(batch))
         running = loop.run_in_executor(self._executor, self._commit, key, batch)
         running.add_done_callback(lambda done: self._done(key, queue, taken, done, loop))
 

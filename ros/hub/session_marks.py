@@ -53,7 +53,9 @@ class SessionMarks:
     def __init__(self, etcd: Etcd, keys: Keys, executor: Executor) -> None:
         self._etcd = etcd
         self._keys = keys
-        self.group: GroupCommit[str, MarkJob, int] = GroupCommit(executor, self._commit, _take)
+        self.group: GroupCommit[str, MarkJob, int] = GroupCommit(
+            executor, self._commit, _take, kind="sessions"
+        )
 
     async def mark(self, job: MarkJob) -> int:
         """Mark `job`'s session in its tenant's next batch; the mark's revision."""

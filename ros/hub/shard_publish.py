@@ -43,7 +43,7 @@ class ShardBatches:
         self._etcd = etcd
         self._keys = keys
         self.group: GroupCommit[Key, ShardJob, Published] = GroupCommit(
-            executor, self._commit, _take, self._abandon
+            executor, self._commit, _take, self._abandon, kind="shards"
         )
 
     async def publish(self, model: str, version: int, job: ShardJob) -> Published:

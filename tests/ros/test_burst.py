@@ -334,3 +334,54 @@ def test_a_herd_of_session_opens_commits_in_batches_within_the_quota(
         (quota - 1) / MARK_BATCH
     )
     assert group.largest == MARK_BATCH
+
+
+def test_a_shard_whose_caller_left_before_its_batch_is_not_written(
+    hub_server: HubServer, held: list[HeldTxn]
+) -> None:
+    """A paged shard whose deadline passes while it waits behind a held batch: its caller
+    hears DEADLINE_EXCEEDED, the shard is left out of the next batch, and its staged pages
+    are deleted (not left under the session's lease for as long as it lives)."""
+    token = tenant(hub_server, "leaver")
+    keys = hub_server.keys
+    failpoint = HeldTxn(hub_server.etcd, keys.shards("leaver", "mp", 1))
+    held.append(failpoint)
+    md = metadata(token)
+    big = shard_request(1, 3, 0)
+    big.manifest.CopyFrom(
+        pb.Manifest(
+            tensors=[  # > 1 KiB of manifest: paged before its batch
+                pb.TensorEntry(
+                    name=f"layer.{i}.weight", dtype="float32", shape=[16], offset=64 * i, nbytes=64
+                )
+                for i in range(60)
+            ],
+            total_bytes=3840,
+            chunk_size=4096,
+            chunk_xxh3=[1],
+        )
+    )
+
+    async def body(stubs: list[Any]) -> list[Any]:
+        stub = stubs[0]
+        session = (
+            await stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=60), metadata=md)
+        ).session_id
+        big.holder.session_id = session
+        first = asyncio.ensure_future(
+            stub.Publish(shard_request(0, 3, session), metadata=md, timeout=30)
+        )
+        await asyncio.to_thread(failpoint.reached.wait, 30)
+        try:
+            await stub.Publish(big, metadata=md, timeout=1.0)
+        except grpc.aio.AioRpcError as exc:
+            late = exc.code()
+        failpoint.release()
+        return [await first, late]
+
+    first, late = run_burst([hub_server.address], token, body)
+    assert late == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert not first.visible
+    pages = keys.manifest_part("leaver", "mp", 1, 1)
+    wait_until("the left shard's pages are deleted", lambda: hub_server.etcd.count(pages) == 0)
+    assert hub_server.etcd.get(keys.shard("leaver", "mp", 1, 1))[0] is None
