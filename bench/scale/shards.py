@@ -351,8 +351,8 @@ def inflight_case(
     fleet.call("close", [{}] * len(workers), 60.0)
     out.update(merged)
     out["visible_before_last"] = len(merged["visible"])
-    out["visible_replies"] = len(merged["visible"]) + (1 if reply and reply.visible else 0)
     out["last_visible"] = bool(reply is not None and reply.visible)
+    out["visible_replies"] = len(merged["visible"]) + int(out["last_visible"])
     if error:
         out["last_error"] = error
     out["seconds"] = at - start_at if out["last_visible"] else None
@@ -442,7 +442,7 @@ def summary(r: dict[str, Any]) -> str:
         f"  {what} x{r['replicas']}: visible after "
         + ("-" if seconds is None else f"{seconds:.2f}s ({ratio:.0f}x one shard)")
         + f", etcd revisions {r.get('etcd_writes')}, published {r.get('published')}, "
-        f"visible replies {len(r.get('visible', []))}, Latest {r.get('latest_before')}->"
+        f"visible replies {r.get('visible_replies')}, Latest {r.get('latest_before')}->"
         f"{r.get('latest_after')}, ordered {r.get('ordered')}, failures {r.get('failures')}"
         + (f" ({r.get('first_error') or r.get('last_error')})" if r.get("failures") else "")
         + f", ok {r.get('ok')}"
