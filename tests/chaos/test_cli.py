@@ -61,3 +61,22 @@ def test_an_interrupted_run_still_removes_its_work_dir(monkeypatch: pytest.Monke
     with pytest.raises(KeyboardInterrupt):
         runner.run(config)
     assert not _work_dir(said).exists()
+
+
+def test_a_model_parallel_run_needs_ranks_and_says_so_before_anything_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["chaos", "run", "--duration", "5", "--workload", "model-parallel", "--ranks", "0"]
+    assert main(argv) == 1
+    assert "ranks must be 1..64" in capsys.readouterr().err
+
+
+def test_the_workloads_name_their_processes() -> None:
+    """`model-parallel` runs ranks and shard readers instead of the whole-version clients
+    (the intruder stays); `mixed` runs both; `whole` runs no rank."""
+    sharded = runner.for_workload("model-parallel", 16)
+    assert (sharded.ranks, sharded.shard_readers, sharded.intruders) == (16, 2, 1)
+    assert (sharded.publishers, sharded.readers, sharded.watchers, sharded.pollers) == (0,) * 4
+    mixed = runner.for_workload("mixed", 4)
+    assert (mixed.ranks, mixed.publishers, mixed.readers) == (4, 2, 2)
+    assert runner.for_workload("whole").ranks == 0
