@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -92,6 +93,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument(
         "--reconnect-clients", type=int, default=2000, help="SDK clients under the killed replica"
+    )
+    ap.add_argument(
+        "--reconnect-workers", type=int, default=8, help="processes holding the SDK clients"
+    )
+    ap.add_argument(
+        "--reconnect-connecting",
+        type=int,
+        default=8,
+        help="SDK clients connecting and publishing at a time, in all (the setup is paced)",
     )
     ap.add_argument(
         "--reconnect-observe",
@@ -367,6 +377,8 @@ def _fill_reconnect(res: Result, data: dict[str, Any]) -> None:
     res.add("sessions on the same lease", data.get("same_session"), unit="sessions")
     res.add("holder records intact", data.get("holders_intact"), unit="records")
     res.add("lost sessions", data.get("lost"), unit="sessions")
+    res.add("of which before the kill (while connecting)", data.get("lost_before_kill"),
+            unit="sessions")  # fmt: skip
     res.add("recoveries (a new lease)", data.get("recoveries"), unit="sessions")
     res.add("longest renewal gap across the kill", data.get("max_gap_s"), unit="s")
     res.add("every session renewed again after the kill", data.get("all_back_s"), unit="s")
@@ -477,8 +489,9 @@ def _reconnect(args: argparse.Namespace) -> dict[str, Any]:
     from bench.scale import reconnect
 
     out = reconnect.run(
-        args.reconnect_clients, workers=args.workers, ttl=args.ttl,
-        observe=args.reconnect_observe, tree=args.hub_tree, limits=_etcd_limits(args), log=_log,
+        args.reconnect_clients, workers=args.reconnect_workers, ttl=args.ttl,
+        observe=args.reconnect_observe, concurrency=args.reconnect_connecting,
+        tree=args.hub_tree, limits=_etcd_limits(args), log=_log,
     )  # fmt: skip
     _log(reconnect.summary(out))
     return out
@@ -550,7 +563,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def _terminated(signum: int, frame: object) -> None:
+    """SIGTERM (e.g. `timeout`) ends the run through the `finally`s and `with`s, so its
+    etcd, hubs and worker processes are stopped instead of left running."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGTERM, _terminated)
     args = parse(argv)
     out = results(args)
     print(table(out))

@@ -5,9 +5,12 @@ both replicas (which one it uses first is the SDK's choice: the order given, or 
 part reports how many keepalive streams the killed replica carried), its session renewed
 every ttl/3 by the SDK's own thread, and something held: it published its shard of one
 model-parallel version (`publish(..., shard=(i, N))`), so it has a holder record under its
-session's lease. The clients live in `Fleet` worker processes (threads: the SDK is
-synchronous); a thread in each samples every client's confirmed renewals
-(`session.renewals`) every 0.1 s.
+session's lease. The clients live in `Fleet` worker processes (8 by default: the SDK is
+synchronous, a client is three or four threads, and fewer clients per process keep the
+GIL from delaying renewals); a thread in each samples every client's confirmed renewals
+(`session.renewals`) every 0.1 s. The setup is paced (8 clients connecting and publishing
+at a time in all: the herd and shards parts measure bursts); a session lost before the kill
+is counted apart, as `lost_before_kill`.
 
 Then replica A is killed with SIGKILL. After `observe` seconds (ttl + 5 by default) each
 client is checked: the same session (lease) as before the kill, never lost, no recovery (a
@@ -39,7 +42,7 @@ Log = Callable[[str], None]
 MODEL = "reconnect"
 SESSIONS = "tensorhub_hub_sessions_active"  # keepalive streams attached to a replica
 SAMPLE_SECONDS = 0.1
-CONNECT_THREADS = 16  # ros.connect + publish in flight per worker process
+CLOSE_THREADS = 16  # clients closed at once per worker process
 
 
 class _Client:
@@ -54,6 +57,7 @@ class _Client:
         self.holder = str(hub.holder_name)
         self.renewals = int(self.session.renewals)
         self.renewed: list[float] = [time.monotonic()]  # sample times of new renewals
+        self.lost_at = 0.0  # when its session was first seen lost (0: never)
 
 
 class SdkClients:
@@ -76,7 +80,10 @@ class SdkClients:
         count: int,
         model: str,
         timeout: float,
+        concurrency: int,
     ) -> dict[str, Any]:
+        """Connect and publish a shard each, `concurrency` at a time: the setup is paced (the
+        herd and shards parts measure bursts), so what follows is about the kill alone."""
         import torch
 
         import ros
@@ -107,7 +114,7 @@ class SdkClients:
                     hub.close()
 
         t0 = time.monotonic()
-        with ThreadPoolExecutor(CONNECT_THREADS) as pool:
+        with ThreadPoolExecutor(max(1, concurrency)) as pool:
             list(pool.map(one, indices))
         self.clients.sort(key=lambda c: c.index)
         self._sampler = threading.Thread(target=self._sample, name="renewals", daemon=True)
@@ -128,15 +135,18 @@ class SdkClients:
                 if n != c.renewals:
                     c.renewals = n
                     c.renewed.append(now)
+                if not c.lost_at and c.session.lost.is_set():
+                    c.lost_at = now
 
     def report(self, kill_at: float) -> dict[str, Any]:
         """Each client after the kill: same lease, renewed within its TTL, no loss."""
-        same = lost = recovered = recovery_failures = within = 0
+        same = lost = lost_before = recovered = recovery_failures = within = 0
         gaps: list[float] = []
         back: list[float] = []
         for c in self.clients:
             current = c.hub.recovery.current
             lost += c.session.lost.is_set()
+            lost_before += 0 < c.lost_at <= kill_at
             recovered += int(c.hub.recovery.recoveries)
             recovery_failures += int(c.hub.recovery.failures)
             same += bool(
@@ -154,6 +164,7 @@ class SdkClients:
             "clients": len(self.clients),
             "same_session": same,
             "lost": lost,
+            "lost_before_kill": lost_before,
             "recoveries": recovered,
             "recovery_failures": recovery_failures,
             "renewed_within_ttl": within,
@@ -168,7 +179,7 @@ class SdkClients:
         self._stop.set()
         if self._sampler is not None:
             self._sampler.join(timeout=5)
-        with ThreadPoolExecutor(CONNECT_THREADS) as pool:
+        with ThreadPoolExecutor(CLOSE_THREADS) as pool:
             list(pool.map(lambda c: c.hub.close(), self.clients))
         self.clients = []
 
@@ -197,10 +208,11 @@ def sdk_worker(conn: Connection) -> None:
 def run(
     clients: int = 2000,
     *,
-    workers: int = 4,
+    workers: int = 8,
     ttl: int = 10,
     observe: float | None = None,
-    connect_seconds: float = 900.0,
+    concurrency: int = 8,
+    connect_seconds: float = 600.0,
     timeout: float = 120.0,
     tree: str | None = None,
     limits: EtcdLimits | None = None,
@@ -226,7 +238,8 @@ def run(
                 "connect",
                 [{"addresses": world.addresses, "tenant": world.tenant, "token": world.token,
                   "ttl": ttl, "indices": part, "count": clients, "model": MODEL,
-                  "timeout": timeout} for part in parts],
+                  "timeout": timeout, "concurrency": max(1, concurrency // workers)}
+                 for part in parts],
                 connect_seconds,
             )  # fmt: skip
             errors: Counter[str] = Counter()
@@ -268,6 +281,7 @@ def run(
             out.update(
                 same_session=sum(int(r.get("same_session", 0)) for r in reports),
                 lost=sum(int(r.get("lost", 0)) for r in reports),
+                lost_before_kill=sum(int(r.get("lost_before_kill", 0)) for r in reports),
                 recoveries=sum(int(r.get("recoveries", 0)) for r in reports),
                 recovery_failures=sum(int(r.get("recovery_failures", 0)) for r in reports),
                 renewed_within_ttl=sum(int(r.get("renewed_within_ttl", 0)) for r in reports),
@@ -293,7 +307,8 @@ def summary(r: dict[str, Any]) -> str:
     return (
         f"  reconnect N={r['clients']}: connected {r.get('connected')}, same lease "
         f"{r.get('same_session')}, holder records intact {r.get('holders_intact')}, renewed "
-        f"within the TTL {r.get('renewed_within_ttl')}, lost {r.get('lost')}, recoveries "
+        f"within the TTL {r.get('renewed_within_ttl')}, lost {r.get('lost')} (before the kill "
+        f"{r.get('lost_before_kill')}), recoveries "
         f"{r.get('recoveries')}, longest gap {r.get('max_gap_s')}, errors {r.get('errors')}"
         + (f", FAILED {r['failed']}" if "failed" in r else "")
     )

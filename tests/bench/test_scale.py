@@ -79,7 +79,7 @@ def test_reconnect_smoke() -> None:
     its holder record, and renewed within its TTL."""
     from bench.scale import reconnect
 
-    out = reconnect.run(6, workers=1, ttl=3, observe=3.0)
+    out = reconnect.run(6, workers=1, ttl=3, observe=3.0, concurrency=4)
     assert "failed" not in out, out["failed"]
     assert out["connected"] == out["same_session"] == out["holders_intact"] == 6
     assert out["renewed_within_ttl"] == 6
