@@ -9,10 +9,10 @@ bursts, and the `kill-rank` and `kill-hub` failpoints strike in the middle of on
 
 A rank's tensors are a function of (model, version, rank) (`shard_tensors`), so a rank
 restarted after a kill publishes the same bytes again: it reads `latest` and publishes the
-version after it, which is the version in flight when it died. A publish that failed with
-anything but `StaleVersion` is sent again, the same shard with the same bytes, at most
-`PUBLISH_TRIES` times: a retried shard publish must be idempotent, and the checker
-(`chaos.checker_shards`) reports one that was refused.
+version after it, which is the version in flight when it died. A publish of unknown outcome
+is sent again, the same shard with the same bytes (bounded in time and count): a retried
+shard publish must be idempotent, and the checker (`chaos.checker_shards`) reports one that
+was refused.
 
 A `shard-reader` follows `latest`, inspects each new version (its shard count and one
 manifest per shard: it must be whole) and fetches `fetches` of its shards, one at a time,
@@ -38,7 +38,7 @@ SHARD_SHAPES = {"w": 48 * 1024, "b": 1000}  # bytes (uint8) of one rank's tensor
 SHARD_CHUNK = 16 * 1024
 PUBLISH_TIMEOUT, FETCH_TIMEOUT, INSPECT_TIMEOUT = 10.0, 20.0, 5.0
 VISIBLE_WAIT = 20.0  # how long a rank waits for its version to become visible
-PUBLISH_TRIES = 3  # sends of one shard (the first and its retries) before moving on
+RETRY_FOR, PUBLISH_TRIES = 20.0, 20  # a shard of unknown outcome is sent again this long
 HELD_VERSIONS = 3  # versions a rank keeps serving; older ones are released
 
 
@@ -71,15 +71,19 @@ def rank(w: Worker) -> None:
 def _publish_shard(
     w: Worker, hub: ros.Hub, version: int, index: int, count: int
 ) -> tuple[ros.Publication | None, int]:
-    """Publish one shard, sent again after an error other than `StaleVersion` (bounded).
+    """Publish one shard; one whose outcome is unknown (the hub died mid-call) is sent
+    again, as a trainer would, for `RETRY_FOR` seconds and `PUBLISH_TRIES` sends at most, so
+    a hub kill does not leave the version without this rank's shard. A definite refusal is
+    not sent again: it would be refused again.
 
-    Returns the publication (None if every try failed) and the newest version known to be
-    visible (`StaleVersion` means `latest` is at `version` or past it).
+    Returns the publication (None if it failed) and the newest version known to be visible
+    (`StaleVersion` means `latest` is at `version` or past it).
     """
     tensors = shard_tensors(MP_MODEL, version, index)
     content = digest(tensors)
+    give_up = time.monotonic() + RETRY_FOR
     for _ in range(PUBLISH_TRIES):
-        if not w.running():
+        if not w.running() or time.monotonic() > give_up:
             break
         op = w.rec.invoke(
             "publish-shard", PUBLISH_TIMEOUT, model=MP_MODEL, version=version, shard=index,
@@ -91,9 +95,12 @@ def _publish_shard(
                 shard=(index, count),
             )  # fmt: skip
         except TensorHubError as exc:
-            w.rec.complete(op, write_outcome(exc), error_name(exc))
+            outcome = write_outcome(exc)
+            w.rec.complete(op, outcome, error_name(exc))
             if isinstance(exc, StaleVersion):
                 return None, max(version, w.latest(MP_MODEL) or 0)
+            if outcome == FAIL:
+                break
             w.pause(0.2, 0.5)
             continue
         w.rec.complete(op, OK, version=version, revision=pub.revision, visible=pub.visible)
