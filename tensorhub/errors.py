@@ -313,3 +313,11 @@ class TornRead(IntegrityError):
     The chunk's bytes in the destination are garbage and must be fetched again, from this
     holder's next version or from another holder of this one.
     """
+
+
+@_code("UNAVAILABLE")
+class HolderBusy(TransportError):
+    """A holder answered BUSY: its data port is at its connection bounds with readers that
+    presented read tokens (or it evicted this connection, which had not presented one yet,
+    to admit another). The holder is full, not faulty: the SDK asks it again after a
+    backoff, within the fetch's deadline, instead of suspecting it (transport/reader.py)."""
