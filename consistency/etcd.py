@@ -14,6 +14,7 @@ token, and opens streams with tokens younger than `STREAM_TOKEN_AGE`. gRPC error
 
 from __future__ import annotations
 
+import copy
 import itertools
 import threading
 import time
@@ -33,7 +34,7 @@ from consistency.ops import KV, Cmp, Op
 from consistency.protowire import scan_fields
 from consistency.refusals import WriteUnconfirmed
 from consistency.retry import DEFAULT_POLICY, RetryPolicy, is_retryable
-from tensorhub.errors import DeadlineExceeded, OutcomeUnknown, Unavailable
+from tensorhub.errors import DeadlineExceeded, OutcomeUnknown, TensorHubError, Unavailable
 
 __all__ = [  # the errors and STREAM_TOKEN_AGE are re-exported: callers import them from here
     "DEFAULT_TIMEOUT",
@@ -135,6 +136,18 @@ class _Endpoint:
         self.failed_at = 0.0
 
 
+@dataclass(frozen=True)
+class Fence:
+    """A key whose create revision every write of a fenced `Etcd` view compares: the
+    tenant record, so that nothing is written for a tenant that was deleted (or deleted and
+    created again) since the caller authenticated, whatever any cache says. `refusal` is
+    raised when it no longer holds."""
+
+    key: str
+    create_revision: int
+    refusal: Callable[[], TensorHubError]
+
+
 class Etcd:
     """Connection to an etcd cluster given as `host:port` endpoints (one or several members).
 
@@ -174,6 +187,14 @@ class Etcd:
         self._lock = threading.Lock()
         self._current = 0
         self._counter = itertools.count()
+        self._fence: Fence | None = None
+
+    def fenced(self, fence: Fence) -> Etcd:
+        """This connection, with `fence` compared in every transaction that writes: a view
+        sharing the members and their channels (cheap: one per call is fine)."""
+        view = copy.copy(self)
+        view._fence = fence
+        return view
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -280,7 +301,16 @@ class Etcd:
         *,
         timeout: float | None = None,
     ) -> TxnResult:
-        """One transaction; see `TxnResult.attempts` for what a retried write means."""
+        """One transaction; see `TxnResult.attempts` for what a retried write means.
+
+        On a fenced view (`fenced`), a transaction that writes also compares the fence's key
+        and raises the fence's refusal, writing nothing, when that compare failed."""
+        fence = self._fence
+        fenced = fence is not None and _writes([*success, *(failure or [])])
+        if fenced:
+            assert fence is not None
+            compare = [*compare, ops.create(fence.key, "==", fence.create_revision)]
+            failure = [*(failure or []), ops.get(fence.key)]
         request = ops.txn_request(compare, success, failure)
         attempts = 0
 
@@ -291,16 +321,35 @@ class Etcd:
 
         try:
             response = self.call(send, timeout=timeout)
+        except LeaseNotFound:
+            # etcd refuses a write under a lease it does not know before any compare: for
+            # a tenant deleted meanwhile (its leases revoked), say that, not the lease.
+            if fenced:
+                assert fence is not None
+                self._check_fence(fence, timeout)
+            raise
         except WriteUnconfirmed as exc:
             if _writes([*success, *(failure or [])]):
                 raise OutcomeUnknown(str(exc)) from exc  # a read that timed out changed nothing
             raise
+        responses = list(response.responses)
+        if fenced and not response.succeeded:
+            assert fence is not None
+            found = responses.pop().response_range.kvs
+            if not found or int(found[0].create_revision) != fence.create_revision:
+                raise fence.refusal()
         return TxnResult(
-            bool(response.succeeded),
-            int(response.header.revision),
-            list(response.responses),
-            attempts,
+            bool(response.succeeded), int(response.header.revision), responses, attempts
         )
+
+    def _check_fence(self, fence: Fence, timeout: float | None) -> None:
+        """Raise the fence's refusal if its key is gone or was created again."""
+        found = self.call(
+            lambda m, t: m.kv.Range(etcdrpc.RangeRequest(key=ops.b(fence.key)), timeout=t),
+            timeout=timeout,
+        ).kvs
+        if not found or int(found[0].create_revision) != fence.create_revision:
+            raise fence.refusal()
 
     def put(
         self, key: str | bytes, value: str | bytes, *, lease: int = 0, timeout: float | None = None

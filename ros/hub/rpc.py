@@ -21,6 +21,7 @@ import asyncio
 import functools
 import hmac
 import logging
+import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -219,16 +220,24 @@ class HubBase:
             max_workers=self.limits.workers, thread_name_prefix="hub-commit"
         )
         self.shard_batches = ShardBatches(etcd, keys, self._committers)
-        self.session_marks = SessionMarks(etcd, keys, self._committers)
+        self.session_marks = SessionMarks(etcd, keys, self._committers, self._etcd_for)
         # Sessions this replica opened, by id: their tenant is known without an etcd read
         # (a lease never changes tenant), so their first renewal costs no worker. Bounded.
         self.opened_sessions: SizedLru[int, str] = SizedLru(MAX_OPENED_SESSIONS, lambda _: 1)
         self.tenants.hub_secret()  # create it at start-up, not in the first caller's deadline
+        # Each replica follows the tenant records, so a deleted tenant's cached tokens are
+        # dropped at once (writes are fenced in etcd regardless: TenantStore.fence).
+        self._stop_tenant_watch = threading.Event()
+        threading.Thread(
+            target=self.tenants.watch, args=(self._stop_tenant_watch,),
+            name="tenant-records", daemon=True,
+        ).start()  # fmt: skip
 
     def close(self) -> None:
         """Stop the workers, the background retention worker (pending collections are
         dropped: the next publish of each model runs its retention again), the shared
         watches and the lease keepalive stream."""
+        self._stop_tenant_watch.set()
         self._workers.shutdown(wait=False, cancel_futures=True)
         self._committers.shutdown(wait=False, cancel_futures=True)
         self._collector.shutdown(wait=False, cancel_futures=True)
@@ -287,8 +296,18 @@ class HubBase:
         return min(remaining, MAX_CALL_SECONDS)
 
     def _versions(self, tenant: Tenant) -> VersionRegistry:
+        """The tenant's registry, every write of which is fenced on its record
+        (`TenantStore.fence`)."""
         retain = min(self._default_retain, tenant.quotas.max_retained_versions)
-        return VersionRegistry(self.etcd, self.keys, retain=retain, collector=self._collector)
+        return VersionRegistry(
+            self._etcd_for(tenant), self.keys, retain=retain, collector=self._collector
+        )
+
+    def _etcd_for(self, tenant: Tenant) -> Etcd:
+        """The etcd connection for writes made on `tenant`'s behalf: each compares that the
+        tenant's record is the one it authenticated against (deleted: `PermissionDenied`)."""
+        fence = self.tenants.fence(tenant)
+        return self.etcd if fence is None else self.etcd.fenced(fence)
 
     def _holders(self, tenant: Tenant) -> HolderRegistry:
         return HolderRegistry(self._versions(tenant))

@@ -31,12 +31,14 @@ class ModelRPCs(HubBase):
             if not request.tenant:
                 raise InvalidArgument("DeleteModel with the admin token must name the tenant")
             tenant = validate_name(request.tenant, "tenant")
+            writer = self.etcd  # the admin deletes whatever is there
         else:
-            tenant = self._tenant(context).name
+            caller = self._tenant(context)
+            tenant, writer = caller.name, self._etcd_for(caller)
             if request.tenant and request.tenant != tenant:
                 raise PermissionDenied(
                     f"a tenant deletes only its own models: this token is {tenant}'s, "
                     f"not {request.tenant[:63]!r}'s"
                 )
-        deleted = delete_model(self.etcd, self.keys, tenant, model, timeout=self._timeout(context))
+        deleted = delete_model(writer, self.keys, tenant, model, timeout=self._timeout(context))
         return pb.DeleteModelResponse(revision=deleted.revision, versions_deleted=deleted.versions)

@@ -18,7 +18,7 @@ with `SessionExpired`, and commits the rest.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -31,6 +31,7 @@ from ros.hub.tenants import Tenant
 from tensorhub.errors import (
     DeadlineExceeded,
     LeaseNotFound,
+    PermissionDenied,
     SessionExpired,
     TensorHubError,
 )
@@ -50,8 +51,13 @@ class MarkJob:
 class SessionMarks:
     """Group commit of session marks, one batch in flight per tenant (module docstring)."""
 
-    def __init__(self, etcd: Etcd, keys: Keys, executor: Executor) -> None:
+    def __init__(
+        self, etcd: Etcd, keys: Keys, executor: Executor, etcd_for: Callable[[Tenant], Etcd]
+    ) -> None:
+        """`etcd_for(tenant)`: the connection a batch of `tenant`'s marks is written with
+        (the hub's fences each write on the tenant's record)."""
         self._etcd = etcd
+        self._etcd_for = etcd_for
         self._keys = keys
         self.group: GroupCommit[str, MarkJob, int] = GroupCommit(
             executor, self._commit, _take, kind="sessions"
@@ -74,6 +80,7 @@ class SessionMarks:
         )
         outcomes: dict[int, int | TensorHubError] = {}
         pending = list(jobs)
+        writer = self._etcd_for(jobs[0].tenant)
 
         def attempt() -> None:
             now = time.monotonic()
@@ -98,7 +105,7 @@ class SessionMarks:
                 for j in marking
             ]
             try:
-                result = self._etcd.txn(guard, [*marks, *bump], timeout=remaining)
+                result = writer.txn(guard, [*marks, *bump], timeout=remaining)
             except LeaseNotFound:
                 self._dead(marking, outcomes)
                 pending[:] = [j for j in pending if id(j) not in outcomes]
@@ -116,7 +123,7 @@ class SessionMarks:
                 deadline,
                 lambda: DeadlineExceeded("opening a session: the session count kept changing"),
             )
-        except DeadlineExceeded as exc:
+        except (DeadlineExceeded, PermissionDenied) as exc:  # PermissionDenied: tenant deleted
             for job in pending:
                 outcomes.setdefault(id(job), exc)
         return [outcomes[id(j)] for j in jobs]

@@ -9,8 +9,10 @@ and created again under the same name accepts nothing of the old one's.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
+import logging
 import secrets
 import threading
 import time
@@ -18,8 +20,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from consistency import ops
-from consistency.etcd import Etcd
+from consistency.etcd import Etcd, Fence
 from consistency.keys import Keys
+from consistency.watch import KeyWatch, RawEvent, Resync
 from ros.metrics import HUB_TENANT_RECORD_READS, HUB_UNKNOWN_TOKENS_REFUSED
 from ros.tokens import (
     READ_KEY_PERIOD,
@@ -41,6 +44,8 @@ from tensorhub.errors import (
 )
 from tensorhub.lru import SizedLru
 from tensorhub.names import validate_name
+
+log = logging.getLogger(__name__)
 
 _CACHE_SECONDS = 5.0  # a tenant record (its token hash, quotas) is re-read this often
 _MISSING_SECONDS = 1.0  # a name found missing is refused from memory this long
@@ -87,9 +92,13 @@ class Quotas:
 
 @dataclass(frozen=True)
 class Tenant:
+    """An authenticated tenant: its name, quotas, epoch, and `created`, the create revision
+    of its record, which every write made for it compares (`fence`)."""
+
     name: str
     quotas: Quotas
     epoch: str = ""  # none: a tenant created before epochs existed
+    created: int = 0  # 0: not read from etcd (then nothing is fenced)
 
 
 class TenantStore:
@@ -215,6 +224,7 @@ class TenantStore:
             self._missing.put(name, time.monotonic() + _MISSING_SECONDS)
             return None
         record: dict[str, Any] = json.loads(kv.value)
+        record["created"] = kv.create_revision  # the fence of its writes (`Tenant.created`)
         self._records[name] = _Record(record, time.monotonic() + _CACHE_SECONDS)
         self._missing.pop(name)
         return record
@@ -223,7 +233,7 @@ class TenantStore:
         epoch = str(record.get("epoch", ""))
         if not hmac.compare_digest(str(record["token_sha256"]), token_hash(token, epoch)):
             raise PermissionDenied("unknown tenant token")
-        tenant = Tenant(name, Quotas(**record["quotas"]), epoch)
+        tenant = Tenant(name, Quotas(**record["quotas"]), epoch, int(record.get("created", 0)))
         with self._lock:
             self._cache[token] = (time.monotonic() + _CACHE_SECONDS, tenant)
         return tenant
@@ -240,30 +250,97 @@ class TenantStore:
                 self._secret = bytes(result.responses[0].response_range.kvs[0].value)
         return self._secret
 
+    def fence(self, tenant: Tenant) -> Fence | None:
+        """What every write made for `tenant` compares: its record's create revision, as it
+        was when the caller authenticated. A write racing the tenant's deletion either lands
+        before the delete (which then removes it) or is refused after it, with
+        `PermissionDenied`, on every replica at once, whatever any cache says."""
+        if not tenant.created:
+            return None
+        name = tenant.name
+
+        def refusal() -> PermissionDenied:
+            self.forget(name)
+            return PermissionDenied(f"tenant {name!r} was deleted: its token is no longer valid")
+
+        return Fence(self._keys.tenant_record(name), tenant.created, refusal)
+
+    def forget(self, name: str) -> None:
+        """Drop everything remembered about tenant `name`: its record, its tokens, and that
+        it was found missing (it may just have been created)."""
+        with self._lock:
+            for token in [t for t, (_, tenant) in self._cache.items() if tenant.name == name]:
+                del self._cache[token]
+            self._records.pop(name, None)
+        self._missing.pop(name)
+
+    def forget_all(self) -> None:
+        with self._lock:
+            self._cache.clear()
+            self._records.clear()
+
     def delete(self, name: str, timeout: float) -> int:
         """Delete a tenant: its record and everything under its prefix (models, versions,
-        holders, pins, session marks, quota fences) in one transaction, then revoke its
-        sessions' leases so their holders stop serving. Returns the revision of the delete.
+        holders, pins, session marks, quota fences) in one transaction, then revoke the
+        leases of the sessions it had. Returns the revision of the delete.
 
-        Its tokens stop authenticating at once on this replica, and within the
-        authentication cache's 5 s on the others. `TenantNotFound` if there is none.
+        The same transaction lists the session marks before deleting them, so every session
+        marked up to the delete is revoked, and every write made for the tenant compares its
+        record's create revision (`fence`): one that commits after the delete is refused, one
+        that committed before is removed by it. A session opened meanwhile is either listed
+        or refused its mark (and its lease revoked by the refused open). Its tokens stop
+        authenticating at once on this replica, and on the others when their watch of the
+        tenant records tells them (`watch`), within the authentication cache's 5 s at most.
+        `TenantNotFound` if there is none.
         """
         record = self._keys.tenant_record(name)
-        sessions = self._etcd.range(self._keys.sessions(name), prefix=True, timeout=timeout)
+        sessions = self._keys.sessions(name)
         result = self._etcd.txn(
             [ops.exists(record)],
-            [ops.delete(record), ops.delete(self._keys.tenant(name), prefix=True)],
+            [
+                ops.get(sessions, prefix=True),  # first: the state before this transaction
+                ops.delete(record),
+                ops.delete(self._keys.tenant(name), prefix=True),
+            ],
             timeout=timeout,
         )
         if not result.succeeded:
             raise TenantNotFound(f"no tenant {name!r}")
-        with self._lock:
-            for token in [t for t, (_, tenant) in self._cache.items() if tenant.name == name]:
-                del self._cache[token]
-        self._records.pop(name, None)
-        for kv in sessions.kvs:  # bounded by the tenant's session quota
-            self._etcd.lease_revoke(kv.lease, timeout=timeout)
+        self.forget(name)
+        for kv in result.responses[0].response_range.kvs:  # bounded by the session quota
+            self._etcd.lease_revoke(int(kv.lease), timeout=timeout)
         return result.revision
+
+    def watch(self, stop: threading.Event) -> None:
+        """Keep this replica's caches true to the tenant records until `stop`: a change to
+        a tenant's record (deleted, created again, quotas edited) drops what is cached about
+        it at once, and a gap in the watch (a compaction, a reconnect) drops everything.
+        Runs in the caller's thread (the hub starts one); a failure drops every cache, then
+        the watch starts again from the present after a second."""
+        base = self._keys.tenants()
+        while not stop.is_set():
+            try:
+                self._follow(base, stop)
+            except Exception as exc:  # whatever broke, caches must not outlive it
+                self.forget_all()
+                if stop.is_set():
+                    return
+                log.warning("watch of the tenant records failed (%s); caches dropped", exc)
+                stop.wait(1.0)
+
+    def _follow(self, base: str, stop: threading.Event) -> None:
+        """One watch of the tenant records, from the present, until `stop` or a failure."""
+        _, revision = self._etcd.get(base, timeout=_LOOKUP_SECONDS)
+        self.forget_all()  # whatever changed before this watch began
+        with contextlib.closing(
+            KeyWatch(self._etcd, base, prefix=True, start_revision=revision + 1)
+        ) as watch:
+            while not stop.is_set():
+                item = watch.get(0.5)
+                if isinstance(item, RawEvent):
+                    self.forget(item.kv.key.decode()[len(base) :])
+                elif isinstance(item, Resync):
+                    self.forget_all()
 
     def _read_keys(self) -> ReadKeySchedule:
         if self._schedule is None:

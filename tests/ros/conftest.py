@@ -10,6 +10,7 @@ import ros
 from consistency import EtcdCluster, Keys
 from ros.hub.server import HubServer
 from ros.hub.tenants import TenantStore
+from tests.ros.failpoints import HeldTxn
 
 ADMIN = "admin-secret-for-tests"
 
@@ -48,3 +49,12 @@ def connect(
     yield open_client
     for client in opened:
         client.close()
+
+
+@pytest.fixture
+def held() -> Iterator[list[HeldTxn]]:
+    """Failpoints a test puts here are removed (and released) when it ends."""
+    made: list[HeldTxn] = []
+    yield made
+    for failpoint in made:
+        failpoint.remove()

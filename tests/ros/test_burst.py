@@ -12,13 +12,12 @@ import asyncio
 import math
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
-import pytest
 
-from consistency import Etcd, Keys
+from consistency import Keys
 from consistency.shard_commit import FIXED_OPS, MAX_TXN_OPS
 from ros.errors import ERROR_METADATA_KEY
 from ros.hub.server import HubServer
@@ -26,43 +25,9 @@ from ros.hub.session_marks import MAX_BATCH as MARK_BATCH
 from ros.hub.tenants import Quotas, TenantStore
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
+from tests.ros.failpoints import HeldTxn
 
 SHARD_BATCH = (MAX_TXN_OPS - FIXED_OPS) // 2  # inline shards: 2 puts each
-
-
-class HeldTxn:
-    """Failpoint on a hub's etcd client: the first transaction that puts a key starting
-    with `prefix` waits at the door until `release()` (at most 30 s)."""
-
-    def __init__(self, etcd: Etcd, prefix: str) -> None:
-        self._etcd = etcd
-        self._txn = etcd.txn
-        self._prefix = prefix.encode()
-        self.reached = threading.Event()
-        self._open = threading.Event()
-        etcd.txn = self  # type: ignore[method-assign]
-
-    def __call__(self, compare: Any, success: Any, failure: Any = None, **kw: Any) -> Any:
-        writes = [op.request_put.key for op in success if op.HasField("request_put")]
-        if not self.reached.is_set() and any(k.startswith(self._prefix) for k in writes):
-            self.reached.set()
-            self._open.wait(30)
-        return self._txn(compare, success, failure, **kw)
-
-    def release(self) -> None:
-        self._open.set()
-
-    def remove(self) -> None:
-        self.release()
-        del self._etcd.txn  # type: ignore[method-assign]
-
-
-@pytest.fixture
-def held() -> Iterator[list[HeldTxn]]:
-    made: list[HeldTxn] = []
-    yield made
-    for failpoint in made:
-        failpoint.remove()
 
 
 def tenant(hub: HubServer, name: str, **quotas: int) -> str:
