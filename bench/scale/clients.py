@@ -439,12 +439,14 @@ class Fleet:
         return self.gather(targets, timeout)
 
     def close(self) -> None:
-        """Ask every worker to exit; kill the ones that do not within a few seconds."""
+        """Ask every worker to exit; kill the ones that have not within 10 s in all."""
         for conn in self._conns:
             with contextlib.suppress(OSError, ValueError):
                 conn.send(("exit", {}))
+        deadline = time.monotonic() + 10.0  # for all of them: a busy fleet is not waited on
         for proc in self._procs:
-            proc.join(timeout=10)
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
