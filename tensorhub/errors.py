@@ -321,3 +321,11 @@ class HolderBusy(TransportError):
     presented read tokens (or it evicted this connection, which had not presented one yet,
     to admit another). The holder is full, not faulty: the SDK asks it again after a
     backoff, within the fetch's deadline, instead of suspecting it (transport/reader.py)."""
+
+
+@_code("RESOURCE_EXHAUSTED")
+class DiskFull(TensorHubError):
+    """The local file system a command writes to is full (ENOSPC) or the user's quota is
+    (EDQUOT): `tensorhub fetch` raises it when the free space is too small before fetching
+    and when a write fails, and removes its partial output either way. Not `StorageFull`,
+    which is etcd's own space on the hub's side."""
