@@ -72,6 +72,9 @@ def _sharded(result: RunResult) -> dict[str, int]:
         "shard fetches compared with their rank's bytes (1)": sum(
             op.f == "fetch-shard" for op in ok
         ),
+        "failed shard fetches examined for loss (4)": sum(
+            op.f == "fetch-shard" and op.outcome == "fail" for op in result.ops
+        ),
     }
 
 
