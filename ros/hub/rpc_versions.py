@@ -60,11 +60,11 @@ class VersionRPCs(HubBase):
         )
 
     def _publish_checks(
-        self, request: pb.PublishRequest, call: CallContext
+        self, request: pb.PublishRequest, call: CallContext, *, session: bool
     ) -> tuple[Tenant, float, str, int, bytes, HolderRecord, Admit]:
-        """What every publish checks before it writes: the caller, the bounds, every
-        manifest rule; and the model quota's admission. (Its session is checked by the
-        caller: before the write, or for a shard inside its batch's transaction.)"""
+        """What every publish checks before it writes: the caller, the bounds, its session
+        (with `session`; else the batch's own transaction does), every manifest rule; and
+        the model quota's admission."""
         tenant = self._tenant(call)
         timeout = self._timeout(call)
         model = validate_name(request.model, "model")
@@ -72,6 +72,8 @@ class VersionRPCs(HubBase):
         _check_publish_limits(request)  # bounds first: a limit answers before any work
         manifest = request.manifest.SerializeToString()
         holder = holder_from_pb(request.holder, default_state=HolderState.COMPLETE)
+        if session:
+            self._own_session(tenant, holder.session, timeout)
         check_manifest(request.manifest, _what(request))  # every rule, before any write
         versions = self._versions(tenant)
         quota = CountedCreate(
@@ -89,9 +91,8 @@ class VersionRPCs(HubBase):
 
     def _publish_whole(self, request: pb.PublishRequest, call: CallContext) -> Published:
         tenant, timeout, model, version, manifest, holder, admit = self._publish_checks(
-            request, call
+            request, call, session=True
         )
-        self._own_session(tenant, holder.session, timeout)
         charge = publish_charge(  # the etcd budget: refused here, before any write
             self.etcd, self.keys, tenant, len(manifest), 0, timeout
         )
@@ -107,11 +108,11 @@ class VersionRPCs(HubBase):
         batch. Its session and budget are checked in the batch's own transaction, race-free
         and once per batch; only a shard whose manifest is paged (a write before the batch)
         checks them first, so that a refused publish writes nothing."""
+        paged = request.manifest.ByteSize() > SHARD_INLINE_BYTES
         tenant, timeout, model, version, manifest, holder, admit = self._publish_checks(
-            request, call
+            request, call, session=paged
         )
-        if len(manifest) > SHARD_INLINE_BYTES:
-            self._own_session(tenant, holder.session, timeout)
+        if paged:
             publish_charge(
                 self.etcd, self.keys, tenant, len(manifest), request.shard_count, timeout
             )
