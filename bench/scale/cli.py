@@ -301,6 +301,9 @@ def _fill_shards(res: Result, data: dict[str, Any]) -> None:
             ">= 1",
         )
         res.add(f"{what}: Publish replies that said visible", c.get("visible_replies"), "<= 1")
+        if "visible_transactions" in c:
+            res.add(f"{what}: transactions those replies came from",
+                    c["visible_transactions"], unit="txns")  # fmt: skip
         res.add(f"{what}: visible after", seconds, unit="s")
         failures = c.get("failures") or {}
         if c.get("failed") or failures or c.get("last_error"):

@@ -300,6 +300,9 @@ def ranks_case(world: World, fleet: Fleet, ranks: int, timeout: float) -> dict[s
         revision = min(v[1] for v in visible)
         out["seconds"] = min(v[2] for v in visible) - start_at
         out["visible_revision"] = revision
+        # one transaction (a group commit) may carry several shards: did every reply that
+        # said visible come from the one that moved Latest?
+        out["visible_transactions"] = len({v[1] for v in visible})
         out["ordered"] = merged["max_revision"] <= revision <= latest_revision
     else:
         out["seconds"], out["ordered"] = None, False
@@ -442,7 +445,13 @@ def summary(r: dict[str, Any]) -> str:
         f"  {what} x{r['replicas']}: visible after "
         + ("-" if seconds is None else f"{seconds:.2f}s ({ratio:.0f}x one shard)")
         + f", etcd revisions {r.get('etcd_writes')}, published {r.get('published')}, "
-        f"visible replies {r.get('visible_replies')}, Latest {r.get('latest_before')}->"
+        f"visible replies {r.get('visible_replies')}"
+        + (
+            f" (from {r['visible_transactions']} transaction(s))"
+            if "visible_transactions" in r
+            else ""
+        )
+        + f", Latest {r.get('latest_before')}->"
         f"{r.get('latest_after')}, ordered {r.get('ordered')}, failures {r.get('failures')}"
         + (f" ({r.get('first_error') or r.get('last_error')})" if r.get("failures") else "")
         + f", ok {r.get('ok')}"
