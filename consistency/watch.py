@@ -228,6 +228,61 @@ class WatchEvent:
     holders: dict[int, list[HolderRecord]] = field(default_factory=dict)
 
 
+class ModelEvents:
+    """Turns the raw etcd events under one model's prefix into `WatchEvent`s.
+
+    Shared by `ModelWatch` (a watch of its own) and the hub's fan-out, whose model watches
+    ride one multiplexed etcd stream (`consistency.watch_mux`): both must read the same raw
+    history as the same model events, so the translation lives in one place.
+    """
+
+    def __init__(self, keys: Keys, tenant: str, model: str) -> None:
+        self._keys = keys
+        self._tenant = tenant
+        self._model = model
+        self._latest_key = keys.latest(tenant, model)
+        self.prefix = keys.model(tenant, model)  # the key range a model watch covers
+
+    def translate(self, raw: RawEvent | Resync) -> list[WatchEvent]:
+        """The model events one raw event (or re-list) means: none for keys that are not
+        `latest` or a holder record."""
+        if isinstance(raw, Resync):
+            return [self._resync_event(raw)]
+        key = raw.kv.key.decode()
+        if key == self._latest_key:
+            if raw.deleted:
+                return []
+            return [WatchEvent(EventKind.VERSION_PUBLISHED, int(raw.kv.value), raw.revision)]
+        try:
+            version, kind, name = self._keys.parse_version_key(self._tenant, self._model, key)
+        except InvalidArgument:
+            return []
+        if kind != "h":
+            return []
+        if raw.deleted:
+            return [WatchEvent(EventKind.HOLDER_REMOVED, version, raw.revision, holder_name=name)]
+        record = HolderRecord.decode(raw.kv.value, raw.kv.create_revision)
+        return [WatchEvent(EventKind.HOLDER_UPDATED, version, raw.revision, record, name)]
+
+    def _resync_event(self, raw: Resync) -> WatchEvent:
+        latest = 0
+        holders: dict[int, list[HolderRecord]] = {}
+        for kv in raw.kvs:
+            key = kv.key.decode()
+            if key == self._latest_key:
+                latest = int(kv.value)
+                continue
+            try:
+                version, kind, _ = self._keys.parse_version_key(self._tenant, self._model, key)
+            except InvalidArgument:
+                continue
+            if kind == "h":
+                holders.setdefault(version, []).append(
+                    HolderRecord.decode(kv.value, kv.create_revision)
+                )
+        return WatchEvent(EventKind.RESYNC, latest, raw.revision, holders=holders)
+
+
 class ModelWatch:
     """New versions and holder changes of one model, from an explicit revision.
 
@@ -246,13 +301,10 @@ class ModelWatch:
         start_revision: int,
         progress: bool = False,
     ) -> None:
-        self._keys = keys
-        self._tenant = tenant
-        self._model = model
-        self._latest_key = keys.latest(tenant, model)
+        self._events = ModelEvents(keys, tenant, model)
         self._raw = KeyWatch(
             etcd,
-            keys.model(tenant, model),
+            self._events.prefix,
             prefix=True,
             start_revision=start_revision,
             progress=progress,
@@ -309,41 +361,7 @@ class ModelWatch:
         self.close()
 
     def _translate(self, raw: RawEvent | Resync) -> list[WatchEvent]:
-        if isinstance(raw, Resync):
-            return [self._resync_event(raw)]
-        key = raw.kv.key.decode()
-        if key == self._latest_key:
-            if raw.deleted:
-                return []
-            return [WatchEvent(EventKind.VERSION_PUBLISHED, int(raw.kv.value), raw.revision)]
-        try:
-            version, kind, name = self._keys.parse_version_key(self._tenant, self._model, key)
-        except InvalidArgument:
-            return []
-        if kind != "h":
-            return []
-        if raw.deleted:
-            return [WatchEvent(EventKind.HOLDER_REMOVED, version, raw.revision, holder_name=name)]
-        record = HolderRecord.decode(raw.kv.value, raw.kv.create_revision)
-        return [WatchEvent(EventKind.HOLDER_UPDATED, version, raw.revision, record, name)]
-
-    def _resync_event(self, raw: Resync) -> WatchEvent:
-        latest = 0
-        holders: dict[int, list[HolderRecord]] = {}
-        for kv in raw.kvs:
-            key = kv.key.decode()
-            if key == self._latest_key:
-                latest = int(kv.value)
-                continue
-            try:
-                version, kind, _ = self._keys.parse_version_key(self._tenant, self._model, key)
-            except InvalidArgument:
-                continue
-            if kind == "h":
-                holders.setdefault(version, []).append(
-                    HolderRecord.decode(kv.value, kv.create_revision)
-                )
-        return WatchEvent(EventKind.RESYNC, latest, raw.revision, holders=holders)
+        return self._events.translate(raw)
 
 
 def wait_for_version(

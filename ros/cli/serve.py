@@ -29,8 +29,10 @@ from consistency.keys import DEFAULT_PREFIX
 from ros.hub.guard import DEFAULT_FIRST_MESSAGE_SECONDS
 from ros.hub.limits import (
     DEFAULT_MAX_PRIVATE_WATCHES,
+    DEFAULT_MAX_PRIVATE_WATCHES_PER_TENANT,
     DEFAULT_MAX_STREAMS,
     DEFAULT_MAX_STREAMS_PER_TENANT,
+    DEFAULT_MAX_WATCHED_MODELS_PER_TENANT,
     DEFAULT_WORKERS,
 )
 from ros.hub.server import DEFAULT_MAX_STREAMS_PER_CONNECTION, HubServer
@@ -103,6 +105,21 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         default=DEFAULT_MAX_PRIVATE_WATCHES,
         help="watches replaying history from an old revision at once (each has its own etcd "
         "watch) (default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-private-watches-per-tenant",
+        type=int,
+        default=DEFAULT_MAX_PRIVATE_WATCHES_PER_TENANT,
+        help="of those, how many one tenant may run at once on this replica; past it its "
+        "replay is refused with Overloaded (default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-watched-models-per-tenant",
+        type=int,
+        default=DEFAULT_MAX_WATCHED_MODELS_PER_TENANT,
+        help="distinct model names one tenant may watch at once on this replica (each costs "
+        "an etcd watcher; more streams on a watched model are free); past it a Watch of "
+        "another name is refused with Overloaded (default %(default)s)",
     )
     parser.add_argument(
         "--first-message-timeout",
@@ -223,6 +240,8 @@ def run(args: argparse.Namespace) -> int:
             retain=args.retain, credentials=credentials, max_workers=args.workers,
             max_streams=args.max_streams, max_streams_per_tenant=args.max_streams_per_tenant,
             max_private_watches=args.max_private_watches,
+            max_private_watches_per_tenant=args.max_private_watches_per_tenant,
+            max_watched_models_per_tenant=args.max_watched_models_per_tenant,
             compact_interval=args.compact_interval, read_key_period=args.read_key_period,
             read_token_ttl=args.read_token_ttl, etcd_credentials=etcd_credentials,
             first_message_seconds=args.first_message_timeout,

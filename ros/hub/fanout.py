@@ -1,17 +1,26 @@
-"""One etcd watch per model per hub replica, shared by every Watch stream it serves.
+"""One etcd watch per watched model per hub replica, shared by every Watch stream it serves,
+and every such watch on ONE multiplexed etcd stream, so threads do not grow with names.
 
-Without sharing, 100 clients watching one model cost the replica 100 etcd watch streams,
-100 watch threads and 100 decodes of every event. Here a stream that starts at a revision the
-shared watch has not passed yet simply joins it, and receives each event already converted
-to its protobuf message; a stream that asks for older history gets a private watch that
-replays it (`start_revision` stays exact either way: nothing is lost or repeated).
+Without sharing, 100 clients watching one model cost the replica 100 etcd watches and 100
+decodes of every event. Here a stream that starts at a revision the shared watch has not
+passed yet simply joins it, and receives each event already converted to its protobuf
+message; a stream that asks for older history gets a private watch that replays it
+(`start_revision` stays exact either way: nothing is lost or repeated).
 
-Watch streams are coroutines on the hub's event loop (`ros.hub.server`); the shared watch's
-pump thread (one per model, not per stream) hands each event to every subscriber's queue and
-wakes its coroutine with `loop.call_soon_threadsafe`. A subscriber's backlog is bounded
-(`MAX_BACKLOG`): one that falls that far behind is cut off with `Unavailable`, and its client
-resumes from its last revision. Private replays each hold an etcd watch and two threads, so
-a replica runs at most `Limits.max_private_watches` of them at once (`Overloaded` past that).
+Every etcd watch of the replica, shared or private, rides one etcd Watch stream
+(`consistency.watch_mux.WatchMux`): one pump thread reads it and hands each event to every
+subscriber's queue, waking their coroutines on the event loop with one
+`loop.call_soon_threadsafe` per batch. So a tenant that watches 2,000 names (published or
+not) costs 2,000 etcd watchers on that stream and no thread; opening or cancelling one is a
+request queued on the stream, never a blocking call, so a flood of cancels stalls nobody.
+The mux reconnects, resumes each watch after its last event, and re-lists a compacted one,
+exactly as a watch of its own would (`consistency.watch`).
+
+Watch streams are coroutines on the hub's event loop (`ros.hub.server`). A subscriber's
+backlog is bounded (`MAX_BACKLOG`): one that falls that far behind is cut off with
+`Unavailable`, and its client resumes from its last revision. The distinct models a tenant
+watches and the private replays (per replica and per tenant) are bounded by
+`ros.hub.limits` (`Overloaded` past them).
 """
 
 from __future__ import annotations
@@ -21,10 +30,11 @@ import contextlib
 import logging
 import threading
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 
-from consistency import Etcd, Keys, ModelWatch
-from consistency.watch import WatchClosed, WatchEvent
+from consistency import Etcd, Keys
+from consistency.watch import ModelEvents, RawEvent, Resync, WatchEvent
+from consistency.watch_mux import MuxWatch, WatchMux
 from ros.hub.convert import event_to_pb
 from ros.hub.limits import Limits, StreamLimits
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
@@ -120,12 +130,12 @@ def _set_all(events: list[asyncio.Event]) -> None:
 
 
 class _PrivateSubscription(Subscription):
-    """A subscription with its own etcd watch, for a start revision the shared one has
-    passed; a forwarder thread moves the watch's events into the subscription's queue."""
+    """A subscription with an etcd watch of its own (on the replica's mux), for a start
+    revision the shared one has passed; it holds one private replay slot of its tenant
+    (`StreamLimits.acquire_private`) until closed."""
 
     def __init__(
         self,
-        etcd: Etcd,
         keys: Keys,
         tenant: str,
         model: str,
@@ -135,98 +145,70 @@ class _PrivateSubscription(Subscription):
         streams: StreamLimits,
     ) -> None:
         super().__init__(start, versions_only, loop)
-        streams.acquire_private()
+        streams.acquire_private(tenant)
+        self._tenant = tenant
         self._streams = streams
         self._released = False
-        self._stop = threading.Event()
-        try:
-            self._watch = ModelWatch(etcd, keys, tenant, model, start_revision=start)
-        except BaseException:
-            self._release()
-            raise
-        self._thread = threading.Thread(target=self._forward, name=f"replay-{model}", daemon=True)
-        self._thread.start()
+        self.events = ModelEvents(keys, tenant, model)
+        self.handle: MuxWatch | None = None
 
-    def _forward(self) -> None:
-        try:
-            while not self._stop.is_set():
-                try:
-                    event = self._watch.get(0.5)
-                except WatchClosed:
-                    return
-                except TensorHubError as exc:
-                    self.fail(exc)
-                    return
-                except Exception as exc:  # e.g. the etcd channel closed under a stopping hub
-                    if not self._stop.is_set():
-                        log.warning("watch replay failed: %r", exc)
-                        self.fail(Unavailable(f"watch replay failed ({exc}); resume it"))
-                    return
-                if event is None:
-                    continue
+    def deliver(self, raws: Sequence[RawEvent | Resync]) -> None:
+        """Queue a batch of the replay's etcd events (on the mux's thread)."""
+        wakes: list[Subscription] = []
+        for raw in raws:
+            for event in self.events.translate(raw):
                 message = event_to_pb(event)
-                if wanted(message, self.versions_only) and not self.offer(message):
+                if not wanted(message, self.versions_only) or self.closed:
+                    continue
+                if not self.offer(message, wakes):
                     self.fail(Unavailable("watch subscriber fell too far behind; resume it"))
                     return
-        finally:
-            self._watch.close()
-            self._release()
+        Subscription.wake_all(wakes)
 
-    def _release(self) -> None:
+    def close(self) -> None:
+        """Free the replay's slot (its etcd watch is cancelled by `WatchFanout`)."""
+        super().close()
         with self._lock:
             if self._released:
                 return
             self._released = True
-        self._streams.release_private()
-
-    def close(self) -> None:
-        """Stop the replay; its thread closes the etcd watch and frees the slot (the stream's
-        coroutine does not wait for that)."""
-        super().close()
-        self._stop.set()
-
-    def join(self, timeout: float) -> None:
-        """Wait for the replay's thread to end (after `close`)."""
-        self._thread.join(timeout)
+        self._streams.release_private(self._tenant)
 
 
 class _SharedWatch:
-    """One model's etcd watch and the subscriptions fed from it, pumped by one thread."""
+    """One model's etcd watch (on the replica's mux) and the subscriptions fed from it."""
 
-    def __init__(self, etcd: Etcd, keys: Keys, tenant: str, model: str, start: int) -> None:
-        self.watch = ModelWatch(etcd, keys, tenant, model, start_revision=start)
+    def __init__(self, keys: Keys, tenant: str, model: str, start: int) -> None:
+        self.events = ModelEvents(keys, tenant, model)
         self.delivered_through = start - 1  # revision of the last event handed out
         self.subscribers: set[Subscription] = set()
         self.lock = threading.Lock()
         self.failed = False
-        self.thread = threading.Thread(target=self._pump, name=f"fanout-{model}", daemon=True)
+        self.handle: MuxWatch | None = None
 
-    def _pump(self) -> None:
-        while True:
-            try:
-                event = self.watch.get(0.5)
-            except WatchClosed:
-                return
-            except TensorHubError as exc:
-                self._fail(exc)
-                return
-            if event is not None:
-                self._hand_out(event)
-
-    def _hand_out(self, event: WatchEvent) -> None:
-        message = event_to_pb(event)
+    def deliver(self, raws: Sequence[RawEvent | Resync]) -> None:
+        """Hand a batch of etcd events to every subscriber (on the mux's thread), waking
+        each coroutine once for the batch."""
         wakes: list[Subscription] = []
         with self.lock:
-            self.delivered_through = event.revision
-            for sub in list(self.subscribers):
-                if event.revision < sub.start_revision or not wanted(message, sub.versions_only):
-                    continue
-                if not sub.offer(message, wakes):
-                    self.subscribers.discard(sub)
-                    sub.fail(Unavailable("watch subscriber fell too far behind; resume it"))
+            for raw in raws:
+                for event in self.events.translate(raw):
+                    self._hand_out(event, wakes)
         Subscription.wake_all(wakes)
 
-    def _fail(self, exc: TensorHubError) -> None:
+    def _hand_out(self, event: WatchEvent, wakes: list[Subscription]) -> None:
+        message = event_to_pb(event)
+        self.delivered_through = event.revision
+        for sub in list(self.subscribers):
+            if event.revision < sub.start_revision or not wanted(message, sub.versions_only):
+                continue
+            if not sub.offer(message, wakes):
+                self.subscribers.discard(sub)
+                sub.fail(Unavailable("watch subscriber fell too far behind; resume it"))
+
+    def fail(self, exc: TensorHubError) -> None:
+        """The etcd watch ended (named): every subscriber ends with it and resumes; the next
+        subscribe of the model starts a new shared watch."""
         with self.lock:
             self.failed = True
             for sub in self.subscribers:
@@ -235,7 +217,7 @@ class _SharedWatch:
 
 
 class WatchFanout:
-    """Shared watches of this replica, by (tenant, model)."""
+    """Shared watches of this replica, by (tenant, model), all on one `WatchMux`."""
 
     def __init__(self, etcd: Etcd, keys: Keys, streams: StreamLimits | None = None) -> None:
         self._etcd = etcd
@@ -244,8 +226,19 @@ class WatchFanout:
         self._lock = threading.Lock()
         self._shared: dict[tuple[str, str], _SharedWatch] = {}
         self._replays: set[_PrivateSubscription] = set()
-        # Closing an etcd watch joins its thread: done here, never on the event loop.
-        self._closer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fanout-close")
+        self._mux: WatchMux | None = None  # started by the first subscribe
+        self._closed = False
+
+    def _live_mux(self) -> WatchMux:
+        """The replica's mux (under `_lock`): a new one if none runs or the last one gave up
+        (its watches have all been told, so nothing is left on it)."""
+        if self._closed:
+            raise Unavailable("this hub replica is stopping; watch through another")
+        if self._mux is None or self._mux.failed is not None:
+            if self._mux is not None:
+                self._mux.close()  # its pump has already ended: no wait
+            self._mux = WatchMux(self._etcd, name="fanout-mux")
+        return self._mux
 
     def subscribe(
         self,
@@ -257,58 +250,75 @@ class WatchFanout:
     ) -> Subscription:
         """Events of tenant/model from `start_revision` (explicit, > 0) on, delivered to a
         coroutine on `loop`; with `versions_only`, only new versions (and resyncs). Never
-        blocks on etcd: a new watch only starts its threads. `Overloaded` if a private
-        replay is needed and the replica runs its limit of them."""
+        blocks on etcd: a new watch is one request queued on the mux's stream. `Overloaded`
+        if a private replay is needed and the replica or the tenant runs its limit of them."""
         with self._lock:
+            mux = self._live_mux()
             shared = self._shared.get((tenant, model))
             if shared is None or shared.failed:
-                shared = _SharedWatch(self._etcd, self._keys, tenant, model, start_revision)
+                shared = _SharedWatch(self._keys, tenant, model, start_revision)
+                shared.handle = mux.watch(
+                    shared.events.prefix, prefix=True, start_revision=start_revision,
+                    deliver=shared.deliver, fail=shared.fail,
+                )  # fmt: skip
                 self._shared[(tenant, model)] = shared
-                shared.thread.start()
             with shared.lock:
                 if start_revision > shared.delivered_through:
                     sub = Subscription(start_revision, versions_only, loop)
                     shared.subscribers.add(sub)
                     return sub
-        replay = _PrivateSubscription(
-            self._etcd, self._keys, tenant, model, start_revision, versions_only, loop,
-            self._streams,
-        )  # fmt: skip
-        with self._lock:
+            replay = _PrivateSubscription(
+                self._keys, tenant, model, start_revision, versions_only, loop, self._streams
+            )
+            try:
+                replay.handle = mux.watch(
+                    replay.events.prefix, prefix=True, start_revision=start_revision,
+                    deliver=replay.deliver, fail=replay.fail,
+                )  # fmt: skip
+            except BaseException:
+                replay.close()
+                raise
             self._replays.add(replay)
-        return replay
+            return replay
 
     def unsubscribe(self, tenant: str, model: str, sub: Subscription) -> None:
-        """Drop a subscription; a shared watch left with none is closed (in the background:
-        this never blocks, so a stream's coroutine may call it as it ends)."""
+        """Drop a subscription; a shared watch left with none is cancelled. Never blocks (a
+        cancel is one request queued on the mux's stream), so a stream's coroutine calls it
+        as it ends, and thousands of streams ending at once stall nobody."""
         sub.close()
+        handle: MuxWatch | None = None
         with self._lock:
+            mux = self._mux
             if isinstance(sub, _PrivateSubscription):
                 self._replays.discard(sub)
-            shared = self._shared.get((tenant, model))
-            if shared is None:
-                return
-            with shared.lock:
-                shared.subscribers.discard(sub)
-                idle = not shared.subscribers
-            if idle:
-                del self._shared[(tenant, model)]
-        if shared is not None and idle:
-            try:
-                self._closer.submit(shared.watch.close)
-            except RuntimeError:  # closer shut down: the hub is stopping
-                shared.watch.close()
+                handle = sub.handle
+            else:
+                shared = self._shared.get((tenant, model))
+                if shared is None:
+                    return
+                with shared.lock:
+                    shared.subscribers.discard(sub)
+                    idle = not shared.subscribers
+                if idle:
+                    del self._shared[(tenant, model)]
+                    handle = shared.handle
+        if handle is not None and mux is not None:
+            mux.cancel(handle)
+
+    def watchers(self) -> int:
+        """etcd watches this replica runs now (shared and private), all on one stream."""
+        with self._lock:
+            return 0 if self._mux is None else len(self._mux)
 
     def close(self) -> None:
-        """Close every shared watch and replay (waiting for their threads) and the closer,
-        so none of them is left using the etcd client after the hub closes it."""
+        """End every shared watch and replay, and the mux (waiting for its pump, bounded),
+        so nothing is left using the etcd client after the hub closes it."""
         with self._lock:
-            shared, self._shared = list(self._shared.values()), {}
+            self._closed = True
+            mux, self._mux = self._mux, None
+            self._shared = {}
             replays, self._replays = list(self._replays), set()
         for replay in replays:
             replay.close()
-        self._closer.shutdown(wait=True)
-        for watch in shared:
-            watch.watch.close()
-        for replay in replays:
-            replay.join(timeout=5)
+        if mux is not None:
+            mux.close()

@@ -137,15 +137,21 @@ class VersionRPCs(HubBase):
     ) -> AsyncGenerator[pb.WatchEvent, None]:
         """Events of one model from an explicit revision, as an async generator: the
         shared (or private) etcd watch of `ros.hub.fanout` hands them to this stream's
-        queue on the event loop; no thread waits for this stream."""
+        queue on the event loop; no thread waits for this stream. It holds a stream slot of
+        its tenant and counts toward the distinct models its tenant watches on this replica
+        (`ros.hub.limits`: `Overloaded` past either, before any etcd watch is made)."""
         call = CallContext.of(context)
         tenant = await self._stream_tenant(call)
         model = validate_name(request.model, "model")
         if request.start_revision <= 0:
             raise InvalidArgument("start_revision must be explicit and positive")
-        with self.streams.stream("watch", tenant.name):
-            # Joining (or creating) a watch only starts its threads: quick enough for the loop,
-            # and a stream cancelled meanwhile cannot leave a subscription behind.
+        with (
+            self.streams.stream("watch", tenant.name),
+            self.streams.watch_model(tenant.name, model),
+        ):
+            # Joining (or creating) a watch queues one request on the replica's etcd watch
+            # stream: quick enough for the loop, and a stream cancelled meanwhile cannot
+            # leave a subscription behind.
             sub = self._fanout.subscribe(
                 tenant.name,
                 model,

@@ -35,8 +35,10 @@ from consistency.credentials import EtcdCredentials
 from ros.hub.guard import DEFAULT_FIRST_MESSAGE_SECONDS, CallGuard
 from ros.hub.limits import (
     DEFAULT_MAX_PRIVATE_WATCHES,
+    DEFAULT_MAX_PRIVATE_WATCHES_PER_TENANT,
     DEFAULT_MAX_STREAMS,
     DEFAULT_MAX_STREAMS_PER_TENANT,
+    DEFAULT_MAX_WATCHED_MODELS_PER_TENANT,
     DEFAULT_WORKERS,
     Limits,
 )
@@ -67,7 +69,9 @@ class HubServer:
 
     `max_workers` threads run the unary handler bodies; `max_streams` and
     `max_streams_per_tenant` bound the KeepAlive and Watch streams open at once, and
-    `max_private_watches` the watches replaying old revisions (see `ros.hub.limits`).
+    `max_private_watches` (`max_private_watches_per_tenant`) the watches replaying old
+    revisions, `max_watched_models_per_tenant` the distinct models a tenant watches at once
+    (see `ros.hub.limits`).
     `compact_interval`: seconds between etcd compactions by the one replica elected to do
     them (`consistency.compactor`; 0 turns this replica's compactor off).
     `etcd_credentials`: etcd user, password and TLS material (`consistency.credentials`).
@@ -95,6 +99,8 @@ class HubServer:
         first_message_seconds: float = DEFAULT_FIRST_MESSAGE_SECONDS,
         max_streams_per_connection: int = DEFAULT_MAX_STREAMS_PER_CONNECTION,
         read_token_ttl: float = READ_TOKEN_TTL,
+        max_private_watches_per_tenant: int = DEFAULT_MAX_PRIVATE_WATCHES_PER_TENANT,
+        max_watched_models_per_tenant: int = DEFAULT_MAX_WATCHED_MODELS_PER_TENANT,
     ) -> None:
         self._first_message_seconds = first_message_seconds
         self._max_streams_per_connection = max_streams_per_connection
@@ -103,6 +109,8 @@ class HubServer:
             max_streams_per_tenant=max_streams_per_tenant,
             max_private_watches=max_private_watches,
             workers=max_workers,
+            max_private_watches_per_tenant=max_private_watches_per_tenant,
+            max_watched_models_per_tenant=max_watched_models_per_tenant,
         )
         self.etcd = Etcd(etcd_endpoints, credentials=etcd_credentials)
         self.keys = keys or Keys()
