@@ -23,7 +23,9 @@ One batch is one transaction:
 Every attempt starts with one read-only transaction (latest, the counter, each shard's record
 and holder record), which is also the retry-safe check for our own earlier write: a shard
 whose record is there, written for its holder under its session, succeeded (a retried
-publish after a lost reply is idempotent); one written by another holder is `AlreadyExists`.
+publish after a lost reply is idempotent); one written by the same holder name with the same
+manifest under another session (a rank that restarted) becomes that shard's holder again and
+succeeds; one written by another holder, or with another manifest, is `AlreadyExists`.
 A shard that fails alone fails alone, with its named error, and the rest of its batch
 commits: a shard count that disagrees (`InvalidArgument`), a budget that is full
 (`QuotaExceeded`), a session that died while its shard waited (`SessionExpired`: etcd refuses
@@ -243,7 +245,9 @@ class ShardCommitter:
             state = self._read(pending, remaining)
         except (Unavailable, DeadlineExceeded):
             return  # nothing sent: try again while time is left
-        writing = self._settle(pending, state, outcomes)
+        writing, rehold = self._settle(pending, state, outcomes)
+        if rehold:
+            self._rehold(rehold, state, outcomes, remaining)
         if not writing:
             return
         compares, puts, visible = self._guards(writing, state, outcomes, remaining)
@@ -325,12 +329,14 @@ class ShardCommitter:
 
     def _settle(
         self, pending: list[ShardEntry], state: _Read, outcomes: dict[int, Outcome]
-    ) -> list[ShardEntry]:
+    ) -> tuple[list[ShardEntry], list[ShardEntry]]:
         """Decide what the read already decides (our own earlier write, another holder's
-        shard, a stale version, a disagreeing shard count); the entries left to write."""
+        shard, a stale version, a disagreeing shard count); the entries left to write, and
+        those that only need to hold a shard already written with their bytes."""
         visible = state.latest >= self.version
         count = state.count
         writing: list[ShardEntry] = []
+        rehold: list[ShardEntry] = []
         for entry in pending:
             record = state.records.get(entry.index)
             holder = state.holders.get(entry.index)
@@ -338,6 +344,8 @@ class ShardCommitter:
                 if holder is not None and _ours(record, holder, entry):
                     outcomes[id(entry)] = Published(self.version, holder.mod_revision, visible)
                     self._found.add(id(entry))
+                elif _same_shard(record, entry):
+                    rehold.append(entry)  # its rank again, under a new session
                 else:
                     outcomes[id(entry)] = AlreadyExists(
                         f"{self.what(entry)} was already published by another holder"
@@ -355,7 +363,43 @@ class ShardCommitter:
             else:
                 count = count or entry.count
                 writing.append(entry)
-        return writing
+        return writing, rehold
+
+    def _rehold(
+        self,
+        entries: list[ShardEntry],
+        state: _Read,
+        outcomes: dict[int, Outcome],
+        remaining: float,
+    ) -> None:
+        """A rank that restarted (a new session) publishes again the shard its earlier
+        incarnation committed, with the same holder name and the same manifest: it becomes
+        that shard's holder again (its record under its new session), and its publish
+        succeeds, as a retried publish does. The shard record is unchanged (compared) and not
+        counted again, so the version's visibility is as it was."""
+        compares = [
+            ops.mod(self._shard_key(e), "==", state.records[e.index].mod_revision) for e in entries
+        ]
+        marks = sorted({e.session_key for e in entries if e.session_key})
+        compares += [ops.exists(mark) for mark in marks]
+        puts = [
+            ops.put(self._holder_key(e), e.holder.encode(), lease=e.holder.session) for e in entries
+        ]
+        try:
+            result = self.etcd.txn(compares, puts, timeout=remaining)
+        except LeaseNotFound:
+            self._dead_sessions(entries, outcomes)
+            return
+        except (Unavailable, DeadlineExceeded, OutcomeUnknown):
+            for entry in entries:  # the next read finds our holder records if it landed
+                entry.ambiguous = True
+            return
+        if result.succeeded:
+            for entry in entries:
+                outcomes[id(entry)] = Published(
+                    self.version, result.revision, state.latest >= self.version
+                )
+                self._found.add(id(entry))  # its own staged pages are not the live ones
 
     def _guards(
         self,
@@ -425,12 +469,22 @@ class ShardCommitter:
 
 def _ours(record: ops.KV, holder: ops.KV, entry: ShardEntry) -> bool:
     """Whether a shard record and holder record read back are the entry's own earlier
-    write: written for its holder, whose record is under its session and names its shard."""
-    if holder.lease != entry.holder.session:
+    write: its shard as it would write it, held under its session."""
+    if holder.lease != entry.holder.session or not _same_shard(record, entry):
         return False
+    return HolderRecord.decode(holder.value).shard == entry.index
+
+
+def _same_shard(record: ops.KV, entry: ShardEntry) -> bool:
+    """Whether a shard record already written is the entry's shard as it would write it:
+    the same holder name, shard count and manifest (size and SHA-256)."""
     written = ShardRecord.decode(record.value)
-    return written.holder == entry.holder.holder and (
-        HolderRecord.decode(holder.value).shard == entry.index
+    mine = entry.staged.header
+    return (
+        written.holder == entry.holder.holder
+        and written.count == entry.count
+        and written.part.size == mine.size
+        and written.part.digest == mine.digest
     )
 
 

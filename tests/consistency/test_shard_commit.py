@@ -192,3 +192,30 @@ def test_an_expired_entry_is_not_written(etcd: Etcd, versions: VersionRegistry) 
         (outcome,) = versions.shard_committer("t", "late", 1).commit([entry])
         assert type(outcome).__name__ == "DeadlineExceeded"
         assert etcd.get(versions.keys.shard("t", "late", 1, 0))[0] is None
+
+
+def test_a_restarted_rank_holds_the_shard_its_dead_predecessor_committed(
+    etcd: Etcd, versions: VersionRegistry
+) -> None:
+    """A rank killed after its shard committed comes back with a new session and publishes
+    the same shard again (same holder name, same bytes): it becomes that shard's holder
+    under its new session, its publish succeeds, and the shard is not counted twice. The
+    same shard with other bytes is still refused."""
+    paged = b"q" * (PAGE_BYTES + 3)
+    dead = Session(etcd, ttl=10)
+    versions.publish_shard("t", "again", 1, 0, 2, paged, rec(dead.id, "rank0"))
+    dead.close()  # killed: its holder record goes with its lease
+    keys = versions.keys
+    assert etcd.get(keys.holder("t", "again", 1, "rank0"))[0] is None
+    with Session(etcd, ttl=10) as restarted:
+        again = versions.publish_shard("t", "again", 1, 0, 2, paged, rec(restarted.id, "rank0"))
+        assert not again.visible
+        holder, _ = etcd.get(keys.holder("t", "again", 1, "rank0"))
+        assert holder is not None
+        assert holder.lease == restarted.id
+        assert etcd.count(keys.manifest_part("t", "again", 1, 0)) == 2  # its new pages: gone
+        with pytest.raises(AlreadyExists):
+            versions.publish_shard("t", "again", 1, 0, 2, b"other", rec(restarted.id, "rank0"))
+        last = versions.publish_shard("t", "again", 1, 1, 2, b"p1", rec(restarted.id, "rank1"))
+        assert last.visible  # counted once: the second shard completes it
+        assert versions.manifest("t", "again", 1, 0) == paged
