@@ -24,6 +24,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("ros.cli.query", "show one version: MODEL@V (or MODEL for the latest)"),
     "holders": ("ros.cli.query", "list who holds MODEL@V, where, and in which state"),
     "delete": ("ros.cli.models", "delete MODEL and every version of it (a tenant's own, or admin)"),
+    "publish": (
+        "ros.cli.publish",
+        "publish MODEL@V from a checkpoint on disk (safetensors, save_pretrained dir, torch "
+        "state dict) and serve it",
+    ),
+    "fetch": (
+        "ros.cli.fetch",
+        "fetch MODEL@V into a directory from_pretrained loads (sharded safetensors + index)",
+    ),
     "demo": ("ros.demo.cli", "a whole RL weight-update loop on this machine"),
     "bench": ("bench.cli", "benchmarks against baselines: `bench NAME|all`"),
     "chaos": ("chaos.cli", "fault-injection runs with an invariant checker: `chaos run`"),
