@@ -1,0 +1,133 @@
+"""The sole holder of a version frozen with SIGSTOP while readers wait (issue 25, "also
+untested"): a publisher process with a 3 s session holds policy@1 alone.
+
+A frozen process is the gray failure: its sockets stay open and the kernel still accepts
+connections on its port, but nothing answers. What must hold:
+
+- readers waiting on it get a named error within their deadline, never a hang;
+- once the frozen holder's lease has expired, its record is gone and a fetch is refused
+  as `VersionUnavailable` at once, not after its whole deadline;
+- after SIGCONT the holder finds its session lost, opens a new one and registers policy@1
+  again (`ros.client.recovery`), and readers fetch the publisher's bytes from it.
+
+(A reader cannot find "another holder" here: only the frozen one has the bytes; the case
+with a second holder is the SDK's failover, tested in `tests/transport/test_failover.py`.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+import ros
+from ros.hub.server import HubServer
+from tests.ros.helpers import digest, make_model
+from tests.waiting import wait_until
+
+TTL = 3  # the frozen holder's session
+READ_DEADLINE = 4.0  # the waiting readers' fetch timeout
+SLACK = 5.0  # what a loaded machine may add to a deadline before the call returns
+
+
+@pytest.fixture
+def holder(
+    hub_server: HubServer, make_tenant: Callable[[str], str]
+) -> Iterator[tuple[subprocess.Popen[str], dict[str, object], str]]:
+    """The publisher process (policy@1 = make_model(1)), its ready line and the token."""
+    token = make_tenant("team-a")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.ros.publisher_proc", hub_server.address, "team-a", token,
+         "policy", "1", "--seed", "1", "--ttl", str(TTL)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        cwd=Path(__file__).parents[2],
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        ready = json.loads(process.stdout.readline() or "null")
+        assert ready, "the publisher process did not publish"
+        yield process, ready, token
+    finally:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGCONT)  # a stopped process ignores SIGTERM's end
+            assert process.stdin is not None
+            process.stdin.close()
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=5)
+
+
+@pytest.mark.timeout(90)
+def test_readers_of_a_frozen_sole_holder_fail_named_in_time_and_it_recovers_after_sigcont(
+    hub_server: HubServer, holder: tuple[subprocess.Popen[str], dict[str, object], str]
+) -> None:
+    """Proves the three points of the module docstring, in order: two readers waiting on
+    the frozen holder each get a named `TensorHubError` within their 4 s deadline; after its
+    lease expired a fetch with a 30 s deadline is refused `VersionUnavailable` within a few
+    seconds; after SIGCONT the holder is registered again under a new session and a reader
+    gets its exact bytes."""
+    process, ready, token = holder
+    clients = [
+        ros.connect(hub_server.address, tenant="team-a", token=token, session_ttl=10)
+        for _ in range(3)
+    ]
+    try:
+        (before,) = clients[0].holders("policy", 1)
+        assert before.holder == ready["holder"]
+        os.kill(process.pid, signal.SIGSTOP)
+        results: list[tuple[float, object]] = []
+
+        def read(client: ros.Hub) -> None:
+            start = time.monotonic()
+            try:
+                outcome: object = client.fetch("policy", 1, timeout=READ_DEADLINE)
+            except Exception as exc:
+                outcome = exc
+            results.append((time.monotonic() - start, outcome))
+
+        threads = [threading.Thread(target=read, args=(c,)) for c in clients[:2]]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(READ_DEADLINE + 30)
+        assert len(results) == 2, "a reader of the frozen holder hung"
+        for took, outcome in results:
+            assert isinstance(outcome, ros.TensorHubError), outcome  # named, not a bare error
+            assert took <= READ_DEADLINE + SLACK, (took, outcome)
+
+        wait_until(  # the frozen holder cannot renew: its lease, and its record, go
+            "the frozen holder's record expired",
+            lambda: not clients[2].holders("policy", 1),
+            timeout=TTL + 10,
+        )
+        start = time.monotonic()
+        with pytest.raises(ros.VersionUnavailable):
+            clients[2].fetch("policy", 1, timeout=30)
+        assert time.monotonic() - start <= SLACK, "a version nobody holds kept a reader waiting"
+        assert clients[2].latest("policy") == 1  # the version itself is still published
+
+        os.kill(process.pid, signal.SIGCONT)
+        wait_until(
+            "the thawed holder registered policy@1 again",
+            lambda: [h.holder for h in clients[2].holders("policy", 1)] == [ready["holder"]],
+            timeout=20,
+        )
+        (record,) = clients[2].holders("policy", 1)
+        assert record.session != before.session  # a new session: the frozen one's lease is gone
+        assert record.complete
+        held = clients[2].fetch("policy", 1, timeout=30)
+        assert digest(held.tensors) == digest(make_model(1))
+        assert process.poll() is None
+    finally:
+        for client in clients:
+            client.close()
