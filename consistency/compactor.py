@@ -374,6 +374,12 @@ class Compactor:
                     self._counts["disarms"] += 1
         self._set_storage_full(any(a.kind == "NOSPACE" for a in self._etcd.alarms()))
 
+    def note_storage_full(self) -> None:
+        """A write was just refused with NOSPACE: report it at once (`on_storage_full`),
+        not at the next check; the next check reads the alarms again and reports when it
+        is cleared, whoever cleared it."""
+        self._set_storage_full(True)
+
     def _set_storage_full(self, full: bool) -> None:
         with self._lock:
             changed, self._storage_full = full != self._storage_full, full

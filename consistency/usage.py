@@ -9,7 +9,14 @@ therefore has one usage key (`Keys.quota_fence(tenant, "usage")`) holding
   the transaction that deletes them (retention, model deletion);
 - `tokens` and `at`: a token bucket of publishes, refilled at `publishes_per_minute / 60`
   per second up to `publishes_per_minute`. A whole version's publish takes one token, each
-  of a model-parallel version's N shards takes 1/N.
+  of a model-parallel version's N shards takes 1/N;
+- `history`: a bucket of the bytes the tenant's publishes may write into etcd's history
+  (`history_cost`: a paged manifest is written twice, plus its records), refilled at
+  `history_bytes` per `history_period` (the compactor's interval) up to `history_bytes`.
+  Live bytes are only what etcd keeps after compaction; every rewrite in between stays in
+  the database until the compactor's next pass, so tenants each inside their live budget
+  could together fill etcd between two compactions. The bucket bounds what one tenant can
+  write in any one interval to twice `history_bytes`, whatever its publish rate.
 
 A publish adds `charge`'s compare and put to its own transaction: the compare is on the
 usage key's mod_revision as read, so two publishes that both read the same usage cannot both
@@ -40,6 +47,7 @@ from consistency.records import PartHeader, ShardRecord
 from tensorhub.errors import QuotaExceeded
 
 RECORD_BYTES = 1024  # charged per version header or shard record beside its manifest bytes
+DEFAULT_HISTORY_PERIOD = 300.0  # the compactor's default interval (consistency.compactor)
 Guard = tuple[list[ops.Cmp], list[ops.Op]]
 
 
@@ -50,14 +58,30 @@ class Usage:
     held: int = 0  # bytes
     tokens: float = -1.0  # -1: never published (a full bucket)
     at: float = 0.0
+    history: float = -1.0  # history bytes left in its bucket; -1: a full bucket
 
     def encode(self) -> bytes:
-        return json.dumps({"bytes": self.held, "tokens": self.tokens, "at": self.at}).encode()
+        return json.dumps(
+            {"bytes": self.held, "tokens": self.tokens, "at": self.at, "history": self.history}
+        ).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> Usage:
         data = json.loads(raw)
-        return cls(int(data["bytes"]), float(data["tokens"]), float(data["at"]))
+        return cls(
+            int(data["bytes"]),
+            float(data["tokens"]),
+            float(data["at"]),
+            float(data.get("history", -1.0)),  # a usage written before the history budget
+        )
+
+
+def history_cost(nbytes: int, inline: int) -> int:
+    """What a publish of an `nbytes` manifest writes into etcd's history, beside the live
+    bytes: a manifest over `inline` bytes is written twice (its pages under the lease, then
+    re-put detached in the publish transaction: two revisions until compaction), plus
+    `RECORD_BYTES` for the header or shard record, holder record, `latest` and the usage."""
+    return nbytes * (2 if nbytes > inline else 1) + RECORD_BYTES
 
 
 class TenantBudget:
@@ -73,13 +97,22 @@ class TenantBudget:
         *,
         max_bytes: int,
         publishes_per_minute: int,
+        history_bytes: int | None = None,
+        history_period: float = DEFAULT_HISTORY_PERIOD,
+        inline: int = 64 << 10,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        """`history_bytes` (None: `max_bytes`) of etcd history per `history_period` (the
+        compactor's interval) refill a bucket of that size; `inline`: the manifest size up
+        to which a publish writes its manifest once (`history_cost`)."""
         self._etcd = etcd
         self.key = keys.quota_fence(tenant, "usage")
         self._tenant = tenant
         self._max_bytes = max_bytes
         self._rate = publishes_per_minute
+        self._history = history_bytes if history_bytes is not None else max_bytes
+        self._history_period = history_period
+        self._inline = inline
         self._clock = clock
 
     def charge(self, nbytes: int, publishes: float, timeout: float) -> Guard:
@@ -108,12 +141,24 @@ class TenantBudget:
         not exist), with no read of its own (`consistency.shard_commit.Budget`)."""
         usage = Usage.decode(kv.value) if kv is not None else Usage()
         now = self._clock()
+        elapsed = max(0.0, now - usage.at)
         tokens = float(self._rate) if usage.tokens < 0 else usage.tokens
-        tokens = min(float(self._rate), tokens + max(0.0, now - usage.at) * self._rate / 60.0)
+        tokens = min(float(self._rate), tokens + elapsed * self._rate / 60.0)
+        capacity = float(self._history)
+        history = capacity if usage.history < 0 else usage.history
+        history = min(capacity, history + elapsed * capacity / self._history_period)
         held = usage.held
         admitted = 0
         refusal: QuotaExceeded | None = None
         for nbytes in sizes:
+            written = history_cost(nbytes, self._inline)
+            if written > history + 1e-6:
+                refusal = QuotaExceeded(
+                    f"tenant {self._tenant} wrote its etcd history budget of "
+                    f"{self._history} bytes per {self._history_period:g} s "
+                    f"(max_history_bytes); this publish writes {written}: retry later"
+                )
+                break
             charged = nbytes + RECORD_BYTES
             if held + charged > self._max_bytes:
                 refusal = QuotaExceeded(
@@ -129,10 +174,11 @@ class TenantBudget:
                 break
             held += charged
             tokens -= publishes
+            history -= written
             admitted += 1
         if not admitted:
             return 0, [], [], refusal
-        after = Usage(held, tokens, now)
+        after = Usage(held, tokens, now, history)
         seen = kv.mod_revision if kv is not None else 0
         return (
             admitted,
@@ -151,7 +197,7 @@ def release(etcd: Etcd, keys: Keys, tenant: str, nbytes: int, timeout: float) ->
     if kv is None:
         return [ops.absent(key)], []
     usage = Usage.decode(kv.value)
-    after = Usage(max(0, usage.held - nbytes), usage.tokens, usage.at)
+    after = Usage(max(0, usage.held - nbytes), usage.tokens, usage.at, usage.history)
     return [ops.mod(key, "==", kv.mod_revision)], [ops.put(key, after.encode())]
 
 

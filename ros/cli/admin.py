@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -40,6 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         "--max-publishes-per-minute", type=int, default=0,
         help="quota: publishes per minute, across every hub replica (default 600)",
     )  # fmt: skip
+    create.add_argument(
+        "--max-history-bytes", type=int, default=0,
+        help="quota: bytes the tenant's publishes may write into etcd's history per "
+        "compaction interval, across every hub replica (default: --max-etcd-bytes)",
+    )  # fmt: skip
     delete = sub.add_parser(
         "delete", help="delete a tenant: its models, versions, holders and sessions, at once"
     )
@@ -71,11 +77,14 @@ def run(args: argparse.Namespace) -> int:
             max_sessions=args.max_sessions,
             max_etcd_bytes=args.max_etcd_bytes,
             max_publishes_per_minute=args.max_publishes_per_minute,
+            max_history_bytes=args.max_history_bytes,
         ),
     )
     created = _admin_call(args, lambda stub, **call: stub.CreateTenant(request, **call))
+    if created.warning:
+        print(f"warning: {created.warning}", file=sys.stderr)
     if args.json:
-        print_json({"tenant": created.name, "token": created.token})
+        print_json({"tenant": created.name, "token": created.token, "warning": created.warning})
     else:
         print(f"tenant {created.name} created. Its token (shown only now, store it safely):")
         print(created.token)

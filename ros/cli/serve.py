@@ -35,6 +35,7 @@ from ros.hub.limits import (
     DEFAULT_MAX_WATCHED_MODELS_PER_TENANT,
     DEFAULT_WORKERS,
 )
+from ros.hub.rpc import DEFAULT_ETCD_QUOTA_BYTES
 from ros.hub.server import DEFAULT_MAX_STREAMS_PER_CONNECTION, HubServer
 from ros.tokens import MAX_READ_TOKEN_LIFETIME, READ_KEY_PERIOD, READ_TOKEN_TTL
 from tensorhub.errors import InvalidArgument, TensorHubError
@@ -168,6 +169,15 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         "and disarms a NOSPACE alarm once space is free (0: off) (default %(default)s)",
     )
     parser.add_argument(
+        "--etcd-quota-bytes",
+        type=int,
+        default=DEFAULT_ETCD_QUOTA_BYTES,
+        metavar="BYTES",
+        help="etcd's --quota-backend-bytes: `tenant create` warns when the tenants' etcd "
+        "budgets (live bytes plus the history they may write per compaction interval) add "
+        "up to more (default %(default)s, etcd's own default)",
+    )
+    parser.add_argument(
         "--grace",
         type=float,
         default=2.0,
@@ -243,6 +253,7 @@ def run(args: argparse.Namespace) -> int:
             max_private_watches_per_tenant=args.max_private_watches_per_tenant,
             max_watched_models_per_tenant=args.max_watched_models_per_tenant,
             compact_interval=args.compact_interval, read_key_period=args.read_key_period,
+            etcd_quota_bytes=args.etcd_quota_bytes,
             read_token_ttl=args.read_token_ttl, etcd_credentials=etcd_credentials,
             first_message_seconds=args.first_message_timeout,
             max_streams_per_connection=args.max_streams_per_connection,

@@ -8,6 +8,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from consistency import Etcd, Keys, ops
+from consistency.manifests import INLINE_BYTES, SHARD_INLINE_BYTES
 from consistency.usage import Guard, TenantBudget
 from ros.hub.tenants import Tenant
 from ros.metrics import HUB_PUBLISHES_REFUSED
@@ -38,21 +39,33 @@ def model_serial(tenant: str, model: str) -> threading.Lock:
         return lock
 
 
-def _budget(etcd: Etcd, keys: Keys, tenant: Tenant) -> TenantBudget:
+def _budget(
+    etcd: Etcd, keys: Keys, tenant: Tenant, history_period: float, sharded: bool
+) -> TenantBudget:
     return TenantBudget(
         etcd, keys, tenant.name,
         max_bytes=tenant.quotas.max_etcd_bytes,
         publishes_per_minute=tenant.quotas.max_publishes_per_minute,
+        history_bytes=tenant.quotas.max_history_bytes,
+        history_period=history_period,
+        inline=SHARD_INLINE_BYTES if sharded else INLINE_BYTES,
     )  # fmt: skip
 
 
 def publish_charge(
-    etcd: Etcd, keys: Keys, tenant: Tenant, size: int, shard_count: int, timeout: float
+    etcd: Etcd,
+    keys: Keys,
+    tenant: Tenant,
+    size: int,
+    shard_count: int,
+    timeout: float,
+    history_period: float,
 ) -> Callable[[float], Guard]:
     """Check that a publish of a `size`-byte manifest (one shard of `shard_count`, or a
     whole version with 0) fits the tenant's budget now, else `QuotaExceeded` with nothing
-    written; returns the charge its transaction adds (it checks again, race-free)."""
-    budget = _budget(etcd, keys, tenant)
+    written; returns the charge its transaction adds (it checks again, race-free).
+    `history_period`: the compactor's interval, over which the history budget refills."""
+    budget = _budget(etcd, keys, tenant, history_period, bool(shard_count))
     publishes = 1.0 / shard_count if shard_count else 1.0
 
     def charge(remaining: float) -> Guard:
@@ -71,8 +84,10 @@ class BatchBudget:
     one compare and put for the batch, each shard 1/`shard_count` of a publish, against
     the usage the batch read."""
 
-    def __init__(self, etcd: Etcd, keys: Keys, tenant: Tenant, shard_count: int) -> None:
-        self._budget = _budget(etcd, keys, tenant)
+    def __init__(
+        self, etcd: Etcd, keys: Keys, tenant: Tenant, shard_count: int, history_period: float
+    ) -> None:
+        self._budget = _budget(etcd, keys, tenant, history_period, True)
         self._publishes = 1.0 / shard_count
         self.key = self._budget.key
 

@@ -31,6 +31,7 @@ import grpc.aio
 
 from consistency import Etcd, HolderRegistry, Keys, VersionRegistry
 from consistency.keepalive import LeaseKeeper
+from consistency.usage import DEFAULT_HISTORY_PERIOD
 from ros.errors import error_metadata, status_of
 from ros.hub.fanout import WatchFanout
 from ros.hub.holder_index import HolderIndex
@@ -47,6 +48,7 @@ from tensorhub.errors import (
     InvalidArgument,
     PermissionDenied,
     SessionExpired,
+    StorageFull,
     TensorHubError,
 )
 from tensorhub.lru import SizedLru
@@ -54,6 +56,7 @@ from tensorhub.lru import SizedLru
 log = logging.getLogger(__name__)
 
 MAX_CALL_SECONDS = 30.0
+DEFAULT_ETCD_QUOTA_BYTES = 2 << 30  # etcd's own default --quota-backend-bytes
 TENANT_METADATA_KEY = "tensorhub-tenant"  # the tenant a client names (checked against its token)
 MAX_OPENED_SESSIONS = 65_536  # session ids remembered per replica (see `opened_sessions`)
 S = TypeVar("S", bound="HubBase")
@@ -136,6 +139,9 @@ def _answered(
         error: TensorHubError
         try:
             response = await body(self, request, call)
+        except StorageFull as exc:  # etcd's NOSPACE: tell health now, not at the next check
+            self.on_storage_full()
+            error = exc
         except TensorHubError as exc:
             error = exc
         except Exception as exc:  # a bug: answered INTERNAL, not UNKNOWN
@@ -188,13 +194,23 @@ class HubBase:
         limits: Limits | None = None,
         read_key_period: float = READ_KEY_PERIOD,
         read_token_ttl: float = READ_TOKEN_TTL,
+        history_period: float = DEFAULT_HISTORY_PERIOD,
+        etcd_quota_bytes: int = DEFAULT_ETCD_QUOTA_BYTES,
     ) -> None:
+        """`history_period`: the compactor's interval, over which each tenant's etcd
+        history budget refills; `etcd_quota_bytes`: etcd's `--quota-backend-bytes`, which
+        CreateTenant checks the tenants' budgets against."""
         if not 0 < read_token_ttl <= MAX_READ_TOKEN_LIFETIME:  # holders refuse longer ones
             raise InvalidArgument(
                 f"read token TTL must be in (0, {MAX_READ_TOKEN_LIFETIME:g}] s, "
                 f"got {read_token_ttl}"
             )
         self.read_token_ttl = read_token_ttl  # what Resolve issues (fetches renew: sdk.md)
+        self.history_period = history_period if history_period > 0 else DEFAULT_HISTORY_PERIOD
+        # Called (on the event loop) when a call was refused for etcd's NOSPACE; the server
+        # points it at its compactor, which owns the writes health state.
+        self.on_storage_full: Callable[[], None] = lambda: None
+        self.etcd_quota_bytes = etcd_quota_bytes
         self.etcd = etcd
         self.keys = keys
         self.tenants = TenantStore(etcd, keys, read_key_period=read_key_period)
@@ -219,7 +235,7 @@ class HubBase:
         self._committers = ThreadPoolExecutor(
             max_workers=self.limits.workers, thread_name_prefix="hub-commit"
         )
-        self.shard_batches = ShardBatches(etcd, keys, self._committers)
+        self.shard_batches = ShardBatches(etcd, keys, self._committers, self.history_period)
         self.session_marks = SessionMarks(etcd, keys, self._committers, self._etcd_for)
         # Sessions this replica opened, by id: their tenant is known without an etcd read
         # (a lease never changes tenant), so their first renewal costs no worker. Bounded.

@@ -62,9 +62,10 @@ class VersionRPCs(HubBase):
     def _publish_checks(
         self, request: pb.PublishRequest, call: CallContext, *, session: bool
     ) -> tuple[Tenant, float, str, int, bytes, HolderRecord, Admit]:
-        """What every publish checks before it writes: the caller, the bounds, its session
-        (with `session`; else the batch's own transaction does), every manifest rule; and
-        the model quota's admission."""
+        """What every publish checks first: the caller, the bounds, its session (with
+        `session`; else the batch's own transaction does); and the model quota's admission.
+        The callers check the budget next (one etcd read: a refusal costs little) and then
+        every manifest rule (a walk over every tensor), all before any write."""
         tenant = self._tenant(call)
         timeout = self._timeout(call)
         model = validate_name(request.model, "model")
@@ -74,7 +75,6 @@ class VersionRPCs(HubBase):
         holder = holder_from_pb(request.holder, default_state=HolderState.COMPLETE)
         if session:
             self._own_session(tenant, holder.session, timeout)
-        check_manifest(request.manifest, _what(request))  # every rule, before any write
         versions = self._versions(tenant)
         quota = CountedCreate(
             self.etcd,
@@ -94,8 +94,9 @@ class VersionRPCs(HubBase):
             request, call, session=True
         )
         charge = publish_charge(  # the etcd budget: refused here, before any write
-            self.etcd, self.keys, tenant, len(manifest), 0, timeout
+            self.etcd, self.keys, tenant, len(manifest), 0, timeout, self.history_period
         )
+        check_manifest(request.manifest, _what(request))  # every rule, before any write
         return self._versions(tenant).publish(
             tenant.name, model, version, manifest, holder, timeout=timeout,
             admit_model=admit, charge=charge, serial=model_serial(tenant.name, model),
@@ -114,8 +115,10 @@ class VersionRPCs(HubBase):
         )
         if paged:
             publish_charge(
-                self.etcd, self.keys, tenant, len(manifest), request.shard_count, timeout
-            )
+                self.etcd, self.keys, tenant, len(manifest), request.shard_count, timeout,
+                self.history_period,
+            )  # fmt: skip
+        check_manifest(request.manifest, _what(request))  # every rule, before any write
         versions = self._versions(tenant)
         entry = versions.stage_shard(
             tenant.name, model, version, request.shard_index, request.shard_count, manifest,

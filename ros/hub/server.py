@@ -42,7 +42,7 @@ from ros.hub.limits import (
     DEFAULT_WORKERS,
     Limits,
 )
-from ros.hub.rpc import CallContext, bearer
+from ros.hub.rpc import DEFAULT_ETCD_QUOTA_BYTES, CallContext, bearer
 from ros.hub.servicer import HubServicer
 from ros.metrics import CompactorMetrics
 from ros.proto.tensorhub.v1 import hub_pb2, hub_pb2_grpc
@@ -94,6 +94,7 @@ class HubServer:
         max_streams_per_tenant: int = DEFAULT_MAX_STREAMS_PER_TENANT,
         max_private_watches: int = DEFAULT_MAX_PRIVATE_WATCHES,
         compact_interval: float = DEFAULT_COMPACT_INTERVAL,
+        etcd_quota_bytes: int = DEFAULT_ETCD_QUOTA_BYTES,
         etcd_credentials: EtcdCredentials | None = None,
         read_key_period: float = READ_KEY_PERIOD,
         first_message_seconds: float = DEFAULT_FIRST_MESSAGE_SECONDS,
@@ -121,7 +122,8 @@ class HubServer:
             self.servicer = HubServicer(
                 self.etcd, self.keys, admin_token=admin_token, default_retain=retain,
                 limits=self.limits, read_key_period=read_key_period,
-                read_token_ttl=read_token_ttl,
+                read_token_ttl=read_token_ttl, history_period=compact_interval,
+                etcd_quota_bytes=etcd_quota_bytes,
             )  # fmt: skip
         except BaseException:
             self.etcd.close()
@@ -133,6 +135,8 @@ class HubServer:
                 self.etcd, self.keys, interval=compact_interval,
                 on_storage_full=self._storage_full_changed, on_tick=CompactorMetrics(),
             )  # fmt: skip
+            # A call refused with NOSPACE turns the writes health NOT_SERVING at once.
+            self.servicer.on_storage_full = self.compactor.note_storage_full
         except BaseException:  # e.g. the port is taken: leave no thread or stream behind
             self._end_loop()
             self.servicer.close()

@@ -6,9 +6,12 @@ registries in `consistency`; see `ros.hub.rpc` for what they share.
 
 from __future__ import annotations
 
+import logging
+
 from consistency import Etcd, Keys
+from consistency.usage import DEFAULT_HISTORY_PERIOD
 from ros.hub.limits import Limits
-from ros.hub.rpc import CallContext, bearer, same, unary
+from ros.hub.rpc import DEFAULT_ETCD_QUOTA_BYTES, CallContext, bearer, same, unary
 from ros.hub.rpc_holders import HolderRPCs
 from ros.hub.rpc_models import ModelRPCs
 from ros.hub.rpc_sessions import SessionRPCs
@@ -19,6 +22,8 @@ from ros.proto.tensorhub.v1 import hub_pb2_grpc
 from ros.tokens import READ_KEY_PERIOD, READ_TOKEN_TTL, token_hash
 from tensorhub.errors import PermissionDenied
 from tensorhub.names import validate_name
+
+log = logging.getLogger(__name__)
 
 
 class HubServicer(SessionRPCs, VersionRPCs, HolderRPCs, ModelRPCs, hub_pb2_grpc.TensorHubServicer):
@@ -34,10 +39,13 @@ class HubServicer(SessionRPCs, VersionRPCs, HolderRPCs, ModelRPCs, hub_pb2_grpc.
         limits: Limits | None = None,
         read_key_period: float = READ_KEY_PERIOD,
         read_token_ttl: float = READ_TOKEN_TTL,
+        history_period: float = DEFAULT_HISTORY_PERIOD,
+        etcd_quota_bytes: int = DEFAULT_ETCD_QUOTA_BYTES,
     ) -> None:
         super().__init__(
             etcd, keys, default_retain=default_retain, limits=limits,
             read_key_period=read_key_period, read_token_ttl=read_token_ttl,
+            history_period=history_period, etcd_quota_bytes=etcd_quota_bytes,
         )  # fmt: skip
         self._admin_hash = token_hash(admin_token)
 
@@ -61,9 +69,17 @@ class HubServicer(SessionRPCs, VersionRPCs, HolderRPCs, ModelRPCs, hub_pb2_grpc.
             max_etcd_bytes=request.quotas.max_etcd_bytes or defaults.max_etcd_bytes,
             max_publishes_per_minute=request.quotas.max_publishes_per_minute
             or defaults.max_publishes_per_minute,
+            max_history_bytes=request.quotas.max_history_bytes
+            or request.quotas.max_etcd_bytes
+            or defaults.max_history_bytes,
         )
         tenant_token = self.tenants.create(request.name, quotas)
-        return pb.CreateTenantResponse(name=request.name, token=tenant_token)
+        warning = self.tenants.overcommit(
+            self.etcd_quota_bytes, self.history_period, self._timeout(context)
+        )
+        if warning:
+            log.warning("CreateTenant %s: %s", request.name, warning)
+        return pb.CreateTenantResponse(name=request.name, token=tenant_token, warning=warning)
 
     @unary
     def DeleteTenant(

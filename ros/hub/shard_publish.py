@@ -39,9 +39,11 @@ class ShardJob:
 class ShardBatches:
     """Group commit of shard publishes, one batch in flight per version (module docstring)."""
 
-    def __init__(self, etcd: Etcd, keys: Keys, executor: Executor) -> None:
+    def __init__(self, etcd: Etcd, keys: Keys, executor: Executor, history_period: float) -> None:
+        """`history_period`: the compactor's interval (the tenants' history budgets)."""
         self._etcd = etcd
         self._keys = keys
+        self._history_period = history_period
         self.group: GroupCommit[Key, ShardJob, Published] = GroupCommit(
             executor, self._commit, _take, self._abandon, kind="shards"
         )
@@ -57,7 +59,9 @@ class ShardBatches:
         first = jobs[0]
         committer = first.registry.shard_committer(
             tenant, model, version, admit_model=first.admit_model,
-            budget=BatchBudget(self._etcd, self._keys, first.tenant, first.entry.count),
+            budget=BatchBudget(
+                self._etcd, self._keys, first.tenant, first.entry.count, self._history_period
+            ),
         )  # fmt: skip
         return committer.commit([job.entry for job in jobs])
 

@@ -83,6 +83,8 @@ class Quotas:
     # etcd budget (`consistency.usage`): live manifest bytes, and publishes per minute
     max_etcd_bytes: int = 256 << 20
     max_publishes_per_minute: int = 600
+    # etcd history the tenant's publishes may write per compaction interval (a bucket)
+    max_history_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -233,7 +235,10 @@ class TenantStore:
         epoch = str(record.get("epoch", ""))
         if not hmac.compare_digest(str(record["token_sha256"]), token_hash(token, epoch)):
             raise PermissionDenied("unknown tenant token")
-        tenant = Tenant(name, Quotas(**record["quotas"]), epoch, int(record.get("created", 0)))
+        quotas = dict(record["quotas"])
+        # a record written before the history budget: as much history as live bytes
+        quotas.setdefault("max_history_bytes", quotas.get("max_etcd_bytes", Quotas.max_etcd_bytes))
+        tenant = Tenant(name, Quotas(**quotas), epoch, int(record.get("created", 0)))
         with self._lock:
             self._cache[token] = (time.monotonic() + _CACHE_SECONDS, tenant)
         return tenant
@@ -249,6 +254,30 @@ class TenantStore:
             else:
                 self._secret = bytes(result.responses[0].response_range.kvs[0].value)
         return self._secret
+
+    def overcommit(self, quota_bytes: int, period: float, timeout: float) -> str:
+        """Whether every tenant's etcd budget together fits in etcd's quota (`quota_bytes`,
+        its `--quota-backend-bytes`): "" if so, else a sentence saying by how much not.
+
+        A tenant can hold `max_etcd_bytes` live and, between two compactions (one `period`
+        and a poll), write up to twice `max_history_bytes` of history (a full bucket, then
+        one interval's refill). What etcd keeps besides (holder, session and pin records,
+        bounded by the session quota) is left out, so the sum must leave room for them."""
+        listed = self._etcd.range(self._keys.tenants(), prefix=True, timeout=timeout)
+        total = 0
+        for kv in listed.kvs:
+            quotas = dict(json.loads(kv.value).get("quotas", {}))
+            live = int(quotas.get("max_etcd_bytes", Quotas.max_etcd_bytes))
+            total += live + 2 * int(quotas.get("max_history_bytes", live))
+        if total <= quota_bytes:
+            return ""
+        return (
+            f"the {len(listed.kvs)} tenants' etcd budgets add up to {total} bytes (live bytes "
+            f"plus twice the history each may write per {period:g} s compaction interval), "
+            f"more than etcd's quota of {quota_bytes} bytes (--etcd-quota-bytes): together "
+            "they can fill etcd (NOSPACE refuses every tenant's writes). Lower "
+            "--max-etcd-bytes or --max-history-bytes, or raise etcd's --quota-backend-bytes"
+        )
 
     def fence(self, tenant: Tenant) -> Fence | None:
         """What every write made for `tenant` compares: its record's create revision, as it

@@ -89,6 +89,10 @@ def test_publish_gets_storage_full_and_works_again_after_the_compactor(
                 full = exc
                 break
         assert full is not None, "the small quota never filled"
+        # The refusal itself turned the writes health NOT_SERVING (the compactor's state),
+        # not the compactor's next check: it is still full, or already rescued since.
+        noticed = small_hub.compactor.status()
+        assert noticed.storage_full or noticed.disarms >= 1
         serving = health_pb2.HealthCheckResponse.SERVING
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
         wait_until("writes health NOT_SERVING", lambda: not_serving in statuses, 30)

@@ -435,18 +435,20 @@ class InspectResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., latest: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., pins: _Optional[_Iterable[str]] = ..., published_revision: _Optional[int] = ..., revision: _Optional[int] = ..., retained: _Optional[bool] = ..., shards: _Optional[_Iterable[_Union[Manifest, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., total_holders: _Optional[int] = ..., shard_count: _Optional[int] = ...) -> None: ...
 
 class Quotas(_message.Message):
-    __slots__ = ("max_models", "max_retained_versions", "max_sessions", "max_etcd_bytes", "max_publishes_per_minute")
+    __slots__ = ("max_models", "max_retained_versions", "max_sessions", "max_etcd_bytes", "max_publishes_per_minute", "max_history_bytes")
     MAX_MODELS_FIELD_NUMBER: _ClassVar[int]
     MAX_RETAINED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_ETCD_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_PUBLISHES_PER_MINUTE_FIELD_NUMBER: _ClassVar[int]
+    MAX_HISTORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     max_models: int
     max_retained_versions: int
     max_sessions: int
     max_etcd_bytes: int
     max_publishes_per_minute: int
-    def __init__(self, max_models: _Optional[int] = ..., max_retained_versions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_etcd_bytes: _Optional[int] = ..., max_publishes_per_minute: _Optional[int] = ...) -> None: ...
+    max_history_bytes: int
+    def __init__(self, max_models: _Optional[int] = ..., max_retained_versions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_etcd_bytes: _Optional[int] = ..., max_publishes_per_minute: _Optional[int] = ..., max_history_bytes: _Optional[int] = ...) -> None: ...
 
 class CreateTenantRequest(_message.Message):
     __slots__ = ("name", "quotas")
@@ -457,12 +459,14 @@ class CreateTenantRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., quotas: _Optional[_Union[Quotas, _Mapping]] = ...) -> None: ...
 
 class CreateTenantResponse(_message.Message):
-    __slots__ = ("name", "token")
+    __slots__ = ("name", "token", "warning")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    WARNING_FIELD_NUMBER: _ClassVar[int]
     name: str
     token: str
-    def __init__(self, name: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...
+    warning: str
+    def __init__(self, name: _Optional[str] = ..., token: _Optional[str] = ..., warning: _Optional[str] = ...) -> None: ...
 
 class DeleteTenantRequest(_message.Message):
     __slots__ = ("name",)
