@@ -296,14 +296,15 @@ def _fill_shards(res: Result, data: dict[str, Any]) -> None:
         res.add(f"{what}: visible / one shard", ratio, target)
         res.add(f"{what}: etcd revisions for the version", c.get("etcd_writes"), revisions)
         res.add(
-            f"{what}: Latest moved with the last shard only, one visible, none refused",
+            f"{what}: Latest moved with the last shard only, in one transaction, none refused",
             1.0 if c.get("ok") else 0.0,
             ">= 1",
         )
-        res.add(f"{what}: Publish replies that said visible", c.get("visible_replies"), "<= 1")
+        res.add(f"{what}: Publish replies that said visible", c.get("visible_replies"),
+                unit="replies")  # fmt: skip
         if "visible_transactions" in c:
             res.add(f"{what}: transactions those replies came from",
-                    c["visible_transactions"], unit="txns")  # fmt: skip
+                    c["visible_transactions"], "<= 1", unit="txns")  # fmt: skip
         res.add(f"{what}: visible after", seconds, unit="s")
         failures = c.get("failures") or {}
         if c.get("failed") or failures or c.get("last_error"):

@@ -7,9 +7,11 @@ one-tensor manifest: the median of a few):
 - ranks: N ranks (1,024), each a trainer rank as it really is: its own channel and its own
   session (OpenSession), all waiting at one barrier (CLOCK_MONOTONIC, shared by the worker
   processes), then every rank's shard Publish at once, no pacing. Time until visible: from
-  the barrier to the first reply that says the version is visible. Checked: exactly one Publish
-  reports visible, every other shard committed at or before its revision (so `latest` did
-  not move before the last shard), Latest is 0 before and 1 after, no shard refused.
+  the barrier to the first reply that says the version is visible. Checked: every reply that
+  says visible comes from one transaction (a group commit answers visible to each shard of
+  the batch that completed the version), every other shard committed at or before its
+  revision (so `latest` did not move before the last shard), Latest is 0 before and 1
+  after, no shard refused.
 - inflight: N shards (4,096) with K (256) in flight under a few sessions. The first N-1
   go as a burst; then Latest must still be 0 and no reply may have said visible; then the
   last shard goes alone and must report visible, with Latest 1 after it. Time until visible:
@@ -308,7 +310,7 @@ def ranks_case(world: World, fleet: Fleet, ranks: int, timeout: float) -> dict[s
         out["seconds"], out["ordered"] = None, False
     out["ok"] = bool(
         out["ordered"]
-        and len(visible) == 1
+        and out["visible_transactions"] == 1
         and out["sessions"] == ranks
         and merged["published"] == ranks
         and not merged["failures"]
