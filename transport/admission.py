@@ -14,8 +14,19 @@ of every open connection and enforces three rules, all cheap and all without a t
   has not yet presented a valid read token (of the peer address with the most connections,
   oldest first). Connections that have been served are never evicted; if every slot is
   one of those, the newcomer is refused.
-- **Per-peer bound.** At most `per_peer` connections from one peer address; the next one is
-  refused even when slots are free, so one host cannot take every slot.
+- **Per-peer bound.** At most `per_peer` connections from one peer address, so one host
+  cannot take every slot. A newcomer from a peer at its bound is admitted by evicting that
+  peer's oldest token-less connection, as at `max_connections`; it is refused only when
+  every one of the peer's connections has presented a valid token. Refusing instead let a
+  process holding `per_peer` token-less connections (reconnecting before each frame
+  deadline) lock out every reader of its own host for as long as it liked.
+
+A connection whose request frame is complete and being checked (`answering`) is never a
+victim: it is about to prove itself or be refused, and evicting it would punish a reader
+for the holder's own latency. So a reader connecting beside a flood of token-less
+connections loses its slot only if `per_peer` newer ones arrive before its GET does, and
+an evicted connection is told BUSY (`Conn.evicted`), which the SDK retries within its
+deadline.
 
 Thread-safe. The server does the socket work (shutdown, BUSY frames); this module decides.
 """
@@ -39,6 +50,7 @@ class Conn:
     accepted: float = field(default_factory=time.monotonic)
     deadline: float | None = None
     authenticated: bool = False  # it has presented a valid read token
+    evicted: bool = False  # shut to make room: its thread answers BUSY if it still can
 
 
 class Admission:
@@ -62,25 +74,43 @@ class Admission:
     def admit(self, sock: socket.socket, peer: str) -> tuple[Conn | None, Conn | None, str]:
         """Decide on a newly accepted connection: `(record, victim, why)`. `record` is None
         when it is refused (`why` says why); `victim`, when set, is an unauthenticated
-        connection the caller must shut down to make room (it is already forgotten here)."""
+        connection the caller must shut down to make room (it is already forgotten here,
+        and marked `evicted`). A peer at `per_peer` makes room among its own connections;
+        otherwise a full holder makes room among the busiest peer's."""
         now = time.monotonic()
         with self._lock:
-            if self._peers[peer] >= self.per_peer:
-                return None, None, f"too many connections from {peer} (at most {self.per_peer})"
             victim = None
-            if len(self._open) >= self.max_connections:
+            if self._peers[peer] >= self.per_peer:
+                victim = self._victim(peer)
+                if victim is None:
+                    return (
+                        None,
+                        None,
+                        (
+                            f"too many connections from {peer} (at most {self.per_peer}, "
+                            "all serving readers)"
+                        ),
+                    )
+            elif len(self._open) >= self.max_connections:
                 victim = self._victim()
                 if victim is None:
                     return None, None, f"too many connections (at most {self.max_connections})"
+            if victim is not None:
+                victim.evicted = True
                 self._drop(victim)
             conn = Conn(sock, peer, now, now + self.frame_timeout)
             self._open.add(conn)
             self._peers[peer] += 1
             return conn, victim, ""
 
-    def _victim(self) -> Conn | None:
-        """An unauthenticated connection to evict: of the busiest peer address, oldest."""
-        unproven = [c for c in self._open if not c.authenticated]
+    def _victim(self, peer: str | None = None) -> Conn | None:
+        """An unauthenticated connection to evict, not one whose request is being checked:
+        of `peer` when given, else of the busiest peer address; the oldest first."""
+        unproven = [
+            c
+            for c in self._open
+            if not c.authenticated and c.deadline is not None and peer in (None, c.peer)
+        ]
         if not unproven:
             return None
         return min(unproven, key=lambda c: (-self._peers[c.peer], c.accepted))

@@ -2,10 +2,11 @@
 
 One thread accepts; each admitted connection gets a thread of its own running the
 subclass's `serve`. Admission is the data port's (`transport.admission`): at most
-`max_connections`, at most `per_peer` from one address, an unauthenticated connection
-evicted to admit a newcomer when full (else the newcomer is refused BUSY), and a request
-that is not whole within `frame_timeout` of accept cut. `stop` cuts every connection, so
-no thread waits on a peer past it.
+`max_connections`, at most `per_peer` from one address; at either bound an unauthenticated
+connection (of that peer, at the per-peer bound) is evicted to admit a newcomer, and only
+when none is left is the newcomer refused BUSY; a request that is not whole within
+`frame_timeout` of accept is cut. `stop` cuts every connection, so no thread waits on a
+peer past it.
 """
 
 from __future__ import annotations

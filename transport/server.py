@@ -1,9 +1,11 @@
 """The holder's data-plane server: serves chunks of the versions in a `HolderStore`.
 
 One thread per connection, admitted by `transport.admission`: at most `max_connections`
-(an unauthenticated one is evicted to admit a newcomer, else BUSY), at most `per_peer` from
-one address, and a request frame must be complete within `frame_timeout` or the connection
-is closed — so idle or byte-trickling connections cannot hold the port. Each
+and at most `per_peer` from one address; at either bound a connection that has not presented
+a valid read token is evicted to admit a newcomer (told BUSY if its thread still can), and
+only when every candidate has presented one is the newcomer refused BUSY. A request frame
+must be complete within `frame_timeout` or the connection is closed — so idle or
+byte-trickling connections cannot hold the port, even from the readers' own host. Each
 request is checked — frame, names, read token (the pluggable `verifier`), held version,
 layout digest — before any byte of a tensor is touched; a chunk is then sent straight
 from the tensors' memory with one sendmsg of header + memoryviews. Every socket operation
@@ -181,7 +183,7 @@ class HolderServer:
             record, victim, why = self._admission.admit(conn, str(addr[0]))
             if victim is not None:
                 log.debug("evicting unauthenticated connection from %s: holder full", victim.peer)
-                _shut(victim.sock)
+                _cut_reads(victim.sock)  # its thread wakes, answers BUSY and closes it
             if record is None:
                 with contextlib.suppress(OSError):
                     conn.settimeout(1.0)
@@ -215,12 +217,23 @@ class HolderServer:
                         conn.sendall(encode_error(refusal.code, str(refusal)))
                     return
         except (TransportError, OSError) as exc:
+            if record.evicted and (self._tls is None or isinstance(conn, ssl.SSLSocket)):
+                self._told_busy(conn)
             log.debug("holder connection closed: %s", exc)
         except Exception:  # a bug must cost one connection, never the server
             log.exception("holder connection failed")
         finally:
             self._admission.forget(record)
             conn.close()
+
+    def _told_busy(self, conn: socket.socket) -> None:
+        """Answer an evicted connection BUSY before it closes (best effort, within 1 s), so
+        a reader evicted before its GET arrived retries within its deadline (the SDK does)
+        instead of suspecting a holder that is only full. Its reads were cut, not its
+        writes; over TLS only once the handshake is done (the frame goes through TLS)."""
+        with contextlib.suppress(OSError):
+            set_kernel_timeout(conn, 1.0)
+            conn.sendall(encode_error(ErrorCode.BUSY, "evicted: too many connections"))
 
     def _request(self, record: Conn, conn: socket.socket) -> GetRequest:
         """Receive one GET. The first frame is due within `frame_timeout` of accept; on a
@@ -333,6 +346,14 @@ class HolderServer:
             self._send(conn, header, views, held.complete)
             if self._on_served is not None:
                 self._on_served(header.length)
+
+
+def _cut_reads(sock: socket.socket) -> None:
+    """Evict a connection: its thread's pending receive returns at once (end of stream), and
+    the thread can still write it a BUSY frame before it closes the socket. At the TCP level,
+    for the reason `_shut` says."""
+    with contextlib.suppress(OSError):
+        socket.socket.shutdown(sock, socket.SHUT_RD)
 
 
 def _shut(sock: socket.socket) -> None:
