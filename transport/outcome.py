@@ -20,18 +20,22 @@ from transport.wire import ErrorCode, Refusal
 class ChunkStatus(enum.Enum):
     """How one chunk request to one holder ended. The reader acts on this, never on the
     text of an error: NOT_READY is retried on the same holder (it is still receiving the
-    chunk), every other status but DONE suspects the holder for this round."""
+    chunk), BUSY on the same holder after a backoff when the caller gave a retry policy
+    for it (the SDK does: the holder is full, not faulty), every other status but DONE
+    suspects the holder for this round."""
 
     DONE = "done"  # received, verified and committed
     NOT_READY = "not ready"  # a PARTIAL holder lacks the chunk yet (ErrorCode.NOT_READY)
+    BUSY = "busy"  # the holder is at its connection bounds (ErrorCode.BUSY: HolderBusy)
     CORRUPT = "corrupt"  # bytes or header that fail verification (IntegrityError)
     DENIED = "denied"  # the holder refused the read token (ErrorCode.DENIED)
     RELEASED = "released"  # the holder no longer has the version (RELEASED, NOT_HELD)
-    FAILED = "failed"  # anything else: I/O, timeout, protocol, busy, a bug
+    FAILED = "failed"  # anything else: I/O, timeout, protocol, a bug
 
 
 _STATUS_OF_CODE = {
     ErrorCode.NOT_READY: ChunkStatus.NOT_READY,
+    ErrorCode.BUSY: ChunkStatus.BUSY,
     ErrorCode.DENIED: ChunkStatus.DENIED,
     ErrorCode.RELEASED: ChunkStatus.RELEASED,
     ErrorCode.NOT_HELD: ChunkStatus.RELEASED,

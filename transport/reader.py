@@ -12,7 +12,9 @@ caller registered it in a store). Each chunk request ends in a typed `ChunkOutco
 holder whose outcome is not DONE (a NOT_READY twice without progress, or anything else), or
 that stays silent for `stall_timeout`, or sends a chunk it has below `rate_floor` bytes/s for
 as long (transport/pace.py), is dropped for this round and its unfinished chunks re-planned
-at once onto the others; only chunks not yet received are asked for again.
+at once onto the others; only chunks not yet received are asked for again. A holder that
+answers BUSY is full, not faulty: with a `busy` retry loop (the SDK's) the worker gives its
+chunks back to the plan, waits the loop's backoff and asks it again, until the deadline.
 
 A round never asks the control plane anything and never retries: it ends when every wanted
 chunk is present, when no source is left, or at the deadline, and says which holders failed
@@ -29,10 +31,11 @@ import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import TypedDict, Unpack
+from typing import Protocol, TypedDict, Unpack
 
 from tensorhub.errors import (
     DeadlineExceeded,
+    HolderBusy,
     InvalidArgument,
     SlowHolder,
     TransportError,
@@ -55,6 +58,7 @@ from transport.transports import Channel, transport_for
 __all__ = [
     "BATCH_BYTES",
     "DEFAULT_RATE_FLOOR",
+    "BusyRetry",
     "ChunkCallback",
     "FetchStats",
     "Round",
@@ -71,6 +75,26 @@ DEFAULT_STALL = 5.0
 ChunkCallback = Callable[[int, int], None]
 """Told (chunk index, payload bytes) after each chunk is verified and committed, from the
 worker thread that received it: the SDK's fetch progress. It must be quick and not raise."""
+
+
+Pulled = ChunkOutcome | None
+"""What one connection's worth of work ends with (`_pull`)."""
+
+
+class BusyRetry(Protocol):
+    """How a worker asks a holder that answered BUSY again: a retry loop that retries
+    `HolderBusy` until `deadline` (a time.monotonic() value) or `stop()`, waiting with
+    `sleep` between tries. The SDK passes `consistency.retry.RetryPolicy` (the client's
+    one retry type: tries, full-jitter backoff, deadline), whose `retrying` fits; a loop
+    that gives up re-raises the last `HolderBusy`, and the holder is then suspected."""
+
+    def retrying(
+        self,
+        deadline: float | None,
+        *,
+        stop: Callable[[], bool] | None = None,
+        sleep: Callable[[float], object] | None = None,
+    ) -> Callable[[Callable[[], Pulled]], Pulled]: ...
 
 
 @dataclass(frozen=True)
@@ -125,24 +149,46 @@ def _staging(f: FetchState) -> StagingBuffer | None:
 
 
 def _worker(
-    f: FetchState, sched: ChunkScheduler, source: Source, staging: StagingBuffer | None
+    f: FetchState,
+    sched: ChunkScheduler,
+    source: Source,
+    staging: StagingBuffer | None,
+    busy: BusyRetry | None,
+    ended: threading.Event,
 ) -> None:
     """One connection's worth of work against `source`, over its transport; reconnects
-    only after NOT_READY (a PARTIAL holder that lacks a chunk yet), and gives the holder
-    up on any other outcome or on a second NOT_READY without progress in between."""
+    after NOT_READY (a PARTIAL holder that lacks a chunk yet) and, under `busy`, after
+    BUSY (the holder is full: its chunks go back to the plan, where other workers may take
+    them, while this one backs off; `ended` cuts the backoff short when the round ends),
+    and gives the holder up on any other outcome, on a second NOT_READY without progress
+    in between, or on a BUSY that `busy` gives up on (or any BUSY without it)."""
     transport = transport_for(source.transport)
     strikes = 0
+    batch: list[int] = []
+
+    def attempt() -> Pulled:
+        batch.clear()
+        channel = transport.open(f, source, staging)
+        try:
+            out = _pull(f, sched, source, channel, batch)
+        finally:
+            channel.close()
+        if busy is not None and out is not None and out.status is ChunkStatus.BUSY:
+            sched.requeue(source.holder_id, batch)
+            batch.clear()
+            raise _busy_error(out)
+        return out
+
     while not f.aborted:
-        batch: list[int] = []
         received = f.stats.bytes_per_source.get(source.holder_id, 0)
         try:
-            channel = transport.open(f, source, staging)
-            try:
-                out = _pull(f, sched, source, channel, batch)
-            finally:
-                channel.close()
-        except Exception as exc:  # a transport that raised broke its contract: give it up
-            sched.fail(source.holder_id, batch, exc)
+            if busy is None:
+                out = attempt()
+            else:
+                loop = busy.retrying(f.deadline, stop=lambda: f.aborted, sleep=ended.wait)
+                out = loop(attempt)
+        except Exception as exc:  # still BUSY when the loop gave up, or a transport that
+            sched.fail(source.holder_id, batch, exc)  # raised (it broke its contract)
             return
         if out is None:
             return
@@ -153,6 +199,13 @@ def _worker(
             continue
         sched.fail(source.holder_id, batch, out.error or VersionUnavailable(out.status.value))
         return
+
+
+def _busy_error(out: ChunkOutcome) -> HolderBusy:
+    """The `HolderBusy` of a BUSY outcome (the refusal's own, else one naming the chunk)."""
+    if isinstance(out.error, HolderBusy):
+        return out.error
+    return HolderBusy(f"holder busy at chunk {out.index}: {out.error}")
 
 
 def _routed(stats: FetchStats, sources: Sequence[Source]) -> list[Source]:
@@ -185,6 +238,7 @@ def read_round(
     stats: FetchStats | None = None,
     on_chunk: ChunkCallback | None = None,
     checksum: str = XXH3,
+    busy: BusyRetry | None = None,
 ) -> Round:
     """One round: read the chunks of `chunks` (default: every chunk) that `dest` misses, of
     tenant/model@version, from `sources`, before `deadline` (a time.monotonic() value), and
@@ -198,7 +252,9 @@ def read_round(
     (ros.client.read_token). `checks` are what each chunk must pass (`STRICT`; only chaos
     runs plant other ones). `stats` (a fresh `FetchStats` by default) is added to, so that
     the rounds of one fetch count into one; `on_chunk` sees every chunk committed.
-    `checksum` is the algorithm of `expected` (the manifest's: `transport.checksums`)."""
+    `checksum` is the algorithm of `expected` (the manifest's: `transport.checksums`).
+    `busy` is how a holder that answers BUSY is asked again within `deadline` (the SDK's
+    retry policy); None: a BUSY holder is suspected like any other failure."""
     validate_name(tenant, "tenant")
     validate_name(model, "model")
     validate_version(version)
@@ -221,10 +277,11 @@ def read_round(
         return Round(missing, {})
     sched = ChunkScheduler(missing, layout.payload_bytes, usable, me)
     per_source = max(1, math.ceil(parallel / len(usable)))
+    ended = threading.Event()  # set when the round ends: cuts any BUSY backoff short
     threads = [
         threading.Thread(
             target=_worker,
-            args=(f, sched, s, _staging(f)),
+            args=(f, sched, s, _staging(f), busy, ended),
             name=f"fetch-{s.holder_id}",
             daemon=True,
         )
@@ -237,6 +294,7 @@ def read_round(
         sched.wait(deadline - time.monotonic())
     finally:
         f.abort()  # this round's state only: a late worker can start nothing new
+        ended.set()
         sched.wake()
         for t in threads:
             t.join(timeout=max(0.1, stall_timeout))
@@ -258,6 +316,7 @@ class RoundOptions(TypedDict, total=False):
     rate_floor: float
     checks: ChunkChecks
     checksum: str
+    busy: BusyRetry | None
 
 
 def fetch(

@@ -16,6 +16,7 @@ import struct
 from dataclasses import dataclass
 
 from tensorhub.errors import (
+    HolderBusy,
     InvalidArgument,
     PermissionDenied,
     TensorHubError,
@@ -63,6 +64,7 @@ _ERROR_CLASS: dict[ErrorCode, type[TensorHubError]] = {
     ErrorCode.NOT_HELD: VersionUnavailable,
     ErrorCode.RELEASED: VersionUnavailable,
     ErrorCode.LAYOUT_MISMATCH: InvalidArgument,
+    ErrorCode.BUSY: HolderBusy,
 }
 
 

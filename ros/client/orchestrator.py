@@ -15,7 +15,9 @@ fetch's one `Deadline`:
    readers starting together form chains instead of all reading the publisher). A reader
    that is no holder, or one with no predecessor, reads from all of them (nearest tier).
 3. **round**: `transport.reader.read_round` reads the wanted chunks still missing from
-   exactly those sources, once, and says which holders failed and why.
+   exactly those sources, once, and says which holders failed and why. A holder that
+   answers BUSY (its data port full of readers that presented tokens) is asked again
+   within the round under `HOLDER_BUSY`, until the deadline, not suspected.
 4. **failover**: a round that left chunks missing because holders failed or sent bad bytes
    (`VersionUnavailable`, `IntegrityError`) is followed, after the policy's backoff, by a
    Resolve without the manifest (who holds it now) and a fresh plan by the same policy, less
@@ -44,6 +46,7 @@ from ros.client.read_token import RenewingToken
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import (
     DeadlineExceeded,
+    HolderBusy,
     IntegrityError,
     InvalidArgument,
     TensorHubError,
@@ -70,6 +73,12 @@ def _another_round(exc: BaseException) -> bool:
 FETCH_ROUNDS = RetryPolicy(initial=0.05, maximum=1.0, tries=6, retry_on=_another_round)
 """The rounds of one fetch: up to 6, backing off 50 ms doubling to 1 s (full jitter),
 within the fetch's deadline."""
+
+HOLDER_BUSY = RetryPolicy(initial=0.05, maximum=1.0, retry_on=lambda e: isinstance(e, HolderBusy))
+"""A holder that answered BUSY, asked again inside the round: backing off 50 ms doubling to
+1 s (full jitter, so readers refused together do not return together), as often as the
+fetch's deadline allows. Before, BUSY suspected the holder for the whole fetch, so a holder
+full for a moment failed fetches with a long deadline left."""
 
 
 @dataclass(frozen=True)
@@ -150,9 +159,15 @@ class Orchestrator:
     """Runs every fetch of one client (module docstring). Thread-safe: a run keeps its state
     on its own stack."""
 
-    def __init__(self, client: ClientBase, policy: RetryPolicy = FETCH_ROUNDS) -> None:
+    def __init__(
+        self,
+        client: ClientBase,
+        policy: RetryPolicy = FETCH_ROUNDS,
+        busy: RetryPolicy = HOLDER_BUSY,
+    ) -> None:
         self._client = client
         self._policy = policy
+        self._busy = busy
 
     def resolve(
         self, model: str, version: int, shard: int | None, deadline: Deadline
@@ -242,7 +257,7 @@ class Orchestrator:
                 token=tokens, deadline=deadline.work_end, me=client.topology, chunks=wanted,
                 expected=list(target.manifest.chunk_xxh3), tls=client._tls,
                 rate_floor=rate_floor, checks=client._hooks.checks, stats=stats,
-                on_chunk=counter, checksum=target.manifest.checksum,
+                on_chunk=counter, checksum=target.manifest.checksum, busy=self._busy,
             )  # fmt: skip
             suspects.update(result.failures)
             if result.done:

@@ -31,7 +31,7 @@ EXPECTED = {
     ErrorCode.DENIED: ChunkStatus.DENIED,
     ErrorCode.RELEASED: ChunkStatus.RELEASED,
     ErrorCode.NOT_HELD: ChunkStatus.RELEASED,
-    ErrorCode.BUSY: ChunkStatus.FAILED,
+    ErrorCode.BUSY: ChunkStatus.BUSY,
     ErrorCode.BAD_FRAME: ChunkStatus.FAILED,
     ErrorCode.BAD_REQUEST: ChunkStatus.FAILED,
     ErrorCode.LAYOUT_MISMATCH: ChunkStatus.FAILED,
