@@ -122,14 +122,27 @@ def _flat_tensors(path: Path, loaded: object) -> dict[str, torch.Tensor]:
         if not isinstance(name, str):
             raise InvalidArgument(f"{path}: key {name!r} is not a tensor name")
         if not isinstance(value, torch.Tensor):
-            hint = ""
-            if isinstance(value, Mapping):
-                hint = f"; save {name!r} alone (torch.save(checkpoint[{name!r}], PATH))"
             raise InvalidArgument(
-                f"{path}: {name!r} is a {type(value).__name__}, not a tensor{hint}"
+                f"{path}: {name!r} is a {type(value).__name__}, not a tensor: PATH must hold "
+                f"a flat state dict (name -> tensor){_nested_hint(loaded)}"
             )
         tensors[name] = value
     return tensors
+
+
+def _nested_hint(loaded: Mapping[object, object]) -> str:
+    """Where a training checkpoint keeps its state dict, if one entry is one."""
+    for key, value in loaded.items():
+        if (
+            isinstance(value, Mapping)
+            and value
+            and all(isinstance(t, torch.Tensor) for t in value.values())
+        ):
+            return (
+                f"; its {key!r} is one ({len(value)} tensors): "
+                f"torch.save(checkpoint[{key!r}], NEW_PATH) and publish that"
+            )
+    return ""
 
 
 def _open_directory(path: Path) -> Checkpoint:

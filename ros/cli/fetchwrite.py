@@ -4,10 +4,11 @@ Two ways, one file layout (`ros.cli.outplan`):
 
 - `stream_fill` (plain `fetch`): batch after batch of pieces, each read with the SDK's
   `fetch_slices` (only the chunks that hold them, checked against the publisher's
-  checksums) and appended to its file. The memory used stays about twice the batch budget
-  whatever the model's size. Whole and model-parallel versions alike: for the latter each
-  piece is assembled from the shards' blocks (resharded into full tensors). The version is
-  pinned for the whole fetch (`pinned`), so retention cannot remove it between two batches.
+  checksums) and appended to its file while the next batch is fetched. The memory used
+  stays within three batch budgets whatever the model's size. Whole and model-parallel
+  versions alike: for the latter each piece is assembled from the shards' blocks
+  (resharded into full tensors). The version is pinned for the whole fetch (`pinned`), so
+  retention cannot remove it between two batches.
 - `mapped_fill` (`fetch --serve`): the files are made at their final size and mapped, and
   the SDK's `fetch` writes straight into the mapping, so this process becomes a holder and
   serves the version from the files' pages afterwards. Its memory is then the model's size
@@ -25,6 +26,7 @@ import os
 import secrets
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +35,7 @@ from typing import BinaryIO
 import torch
 
 from ros.cli.outdir import disk_errors
-from ros.cli.outplan import Batch, OutFile
+from ros.cli.outplan import Batch, OutFile, Piece
 from ros.cli.progress import Bar
 from ros.client.handles import Held
 from ros.client.hub import Hub
@@ -179,28 +181,45 @@ def stream_fill(
     deadline: Until,
     bar: Bar,
 ) -> Written:
-    """Fetch `plan`'s batches in order and append each piece to its file."""
+    """Fetch `plan`'s batches in order and append each piece to its file.
+
+    Writing (and hashing, and syncing) a batch overlaps with fetching the next one, on one
+    writer thread: the next batch is handed over only once the previous one is written, so
+    at most three batches' worth of memory is in use (one being written, one being fetched
+    and its staged chunks), and a write error stops the fetch at the next batch."""
     written = Written()
     out = Appender(directory, files)
     try:
-        for batch in plan:
-            _fill_batch(hub, model, version, batch, out, deadline, bar, written)
+        with ThreadPoolExecutor(1, thread_name_prefix="fetch-writer") as writer:
+            pending: Future[None] | None = None
+            try:
+                for batch in plan:
+                    fetched = _fetch_batch(hub, model, version, batch, deadline, bar, written)
+                    if pending is not None:
+                        pending.result()  # the previous batch is written (or its error)
+                    pending = writer.submit(_append_all, out, fetched)
+                    del fetched
+                if pending is not None:
+                    pending.result()
+            finally:
+                if pending is not None:
+                    pending.cancel()
         out.finish(written)
     finally:
         out.close()
     return written
 
 
-def _fill_batch(
+def _fetch_batch(
     hub: Hub,
     model: str,
     version: int,
     batch: Batch,
-    out: Appender,
     deadline: Until,
     bar: Bar,
     written: Written,
-) -> None:
+) -> list[tuple[Piece, torch.Tensor]]:
+    """One `fetch_slices` call: the batch's pieces, read into fresh tensors."""
     tensors = [(p, torch.empty(p.box.shape, dtype=p.spec.dtype)) for p in batch.pieces]
     slices = {p.spec.name: Slice(t, p.box.offsets, p.spec.shape) for p, t in tensors if p.nbytes}
     start = bar.n
@@ -214,9 +233,13 @@ def _fill_batch(
         )
         written.fetched += got.total_bytes
         written.batches += 1
-    for piece, tensor in tensors:
-        out.append(piece.file, _bytes_of(tensor) if piece.nbytes else memoryview(b""))
     bar.reach(start + batch.nbytes)
+    return tensors
+
+
+def _append_all(out: Appender, fetched: list[tuple[Piece, torch.Tensor]]) -> None:
+    for piece, tensor in fetched:
+        out.append(piece.file, _bytes_of(tensor) if piece.nbytes else memoryview(b""))
 
 
 @dataclass

@@ -62,6 +62,7 @@ class Bar:
         self._start = time.monotonic()
         self._last_line = self._start
         self._n = 0.0
+        self._printed = -1.0  # the count of the last plain line
         self._closed = False
         self._tqdm: tqdm[Any] | None = None
         if self._terminal:
@@ -96,7 +97,7 @@ class Bar:
         """The current state as one line, as tqdm formats it (rate, time left)."""
         return str(
             tqdm.format_meter(
-                self._n, self._total, time.monotonic() - self._start,
+                _whole(self._n), _whole(self._total), time.monotonic() - self._start,
                 prefix=self._desc, unit=self._unit, unit_scale=self._scale,
                 unit_divisor=1024 if self._scale else 1000,
                 bar_format="{l_bar}{r_bar}" if self._total else None,
@@ -110,7 +111,7 @@ class Bar:
             self._closed = True
             if self._tqdm is not None:
                 self._tqdm.close()
-            else:
+            elif self._printed != self._n:
                 print(self.line(), file=self._stream, flush=True)
 
     def _move(self, n: float) -> None:
@@ -122,7 +123,7 @@ class Bar:
             return
         now = time.monotonic()
         if now - self._last_line >= self._every:
-            self._last_line = now
+            self._last_line, self._printed = now, self._n
             print(self.line(), file=self._stream, flush=True)
 
     def __enter__(self) -> Bar:
@@ -132,6 +133,11 @@ class Bar:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def _whole(x: float) -> float:
+    """`x`, as an int when it is one (tqdm prints 1/1, not 1/1.0)."""
+    return int(x) if float(x).is_integer() else x
 
 
 class Ticker:

@@ -52,7 +52,10 @@ in the manifest's metadata (at most 64 KiB in all, compressed; what does not fit
 and left behind), so that `tensorhub fetch` writes a directory from_pretrained can load.
 
 Ctrl-C (or SIGTERM) stops serving: the first waits for the readers fetching from this
-process at that moment to finish, and says so; a second stops at once. The hub, tenant and
+process at that moment to finish, and says so; a second stops at once. --until-replicated N
+stops once N other holders have the version whole: readers that fetch with the SDK (they
+hold what they fetched) and `tensorhub fetch --serve`; a plain `tensorhub fetch` writes the
+version to disk without holding it, in bounded memory, and is not counted. The hub, tenant and
 token come from --hub/--tenant/--token or TENSORHUB_HUB, TENSORHUB_TENANT, TENSORHUB_TOKEN.
 
 Model-parallel: with --shard RANK/RANKS, PATH holds rank RANK's tensors only, and every
@@ -74,7 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         type=int,
         metavar="N",
         help="stop once N other holders have the version whole (progress shown), instead of "
-        "serving until Ctrl-C",
+        "serving until Ctrl-C: SDK readers (hub.fetch) and `tensorhub fetch --serve` hold it; "
+        "a plain `tensorhub fetch` reads without holding, and does not count",
     )
     parser.add_argument(
         "--wait-timeout",

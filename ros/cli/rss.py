@@ -43,3 +43,26 @@ def memory() -> Memory:
 
 def mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+MMAP_THRESHOLD = 1 << 20
+
+
+def release_freed_memory() -> bool:
+    """Have glibc map every allocation of 1 MiB or more on its own, so that freeing it gives
+    the memory back at once (False where this is no glibc).
+
+    A fetch allocates and frees a batch's buffers again and again, from two threads. With
+    glibc's default, the mmap threshold rises to the size of the buffers freed (up to 32 MiB),
+    after which such buffers come from the heap and the arenas of both threads, whose freed
+    memory stays resident: measured, a 512 MiB fetch peaked 167 MiB over its baseline with
+    the default and 103 MiB with this, for batches of 32 MiB.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    except (OSError, AttributeError):
+        return False
