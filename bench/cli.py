@@ -23,6 +23,9 @@ from bench import crossdc, elastic, failover, fanout, metadata
 from bench.common import Options, add_options, options
 from bench.emu.netns import NeedsRoot
 from bench.report import Result, table
+from ros.cli.progress import Bar
+from ros.demo.summary import matplotlib_missing
+from tensorhub.errors import InvalidArgument
 
 EMULATED: dict[str, Callable[[Options], Result]] = {
     "fanout": fanout.run,
@@ -51,7 +54,46 @@ def _parse(name: str, rest: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog=f"tensorhub bench {name}")
     add_options(ap, CROSSDC_MB if name == "crossdc" else 32)
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON (- = stdout)")
+    if name == "fanout":
+        ap.add_argument(
+            "--plot",
+            type=Path,
+            metavar="FILE.png",
+            help="draw the time until every reader has the model against the number of "
+            "readers, for TensorHub and each baseline (matplotlib)",
+        )
     return ap.parse_args(rest)
+
+
+def _one(name: str, opts: Options, plot_to: Path | None) -> Result:
+    """One emulated benchmark under a progress bar (fanout: one step per measurement), and
+    its plot when asked."""
+    if name != "fanout":
+        with Bar(1, f"bench {name}", unit="run") as bar:
+            result = EMULATED[name](opts)
+            bar.advance(1)
+        return result
+    with Bar(fanout.steps(), "bench fanout", unit="run") as bar:
+
+        def step(what: str) -> None:
+            bar.write(what)
+            bar.advance(1)
+
+        result = fanout.run(opts, progress=step)
+    if plot_to is not None:
+        fanout.plot(result, plot_to)
+        print(f"plot written to {plot_to}", file=sys.stderr)
+    return result
+
+
+def _check_plot(path: Path | None) -> None:
+    """Refuse `--plot` before a run that could not draw it (no matplotlib, no directory)."""
+    if path is None:
+        return
+    if reason := matplotlib_missing():
+        raise InvalidArgument(reason)
+    if not path.parent.is_dir():
+        raise InvalidArgument(f"--plot {path}: {path.parent} is not a directory")
 
 
 def _transport(extra: list[str]) -> Result:
@@ -97,23 +139,28 @@ def run(args: argparse.Namespace) -> int:
 
         return scale_cli.main(rest)
     opts_ns = _parse(name, rest)
+    _check_plot(getattr(opts_ns, "plot", None))
     if os.geteuid() != 0:
         print(f"tensorhub bench {name}: {NeedsRoot.__doc__}", file=sys.stderr)
         return 2
     opts = options(opts_ns)
     if name != "all":
-        _emit([EMULATED[name](opts)], opts_ns.json)
+        _emit([_one(name, opts, getattr(opts_ns, "plot", None))], opts_ns.json)
         return 0
     results: list[Result] = []
-    for bench_name, fn in EMULATED.items():
-        each = opts if bench_name != "crossdc" else Options(opts.rate_mbit, CROSSDC_MB,
-                                                            opts.chunk_kb)  # fmt: skip
-        print(f"== {bench_name} ...", file=sys.stderr, flush=True)
-        results.append(fn(each))
-    print("== transport ...", file=sys.stderr, flush=True)
-    results.append(_transport(ALL_TRANSPORT))
-    from bench.scale import cli as scale_cli
+    with Bar(len(EMULATED) + 2, "bench all", unit="benchmark") as bar:
+        for bench_name, fn in EMULATED.items():
+            each = opts if bench_name != "crossdc" else Options(opts.rate_mbit, CROSSDC_MB,
+                                                                opts.chunk_kb)  # fmt: skip
+            bar.write(f"== {bench_name} ...")
+            results.append(fn(each))
+            bar.advance(1)
+        bar.write("== transport ...")
+        results.append(_transport(ALL_TRANSPORT))
+        bar.advance(1)
+        from bench.scale import cli as scale_cli
 
-    results.extend(scale_cli.results(scale_cli.parse(ALL_SCALE)))
+        results.extend(scale_cli.results(scale_cli.parse(ALL_SCALE)))
+        bar.advance(1)
     _emit(results, opts_ns.json)
     return 0 if all(r.ok for r in results) else 1

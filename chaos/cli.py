@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import signal
-import sys
 import time
 from pathlib import Path
 from types import FrameType
@@ -18,6 +17,7 @@ from chaos.failpoints import NAMES
 from chaos.planted import KNOWN
 from chaos.recheck import recheck
 from chaos.report import summary, write_json
+from ros.cli.progress import Bar, Ticker
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
@@ -70,16 +70,22 @@ def run(args: argparse.Namespace) -> int:
     if args.faults:
         faults = [f.strip() for f in args.faults.split(",") if f.strip()]
     started = time.monotonic()
+    bar = Bar(args.duration, "chaos run", unit="s")  # the run's time, ticking (stderr)
 
     def progress(text: str) -> None:
-        print(f"[{time.monotonic() - started:6.1f}s] {text}", file=sys.stderr, flush=True)
+        bar.write(f"[{time.monotonic() - started:6.1f}s] {text}")
 
     signal.signal(signal.SIGTERM, _interrupt)
     config = runner.for_workload(
         args.workload, args.ranks, duration=args.duration, seed=args.seed, faults=faults,
         planted=args.planted_bug, keep=args.keep, progress=progress,
     )  # fmt: skip
-    result = runner.run(config)
+    ticker = Ticker(bar, args.duration).start()
+    try:
+        result = runner.run(config)
+    finally:
+        ticker.stop()
+        bar.close()
     print(summary(result))
     if args.json:
         write_json(result, args.json)
