@@ -4,7 +4,8 @@
 `fanout`, `elastic`, `crossdc`, `failover` and `metadata` run on emulated hosts (root
 needed); `gpu` is the GPU memory paths (`bench.gpu`, its own flags; needs a CUDA device);
 `sim` is the cluster-scale simulator (`bench.sim.cli`); `scale` is the scale
-envelope on loopback (`bench.scale.cli`, its own flags); `all` runs every emulated benchmark,
+envelope on loopback (`bench.scale.cli`, its own flags); `watches` is a hostile tenant's Watch
+streams on many model names (`bench.hostile`, its own flags); `all` runs every emulated benchmark,
 a shortened `transport` and a shortened `scale` in sequence and writes one JSON report.
 Human table by default; `--json PATH` writes the figures (`-` for stdout).
 """
@@ -42,7 +43,7 @@ ALL_TRANSPORT = ["--size-mb", "256", "--repeat", "2"]
 ALL_SCALE = ["--parts", "clients,holders,manifest,history,shards",
              "--clients", "100,2000", "--history-steps", "3000", "--history-seconds", "120",
              "--history-sample-every", "250"]  # fmt: skip
-NAMES = [*EMULATED, "transport", "sim", "scale", "gpu", "all"]
+NAMES = [*EMULATED, "transport", "sim", "scale", "gpu", "watches", "all"]
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
@@ -138,6 +139,10 @@ def run(args: argparse.Namespace) -> int:
         from bench.scale import cli as scale_cli
 
         return scale_cli.main(rest)
+    if name == "watches":  # a hostile tenant's Watch streams on many names (bench.hostile)
+        from bench import hostile
+
+        return hostile.main(rest)
     opts_ns = _parse(name, rest)
     _check_plot(getattr(opts_ns, "plot", None))
     if os.geteuid() != 0:
