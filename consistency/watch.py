@@ -7,7 +7,9 @@ event it delivered, so nothing is lost or repeated. When the start revision has 
 it re-lists: it yields one `Resync` holding every key under the watched range as read at a
 current revision R, then resumes from R + 1.
 
-`ModelWatch` turns a model's raw events into `WatchEvent`s (new versions, holder changes).
+`ModelWatch` turns a model's raw events into `WatchEvent`s (new versions, holder changes),
+with `ModelEvents`, which the hub's fan-out also uses on the watches it multiplexes over one
+etcd stream (`consistency.watch_mux`).
 
 Progress (opt-in, `progress=True`): a cache fed by a watch must know how current it is even
 when nothing under its range changes. Such a watch also yields `Progress(revision)`: after

@@ -2,8 +2,8 @@
 
 A `KeyWatch` holds a gRPC stream, a thread reading it and gRPC's thread feeding its request
 side: fine for the few watches a process keeps, but a hub that opened one per watched model
-gave a tenant a way to make it start three threads per name (2,000 names: 1,436 threads,
-170 % CPU, every tenant slowed). etcd's Watch RPC is a bidirectional stream that carries
+gave a tenant a way to make it start three threads per name (issue 25: 2,000 names, 1,436
+threads, 170 % CPU, every tenant slowed). etcd's Watch RPC is a bidirectional stream that carries
 any number of watchers, each created by a `WatchCreateRequest` and named by the `watch_id`
 of its `created` response. `WatchMux` keeps one such stream per owner and multiplexes every
 watch of that owner over it: adding or cancelling a watch is one request queued on the
@@ -24,6 +24,10 @@ Each watch keeps `KeyWatch`'s guarantees:
 - **Compaction.** A watch whose next revision was compacted is re-listed: it delivers one
   `Resync` holding every key of its range read at a current revision R (by the re-list
   worker, off the pump), then is created again from R + 1. Other watches go on meanwhile.
+- **Auth.** etcd checks a create against the token the stream opened with, which the stream
+  outlives: a create refused for it reopens the stream with a fresh token (at most once per
+  `_AUTH_REOPEN_EVERY`; a refusal that survives that ends the watch), and every watch
+  resumes as after any reconnect.
 
 Items are handed to each watch's `deliver` callback on the pump's thread (a `Resync` on the
 re-list worker's), never two at once for one watch: the callback must not block (the hub's
@@ -234,7 +238,11 @@ class WatchMux(StreamPump[None]):
                     return
                 yield request
 
-        member, call = self._etcd.watch_stream(feed())
+        try:
+            member, call = self._etcd.watch_stream(feed())
+        except BaseException:
+            self._detach_requests(stop, requests)
+            raise
         if not self._attach(call):
             self._detach_requests(stop, requests)
             return
