@@ -27,9 +27,13 @@ class Hasher(Protocol):
 
 class Meter(Protocol):
     """What `recv_views` tells about the pace of arrival (transport.pace.Pace fits): it is
-    called after every receive with the bytes it got, and may raise to abort."""
+    called after every receive with the bytes it got, and may raise to abort. It may also
+    shorten the socket's receive timeout to judge on time: a receive that times out asks
+    `timed_out`, which may raise, and receives again when it returns True."""
 
     def note(self, n: int, /) -> None: ...
+
+    def timed_out(self) -> bool: ...
 
 
 def set_kernel_timeout(sock: socket.socket, seconds: float) -> None:
@@ -37,7 +41,14 @@ def set_kernel_timeout(sock: socket.socket, seconds: float) -> None:
 
     The socket stays in blocking mode, so a large recv with MSG_WAITALL or a large sendmsg
     is one syscall, not a poll()+call pair per fragment as with `settimeout`; a timeout
-    surfaces as EAGAIN, which the helpers here turn into `TransportError`."""
+    surfaces as EAGAIN, which the helpers here turn into `TransportError`.
+
+    A TLS socket gets a socket timeout instead: an SSLSocket in blocking mode retries a read
+    that the kernel timed out (EAGAIN is "want read" to it), so SO_RCVTIMEO never ended one
+    and a silent TLS peer held the call until the socket was shut."""
+    if isinstance(sock, ssl.SSLSocket):
+        sock.settimeout(max(seconds, 0.001))
+        return
     sock.settimeout(None)
     secs = max(seconds, 0.001)
     tv = struct.pack("ll", int(secs), int((secs % 1) * 1_000_000))
@@ -76,10 +87,15 @@ def recv_views(
     try:
         while i < n:
             rest = views[i][pos:]
-            if len(rest) >= 65536 or i + 1 == n or one_at_a_time:
-                got = sock.recv_into(rest)
-            else:  # many small views: one syscall fills several of them
-                got = sock.recvmsg_into([rest, *views[i + 1 : i + IOV_MAX]])[0]
+            try:
+                if len(rest) >= 65536 or i + 1 == n or one_at_a_time:
+                    got = sock.recv_into(rest)
+                else:  # many small views: one syscall fills several of them
+                    got = sock.recvmsg_into([rest, *views[i + 1 : i + IOV_MAX]])[0]
+            except (TimeoutError, BlockingIOError):
+                if meter is not None and meter.timed_out():
+                    continue  # the meter's own wake-up: it judged, and the peer is not stalled
+                raise
             if got == 0:
                 raise TransportError("peer closed the connection mid-frame")
             total += got

@@ -144,7 +144,9 @@ class FetchState:
 
     def pace(self, sock: socket.socket) -> Pace | None:
         """A fresh rate-floor judge of `sock` (None when the floor is off)."""
-        return Pace(self.rate_floor, self.stall, sock) if self.rate_floor > 0 else None
+        if self.rate_floor <= 0:
+            return None
+        return Pace(self.rate_floor, self.stall, sock, self.deadline)
 
     def receive(
         self, sock: socket.socket, index: int, staging: StagingBuffer | None, pace: Pace | None
@@ -159,7 +161,10 @@ class FetchState:
         DONE means its copy to the device was started: it is marked present once that copy
         completed, and `Settling` holds its DONE back until then."""
         arm(sock, self.deadline, self.stall)
-        pace = pace or self.pace(sock)
+        if pace is None:
+            pace = self.pace(sock)
+        else:  # a judge kept across frames: arm() gave the socket the caller's timeout back
+            pace.rearm()
         ftype, flags, body = read_flagged_frame(sock, pace)
         if ftype is FrameType.ERROR:
             return ChunkOutcome.refused(index, decode_error(body))

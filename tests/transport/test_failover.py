@@ -113,7 +113,9 @@ def test_sigstop_holder_is_abandoned_within_stall_timeout(spawn_holder: Spawn) -
     assert isinstance(stats, FetchStats), stats
     assert _identical(dest, model)
     assert "a" in stats.failed_sources
-    assert "stalled" in stats.failed_sources["a"]
+    # silent since it stopped: caught by the stall timeout, or sooner by the rate floor when
+    # its window's bytes fall under the floor first (issue 25: judged at the window's end)
+    assert "stalled" in stats.failed_sources["a"] or "SlowHolder" in stats.failed_sources["a"]
     # B alone needs ~chunks*delay/2 connections; abandoning A may add at most ~2 stalls
     assert time.monotonic() - stopped_at < 2 * stall + layout.num_chunks * 0.02
 
