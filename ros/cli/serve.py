@@ -20,7 +20,6 @@ import threading
 from pathlib import Path
 
 import grpc
-from prometheus_client import start_http_server
 
 from consistency import EtcdCluster, Keys
 from consistency.compactor import DEFAULT_INTERVAL as DEFAULT_COMPACT_INTERVAL
@@ -37,6 +36,7 @@ from ros.hub.limits import (
 )
 from ros.hub.rpc import DEFAULT_ETCD_QUOTA_BYTES
 from ros.hub.server import DEFAULT_MAX_STREAMS_PER_CONNECTION, HubServer
+from ros.metrics_http import MetricsServer
 from ros.tokens import MAX_READ_TOKEN_LIFETIME, READ_KEY_PERIOD, READ_TOKEN_TTL
 from tensorhub.errors import InvalidArgument, TensorHubError
 
@@ -81,8 +81,10 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     )
     parser.add_argument(
         "--metrics-host",
-        help="address the metrics port binds to (default: the --listen host, so metrics are "
-        "no more exposed than the hub; 0.0.0.0 for every interface)",
+        default="127.0.0.1",
+        help="address the metrics port binds to; it needs no token, so the default is "
+        "loopback: give the scraper's interface, or 0.0.0.0 for every one (default "
+        "%(default)s)",
     )
     parser.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS")
     parser.add_argument("--tls-key", type=Path, help="PEM private key for --tls-cert")
@@ -258,9 +260,9 @@ def run(args: argparse.Namespace) -> int:
             first_message_seconds=args.first_message_timeout,
             max_streams_per_connection=args.max_streams_per_connection,
         ).start()  # fmt: skip
-        if args.metrics_port:
-            host = args.metrics_host or server.host.strip("[]")
-            start_http_server(args.metrics_port, addr=host)
+        metrics = None
+        if args.metrics_port:  # one thread, a deadline per connection (ros/metrics_http.py)
+            metrics = MetricsServer(args.metrics_host.strip("[]"), args.metrics_port).start()
         print(f"hub serving on {server.address}", flush=True)
         if generated:
             print(f"admin token: {admin_token}", flush=True)
@@ -271,6 +273,8 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(sig, lambda *_: stop.set())
         stop.wait()
         print("shutting down", flush=True)
+        if metrics is not None:
+            metrics.close()
         server.stop(grace=args.grace)
     finally:
         if embedded is not None:
