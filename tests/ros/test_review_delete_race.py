@@ -21,7 +21,7 @@ import grpc
 import pytest
 
 import ros
-from consistency import Etcd
+from consistency import Etcd, EtcdCluster
 from ros.hub.server import HubServer
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
@@ -34,12 +34,8 @@ from tests.ros.review_state import (
     read_model,
     usage_held,
 )
-from tests.ros.test_burst import (
-    HeldTxn,
-    error_name,
-    metadata,
-    tenant,
-)
+from tests.ros.test_burst import HeldTxn, error_name, metadata, tenant
+from tests.waiting import wait_until
 
 
 def settled(hub: HubServer, name: str, model: str) -> ModelState:
@@ -52,6 +48,16 @@ def delete(stub: Any, md: Any, model: str) -> pb.DeleteModelResponse:
         pb.DeleteModelRequest(model=model), metadata=md, timeout=20
     )
     return answer
+
+
+RETENTION_DOUBLE_RELEASE = (
+    "consistency/versions.py VersionRegistry._delete_unpinned reads the version's charge "
+    "once (usage.version_charge) and its retried transaction compares only the usage key "
+    "and the pins, not that the version still exists: when the version was deleted meanwhile "
+    "(DeleteModel, or another replica's retention collecting the same version), the retry "
+    "deletes nothing and gives the bytes back a second time, so the usage charges less than "
+    "etcd holds (clamped at 0) and the tenant can pass max_etcd_bytes"
+)
 
 
 class HeldRead:
@@ -79,6 +85,40 @@ class HeldRead:
     def remove(self) -> None:
         self.release()
         del self._etcd.range  # type: ignore[method-assign]
+
+
+class HeldDelete:
+    """Failpoint on a hub's etcd client: the first transaction that deletes the whole range
+    under `prefix` (retention collecting one version: not a holder record's delete) waits
+    at the door until `release()` (at most 30 s). Like `HeldTxn`, the transactions it passes
+    run on the hub's own connection, not a tenant's fenced view of it: no tenant is deleted
+    in these tests."""
+
+    def __init__(self, etcd: Etcd, prefix: str) -> None:
+        self._etcd = etcd
+        self._txn = etcd.txn
+        self._prefix = prefix.encode()
+        self.reached = threading.Event()
+        self._open = threading.Event()
+        etcd.txn = self  # type: ignore[method-assign]
+
+    def __call__(self, compare: Any, success: Any, failure: Any = None, **kw: Any) -> Any:
+        ranges = [
+            op.request_delete_range
+            for op in success
+            if op.HasField("request_delete_range") and op.request_delete_range.range_end
+        ]
+        if not self.reached.is_set() and any(r.key == self._prefix for r in ranges):
+            self.reached.set()
+            self._open.wait(30)
+        return self._txn(compare, success, failure, **kw)
+
+    def release(self) -> None:
+        self._open.set()
+
+    def remove(self) -> None:
+        self.release()
+        del self._etcd.txn  # type: ignore[method-assign]
 
 
 @pytest.fixture
@@ -206,6 +246,78 @@ def test_a_publish_between_the_deletes_two_reads_is_not_left_charged(
     assert read_model(hub_server.etcd, hub_server.keys, "race-f", "policy").empty
     left = usage_held(hub_server.etcd, hub_server.keys, "race-f")
     assert left == charged_by_keys(hub_server.etcd, hub_server.keys, "race-f") == 0, left
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.xfail(strict=True, reason=RETENTION_DOUBLE_RELEASE)
+def test_retention_racing_a_delete_gives_back_a_version_only_once(
+    hub_server: HubServer, connect: Callable[..., ros.Hub]
+) -> None:
+    """policy@3 makes retention (2 versions kept) collect policy@1 on the hub's retention
+    worker; its transaction is held at the door while `DeleteModel` removes the whole model
+    and gives back every version's bytes, @1's included. Proves (when it passes): the
+    collection, retried on the changed usage key, does not give @1's bytes back a second
+    time, so the usage still charges what etcd holds (another model's bytes)."""
+    client = connect("race-h")
+    client.publish("kept", 1, make_model(5))
+    for version in (1, 2):
+        client.publish("policy", version, make_model(version)).release(force=True)
+    failpoint = HeldDelete(hub_server.etcd, hub_server.keys.version("race-h", "policy", 1))
+    try:
+        client.publish("policy", 3, make_model(3)).release(force=True)
+        assert failpoint.reached.wait(20), "retention never collected policy@1"
+        answer = client._rpc("DeleteModel", pb.DeleteModelRequest(model="policy"))
+        assert answer.versions_deleted == 3
+        failpoint.release()
+        wait_until(  # the collection retries on the usage key the delete changed, then ends
+            "the retention worker is idle",
+            lambda: hub_server.servicer._collector.submit(lambda: None).result(20) is None,
+        )
+    finally:
+        failpoint.remove()
+    assert read_model(hub_server.etcd, hub_server.keys, "race-h", "policy").empty
+    left = usage_held(hub_server.etcd, hub_server.keys, "race-h")
+    assert left == charged_by_keys(hub_server.etcd, hub_server.keys, "race-h") > 0, left
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.xfail(strict=True, reason=RETENTION_DOUBLE_RELEASE)
+def test_two_replicas_collecting_the_same_version_give_it_back_once(
+    hub_server: HubServer, etcd_cluster: EtcdCluster, make_tenant: Callable[[str], str]
+) -> None:
+    """The same double release without any delete: replica A's retention of policy@1 is
+    held at its transaction while replica B publishes policy@4 and its own retention
+    collects policy@1 (and @2). Proves (when it passes): A's retried collection gives
+    nothing back twice, so the usage equals what the tenant's keys were charged."""
+    token = make_tenant("race-i")
+    other = HubServer(etcd_cluster.endpoints, admin_token="x", keys=hub_server.keys).start()
+    a = ros.connect(hub_server.address, tenant="race-i", token=token)
+    b = ros.connect(other.address, tenant="race-i", token=token)
+    failpoint = HeldDelete(hub_server.etcd, hub_server.keys.version("race-i", "policy", 1))
+    try:
+        for version in (1, 2):
+            a.publish("policy", version, make_model(version)).release(force=True)
+        a.publish("policy", 3, make_model(3))  # A's retention collects @1: held at the door
+        assert failpoint.reached.wait(20), "A's retention never collected policy@1"
+        b.publish("policy", 4, make_model(4))
+        wait_until(  # B's retention, on its own worker, collected @1 and @2
+            "B collected policy@1 and @2",
+            lambda: (
+                read_model(hub_server.etcd, hub_server.keys, "race-i", "policy").visible() == [3, 4]
+            ),
+        )
+        failpoint.release()
+        wait_until(
+            "A's retention worker is idle",
+            lambda: hub_server.servicer._collector.submit(lambda: None).result(20) is None,
+        )
+    finally:
+        failpoint.remove()
+        b.close()
+        a.close()
+        other.stop(grace=0.2)
+    left = usage_held(hub_server.etcd, hub_server.keys, "race-i")
+    assert left == charged_by_keys(hub_server.etcd, hub_server.keys, "race-i"), left
 
 
 @pytest.mark.timeout(60)
