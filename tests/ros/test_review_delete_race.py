@@ -8,7 +8,8 @@ of the deleted model left behind (a page, a holder record), and the tenant's usa
 charges exactly what is left (`tests.ros.review_state`).
 
 The interleavings are forced with failpoints on the hub's etcd client (`HeldTxn` holds one
-transaction at the door, `HeldRead` one read), never with sleeps.
+transaction at the door, `HeldRead` one read, `HeldDelete` one retention), never with
+sleeps. Three of them find the usage key wrong afterwards: strict xfails naming the cause.
 """
 
 from __future__ import annotations
