@@ -60,7 +60,7 @@ WATCHES_GAUGE = "tensorhub_hub_watches_active"
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--names", type=int, default=2000, help="distinct names the attacker watches")
     ap.add_argument(
-        "--samples", type=int, default=400, help="victim Latest calls per phase (default 400)"
+        "--samples", type=int, default=1000, help="victim Latest calls per phase (default 1000)"
     )
     ap.add_argument(
         "--gap", type=float, default=0.01, help="seconds between the victim's calls (0.01)"
