@@ -11,7 +11,9 @@ its compactor every second (`--compact-interval 1`). What must hold:
 - the live clients' sessions survive on the same leases, never declared lost, and their
   holder records are all still there;
 - the hub stays responsive: every `Latest` a client sends during the flood is answered
-  within its deadline (a deadline, not a timing ratio: the machine is shared and noisy);
+  within its deadline (a deadline, not a timing ratio: the machine is shared and noisy),
+  and a reader watching a model that a trainer publishes during the flood sees every new
+  version once, in order (or a resync, never a version twice or going back);
 - afterwards no flood session is left: the marks went with their leases.
 """
 
@@ -28,7 +30,7 @@ from pathlib import Path
 import pytest
 
 import ros
-from consistency import Etcd, EtcdCluster, Keys
+from consistency import Etcd, EtcdCluster, EventKind, Keys
 from consistency.etcd import RevisionCompacted
 from ros.hub.tenants import Quotas, TenantStore
 from tests.ros.helpers import digest, make_model
@@ -44,6 +46,7 @@ LATEST_DEADLINE = 10.0
 # A noted revision is compacted at most this long after: 1.6 s quiet, 3.8-5.3 s at load 600;
 # a compactor that stopped during the flood would lag by the flood's whole length.
 LAG_BOUND = INTERVAL + 9.0
+STEPS = 4  # versions of another model published during the flood, watched by a reader
 
 
 @pytest.fixture
@@ -113,7 +116,8 @@ def test_the_compactor_keeps_its_schedule_and_live_sessions_under_a_lease_flood(
     publisher and two readers of another tenant hold policy@1 with 3 s sessions. Proves
     every point of the module docstring: compaction on schedule (bounded lag of etcd's own
     compacted revision, compactions counted per interval), the live sessions' leases and
-    holder records intact, every Latest answered within its deadline, no flood mark left."""
+    holder records intact, every Latest answered within its deadline, the steps published
+    meanwhile each watched once and in order, no flood mark left."""
     etcd, replica, keys = cluster
     store = TenantStore(etcd, keys)
     live_token = store.create("live")
@@ -138,6 +142,20 @@ def test_the_compactor_keeps_its_schedule_and_live_sessions_under_a_lease_flood(
         failures: list[str] = []
         stop = threading.Event()
 
+        watch = readers[0].watch("steps", versions_only=True)  # a rollout waiting for steps
+        stepped: list[int] = []
+
+        def stepper() -> None:  # a trainer publishing steps while the flood runs
+            previous = None
+            for version in range(1, STEPS + 1):
+                if stop.wait(0.6):
+                    return
+                publication = publisher.publish("steps", version, make_model(version))
+                if previous is not None:
+                    previous.release(force=True)
+                previous = publication
+                stepped.append(version)
+
         def probe() -> None:
             while not stop.is_set():
                 try:
@@ -149,6 +167,8 @@ def test_the_compactor_keeps_its_schedule_and_live_sessions_under_a_lease_flood(
         with CompactionMarks(etcd, keys.hub_compactor()) as marks:
             thread = threading.Thread(target=probe, daemon=True)
             thread.start()
+            trainer = threading.Thread(target=stepper, daemon=True)
+            trainer.start()
             started = time.monotonic()
             flood = subprocess.run(
                 [sys.executable, "-m", "tests.ros.lease_flood", replica.address, "flood",
@@ -170,9 +190,23 @@ def test_the_compactor_keeps_its_schedule_and_live_sessions_under_a_lease_flood(
                 lambda: all(lag < float("inf") for lag in marks.lags(started, ended)),
                 timeout=LAG_BOUND + 1,
             )
+            trainer.join(timeout=60)
             stop.set()
             thread.join(timeout=LATEST_DEADLINE + 5)
             assert not thread.is_alive(), "a Latest outlived its deadline"
+        assert stepped == list(range(1, STEPS + 1))
+        seen: list[tuple[str, int]] = []
+        deadline = time.monotonic() + 15
+        while not seen or seen[-1][1] < STEPS:
+            assert time.monotonic() < deadline, f"the watch stopped at {seen}"
+            event = watch.get(timeout=1)
+            if event is not None and event.kind in (EventKind.VERSION_PUBLISHED, EventKind.RESYNC):
+                seen.append((event.kind.value, event.version))
+        watch.close()
+        versions = [v for _, v in seen]
+        assert versions == sorted(set(versions)), seen  # never back, never twice
+        if all(kind == EventKind.VERSION_PUBLISHED.value for kind, _ in seen):
+            assert versions == list(range(1, STEPS + 1)), seen  # none missed
         report = json.loads(flood.stdout)
         compactions = replica.metric("tensorhub_etcd_compactions_total") - compactions_before
         elapsed = time.monotonic() - started
