@@ -24,7 +24,7 @@ from collections.abc import Iterator
 import pytest
 
 import ros
-from consistency import EtcdCluster, Keys
+from consistency import EtcdCluster, EventKind, Keys
 from ros.hub.server import HubServer
 from ros.hub.tenants import TenantStore
 from tensorhub.errors import TensorHubError
@@ -73,7 +73,8 @@ def test_sessions_with_a_long_ttl_survive_an_etcd_restart_on_the_same_lease(
     """etcd is down for 1 s; sessions have a 10 s TTL. Proves: both clients keep the same
     session id, are never declared lost and never recover; renewals resume on the same
     leases (etcd reports them alive); both holder records are intact under them; a new
-    version is published and fetched through the restarted etcd."""
+    version is published and fetched through the restarted etcd, and a watch opened before
+    the restart reports it once."""
     cluster, hub, token = world
     publisher, reader, late = (
         ros.connect(hub.address, tenant="team-a", token=token, session_ttl=10) for _ in range(3)
@@ -84,6 +85,7 @@ def test_sessions_with_a_long_ttl_survive_an_etcd_restart_on_the_same_lease(
         holders = {c.holder_name: (c.session.id, True) for c in (publisher, reader)}
         assert records(late) == holders
         renewed = [c.session.renewals for c in (publisher, reader)]
+        watch = reader.watch("policy", versions_only=True)  # a rollout waiting across it
 
         restart_etcd(cluster, down=1.0)
         wait_until("the hub answers through the restarted etcd", lambda: answers(late), 30)
@@ -101,6 +103,15 @@ def test_sessions_with_a_long_ttl_survive_an_etcd_restart_on_the_same_lease(
         assert records(late) == holders  # same holders, same sessions, still COMPLETE
         publisher.publish("policy", 2, make_model(2))
         assert digest(late.fetch("policy", 2, timeout=30).tensors) == digest(make_model(2))
+        deadline = time.monotonic() + 20  # the hub's etcd watch came back with etcd
+        events: list[tuple[EventKind, int]] = []
+        while (EventKind.VERSION_PUBLISHED, 2) not in events:
+            assert time.monotonic() < deadline, f"the watch missed policy@2: {events}"
+            event = watch.get(timeout=1)
+            if event is not None:
+                events.append((event.kind, event.version))
+        watch.close()
+        assert events == [(EventKind.VERSION_PUBLISHED, 2)], events  # nothing else, once
     finally:
         for client in (late, reader, publisher):
             client.close()
