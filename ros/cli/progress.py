@@ -71,6 +71,9 @@ class Bar:
                 unit_divisor=1024 if self._scale else 1000, file=self._stream,
                 dynamic_ncols=True, leave=True,
             )  # fmt: skip
+        else:  # a log shows when the work began, and what it is
+            self._printed = 0.0
+            print(self.line(), file=self._stream, flush=True)
 
     @property
     def n(self) -> float:
@@ -81,9 +84,13 @@ class Bar:
             self._move(self._n + n)
 
     def reach(self, n: float) -> None:
+        """Move to `n` if that is further; else only let the time shown move on (a wait that
+        makes no progress still shows a line every `every` seconds in a log)."""
         with self._lock:
             if n > self._n:
                 self._move(n)
+            else:
+                self._heartbeat()
 
     def write(self, text: str) -> None:
         """A line of its own above the bar (or among the plain lines)."""
@@ -113,6 +120,17 @@ class Bar:
                 self._tqdm.close()
             elif self._printed != self._n:
                 print(self.line(), file=self._stream, flush=True)
+
+    def _heartbeat(self) -> None:
+        if self._closed:
+            return
+        if self._tqdm is not None:
+            self._tqdm.update(0)  # redraws (elapsed time) at most every tqdm's mininterval
+            return
+        now = time.monotonic()
+        if now - self._last_line >= self._every:
+            self._last_line, self._printed = now, self._n
+            print(self.line(), file=self._stream, flush=True)
 
     def _move(self, n: float) -> None:
         if self._closed:

@@ -216,7 +216,8 @@ def test_progress_is_plain_lines_when_not_a_terminal() -> None:
         bar.advance(1 << 20)
     lines = out.getvalue().splitlines()
     assert "\r" not in out.getvalue()
-    assert lines[0].startswith("fetch m@1:  25%")
+    assert lines[0].startswith("fetch m@1:   0%")  # a log shows when it began
+    assert lines[1].startswith("fetch m@1:  25%")
     assert "a note" in lines
     assert lines[-1].startswith("fetch m@1: 100%")
     assert "4.00M/4.00M" in lines[-1]
