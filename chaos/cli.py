@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 import time
 from pathlib import Path
 from types import FrameType
@@ -70,22 +71,29 @@ def run(args: argparse.Namespace) -> int:
     if args.faults:
         faults = [f.strip() for f in args.faults.split(",") if f.strip()]
     started = time.monotonic()
-    bar = Bar(args.duration, "chaos run", unit="s")  # the run's time, ticking (stderr)
+    ticking: list[tuple[Bar, Ticker]] = []  # the bar of the run's --duration, once it runs
 
     def progress(text: str) -> None:
-        bar.write(f"[{time.monotonic() - started:6.1f}s] {text}")
+        line = f"[{time.monotonic() - started:6.1f}s] {text}"
+        if ticking:
+            ticking[0][0].write(line)
+            return
+        print(line, file=sys.stderr, flush=True)
+        if text.startswith("running for"):  # the cluster is up: the duration starts now
+            bar = Bar(args.duration, "chaos run", unit="s")
+            ticking.append((bar, Ticker(bar, args.duration).start()))
 
     signal.signal(signal.SIGTERM, _interrupt)
     config = runner.for_workload(
         args.workload, args.ranks, duration=args.duration, seed=args.seed, faults=faults,
         planted=args.planted_bug, keep=args.keep, progress=progress,
     )  # fmt: skip
-    ticker = Ticker(bar, args.duration).start()
     try:
         result = runner.run(config)
     finally:
-        ticker.stop()
-        bar.close()
+        for bar, ticker in ticking:
+            ticker.stop()
+            bar.close()
     print(summary(result))
     if args.json:
         write_json(result, args.json)

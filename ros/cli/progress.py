@@ -107,7 +107,7 @@ class Bar:
                 _whole(self._n), _whole(self._total), time.monotonic() - self._start,
                 prefix=self._desc, unit=self._unit, unit_scale=self._scale,
                 unit_divisor=1024 if self._scale else 1000,
-                bar_format="{l_bar}{r_bar}" if self._total else None,
+                bar_format="{desc}: {percentage:3.0f}%{r_bar}" if self._total else None,
             )
         )  # fmt: skip
 
@@ -159,8 +159,8 @@ def _whole(x: float) -> float:
 
 
 class Ticker:
-    """Advance `bar` (whose unit is seconds) with the clock, every `period` seconds, up to its
-    total, from a daemon thread; `stop()` ends it (bounded: one period)."""
+    """Advance `bar` (whose unit is seconds) with the clock, every `period` seconds, in whole
+    seconds up to its total, from a daemon thread; `stop()` ends it (bounded: one period)."""
 
     def __init__(self, bar: Bar, total_seconds: float, period: float = 1.0) -> None:
         self._bar = bar
@@ -176,7 +176,10 @@ class Ticker:
 
     def _run(self) -> None:
         while not self._stop.wait(self._period):
-            self._bar.reach(min(self._total, time.monotonic() - self._start))
+            elapsed = time.monotonic() - self._start
+            self._bar.reach(min(self._total, float(int(elapsed))))
+            if elapsed >= self._total:
+                return  # the time is up: what follows has no measure of its own
 
     def stop(self) -> None:
         self._stop.set()
