@@ -7,12 +7,16 @@ moment: it says how many there are and waits for them to finish (each becomes a 
 leaves), up to `drain_timeout`. A second Ctrl-C stops at once: those readers move to other
 holders, or fail if there are none.
 
-Who is reading is the hub's record (`Readers`): every reader of the version registers as a
-PARTIAL holder before its first byte and turns COMPLETE when it has everything, or is removed
-when it gives up, so the count comes from the model's watch (no polling), after an
-`inspect` that gives the state to start from. Then the version is released with
-`force=True`: this process is about to exit, and a spill to host memory (what a release
-without force does for the last holder of a retained version) would die with it.
+Who is reading is the hub's record (`Readers`): a reader that will hold the version
+registers as a PARTIAL holder before its first byte and turns COMPLETE when it has
+everything, or is removed when it gives up, so that count comes from the model's watch,
+after an `inspect` that gives the state to start from. A reader that does not hold it
+(`fetch_slices`, a plain `tensorhub fetch`) pins the version instead; pins have no watch
+events, so while draining, `inspect` is read again every second for them.
+
+Then the version is released with `force=True`: this process is about to exit, and a spill
+to host memory (what a release without force does for the last holder of a retained
+version) would die with it.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ DRAIN_TIMEOUT = 300.0  # the longest the first Ctrl-C waits for readers in fligh
 FORCED_RELEASE_TIMEOUT = 1.0  # reads in flight after a second Ctrl-C
 RELEASE_TIMEOUT = 10.0
 POLL = 0.5  # how often a wait looks at Ctrl-C between watch events
+PINS_EVERY = 1.0  # how often a drain reads the version's pins again (they have no events)
 
 Say = Callable[[str], None]
 
@@ -84,6 +89,21 @@ class Readers:
             self._put(h.name, h.shard if h.HasField("shard") else None, h.state == pb.COMPLETE)
         self._since = int(info.revision)
         self._events = hub.watch(model, since=self._since + 1)
+        self._hub = hub
+        self.pins: set[str] = set()  # readers that hold nothing: their pins
+
+    @property
+    def in_flight(self) -> set[str]:
+        """Readers fetching now: PARTIAL holders of our shard, and pins of readers that
+        will hold nothing (as of the last `refresh_pins`)."""
+        return self.partial | self.pins
+
+    def refresh_pins(self) -> None:
+        """Read the version's pins again; a PARTIAL holder's own pin (named after it) is
+        counted with the holders, by shard, so only the others are kept."""
+        info = self._hub.inspect(self.model, self.version)
+        holders = {h.name for h in info.holders}
+        self.pins = {p for p in info.pins if p not in holders}
 
     def _put(self, name: str, shard: int | None, complete: bool) -> None:
         if name == self._me or shard != self.shard:
@@ -149,23 +169,29 @@ def drain(
     if ctrl_c >= 2:
         return False
     readers.poll(0.0)
-    if not readers.partial:
+    readers.refresh_pins()
+    if not readers.in_flight:
         return True
-    names = ", ".join(sorted(readers.partial)[:3]) + (", ..." if len(readers.partial) > 3 else "")
-    say(
-        f"waiting for {len(readers.partial)} reader(s) in flight to finish ({names}); "
+    busy = sorted(readers.in_flight)
+    names = ", ".join(busy[:3]) + (", ..." if len(busy) > 3 else "")
+    say(  # records, not readers: a reader of slices pins per call and may pin around them
+        f"waiting for the readers in flight to finish (their records: {names}); "
         "Ctrl-C again to stop now"
     )
     deadline = time.monotonic() + timeout
-    while readers.partial:
+    pins_read = time.monotonic()
+    while readers.in_flight:
         if interrupts.count > ctrl_c:
-            say(f"stopping now: {len(readers.partial)} reader(s) in flight are cut off")
+            say(f"stopping now: the readers in flight are cut off ({len(readers.in_flight)})")
             return False
         left = deadline - time.monotonic()
         if left <= 0:
-            say(f"stopping: {len(readers.partial)} reader(s) still reading after {timeout:.0f}s")
+            say(f"stopping: readers still in flight after {timeout:.0f}s")
             return False
         readers.poll(min(POLL, left))
+        if time.monotonic() - pins_read >= PINS_EVERY:
+            readers.refresh_pins()
+            pins_read = time.monotonic()
     say("no reader in flight any more")
     return True
 

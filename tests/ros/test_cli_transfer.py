@@ -32,6 +32,7 @@ from ros.cli import main
 from ros.cli.outdir import partial_dirs
 from ros.cli.serving import Interrupts, Readers, drain
 from ros.client.hooks import ClientHooks
+from ros.client.slices import Slice
 from ros.hub.server import HubServer
 
 transformers = pytest.importorskip(
@@ -284,29 +285,40 @@ def test_the_first_ctrl_c_waits_for_readers_in_flight(
 ) -> None:
     slow = Fault(chunk_delay=0.2)
     trainer = connect(hooks=ClientHooks(send=slow))
-    pub = trainer.publish("policy", 1, {"w": torch.randn(4 << 10)}, chunk_size=4096)  # 4 chunks
-    reader = connect()
-    done = threading.Event()
+    w = torch.randn(4 << 10)
+    pub = trainer.publish("policy", 1, {"w": w}, chunk_size=4096)  # 4 chunks, 0.8 s to read
+    holder, dumper = connect(), connect()  # one will hold it; one reads it and holds nothing
+    block = torch.empty(4 << 10)
+    done = [threading.Event(), threading.Event()]
 
     def fetch() -> None:
-        reader.fetch("policy", 1, timeout=60)
-        done.set()
+        holder.fetch("policy", 1, timeout=60)
+        done[0].set()
 
-    threading.Thread(target=fetch, daemon=True).start()
+    def dump() -> None:
+        dumper.fetch_slices("policy", 1, slices={"w": Slice(block, (0,), (4 << 10,))})
+        done[1].set()
+
     readers = Readers(trainer, "policy", 1, None)
     said: list[str] = []
     try:
+        for target in (fetch, dump):
+            threading.Thread(target=target, daemon=True).start()
         deadline = time.monotonic() + 30
-        while not readers.partial:  # the reader registered (PARTIAL) and reads from us
-            assert time.monotonic() < deadline
-            readers.poll(0.2)
+        while len(readers.in_flight) < 2:  # a PARTIAL holder, and a pin
+            assert time.monotonic() < deadline, readers.in_flight
+            readers.poll(0.1)
+            readers.refresh_pins()
         interrupts = Interrupts()
         interrupts.interrupt()  # Ctrl-C once
         assert drain(readers, interrupts, said.append, timeout=30)
-        assert done.wait(10)  # it finished, from us: nobody else had the version
-        assert said[0].startswith("waiting for 1 reader(s) in flight to finish")
+        assert all(d.is_set() for d in done)  # both finished, from us: nobody else had it
+        assert said[0].startswith("waiting for the readers in flight to finish")
+        assert holder.holder_name in said[0]
+        assert "slices-" in said[0]
         assert said[-1] == "no reader in flight any more"
-        assert readers.complete == {reader.holder_name}
+        assert readers.complete == {holder.holder_name}
+        assert torch.equal(block, w)
         # a second Ctrl-C does not wait
         interrupts.interrupt()
         assert not drain(readers, interrupts, said.append, timeout=30)
