@@ -6,8 +6,10 @@ shard counter, the tenant's session fence). Committed one by one they either que
 each other's compares, O(N) transactions for N writes and O(N^2) work. Like a database's
 group commit, a `GroupCommit` keeps one transaction in flight per key: a write that arrives
 while one is in flight waits, and the next transaction takes every write waiting by then
-(as many as `take` lets into one etcd transaction). Under a burst, batches fill up by
-themselves; a lone write commits at once, as before.
+(as many as `take` lets into one etcd transaction). A batch that is not full may first wait
+a few milliseconds for more writes of its key (`linger`, like a database's commit delay),
+when more are expected: the shards of a version still to come. A lone write commits at once,
+as before.
 
 Everything here runs on the replica's event loop (no locks): a waiting write is a future,
 not a thread, so thousands can wait while the transactions themselves run in the worker
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from ros.metrics import HUB_BATCH_SIZE
+from tensorhub.lru import SizedLru
 
 K = TypeVar("K", bound=Hashable)
 E = TypeVar("E")
@@ -43,6 +46,10 @@ class _Waiting(Generic[E, R]):
 class _Queue(Generic[E, R]):
     waiting: list[_Waiting[E, R]] = field(default_factory=list)
     busy: bool = False
+    lingering: asyncio.TimerHandle | None = None  # a short wait for more, before a batch
+
+
+MAX_KEYS_COUNTED = 4096  # keys whose submissions are counted (for `linger`), remembered
 
 
 class GroupCommit(Generic[K, E, R]):
@@ -59,8 +66,16 @@ class GroupCommit(Generic[K, E, R]):
         abandon: Callable[[K, list[E]], None] | None = None,
         *,
         kind: str = "",
+        linger: Callable[[list[E], int], float] | None = None,
     ) -> None:
+        """`linger(waiting, submitted)`: how long a batch that is not full yet should wait
+        for more writes of its key (0: go now), given the entries waiting and how many were
+        submitted for the key on this replica so far. Under a burst, a short wait fills
+        each transaction (fewer revisions, less etcd and hub work); a write nobody else will
+        join should not wait."""
         self._executor = executor
+        self._linger = linger
+        self._submitted: SizedLru[K, int] = SizedLru(MAX_KEYS_COUNTED, lambda _: 1)
         self._sizes = HUB_BATCH_SIZE.labels(kind or "other")
         self._commit = commit
         self._take = take
@@ -80,12 +95,39 @@ class GroupCommit(Generic[K, E, R]):
         future: asyncio.Future[R] = loop.create_future()
         queue = self._queues.setdefault(key, _Queue())
         queue.waiting.append(_Waiting(entry, future))
+        self._submitted.put(key, (self._submitted.get(key) or 0) + 1)
         if not queue.busy:
             self._next(key, queue, loop)
+        elif queue.lingering is not None and not self._wait_for(key, queue):
+            queue.lingering.cancel()  # full now: no need to wait for the rest
+            self._next(key, queue, loop, lingered=True)
         return await future
 
-    def _next(self, key: K, queue: _Queue[E, R], loop: asyncio.AbstractEventLoop) -> None:
-        """Start the next batch of `key`, or retire its queue if nothing live is waiting."""
+    def _wait_for(self, key: K, queue: _Queue[E, R]) -> float:
+        if self._linger is None:
+            return 0.0
+        live = [w.entry for w in queue.waiting if not w.future.done()]
+        return self._linger(live, self._submitted.get(key) or 0) if live else 0.0
+
+    def _next(
+        self,
+        key: K,
+        queue: _Queue[E, R],
+        loop: asyncio.AbstractEventLoop,
+        *,
+        lingered: bool = False,
+    ) -> None:
+        """Start the next batch of `key` (after a short wait for more, if `linger` asks for
+        one and it has not waited yet), or retire its queue if nothing live is waiting."""
+        queue.lingering = None
+        if not lingered:
+            delay = self._wait_for(key, queue)
+            if delay > 0:
+                queue.busy = True
+                queue.lingering = loop.call_later(
+                    delay, lambda: self._next(key, queue, loop, lingered=True)
+                )
+                return
         gone = [w.entry for w in queue.waiting if w.future.done()]
         live = [w for w in queue.waiting if not w.future.done()]
         if gone and self._abandon is not None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from consistency import Etcd, Keys, VersionRegistry
 from consistency.publishing import Admit, Published
-from consistency.shard_commit import ShardEntry, take
+from consistency.shard_commit import FIXED_OPS, MAX_BATCH, MAX_TXN_OPS, ShardEntry, take
 from ros.hub.budget import BatchBudget
 from ros.hub.group_commit import GroupCommit
 from ros.hub.tenants import Tenant
@@ -45,7 +45,7 @@ class ShardBatches:
         self._keys = keys
         self._history_period = history_period
         self.group: GroupCommit[Key, ShardJob, Published] = GroupCommit(
-            executor, self._commit, _take, self._abandon, kind="shards"
+            executor, self._commit, _take, self._abandon, kind="shards", linger=_linger
         )
 
     async def publish(self, model: str, version: int, job: ShardJob) -> Published:
@@ -78,6 +78,19 @@ def _expired(entry: ShardEntry) -> ShardEntry:
     """The entry with its deadline passed: committing it only cleans up after it."""
     entry.deadline = 0.0
     return entry
+
+
+LINGER = 0.02  # seconds a batch with room left waits for more shards of its version
+
+
+def _linger(jobs: list[ShardJob], submitted: int) -> float:
+    """Wait `LINGER` for more shards while the batch has room for another and this replica
+    has seen fewer shards of the version than it has (more may still come); else go now."""
+    entries = [job.entry for job in jobs]
+    if submitted >= entries[0].count or len(take(list(entries))) < len(entries):
+        return 0.0  # every shard is here, or the waiting ones fill more than a batch
+    room = MAX_TXN_OPS - FIXED_OPS - sum(e.ops for e in entries)
+    return LINGER if room >= 2 and len(entries) < MAX_BATCH else 0.0
 
 
 def _take(jobs: list[ShardJob]) -> list[ShardJob]:

@@ -22,6 +22,7 @@ class HeldTxn:
         self._prefix = prefix.encode()
         self.reached = threading.Event()
         self.leases: list[int] = []  # the leases the held transaction's puts name
+        self.keys: list[str] = []  # the keys under `prefix` it puts
         self._open = threading.Event()
         self._original = Etcd.txn
         failpoint = self
@@ -38,6 +39,7 @@ class HeldTxn:
         writes = [op.request_put.key for op in success if op.HasField("request_put")]
         if any(k.startswith(self._prefix) for k in writes):
             self.leases = [op.request_put.lease for op in success if op.HasField("request_put")]
+            self.keys = [k.decode() for k in writes if k.startswith(self._prefix)]
             self.reached.set()
             self._open.wait(30)
 
