@@ -31,7 +31,7 @@ from ros.cli.outdir import RECORD, Output
 from ros.cli.outplan import INDEX, ChunkCost, OutFile, batches, global_tensors, pieces, plan_files
 from ros.cli.progress import Bar
 from ros.cli.query import parse_target
-from ros.cli.rss import Memory, memory, mib, release_freed_memory
+from ros.cli.rss import Memory, memory, mib
 from ros.cli.serving import Interrupts, Readers, drain, say_stderr, stop, wait_interrupted
 from ros.client.hub import Hub
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
@@ -133,7 +133,6 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgument("--deadline must be positive")
     check_credentials(args)
     started = time.monotonic()
-    release_freed_memory()  # the bound on memory holds only if freed batches go back
     output = Output(args.output, force=args.force)
     output.prepare()  # before the hub: an unwritable or existing DIR fails here
     old_term = signal.signal(signal.SIGTERM, _sigterm)

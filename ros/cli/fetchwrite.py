@@ -37,6 +37,7 @@ import torch
 from ros.cli.outdir import disk_errors
 from ros.cli.outplan import Batch, OutFile, Piece
 from ros.cli.progress import Bar
+from ros.cli.rss import give_back_freed
 from ros.client.handles import Held
 from ros.client.hub import Hub
 from ros.client.orchestrator import Progress
@@ -238,8 +239,11 @@ def _fetch_batch(
 
 
 def _append_all(out: Appender, fetched: list[tuple[Piece, torch.Tensor]]) -> None:
+    """Write a batch, then free it and give its memory back (`give_back_freed`)."""
     for piece, tensor in fetched:
         out.append(piece.file, _bytes_of(tensor) if piece.nbytes else memoryview(b""))
+    fetched.clear()
+    give_back_freed()
 
 
 @dataclass
