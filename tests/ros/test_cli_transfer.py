@@ -209,6 +209,26 @@ def test_a_reader_killed_mid_fetch_leaves_nothing_that_looks_complete(
         assert torch.equal(load_file(out / files[name])[name], tensor)
 
 
+@pytest.mark.timeout(120)
+def test_a_fetch_larger_than_its_memory_bound_stays_within_it(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """128 MiB fetched in files of 16 MB: the bound (a file + 64 MiB, about 79 MiB) is less
+    than the model, so a fetch that held the model would break it."""
+    tensors = {f"layer.{i}": torch.randn(1024, 1024) for i in range(32)}  # 32 x 4 MiB
+    with ros.connect(env["TENSORHUB_HUB"], tenant="team-a", token=env["TENSORHUB_TOKEN"]) as hub:
+        hub.publish("big", 1, tensors)
+        out = tmp_path / "big"
+        fetched = tensorhub(env, "fetch", "big@1", "-o", str(out), "--max-shard-size", "16MB",
+                            "--json")  # fmt: skip
+    assert fetched.returncode == 0, fetched.stderr
+    memory = json.loads(fetched.stdout)["memory"]
+    assert memory["bound"] < 128 << 20
+    assert memory["over_baseline"] <= memory["bound"], memory
+    files = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert torch.equal(load_file(out / files["layer.31"])["layer.31"], tensors["layer.31"])
+
+
 def test_wrong_path_or_format_fails_before_the_hub(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
