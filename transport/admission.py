@@ -25,8 +25,8 @@ A connection whose request frame is complete and being checked (`answering`) is 
 victim: it is about to prove itself or be refused, and evicting it would punish a reader
 for the holder's own latency. So a reader connecting beside a flood of token-less
 connections loses its slot only if `per_peer` newer ones arrive before its GET does, and
-an evicted connection is told BUSY (`Conn.evicted`), which the SDK retries within its
-deadline.
+an evicted connection is told BUSY (`Conn.evicted`; on a port without TLS), which the SDK
+retries within its deadline.
 
 Thread-safe. The server does the socket work (shutdown, BUSY frames); this module decides.
 """

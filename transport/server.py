@@ -2,7 +2,7 @@
 
 One thread per connection, admitted by `transport.admission`: at most `max_connections`
 and at most `per_peer` from one address; at either bound a connection that has not presented
-a valid read token is evicted to admit a newcomer (told BUSY if its thread still can), and
+a valid read token is evicted to admit a newcomer (told BUSY, on a port without TLS), and
 only when every candidate has presented one is the newcomer refused BUSY. A request frame
 must be complete within `frame_timeout` or the connection is closed — so idle or
 byte-trickling connections cannot hold the port, even from the readers' own host. Each
@@ -183,7 +183,10 @@ class HolderServer:
             record, victim, why = self._admission.admit(conn, str(addr[0]))
             if victim is not None:
                 log.debug("evicting unauthenticated connection from %s: holder full", victim.peer)
-                _cut_reads(victim.sock)  # its thread wakes, answers BUSY and closes it
+                if self._tls is None:
+                    _cut_reads(victim.sock)  # its thread wakes, answers BUSY and closes it
+                else:  # its TLS state is its thread's: an end of stream there is an error
+                    _shut(victim.sock)
             if record is None:
                 with contextlib.suppress(OSError):
                     conn.settimeout(1.0)
@@ -217,7 +220,7 @@ class HolderServer:
                         conn.sendall(encode_error(refusal.code, str(refusal)))
                     return
         except (TransportError, OSError) as exc:
-            if record.evicted and (self._tls is None or isinstance(conn, ssl.SSLSocket)):
+            if record.evicted and self._tls is None:
                 self._told_busy(conn)
             log.debug("holder connection closed: %s", exc)
         except Exception:  # a bug must cost one connection, never the server
@@ -230,7 +233,9 @@ class HolderServer:
         """Answer an evicted connection BUSY before it closes (best effort, within 1 s), so
         a reader evicted before its GET arrived retries within its deadline (the SDK does)
         instead of suspecting a holder that is only full. Its reads were cut, not its
-        writes; over TLS only once the handshake is done (the frame goes through TLS)."""
+        writes. Not over TLS: OpenSSL meets the cut read as an unexpected end of stream and
+        answers it with a fatal alert, so an evicted TLS connection is simply cut (a peer
+        there must also hold a certificate from the holder's CA)."""
         with contextlib.suppress(OSError):
             set_kernel_timeout(conn, 1.0)
             conn.sendall(encode_error(ErrorCode.BUSY, "evicted: too many connections"))
