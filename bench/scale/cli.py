@@ -294,6 +294,11 @@ def _fill_shards(res: Result, data: dict[str, Any]) -> None:
             target = "<= 150"
             revisions = f"<= {data['revision_target']}"
         res.add(f"{what}: visible / one shard", ratio, target)
+        ceiling = (data.get("ceiling_s") or {}).get(str(c.get("replicas")))
+        if c.get("case") == "inflight" and ceiling and seconds is not None:
+            res.add(f"{what}: visible / the same publishes to the grpc.aio ceiling",
+                    seconds / ceiling)  # fmt: skip
+            res.add(f"{what}: the grpc.aio ceiling's time", ceiling, unit="s")
         res.add(f"{what}: etcd revisions for the version", c.get("etcd_writes"), revisions)
         res.add(
             f"{what}: Latest moved with the last shard only, in one transaction, none refused",

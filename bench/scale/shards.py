@@ -38,6 +38,7 @@ from typing import Any
 import grpc
 
 from bench.scale.clients import Fleet, WorkerLost, serve_pipe
+from bench.scale.procs import ServerStartError, ceiling_server
 from bench.scale.rpc import OPTIONS, Hub, first_error, holder, tiny_manifest
 from bench.scale.world import EtcdLimits, World
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
@@ -376,6 +377,42 @@ def inflight_case(
     return out
 
 
+def ceiling_inflight(
+    fleet: Fleet, count: int, inflight: int, replicas: int, timeout: float
+) -> float | None:
+    """The in-flight burst's N publishes, from the same worker processes, against
+    `replicas` do-nothing grpc.aio servers (`bench.scale.ceiling`): the seconds until the
+    last reply, what Python's gRPC alone costs on this machine (None if it could not run)."""
+    servers = [ceiling_server() for _ in range(replicas)]
+    try:
+        for server in servers:
+            server.start()
+        workers = fleet.workers
+        fleet.call(
+            "prepare",
+            [{"targets": [s.address for s in servers], "token": "ceiling.none", "indices": part,
+              "count": count, "model": "shards", "per_rank": False}
+             for part in _split(list(range(count)), len(workers))],
+            300.0,
+        )  # fmt: skip
+        start_at = time.monotonic() + BARRIER_SECONDS
+        replies = fleet.call(
+            "go",
+            [{"start_at": start_at, "inflight": max(1, inflight // len(workers)),
+              "timeout": timeout}] * len(workers),
+            BARRIER_SECONDS + timeout * count / max(1, inflight) + 120,
+        )  # fmt: skip
+        fleet.call("close", [{}] * len(workers), 60.0)
+        if any(r.get("failures") for r in replies):
+            return None
+        return max(float(r["last_reply_at"]) for r in replies) - start_at
+    except (ServerStartError, WorkerLost):
+        return None
+    finally:
+        for server in servers:
+            server.stop()
+
+
 def run(
     shards: int = 4096,
     ranks: int = 1024,
@@ -427,6 +464,11 @@ def run(
                     res["wall_s"] = time.monotonic() - t0
                     log(summary(res))
                     out["cases"].append(res)
+            ceiling = ceiling_inflight(fleet, shards, inflight, r, timeout)
+            out.setdefault("ceiling_s", {})[str(r)] = ceiling
+            if ceiling is not None:
+                log(f"  x{r}: the same {shards} publishes against the grpc.aio ceiling: "
+                    f"{ceiling:.2f}s")  # fmt: skip
     finally:
         fleet.close()
     return out
