@@ -1,8 +1,9 @@
 """`tensorhub publish` and `tensorhub fetch` as a user runs them, against a real hub.
 
 A tiny Llama built from a config (no download) and saved with sharding forced is published
-by `tensorhub publish` in one process and fetched by `tensorhub fetch` in another; the
-fetched directory loads with `from_pretrained` and gives the original's logits. Also: a
+by `tensorhub publish --until-replicated 1` in one process and fetched by `tensorhub fetch`
+in another (and by `fetch --serve`, the holder that ends the publisher's wait); the fetched
+directories load with `from_pretrained` and give the original's logits. Also: a
 reader killed mid-fetch leaves nothing that looks complete, a wrong path or format fails
 with a named error before anything reaches the hub, a model-parallel version (one rank
 published by the CLI) is fetched whole, and the first Ctrl-C waits for readers in flight.
@@ -59,7 +60,7 @@ def started(env: dict[str, str], *args: str, log: Path) -> subprocess.Popen[byte
         )  # fmt: skip
 
 
-def wait_for(log: Path, text: str, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
+def wait_for(log: Path, text: str, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while text not in log.read_text(errors="replace"):
         assert proc.poll() is None, log.read_text()
@@ -125,9 +126,11 @@ def test_llama_published_and_fetched_loads_with_from_pretrained(
     big = os.urandom(120_000).hex()  # no compression gets this under 64 KiB: left behind
     (saved / "tokenizer.json").write_text(json.dumps({"blob": big}))
     assert len(list(saved.glob("model-*.safetensors"))) > 1
-    publisher = started(env, "publish", "llama@1", str(saved), log=tmp_path / "publish.log")
+    # it serves until one reader holds the version (a plain fetch holds nothing: not counted)
+    publisher = started(env, "publish", "llama@1", str(saved), "--until-replicated", "1",
+                        log=tmp_path / "publish.log")  # fmt: skip
     try:
-        wait_for(tmp_path / "publish.log", "serving llama@1", publisher)
+        wait_for(tmp_path / "publish.log", "llama@1: readers holding it:   0%", publisher)
         published = (tmp_path / "publish.log").read_text()
         assert "carried in the manifest: config.json, generation_config.json" in published
         assert "left behind: tokenizer.json" in published
@@ -141,9 +144,12 @@ def test_llama_published_and_fetched_loads_with_from_pretrained(
         serving = started(env, "fetch", "llama", "-o", str(served), "--serve",
                           log=tmp_path / "serve.log")  # fmt: skip
         wait_for(tmp_path / "serve.log", "serving llama@1 from its files", serving)
+        assert publisher.wait(timeout=60) == 0  # the --serve reader holds it: done
     finally:
-        assert stop(publisher) == 0
+        stop(publisher)
     log = (tmp_path / "publish.log").read_text()
+    assert "llama@1: readers holding it: 100%| 1/1" in log
+    assert "llama@1: 1 reader(s) hold it whole" in log
     assert "released llama@1; 1 other holder(s) still serve it" in log
     # the fetched directory loads on its own and computes what the original computes
     for directory in (out, served):
