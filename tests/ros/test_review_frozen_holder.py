@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 import ros
+from consistency import HolderRecord
 from ros.hub.server import HubServer
 from tests.ros.helpers import digest, make_model
 from tests.waiting import wait_until
@@ -115,9 +116,14 @@ def test_readers_of_a_frozen_sole_holder_fail_named_in_time_and_it_recovers_afte
             assert isinstance(outcome, ros.TensorHubError), outcome  # named, not a bare error
             assert took <= min(timeout, UNAVAILABLE_WITHIN) + SLACK, (timeout, took, outcome)
 
+        def publisher_record() -> list[HolderRecord]:
+            """The publisher's record (a waiting reader's PARTIAL one may outlive its fetch:
+            under load its cleanup is left to its session, as docs/sdk.md says)."""
+            return [h for h in clients[2].holders("policy", 1) if h.holder == ready["holder"]]
+
         wait_until(  # the frozen holder cannot renew: its lease, and its record, go
             "the frozen holder's record expired",
-            lambda: not clients[2].holders("policy", 1),
+            lambda: not publisher_record(),
             timeout=TTL + 10,
         )
         start = time.monotonic()
@@ -129,10 +135,10 @@ def test_readers_of_a_frozen_sole_holder_fail_named_in_time_and_it_recovers_afte
         os.kill(process.pid, signal.SIGCONT)
         wait_until(
             "the thawed holder registered policy@1 again",
-            lambda: [h.holder for h in clients[2].holders("policy", 1)] == [ready["holder"]],
+            lambda: bool(publisher_record()),
             timeout=20,
         )
-        (record,) = clients[2].holders("policy", 1)
+        (record,) = publisher_record()
         assert record.session != before.session  # a new session: the frozen one's lease is gone
         assert record.complete
         held = clients[2].fetch("policy", 1, timeout=30)
