@@ -59,7 +59,7 @@ stops at once); DIR must not be changed while it serves. The hub, tenant and tok
 from --hub/--tenant/--token or TENSORHUB_HUB, TENSORHUB_TENANT, TENSORHUB_TOKEN.
 """
 
-MIN_BATCH = 16 << 20  # the smallest batch budget, and
+MIN_BATCH = 8 << 20  # the smallest batch budget, and
 MAX_BATCH = 256 << 20  # the largest: one fetch_slices call per batch
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -115,11 +115,13 @@ def parse_size(text: str) -> int:
 
 
 def batch_budget(largest_file: int) -> int:
-    """Chunk bytes one batch may stage: a third of the largest output file (a fetch holds
-    at most three batches: one written, one fetched, and that one's staged chunks), within
-    [MIN_BATCH, MAX_BATCH]: 3 x 16 MiB stays under the 64 MiB the bound allows beyond a
-    file."""
-    return max(MIN_BATCH, min(MAX_BATCH, largest_file // 3))
+    """Chunk bytes one batch may stage: a quarter of the largest output file, within
+    [MIN_BATCH, MAX_BATCH]. A fetch holds at most three batches (one written, one fetched,
+    and that one's staged chunks), and some more besides (the interpreter's and the
+    transport's buffers, the allocator's slack: up to 30 MiB measured): three budgets and
+    that stay within the file plus the 64 MiB the bound allows (budgets of a third of the
+    file, at least 16 MiB, once went 2 MiB over it, for files of 12 MiB)."""
+    return max(MIN_BATCH, min(MAX_BATCH, largest_file // 4))
 
 
 def _sigterm(signum: int, frame: FrameType | None) -> None:

@@ -234,6 +234,7 @@ def _fetch_batch(
         )
         written.fetched += got.total_bytes
         written.batches += 1
+        give_back_freed()  # the call's staged chunks, freed as it returned
     bar.reach(start + batch.nbytes)
     return tensors
 

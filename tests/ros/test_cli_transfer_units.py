@@ -201,9 +201,10 @@ def test_sizes_and_budget() -> None:
     assert parse_size("1234") == 1234
     with pytest.raises(InvalidArgument):
         parse_size("lots")
-    assert batch_budget(10) == 16 << 20
+    assert batch_budget(10) == 8 << 20
     assert batch_budget(5 * 10**9) == 256 << 20
-    assert 3 * batch_budget(96 << 20) <= (96 << 20) + (64 << 20)
+    for largest in (1 << 20, 12 << 20, 96 << 20, 1 << 30):  # 30 MiB of slack besides
+        assert 3 * batch_budget(largest) + (30 << 20) <= largest + (64 << 20)
 
 
 def test_progress_is_plain_lines_when_not_a_terminal() -> None:
