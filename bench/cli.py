@@ -37,9 +37,9 @@ EMULATED: dict[str, Callable[[Options], Result]] = {
 }
 CROSSDC_MB = 16  # the inter-dc link is 5x slower: a smaller model keeps the run short
 ALL_TRANSPORT = ["--size-mb", "256", "--repeat", "2"]
-# `bench all` keeps scale to a few minutes: the two ends of the clients sweep, a shorter history
-# `bench all` runs the scale parts it always ran; the herd and the replica kill under 2,000
-# SDK clients are `bench scale --parts herd` and `--parts reconnect` (minutes each).
+# `bench all` keeps scale to a few minutes: the two ends of the clients sweep, a shorter
+# history, and the scale parts it always ran (the herd and the replica kill under 2,000 SDK
+# clients are `bench scale --parts herd` and `--parts reconnect`, minutes each).
 ALL_SCALE = ["--parts", "clients,holders,manifest,history,shards",
              "--clients", "100,2000", "--history-steps", "3000", "--history-seconds", "120",
              "--history-sample-every", "250"]  # fmt: skip
