@@ -152,49 +152,93 @@ def test_kill_9_of_the_replica_in_the_middle_of_a_publish(world: World, mode: st
         publisher.close()
 
 
+SHARDS = [make_model(10 + i) for i in range(2)]  # rank i's shard of mp@1
+
+
+def kill_mid_last_shard(world: World, ranks: list[ros.Hub]) -> object:
+    """Rank 1 publishes its shard of mp@1; rank 0's, the one that makes mp@1 visible, is
+    applied by etcd (its batch's write: the 2nd request naming its holder record, after the
+    batch's opening read) with its reply lost, and the replica is SIGKILLed. What rank 0's
+    publish returned or raised."""
+    ranks[1].publish("mp", 1, SHARDS[1], shard=(1, 2))
+    world.arm(world.keys.holder(TENANT, "mp", 1, ranks[0].holder_name), "apply", nth=2)
+    outcome: list[object] = []
+
+    def publish() -> None:
+        try:
+            outcome.append(ranks[0].publish("mp", 1, SHARDS[0], shard=(0, 2), timeout=30))
+        except ros.TensorHubError as exc:
+            outcome.append(exc)
+
+    def visible() -> bool:
+        return world.etcd.get(world.keys.latest(TENANT, "mp"))[0] is not None
+
+    thread = threading.Thread(target=publish)
+    thread.start()
+    world.kill_at_hit(applied=visible)
+    thread.join(40)
+    (result,) = outcome
+    return result
+
+
 @pytest.mark.timeout(90)
 def test_kill_9_of_the_replica_in_the_middle_of_the_last_shard_of_a_version(
     world: World,
 ) -> None:
-    """Rank 1 has published its shard of mp@1; rank 0's shard, the one that makes mp@1
-    visible, is applied by etcd (its batch's write: the 2nd request naming its holder
-    record, after the batch's opening read) with its reply lost, and the replica is
-    SIGKILLed. A shard cannot be looked up before its version is visible, so the SDK may
-    answer `OutcomeUnknown`; here `latest` settles it, and the rank's retry of the same
-    shard (idempotent) gives it back its Publication. Proves: mp@1 is visible once with
-    both shards, and a reader fetches rank 0's exact shard from rank 0."""
+    """`kill_mid_last_shard`. A shard cannot be looked up before its version is visible,
+    so the SDK may answer `OutcomeUnknown`; here `latest` settles it, and the rank's retry
+    of the same shard (idempotent) gives it back its Publication. Proves: mp@1 is visible
+    once with both shards, and a reader fetches rank 0's exact shard from rank 0."""
     ranks = [world.client(session_ttl=10) for _ in range(2)]
     reader = world.client(session_ttl=10)
-    shards = [make_model(10 + i) for i in range(2)]
     try:
-        ranks[1].publish("mp", 1, shards[1], shard=(1, 2))
-        world.arm(world.keys.holder(TENANT, "mp", 1, ranks[0].holder_name), "apply", nth=2)
-        outcome: list[object] = []
-
-        def publish() -> None:
-            try:
-                outcome.append(ranks[0].publish("mp", 1, shards[0], shard=(0, 2), timeout=30))
-            except ros.TensorHubError as exc:
-                outcome.append(exc)
-
-        def visible() -> bool:
-            return world.etcd.get(world.keys.latest(TENANT, "mp"))[0] is not None
-
-        thread = threading.Thread(target=publish)
-        thread.start()
-        world.kill_at_hit(applied=visible)
-        thread.join(40)
-        (result,) = outcome
+        result = kill_mid_last_shard(world, ranks)
         if isinstance(result, ros.OutcomeUnknown):
             assert ranks[0].latest("mp") == 1  # it landed: the version is visible
-            result = ranks[0].publish("mp", 1, shards[0], shard=(0, 2), timeout=30)
+            result = ranks[0].publish("mp", 1, SHARDS[0], shard=(0, 2), timeout=30)
         assert isinstance(result, ros.Publication), repr(result)
         assert reader.latest("mp") == 1
         held = reader.fetch("mp", 1, shard=0, timeout=30)
-        assert digest(held.tensors) == digest(shards[0])
+        assert digest(held.tensors) == digest(SHARDS[0])
         state = read_model(world.etcd, world.keys, TENANT, "mp")
         assert state.headers[1].shards == 2
         consistent(world, "mp")
+    finally:
+        for client in (reader, *ranks):
+            client.close()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "ros/client/publishing.py Publisher.publish drops the publication from the client's "
+        "holdings on any exception (holdings.drop in its except BaseException), "
+        "OutcomeUnknown included. When the write did land, its holder record stays under the "
+        "live session while the client no longer holds the tensors: a rank that settles "
+        "OutcomeUnknown as docs/sdk.md says (latest/inspect: it landed) leaves its shard of "
+        "a visible version unreadable (its holder answers NOT_HELD) for as long as its "
+        "session lives"
+    ),
+)
+def test_a_shard_whose_outcome_unknown_is_settled_by_latest_is_still_served(
+    world: World,
+) -> None:
+    """`kill_mid_last_shard` answers `OutcomeUnknown`; rank 0 settles it by reading
+    `latest` (mp@1 is visible: its shard landed), as the error tells it to, and does not
+    publish again. Proves (when it passes): a reader then fetches shard 0, whose only
+    holder is rank 0, with rank 0's bytes."""
+    ranks = [world.client(session_ttl=10) for _ in range(2)]
+    reader = world.client(session_ttl=10)
+    try:
+        result = kill_mid_last_shard(world, ranks)
+        if not isinstance(result, ros.OutcomeUnknown):  # not the case under test (any more)
+            pytest.skip(f"the SDK settled the shard's outcome itself: {result!r}")
+        assert ranks[0].latest("mp") == 1  # settled: it landed
+        (record,) = [h for h in reader.holders("mp", 1) if h.shard == 0]
+        assert (record.holder, record.session) == (ranks[0].holder_name, ranks[0].session.id)
+        held = reader.fetch("mp", 1, shard=0, timeout=10)
+        assert digest(held.tensors) == digest(SHARDS[0])
     finally:
         for client in (reader, *ranks):
             client.close()
