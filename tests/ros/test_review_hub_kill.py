@@ -11,7 +11,8 @@ What must hold: a publish ends with a definite outcome that is true (the SDK che
 surviving replica and resends only what did not land), or with `OutcomeUnknown` that
 `latest`/`inspect` resolve; the model's keys are then consistent and its budget exact
 (`tests/ros/review_state.py`). A fetch completes through the other replica, its holder
-record COMPLETE under its own session, no pin left behind.
+record COMPLETE under its own session, no pin left behind. One strict xfail: a shard whose
+`OutcomeUnknown` is settled by `latest` alone is not served (the SDK dropped it).
 """
 
 from __future__ import annotations
