@@ -199,7 +199,8 @@ def run(args: argparse.Namespace) -> int:
         out = sys.stderr if args.json else sys.stdout
         _say_published(what, ckpt, summary, hub.holder_name, out)
         with Interrupts() as interrupts:
-            readers = Readers(hub, model, version, None if shard is None else shard[0])
+            index = None if shard is None else shard[0]
+            readers = Readers(hub, model, version, index, since=pub.revision)
             try:
                 summary["stopped_by"] = _serve(args, readers, interrupts, what)
                 gentle = interrupts.count < 2 and drain(

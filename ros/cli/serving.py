@@ -34,7 +34,7 @@ from ros.cli.progress import Bar
 from ros.client.handles import Held, Publication
 from ros.client.hub import Hub
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
-from tensorhub.errors import DeadlineExceeded, TensorHubError
+from tensorhub.errors import DeadlineExceeded, TensorHubError, VersionNotFound
 
 DRAIN_TIMEOUT = 300.0  # the longest the first Ctrl-C waits for readers in flight
 FORCED_RELEASE_TIMEOUT = 1.0  # reads in flight after a second Ctrl-C
@@ -79,16 +79,25 @@ class Readers:
     """The other holders of `model@version` (of one shard, for a model-parallel version):
     `partial` (reading now) and `complete` (holding it whole), kept current from the watch."""
 
-    def __init__(self, hub: Hub, model: str, version: int, shard: int | None) -> None:
+    def __init__(
+        self, hub: Hub, model: str, version: int, shard: int | None, since: int | None = None
+    ) -> None:
+        """From the hub's records now (`inspect`), or, for the publisher, from every event
+        since its publish at revision `since` (the way `Publication.wait_replicated` counts):
+        a shard published before the last one is not visible yet, and `inspect` would not
+        find its version."""
         self._me = hub.holder_name
         self.model, self.version, self.shard = model, version, shard
-        info = hub.inspect(model, version)
         self.partial: set[str] = set()
         self.complete: set[str] = set()
-        for h in info.holders:
-            self._put(h.name, h.shard if h.HasField("shard") else None, h.state == pb.COMPLETE)
-        self._since = int(info.revision)
-        self._events = hub.watch(model, since=self._since + 1)
+        if since is None:
+            info = hub.inspect(model, version)
+            for h in info.holders:
+                shard_of = h.shard if h.HasField("shard") else None
+                self._put(h.name, shard_of, h.state == pb.COMPLETE)
+            since = int(info.revision) + 1
+        self._since = since - 1  # events at or before it are in the state already
+        self._events = hub.watch(model, since=since)
         self._hub = hub
         self.pins: set[str] = set()  # readers that hold nothing: their pins
 
@@ -101,7 +110,11 @@ class Readers:
     def refresh_pins(self) -> None:
         """Read the version's pins again; a PARTIAL holder's own pin (named after it) is
         counted with the holders, by shard, so only the others are kept."""
-        info = self._hub.inspect(self.model, self.version)
+        try:
+            info = self._hub.inspect(self.model, self.version)
+        except VersionNotFound:  # a shard of a version not visible yet: no one reads it
+            self.pins = set()
+            return
         holders = {h.name for h in info.holders}
         self.pins = {p for p in info.pins if p not in holders}
 

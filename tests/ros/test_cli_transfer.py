@@ -285,19 +285,21 @@ def test_a_model_parallel_version_is_fetched_whole(cli_env: dict[str, str], tmp_
     save_file({"w": full["w"][4:].contiguous(), "norm": full["norm"]}, rank1)
     (tmp_path / "p.json").write_text('{"w": {"global_shape": [8, 6], "offsets": [4, 0]}}')
     env = cli_env
-    with ros.connect(env["TENSORHUB_HUB"], tenant="team-a", token=env["TENSORHUB_TOKEN"]) as r0:
-        r0.publish("mp", 1, {"w": full["w"][:4].contiguous(), "norm": full["norm"]},
-                   shard=(0, 2), placements={"w": ((8, 6), (0, 0))})  # fmt: skip
-        publisher = started(env, "publish", "mp@1", str(rank1), "--shard", "1/2",
-                            "--placements", str(tmp_path / "p.json"),
-                            log=tmp_path / "rank1.log")  # fmt: skip
-        try:
-            wait_for(tmp_path / "rank1.log", "serving mp@1 shard 1/2", publisher)
+    # the CLI's rank publishes first: its shard is not visible until rank 0's arrives
+    publisher = started(env, "publish", "mp@1", str(rank1), "--shard", "1/2",
+                        "--placements", str(tmp_path / "p.json"),
+                        log=tmp_path / "rank1.log")  # fmt: skip
+    try:
+        wait_for(tmp_path / "rank1.log", "serving mp@1 shard 1/2", publisher)
+        assert "(visible once every shard is published)" in (tmp_path / "rank1.log").read_text()
+        with ros.connect(env["TENSORHUB_HUB"], tenant="team-a", token=env["TENSORHUB_TOKEN"]) as r0:
+            r0.publish("mp", 1, {"w": full["w"][:4].contiguous(), "norm": full["norm"]},
+                       shard=(0, 2), placements={"w": ((8, 6), (0, 0))})  # fmt: skip
             out = tmp_path / "whole"
             assert main(["fetch", "mp", "-o", str(out)]) == 0
             refused = main(["fetch", "mp", "-o", str(tmp_path / "x"), "--serve"])
-        finally:
-            assert stop(publisher) == 0
+    finally:
+        assert stop(publisher) == 0
     assert refused == 1
     got = load_file(out / "model.safetensors")
     assert torch.equal(got["w"], full["w"])
