@@ -54,8 +54,7 @@ def delete_model(
         nonlocal retried
         # The same transaction gives the model's bytes back to the tenant's etcd budget
         # (`consistency.usage`); a publish that changed the budget meanwhile: read again.
-        charged = usage.model_charge(etcd, keys, tenant, model, timeout)
-        guard, put = usage.release(etcd, keys, tenant, charged, timeout or 5.0)
+        guard, put = usage.release_model(etcd, keys, tenant, model, timeout or 5.0)
         result = etcd.txn(
             guard,
             [

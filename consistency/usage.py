@@ -39,6 +39,9 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from etcd3 import etcdrpc
 
 from consistency import ops
 from consistency.etcd import Etcd
@@ -188,48 +191,66 @@ class TenantBudget:
         )
 
 
-def release(etcd: Etcd, keys: Keys, tenant: str, nbytes: int, timeout: float) -> Guard:
-    """The compare and put that give back `nbytes` (as `version_charge` counts them) in the
-    transaction that deletes them; nothing to put if the tenant has no usage key (its
-    versions predate the budget). Retry with a fresh call after the transaction fails."""
-    key = keys.quota_fence(tenant, "usage")
-    kv, _ = etcd.get(key, timeout=timeout)
-    if kv is None:
-        return [ops.absent(key)], []
-    usage = Usage.decode(kv.value)
-    after = Usage(max(0, usage.held - nbytes), usage.tokens, usage.at, usage.history)
-    return [ops.mod(key, "==", kv.mod_revision)], [ops.put(key, after.encode())]
-
-
-def version_charge(
+def release_version(
     etcd: Etcd, keys: Keys, tenant: str, model: str, version: int, timeout: float | None
-) -> int:
-    """What the publishes of `model@version` were charged, from its header and shard
-    records (one read): the whole manifest's size, or each shard's, plus `RECORD_BYTES`
-    each. 0 for a version with neither (nothing was charged)."""
+) -> Guard:
+    """The compare and put that give back what `model@version` was charged, in the
+    transaction that deletes it. The charge (its header and shard records) and the usage key
+    are read in one read-only transaction, at one revision, and the usage key's mod revision
+    is compared: a publish, a model deletion or another replica's retention that changed
+    either since fails the compare, and the caller calls again. So no charge is given back
+    twice, and none that landed between two reads is missed. Retry with a fresh call after
+    the transaction fails."""
+    key = keys.quota_fence(tenant, "usage")
     result = etcd.txn(
         [],
         [
             ops.get(keys.manifest(tenant, model, version)),
             ops.get(keys.shards(tenant, model, version), prefix=True),
+            ops.get(key),
         ],
         timeout=timeout,
     )
-    top, shards = (r.response_range.kvs for r in result.responses)
-    return sum(_charge("manifest", bytes(kv.value)) for kv in top) + sum(
+    top, shards, held = (r.response_range.kvs for r in result.responses)
+    charged = sum(_charge("manifest", bytes(kv.value)) for kv in top) + sum(
         _charge("shard", bytes(kv.value)) for kv in shards
     )
+    return _released(key, held, charged)
+
+
+def release_model(etcd: Etcd, keys: Keys, tenant: str, model: str, timeout: float | None) -> Guard:
+    """`release_version` for every version of `model` (one range read of its version keys,
+    with the usage key, at one revision): for the transaction that deletes the whole model."""
+    key = keys.quota_fence(tenant, "usage")
+    versions = keys.versions(tenant, model)
+    listing = etcdrpc.RangeRequest(key=ops.b(versions), range_end=ops.prefix_end(versions))
+    result = etcd.txn([], [etcdrpc.RequestOp(request_range=listing), ops.get(key)], timeout=timeout)
+    listed, held = (r.response_range.kvs for r in result.responses)
+    charged = 0
+    for kv in listed:
+        _, kind, _ = keys.parse_version_key(tenant, model, bytes(kv.key).decode())
+        charged += _charge(kind, bytes(kv.value))
+    return _released(key, held, charged)
 
 
 def model_charge(etcd: Etcd, keys: Keys, tenant: str, model: str, timeout: float | None) -> int:
-    """What every version of `model` was charged (one range read of its version keys): for
-    the transaction that deletes the whole model to `release`."""
+    """What every version of `model` was charged (one range read of its version keys)."""
     result = etcd.range(keys.versions(tenant, model), prefix=True, timeout=timeout)
     total = 0
     for kv in result.kvs:
         _, kind, _ = keys.parse_version_key(tenant, model, kv.key.decode())
         total += _charge(kind, kv.value)
     return total
+
+
+def _released(key: str, held: Sequence[Any], nbytes: int) -> Guard:
+    """The compare (the usage key as read) and the put (`nbytes` less) of a release;
+    nothing to put if the tenant has no usage key (its versions predate the budget)."""
+    if not held:
+        return [ops.absent(key)], []
+    usage = Usage.decode(bytes(held[0].value))
+    after = Usage(max(0, usage.held - nbytes), usage.tokens, usage.at, usage.history)
+    return [ops.mod(key, "==", int(held[0].mod_revision))], [ops.put(key, after.encode())]
 
 
 def _charge(kind: str, value: bytes) -> int:

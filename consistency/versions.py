@@ -331,10 +331,11 @@ class VersionRegistry:
         """Delete one version unless it is pinned, giving its bytes back to the tenant's
         usage (`consistency.usage`) in the same transaction; whether it was deleted."""
         pins = self.keys.pins(tenant, model, version)
-        charged = usage.version_charge(self.etcd, self.keys, tenant, model, version, timeout)
 
-        def attempt() -> bool:
-            guard, put = usage.release(self.etcd, self.keys, tenant, charged, timeout or 5.0)
+        def attempt() -> bool:  # the charge is read again with the usage at every attempt
+            guard, put = usage.release_version(
+                self.etcd, self.keys, tenant, model, version, timeout or 5.0
+            )
             result = self.etcd.txn(
                 [ops.none_under(pins), *guard],
                 [

@@ -8,8 +8,9 @@ of the deleted model left behind (a page, a holder record), and the tenant's usa
 charges exactly what is left (`tests.ros.review_state`).
 
 The interleavings are forced with failpoints on the hub's etcd client (`HeldTxn` holds one
-transaction at the door, `HeldRead` one read, `HeldDelete` one retention), never with
-sleeps. Three of them find the usage key wrong afterwards: strict xfails naming the cause.
+transaction at the door, `HeldDelete` one deletion), never with
+sleeps. Three of them found the usage key wrong afterwards until the charge and the usage
+were read in one read (`consistency.usage.release_version`, `release_model`).
 """
 
 from __future__ import annotations
@@ -51,46 +52,10 @@ def delete(stub: Any, md: Any, model: str) -> pb.DeleteModelResponse:
     return answer
 
 
-RETENTION_DOUBLE_RELEASE = (
-    "consistency/versions.py VersionRegistry._delete_unpinned reads the version's charge "
-    "once (usage.version_charge) and its retried transaction compares only the usage key "
-    "and the pins, not that the version still exists: when the version was deleted meanwhile "
-    "(DeleteModel, or another replica's retention collecting the same version), the retry "
-    "deletes nothing and gives the bytes back a second time, so the usage charges less than "
-    "etcd holds (clamped at 0) and the tenant can pass max_etcd_bytes"
-)
-
-
-class HeldRead:
-    """Failpoint on a hub's etcd client: the first range read of exactly `key` waits at the
-    door until `release()` (at most 30 s); every later read passes."""
-
-    def __init__(self, etcd: Etcd, key: str) -> None:
-        self._etcd = etcd
-        self._range = etcd.range
-        self._key = key.encode()
-        self.reached = threading.Event()
-        self._open = threading.Event()
-        etcd.range = self  # type: ignore[method-assign]
-
-    def __call__(self, key: str | bytes, **kw: Any) -> Any:
-        raw = key.encode() if isinstance(key, str) else key
-        if raw == self._key and not kw.get("prefix") and not self.reached.is_set():
-            self.reached.set()
-            self._open.wait(30)
-        return self._range(key, **kw)
-
-    def release(self) -> None:
-        self._open.set()
-
-    def remove(self) -> None:
-        self.release()
-        del self._etcd.range  # type: ignore[method-assign]
-
-
 class HeldDelete:
     """Failpoint on a hub's etcd client: the first transaction that deletes the whole range
-    under `prefix` (retention collecting one version: not a holder record's delete) waits
+    under `prefix` (retention collecting one version, or a model's deletion: not a holder
+    record's delete) waits
     at the door until `release()` (at most 30 s). Like `HeldTxn`, the transactions it passes
     run on the hub's own connection, not a tenant's fenced view of it: no tenant is deleted
     in these tests."""
@@ -206,25 +171,17 @@ def test_a_publish_that_lands_while_a_delete_waits_is_deleted_with_the_model(
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "consistency/deletion.py delete_model reads the model's charge "
-        "(usage.model_charge: a range of its version keys) and then, in a second read, the "
-        "usage key whose mod_revision its transaction compares (usage.release). A publish "
-        "that commits between the two reads is deleted by the transaction but its bytes are "
-        "never given back: the tenant stays charged for keys that no longer exist"
-    ),
-)
-def test_a_publish_between_the_deletes_two_reads_is_not_left_charged(
+def test_a_publish_landing_while_the_delete_commits_is_not_left_charged(
     hub_server: HubServer, connect: Callable[..., ros.Hub]
 ) -> None:
-    """The delete has read what the model's versions were charged and is about to read
-    the usage key; policy@2 is published in that window. Proves (when it passes): the
-    delete removes @2 and gives back its bytes too, so the usage charges what is left."""
+    """The delete has read what the model's versions were charged (and, in the same read,
+    the usage key) and its transaction is held at etcd's door; policy@2 is published in that
+    window. The delete's compare on the usage key fails, it reads again and removes @2 too,
+    giving back its bytes: the usage charges what is left. (It used to read the charge and
+    the usage in two reads, and a publish between them stayed charged for keys deleted.)"""
     client = connect("race-f")
     client.publish("policy", 1, make_model(1)).release(force=True)
-    failpoint = HeldRead(hub_server.etcd, hub_server.keys.quota_fence("race-f", "usage"))
+    failpoint = HeldDelete(hub_server.etcd, hub_server.keys.model("race-f", "policy"))
     answers: list[object] = []
 
     def run_delete() -> None:
@@ -236,7 +193,7 @@ def test_a_publish_between_the_deletes_two_reads_is_not_left_charged(
     try:
         thread = threading.Thread(target=run_delete)
         thread.start()
-        assert failpoint.reached.wait(20), "the delete never read the usage key"
+        assert failpoint.reached.wait(20), "the delete never sent its transaction"
         assert client.publish("policy", 2, make_model(2), timeout=20).visible
         failpoint.release()
         thread.join(30)
@@ -250,7 +207,6 @@ def test_a_publish_between_the_deletes_two_reads_is_not_left_charged(
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason=RETENTION_DOUBLE_RELEASE)
 def test_retention_racing_a_delete_gives_back_a_version_only_once(
     hub_server: HubServer, connect: Callable[..., ros.Hub]
 ) -> None:
@@ -282,7 +238,6 @@ def test_retention_racing_a_delete_gives_back_a_version_only_once(
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason=RETENTION_DOUBLE_RELEASE)
 def test_two_replicas_collecting_the_same_version_give_it_back_once(
     hub_server: HubServer, etcd_cluster: EtcdCluster, make_tenant: Callable[[str], str]
 ) -> None:
