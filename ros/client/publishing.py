@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Mapping
 
@@ -36,6 +37,10 @@ class Publisher:
 
     def __init__(self, client: ClientBase) -> None:
         self._client = client  # the channel, session and holdings it publishes through
+        # Versions whose publish ended OutcomeUnknown: still served (it may have landed)
+        # until this client publishes them again, which replaces what it holds.
+        self._in_doubt: set[tuple[str, str, int]] = set()
+        self._lock = threading.Lock()
 
     def publish(
         self,
@@ -67,6 +72,11 @@ class Publisher:
         check_manifest(manifest, "manifest" if shard is None else f"manifest of shard {shard[0]}")
         self._client._holder_server()
         index = None if shard is None else shard[0]
+        with self._lock:
+            doubted = held.key in self._in_doubt
+            self._in_doubt.discard(held.key)
+        if doubted:  # the retry OutcomeUnknown asks for: it replaces the in-doubt holding
+            self._client.holdings.drop(held.key, 0.0)
         self._client.holdings.hold(held, index)
         request = pb.PublishRequest(
             model=model,
@@ -78,6 +88,13 @@ class Publisher:
             request.shard_index, request.shard_count = shard
         try:
             response = self._publish_rpc(request, timeout)
+        except OutcomeUnknown:
+            # It may have landed: its holder record would then name this client, so keep
+            # serving the tensors (until it publishes again, or closes). Dropping them made
+            # a landed shard of a visible version unreadable for as long as the session lived.
+            with self._lock:
+                self._in_doubt.add(held.key)
+            raise
         except BaseException:
             self._client.holdings.drop(held.key, 0.0)  # its shard too (it was left behind before)
             raise

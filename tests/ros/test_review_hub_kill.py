@@ -11,8 +11,8 @@ What must hold: a publish ends with a definite outcome that is true (the SDK che
 surviving replica and resends only what did not land), or with `OutcomeUnknown` that
 `latest`/`inspect` resolve; the model's keys are then consistent and its budget exact
 (`tests/ros/review_state.py`). A fetch completes through the other replica, its holder
-record COMPLETE under its own session, no pin left behind. One strict xfail: a shard whose
-`OutcomeUnknown` is settled by `latest` alone is not served (the SDK dropped it).
+record COMPLETE under its own session, no pin left behind. A shard whose `OutcomeUnknown`
+is settled by `latest` alone is still served (the SDK keeps what may have landed).
 """
 
 from __future__ import annotations
@@ -210,18 +210,6 @@ def test_kill_9_of_the_replica_in_the_middle_of_the_last_shard_of_a_version(
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "ros/client/publishing.py Publisher.publish drops the publication from the client's "
-        "holdings on any exception (holdings.drop in its except BaseException), "
-        "OutcomeUnknown included. When the write did land, its holder record stays under the "
-        "live session while the client no longer holds the tensors: a rank that settles "
-        "OutcomeUnknown as docs/sdk.md says (latest/inspect: it landed) leaves its shard of "
-        "a visible version unreadable (its holder answers NOT_HELD) for as long as its "
-        "session lives"
-    ),
-)
 def test_a_shard_whose_outcome_unknown_is_settled_by_latest_is_still_served(
     world: World,
 ) -> None:
