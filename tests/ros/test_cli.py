@@ -101,11 +101,21 @@ def test_cli_round_trip(served: str) -> None:
 def test_help_is_helpful() -> None:
     top = tensorhub("--help")
     assert top.returncode == 0
-    for command in ("serve", "tenant", "ls", "inspect", "holders", "demo", "bench", "chaos"):
+    for command in (
+        "serve", "tenant", "ls", "inspect", "holders", "demo", "bench", "chaos", "publish", "fetch"
+    ):  # fmt: skip
         assert command in top.stdout
     serve = tensorhub("serve", "--help")
     assert "--etcd" in serve.stdout
     assert "--admin-token" in serve.stdout
+    assert "--etcd-quota-bytes" in serve.stdout
+    assert "--max-history-bytes" in tensorhub("tenant", "create", "--help").stdout
+    publish = tensorhub("publish", "--help")
+    assert "--until-replicated" in publish.stdout
+    assert "--shard" in publish.stdout
+    fetch = tensorhub("fetch", "--help")
+    assert "--serve" in fetch.stdout
+    assert "--force" in fetch.stdout
     no_hub = tensorhub("ls", env={"TENSORHUB_HUB": "", "TENSORHUB_TOKEN": "x.y"})
     assert no_hub.returncode == 1
     assert "--hub" in no_hub.stderr
