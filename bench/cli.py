@@ -13,17 +13,15 @@ Human table by default; `--json PATH` writes the figures (`-` for stdout).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 from bench import crossdc, elastic, failover, fanout, metadata
 from bench.common import Options, add_options, options
 from bench.emu.netns import NeedsRoot
-from bench.report import Result, table
+from bench.report import Result, emit
 from ros.cli.progress import Bar
 from ros.demo.summary import matplotlib_missing
 from tensorhub.errors import InvalidArgument
@@ -106,21 +104,6 @@ def _transport(extra: list[str]) -> Result:
     )
 
 
-def _emit(results: list[Result], path: str | None) -> None:
-    print(table(results))
-    if path:
-        report = {
-            "generated_unix": time.time(),
-            "ok": all(r.ok for r in results),
-            "results": [r.to_dict() for r in results],
-        }
-        text = json.dumps(report, indent=2, default=str)
-        if path == "-":
-            print(text)
-        else:
-            Path(path).write_text(text)
-
-
 def run(args: argparse.Namespace) -> int:
     name, rest = args.name, list(args.rest)
     if name == "transport":
@@ -150,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     opts = options(opts_ns)
     if name != "all":
-        _emit([_one(name, opts, getattr(opts_ns, "plot", None))], opts_ns.json)
+        emit([_one(name, opts, getattr(opts_ns, "plot", None))], opts_ns.json)
         return 0
     results: list[Result] = []
     with Bar(len(EMULATED) + 2, "bench all", unit="benchmark") as bar:
@@ -167,5 +150,5 @@ def run(args: argparse.Namespace) -> int:
 
         results.extend(scale_cli.results(scale_cli.parse(ALL_SCALE)))
         bar.advance(1)
-    _emit(results, opts_ns.json)
+    emit(results, opts_ns.json)
     return 0 if all(r.ok for r in results) else 1

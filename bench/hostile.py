@@ -36,12 +36,11 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import IO, Any
 
 import grpc
 
-from bench.report import Result, table
+from bench.report import Result, emit
 from bench.scale.load import percentile
 from bench.scale.procs import ProcStats, Server, create_tenant, gauge
 from bench.scale.world import World
@@ -385,19 +384,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, _terminated)
     args = parse(argv)
     out = [run(args)]
-    print(table(out))
-    if args.json:
-        report = {
-            "generated_unix": time.time(),
-            "ok": all(r.ok for r in out),
-            "results": [r.to_dict() for r in out],
-        }
-        text = json.dumps(report, indent=2, default=str)
-        if args.json == "-":
-            print(text)
-        else:
-            Path(args.json).write_text(text)
-    return 0 if all(r.ok for r in out) else 1
+    return emit(out, args.json)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,12 @@ machine, with its target. A benchmark whose links were not saturated by a plain-
 
 from __future__ import annotations
 
+import json
 import operator
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 _OPS: dict[str, Callable[[float, float], bool]] = {"<=": operator.le, ">=": operator.ge}
@@ -100,3 +103,22 @@ def markdown(results: Sequence[Result]) -> str:
         if r.note:
             out.append(f"| {r.bench} | {r.note} | | | WITHHELD | `{r.command}` |")
     return "\n".join(out)
+
+
+def emit(results: Sequence[Result], path: str | None) -> int:
+    """Print the results' table and, with `path`, write them as a JSON report (`-`: to
+    stdout); the exit code a benchmark command returns (0 only if every result is ok)."""
+    print(table(results))
+    ok = all(r.ok for r in results)
+    if path:
+        report = {
+            "generated_unix": time.time(),
+            "ok": ok,
+            "results": [r.to_dict() for r in results],
+        }
+        text = json.dumps(report, indent=2, default=str)
+        if path == "-":
+            print(text)
+        else:
+            Path(path).write_text(text)
+    return 0 if ok else 1

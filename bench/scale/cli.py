@@ -13,15 +13,13 @@ parts that depend on them print them.
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from bench.report import Result, table
+from bench.report import Result, emit
 
 PARTS = ("clients", "holders", "manifest", "history", "shards", "herd", "reconnect")
 
@@ -582,16 +580,4 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, _terminated)
     args = parse(argv)
     out = results(args)
-    print(table(out))
-    if args.json:
-        report = {
-            "generated_unix": time.time(),
-            "ok": all(r.ok for r in out),
-            "results": [r.to_dict() for r in out],
-        }
-        text = json.dumps(report, indent=2, default=str)
-        if args.json == "-":
-            print(text)
-        else:
-            Path(args.json).write_text(text)
-    return 0 if all(r.ok for r in out) else 1
+    return emit(out, args.json)
