@@ -10,11 +10,8 @@ named, with their sizes, in `tensorhub.files.left`, and `publish` and `fetch` bo
 A real `tokenizer.json` (several MB) does not fit the 64 KiB the hub allows: it is left
 behind, and the fetched directory then has the model's config but not that tokenizer file.
 
-The SDK's `Hub.publish` takes no metadata. Rather than change the SDK from the CLI,
-`CarryingPublisher` is the SDK's own `Publisher` with the metadata added to the request it
-sends (`_publish_rpc`, which also resends it after a lost reply): the manifest is built,
-checked and published exactly as `Hub.publish` does. A `metadata=` argument on
-`Hub.publish` would make this class unnecessary.
+They go through `Hub.publish(metadata=...)`, which puts them in the manifest before it is
+checked and sent.
 """
 
 from __future__ import annotations
@@ -30,9 +27,7 @@ import torch
 from ros.client.handles import Publication
 from ros.client.hub import Hub
 from ros.client.manifest import Placements
-from ros.client.publishing import Publisher
 from ros.manifest_check import MAX_METADATA_BYTES, MAX_METADATA_ENTRIES, check_metadata
-from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import InvalidManifest
 
 FILE_KEY = "tensorhub.file:"
@@ -94,19 +89,6 @@ def decode(metadata: Mapping[str, str]) -> Carried:
     return carried
 
 
-class CarryingPublisher(Publisher):
-    """`Hub.publish`, with `metadata` added to the manifest it sends."""
-
-    def __init__(self, hub: Hub, metadata: Mapping[str, str]) -> None:
-        super().__init__(hub)
-        check_metadata(metadata)
-        self._metadata = dict(metadata)
-
-    def _publish_rpc(self, request: pb.PublishRequest, timeout: float | None) -> pb.PublishResponse:
-        request.manifest.metadata.update(self._metadata)
-        return super()._publish_rpc(request, timeout)
-
-
 def publish_carrying(
     hub: Hub,
     model: str,
@@ -119,6 +101,8 @@ def publish_carrying(
     timeout: float | None = None,
 ) -> Publication:
     """`hub.publish(...)` whose manifest carries `metadata` (see the module docstring)."""
-    return CarryingPublisher(hub, metadata).publish(
-        model, version, tensors, shard=shard, placements=placements, timeout=timeout
-    )
+    check_metadata(metadata)
+    return hub.publish(
+        model, version, tensors, shard=shard, placements=placements, timeout=timeout,
+        metadata=metadata,
+    )  # fmt: skip

@@ -58,6 +58,7 @@ class Hub(ClientBase):
         shard: tuple[int, int] | None = None,
         placements: Placements | None = None,
         checksum: str | None = None,
+        metadata: Mapping[str, str] | None = None,
     ) -> Publication:
         """Publish `version` of `model`, served from these tensors' own memory.
 
@@ -77,10 +78,13 @@ class Hub(ClientBase):
         (for tensors in GPU memory: kernels on the device, no copy of the model to the host).
         None (the default) picks `wsum64` for tensors on a GPU and `xxh3-64` otherwise.
         Readers verify either.
+
+        `metadata`: string entries carried in the manifest (`Manifest.metadata`, bounded as
+        the hub bounds them: `ros.manifest_check.check_metadata`), e.g. a model's config.
         """
         return self._publisher.publish(
             model, version, tensors, chunk_size=chunk_size, timeout=timeout, shard=shard,
-            placements=placements, checksum=checksum,
+            placements=placements, checksum=checksum, metadata=metadata,
         )  # fmt: skip
 
     def fetch(

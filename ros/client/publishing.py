@@ -53,6 +53,7 @@ class Publisher:
         shard: tuple[int, int] | None = None,
         placements: Placements | None = None,
         checksum: str | None = None,
+        metadata: Mapping[str, str] | None = None,
     ) -> Publication:
         """`Hub.publish` (its docstring is the contract)."""
         if placements and shard is None:
@@ -68,6 +69,8 @@ class Publisher:
         )
         held = HeldVersion.publisher(self._client.tenant, model, version, own, layout)
         manifest = manifest_of(held, placements, checksum)
+        if metadata:
+            manifest.metadata.update(metadata)
         # the hub's own rules, so a manifest it would refuse fails here with its message
         check_manifest(manifest, "manifest" if shard is None else f"manifest of shard {shard[0]}")
         self._client._holder_server()
