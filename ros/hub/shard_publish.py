@@ -80,7 +80,7 @@ def _expired(entry: ShardEntry) -> ShardEntry:
     return entry
 
 
-LINGER = 0.02  # seconds a batch with room left waits for more shards of its version
+LINGER = 0.05  # seconds a batch with room left waits for more shards of its version
 
 
 def _linger(jobs: list[ShardJob], submitted: int) -> float:
