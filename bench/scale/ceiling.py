@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -26,6 +25,7 @@ from pathlib import Path
 import grpc
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
+from ros.cli.serve import write_ready_file
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
 
@@ -113,7 +113,7 @@ async def serve(listen: str, ready_file: Path | None, metrics_port: int = 0) -> 
     await server.start()
     host = listen.rsplit(":", 1)[0]
     if ready_file is not None:
-        ready_file.write_text(json.dumps({"address": f"{host}:{port}"}))
+        write_ready_file(ready_file, {"address": f"{host}:{port}"})
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

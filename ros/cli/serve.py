@@ -214,6 +214,14 @@ def _admin_token(args: argparse.Namespace) -> tuple[str, bool]:
     return secrets.token_urlsafe(24), True
 
 
+def write_ready_file(path: Path, content: dict[str, object]) -> None:
+    """Write the ready file whole or not at all: a watcher that polls for the file must never
+    read it between its creation and its content (a temporary name, then a rename)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(content))
+    os.replace(tmp, path)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         admin_token, generated = _admin_token(args)
@@ -267,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
         if generated:
             print(f"admin token: {admin_token}", flush=True)
         if args.ready_file:
-            args.ready_file.write_text(json.dumps({"address": server.address, "etcd": endpoints}))
+            write_ready_file(args.ready_file, {"address": server.address, "etcd": endpoints})
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
