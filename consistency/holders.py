@@ -23,6 +23,7 @@ from tensorhub.errors import (
     LeaseLost,
     PermissionDenied,
     RetentionViolation,
+    SessionExpired,
     VersionNotFound,
     VersionRetired,
 )
@@ -68,6 +69,8 @@ class HolderRegistry:
         record: HolderRecord,
         *,
         timeout: float | None = None,
+        session_key: str | None = None,
+        header: tuple[int, int] | None = None,
     ) -> int:
         """Register (or re-register) a holder under its lease; returns its fencing token.
 
@@ -76,14 +79,22 @@ class HolderRegistry:
         name the one shard it holds (`record.shard`), and a holder of a whole version must not.
         A PARTIAL record also pins the version (`pin/{holder}`, same lease) until the holder
         turns COMPLETE or is released.
+
+        `session_key` (the tenant's record of the holder's session) is compared in the
+        transaction: a lease that is no live session of the tenant fails it
+        (`SessionExpired`). `header`, the version's (manifest key create revision, shard
+        count) as the caller has it cached, spares the read of the manifest key: the
+        transaction compares that create revision, and reads it when it differs.
         """
         if record.session <= 0:
             raise InvalidArgument("a holder record needs its session (lease) id")
         manifest_key = self.keys.manifest(tenant, model, version)
-        manifest, _ = self.etcd.get(manifest_key, timeout=timeout)
-        if manifest is None:
-            raise VersionNotFound(f"{model}@{version} is not published; cannot hold it")
-        _check_shard(model, version, record.shard, PartHeader.decode(manifest.value).shards)
+        if header is None:
+            manifest, _ = self.etcd.get(manifest_key, timeout=timeout)
+            if manifest is None:
+                raise VersionNotFound(f"{model}@{version} is not published; cannot hold it")
+            header = (manifest.create_revision, PartHeader.decode(manifest.value).shards)
+        _check_shard(model, version, record.shard, header[1])
         key = self.keys.holder(tenant, model, version, record.holder)
         writes = [ops.put(key, record.encode(), lease=record.session), ops.get(key)]
         if not record.complete:
@@ -92,12 +103,25 @@ class HolderRegistry:
             # needs no Pin/Unpin writes of its own. COMPLETE (or release) drops the pin.
             pin = self.keys.pin(tenant, model, version, record.holder)
             writes.append(ops.put(pin, b"", lease=record.session))
+        owned = [ops.exists(session_key)] if session_key is not None else []
+        diagnose = [ops.get(manifest_key, count_only=True)]
+        if session_key is not None:
+            diagnose.append(ops.get(session_key, count_only=True))
         result = self.etcd.txn(
-            [ops.exists(self.keys.manifest(tenant, model, version))], writes, timeout=timeout
+            [ops.create(manifest_key, "==", header[0]), *owned], writes, diagnose, timeout=timeout
         )
-        if not result.succeeded:
+        if result.succeeded:
+            return int(result.responses[1].response_range.kvs[0].create_revision)
+        if not int(result.responses[0].response_range.count):
             raise VersionNotFound(f"{model}@{version} is not published; cannot hold it")
-        return int(result.responses[1].response_range.kvs[0].create_revision)
+        if session_key is not None and not int(result.responses[1].response_range.count):
+            raise SessionExpired(
+                f"session {record.session:x} has expired or was revoked: open a new one"
+            )
+        # The version was deleted and published again since `header` was read: read it.
+        return self.register(
+            tenant, model, version, record, timeout=timeout, session_key=session_key
+        )
 
     def update_state(
         self,
@@ -115,7 +139,9 @@ class HolderRegistry:
         The shard a record names never changes: an update naming another one is refused.
         A record that is gone because its version is (retention, or the model deleted) is
         `VersionRetired`; one gone with its lease, or re-created by a newer incarnation of
-        the holder, is `LeaseLost`. The same transaction reads which it was.
+        the holder, is `LeaseLost`. The same transaction reads which it was. The record's
+        lease is compared with `record.session`: an update cannot move a record to another
+        lease, so the session it stays under is the one its registration checked.
         """
         key = self.keys.holder(tenant, model, version, record.holder)
         current, _ = self.etcd.get(key, timeout=timeout)
@@ -130,7 +156,12 @@ class HolderRegistry:
         if record.complete:  # the pin a PARTIAL registration took is not needed any more
             writes.append(ops.delete(self.keys.pin(tenant, model, version, record.holder)))
         manifest = ops.get(self.keys.manifest(tenant, model, version), count_only=True)
-        result = self.etcd.txn([ops.create(key, "==", fence)], writes, [manifest], timeout=timeout)
+        result = self.etcd.txn(
+            [ops.create(key, "==", fence), ops.lease(key, "==", record.session)],
+            writes,
+            [manifest],
+            timeout=timeout,
+        )
         if not result.succeeded:
             if not int(result.responses[0].response_range.count):
                 raise VersionRetired(

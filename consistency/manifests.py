@@ -44,6 +44,7 @@ from tensorhub.errors import (
     InvalidArgument,
     LeaseLost,
     ManifestTooLarge,
+    SessionExpired,
     TensorHubError,
     VersionNotFound,
 )
@@ -137,8 +138,13 @@ class ManifestStore:
         lease: int,
         *,
         timeout: float,
+        owner: str | None = None,
     ) -> Staged:
-        """Write `manifest`'s pages under `lease` (none if small enough to stay inline)."""
+        """Write `manifest`'s pages under `lease` (none if small enough to stay inline).
+
+        `owner` (the tenant's record of that lease's session) is compared in each page's
+        write: no page goes under a lease that is not one of the tenant's live sessions
+        (`SessionExpired`, nothing left behind)."""
         check_manifest_size(len(manifest))
         digest = hashlib.sha256(manifest).digest()
         if len(manifest) <= (INLINE_BYTES if part is None else SHARD_INLINE_BYTES):
@@ -150,13 +156,18 @@ class ManifestStore:
         commits: list[ops.Op] = []
         view = memoryview(manifest)
         try:
+            owned = [ops.exists(owner)] if owner is not None else []
             for page, start in enumerate(range(0, len(manifest), PAGE_BYTES)):
                 key = f"{prefix}{page:06d}"
-                self.etcd.txn(
-                    [],
+                written = self.etcd.txn(
+                    owned,
                     [ops.put(key, bytes(view[start : start + PAGE_BYTES]), lease)],
                     timeout=max(deadline - time.monotonic(), 0.01),
                 )  # a retried put writes the same bytes: idempotent
+                if not written.succeeded:
+                    raise SessionExpired(
+                        f"session {lease:x} has expired or was revoked: open a new one"
+                    )
                 compares.append(ops.exists(key))
                 commits.append(ops.put(key, ignore_value=True))  # lease 0: detached, bytes kept
         except TensorHubError:

@@ -17,10 +17,10 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from consistency import ops
-from consistency.etcd import Etcd
+from consistency.etcd import Etcd, TxnResult
 from consistency.keys import Keys
 from consistency.manifests import ManifestStore, Staged
 from consistency.records import HolderRecord
@@ -28,6 +28,7 @@ from consistency.retry import CAS_POLICY, LostRace
 from tensorhub.errors import (
     DeadlineExceeded,
     OutcomeUnknown,
+    SessionExpired,
     StaleVersion,
     TensorHubError,
     Unavailable,
@@ -63,6 +64,30 @@ def _admission(admit: Admit | None, state: Latest, timeout: float) -> tuple[list
     if admit is None or state.mod_revision:
         return [], []
     return admit(timeout)
+
+
+def _session_expired(session: int) -> SessionExpired:
+    """What a publish under a lease that is no live session of the tenant gets (as the hub
+    answers a missing session everywhere: another tenant's live lease looks the same)."""
+    return SessionExpired(f"session {session:x} has expired or was revoked: open a new one")
+
+
+def _latest_of(result: TxnResult) -> Latest:
+    """`latest` as the failure branch of a publish transaction read it (its first get)."""
+    found = result.responses[0].response_range.kvs
+    if not found:
+        return Latest(0, 0, result.revision)
+    return Latest(int(found[0].value), int(found[0].mod_revision), result.revision)
+
+
+class Charge(Protocol):
+    """A budget's charge for one publish transaction (`consistency.usage.TenantBudget`):
+    called before each attempt for the compares and puts it adds, then told how the
+    attempt ended: the commit revision, or None (failed, or its outcome unknown)."""
+
+    def __call__(self, timeout: float) -> tuple[list[ops.Cmp], list[ops.Op]]: ...
+
+    def settle(self, revision: int | None) -> None: ...
 
 
 def _unknown(model: str, version: int, exc: Exception) -> OutcomeUnknown:
@@ -110,8 +135,9 @@ class Publisher:
         admit_model: Admit | None,
         agree: Callable[[float], list[ops.Cmp]] | None = None,
         *,
-        charge: Admit | None = None,
+        charge: Charge | None = None,
         serial: AbstractContextManager[object] | None = None,
+        session_key: str | None = None,
     ) -> Published:
         """The publish transaction around a staged manifest, in `_publish_loop`.
 
@@ -120,6 +146,12 @@ class Publisher:
         `latest`; without one, `puts` move it), under `agree`'s compares (asked before each
         attempt; they may refuse it). Pages of a publish that definitely failed
         are deleted at once, not left under the session's lease for as long as it lives.
+
+        `session_key` (the publisher's session record) is compared inside the transaction:
+        a lease that is not one of the tenant's live sessions fails it, and the failure
+        branch says so (`SessionExpired`), with no read before the transaction. The failure
+        branch also reads `latest`, so a lost race retries against what it read, and
+        `charge` is told how the transaction ended (its cached usage is kept or dropped).
         """
         latest_key = self.keys.latest(tenant, model)
         holder_key = self.keys.holder(tenant, model, version, holder.holder)
@@ -129,7 +161,12 @@ class Publisher:
             else f"shard {holder.shard} of {model}@{version}"
         )
 
-        def attempt(state: Latest, remaining: float) -> tuple[bool, int, int]:
+        owned = [ops.exists(session_key)] if session_key is not None else []
+        diagnose = [ops.get(latest_key)]
+        if session_key is not None:
+            diagnose.append(ops.get(session_key, count_only=True))
+
+        def attempt(state: Latest, remaining: float) -> tuple[bool, int, int, Latest | None]:
             guard, bump = _admission(admit_model, state, remaining)
             if agree is not None:
                 guard = [*guard, *agree(remaining)]
@@ -137,29 +174,41 @@ class Publisher:
                 if charge is not None:
                     charged, put = charge(remaining)
                     guard, bump = [*guard, *charged], [*bump, *put]
-                result = self.etcd.txn(
-                    [
-                        ops.mod(latest_key, "==", state.mod_revision),
-                        ops.absent(own_key),
-                        *guard,
-                        *staged.compares,
-                    ],
-                    [
-                        *bump,
-                        ops.put(own_key, own_value),
-                        ops.put(holder_key, holder.encode(), lease=holder.session),
-                        *puts,
-                        *staged.commits,
-                        *last,  # last: its response is the nested transaction's
-                    ],
-                    staged.count_op(),
-                    timeout=remaining,
-                )
+                try:
+                    result = self.etcd.txn(
+                        [
+                            ops.mod(latest_key, "==", state.mod_revision),
+                            ops.absent(own_key),
+                            *owned,
+                            *guard,
+                            *staged.compares,
+                        ],
+                        [
+                            *bump,
+                            ops.put(own_key, own_value),
+                            ops.put(holder_key, holder.encode(), lease=holder.session),
+                            *puts,
+                            *staged.commits,
+                            *last,  # last: its response is the nested transaction's
+                        ],
+                        [*diagnose, *staged.count_op()],
+                        timeout=remaining,
+                    )
+                except BaseException:
+                    if charge is not None:
+                        charge.settle(None)
+                    raise
+                if charge is not None:
+                    charge.settle(result.revision if result.succeeded else None)
             staged.check_pages(result, what)
             if last:
                 moved = result.succeeded and result.responses[-1].response_txn.succeeded
                 state.extra["moved"] = int(moved)
-            return result.succeeded, result.revision, result.attempts
+            if result.succeeded:
+                return True, result.revision, result.attempts, None
+            if session_key is not None and not int(result.responses[1].response_range.count):
+                raise _session_expired(holder.session)
+            return False, result.revision, result.attempts, _latest_of(result)
 
         try:
             return self._publish_loop(tenant, model, version, holder, attempt, deadline, not last)
@@ -175,7 +224,7 @@ class Publisher:
         model: str,
         version: int,
         holder: HolderRecord,
-        attempt: Callable[[Latest, float], tuple[bool, int, int]],
+        attempt: Callable[[Latest, float], tuple[bool, int, int, Latest | None]],
         deadline: float,
         moves_latest: bool,
     ) -> Published:
@@ -186,13 +235,15 @@ class Publisher:
         """
         timeout = deadline - time.monotonic()
         ambiguous = False
+        known: Latest | None = None  # `latest` as a failed attempt's failure branch read it
         holder_key = self.keys.holder(tenant, model, version, holder.holder)
 
         def once() -> Published:
-            nonlocal ambiguous
+            nonlocal ambiguous, known
             remaining = deadline - time.monotonic()
             try:
-                state = self.read_latest(tenant, model, remaining)
+                state = known if known is not None else self.read_latest(tenant, model, remaining)
+                known = None
                 mine = (
                     self._own_write(holder_key, holder, state, version, remaining)
                     if ambiguous
@@ -209,12 +260,13 @@ class Publisher:
                     f"{model}@{version} is not newer than latest {model}@{state.version}"
                 )
             try:
-                succeeded, revision, attempts = attempt(state, deadline - time.monotonic())
+                succeeded, revision, attempts, seen = attempt(state, deadline - time.monotonic())
             except (Unavailable, DeadlineExceeded) as exc:
                 # The transaction may have reached etcd before its reply was lost.
                 raise _unknown(model, version, exc) from exc
             ambiguous = ambiguous or attempts > 1
-            if not succeeded:  # `latest` moved since it was read: read it again
+            if not succeeded:  # `latest` (or the usage) moved: again, against what was read
+                known = seen
                 raise LostRace(f"latest of {model} moved during the publish of {version}")
             visible = moves_latest or bool(state.extra.get("moved"))
             if visible:

@@ -29,6 +29,12 @@ and retries. The shards of one version are charged once per batch (`charge_many`
 transaction, not one contended charge per shard; different models of a tenant retry each
 other's compares only when they commit at the same instant (no lock serializes them).
 
+A replica keeps the usage keys as it last read or wrote them (`UsageCache`): a publish
+charges against the cached value, compares its mod_revision as ever, and reads the key
+again only after a transaction that failed (or whose outcome is unknown). Another
+replica's charge in between only fails that compare, so the cache costs no guarantee, and
+a steady publisher reads its usage once, not twice per publish.
+
 Holder, pin and session records are not charged here: they are small, bounded in size, and
 bounded in number by the session quota (each lives under its session's lease).
 """
@@ -48,6 +54,7 @@ from consistency.etcd import Etcd
 from consistency.keys import Keys
 from consistency.records import PartHeader, ShardRecord
 from tensorhub.errors import QuotaExceeded
+from tensorhub.lru import SizedLru
 
 RECORD_BYTES = 1024  # charged per version header or shard record beside its manifest bytes
 DEFAULT_HISTORY_PERIOD = 300.0  # the compactor's default interval (consistency.compactor)
@@ -87,6 +94,41 @@ def history_cost(nbytes: int, inline: int) -> int:
     return nbytes * (2 if nbytes > inline else 1) + RECORD_BYTES
 
 
+class UsageCache:
+    """The usage keys as this replica last read or wrote them (see the module docstring):
+    at most `limit` bytes of them; a key cached as absent has mod_revision 0."""
+
+    def __init__(self, limit: int = 4 << 20) -> None:
+        self._kvs: SizedLru[bytes, ops.KV] = SizedLru(limit, lambda kv: len(kv.key) + len(kv.value))
+
+    def get(self, key: str) -> ops.KV | Missing | None:
+        """The cached usage (None: known absent), or `MISSING` if not cached."""
+        kv = self._kvs.get(ops.b(key))
+        if kv is None:
+            return MISSING
+        return kv if kv.mod_revision else None
+
+    def put(self, key: str, kv: ops.KV | None) -> None:
+        self._kvs.put(ops.b(key), kv or ops.KV(ops.b(key), b"", 0, 0, 0, 0))
+
+    def drop(self, key: str) -> None:
+        self._kvs.pop(ops.b(key))
+
+    def remember(self, puts: Sequence[ops.Op], revision: int) -> None:
+        """Cache the usage that `puts` (a release's, `release_version`) wrote at `revision`."""
+        for op in puts:
+            put = op.request_put
+            key = bytes(put.key)
+            self._kvs.put(key, ops.KV(key, bytes(put.value), 0, revision, 0, 0))
+
+
+class Missing:
+    """`UsageCache.get`'s answer for a key it does not hold."""
+
+
+MISSING = Missing()
+
+
 class TenantBudget:
     """The usage key of one tenant against its limits, `max_bytes` and
     `publishes_per_minute`; `clock` is wall time (replicas share the bucket, so it is the
@@ -104,10 +146,12 @@ class TenantBudget:
         history_period: float = DEFAULT_HISTORY_PERIOD,
         inline: int = 64 << 10,
         clock: Callable[[], float] = time.time,
+        cache: UsageCache | None = None,
     ) -> None:
         """`history_bytes` (None: `max_bytes`) of etcd history per `history_period` (the
         compactor's interval) refill a bucket of that size; `inline`: the manifest size up
-        to which a publish writes its manifest once (`history_cost`)."""
+        to which a publish writes its manifest once (`history_cost`); `cache`: the
+        replica's usage cache, which `charge` reads first and keeps up to date."""
         self._etcd = etcd
         self.key = keys.quota_fence(tenant, "usage")
         self._tenant = tenant
@@ -117,6 +161,13 @@ class TenantBudget:
         self._history_period = history_period
         self._inline = inline
         self._clock = clock
+        self._cache = cache
+        self.written = b""  # the usage the last charge puts (`committed` caches it)
+
+    def charge_for(self, nbytes: int, publishes: float) -> UsageCharge:
+        """The `consistency.publishing.Charge` of one publish of an `nbytes` manifest,
+        against the cached usage while its transactions commit (module docstring)."""
+        return UsageCharge(self, nbytes, publishes)
 
     def charge(self, nbytes: int, publishes: float, timeout: float) -> Guard:
         """The compare and put that charge a publish in its transaction, or `QuotaExceeded`.
@@ -183,12 +234,58 @@ class TenantBudget:
             return 0, [], [], refusal
         after = Usage(held, tokens, now, history)
         seen = kv.mod_revision if kv is not None else 0
+        self.written = after.encode()
         return (
             admitted,
             [ops.mod(self.key, "==", seen)],
-            [ops.put(self.key, after.encode())],
+            [ops.put(self.key, self.written)],
             refusal,
         )
+
+    def cached_charge(self, nbytes: int, publishes: float, timeout: float) -> Guard:
+        """`charge` against the cached usage when there is one and it admits the publish (no
+        read); else it reads the key, caches what it read, and decides on that."""
+        cache = self._cache
+        kv: ops.KV | Missing | None = MISSING if cache is None else cache.get(self.key)
+        if not isinstance(kv, Missing):
+            admitted, compares, puts, _ = self.charge_read([nbytes], kv, publishes)
+            if admitted:
+                return compares, puts
+            # A refusal is never taken from the cache: a release (a model deleted, another
+            # replica's retention) may have given bytes back since. Read, and decide again.
+        kv, _ = self._etcd.get(self.key, timeout=timeout)
+        if cache is not None:
+            cache.put(self.key, kv)
+        admitted, compares, puts, refusal = self.charge_read([nbytes], kv, publishes)
+        if not admitted:
+            assert refusal is not None
+            raise refusal
+        return compares, puts
+
+    def committed(self, revision: int | None) -> None:
+        """After the transaction that carried the last charge: cache what it wrote, at
+        `revision`; or (None: it failed, or its outcome is unknown) forget the key, so that
+        the next charge reads it again."""
+        if self._cache is None:
+            return
+        if revision is None:
+            self._cache.drop(self.key)
+            return
+        self._cache.put(self.key, ops.KV(ops.b(self.key), self.written, 0, revision, 0, 0))
+
+
+class UsageCharge:
+    """One publish's charge (`consistency.publishing.Charge`): the budget's compare and put
+    for each attempt, against the replica's cached usage, kept up to date by `settle`."""
+
+    def __init__(self, budget: TenantBudget, nbytes: int, publishes: float) -> None:
+        self._budget, self._nbytes, self._publishes = budget, nbytes, publishes
+
+    def __call__(self, timeout: float) -> Guard:
+        return self._budget.cached_charge(self._nbytes, self._publishes, timeout)
+
+    def settle(self, revision: int | None) -> None:
+        self._budget.committed(revision)
 
 
 def release_version(

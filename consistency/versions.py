@@ -28,7 +28,7 @@ from consistency.manifests import (
     check_manifest_size,
     check_shard_count,
 )
-from consistency.publishing import DEFAULT_TIMEOUT, Admit, Published, Publisher
+from consistency.publishing import DEFAULT_TIMEOUT, Admit, Charge, Published, Publisher
 from consistency.records import HolderRecord, HolderState, PartHeader, ShardRecord
 from consistency.retry import CAS_POLICY, LostRace
 from consistency.shard_commit import Budget, ShardCommitter, ShardEntry
@@ -80,15 +80,18 @@ class VersionRegistry:
         *,
         retain: int = DEFAULT_RETAIN,
         collector: Executor | None = None,
+        usage_cache: usage.UsageCache | None = None,
     ) -> None:
         """`collector`, when given, runs retention after a publish in the background, so a
-        publish returns as soon as its transaction commits (the hub passes one)."""
+        publish returns as soon as its transaction commits (the hub passes one);
+        `usage_cache`: the replica's cached usage keys, which retention keeps up to date."""
         if retain < 1:
             raise InvalidArgument(f"retain must be at least 1, got {retain}")
         self.etcd = etcd
         self.keys = keys or Keys()
         self.retain = retain
         self._collector = collector
+        self._usage_cache = usage_cache
         self.manifests = ManifestStore(etcd, self.keys)
         self._publisher = Publisher(etcd, self.keys, self.manifests, self._after_publish)
 
@@ -190,8 +193,9 @@ class VersionRegistry:
         *,
         timeout: float = DEFAULT_TIMEOUT,
         admit_model: Admit | None = None,
-        charge: Admit | None = None,
+        charge: Charge | None = None,
         serial: AbstractContextManager[object] | None = None,
+        session_key: str | None = None,
     ) -> Published:
         """Publish `version` with its manifest and the publisher as first (COMPLETE) holder.
 
@@ -203,6 +207,9 @@ class VersionRegistry:
         `consistency.usage.TenantBudget`'s) is asked before every attempt and joins it too;
         `serial` (a lock) is held around each attempt, so that publishes sharing a charge
         key wait for each other here instead of failing each other's compares in etcd.
+        `session_key` (the tenant's record of the holder's session) is compared in every
+        write under that lease, pages included: a lease that is not the tenant's live
+        session fails it with `SessionExpired`, with no read before.
         """
         validate_version(version)
         check_manifest_size(len(manifest))
@@ -211,12 +218,13 @@ class VersionRegistry:
         holder = self._complete(holder)
         deadline = time.monotonic() + timeout
         staged = self.manifests.stage(
-            tenant, model, version, None, manifest, holder.session, timeout=timeout
-        )
+            tenant, model, version, None, manifest, holder.session, timeout=timeout,
+            owner=session_key,
+        )  # fmt: skip
         return self._publisher.publish_staged(
             tenant, model, version, holder, staged, self.keys.manifest(tenant, model, version),
             staged.header.encode(), [ops.put(self.keys.latest(tenant, model), str(version))], [],
-            deadline, admit_model, charge=charge, serial=serial,
+            deadline, admit_model, charge=charge, serial=serial, session_key=session_key,
         )  # fmt: skip
 
     def publish_shard(
@@ -347,6 +355,8 @@ class VersionRegistry:
                 timeout=timeout,
             )
             if result.succeeded:
+                if self._usage_cache is not None:
+                    self._usage_cache.remember(put, result.revision)
                 return True
             if int(result.responses[0].response_range.count):
                 return False  # pinned: kept

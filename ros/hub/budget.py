@@ -5,11 +5,12 @@ tenant's `Quotas`); for a batch of shards, once per batch."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from consistency import Etcd, Keys, ops
 from consistency.manifests import INLINE_BYTES, SHARD_INLINE_BYTES
-from consistency.usage import Guard, TenantBudget
+from consistency.publishing import Charge
+from consistency.usage import Guard, TenantBudget, UsageCache
 from ros.hub.tenants import Tenant
 from ros.metrics import HUB_PUBLISHES_REFUSED
 from tensorhub.errors import QuotaExceeded
@@ -40,7 +41,12 @@ def model_serial(tenant: str, model: str) -> threading.Lock:
 
 
 def _budget(
-    etcd: Etcd, keys: Keys, tenant: Tenant, history_period: float, sharded: bool
+    etcd: Etcd,
+    keys: Keys,
+    tenant: Tenant,
+    history_period: float,
+    sharded: bool,
+    cache: UsageCache | None = None,
 ) -> TenantBudget:
     return TenantBudget(
         etcd, keys, tenant.name,
@@ -49,6 +55,7 @@ def _budget(
         history_bytes=tenant.quotas.max_history_bytes,
         history_period=history_period,
         inline=SHARD_INLINE_BYTES if sharded else INLINE_BYTES,
+        cache=cache,
     )  # fmt: skip
 
 
@@ -60,23 +67,35 @@ def publish_charge(
     shard_count: int,
     timeout: float,
     history_period: float,
-) -> Callable[[float], Guard]:
+    cache: UsageCache | None = None,
+) -> Charge:
     """Check that a publish of a `size`-byte manifest (one shard of `shard_count`, or a
     whole version with 0) fits the tenant's budget now, else `QuotaExceeded` with nothing
     written; returns the charge its transaction adds (it checks again, race-free).
-    `history_period`: the compactor's interval, over which the history budget refills."""
-    budget = _budget(etcd, keys, tenant, history_period, bool(shard_count))
-    publishes = 1.0 / shard_count if shard_count else 1.0
+    `history_period`: the compactor's interval, over which the history budget refills;
+    `cache`: the replica's usage cache (`consistency.usage.UsageCache`): the check and the
+    charge read the usage key only when it holds no copy, or after a failed transaction."""
+    budget = _budget(etcd, keys, tenant, history_period, bool(shard_count), cache)
+    charge = _Counted(budget.charge_for(size, 1.0 / shard_count if shard_count else 1.0))
+    charge(timeout)
+    return charge
 
-    def charge(remaining: float) -> Guard:
+
+class _Counted:
+    """A charge whose refusals are counted in `tensorhub_hub_publishes_refused_total`."""
+
+    def __init__(self, charge: Charge) -> None:
+        self._charge = charge
+
+    def __call__(self, timeout: float) -> Guard:
         try:
-            return budget.charge(size, publishes, remaining)
+            return self._charge(timeout)
         except QuotaExceeded:
             HUB_PUBLISHES_REFUSED.labels("etcd_budget").inc()
             raise
 
-    charge(timeout)
-    return charge
+    def settle(self, revision: int | None) -> None:
+        self._charge.settle(revision)
 
 
 class BatchBudget:

@@ -31,7 +31,7 @@ import grpc.aio
 
 from consistency import Etcd, HolderRegistry, Keys, VersionRegistry
 from consistency.keepalive import LeaseKeeper
-from consistency.usage import DEFAULT_HISTORY_PERIOD
+from consistency.usage import DEFAULT_HISTORY_PERIOD, UsageCache
 from ros.errors import error_metadata, status_of
 from ros.hub.fanout import WatchFanout
 from ros.hub.holder_index import HolderIndex
@@ -223,6 +223,9 @@ class HubBase:
         )
         # Retention runs after a publish has answered, off the publisher's critical path.
         self._collector = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retention")
+        # The usage keys as this replica last read or wrote them: a publish charges its
+        # tenant's budget against them with no read (`consistency.usage.UsageCache`).
+        self.usage_cache = UsageCache()
         self._fanout = WatchFanout(etcd, keys, self.streams)
         self._leases = LeaseKeeper(etcd)
         # Resolve's view of who holds what (caches only: see ros.hub.holder_index).
@@ -316,8 +319,9 @@ class HubBase:
         (`TenantStore.fence`)."""
         retain = min(self._default_retain, tenant.quotas.max_retained_versions)
         return VersionRegistry(
-            self._etcd_for(tenant), self.keys, retain=retain, collector=self._collector
-        )
+            self._etcd_for(tenant), self.keys, retain=retain, collector=self._collector,
+            usage_cache=self.usage_cache,
+        )  # fmt: skip
 
     def _etcd_for(self, tenant: Tenant) -> Etcd:
         """The etcd connection for writes made on `tenant`'s behalf: each compares that the

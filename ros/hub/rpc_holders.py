@@ -19,10 +19,19 @@ class HolderRPCs(HubBase):
         tenant = self._tenant(context)
         timeout = self._timeout(context)
         holder = holder_from_pb(request.holder)
-        self._own_session(tenant, holder.session, timeout)
         model = validate_name(request.model, "model")
         version = validate_version(request.version)
-        fence = self._holders(tenant).register(tenant.name, model, version, holder, timeout=timeout)
+        # The session is a compare in the registration's transaction, and the version's
+        # header comes from the replica's cache (the reader's Resolve read it): one trip.
+        header = self._manifest_cache.header(
+            (tenant.name, model, version),
+            lambda: self._versions(tenant).header(tenant.name, model, version, timeout=timeout),
+        )
+        fence = self._holders(tenant).register(
+            tenant.name, model, version, holder, timeout=timeout,
+            session_key=self.keys.session(tenant.name, holder.session),
+            header=(header.published_revision, header.shard_count),
+        )  # fmt: skip
         response = pb.RegisterHolderResponse(fence=fence, revision=fence)
         if not holder.complete:
             # What a Resolve with the new fence would answer: the reader plans its pipeline
@@ -44,7 +53,6 @@ class HolderRPCs(HubBase):
         tenant = self._tenant(context)
         timeout = self._timeout(context)
         holder = holder_from_pb(request.holder)
-        self._own_session(tenant, holder.session, timeout)
         self._holders(tenant).update_state(
             tenant.name, validate_name(request.model, "model"), validate_version(request.version),
             holder, request.holder.fence, timeout=timeout,

@@ -90,16 +90,20 @@ class VersionRPCs(HubBase):
         return tenant, timeout, model, version, manifest, holder, admit
 
     def _publish_whole(self, request: pb.PublishRequest, call: CallContext) -> Published:
+        # The session is compared in the publish's own writes (`session_key`), not read
+        # before them; the budget is checked against the replica's cached usage.
         tenant, timeout, model, version, manifest, holder, admit = self._publish_checks(
-            request, call, session=True
+            request, call, session=False
         )
         charge = publish_charge(  # the etcd budget: refused here, before any write
-            self.etcd, self.keys, tenant, len(manifest), 0, timeout, self.history_period
-        )
+            self.etcd, self.keys, tenant, len(manifest), 0, timeout, self.history_period,
+            self.usage_cache,
+        )  # fmt: skip
         check_manifest(request.manifest, _what(request))  # every rule, before any write
         return self._versions(tenant).publish(
             tenant.name, model, version, manifest, holder, timeout=timeout,
             admit_model=admit, charge=charge, serial=model_serial(tenant.name, model),
+            session_key=self.keys.session(tenant.name, holder.session),
         )  # fmt: skip
 
     def _stage_shard(

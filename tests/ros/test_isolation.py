@@ -73,13 +73,14 @@ def test_every_rpc_on_a_session_of_a_is_refused_to_b(
 
     sid = a.session.id
     holder = pb.Holder(name="intruder", endpoints={"tcp": "127.0.0.1:1"}, session_id=sid)
-    entry = pb.TensorEntry(name="x", dtype="float32", nbytes=0)
+    # A manifest every rule accepts (a's own): the publish is refused for the session alone.
+    manifest = stub.Inspect(
+        pb.InspectRequest(model="policy", version=1), metadata=a._metadata, timeout=5
+    ).manifest
     calls = {
         "Publish": as_b(
             "Publish",
-            pb.PublishRequest(
-                model="policy", version=2, manifest=pb.Manifest(tensors=[entry]), holder=holder
-            ),
+            pb.PublishRequest(model="policy", version=2, manifest=manifest, holder=holder),
         ),
         "RegisterHolder": as_b(
             "RegisterHolder", pb.RegisterHolderRequest(model="policy", version=1, holder=holder)

@@ -1,0 +1,89 @@
+"""etcd requests per publish and per fetch, counted on etcd's side (its own `/metrics`).
+
+A hub wrapper that counted calls could be bypassed by new code; etcd's
+`grpc_server_handled_total` counts every unary KV request it answered, whoever sent it. The
+hub, one publisher and one reader run in this process against an etcd of this test's own,
+so nothing else talks to it; the figures are printed (`-s`) and bounded.
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import ros
+from consistency import EtcdCluster, Keys
+from ros.hub.server import HubServer
+from ros.hub.tenants import Quotas, TenantStore
+
+ROUNDS = 12
+KV_CALL = re.compile(
+    r'^grpc_server_handled_total\{grpc_code="[A-Za-z]+",grpc_method="(Range|Txn|Put|DeleteRange)",'
+    r'grpc_service="etcdserverpb\.KV",grpc_type="unary"\} ([0-9.e+]+)$',
+    re.MULTILINE,
+)
+
+
+def kv_requests(cluster: EtcdCluster) -> int:
+    """Every unary KV request etcd has answered so far (Range, Txn, Put, DeleteRange)."""
+    url = f"http://{cluster.endpoints[0]}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as reply:  # noqa: S310 (loopback etcd)
+        text = reply.read().decode()
+    return int(sum(float(value) for _, value in KV_CALL.findall(text)))
+
+
+@pytest.fixture
+def own_etcd() -> Iterator[EtcdCluster]:
+    with EtcdCluster(size=1) as cluster:
+        yield cluster
+
+
+def _weights(step: int) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((256,), float(step)), "b": torch.arange(16.0) + step}
+
+
+@pytest.mark.timeout(120)
+def test_etcd_requests_per_publish_and_per_fetch(own_etcd: EtcdCluster) -> None:
+    """A whole-version publish is 3 requests: read `latest`, the transaction (the session
+    is a compare in it, the budget a cached read), and retention's scan of the model's
+    versions, which finds nothing to collect (`retain` is past the rounds). A fetch of a new
+    version is 5 (its header, its manifest, the PARTIAL registration, the COMPLETE update's
+    read and transaction); a release is 3."""
+    keys = Keys("/count")
+    server = HubServer(
+        own_etcd.endpoints, admin_token="admin", keys=keys, retain=2 * ROUNDS
+    ).start()
+    counts = {"publish": 0, "fetch": 0, "release": 0}
+    try:
+        quotas = Quotas(max_retained_versions=2 * ROUNDS)
+        token = TenantStore(server.etcd, keys).create("team", quotas)
+        trainer = ros.connect(server.address, tenant="team", token=token)
+        reader = ros.connect(server.address, tenant="team", token=token)
+        try:
+            # Warm: the model exists, sessions are open, every cache that may fill has.
+            trainer.publish("policy", 1, _weights(1))
+            reader.fetch("policy", 1, timeout=30).release(force=True)
+            for step in range(2, 2 + ROUNDS):
+                start = kv_requests(own_etcd)
+                trainer.publish("policy", step, _weights(step))
+                published = kv_requests(own_etcd)
+                held = reader.fetch("policy", step, timeout=30)
+                fetched = kv_requests(own_etcd)
+                held.release(force=True)
+                counts["publish"] += published - start
+                counts["fetch"] += fetched - published
+                counts["release"] += kv_requests(own_etcd) - fetched
+        finally:
+            reader.close()
+            trainer.close()
+    finally:
+        server.stop(grace=0.2)
+    per = {name: count / ROUNDS for name, count in counts.items()}
+    print("\netcd KV requests: " + ", ".join(f"{v:.2f} per {k}" for k, v in per.items()))
+    assert per["publish"] <= 3.0
+    assert per["fetch"] <= 5.0
+    assert per["release"] <= 3.0
