@@ -15,7 +15,7 @@ import torch
 from etcd3 import etcdrpc
 
 import ros
-from consistency import Etcd, EtcdCluster, Keys
+from consistency import Etcd, EtcdCluster, Keys, usage
 from consistency.usage import Usage
 from ros.errors import from_rpc_error
 from ros.hub.server import HubServer
@@ -134,6 +134,40 @@ def test_a_fast_publisher_is_refused_past_its_rate_on_every_replica(
             for version in range(1, 6):
                 other.publish("m", version, tiny).release(force=True)
             assert other.latest("m") == 5
+    finally:
+        second.stop(grace=0.2)
+
+
+@pytest.mark.timeout(120)
+def test_each_replica_s_cached_usage_stays_exact_across_replicas(
+    hub_server: HubServer, etcd_cluster: EtcdCluster, etcd: Etcd, keys: Keys
+) -> None:
+    """Each replica charges against the usage it last saw (`UsageCache`); a publish through
+    one replica makes the other's copy stale. Alternating replicas over models of
+    different sizes, the usage key still ends exactly at the sum of every model's charge
+    (no charge lost or counted twice), and the refusal comes on whichever replica is next."""
+    tenants = TenantStore(etcd, keys)
+    with ros.connect(hub_server.address, tenant="probe", token=tenants.create("probe")) as p:
+        p.publish("m", 1, {"w": torch.ones(8)}).release(force=True)
+    small = _usage(etcd, keys, "probe").held
+    token = tenants.create("team-x", Quotas(max_etcd_bytes=small * 6 + small // 2))
+    second = HubServer(etcd_cluster.endpoints, admin_token=ADMIN, keys=keys).start()
+    try:
+        with (
+            ros.connect(hub_server.address, tenant="team-x", token=token) as one,
+            ros.connect(second.address, tenant="team-x", token=token) as two,
+        ):
+            for index in range(1, 7):
+                (one if index % 2 else two).publish(f"m{index}", 1, {"w": torch.ones(8)})
+            with pytest.raises(QuotaExceeded, match="max_etcd_bytes"):
+                # `one` last saw the usage after the fifth: its copy admits, the compare
+                # fails, and the usage read again refuses
+                one.publish("m7", 1, {"w": torch.ones(8)})
+            assert one.latest("m7") == 0
+            charged = sum(
+                usage.model_charge(etcd, keys, "team-x", f"m{i}", 5.0) for i in range(1, 7)
+            )
+            assert _usage(etcd, keys, "team-x").held == charged == 6 * small
     finally:
         second.stop(grace=0.2)
 
