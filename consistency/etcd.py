@@ -29,24 +29,20 @@ from etcd3 import etcdrpc
 from consistency import ops
 from consistency.credentials import EtcdCredentials
 from consistency.etcd_auth import STREAM_TOKEN_AGE, Token, TokenInterceptor
-from consistency.etcd_errors import LeaseNotFound, RevisionCompacted, translate
+from consistency.etcd_errors import translate
 from consistency.ops import KV, Cmp, Op
 from consistency.protowire import scan_fields
-from consistency.refusals import WriteUnconfirmed
 from consistency.retry import DEFAULT_POLICY, RetryPolicy, is_retryable
-from tensorhub.errors import DeadlineExceeded, OutcomeUnknown, TensorHubError, Unavailable
+from tensorhub.errors import (
+    DeadlineExceeded,
+    LeaseNotFound,
+    OutcomeUnknown,
+    TensorHubError,
+    Unavailable,
+    WriteUnconfirmed,
+)
 
-__all__ = [  # the errors and STREAM_TOKEN_AGE are re-exported: callers import them from here
-    "DEFAULT_TIMEOUT",
-    "STREAM_TOKEN_AGE",
-    "Alarm",
-    "Etcd",
-    "LeaseNotFound",
-    "MemberStatus",
-    "RangeResult",
-    "RevisionCompacted",
-    "TxnResult",
-]
+__all__ = ["DEFAULT_TIMEOUT", "Alarm", "Etcd", "MemberStatus", "RangeResult", "TxnResult"]
 
 T = TypeVar("T")
 

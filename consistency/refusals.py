@@ -29,7 +29,7 @@ from tensorhub.errors import (
     WriteUnconfirmed,
 )
 
-__all__ = ["WriteUnconfirmed", "name_refusal"]  # WriteUnconfirmed is defined in tensorhub.errors
+__all__ = ["name_refusal"]
 
 
 def _nothing(what: str) -> Callable[[str], str]:

