@@ -37,6 +37,8 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
+from tensorhub.errors import InvalidArgument
+
 log = logging.getLogger(__name__)
 
 TIMEOUT = 5.0  # seconds for the request after accept, and again for the answer to be taken
@@ -70,7 +72,7 @@ class MetricsServer:
         max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         if timeout <= 0 or max_connections < 1:
-            raise ValueError("timeout and max_connections must be positive")
+            raise InvalidArgument("timeout and max_connections must be positive")
         self._registry, self.timeout, self.max_connections = registry, timeout, max_connections
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         self._listener = socket.create_server((host, port), family=family, backlog=128)

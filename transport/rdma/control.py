@@ -88,13 +88,16 @@ def decode_request(data: bytes) -> RdmaRequest:
             doc["layout"],
             bytes.fromhex(doc["token"]),
         )
-        if not (isinstance(tenant, str) and isinstance(model, str)):
-            raise TypeError("tenant and model must be strings")
-        if type(version) is not int or type(digest) is not int or version < 0 or digest < 0:
-            raise TypeError("version and layout must be integers >= 0")
-        return RdmaRequest(tenant, model, version, digest, token, QpInfo.from_json(doc["qp"]))
+        qp = QpInfo.from_json(doc["qp"])
     except (KeyError, TypeError, ValueError) as ex:
         raise TransportError(f"RDMA control request is malformed: {ex!r}") from ex
+    if not (isinstance(tenant, str) and isinstance(model, str)):
+        raise TransportError("RDMA control request is malformed: tenant and model must be strings")
+    if type(version) is not int or type(digest) is not int or version < 0 or digest < 0:
+        raise TransportError(
+            "RDMA control request is malformed: version and layout must be integers >= 0"
+        )
+    return RdmaRequest(tenant, model, version, digest, token, qp)
 
 
 def encode_refusal(code: ErrorCode, message: str) -> bytes:
