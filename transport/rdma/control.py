@@ -47,10 +47,10 @@ from transport.rdma.descriptor import (
     encode_descriptor,
 )
 from transport.store import HeldVersion, HolderStore
+from transport.verifier import Verifier
 from transport.wire import ErrorCode, Refusal
 
 MAX_REQUEST_BYTES = 64 * 1024
-Verifier = Callable[[str, str, int, bytes], bool]
 
 
 @dataclass(frozen=True)
