@@ -61,7 +61,7 @@ class HolderRecord:
         data["state"] = self.state.value
         del data["revision"]  # derived from the key's create_revision on read
         if self.shard is None:
-            del data["shard"]  # whole-version records stay as they always were
+            del data["shard"]  # a whole-version record carries no shard field
         return json.dumps(data, sort_keys=True).encode()
 
     @classmethod

@@ -2,8 +2,8 @@
 number of connections, and a deadline on every one.
 
 prometheus_client's `start_http_server` is a threading HTTP server: every connection gets a
-thread that waits on it with no timeout, and the port needs no token. 600 idle connections
-made 613 hub threads, still there 20 s later (issue 25, item 5). `MetricsServer` is one
+thread that waits on it with no timeout, and the port needs no token, so 600 idle
+connections would hold 600 hub threads for as long as they stay open. `MetricsServer` is one
 `selectors` loop on one thread instead:
 
 - **A deadline per connection.** The request must be complete within `timeout` of accept,

@@ -125,7 +125,7 @@ class RdmaControlServer(ControlListener):
     (`device_factory`, default `RdmaDevice()`), so refusals need no device; one
     `RdmaExporter` per held version, closed once the version is released and its last
     reader has gone. Admission and the accept loop are `transport.listener`'s: the same
-    rules as the TCP data port (issue 12, slowloris)."""
+    rules as the TCP data port (a slowloris is cut at the frame deadline)."""
 
     name = "rdma-control"
 
