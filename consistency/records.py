@@ -129,7 +129,9 @@ class PartHeader:
     def from_fields(cls, data: dict[str, Any], inline: bytes) -> PartHeader:
         try:
             if int(data["format"]) != HEADER_FORMAT:
-                raise InvalidArgument(f"malformed manifest header: format {data['format']!r}")
+                raise InvalidArgument(
+                    f"malformed manifest header: unknown format {data['format']!r}"
+                )
             header = cls(
                 size=int(data["size"]),
                 digest=bytes.fromhex(str(data["sha256"])),
