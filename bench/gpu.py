@@ -1,6 +1,6 @@
 """`tensorhub bench gpu`: the GPU memory paths against ceilings measured in the same run.
 
-For a model of `--size-mb` MiB in device memory (default 2 GiB; issue 15 asks for a few GiB):
+For a model of `--size-mb` MiB in device memory (default 2 GiB, the size of a small policy):
 
 - **TCP staging.** A holder process serves the CUDA tensors over loopback TCP (pinned host
   staging); this process fetches them into CUDA tensors. Ceiling: the lesser of the pinned
@@ -11,7 +11,7 @@ For a model of `--size-mb` MiB in device memory (default 2 GiB; issue 15 asks fo
   device-to-device `copy_` of the same bytes. Target: ≥ 0.3.
 - **Publish.** The manifest built with GPU checksums (`wsum64`: kernels, 8 bytes back per
   chunk) against the same with host xxh3 (every chunk copied device→host first): the time
-  a publish spends on checksums, both ways (a figure; issue 15 names no target).
+  a publish spends on checksums, both ways (a figure, with no target).
 - **CUDA IPC.** The holder process also grants CUDA IPC leases (`transport.ipc`); this
   process fetches the version into its own GPU tensors over IPC, every chunk verified
   against the holder's wsum64 sums, against a device-to-device `copy_` of the same bytes in

@@ -1,11 +1,12 @@
 """`tensorhub bench watches [--names 2000] [--hub-tree PATH] [--json PATH]`: a hostile tenant
 watching many distinct model names, and what it costs the hub and another tenant.
 
-Issue 25, item 2: one tenant opened a Watch stream on each of 2,000 made-up model names; the
-hub started about three threads per name (1,436 threads, 170 % CPU), the other tenant's
-`Latest` slowed (median 80 ms, max 2.9 s), and after the attacker cancelled the hub answered
-nothing for about 25 s. One run here, against a fresh etcd and one hub process
-(`bench.scale.world.World`, the hub of `--hub-tree` when given, as `bench scale` does):
+What it guards against: one tenant opens a Watch stream on each of 2,000 made-up model names.
+A hub that keeps one etcd watch per name starts about three threads per name (1,436 threads,
+170 % CPU), the other tenant's `Latest` slows (median 80 ms, max 2.9 s), and after the
+attacker cancels the hub answers nothing for about 25 s. One run here, against a fresh etcd
+and one hub process (`bench.scale.world.World`, the hub of `--hub-tree` when given, as
+`bench scale` does):
 
 1. idle: the hub's threads and CPU, and `--samples` sequential `Latest` calls of the other
    tenant (the victim);

@@ -7,14 +7,15 @@ error tree; never on `transport` or `ros`.
 from consistency.compactor import Compactor, CompactorStatus
 from consistency.embedded import EtcdCluster
 from consistency.etcd import Etcd
-from consistency.floor import RevisionFloor, StaleRead
+from consistency.floor import RevisionFloor
 from consistency.holders import HolderRegistry
 from consistency.keys import DEFAULT_PREFIX, Keys
 from consistency.manifests import ManifestHeader
+from consistency.publishing import Published
 from consistency.records import HolderRecord, HolderState, ShardRecord
 from consistency.session import Session
-from consistency.versions import Published, VersionInfo, VersionRegistry
-from consistency.watch import EventKind, KeyWatch, ModelWatch, WatchEvent, wait_for_version
+from consistency.versions import VersionInfo, VersionRegistry
+from consistency.watch import EventKind, KeyWatch, ModelWatch, WatchEvent
 
 __all__ = [
     "DEFAULT_PREFIX",
@@ -34,9 +35,7 @@ __all__ = [
     "RevisionFloor",
     "Session",
     "ShardRecord",
-    "StaleRead",
     "VersionInfo",
     "VersionRegistry",
     "WatchEvent",
-    "wait_for_version",
 ]

@@ -37,10 +37,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from consistency import ops
-from consistency.etcd import Etcd, LeaseNotFound, MemberStatus, RevisionCompacted
+from consistency.etcd import Etcd, MemberStatus
 from consistency.keys import Keys
 from consistency.session import Session
-from tensorhub.errors import InvalidArgument, StorageFull, TensorHubError
+from tensorhub.errors import (
+    InvalidArgument,
+    LeaseNotFound,
+    RevisionCompacted,
+    StorageFull,
+    TensorHubError,
+)
 
 log = logging.getLogger(__name__)
 

@@ -22,16 +22,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tensorhub.errors import EtcdAuthFailed, InvalidArgument
+from tensorhub.errors import InvalidArgument
 
-__all__ = [  # EtcdAuthFailed is defined in tensorhub.errors; importable from here as before
+__all__ = [
     "ENV_CA",
     "ENV_CERT",
     "ENV_KEY",
     "ENV_PASSWORD",
     "ENV_PASSWORD_FILE",
     "ENV_USER",
-    "EtcdAuthFailed",
     "EtcdCredentials",
     "add_etcd_arguments",
     "credentials_from_args",

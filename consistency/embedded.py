@@ -55,7 +55,7 @@ from etcd3 import etcdrpc
 
 from consistency.credentials import EtcdCredentials
 from consistency.etcdbin import find_etcd_binary
-from tensorhub.errors import DeadlineExceeded, EtcdStartError, TensorHubError
+from tensorhub.errors import DeadlineExceeded, EtcdStartError, InvalidArgument, TensorHubError
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -119,7 +119,7 @@ class EtcdCluster:
         on: the hub's `consistency.compactor.Compactor` compacts instead, so one elected
         replica decides what history watches can still resume from."""
         if size < 1:
-            raise ValueError("an etcd cluster needs at least one member")
+            raise InvalidArgument("an etcd cluster needs at least one member")
         self._binary = binary or find_etcd_binary()
         self._own_root = data_root is None
         self.root = Path(data_root or tempfile.mkdtemp(prefix="tensorhub-etcd-"))
@@ -193,10 +193,10 @@ class EtcdCluster:
     def password_file(self) -> Path:
         """The root password in a file only this user can read (for `--etcd-password-file`).
 
-        Raises `ValueError` when the cluster was made without auth.
+        Raises `InvalidArgument` when the cluster was made without auth.
         """
         if self.credentials is None or self.credentials.password is None:
-            raise ValueError("this etcd cluster has no auth, so no password")
+            raise InvalidArgument("this etcd cluster has no auth, so no password")
         path = self.root / "root.password"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:

@@ -29,24 +29,21 @@ from etcd3 import etcdrpc
 from consistency import ops
 from consistency.credentials import EtcdCredentials
 from consistency.etcd_auth import STREAM_TOKEN_AGE, Token, TokenInterceptor
-from consistency.etcd_errors import LeaseNotFound, RevisionCompacted, translate
+from consistency.etcd_errors import translate
 from consistency.ops import KV, Cmp, Op
 from consistency.protowire import scan_fields
-from consistency.refusals import WriteUnconfirmed
 from consistency.retry import DEFAULT_POLICY, RetryPolicy, is_retryable
-from tensorhub.errors import DeadlineExceeded, OutcomeUnknown, TensorHubError, Unavailable
+from tensorhub.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    LeaseNotFound,
+    OutcomeUnknown,
+    TensorHubError,
+    Unavailable,
+    WriteUnconfirmed,
+)
 
-__all__ = [  # the errors and STREAM_TOKEN_AGE are re-exported: callers import them from here
-    "DEFAULT_TIMEOUT",
-    "STREAM_TOKEN_AGE",
-    "Alarm",
-    "Etcd",
-    "LeaseNotFound",
-    "MemberStatus",
-    "RangeResult",
-    "RevisionCompacted",
-    "TxnResult",
-]
+__all__ = ["DEFAULT_TIMEOUT", "Alarm", "Etcd", "MemberStatus", "RangeResult", "TxnResult"]
 
 T = TypeVar("T")
 
@@ -169,11 +166,11 @@ class Etcd:
         if isinstance(endpoints, str):
             endpoints = [e for e in endpoints.split(",") if e]
         if not endpoints:
-            raise ValueError("at least one etcd endpoint is needed")
+            raise InvalidArgument("at least one etcd endpoint is needed")
         if any(e.startswith("https://") for e in endpoints) and not (
             credentials is not None and credentials.tls
         ):
-            raise ValueError("an https:// etcd endpoint needs TLS credentials (--etcd-ca)")
+            raise InvalidArgument("an https:// etcd endpoint needs TLS credentials (--etcd-ca)")
         self.endpoints = [_strip_scheme(e) for e in endpoints]
         self.timeout = timeout
         self.policy = policy
@@ -426,7 +423,7 @@ class Etcd:
         target = _strip_scheme(endpoint)
         member = next((m for m in self._members if m.target == target), None)
         if member is None:
-            raise ValueError(f"{endpoint!r} is not one of this client's endpoints")
+            raise InvalidArgument(f"{endpoint!r} is not one of this client's endpoints")
         try:
             for attempt in self.policy.retrying(deadline):
                 with attempt:

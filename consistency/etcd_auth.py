@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 import grpc
 from etcd3 import etcdrpc
 
-from consistency.credentials import EtcdAuthFailed, EtcdCredentials
+from consistency.credentials import EtcdCredentials
 from consistency.retry import is_retryable
-from tensorhub.errors import TensorHubError
+from tensorhub.errors import EtcdAuthFailed, TensorHubError
 
 T = TypeVar("T")
 

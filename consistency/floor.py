@@ -12,7 +12,7 @@ import threading
 
 from tensorhub.errors import StaleRead
 
-__all__ = ["RevisionFloor", "StaleRead"]  # StaleRead is defined in tensorhub.errors
+__all__ = ["RevisionFloor"]
 
 
 class RevisionFloor:

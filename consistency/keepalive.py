@@ -159,8 +159,8 @@ class LeaseKeeper:
         for lease in resend:
             yield etcdrpc.LeaseKeepAliveRequest(ID=lease)
         # Deadlines are checked at most every _POLL_SECONDS: a scan of every pending
-        # renewal after each request was O(pending) per request, the hub's main cost at
-        # thousands of sessions.
+        # renewal after each request would cost O(pending) per request, the hub's main cost
+        # at thousands of sessions.
         next_check = time.monotonic() + _POLL_SECONDS
         while not self._closed.is_set() and generation == self._generation:
             lease_id: int | None

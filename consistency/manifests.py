@@ -8,12 +8,12 @@ raise). So a manifest of more than `INLINE_BYTES` is cut into pages of at most `
    `mp/{model}/{version}/{part}/{writer}/{page}` (`consistency.keys`): outside the model's
    watched prefix, so no watch carries them, and under a random `writer` id per publish, so
    racing publishers of one version never touch each other's pages. A publisher that dies
-   now leaves nothing once its lease expires.
+   before committing leaves nothing once its lease expires.
 2. The publish transaction (`consistency.versions`) adds `Staged.compares` (every page still
    exists: its lease has not expired) and `Staged.commits` (every page re-put with
    `ignore_value` and lease 0: detached from the lease without resending its bytes), and puts
-   the small header (`records.PartHeader`: size, SHA-256, page count, writer) where the
-   manifest used to be. Pages and header become durable in one commit: no reader can see a
+   the small header (`records.PartHeader`: size, SHA-256, page count, writer) at the
+   version's manifest key. Pages and header become durable in one commit: no reader can see a
    header whose pages are missing, and a lost race leaves pages only under the lease, which
    `discard` deletes at once (unless the header that won is ours).
 3. `read` fetches header and pages in one read-only transaction (one snapshot, one round

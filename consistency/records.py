@@ -61,7 +61,7 @@ class HolderRecord:
         data["state"] = self.state.value
         del data["revision"]  # derived from the key's create_revision on read
         if self.shard is None:
-            del data["shard"]  # whole-version records stay as they always were
+            del data["shard"]  # a whole-version record carries no shard field
         return json.dumps(data, sort_keys=True).encode()
 
     @classmethod
@@ -129,7 +129,9 @@ class PartHeader:
     def from_fields(cls, data: dict[str, Any], inline: bytes) -> PartHeader:
         try:
             if int(data["format"]) != HEADER_FORMAT:
-                raise ValueError(f"unknown format {data['format']!r}")
+                raise InvalidArgument(
+                    f"malformed manifest header: unknown format {data['format']!r}"
+                )
             header = cls(
                 size=int(data["size"]),
                 digest=bytes.fromhex(str(data["sha256"])),

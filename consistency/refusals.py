@@ -1,9 +1,9 @@
 """etcd's refusals, each named: what etcd said, as the `TensorHubError` it means, with the
-outcome stated (issue 12, item 9).
+outcome stated.
 
-Before this, every refusal but NOSPACE became a bare `TensorHubError("etcd error ...")`, which
-the hub answers as UNKNOWN, the status that means "the outcome is unknown", although etcd
-had refused the request before applying anything. etcd words its refusals in fixed strings
+A refusal left as a bare `TensorHubError("etcd error ...")` would reach the caller as
+UNKNOWN, the status that means "the outcome is unknown", although etcd refused the request
+before applying anything. etcd words its refusals in fixed strings
 (`etcdserver/api/v3rpc/rpctypes`); gRPC itself refuses a message over the server's limit
 (etcd sets it to its `--max-request-bytes` plus a margin) before etcd sees it.
 
@@ -29,7 +29,7 @@ from tensorhub.errors import (
     WriteUnconfirmed,
 )
 
-__all__ = ["WriteUnconfirmed", "name_refusal"]  # WriteUnconfirmed is defined in tensorhub.errors
+__all__ = ["name_refusal"]
 
 
 def _nothing(what: str) -> Callable[[str], str]:

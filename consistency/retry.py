@@ -62,8 +62,7 @@ from typing import Any, TypeVar
 import grpc
 import tenacity
 
-from consistency.floor import StaleRead
-from tensorhub.errors import DeadlineExceeded, Overloaded, Unavailable
+from tensorhub.errors import DeadlineExceeded, Overloaded, StaleRead, Unavailable
 
 T = TypeVar("T")
 

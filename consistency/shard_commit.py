@@ -3,7 +3,7 @@
 After an optimizer step every rank publishes its shard of the new version at once. Committed
 one transaction per shard, those N transactions all write one shared key (the version's
 shard counter) and the tenant's usage key, so they fail each other's compares or queue on a
-lock: 4,096 shards took 244 s (20,785x one shard). Here the shards of one version that are
+lock: 4,096 shards take 244 s that way (20,785x one shard). Here the shards of one version that are
 waiting at the same moment commit together, as many per transaction as etcd's default
 `--max-txn-ops` (128) allows, so N shards cost about N / 61 transactions, and the shared keys
 are written once per batch instead of once per shard.

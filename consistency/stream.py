@@ -24,7 +24,7 @@ from typing import Any, Generic, Self, TypeVar
 from consistency.retry import RetryPolicy
 from tensorhub.errors import StreamClosed
 
-__all__ = ["StreamClosed", "StreamPump"]  # StreamClosed is defined in tensorhub.errors
+__all__ = ["StreamPump"]
 
 T = TypeVar("T")
 

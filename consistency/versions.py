@@ -37,14 +37,7 @@ from tensorhub.names import validate_name, validate_version
 
 _USAGE_RACES = replace(CAS_POLICY, tries=8)  # collecting a version: usage changes meanwhile
 
-__all__ = [  # Published, Admit and DEFAULT_TIMEOUT live in consistency.publishing
-    "DEFAULT_RETAIN",
-    "DEFAULT_TIMEOUT",
-    "Admit",
-    "Published",
-    "VersionInfo",
-    "VersionRegistry",
-]
+__all__ = ["DEFAULT_RETAIN", "VersionInfo", "VersionRegistry"]
 
 log = logging.getLogger(__name__)
 

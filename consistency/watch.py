@@ -42,8 +42,8 @@ from consistency.keys import Keys
 from consistency.ops import KV
 from consistency.records import HolderRecord
 from consistency.retry import is_retryable
-from consistency.stream import StreamClosed, StreamPump
-from tensorhub.errors import DeadlineExceeded, InvalidArgument, Unavailable
+from consistency.stream import StreamPump
+from tensorhub.errors import InvalidArgument, StreamClosed, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +79,6 @@ class Progress:
     revision: int
     notified: bool = False
 
-
-WatchClosed = StreamClosed  # the name the watch API has always raised
 
 # etcd releases before the fix of etcd-io/etcd#15220 answer a progress request on a side
 # channel with the store's revision, even for a watcher still catching up from an older
@@ -345,7 +343,7 @@ class ModelWatch:
         while True:
             try:
                 event = self.get(0.5)
-            except WatchClosed:
+            except StreamClosed:
                 return
             if event is not None:
                 yield event
@@ -364,31 +362,3 @@ class ModelWatch:
 
     def _translate(self, raw: RawEvent | Resync) -> list[WatchEvent]:
         return self._events.translate(raw)
-
-
-def wait_for_version(
-    etcd: Etcd, keys: Keys, tenant: str, model: str, version: int, *, timeout: float
-) -> int:
-    """Block until `latest` of the model is at least `version`; returns the revision it was seen at.
-
-    Reads once, then watches `latest` from the revision after that read — waiting is watching,
-    never polling. Raises `DeadlineExceeded` at the deadline.
-    """
-    deadline = time.monotonic() + timeout
-    kv, revision = etcd.get(keys.latest(tenant, model), timeout=timeout)
-    if kv is not None and int(kv.value) >= version:
-        return kv.mod_revision
-    with KeyWatch(etcd, keys.latest(tenant, model), prefix=False, start_revision=revision + 1) as w:
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise DeadlineExceeded(f"{model}@{version} not visible within {timeout:.1f}s")
-            event = w.get(remaining)
-            if isinstance(event, Resync):
-                current = [int(k.value) for k in event.kvs]
-                if current and current[0] >= version:
-                    return event.revision
-            elif (
-                isinstance(event, RawEvent) and not event.deleted and int(event.kv.value) >= version
-            ):
-                return event.revision

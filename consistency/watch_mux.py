@@ -1,9 +1,9 @@
 """Many etcd watches on ONE etcd Watch stream, pumped by one thread, whatever their number.
 
 A `KeyWatch` holds a gRPC stream, a thread reading it and gRPC's thread feeding its request
-side: fine for the few watches a process keeps, but a hub that opened one per watched model
-gave a tenant a way to make it start three threads per name (issue 25: 2,000 names, 1,436
-threads, 170 % CPU, every tenant slowed). etcd's Watch RPC is a bidirectional stream that carries
+side: fine for the few watches a process keeps, but one per watched model would let a tenant
+make a hub start three threads per model name it asks about (2,000 names: 1,436 threads,
+170 % CPU, every tenant slowed). etcd's Watch RPC is a bidirectional stream that carries
 any number of watchers, each created by a `WatchCreateRequest` and named by the `watch_id`
 of its `created` response. `WatchMux` keeps one such stream per owner and multiplexes every
 watch of that owner over it: adding or cancelling a watch is one request queued on the

@@ -1,8 +1,8 @@
 """The one manifest validator: the hub runs it before any write, the SDK before it publishes
 and on every manifest it receives (so a bad record already in etcd fails with a named error).
 
-A manifest the hub accepts is one every reader can use. Without this check the hub wrote
-whatever a client sent, moved `latest` to it, and readers failed only at fetch (issue 12):
+A manifest the hub accepts is one every reader can use. Without this check the hub would
+write whatever a client sent and move `latest` to it, and readers would fail only at fetch:
 an unknown dtype, overlapping offsets, a chunk size of 0, a checksum count that does not
 match the chunk count, duplicate names, an offset past `total_bytes`, `nbytes` that is not
 dtype x shape. The rules are those of `transport.layout.Layout` (which the SDK builds from a

@@ -2,8 +2,8 @@
 number of connections, and a deadline on every one.
 
 prometheus_client's `start_http_server` is a threading HTTP server: every connection gets a
-thread that waits on it with no timeout, and the port needs no token. 600 idle connections
-made 613 hub threads, still there 20 s later (issue 25, item 5). `MetricsServer` is one
+thread that waits on it with no timeout, and the port needs no token, so 600 idle
+connections would hold 600 hub threads for as long as they stay open. `MetricsServer` is one
 `selectors` loop on one thread instead:
 
 - **A deadline per connection.** The request must be complete within `timeout` of accept,
@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
+
+from tensorhub.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +72,7 @@ class MetricsServer:
         max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         if timeout <= 0 or max_connections < 1:
-            raise ValueError("timeout and max_connections must be positive")
+            raise InvalidArgument("timeout and max_connections must be positive")
         self._registry, self.timeout, self.max_connections = registry, timeout, max_connections
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         self._listener = socket.create_server((host, port), family=family, backlog=128)

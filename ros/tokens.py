@@ -2,11 +2,11 @@
 
 **Tenant tokens** look like `{tenant}.{secret}`. The secret is URL-safe base64
 (`[A-Za-z0-9_-]`), which never contains `.`, so the tenant is everything before the LAST
-`.`: unambiguous although tenant names may contain dots (`team.x`), and every token issued
-before this rule still parses as it did. etcd stores only a SHA-256 of the token, mixed
-with the tenant's *epoch* (a random value drawn when the tenant is created), so a leaked
-etcd snapshot reveals no usable token, and a tenant deleted and created again under the
-same name is a new tenant: nothing of the old one's verifies against it.
+`.`: unambiguous although tenant names may contain dots (`team.x`). etcd stores only a
+SHA-256 of the token, mixed with the tenant's *epoch* (a random value drawn when the tenant
+is created), so a leaked etcd snapshot reveals no usable token, and a tenant deleted and
+created again under the same name is a new tenant: nothing of the old one's verifies
+against it.
 
 **Read tokens** are HMAC-SHA256 over (tenant, model, version, expiry, key id) with one of
 the tenant's *read keys*. A read key is derived, without any state, from the hub's secret,

@@ -256,7 +256,8 @@ class InternalError(TensorHubError):
 @_code("FAILED_PRECONDITION")
 class EngineNotReady(TensorHubError):
     """An engine integration was used before its set-up or out of order (vLLM's `tensorhub`
-    engine: an update before `init_weight_transfer_engine`, or two versions in one update)."""
+    engine: an update before `init_weight_transfer_engine`, or two versions in one update;
+    the Ray example's actors before their `start`)."""
 
 
 @_code("INTERNAL")
@@ -303,6 +304,12 @@ class IpcIneligible(TransportError):
 @_code("DATA_LOSS", default_for=("DATA_LOSS",))
 class IntegrityError(TensorHubError):
     """Bytes failed their checksum or carried the wrong version, and no holder had good ones."""
+
+
+@_code("DATA_LOSS")
+class WeightSyncError(IntegrityError):
+    """A run of the Ray weight-sync example (deploy/ray) did not end with every live rollout
+    on the trainer's bytes."""
 
 
 @_code("DATA_LOSS")

@@ -39,6 +39,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from tensorhub.errors import InvalidArgument
+
 
 @dataclass(eq=False)
 class Conn:
@@ -60,7 +62,7 @@ class Admission:
         self, max_connections: int, per_peer: int, frame_timeout: float, idle_timeout: float
     ) -> None:
         if max_connections < 1 or per_peer < 1 or frame_timeout <= 0 or idle_timeout <= 0:
-            raise ValueError("connection limits and timeouts must be positive")
+            raise InvalidArgument("connection limits and timeouts must be positive")
         self.max_connections, self.per_peer = max_connections, per_peer
         self.frame_timeout, self.idle_timeout = frame_timeout, idle_timeout
         self._lock = threading.Lock()

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from tensorhub.checksum_kinds import KINDS, WSUM64, XXH3
-from tensorhub.errors import InvalidManifest
+from tensorhub.errors import InvalidArgument, InvalidManifest
 from transport.layout import Segment
 
 __all__ = [
@@ -97,7 +97,7 @@ def wsum64(data: torch.Tensor) -> int:
     """wsum64 of a 1-D uint8 tensor on any device (the chunk's bytes, in order). The work is
     done where the tensor is; only the 8-byte result crosses to the host."""
     if data.dtype != torch.uint8 or data.dim() != 1:
-        raise ValueError("wsum64 takes a 1-D uint8 tensor")
+        raise InvalidArgument("wsum64 takes a 1-D uint8 tensor")
     pad = -data.numel() % 8
     if pad:
         data = torch.cat([data, torch.zeros(pad, dtype=torch.uint8, device=data.device)])

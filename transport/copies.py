@@ -3,8 +3,8 @@ asynchronously on a dedicated CUDA copy stream, each batch of copies followed by
 
 The staging pipelines (`transport.pipeline`) are written against `Copies` and `Event`
 alone, so the same bookkeeping (which buffer is free, when a chunk may be committed) runs
-on a CPU-only machine with `HostCopies`, where every copy is done when it returns, as on a
-GPU with `CudaCopies`, where it is done when its event says so.
+with any `Copies`: `CudaCopies` on a GPU, where a copy is done when its event says so, or
+synchronous host copies (the CPU tests' own), done when they return with `DONE`.
 """
 
 from __future__ import annotations
@@ -54,19 +54,6 @@ class Done:
 
 
 DONE = Done()
-
-
-class HostCopies:
-    """Plain host buffers and synchronous copies: staging on a machine without a GPU (and
-    the CPU tests of the pipelines)."""
-
-    def host_buffer(self, size: int) -> torch.Tensor:
-        return torch.empty(size, dtype=torch.uint8)
-
-    def copy(self, pairs: Sequence[Pair]) -> Event:
-        for dst, src in pairs:
-            dst.copy_(src)
-        return DONE
 
 
 class CudaEvents:

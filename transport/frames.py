@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import socket
 import struct
-from collections.abc import Callable
 from typing import Any
 
 from tensorhub.errors import TransportError
 from transport.store import HeldVersion, HolderStore
+from transport.verifier import Verifier, token_allowed
 from transport.wire import ErrorCode
 
 _LEN = struct.Struct("!I")
@@ -60,19 +60,16 @@ def decode_json(data: bytes, limit: int, what: str, fmt: str) -> dict[str, Any]:
 
 def held_for(
     store: HolderStore,
-    verifier: Callable[[str, str, int, bytes], bool],
+    verifier: Verifier,
     key: tuple[str, str, int],
     token: bytes,
     layout_digest: int,
 ) -> tuple[ErrorCode, str] | HeldVersion:
     """The held version a control request names, or why it is refused: the token first (a
-    verifier that raises refuses), then held here, not released, the same layout."""
+    verifier that raises refuses, `transport.verifier`), then held here, not released, the
+    same layout."""
     tenant, model, version = key
-    try:
-        ok = verifier(tenant, model, version, token)
-    except Exception:  # a verifier that raises counts as a refusal
-        ok = False
-    if not ok:
+    if not token_allowed(verifier, tenant, model, version, token):
         return ErrorCode.DENIED, "read token refused"
     held = store.get(key)
     if held is None:

@@ -14,8 +14,9 @@ fails — its end, or later while the bytes already in hand still cover the floo
 the next byte after it: the pace owns the socket's receive timeout while the window is at
 risk and shortens it so the receive returns by then (`netio.recv_views` asks `timed_out`,
 which judges and says whether to receive on). Judged at the next byte instead, a holder
-sending one byte every 4 s of a 5 s window was caught only at its third byte, 8 s in: a
-chunk that cannot meet the floor is now abandoned within one window of its first byte.
+sending one byte every 4 s of a 5 s window would be caught only at its third byte, 8 s in;
+judged on time, a chunk that cannot meet the floor is abandoned within one window of its
+first byte.
 
 Only the holder's withholding counts, never the reader's own slowness: bytes already queued
 in our socket (FIONREAD) count as delivered, and a window that closes with our receive

@@ -30,6 +30,7 @@ from transport.reader import DEFAULT_PARALLEL
 from transport.staging import StagingBuffer
 from transport.store import HeldVersion, HolderStore
 from transport.tls import TlsConfig
+from transport.verifier import Verifier, token_allowed
 from transport.wire import (
     HEADER,
     ChunkHeader,
@@ -49,9 +50,6 @@ ROLLOUTS_PER_HOST = 8  # an 8-GPU host runs up to 8 rollouts, each reading with 
 PER_PEER = 2 * ROLLOUTS_PER_HOST * DEFAULT_PARALLEL  # 64: all of them, with room to reconnect
 MAX_CONNECTIONS = 2 * PER_PEER  # 128: one address never takes more than half the slots
 FRAME_TIMEOUT = 10.0  # seconds for a complete request frame (from accept, or its first byte)
-
-Verifier = Callable[[str, str, int, bytes], bool]
-"""`(tenant, model, version, token) -> bool`: may this token read this version here?"""
 
 Stager = Callable[[HeldVersion], StagingBuffer | None]
 """The host staging a connection sends a version's chunks through (None: straight from the
@@ -280,12 +278,7 @@ class HolderServer:
         return conn
 
     def _lookup(self, record: Conn, req: GetRequest) -> HeldVersion:
-        try:
-            allowed = self.verifier(req.tenant, req.model, req.version, req.token)
-        except Exception as exc:
-            log.warning("read-token verifier raised: %r", exc)
-            allowed = False
-        if not allowed:
+        if not token_allowed(self.verifier, req.tenant, req.model, req.version, req.token):
             raise _Refuse(ErrorCode.DENIED, "read token not valid for this version")
         self._admission.authenticated(record)
         held = self.store.get((req.tenant, req.model, req.version))

@@ -258,9 +258,3 @@ def decode_error(body: bytearray) -> Refusal:
     message = bytes(cur.take(n)).decode(errors="replace")
     code = ErrorCode(raw) if raw in ErrorCode._value2member_map_ else None
     return Refusal(code, raw, message)
-
-
-def raise_error_frame(body: bytearray) -> None:
-    """Turn a holder's ERROR frame into the matching named error and raise it (for callers
-    that want an exception; the reader acts on `decode_error(body).code` instead)."""
-    raise decode_error(body).error()

@@ -180,7 +180,7 @@ class Cluster:
         self._drop_logs(failed=kind is not None)
 
     def _drop_logs(self, *, failed: bool) -> None:
-        """Remove the run's log directory (it was left in /tmp after every run). After a
+        """Remove the run's log directory, so no run leaves its logs in /tmp. After a
         failed run the tail of each log is printed first; with TENSORHUB_BENCH_KEEP_LOGS set
         the directory is kept instead, and its path printed."""
         keep = bool(os.environ.get("TENSORHUB_BENCH_KEEP_LOGS"))

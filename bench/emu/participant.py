@@ -26,6 +26,7 @@ from bench.emu.model import digest, make_model
 from consistency.watch import EventKind
 from ros.client.handles import Held, Publication
 from ros.client.watch import HubWatch
+from tensorhub.errors import EngineNotReady
 
 
 class Participant:
@@ -42,7 +43,7 @@ class Participant:
 
     def _hub(self) -> ros.Hub:
         if self.hub is None:
-            raise ValueError("connect first")
+            raise EngineNotReady("this participant has not connected: connect first")
         return self.hub
 
     def connect(self, hub: list[str], tenant: str, token: str, topology: dict[str, str]) -> Any:

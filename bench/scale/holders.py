@@ -4,7 +4,7 @@
 Holders are registered through the hub's RegisterHolder under a few sessions. The Resolve
 caller is itself the newest PARTIAL holder and sends its topology, fence and name (the
 fields a pipelining reader sends), so the hub answers with its bounded candidate set. The
-step is the SDK's fetch path (ros/client/fetching.py, as of issue 11) call by call: Resolve,
+step is the SDK's fetch path (`ros.client`) call by call: Resolve,
 RegisterHolder PARTIAL (its record pins the version; its answer carries the candidates, and
 only a hub that sends none gets a second Resolve), UpdateHolder COMPLETE; each reader then
 releases the version it held before. etcd writes per step are the etcd revision's delta.

@@ -84,7 +84,7 @@ class Network:
         """Max-min fair rates by progressive filling; pipelined flows that have caught up
         are capped by their upstream's rate. A cap depends on the upstream's rate from the
         pass before, so the passes repeat until no rate changes: a chain of depth d needs d
-        passes (a fixed number of passes left the end of long chains at stale rates)."""
+        passes (a fixed number of passes would leave the end of long chains at stale rates)."""
         n = len(active)
         capacity = np.array(self.capacity, dtype=float)
         incidence = np.zeros((len(capacity), n))

@@ -29,14 +29,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from consistency import Etcd, Keys
-from consistency.etcd import RevisionCompacted
 from consistency.ops import KV
 from consistency.records import HolderRecord
 from consistency.retry import CAS_POLICY, LostRace
-from consistency.watch import KeyWatch, Progress, RawEvent, Resync, WatchClosed
+from consistency.watch import KeyWatch, Progress, RawEvent, Resync
 from ros.hub.candidates import MAX_CANDIDATES, HolderSet, select_candidates
 from ros.metrics import HUB_INDEXED_MODELS, HUB_RESOLVE_READS
-from tensorhub.errors import InvalidArgument, TensorHubError, Unavailable, VersionNotFound
+from tensorhub.errors import (
+    InvalidArgument,
+    RevisionCompacted,
+    StreamClosed,
+    TensorHubError,
+    Unavailable,
+    VersionNotFound,
+)
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +200,7 @@ class ModelIndex:
         while True:
             try:
                 item = self._watch.get(0.5)
-            except WatchClosed:
+            except StreamClosed:
                 return
             except BaseException as exc:  # recorded: queries fall back to etcd
                 log.warning("holder index of %s/%s failed: %s", self.tenant, self.model, exc)

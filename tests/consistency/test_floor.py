@@ -6,7 +6,8 @@ import threading
 
 import pytest
 
-from consistency import Etcd, RevisionFloor, StaleRead
+from consistency import Etcd, RevisionFloor
+from tensorhub.errors import StaleRead
 
 
 def test_floor_rises_and_rejects_older() -> None:

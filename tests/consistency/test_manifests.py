@@ -26,7 +26,6 @@ from consistency import (
     Session,
     VersionRegistry,
 )
-from consistency.etcd import LeaseNotFound
 from consistency.manifests import (
     INLINE_BYTES,
     MAX_MANIFEST_BYTES,
@@ -41,6 +40,7 @@ from tensorhub.errors import (
     DeadlineExceeded,
     InvalidArgument,
     LeaseLost,
+    LeaseNotFound,
     ManifestTooLarge,
     OutcomeUnknown,
     StaleVersion,

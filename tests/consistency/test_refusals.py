@@ -13,13 +13,14 @@ import grpc
 import pytest
 
 from consistency import Etcd, Keys, ops
-from consistency.refusals import WriteUnconfirmed, name_refusal
+from consistency.refusals import name_refusal
 from tensorhub.errors import (
     InvalidArgument,
     OutcomeUnknown,
     StorageFull,
     TensorHubError,
     Unavailable,
+    WriteUnconfirmed,
 )
 
 

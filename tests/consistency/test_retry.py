@@ -9,7 +9,6 @@ from collections.abc import Callable
 import grpc
 import pytest
 
-from consistency.floor import StaleRead
 from consistency.retry import LostRace, RetryPolicy, full_jitter, is_retryable
 from tensorhub.errors import (
     DeadlineExceeded,
@@ -18,6 +17,7 @@ from tensorhub.errors import (
     Overloaded,
     PermissionDenied,
     QuotaExceeded,
+    StaleRead,
     Unavailable,
 )
 

@@ -16,11 +16,11 @@ from consistency import (
     ModelWatch,
     Session,
     VersionRegistry,
-    wait_for_version,
 )
 from consistency.retry import RetryPolicy
 from consistency.watch import RawEvent, Resync
 from tensorhub.errors import DeadlineExceeded, InvalidArgument
+from tests.consistency.watching import wait_for_version
 
 
 def rec(session: Session) -> HolderRecord:

@@ -31,8 +31,8 @@ import pytest
 
 import ros
 from consistency import Etcd, EtcdCluster, EventKind, Keys
-from consistency.etcd import RevisionCompacted
 from ros.hub.tenants import Quotas, TenantStore
+from tensorhub.errors import RevisionCompacted
 from tests.ros.helpers import digest, make_model
 from tests.ros.review_hubs import Replica, start_replicas, stop_all
 from tests.waiting import wait_until

@@ -11,9 +11,9 @@ from collections.abc import Callable
 import pytest
 
 import ros
-from consistency.floor import StaleRead
 from consistency.retry import RetryPolicy
 from ros.hub.server import HubServer
+from tensorhub.errors import StaleRead
 
 
 @pytest.mark.timeout(60)

@@ -15,9 +15,9 @@ import pytest
 
 from chaos.holder_faults import Fault
 from chaos.planted import UNCHECKED, LaxFloor, hooks_for
-from consistency.floor import RevisionFloor, StaleRead
+from consistency.floor import RevisionFloor
 from ros.client.hooks import PRODUCTION
-from tensorhub.errors import IntegrityError
+from tensorhub.errors import IntegrityError, StaleRead
 from tests.transport._model import MODEL, TENANT, make_model
 from tests.transport.conftest import StartHolder
 from transport.checks import STRICT, ChunkChecks

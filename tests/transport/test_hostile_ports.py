@@ -55,9 +55,9 @@ from transport.wire import (
     FrameType,
     GetRequest,
     decode_chunk_header,
+    decode_error,
     encode_chunk_header,
     encode_get,
-    raise_error_frame,
     read_frame,
 )
 
@@ -158,7 +158,7 @@ def _read_chunk(sock: socket.socket, get: bytes) -> None:
     sock.sendall(get)
     ftype, body = read_frame(sock)
     if ftype is FrameType.ERROR:
-        raise_error_frame(body)
+        raise decode_error(body).error()
     left = decode_chunk_header(body).length
     while left:
         got = sock.recv(min(left, 1 << 20))
@@ -372,7 +372,7 @@ def test_an_evicted_reader_is_told_busy_and_a_served_one_is_kept() -> None:
             ftype, body = read_frame(idle)
             assert ftype is FrameType.ERROR
             with pytest.raises(TransportError, match="BUSY"):
-                raise_error_frame(body)
+                raise decode_error(body).error()
             _read_chunk(newcomer, get)
         for sock in served:
             with sock:

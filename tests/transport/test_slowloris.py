@@ -38,8 +38,8 @@ from transport.wire import (
     FrameType,
     GetRequest,
     decode_chunk_header,
+    decode_error,
     encode_get,
-    raise_error_frame,
     read_frame,
 )
 
@@ -69,7 +69,7 @@ def _get_one_chunk(sock: socket.socket, layout: Layout) -> None:
     sock.sendall(encode_get(GetRequest(TENANT, MODEL, 1, layout.digest, b"t", (0,), 0)))
     ftype, body = read_frame(sock)
     if ftype is FrameType.ERROR:
-        raise_error_frame(body)
+        raise decode_error(body).error()
     header = decode_chunk_header(body)
     left = header.length
     while left:
@@ -88,7 +88,7 @@ def _refused_busy(sock: socket.socket) -> bool:
     if ftype is not FrameType.ERROR:
         return False
     with pytest.raises(TransportError, match="BUSY"):
-        raise_error_frame(body)
+        raise decode_error(body).error()
     return True
 
 

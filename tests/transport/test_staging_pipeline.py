@@ -7,15 +7,27 @@ test_staging_transfer.py.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
 
 from tensorhub.errors import InvalidArgument
 from tests.transport._later_copies import LaterCopies
-from transport.copies import HostCopies
+from transport.copies import DONE, Event, Pair
 from transport.pipeline import GatherAhead, ScatterBehind
+
+
+class HostCopies:
+    """Plain host buffers and synchronous copies: every copy is done when it returns."""
+
+    def host_buffer(self, size: int) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.uint8)
+
+    def copy(self, pairs: Sequence[Pair]) -> Event:
+        for dst, src in pairs:
+            dst.copy_(src)
+        return DONE
 
 
 def _bytes(n: int, seed: int) -> torch.Tensor:

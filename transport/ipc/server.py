@@ -43,11 +43,11 @@ from transport.listener import (
     ControlListener,
 )
 from transport.store import HeldVersion, HolderStore
+from transport.verifier import Verifier
 from transport.wire import ErrorCode
 
 LEASE_IDLE = 30.0  # the longest a reader may take between reports before its lease ends
 
-Verifier = Callable[[str, str, int, bytes], bool]
 Exporter = Callable[[HeldVersion, int], Export]
 """`(held, probe sum) -> Export`: share `held` for one lease (`transport.ipc.cuda.export`)."""
 

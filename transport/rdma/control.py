@@ -47,10 +47,10 @@ from transport.rdma.descriptor import (
     encode_descriptor,
 )
 from transport.store import HeldVersion, HolderStore
+from transport.verifier import Verifier
 from transport.wire import ErrorCode, Refusal
 
 MAX_REQUEST_BYTES = 64 * 1024
-Verifier = Callable[[str, str, int, bytes], bool]
 
 
 @dataclass(frozen=True)
@@ -88,13 +88,16 @@ def decode_request(data: bytes) -> RdmaRequest:
             doc["layout"],
             bytes.fromhex(doc["token"]),
         )
-        if not (isinstance(tenant, str) and isinstance(model, str)):
-            raise TypeError("tenant and model must be strings")
-        if type(version) is not int or type(digest) is not int or version < 0 or digest < 0:
-            raise TypeError("version and layout must be integers >= 0")
-        return RdmaRequest(tenant, model, version, digest, token, QpInfo.from_json(doc["qp"]))
+        qp = QpInfo.from_json(doc["qp"])
     except (KeyError, TypeError, ValueError) as ex:
         raise TransportError(f"RDMA control request is malformed: {ex!r}") from ex
+    if not (isinstance(tenant, str) and isinstance(model, str)):
+        raise TransportError("RDMA control request is malformed: tenant and model must be strings")
+    if type(version) is not int or type(digest) is not int or version < 0 or digest < 0:
+        raise TransportError(
+            "RDMA control request is malformed: version and layout must be integers >= 0"
+        )
+    return RdmaRequest(tenant, model, version, digest, token, qp)
 
 
 def encode_refusal(code: ErrorCode, message: str) -> bytes:
@@ -122,7 +125,7 @@ class RdmaControlServer(ControlListener):
     (`device_factory`, default `RdmaDevice()`), so refusals need no device; one
     `RdmaExporter` per held version, closed once the version is released and its last
     reader has gone. Admission and the accept loop are `transport.listener`'s: the same
-    rules as the TCP data port (issue 12, slowloris)."""
+    rules as the TCP data port (a slowloris is cut at the frame deadline)."""
 
     name = "rdma-control"
 

@@ -25,12 +25,12 @@ from typing import Any, NoReturn
 
 import torch
 
-from tensorhub.errors import DeadlineExceeded, InvalidArgument, TransportError
+from tensorhub.errors import DeadlineExceeded, InvalidArgument, TornRead, TransportError
 from transport.rdma import _verbs
 from transport.rdma.descriptor import QpInfo, RdmaDescriptor
 from transport.rdma.device import RdmaDevice
 from transport.rdma.qp import RcQp, connect, create_rc_qp, to_error
-from transport.rdma.seqlock import EPOCH_BYTES, TornRead, epoch_ok
+from transport.rdma.seqlock import EPOCH_BYTES, epoch_ok
 
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_MAX_WR_BYTES = 4 << 20
@@ -123,20 +123,6 @@ class RdmaReader:
                 )
                 self._buffers[key] = buf
             return buf
-
-    def read_tensor(
-        self, name: str, tensor: torch.Tensor, *, timeout: float = DEFAULT_TIMEOUT
-    ) -> None:
-        """Read the whole region `name` into `tensor` (sizes must match)."""
-        desc = self._connected()
-        region = desc.region(name)
-        nbytes = tensor.numel() * tensor.element_size()
-        if region.length != nbytes:
-            raise InvalidArgument(
-                f"RDMA region {name!r} has {region.length} bytes, tensor {nbytes}"
-            )
-        if nbytes:
-            self.read(name, self.register(tensor), timeout=timeout)
 
     def read(
         self,

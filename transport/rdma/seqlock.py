@@ -10,9 +10,7 @@ v+1, fully written after a completed overwrite, is not mistaken for v).
 
 from __future__ import annotations
 
-from tensorhub.errors import TornRead
-
-__all__ = ["EPOCH_BYTES", "EPOCH_MODULUS", "TornRead", "bump_epoch", "epoch_ok"]
+__all__ = ["EPOCH_BYTES", "EPOCH_MODULUS", "bump_epoch", "epoch_ok"]
 
 EPOCH_BYTES = 8
 EPOCH_MODULUS = 1 << 64
