@@ -10,7 +10,8 @@ named.
   an RPC the docs name (`` `X` RPC ``) is one of them.
 - Errors: a name the docs give that reads as an error (`...Error`, `...Exceeded`, ...) is a
   class of `tensorhub.errors` or a Python or gRPC one, and every class of the tree appears.
-- consistency.md's table of modules lists exactly the modules of `consistency/`.
+- consistency.md's and transport.md's tables of modules list exactly the modules of their
+  package.
 """
 
 from __future__ import annotations
@@ -155,14 +156,16 @@ def test_every_error_class_is_documented() -> None:
     assert not missing, f"errors of tensorhub.errors no doc names: {missing}"
 
 
-def test_consistency_md_lists_every_module() -> None:
+@pytest.mark.parametrize("package", ["consistency", "transport"])
+def test_a_package_doc_lists_every_module(package: str) -> None:
+    """docs/PACKAGE.md's table of modules names each module of the package, and no other."""
     listed = {
         name
-        for _, cells in table_cells(ROOT / "docs" / "consistency.md", "module")
+        for _, cells in table_cells(ROOT / "docs" / f"{package}.md", "module")
         for name in re.findall(r"`([a-z_]+\.py)`", cells[0])
     }
-    modules = {p.name for p in (ROOT / "consistency").glob("*.py") if p.name != "__init__.py"}
+    modules = {p.name for p in (ROOT / package).glob("*.py") if p.name != "__init__.py"}
     assert listed == modules, (
-        f"consistency.md's table misses {sorted(modules - listed)}, "
+        f"{package}.md's table misses {sorted(modules - listed)}, "
         f"lists no such module: {sorted(listed - modules)}"
     )
