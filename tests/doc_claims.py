@@ -70,7 +70,8 @@ def _bench_parsers() -> dict[str, argparse.ArgumentParser]:
                 parsers[name] = caught.parser
     finally:
         argparse.ArgumentParser.parse_args = original  # type: ignore[method-assign]
-        signal.signal(signal.SIGTERM, sigterm)
+        if sigterm is not None:  # None: a handler not set from Python, left as it is
+            signal.signal(signal.SIGTERM, sigterm)
     return parsers
 
 
