@@ -9,6 +9,7 @@ version; with none, it raises a named error and the model keeps the previous ver
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -25,7 +26,6 @@ from ros.integrations.vllm import update_vllm
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import VersionUnavailable
 from tests.engines.vllm_cpu import tiny
-from transport.outcome import FetchStats
 
 TENANT = "team-a"
 MODEL = "policy"
@@ -44,11 +44,6 @@ def trainer(hub_server: HubServer, token: str) -> Iterator[ros.Hub]:
     hub = ros.connect(hub_server.address, tenant=TENANT, token=token, name="trainer")
     yield hub
     hub.close()
-
-
-def last_stats(worker: object) -> FetchStats:
-    """Run in vLLM's worker: what the engine's last fetch read, from whom."""
-    return worker.weight_transfer_engine.receiver.last_stats  # type: ignore[attr-defined, no-any-return]
 
 
 def slow_holder(token: str, address: str, version: int) -> tuple[subprocess.Popen[str], str]:
@@ -103,6 +98,8 @@ def test_updates_match_hf_and_a_holder_killed_mid_update_never_mixes_weights(
                        "token": token, "model": MODEL}}
     )  # fmt: skip
     assert tiny.vllm_greedy(llm) == tiny.hf_greedy(0)
+    in_this_process = tiny.status(llm)["pid"] == os.getpid()
+    assert in_this_process == (mode == "one-process"), f"{mode}: vLLM's worker ran elsewhere"
     published = {}
     # v1: an ordinary update from the trainer
     published[1] = trainer.publish(MODEL, 1, tiny.weights(1), chunk_size=CHUNK)
@@ -120,9 +117,9 @@ def test_updates_match_hf_and_a_holder_killed_mid_update_never_mixes_weights(
         update_vllm(llm, 2)
         killer.join(5)
         assert slow.wait(5) == -signal.SIGKILL  # it died while serving the update
-        [stats] = llm.collective_rpc(last_stats)
-        assert slow_name in stats.failed_sources  # read from it first, then failed over
-        assert stats.bytes_per_source.get("spare", 0) > 0
+        stats = tiny.status(llm)["last_fetch"]  # the worker's FetchStats, as a dict
+        assert slow_name in stats["failed_sources"]  # read from it first, then failed over
+        assert stats["bytes_per_source"].get("spare", 0) > 0
         assert tiny.vllm_greedy(llm) == tiny.hf_greedy(2) != tiny.hf_greedy(1)
 
         # v3: only the slow holder has it, and it is killed mid-update: a named error

@@ -60,11 +60,21 @@ def vllm_greedy(llm: Any) -> list[list[int]]:
 
 def start_llm(checkpoint: str) -> Any:
     """A vLLM `LLM` (untyped: vLLM is not installed where mypy runs) of `checkpoint`, its
-    weight-transfer engine TensorHub's."""
+    weight-transfer engine TensorHub's, its workers answering `collective_rpc(STATUS)`."""
     from vllm import LLM
+
+    from ros.integrations.vllm_worker import WORKER_EXTENSION
 
     return LLM(
         model=checkpoint, skip_tokenizer_init=True, dtype="float32", max_model_len=64,
         enforce_eager=True, distributed_executor_backend="uni",
-        weight_transfer_config={"backend": "tensorhub"},
+        weight_transfer_config={"backend": "tensorhub"}, worker_extension_cls=WORKER_EXTENSION,
     )  # fmt: skip
+
+
+def status(llm: Any) -> dict[str, Any]:
+    """The one worker's TensorHub status (`ros.integrations.vllm_worker`), asked by name."""
+    from ros.integrations.vllm_worker import STATUS
+
+    [answer] = llm.collective_rpc(STATUS)
+    return dict(answer)
