@@ -228,7 +228,7 @@ def test_retention_racing_a_delete_gives_back_a_version_only_once(
         failpoint.release()
         wait_until(  # the collection retries on the usage key the delete changed, then ends
             "the retention worker is idle",
-            lambda: hub_server.servicer._collector.submit(lambda: None).result(20) is None,
+            lambda: hub_server.servicer.hub.collector.submit(lambda: None).result(20) is None,
         )
     finally:
         failpoint.remove()
@@ -265,7 +265,7 @@ def test_two_replicas_collecting_the_same_version_give_it_back_once(
         failpoint.release()
         wait_until(
             "A's retention worker is idle",
-            lambda: hub_server.servicer._collector.submit(lambda: None).result(20) is None,
+            lambda: hub_server.servicer.hub.collector.submit(lambda: None).result(20) is None,
         )
     finally:
         failpoint.remove()
