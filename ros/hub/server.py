@@ -2,16 +2,16 @@
 
 A replica must hold thousands of clients, each a session keepalive (a bidi stream) and a
 versions-only watch (a server stream): DESIGN §8 asks for 2,000 on 2 cores. On gRPC's
-synchronous server every open stream pins a pool thread, so a 256-thread pool stopped
-answering anything at ~140 clients. Here the server runs on its own asyncio event loop in
-one dedicated thread: streams are coroutines (memory, not threads), unary handler bodies run
-in one bounded worker pool (`ros.hub.rpc.unary`), session renewals share one etcd keepalive
-stream (`consistency.keepalive`) and watches share one etcd watch per model
-(`ros.hub.fanout`). The thread count is therefore fixed by configuration, not by load; the
-stream counts are bounded by explicit limits (`ros.hub.limits`).
+synchronous server every open stream would pin a pool thread. So the server runs on its own
+asyncio event loop in one dedicated thread: streams are coroutines (memory, not threads),
+unary handler bodies run in one bounded worker pool (`ros.hub.rpc.unary`), session renewals
+share one etcd keepalive stream (`consistency.keepalive`) and every hot model has one etcd
+watch, on one multiplexed etcd stream, shared by its Watch streams and its holder index
+(`ros.hub.model_feed`). The thread count is therefore fixed by configuration, not by load;
+the stream counts are bounded by explicit limits (`ros.hub.limits`).
 
-`HubServer` keeps a synchronous API (construct, `start()`, `stop(grace)`, `wait()`), so
-tests, the chaos cluster, the demo and `tensorhub serve` run it in-process as before.
+`HubServer` has a synchronous API (construct, `start()`, `stop(grace)`, `wait()`), so
+tests, the chaos cluster, the demo and `tensorhub serve` run it in-process.
 """
 
 from __future__ import annotations

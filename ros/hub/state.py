@@ -24,6 +24,7 @@ from ros.hub.fanout import WatchFanout
 from ros.hub.holder_index import HolderIndex
 from ros.hub.limits import Limits, StreamLimits
 from ros.hub.manifest_cache import ManifestCache
+from ros.hub.model_feed import ModelFeeds
 from ros.hub.session_marks import SessionMarks
 from ros.hub.shard_publish import ShardBatches
 from ros.hub.tenants import Tenant, TenantStore
@@ -88,10 +89,12 @@ class HubState:
         )
         # Retention runs after a publish has answered, off the publisher's critical path.
         self.collector = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retention")
-        self.fanout = WatchFanout(etcd, keys, self.streams)
+        # One etcd watch per hot model, on one stream, shared by the Watch fan-out and the
+        # holder index (Resolve's view of who holds what: caches only).
+        self.feeds = ModelFeeds(etcd)
+        self.fanout = WatchFanout(etcd, keys, self.streams, self.feeds)
+        self.holder_index = HolderIndex(etcd, keys, feeds=self.feeds)
         self.leases = LeaseKeeper(etcd)
-        # Resolve's view of who holds what (caches only: see ros.hub.holder_index).
-        self.holder_index = HolderIndex(etcd, keys)
         self.manifest_cache = ManifestCache()
         # Shard publishes of one version waiting at once commit in one transaction; so do
         # the session marks of one tenant opening at once (a herd of clients). Their
@@ -133,8 +136,9 @@ class HubState:
         self.committers.shutdown(wait=False, cancel_futures=True)
         self.collector.shutdown(wait=False, cancel_futures=True)
         self.fanout.close()
-        self.leases.close()
         self.holder_index.close()
+        self.feeds.close()
+        self.leases.close()
 
     # -- running blocking work -------------------------------------------------------------
 
