@@ -14,6 +14,7 @@ import asyncio
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from consistency import Etcd, HolderRegistry, Keys, VersionRegistry
@@ -109,7 +110,7 @@ class HubState:
         # (a lease never changes tenant), so their first renewal costs no worker. Bounded.
         self.opened_sessions: SizedLru[int, str] = SizedLru(MAX_OPENED_SESSIONS, lambda _: 1)
         # Each tenant's registries, built once per tenant record (see `versions`).
-        self._registries: SizedLru[tuple[str, int, int], VersionRegistry] = SizedLru(
+        self._registries: SizedLru[tuple[str, int, int], _Registries] = SizedLru(
             MAX_REGISTRIES, lambda _: 1
         )
         self._stop_tenant_watch = threading.Event()
@@ -187,11 +188,11 @@ class HubState:
     def authenticate(self, call: CallContext) -> Caller:
         """The caller, reading its tenant record from etcd if memory cannot tell (blocking:
         in a worker); `PermissionDenied` if the token is nobody's."""
-        known = self.known(call)
-        if known is not None:
-            return known
         token = bearer(call)
-        assert token is not None  # `known` refused a call without one
+        if token is None:
+            raise PermissionDenied("no tenant token: send 'authorization: Bearer <token>'")
+        if self.is_admin(token):
+            return ADMIN
         return as_named(call, self.tenants.authenticate(token))
 
     async def caller(self, call: CallContext) -> Caller:
@@ -213,22 +214,28 @@ class HubState:
     # -- the tenant's registries -----------------------------------------------------------
 
     def versions(self, tenant: Tenant) -> VersionRegistry:
-        """The tenant's registry, every write of which is fenced on its record
-        (`TenantStore.fence`). Built once per tenant record and retention, then reused: a
-        registry holds no per-call state."""
-        retain = min(self.default_retain, tenant.quotas.max_retained_versions)
-        key = (tenant.name, tenant.created, retain)
-        registry = self._registries.get(key)
-        if registry is None:
-            registry = VersionRegistry(
-                self.etcd_for(tenant), self.keys, retain=retain, collector=self.collector
-            )
-            self._registries.put(key, registry)
-        return registry
+        """The tenant's version registry, every write of which is fenced on its record
+        (`TenantStore.fence`)."""
+        return self._registries_of(tenant).versions
 
     def holders(self, tenant: Tenant) -> HolderRegistry:
-        """The tenant's holder registry, over its (cached) version registry."""
-        return HolderRegistry(self.versions(tenant))
+        """The tenant's holder registry (over its version registry), fenced the same way."""
+        return self._registries_of(tenant).holders
+
+    def _registries_of(self, tenant: Tenant) -> _Registries:
+        """Built once per tenant record and retention, then reused: a registry holds no
+        per-call state. A tenant deleted and created again (another record revision) or
+        given another retention quota gets new ones."""
+        retain = min(self.default_retain, tenant.quotas.max_retained_versions)
+        key = (tenant.name, tenant.created, retain)
+        registries = self._registries.get(key)
+        if registries is None:
+            versions = VersionRegistry(
+                self.etcd_for(tenant), self.keys, retain=retain, collector=self.collector
+            )
+            registries = _Registries(versions, HolderRegistry(versions))
+            self._registries.put(key, registries)
+        return registries
 
     def etcd_for(self, tenant: Tenant) -> Etcd:
         """The etcd connection for writes made on `tenant`'s behalf: each compares that the
@@ -250,6 +257,14 @@ class HubState:
             raise SessionExpired(
                 f"session {session_id:x} has expired or was revoked: open a new one"
             )
+
+
+@dataclass(frozen=True)
+class _Registries:
+    """One tenant's registries."""
+
+    versions: VersionRegistry
+    holders: HolderRegistry
 
 
 def _check_deadline(call: CallContext) -> None:

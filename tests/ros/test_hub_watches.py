@@ -3,7 +3,8 @@
 A model is hot when clients watch it (the fan-out) and resolve it (the holder index). Both
 read the same etcd watch (`ros.hub.model_feed`), on the replica's one multiplexed etcd
 Watch stream. The watches and streams are counted by etcd itself (its /metrics), the
-threads in the process that runs the hub.
+threads in the process that runs the hub (but for the bounded worker pools, which grow to
+their configured size with calls, whatever the models).
 """
 
 from __future__ import annotations
@@ -31,6 +32,13 @@ def _etcd_gauge(cluster: EtcdCluster, name: str) -> float:
             if line.startswith(name + " "):
                 return float(line.split()[1])
     raise AssertionError(f"etcd's /metrics has no {name}")
+
+
+POOLS = ("hub-worker", "hub-commit", "retention")  # thread name prefixes of the bounded pools
+
+
+def _threads() -> int:
+    return sum(not t.name.startswith(POOLS) for t in threading.enumerate())
 
 
 def _settle(read: Callable[[], float]) -> float:
@@ -104,7 +112,7 @@ def test_a_hot_model_costs_one_etcd_watch_and_no_thread(
     def counts() -> tuple[float, float, int]:
         watchers = _settle(lambda: _etcd_gauge(etcd_cluster, "etcd_debugging_mvcc_watcher_total"))
         streams = _etcd_gauge(etcd_cluster, "etcd_debugging_mvcc_watch_stream_total")
-        return watchers, streams, threading.active_count()
+        return watchers, streams, _threads()
 
     try:
         heat("first")  # the replica's watch stream opens with its first hot model
