@@ -49,11 +49,11 @@ class HubServicer(hub_pb2_grpc.TensorHubServicer):
             read_key_period=read_key_period, read_token_ttl=read_token_ttl,
             history_period=history_period, etcd_quota_bytes=etcd_quota_bytes,
         )  # fmt: skip
-        self.sessions = SessionRPCs(self.hub)
-        self.versions = VersionRPCs(self.hub)
-        self.holders = HolderRPCs(self.hub)
-        self.models = ModelRPCs(self.hub)
-        self.tenants = TenantRPCs(self.hub)
+        self.session_rpcs = SessionRPCs(self.hub)
+        self.version_rpcs = VersionRPCs(self.hub)
+        self.holder_rpcs = HolderRPCs(self.hub)
+        self.model_rpcs = ModelRPCs(self.hub)
+        self.tenant_rpcs = TenantRPCs(self.hub)
 
     def start(self) -> HubServicer:
         """The replica's first etcd I/O (`HubState.start`); returns self."""
@@ -68,14 +68,14 @@ class HubServicer(hub_pb2_grpc.TensorHubServicer):
     async def KeepAlive(
         self, requests: AsyncIterator[pb.KeepAliveRequest], context: AioContext
     ) -> AsyncGenerator[pb.KeepAliveResponse, None]:
-        async with aclosing(self.sessions.KeepAlive(requests, context)) as stream:
+        async with aclosing(self.session_rpcs.KeepAlive(requests, context)) as stream:
             async for response in stream:
                 yield response
 
     async def Watch(
         self, request: pb.WatchRequest, context: AioContext
     ) -> AsyncGenerator[pb.WatchEvent, None]:
-        async with aclosing(self.versions.Watch(request, context)) as stream:
+        async with aclosing(self.version_rpcs.Watch(request, context)) as stream:
             async for event in stream:
                 yield event
 
@@ -84,62 +84,62 @@ class HubServicer(hub_pb2_grpc.TensorHubServicer):
     async def OpenSession(
         self, request: pb.OpenSessionRequest, context: AioContext
     ) -> pb.OpenSessionResponse:
-        return await self.sessions.OpenSession(request, context)
+        return await self.session_rpcs.OpenSession(request, context)
 
     async def CloseSession(
         self, request: pb.CloseSessionRequest, context: AioContext
     ) -> pb.CloseSessionResponse:
-        return await self.sessions.CloseSession(request, context)
+        return await self.session_rpcs.CloseSession(request, context)
 
     async def Publish(self, request: pb.PublishRequest, context: AioContext) -> pb.PublishResponse:
-        return await self.versions.Publish(request, context)
+        return await self.version_rpcs.Publish(request, context)
 
     async def Latest(self, request: pb.LatestRequest, context: AioContext) -> pb.LatestResponse:
-        return await self.versions.Latest(request, context)
+        return await self.version_rpcs.Latest(request, context)
 
     async def Resolve(self, request: pb.ResolveRequest, context: AioContext) -> pb.ResolveResponse:
-        return await self.versions.Resolve(request, context)
+        return await self.version_rpcs.Resolve(request, context)
 
     async def ListModels(
         self, request: pb.ListModelsRequest, context: AioContext
     ) -> pb.ListModelsResponse:
-        return await self.versions.ListModels(request, context)
+        return await self.version_rpcs.ListModels(request, context)
 
     async def Inspect(self, request: pb.InspectRequest, context: AioContext) -> pb.InspectResponse:
-        return await self.versions.Inspect(request, context)
+        return await self.version_rpcs.Inspect(request, context)
 
     async def RegisterHolder(
         self, request: pb.RegisterHolderRequest, context: AioContext
     ) -> pb.RegisterHolderResponse:
-        return await self.holders.RegisterHolder(request, context)
+        return await self.holder_rpcs.RegisterHolder(request, context)
 
     async def UpdateHolder(
         self, request: pb.UpdateHolderRequest, context: AioContext
     ) -> pb.UpdateHolderResponse:
-        return await self.holders.UpdateHolder(request, context)
+        return await self.holder_rpcs.UpdateHolder(request, context)
 
     async def ReleaseHolder(
         self, request: pb.ReleaseHolderRequest, context: AioContext
     ) -> pb.ReleaseHolderResponse:
-        return await self.holders.ReleaseHolder(request, context)
+        return await self.holder_rpcs.ReleaseHolder(request, context)
 
     async def Pin(self, request: pb.PinRequest, context: AioContext) -> pb.PinResponse:
-        return await self.holders.Pin(request, context)
+        return await self.holder_rpcs.Pin(request, context)
 
     async def Unpin(self, request: pb.UnpinRequest, context: AioContext) -> pb.UnpinResponse:
-        return await self.holders.Unpin(request, context)
+        return await self.holder_rpcs.Unpin(request, context)
 
     async def DeleteModel(
         self, request: pb.DeleteModelRequest, context: AioContext
     ) -> pb.DeleteModelResponse:
-        return await self.models.DeleteModel(request, context)
+        return await self.model_rpcs.DeleteModel(request, context)
 
     async def CreateTenant(
         self, request: pb.CreateTenantRequest, context: AioContext
     ) -> pb.CreateTenantResponse:
-        return await self.tenants.CreateTenant(request, context)
+        return await self.tenant_rpcs.CreateTenant(request, context)
 
     async def DeleteTenant(
         self, request: pb.DeleteTenantRequest, context: AioContext
     ) -> pb.DeleteTenantResponse:
-        return await self.tenants.DeleteTenant(request, context)
+        return await self.tenant_rpcs.DeleteTenant(request, context)
