@@ -20,7 +20,11 @@ notification on the mux's stream; etcd answers with a revision through which eve
 the stream has delivered (releases before etcd-io/etcd#15220's fix may answer before a
 watcher created in the past has caught up: a notification that soon after such a create is
 dropped, and the index counts one only once the next one confirms it). Each active feed
-hands it to its sinks (`Sink.progress`).
+hands it to its sinks (`Sink.progress`). The price of one stream: on etcd releases with the
+fix, a notification waits until every watch of the stream has caught up, so a replay from
+far back delays it for every index of the replica (a Resolve that cannot wait reads etcd
+directly, `ros.hub.holder_index.FRESH_WAIT`); and on older ones, watches created from the
+past keep resetting the grace above.
 """
 
 from __future__ import annotations
