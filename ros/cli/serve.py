@@ -34,8 +34,8 @@ from ros.hub.limits import (
     DEFAULT_MAX_WATCHED_MODELS_PER_TENANT,
     DEFAULT_WORKERS,
 )
-from ros.hub.rpc import DEFAULT_ETCD_QUOTA_BYTES
 from ros.hub.server import DEFAULT_MAX_STREAMS_PER_CONNECTION, HubServer
+from ros.hub.state import DEFAULT_ETCD_QUOTA_BYTES
 from ros.metrics_http import MetricsServer
 from ros.tokens import MAX_READ_TOKEN_LIFETIME, READ_KEY_PERIOD, READ_TOKEN_TTL
 from tensorhub.errors import InvalidArgument, TensorHubError

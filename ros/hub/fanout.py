@@ -1,20 +1,20 @@
-"""One etcd watch per watched model per hub replica, shared by every Watch stream it serves,
-and every such watch on ONE multiplexed etcd stream, so threads do not grow with names.
+"""The Watch streams of a hub replica: one etcd watch per watched model, shared by every
+stream that watches it, and by the model's holder index (`ros.hub.model_feed`).
 
-Without sharing, 100 clients watching one model cost the replica 100 etcd watches and 100
-decodes of every event. Here a stream that starts at a revision the shared watch has not
-passed yet simply joins it, and receives each event already converted to its protobuf
-message; a stream that asks for older history gets a private watch that replays it
-(`start_revision` stays exact either way: nothing is lost or repeated).
+A stream that starts at a revision the model's shared watch has not passed yet simply joins
+it, and receives each event already converted to its protobuf message; a stream that asks
+for older history gets a private watch that replays it (`start_revision` stays exact either
+way: nothing is lost or repeated). So 100 clients watching one model cost the replica one
+etcd watch and one decode of every event.
 
 Every etcd watch of the replica, shared or private, rides one etcd Watch stream
-(`consistency.watch_mux.WatchMux`): one pump thread reads it and hands each event to every
-subscriber's queue, waking their coroutines on the event loop with one
-`loop.call_soon_threadsafe` per batch. So a tenant that watches 2,000 names (published or
-not) costs 2,000 etcd watchers on that stream and no thread; opening or cancelling one is a
-request queued on the stream, never a blocking call, so a flood of cancels stalls nobody.
-The mux reconnects, resumes each watch after its last event, and re-lists a compacted one,
-exactly as a watch of its own would (`consistency.watch`).
+(`consistency.watch_mux.WatchMux`, owned by `ros.hub.model_feed.ModelFeeds`): one pump
+thread reads it and hands each event to every subscriber's queue, waking their coroutines
+on the event loop with one `loop.call_soon_threadsafe` per batch. So a tenant that watches
+2,000 names (published or not) costs 2,000 etcd watchers on that stream and no thread;
+opening or cancelling one is a request queued on the stream, never a blocking call, so a
+flood of cancels stalls nobody. The mux reconnects, resumes each watch after its last event,
+and re-lists a compacted one, exactly as a watch of its own would (`consistency.watch`).
 
 Watch streams are coroutines on the hub's event loop (`ros.hub.server`). A subscriber's
 backlog is bounded (`MAX_BACKLOG`): one that falls that far behind is cut off with
@@ -34,9 +34,10 @@ from collections.abc import Sequence
 
 from consistency import Etcd, Keys
 from consistency.watch import ModelEvents, RawEvent, Resync, WatchEvent
-from consistency.watch_mux import MuxWatch, WatchMux
+from consistency.watch_mux import MuxWatch
 from ros.hub.convert import event_to_pb
 from ros.hub.limits import Limits, StreamLimits
+from ros.hub.model_feed import Feed, ModelFeeds
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import TensorHubError, Unavailable
 
@@ -176,19 +177,18 @@ class _PrivateSubscription(Subscription):
 
 
 class _SharedWatch:
-    """One model's etcd watch (on the replica's mux) and the subscriptions fed from it."""
+    """The fan-out's sink on one model's feed: the Watch streams fed from it."""
 
-    def __init__(self, keys: Keys, tenant: str, model: str, start: int) -> None:
+    def __init__(self, keys: Keys, tenant: str, model: str) -> None:
         self.events = ModelEvents(keys, tenant, model)
-        self.delivered_through = start - 1  # revision of the last event handed out
         self.subscribers: set[Subscription] = set()
         self.lock = threading.Lock()
         self.failed = False
-        self.handle: MuxWatch | None = None
+        self.feed: Feed | None = None
 
     def deliver(self, raws: Sequence[RawEvent | Resync]) -> None:
-        """Hand a batch of etcd events to every subscriber (on the mux's thread), waking
-        each coroutine once for the batch."""
+        """Hand a batch of etcd events to every subscriber (on the mux's thread, under the
+        feed's lock), waking each coroutine once for the batch."""
         wakes: list[Subscription] = []
         with self.lock:
             for raw in raws:
@@ -198,7 +198,6 @@ class _SharedWatch:
 
     def _hand_out(self, event: WatchEvent, wakes: list[Subscription]) -> None:
         message = event_to_pb(event)
-        self.delivered_through = event.revision
         for sub in list(self.subscribers):
             if event.revision < sub.start_revision or not wanted(message, sub.versions_only):
                 continue
@@ -215,30 +214,31 @@ class _SharedWatch:
                 sub.fail(exc)
             self.subscribers.clear()
 
+    def progress(self, revision: int) -> None:
+        """Streams need no progress notifications (their clients resume from events)."""
+
 
 class WatchFanout:
-    """Shared watches of this replica, by (tenant, model), all on one `WatchMux`."""
+    """Shared watches of this replica, by (tenant, model), all on the replica's one mux.
 
-    def __init__(self, etcd: Etcd, keys: Keys, streams: StreamLimits | None = None) -> None:
-        self._etcd = etcd
+    `feeds`: the replica's model feeds, shared with its holder index (one of its own when
+    not given)."""
+
+    def __init__(
+        self,
+        etcd: Etcd,
+        keys: Keys,
+        streams: StreamLimits | None = None,
+        feeds: ModelFeeds | None = None,
+    ) -> None:
         self._keys = keys
         self._streams = streams or StreamLimits(Limits())
+        self._own_feeds = feeds is None
+        self._feeds = feeds or ModelFeeds(etcd)
         self._lock = threading.Lock()
         self._shared: dict[tuple[str, str], _SharedWatch] = {}
         self._replays: set[_PrivateSubscription] = set()
-        self._mux: WatchMux | None = None  # started by the first subscribe
         self._closed = False
-
-    def _live_mux(self) -> WatchMux:
-        """The replica's mux (under `_lock`): a new one if none runs or the last one gave up
-        (its watches have all been told, so nothing is left on it)."""
-        if self._closed:
-            raise Unavailable("this hub replica is stopping; watch through another")
-        if self._mux is None or self._mux.failed is not None:
-            if self._mux is not None:
-                self._mux.close()  # its pump has already ended: no wait
-            self._mux = WatchMux(self._etcd, name="fanout-mux")
-        return self._mux
 
     def subscribe(
         self,
@@ -252,26 +252,30 @@ class WatchFanout:
         coroutine on `loop`; with `versions_only`, only new versions (and resyncs). Never
         blocks on etcd: a new watch is one request queued on the mux's stream. `Overloaded`
         if a private replay is needed and the replica or the tenant runs its limit of them."""
+        if self._closed:
+            raise Unavailable("this hub replica is stopping; watch through another")
+        sub = Subscription(start_revision, versions_only, loop)
         with self._lock:
-            mux = self._live_mux()
             shared = self._shared.get((tenant, model))
             if shared is None or shared.failed:
-                shared = _SharedWatch(self._keys, tenant, model, start_revision)
-                shared.handle = mux.watch(
-                    shared.events.prefix, prefix=True, start_revision=start_revision,
-                    deliver=shared.deliver, fail=shared.fail,
-                )  # fmt: skip
-                self._shared[(tenant, model)] = shared
-            with shared.lock:
-                if start_revision > shared.delivered_through:
-                    sub = Subscription(start_revision, versions_only, loop)
-                    shared.subscribers.add(sub)
+                created = _SharedWatch(self._keys, tenant, model)
+                created.subscribers.add(sub)  # before it is fed: it misses nothing
+                created.feed = self._feeds.join(
+                    tenant, model, created.events.prefix, created, start_revision, exact=True
+                )
+                if created.feed is not None:
+                    self._shared[(tenant, model)] = created
                     return sub
+            elif shared.feed is not None:
+                with shared.feed.lock, shared.lock:
+                    if start_revision > shared.feed.delivered_through:
+                        shared.subscribers.add(sub)
+                        return sub
             replay = _PrivateSubscription(
                 self._keys, tenant, model, start_revision, versions_only, loop, self._streams
             )
             try:
-                replay.handle = mux.watch(
+                replay.handle = self._feeds.mux().watch(
                     replay.events.prefix, prefix=True, start_revision=start_revision,
                     deliver=replay.deliver, fail=replay.fail,
                 )  # fmt: skip
@@ -282,43 +286,47 @@ class WatchFanout:
             return replay
 
     def unsubscribe(self, tenant: str, model: str, sub: Subscription) -> None:
-        """Drop a subscription; a shared watch left with none is cancelled. Never blocks (a
-        cancel is one request queued on the mux's stream), so a stream's coroutine calls it
-        as it ends, and thousands of streams ending at once stall nobody."""
+        """Drop a subscription; a shared watch left with none leaves its feed (whose etcd
+        watch is cancelled if nothing else uses it). Never blocks (a cancel is one request
+        queued on the mux's stream), so a stream's coroutine calls it as it ends, and
+        thousands of streams ending at once stall nobody."""
         sub.close()
-        handle: MuxWatch | None = None
         with self._lock:
-            mux = self._mux
             if isinstance(sub, _PrivateSubscription):
                 self._replays.discard(sub)
-                handle = sub.handle
-            else:
-                shared = self._shared.get((tenant, model))
-                if shared is None:
-                    return
-                with shared.lock:
-                    shared.subscribers.discard(sub)
-                    idle = not shared.subscribers
-                if idle:
-                    del self._shared[(tenant, model)]
-                    handle = shared.handle
-        if handle is not None and mux is not None:
-            mux.cancel(handle)
+                if sub.handle is not None:
+                    self._feeds.cancel(sub.handle)
+                return
+            shared = self._shared.get((tenant, model))
+            if shared is None:
+                return
+            with shared.lock:
+                shared.subscribers.discard(sub)
+                idle = not shared.subscribers
+            if not idle:
+                return
+            del self._shared[(tenant, model)]
+        if shared.feed is not None:
+            self._feeds.leave(shared.feed, shared)
 
     def watchers(self) -> int:
-        """etcd watches this replica runs now (shared and private), all on one stream."""
-        with self._lock:
-            return 0 if self._mux is None else len(self._mux)
+        """etcd watches this replica runs now (model feeds and private replays), all on one
+        stream."""
+        return self._feeds.watchers()
 
     def close(self) -> None:
-        """End every shared watch and replay, and the mux (waiting for its pump, bounded),
-        so nothing is left using the etcd client after the hub closes it."""
+        """End every shared watch and replay (and the feeds, when they are its own), so
+        nothing is left using the etcd client after the hub closes it."""
         with self._lock:
             self._closed = True
-            mux, self._mux = self._mux, None
-            self._shared = {}
+            shared, self._shared = list(self._shared.values()), {}
             replays, self._replays = list(self._replays), set()
         for replay in replays:
             replay.close()
-        if mux is not None:
-            mux.close()
+            if replay.handle is not None:
+                self._feeds.cancel(replay.handle)
+        for watch in shared:
+            if watch.feed is not None:
+                self._feeds.leave(watch.feed, watch)
+        if self._own_feeds:
+            self._feeds.close()

@@ -1,18 +1,17 @@
 """The hub's call guard: refuse callers without a valid token, and silent callers, at once.
 
-A hostile client needs no token to open gRPC streams: before this guard, 2,000 calls that
-never sent their request message each held a server call (and, on the old synchronous
-server, a pool thread) for as long as the client liked, and with a valid token 256 silent
-KeepAlive streams did the same. `CallGuard` is a `grpc.aio` server interceptor that runs at
-call start, before any request message is read and before any handler, worker or stream slot
-is involved:
+A hostile client needs no token to open gRPC streams, and a silent call (one that never sends
+its request message) would hold a server call for as long as the client liked.
+`CallGuard` is a `grpc.aio` server interceptor that runs at call start, before any request
+message is read and before any handler, worker or stream slot is involved:
 
 - **Authentication first.** A TensorHub method (every one: tenant calls carry the tenant
   token, admin calls the admin token) without `authorization: Bearer <token>`, with an
   oversized token, or with a token the hub does not know, is refused at once with
   `PermissionDenied` (the class name in the `tensorhub-error` trailing metadata, like every
   hub error). A known token is answered from the tenant cache on the event loop; an unknown
-  one costs one etcd read in the worker pool.
+  one costs one etcd read in the worker pool. This is the call's one authentication: the
+  caller found (a tenant, or the admin) is handed to the handler (`ros.hub.call`).
 - **A first-message deadline.** Every method (health checks and reflection included) must
   receive its first request message within `first_message_seconds` (default
   `DEFAULT_FIRST_MESSAGE_SECONDS`, `tensorhub serve --first-message-timeout`); otherwise the
@@ -39,9 +38,8 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from ros.errors import error_metadata, status_of
-from ros.hub.rpc import CallContext, bearer
-from ros.metrics import HUB_CALLS_REFUSED, HUB_REQUESTS
+from ros.hub.call import GUARDED_CALLER, CallContext, Caller, abort, bearer
+from ros.metrics import HUB_CALLS_REFUSED
 from tensorhub.errors import (
     DeadlineExceeded,
     InvalidArgument,
@@ -58,18 +56,19 @@ MAX_PENDING_OPEN = 1024  # the same for calls without a token (health checks, re
 MAX_TOKEN_CHARS = 512  # far above any token the hub issues; a longer one is not read
 
 Metadata = Sequence[tuple[str, str | bytes]]
-# Returns if the call's (well-formed) bearer token is the admin's or a known tenant's;
-# raises `PermissionDenied` (saying why) if not.
-TokenCheck = Callable[[CallContext], Awaitable[None]]
+# The caller of a call with a (well-formed) bearer token: the admin or a known tenant;
+# raises `PermissionDenied` (saying why) if it is neither.
+TokenCheck = Callable[[CallContext], Awaitable[Caller]]
 
 
 class CallGuard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     """Authenticate TensorHub calls at call start; bound the wait for every first message.
 
     `guarded` is the method prefix that needs a token (`/tensorhub.v1.TensorHub/`),
-    `known(call)` returns if the call's bearer token is one the hub accepts and raises
-    `PermissionDenied` if not. `max_pending`: calls of one token awaiting their first
-    message at once. Used on the server's event loop only (its counts need no lock).
+    `known(call)` answers the caller a bearer token belongs to and raises
+    `PermissionDenied` if it is nobody's; the caller is handed to the handler.
+    `max_pending`: calls of one token awaiting their first message at once. Used on the
+    server's event loop only (its counts need no lock).
     """
 
     def __init__(
@@ -102,21 +101,24 @@ class CallGuard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         method: str = handler_call_details.method
         name = method.rsplit("/", 1)[-1]
         key, limit = "", MAX_PENDING_OPEN
+        caller: Caller | None = None
         if method.startswith(self._guarded):
             metadata: Metadata = handler_call_details.invocation_metadata or ()
             call = CallContext(metadata, None)
-            refusal = await self._refusal(call)
-            if refusal is not None:
-                refused: grpc.RpcMethodHandler[Any, Any] = _refuse(handler, name, refusal)
+            found = await self._caller(call)
+            if isinstance(found, TensorHubError):
+                refused: grpc.RpcMethodHandler[Any, Any] = _refuse(handler, name, found)
                 return refused
+            caller = found
             key, limit = bearer(call) or "", self._max_pending
         guarded: grpc.RpcMethodHandler[Any, Any] = _first_message_within(
-            handler, self._first, _Pending(self._pending, key, limit)
+            handler, self._first, _Pending(self._pending, key, limit), caller
         )
         return guarded
 
-    async def _refusal(self, call: CallContext) -> PermissionDenied | Overloaded | None:
-        """Why the call's token is refused, or None if it is a token the hub accepts."""
+    async def _caller(self, call: CallContext) -> Caller | PermissionDenied | Overloaded | None:
+        """The call's caller; or why its token is refused; or None if it could not be told
+        (etcd unreachable: the handler tries again and answers the error)."""
         token = bearer(call)
         if not token:
             HUB_CALLS_REFUSED.labels("no_token").inc()
@@ -125,7 +127,7 @@ class CallGuard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             HUB_CALLS_REFUSED.labels("bad_token").inc()
             return PermissionDenied("malformed token")
         try:
-            await self._known(call)
+            return await self._known(call)
         except PermissionDenied as exc:
             HUB_CALLS_REFUSED.labels("bad_token").inc()
             return exc
@@ -141,24 +143,16 @@ def _refuse(handler: grpc.RpcMethodHandler[Any, Any], method: str, error: Tensor
     """A handler that answers `error` at once, without reading a request message (a
     request-streaming handler is called before any message arrives)."""
 
-    async def abort(_requests: object, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        await _abort(context, method, error)
+    async def refuse(_requests: object, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        await abort(context, method, error)
 
     if handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(
-            abort, handler.request_deserializer, handler.response_serializer
+            refuse, handler.request_deserializer, handler.response_serializer
         )
     return grpc.stream_unary_rpc_method_handler(
-        abort, handler.request_deserializer, handler.response_serializer
+        refuse, handler.request_deserializer, handler.response_serializer
     )
-
-
-async def _abort(
-    context: grpc.aio.ServicerContext[Any, Any], method: str, error: TensorHubError
-) -> None:
-    HUB_REQUESTS.labels(method, status_of(error).name).inc()
-    context.set_trailing_metadata(error_metadata(error))
-    await context.abort(status_of(error), str(error))
 
 
 async def _first(
@@ -176,7 +170,7 @@ async def _first(
             f"no request message within {seconds:g}s of the call's start "
             "(--first-message-timeout): call ended"
         )
-        await _abort(context, "first_message", error)
+        await abort(context, "first_message", error)
         raise  # not reached: abort raises
 
 
@@ -216,11 +210,15 @@ async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
 
 
 def _first_message_within(
-    handler: grpc.RpcMethodHandler[Any, Any], seconds: float, pending: _Pending
+    handler: grpc.RpcMethodHandler[Any, Any],
+    seconds: float,
+    pending: _Pending,
+    caller: Caller | None,
 ) -> Any:
     """`handler` as a request-streaming handler that waits at most `seconds` for the first
     request message before it calls the original (same serializers, same response style:
-    a coroutine that writes, or an async generator), counted in `pending` while it waits."""
+    a coroutine that writes, or an async generator), counted in `pending` while it waits.
+    The original runs with `caller` in `GUARDED_CALLER` (in the call's own task)."""
     kinds: list[Any] = [
         handler.unary_unary,
         handler.unary_stream,
@@ -231,9 +229,10 @@ def _first_message_within(
     streaming_in = handler.request_streaming
 
     async def arguments(requests: AsyncIterator[Any], context: Any) -> Any:
+        GUARDED_CALLER.set(caller)
         refusal = pending.enter()
         if refusal is not None:  # before the receiver exists: nothing is left unawaited
-            await _abort(context, "first_message", refusal)
+            await abort(context, "first_message", refusal)
         stream = aiter(requests)
         try:
             got, first = await _first(stream, seconds, context)
@@ -242,7 +241,7 @@ def _first_message_within(
         if streaming_in:
             return _chain(first, stream) if got else stream
         if not got:
-            await _abort(context, "first_message", InvalidArgument("no request message"))
+            await abort(context, "first_message", InvalidArgument("no request message"))
         return first
 
     if handler.response_streaming and inspect.isasyncgenfunction(inner):

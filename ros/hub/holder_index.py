@@ -1,10 +1,10 @@
 """A replica's in-memory index of live holder records, so that Resolve costs O(K log N).
 
-Resolve used to read a version's whole etcd prefix and answer every holder: at 1,025 holders
-18 ms and 92 KB per call, twice per reader, so a version's cost to the hub grew as N². Here
-each replica keeps, per (tenant, model), the live holder records of its versions, fed by its
-own etcd watch on the model's prefix (started on first use after one range read, dropped
-after `IDLE_SECONDS` unused; at most `MAX_MODELS` models, least recently used dropped first).
+Each replica keeps, per (tenant, model), the live holder records of its versions, fed by the
+model's one etcd watch on this replica (`ros.hub.model_feed`: the same watch serves the
+model's Watch streams), after one range read (started on first use, dropped after
+`IDLE_SECONDS` unused; at most `MAX_MODELS` models, least recently used dropped first). An
+indexed model costs no thread of its own.
 
 Per version (per shard of a model-parallel version) the records are grouped by topology
 (same host, rack, dc, anywhere: the tiers of `transport.planner`), and within each group
@@ -15,7 +15,7 @@ The hub keeps no load state of its own: only what the records say.
 Freshness (`ModelIndex.wait_for`): like Kubernetes' consistent reads from its watch cache.
 The index knows the revision it is current at (every event up to it applied). A query with a
 revision floor the index has not reached asks etcd for a progress notification on the
-index's watch stream and waits for it, bounded (`FRESH_WAIT`); the caller falls back to a
+replica's watch stream and waits for it, bounded (`FRESH_WAIT`); the caller falls back to a
 direct etcd read when that fails.
 """
 
@@ -25,20 +25,20 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from consistency import Etcd, Keys
 from consistency.ops import KV
 from consistency.records import HolderRecord
 from consistency.retry import CAS_POLICY, LostRace
-from consistency.watch import KeyWatch, Progress, RawEvent, Resync
+from consistency.watch import Progress, RawEvent, Resync
 from ros.hub.candidates import MAX_CANDIDATES, HolderSet, select_candidates
+from ros.hub.model_feed import Feed, ModelFeeds
 from ros.metrics import HUB_INDEXED_MODELS, HUB_RESOLVE_READS
 from tensorhub.errors import (
     InvalidArgument,
     RevisionCompacted,
-    StreamClosed,
     TensorHubError,
     Unavailable,
     VersionNotFound,
@@ -46,7 +46,7 @@ from tensorhub.errors import (
 
 log = logging.getLogger(__name__)
 
-MAX_MODELS = 256  # models indexed per replica (each: one etcd watch, two threads)
+MAX_MODELS = 256  # models indexed per replica (each: one etcd watch, shared; no thread)
 IDLE_SECONDS = 300.0  # an index unused this long is dropped (its watch closed)
 _COMPACTION_RACES = replace(CAS_POLICY, tries=3)  # loading an index: the compactor meanwhile
 FRESH_WAIT = 1.0  # how long a query waits for the index to reach its revision floor
@@ -92,9 +92,10 @@ class _Version:
 
 
 class ModelIndex:
-    """The live holders of one model's versions, current at `revision`, fed by a watch."""
+    """The live holders of one model's versions, current at `revision`, fed by the model's
+    feed (`ros.hub.model_feed`). Constructing it does no I/O: `open` reads and attaches."""
 
-    def __init__(self, etcd: Etcd, keys: Keys, tenant: str, model: str) -> None:
+    def __init__(self, keys: Keys, tenant: str, model: str) -> None:
         self.tenant, self.model = tenant, model
         self._keys = keys
         self._cond = threading.Condition()
@@ -102,33 +103,66 @@ class ModelIndex:
         self._notified = 0  # the last progress notification, confirmed by the next
         self.failed: BaseException | None = None
         self.last_used = time.monotonic()
-        self.revision = self._load(etcd)
-        self._watch = KeyWatch(
-            etcd, keys.model(tenant, model), prefix=True, start_revision=self.revision + 1,
-            progress=True,
-        )  # fmt: skip
-        self._thread = threading.Thread(target=self._pump, name=f"index-{model}", daemon=True)
-        self._thread.start()
+        self.revision = 0
+        self._read_at = 0  # the revision `open` read the model at
+        self._loading: list[RawEvent | Resync] | None = None  # items fed while it reads
+        self._feeds: ModelFeeds | None = None
+        self._feed: Feed | None = None
+
+    def open(self, etcd: Etcd, feeds: ModelFeeds) -> ModelIndex:
+        """Read the model, attach to its feed, and meet: the index is read at the revision
+        the feed has delivered through (read again at that revision if the feed was ahead
+        of the first read), and every item after it is applied. Returns self."""
+        loaded = self._load(etcd, 0)
+        with self._cond:
+            self._loading = []
+        prefix = self._keys.model(self.tenant, self.model)
+        feed = feeds.join(self.tenant, self.model, prefix, self, loaded + 1, exact=False)
+        assert feed is not None  # only an exact join is refused
+        self._feeds, self._feed = feeds, feed
+        with feed.lock:
+            through = feed.delivered_through
+        try:
+            if through > loaded:  # the feed was ahead of the read: read again where it is
+                with self._cond:
+                    self._versions.clear()
+                loaded = self._load(etcd, through)
+        except BaseException:
+            self.close()
+            raise
+        with self._cond:
+            self.revision = self._read_at = loaded
+            fed, self._loading = self._loading or [], None
+            for item in fed:
+                self._take(item)
+            self._cond.notify_all()
+        return self
 
     # -- queries ---------------------------------------------------------------------------
 
     def wait_for(self, revision: int, timeout: float) -> bool:
         """Whether the index has applied every event up to `revision`, waiting up to
-        `timeout` s for it: asks etcd for progress notifications meanwhile."""
+        `timeout` s for it: asks etcd for progress notifications meanwhile (outside the
+        index's lock: the feed delivers under its own lock, then takes the index's)."""
         deadline = time.monotonic() + timeout
         asked = 0.0
         with self._cond:
             notified = self._notified
-            while self.revision < revision:
-                now = time.monotonic()
-                if now >= deadline or self.failed is not None:
-                    return False
-                if now - asked >= 0.05 or self._notified != notified:
-                    # again at once after a notification: it counts when the next one comes
-                    notified, asked = self._notified, now
-                    self._watch.request_progress()
-                self._cond.wait(min(deadline - now, 0.05))
-            return True
+        while True:
+            with self._cond:
+                while True:
+                    if self.revision >= revision:
+                        return True
+                    now = time.monotonic()
+                    if now >= deadline or self.failed is not None:
+                        return False
+                    if now - asked >= 0.05 or self._notified != notified:
+                        # again at once after a notification: it counts when the next comes
+                        notified, asked = self._notified, now
+                        break
+                    self._cond.wait(min(deadline - now, 0.05))
+            if self._feeds is not None:
+                self._feeds.request_progress()
 
     def lookup(
         self,
@@ -153,42 +187,80 @@ class ModelIndex:
             return Lookup(state.published, chosen, len(holders), self.revision, total_all)
 
     def close(self) -> None:
-        """Close the watch; the pump thread ends on its next poll (within 0.5 s)."""
-        self._watch.close()
+        """Leave the model's feed (its etcd watch is cancelled if nothing else uses it)."""
+        if self._feeds is not None and self._feed is not None:
+            self._feeds.leave(self._feed, self)
 
-    # -- feeding ---------------------------------------------------------------------------
+    # -- feeding (on the mux's thread, under the feed's lock) -----------------------------
 
-    def _load(self, etcd: Etcd) -> int:
-        """One keys-only range read of the model's versions, then each version's holder
-        records at that same revision; returns the revision."""
+    def deliver(self, items: Sequence[RawEvent | Resync]) -> None:
+        """Apply a batch of the model's etcd items (kept aside while the index reads)."""
+        with self._cond:
+            if self._loading is not None:
+                self._loading.extend(items)
+                return
+            for item in items:
+                self._take(item)
+            self._cond.notify_all()
+
+    def progress(self, revision: int) -> None:
+        """etcd's progress notification for the model's watch (see `_apply`)."""
+        with self._cond:
+            if self._loading is None:
+                self._apply(Progress(revision, notified=True))
+                self._cond.notify_all()
+
+    def fail(self, error: TensorHubError) -> None:
+        """The model's watch ended: recorded, so queries fall back to etcd and the replica
+        indexes the model anew on its next use."""
+        log.warning("holder index of %s/%s failed: %s", self.tenant, self.model, error)
+        with self._cond:
+            self.failed = error
+            self._cond.notify_all()
+
+    def _take(self, item: RawEvent | Resync) -> None:
+        """Apply one item unless what the index read already holds it."""
+        if item.revision > self._read_at:
+            self._apply(item)
+            self.revision = max(self.revision, item.revision)
+
+    def _load(self, etcd: Etcd, at: int) -> int:
+        """One keys-only range read of the model's versions (at revision `at`; 0: now), then
+        each version's holder records at that same revision; returns the revision."""
         keys, tenant, model = self._keys, self.tenant, self.model
 
         def attempt() -> int:
-            listing = etcd.range(keys.versions(tenant, model), prefix=True, keys_only=True)
+            listing = etcd.range(
+                keys.versions(tenant, model), prefix=True, keys_only=True, revision=at
+            )
+            versions: dict[int, _Version] = {}
+
+            def version(number: int) -> _Version:
+                return versions.setdefault(number, _Version())
+
             with_holders: set[int] = set()
             for kv in listing.kvs:
                 parsed = self._parse(kv.key.decode())
                 if parsed is None:
                     continue
-                version, kind, _ = parsed
+                number, kind, _ = parsed
                 if kind == "manifest":
-                    self._version(version).published = kv.create_revision
+                    version(number).published = kv.create_revision
                 elif kind == "h":
-                    with_holders.add(version)
+                    with_holders.add(number)
+            revision = at or listing.revision
             try:
-                for version in sorted(with_holders):
+                for number in sorted(with_holders):
                     result = etcd.range(
-                        keys.holders(tenant, model, version), prefix=True,
-                        revision=listing.revision,
-                    )  # fmt: skip
+                        keys.holders(tenant, model, number), prefix=True, revision=revision
+                    )
                     for kv in result.kvs:
-                        self._version(version).put(
-                            HolderRecord.decode(kv.value, kv.create_revision)
-                        )
+                        version(number).put(HolderRecord.decode(kv.value, kv.create_revision))
             except RevisionCompacted as exc:  # compacted between the two reads: list again
-                self._versions.clear()
                 raise LostRace(f"{model}'s history was compacted while it was read") from exc
-            return listing.revision
+            with self._cond:
+                self._versions = versions
+            return revision
 
         return _COMPACTION_RACES.compare_and_set(
             attempt,
@@ -196,29 +268,8 @@ class ModelIndex:
             lambda: Unavailable(f"could not index {model}: its history is being compacted"),
         )
 
-    def _pump(self) -> None:
-        while True:
-            try:
-                item = self._watch.get(0.5)
-            except StreamClosed:
-                return
-            except BaseException as exc:  # recorded: queries fall back to etcd
-                log.warning("holder index of %s/%s failed: %s", self.tenant, self.model, exc)
-                with self._cond:
-                    self.failed = exc
-                    self._cond.notify_all()
-                return
-            if item is None:
-                continue
-            with self._cond:
-                self._apply(item)
-                self._cond.notify_all()
-
     def _apply(self, item: RawEvent | Resync | Progress) -> None:
         if isinstance(item, Progress):
-            if not item.notified:
-                self.revision = max(self.revision, item.revision)
-                return
             # A notification counts once the next one arrives: on etcd releases before
             # etcd-io/etcd#15220's fix it could overtake events still being sent.
             self.revision = max(self.revision, min(self._notified, item.revision))
@@ -266,7 +317,10 @@ class ModelIndex:
 
 
 class HolderIndex:
-    """The replica's model indexes, created on first use, bounded (LRU) and dropped idle."""
+    """The replica's model indexes, created on first use, bounded (LRU) and dropped idle.
+
+    `feeds`: the replica's model feeds, shared with its Watch fan-out (one of its own when
+    not given)."""
 
     def __init__(
         self,
@@ -275,8 +329,11 @@ class HolderIndex:
         *,
         max_models: int = MAX_MODELS,
         idle_seconds: float = IDLE_SECONDS,
+        feeds: ModelFeeds | None = None,
     ) -> None:
         self._etcd, self._keys = etcd, keys
+        self._own_feeds = feeds is None
+        self._feeds = feeds or ModelFeeds(etcd)
         self._max_models, self._idle = max_models, idle_seconds
         self._lock = threading.Lock()
         self._models: OrderedDict[tuple[str, str], ModelIndex] = OrderedDict()
@@ -362,7 +419,7 @@ class HolderIndex:
             old.close()
         if index is not None:
             return index
-        created = ModelIndex(self._etcd, self._keys, tenant, model)  # etcd reads: no lock held
+        created = ModelIndex(self._keys, tenant, model).open(self._etcd, self._feeds)  # no lock
         with self._lock:
             current = self._models.get(key)
             if self._closed or (current is not None and current.failed is None):
@@ -409,3 +466,5 @@ class HolderIndex:
             self._count()
         for index in indexes:
             index.close()
+        if self._own_feeds:
+            self._feeds.close()

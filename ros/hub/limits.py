@@ -6,7 +6,7 @@ versions-only watch, on 2 cores). The limits keep that memory bounded and keep o
 from taking every slot: past a limit a new stream fails at once with `Overloaded`
 (RESOURCE_EXHAUSTED) naming the limit, and the SDK backs off with jitter and retries.
 Every watched model costs the replica an etcd watcher on its one multiplexed etcd stream
-(`ros.hub.fanout`), whether it is ever published or not, so the distinct models one tenant
+(`ros.hub.model_feed`), whether it is ever published or not, so the distinct models one tenant
 watches at once are bounded too (`max_watched_models_per_tenant`): many streams on one model
 cost one watcher, but a stream per made-up name would otherwise cost one each. Private watch
 replays (a start revision older than the shared watch has passed) each make etcd replay

@@ -2,41 +2,46 @@
 
 from __future__ import annotations
 
+from ros.hub.call import CallContext
 from ros.hub.convert import holder_from_pb, holder_to_pb
-from ros.hub.rpc import CallContext, HubBase, unary
+from ros.hub.rpc import unary
+from ros.hub.state import HubState
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import InvalidArgument
 from tensorhub.names import validate_name, validate_version
 
 
-class HolderRPCs(HubBase):
+class HolderRPCs:
     """Holder handlers: register, update (fenced), release and pins."""
+
+    def __init__(self, hub: HubState) -> None:
+        self.hub = hub
 
     @unary
     def RegisterHolder(
         self, request: pb.RegisterHolderRequest, context: CallContext
     ) -> pb.RegisterHolderResponse:
-        tenant = self._tenant(context)
-        timeout = self._timeout(context)
+        tenant = context.tenant()
+        timeout = self.hub.timeout(context)
         holder = holder_from_pb(request.holder)
         model = validate_name(request.model, "model")
         version = validate_version(request.version)
         # The session is a compare in the registration's transaction, and the version's
         # header comes from the replica's cache (the reader's Resolve read it): one trip.
-        header = self._manifest_cache.header(
+        header = self.hub.manifest_cache.header(
             (tenant.name, model, version),
-            lambda: self._versions(tenant).header(tenant.name, model, version, timeout=timeout),
+            lambda: self.hub.versions(tenant).header(tenant.name, model, version, timeout=timeout),
         )
-        fence = self._holders(tenant).register(
+        fence = self.hub.holders(tenant).register(
             tenant.name, model, version, holder, timeout=timeout,
-            session_key=self.keys.session(tenant.name, holder.session),
+            session_key=self.hub.keys.session(tenant.name, holder.session),
             header=(header.published_revision, header.shard_count),
         )  # fmt: skip
         response = pb.RegisterHolderResponse(fence=fence, revision=fence)
         if not holder.complete:
             # What a Resolve with the new fence would answer: the reader plans its pipeline
             # over these (its predecessor among them) without a second Resolve.
-            found = self._holder_index.candidates(
+            found = self.hub.holder_index.candidates(
                 tenant.name, model, version, holder.shard,
                 min_revision=fence, timeout=timeout, topology=holder.topology,
                 fence=fence, exclude=holder.holder,
@@ -50,10 +55,10 @@ class HolderRPCs(HubBase):
     def UpdateHolder(
         self, request: pb.UpdateHolderRequest, context: CallContext
     ) -> pb.UpdateHolderResponse:
-        tenant = self._tenant(context)
-        timeout = self._timeout(context)
+        tenant = context.tenant()
+        timeout = self.hub.timeout(context)
         holder = holder_from_pb(request.holder)
-        self._holders(tenant).update_state(
+        self.hub.holders(tenant).update_state(
             tenant.name, validate_name(request.model, "model"), validate_version(request.version),
             holder, request.holder.fence, timeout=timeout,
         )  # fmt: skip
@@ -65,21 +70,21 @@ class HolderRPCs(HubBase):
     ) -> pb.ReleaseHolderResponse:
         """Delete the caller's holder record: the session that registered it must be named
         (`session_id`), and is compared with the record's lease inside etcd."""
-        tenant = self._tenant(context)
-        revision = self._holders(tenant).release(
+        tenant = context.tenant()
+        revision = self.hub.holders(tenant).release(
             tenant.name, validate_name(request.model, "model"), validate_version(request.version),
             request.holder, force=request.force, session=_owner(request.session_id, "release"),
-            timeout=self._timeout(context),
+            timeout=self.hub.timeout(context),
         )  # fmt: skip
         return pb.ReleaseHolderResponse(revision=revision)
 
     @unary
     def Pin(self, request: pb.PinRequest, context: CallContext) -> pb.PinResponse:
-        tenant = self._tenant(context)
-        timeout = self._timeout(context)
-        self._own_session(tenant, request.session_id, timeout)
+        tenant = context.tenant()
+        timeout = self.hub.timeout(context)
+        self.hub.own_session(tenant, request.session_id, timeout)
         # Pins keep versions past retention: at most the retained-versions quota of them.
-        revision = self._holders(tenant).pin(
+        revision = self.hub.holders(tenant).pin(
             tenant.name, validate_name(request.model, "model"), validate_version(request.version),
             request.pin_id, request.session_id,
             max_pinned=tenant.quotas.max_retained_versions, timeout=timeout,
@@ -89,11 +94,11 @@ class HolderRPCs(HubBase):
     @unary
     def Unpin(self, request: pb.UnpinRequest, context: CallContext) -> pb.UnpinResponse:
         """Drop the caller's pin: the session that pinned it must be named (`session_id`)."""
-        tenant = self._tenant(context)
-        revision = self._holders(tenant).unpin(
+        tenant = context.tenant()
+        revision = self.hub.holders(tenant).unpin(
             tenant.name, validate_name(request.model, "model"), validate_version(request.version),
             request.pin_id, session=_owner(request.session_id, "unpin"),
-            timeout=self._timeout(context),
+            timeout=self.hub.timeout(context),
         )  # fmt: skip
         return pb.UnpinResponse(revision=revision)
 

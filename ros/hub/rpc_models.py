@@ -9,36 +9,39 @@ quota at once and can be published again from version 1.
 from __future__ import annotations
 
 from consistency.deletion import delete_model
-from ros.hub.rpc import CallContext, HubBase, bearer, same, unary
+from ros.hub.call import Admin, CallContext
+from ros.hub.rpc import unary
+from ros.hub.state import HubState
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
-from ros.tokens import token_hash
 from tensorhub.errors import InvalidArgument, PermissionDenied
 from tensorhub.names import validate_name
 
 
-class ModelRPCs(HubBase):
+class ModelRPCs:
     """Model handlers: `DeleteModel`."""
 
-    _admin_hash: str  # set by `HubServicer`: the hash of the hub's admin token
+    def __init__(self, hub: HubState) -> None:
+        self.hub = hub
 
     @unary
     def DeleteModel(
         self, request: pb.DeleteModelRequest, context: CallContext
     ) -> pb.DeleteModelResponse:
         model = validate_name(request.model, "model")
-        token = bearer(context)
-        if token is not None and same(token_hash(token), self._admin_hash):
+        if isinstance(context.caller, Admin):
             if not request.tenant:
                 raise InvalidArgument("DeleteModel with the admin token must name the tenant")
             tenant = validate_name(request.tenant, "tenant")
-            writer = self.etcd  # the admin deletes whatever is there
+            writer = self.hub.etcd  # the admin deletes whatever is there
         else:
-            caller = self._tenant(context)
-            tenant, writer = caller.name, self._etcd_for(caller)
+            caller = context.tenant()
+            tenant, writer = caller.name, self.hub.etcd_for(caller)
             if request.tenant and request.tenant != tenant:
                 raise PermissionDenied(
                     f"a tenant deletes only its own models: this token is {tenant}'s, "
                     f"not {request.tenant[:63]!r}'s"
                 )
-        deleted = delete_model(writer, self.keys, tenant, model, timeout=self._timeout(context))
+        deleted = delete_model(
+            writer, self.hub.keys, tenant, model, timeout=self.hub.timeout(context)
+        )
         return pb.DeleteModelResponse(revision=deleted.revision, versions_deleted=deleted.versions)

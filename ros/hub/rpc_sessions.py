@@ -8,16 +8,10 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 
 from consistency import Session
-from ros.hub.rpc import (
-    MAX_CALL_SECONDS,
-    AioContext,
-    CallContext,
-    HubBase,
-    streaming,
-    unary,
-    unary_async,
-)
+from ros.hub.call import AioContext, CallContext
+from ros.hub.rpc import streaming, unary, unary_async
 from ros.hub.session_marks import MarkJob
+from ros.hub.state import MAX_CALL_SECONDS, HubState
 from ros.hub.tenants import Tenant
 from ros.metrics import HUB_SESSIONS, HUB_SESSIONS_OPENED
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
@@ -29,8 +23,11 @@ MAX_SESSION_TTL = 300
 RENEW_SECONDS = 10.0  # deadline of one renewal on the shared etcd keepalive stream
 
 
-class SessionRPCs(HubBase):
+class SessionRPCs:
     """Session handlers: a session is an etcd lease, kept alive over a stream any replica serves."""
+
+    def __init__(self, hub: HubState) -> None:
+        self.hub = hub
 
     @unary_async
     async def OpenSession(
@@ -39,43 +36,43 @@ class SessionRPCs(HubBase):
         """Grant a lease (in a worker) and mark it as the caller's within its session quota,
         in a batch with every other session of the tenant opening on this replica at that
         moment (`ros.hub.session_marks`), waiting for it without holding a worker."""
-        tenant = await self._stream_tenant(call)
-        timeout = self._timeout(call)
+        tenant = call.tenant()
+        timeout = self.hub.timeout(call)
         ttl = request.ttl_seconds or 10
         if not 1 <= ttl <= MAX_SESSION_TTL:
             raise InvalidArgument(f"session TTL must be 1..{MAX_SESSION_TTL} s, got {ttl}")
-        session = await self._blocking(self._grant, ttl, deadline_of=call)
+        session = await self.hub.blocking(self._grant, ttl, deadline_of=call)
         try:
-            revision = await self.session_marks.mark(
+            revision = await self.hub.session_marks.mark(
                 MarkJob(tenant, session.id, time.monotonic() + timeout)
             )
         except BaseException:  # refused, failed or cancelled: the lease goes at once
             asyncio.get_running_loop().run_in_executor(
-                self._workers, self._revoke_quietly, session.id
+                self.hub.workers, self._revoke_quietly, session.id
             )
             raise
         HUB_SESSIONS_OPENED.inc()
-        self.opened_sessions.put(session.id, tenant.name)
+        self.hub.opened_sessions.put(session.id, tenant.name)
         return pb.OpenSessionResponse(
             session_id=session.id,
             ttl_seconds=session.ttl,
-            read_key=self.tenants.signing_key(tenant).key,  # deprecated: for older SDKs
+            read_key=self.hub.tenants.signing_key(tenant).key,  # deprecated: for older SDKs
             revision=revision,
             read_keys=self._read_keys_pb(tenant),
         )
 
     def _grant(self, ttl: int) -> Session:
         """A lease of `ttl` seconds that nothing renews yet (its owner will, by KeepAlive)."""
-        return Session(self.etcd, ttl=ttl, keepalive=False)
+        return Session(self.hub.etcd, ttl=ttl, keepalive=False)
 
     def _read_keys_pb(self, tenant: Tenant) -> list[pb.ReadKey]:
         """The tenant's read keys a holder accepts now, for a live session of the tenant
         (OpenSession, every KeepAlive answer): that is how holders follow rotation."""
-        return [pb.ReadKey(id=k.id, key=k.key) for k in self.tenants.read_keys(tenant)]
+        return [pb.ReadKey(id=k.id, key=k.key) for k in self.hub.tenants.read_keys(tenant)]
 
     def _revoke_quietly(self, session_id: int) -> None:
         try:
-            self.etcd.lease_revoke(session_id, timeout=5.0)
+            self.hub.etcd.lease_revoke(session_id, timeout=5.0)
         except TensorHubError as exc:  # it expires within its TTL anyway
             log.info("could not revoke refused session %x: %s", session_id, exc)
 
@@ -88,21 +85,20 @@ class SessionRPCs(HubBase):
         costs no thread and no etcd stream of its own. The first renewal of each session id
         checks that it is one of the caller's sessions; each answer that finds the lease alive
         carries the tenant's current read keys (`ros.tokens`)."""
-        call = CallContext.of(context)
-        tenant = await self._stream_tenant(call)
+        tenant = (await self.hub.identify(CallContext.of(context))).tenant()
         owned: set[int] = set()
-        with self.streams.stream("keepalive", tenant.name):
+        with self.hub.streams.stream("keepalive", tenant.name):
             HUB_SESSIONS.inc()
             try:
                 async for request in requests:
                     if request.session_id not in owned:
-                        if self.opened_sessions.get(request.session_id) != tenant.name:
-                            await self._blocking(
-                                self._own_session, tenant, request.session_id, MAX_CALL_SECONDS
+                        if self.hub.opened_sessions.get(request.session_id) != tenant.name:
+                            await self.hub.blocking(
+                                self.hub.own_session, tenant, request.session_id, MAX_CALL_SECONDS
                             )
                         owned.add(request.session_id)
                     ttl = await asyncio.wrap_future(
-                        self._leases.renew(request.session_id, RENEW_SECONDS)
+                        self.hub.leases.renew(request.session_id, RENEW_SECONDS)
                     )
                     response = pb.KeepAliveResponse(session_id=request.session_id, ttl_seconds=ttl)
                     if ttl > 0:  # keys only under a live session of the caller's own
@@ -115,8 +111,8 @@ class SessionRPCs(HubBase):
     def CloseSession(
         self, request: pb.CloseSessionRequest, context: CallContext
     ) -> pb.CloseSessionResponse:
-        tenant = self._tenant(context)
-        timeout = self._timeout(context)
-        self._own_session(tenant, request.session_id, timeout)
-        self.etcd.lease_revoke(request.session_id, timeout=timeout)
+        tenant = context.tenant()
+        timeout = self.hub.timeout(context)
+        self.hub.own_session(tenant, request.session_id, timeout)
+        self.hub.etcd.lease_revoke(request.session_id, timeout=timeout)
         return pb.CloseSessionResponse()

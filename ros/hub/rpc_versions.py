@@ -20,9 +20,11 @@ from consistency.manifests import (
 from consistency.publishing import Admit, Published
 from consistency.quota import CountedCreate
 from ros.hub.budget import model_serial, publish_charge
+from ros.hub.call import AioContext, CallContext
 from ros.hub.convert import holder_from_pb, holder_to_pb
-from ros.hub.rpc import AioContext, CallContext, HubBase, streaming, unary, unary_async
+from ros.hub.rpc import streaming, unary, unary_async
 from ros.hub.shard_publish import ShardJob
+from ros.hub.state import HubState
 from ros.hub.tenants import Tenant
 from ros.manifest_check import check_manifest, check_topology
 from ros.metrics import HUB_PUBLISH_LIMIT, HUB_PUBLISHES_REFUSED, HUB_WATCHES
@@ -35,8 +37,11 @@ DEFAULT_PAGE_SIZE = 500  # holders per Inspect page when the caller names no siz
 MAX_PAGE_SIZE = 5000  # the most holders one Inspect page lists
 
 
-class VersionRPCs(HubBase):
+class VersionRPCs:
     """Version handlers: publish, latest, watch, resolve (with a read token), list, inspect."""
+
+    def __init__(self, hub: HubState) -> None:
+        self.hub = hub
 
     @unary_async
     async def Publish(self, request: pb.PublishRequest, call: CallContext) -> pb.PublishResponse:
@@ -44,17 +49,19 @@ class VersionRPCs(HubBase):
         model-parallel version: checked and staged in a worker, then committed with the
         other shards of its version waiting on this replica (`ros.hub.shard_publish`)."""
         if not request.shard_count:
-            published = await self._blocking(self._publish_whole, request, call, deadline_of=call)
+            published = await self.hub.blocking(
+                self._publish_whole, request, call, deadline_of=call
+            )
         else:
-            if self._knows_caller(call) and request.manifest.ByteSize() <= SHARD_INLINE_BYTES:
+            if request.manifest.ByteSize() <= SHARD_INLINE_BYTES:
                 # Nothing to read or write before the batch: checked here, on the loop,
                 # without a trip through the worker pool (a burst is thousands of these).
                 model, version, job = self._stage_shard(request, call)
             else:
-                model, version, job = await self._blocking(
+                model, version, job = await self.hub.blocking(
                     self._stage_shard, request, call, deadline_of=call
                 )
-            published = await self.shard_batches.publish(model, version, job)
+            published = await self.hub.shard_batches.publish(model, version, job)
         return pb.PublishResponse(
             version=published.version, revision=published.revision, visible=published.visible
         )
@@ -66,19 +73,19 @@ class VersionRPCs(HubBase):
         `session`; else the batch's own transaction does); and the model quota's admission.
         The callers check the budget next (one etcd read: a refusal costs little) and then
         every manifest rule (a walk over every tensor), all before any write."""
-        tenant = self._tenant(call)
-        timeout = self._timeout(call)
+        tenant = call.tenant()
+        timeout = self.hub.timeout(call)
         model = validate_name(request.model, "model")
         version = validate_version(request.version)
         _check_publish_limits(request)  # bounds first: a limit answers before any work
         manifest = request.manifest.SerializeToString()
         holder = holder_from_pb(request.holder, default_state=HolderState.COMPLETE)
         if session:
-            self._own_session(tenant, holder.session, timeout)
-        versions = self._versions(tenant)
+            self.hub.own_session(tenant, holder.session, timeout)
+        versions = self.hub.versions(tenant)
         quota = CountedCreate(
-            self.etcd,
-            self.keys.quota_fence(tenant.name, "models"),
+            self.hub.etcd,
+            self.hub.keys.quota_fence(tenant.name, "models"),
             tenant.quotas.max_models,
             lambda t: versions.models(tenant.name, timeout=t),
             f"models of tenant {tenant.name}",
@@ -96,14 +103,14 @@ class VersionRPCs(HubBase):
             request, call, session=False
         )
         charge = publish_charge(  # the etcd budget: refused here, before any write
-            self.etcd, self.keys, tenant, len(manifest), 0, timeout, self.history_period,
-            self.usage_cache,
+            self.hub.etcd, self.hub.keys, tenant, len(manifest), 0, timeout,
+            self.hub.history_period, self.hub.usage_cache,
         )  # fmt: skip
         check_manifest(request.manifest, _what(request))  # every rule, before any write
-        return self._versions(tenant).publish(
+        return self.hub.versions(tenant).publish(
             tenant.name, model, version, manifest, holder, timeout=timeout,
             admit_model=admit, charge=charge, serial=model_serial(tenant.name, model),
-            session_key=self.keys.session(tenant.name, holder.session),
+            session_key=self.hub.keys.session(tenant.name, holder.session),
         )  # fmt: skip
 
     def _stage_shard(
@@ -119,22 +126,22 @@ class VersionRPCs(HubBase):
         )
         if paged:
             publish_charge(
-                self.etcd, self.keys, tenant, len(manifest), request.shard_count, timeout,
-                self.history_period,
+                self.hub.etcd, self.hub.keys, tenant, len(manifest), request.shard_count, timeout,
+                self.hub.history_period,
             )  # fmt: skip
         check_manifest(request.manifest, _what(request))  # every rule, before any write
-        versions = self._versions(tenant)
+        versions = self.hub.versions(tenant)
         entry = versions.stage_shard(
             tenant.name, model, version, request.shard_index, request.shard_count, manifest,
-            holder, timeout=timeout, session_key=self.keys.session(tenant.name, holder.session),
+            holder, timeout=timeout, session_key=self.hub.keys.session(tenant.name, holder.session),
         )  # fmt: skip
         return model, version, ShardJob(tenant, versions, admit, entry)
 
     @unary
     def Latest(self, request: pb.LatestRequest, context: CallContext) -> pb.LatestResponse:
-        tenant = self._tenant(context)
-        version, revision = self._versions(tenant).latest(
-            tenant.name, validate_name(request.model, "model"), timeout=self._timeout(context)
+        tenant = context.tenant()
+        version, revision = self.hub.versions(tenant).latest(
+            tenant.name, validate_name(request.model, "model"), timeout=self.hub.timeout(context)
         )
         return pb.LatestResponse(version=version, revision=revision)
 
@@ -147,19 +154,18 @@ class VersionRPCs(HubBase):
         queue on the event loop; no thread waits for this stream. It holds a stream slot of
         its tenant and counts toward the distinct models its tenant watches on this replica
         (`ros.hub.limits`: `Overloaded` past either, before any etcd watch is made)."""
-        call = CallContext.of(context)
-        tenant = await self._stream_tenant(call)
+        tenant = (await self.hub.identify(CallContext.of(context))).tenant()
         model = validate_name(request.model, "model")
         if request.start_revision <= 0:
             raise InvalidArgument("start_revision must be explicit and positive")
         with (
-            self.streams.stream("watch", tenant.name),
-            self.streams.watch_model(tenant.name, model),
+            self.hub.streams.stream("watch", tenant.name),
+            self.hub.streams.watch_model(tenant.name, model),
         ):
             # Joining (or creating) a watch queues one request on the replica's etcd watch
             # stream: quick enough for the loop, and a stream cancelled meanwhile cannot
             # leave a subscription behind.
-            sub = self._fanout.subscribe(
+            sub = self.hub.fanout.subscribe(
                 tenant.name,
                 model,
                 request.start_revision,
@@ -172,7 +178,7 @@ class VersionRPCs(HubBase):
                     yield await sub.next()
             finally:
                 HUB_WATCHES.dec()
-                self._fanout.unsubscribe(tenant.name, model, sub)
+                self.hub.fanout.unsubscribe(tenant.name, model, sub)
 
     @unary
     def Resolve(self, request: pb.ResolveRequest, context: CallContext) -> pb.ResolveResponse:
@@ -180,8 +186,8 @@ class VersionRPCs(HubBase):
         first, its pipeline predecessor among them), a read token and, unless the caller
         has it (`omit_manifest`), the manifest: O(K log N) from this replica's holder index,
         at least as fresh as `min_revision` (docs/hub.md, "Resolve")."""
-        tenant = self._tenant(context)
-        timeout = self._timeout(context)
+        tenant = context.tenant()
+        timeout = self.hub.timeout(context)
         model = validate_name(request.model, "model")
         shard = request.shard if request.HasField("shard") else None
         check_topology(request.topology, "topology of the caller")  # bounded like a holder's
@@ -191,7 +197,7 @@ class VersionRPCs(HubBase):
             version, moved = self._latest_kv(tenant, model, timeout)
             floor = max(floor, moved)  # the index must have seen that version appear
         validate_version(version)
-        found = self._holder_index.candidates(
+        found = self.hub.holder_index.candidates(
             tenant.name, model, version, shard,
             min_revision=floor, timeout=timeout, topology=dict(request.topology),
             fence=request.fence, exclude=request.holder,
@@ -199,7 +205,11 @@ class VersionRPCs(HubBase):
         header = self._header(tenant, model, version, timeout, found.published)
         _check_shard(model, version, shard, header.shard_count)
         token, expiry = issue_read_token(
-            self.tenants.signing_key(tenant), tenant.name, model, version, self.read_token_ttl
+            self.hub.tenants.signing_key(tenant),
+            tenant.name,
+            model,
+            version,
+            self.hub.read_token_ttl,
         )
         response = pb.ResolveResponse(
             version=version,
@@ -221,9 +231,9 @@ class VersionRPCs(HubBase):
     def ListModels(
         self, request: pb.ListModelsRequest, context: CallContext
     ) -> pb.ListModelsResponse:
-        tenant = self._tenant(context)
-        timeout = self._timeout(context)
-        versions = self._versions(tenant)
+        tenant = context.tenant()
+        timeout = self.hub.timeout(context)
+        versions = self.hub.versions(tenant)
         response = pb.ListModelsResponse()
         for model in versions.models(tenant.name, timeout=timeout):
             latest, revision = versions.latest(tenant.name, model, timeout=timeout)
@@ -236,7 +246,9 @@ class VersionRPCs(HubBase):
             )
             response.revision = max(response.revision, revision)
         if not response.revision:
-            response.revision = self.etcd.get(self.keys.tenant(tenant.name), timeout=timeout)[1]
+            response.revision = self.hub.etcd.get(
+                self.hub.keys.tenant(tenant.name), timeout=timeout
+            )[1]
         return response
 
     @unary
@@ -244,28 +256,28 @@ class VersionRPCs(HubBase):
         """Everything about one version, with its holders listed by name, one page at a
         time (`page_size`, at most `MAX_PAGE_SIZE`; `page_token`: the last name of the
         previous page). Each page is one etcd read-only transaction (one revision)."""
-        tenant = self._tenant(context)
-        timeout = self._timeout(context)
+        tenant = context.tenant()
+        timeout = self.hub.timeout(context)
         model = validate_name(request.model, "model")
         if request.page_size < 0:
             raise InvalidArgument(f"page_size must not be negative, got {request.page_size}")
         size = min(request.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
         after = validate_name(request.page_token, "page token") if request.page_token else ""
-        versions = self._versions(tenant)
+        versions = self.hub.versions(tenant)
         latest, _ = versions.latest(tenant.name, model, timeout=timeout)
         version = request.version or latest
         if version == 0:
             raise VersionNotFound(f"{model} has no published version")
         validate_version(version)
         header = self._header(tenant, model, version, timeout)
-        keys = self.keys
+        keys = self.hub.keys
         holders = keys.holders(tenant.name, model, version)
         end = ops.prefix_end(holders)
         start = f"{holders}{after}\0" if after else holders
         page = etcdrpc.RangeRequest(key=ops.b(start), range_end=end, limit=size + 1)
         count = etcdrpc.RangeRequest(key=ops.b(holders), range_end=end, count_only=True)
         pins = keys.pins(tenant.name, model, version)
-        result = self.etcd.txn(
+        result = self.hub.etcd.txn(
             [],
             [
                 ops.get(keys.manifest(tenant.name, model, version)),
@@ -300,7 +312,7 @@ class VersionRPCs(HubBase):
 
     def _latest_kv(self, tenant: Tenant, model: str, timeout: float) -> tuple[int, int]:
         """(latest version, the revision `latest` was moved at): one linearizable get."""
-        kv, _ = self.etcd.get(self.keys.latest(tenant.name, model), timeout=timeout)
+        kv, _ = self.hub.etcd.get(self.hub.keys.latest(tenant.name, model), timeout=timeout)
         if kv is None:
             raise VersionNotFound(f"{model} has no published version")
         return int(kv.value), kv.mod_revision
@@ -313,16 +325,16 @@ class VersionRPCs(HubBase):
         caller that knows the create revision of the version's manifest key (`published`)
         passes it, and a cached header of an earlier incarnation is dropped, with its
         manifests, and read again."""
-        versions = self._versions(tenant)
+        versions = self.hub.versions(tenant)
         key = (tenant.name, model, version)
 
         def load() -> ManifestHeader:
             return versions.header(tenant.name, model, version, timeout=timeout)
 
-        header = self._manifest_cache.header(key, load)
+        header = self.hub.manifest_cache.header(key, load)
         if published and header.published_revision != published:
-            self._manifest_cache.forget(key, header.shard_count)
-            header = self._manifest_cache.header(key, load)
+            self.hub.manifest_cache.forget(key, header.shard_count)
+            header = self.hub.manifest_cache.header(key, load)
         return header
 
     def _put_manifests(
@@ -337,10 +349,10 @@ class VersionRPCs(HubBase):
     ) -> None:
         """The manifest asked for: the whole version's, shard `shard`'s, or (a model-parallel
         version, no shard asked) one per shard; each read from etcd once per replica."""
-        versions = self._versions(tenant)
+        versions = self.hub.versions(tenant)
 
         def part(index: int | None) -> pb.Manifest:
-            return self._manifest_cache.manifest(
+            return self.hub.manifest_cache.manifest(
                 (tenant.name, model, version, index),
                 lambda: versions.manifest(tenant.name, model, version, index, timeout=timeout),
             )

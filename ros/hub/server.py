@@ -2,16 +2,16 @@
 
 A replica must hold thousands of clients, each a session keepalive (a bidi stream) and a
 versions-only watch (a server stream): DESIGN §8 asks for 2,000 on 2 cores. On gRPC's
-synchronous server every open stream pins a pool thread, so a 256-thread pool stopped
-answering anything at ~140 clients. Here the server runs on its own asyncio event loop in
-one dedicated thread: streams are coroutines (memory, not threads), unary handler bodies run
-in one bounded worker pool (`ros.hub.rpc.unary`), session renewals share one etcd keepalive
-stream (`consistency.keepalive`) and watches share one etcd watch per model
-(`ros.hub.fanout`). The thread count is therefore fixed by configuration, not by load; the
-stream counts are bounded by explicit limits (`ros.hub.limits`).
+synchronous server every open stream would pin a pool thread. So the server runs on its own
+asyncio event loop in one dedicated thread: streams are coroutines (memory, not threads),
+unary handler bodies run in one bounded worker pool (`ros.hub.rpc.unary`), session renewals
+share one etcd keepalive stream (`consistency.keepalive`) and every hot model has one etcd
+watch, on one multiplexed etcd stream, shared by its Watch streams and its holder index
+(`ros.hub.model_feed`). The thread count is therefore fixed by configuration, not by load;
+the stream counts are bounded by explicit limits (`ros.hub.limits`).
 
-`HubServer` keeps a synchronous API (construct, `start()`, `stop(grace)`, `wait()`), so
-tests, the chaos cluster, the demo and `tensorhub serve` run it in-process as before.
+`HubServer` has a synchronous API (construct, `start()`, `stop(grace)`, `wait()`), so
+tests, the chaos cluster, the demo and `tensorhub serve` run it in-process.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ from ros.hub.limits import (
     DEFAULT_WORKERS,
     Limits,
 )
-from ros.hub.rpc import DEFAULT_ETCD_QUOTA_BYTES, CallContext, bearer
 from ros.hub.servicer import HubServicer
+from ros.hub.state import DEFAULT_ETCD_QUOTA_BYTES
 from ros.metrics import CompactorMetrics
 from ros.proto.tensorhub.v1 import hub_pb2, hub_pb2_grpc
 from ros.tokens import READ_KEY_PERIOD, READ_TOKEN_TTL
@@ -136,7 +136,7 @@ class HubServer:
                 on_storage_full=self._storage_full_changed, on_tick=CompactorMetrics(),
             )  # fmt: skip
             # A call refused with NOSPACE turns the writes health NOT_SERVING at once.
-            self.servicer.on_storage_full = self.compactor.note_storage_full
+            self.servicer.hub.on_storage_full = self.compactor.note_storage_full
         except BaseException:  # e.g. the port is taken: leave no thread or stream behind
             self._end_loop()
             self.servicer.close()
@@ -177,7 +177,7 @@ class HubServer:
     async def _build(self, listen: str, credentials: grpc.ServerCredentials | None) -> int:
         """Create the aio server on the loop (it binds to the running loop) and its port."""
         guard = CallGuard(
-            f"/{SERVICE_NAME}/", self._known_token, self._first_message_seconds,
+            f"/{SERVICE_NAME}/", self.servicer.hub.caller, self._first_message_seconds,
             max_pending=self.limits.max_streams_per_tenant,
         )  # fmt: skip
         self._server = grpc.aio.server(
@@ -203,13 +203,6 @@ class HubServer:
         if credentials is None:
             return self._server.add_insecure_port(listen)
         return self._server.add_secure_port(listen, credentials)
-
-    async def _known_token(self, call: CallContext) -> None:
-        """The call guard's check: the admin token, or a tenant's (else `PermissionDenied`)."""
-        token = bearer(call)
-        if token is not None and self.servicer.is_admin(token):
-            return
-        await self.servicer._stream_tenant(call)
 
     async def _start(self) -> None:
         await self._server.start()
@@ -237,8 +230,14 @@ class HubServer:
     # -- the synchronous API ---------------------------------------------------------------
 
     def start(self) -> HubServer:
-        """Start serving; returns self."""
-        self._call(self._start(), timeout=30.0)
+        """Start serving (the servicer's first etcd I/O, then the port); returns self. A
+        failure (etcd unreachable) releases everything, as `stop` does."""
+        try:
+            self.servicer.start()
+            self._call(self._start(), timeout=30.0)
+        except BaseException:
+            self.stop(grace=0)
+            raise
         self.compactor.start()
         log.info("hub serving on %s", self.address)
         return self

@@ -1,33 +1,34 @@
-"""The hub's gRPC servicer: the handler groups composed into `tensorhub.v1.TensorHub`.
+"""The hub's gRPC servicer: `tensorhub.v1.TensorHub`, delegating each call to its handler group.
 
-Handlers authenticate the caller, confine every key to its tenant's prefix and call the
-registries in `consistency`; see `ros.hub.rpc` for what they share.
+One `ros.hub.state.HubState` per replica is shared by the groups: sessions
+(`ros.hub.rpc_sessions`), versions (`rpc_versions`), holders (`rpc_holders`), models
+(`rpc_models`) and tenants (`rpc_tenants`). Each group authenticates nothing itself: the
+caller comes with the call (`ros.hub.call`), and confines every key to its tenant's prefix.
+Construct it, `start()` it (its first etcd I/O), `close()` it.
 """
 
 from __future__ import annotations
 
-import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 
 from consistency import Etcd, Keys
 from consistency.usage import DEFAULT_HISTORY_PERIOD
+from ros.hub.call import AioContext
 from ros.hub.limits import Limits
-from ros.hub.rpc import DEFAULT_ETCD_QUOTA_BYTES, CallContext, bearer, same, unary
 from ros.hub.rpc_holders import HolderRPCs
 from ros.hub.rpc_models import ModelRPCs
 from ros.hub.rpc_sessions import SessionRPCs
+from ros.hub.rpc_tenants import TenantRPCs
 from ros.hub.rpc_versions import VersionRPCs
-from ros.hub.tenants import Quotas
+from ros.hub.state import DEFAULT_ETCD_QUOTA_BYTES, HubState
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
-from ros.tokens import READ_KEY_PERIOD, READ_TOKEN_TTL, token_hash
-from tensorhub.errors import PermissionDenied
-from tensorhub.names import validate_name
-
-log = logging.getLogger(__name__)
+from ros.tokens import READ_KEY_PERIOD, READ_TOKEN_TTL
 
 
-class HubServicer(SessionRPCs, VersionRPCs, HolderRPCs, ModelRPCs, hub_pb2_grpc.TensorHubServicer):
-    """Handlers of `tensorhub.v1.TensorHub`."""
+class HubServicer(hub_pb2_grpc.TensorHubServicer):
+    """Handlers of `tensorhub.v1.TensorHub`, each delegated to its group."""
 
     def __init__(
         self,
@@ -42,53 +43,103 @@ class HubServicer(SessionRPCs, VersionRPCs, HolderRPCs, ModelRPCs, hub_pb2_grpc.
         history_period: float = DEFAULT_HISTORY_PERIOD,
         etcd_quota_bytes: int = DEFAULT_ETCD_QUOTA_BYTES,
     ) -> None:
-        super().__init__(
-            etcd, keys, default_retain=default_retain, limits=limits,
+        """No I/O: `start()` does it."""
+        self.hub = HubState(
+            etcd, keys, admin_token=admin_token, default_retain=default_retain, limits=limits,
             read_key_period=read_key_period, read_token_ttl=read_token_ttl,
             history_period=history_period, etcd_quota_bytes=etcd_quota_bytes,
         )  # fmt: skip
-        self._admin_hash = token_hash(admin_token)
+        self.session_rpcs = SessionRPCs(self.hub)
+        self.version_rpcs = VersionRPCs(self.hub)
+        self.holder_rpcs = HolderRPCs(self.hub)
+        self.model_rpcs = ModelRPCs(self.hub)
+        self.tenant_rpcs = TenantRPCs(self.hub)
 
-    def is_admin(self, token: str) -> bool:
-        """Whether `token` is the hub's admin token (compared in constant time)."""
-        return same(token_hash(token), self._admin_hash)
+    def start(self) -> HubServicer:
+        """The replica's first etcd I/O (`HubState.start`); returns self."""
+        self.hub.start()
+        return self
 
-    @unary
-    def CreateTenant(
-        self, request: pb.CreateTenantRequest, context: CallContext
+    def close(self) -> None:
+        self.hub.close()
+
+    # -- streams ---------------------------------------------------------------------------
+
+    async def KeepAlive(
+        self, requests: AsyncIterator[pb.KeepAliveRequest], context: AioContext
+    ) -> AsyncGenerator[pb.KeepAliveResponse, None]:
+        async with aclosing(self.session_rpcs.KeepAlive(requests, context)) as stream:
+            async for response in stream:
+                yield response
+
+    async def Watch(
+        self, request: pb.WatchRequest, context: AioContext
+    ) -> AsyncGenerator[pb.WatchEvent, None]:
+        async with aclosing(self.version_rpcs.Watch(request, context)) as stream:
+            async for event in stream:
+                yield event
+
+    # -- unary calls -----------------------------------------------------------------------
+
+    async def OpenSession(
+        self, request: pb.OpenSessionRequest, context: AioContext
+    ) -> pb.OpenSessionResponse:
+        return await self.session_rpcs.OpenSession(request, context)
+
+    async def CloseSession(
+        self, request: pb.CloseSessionRequest, context: AioContext
+    ) -> pb.CloseSessionResponse:
+        return await self.session_rpcs.CloseSession(request, context)
+
+    async def Publish(self, request: pb.PublishRequest, context: AioContext) -> pb.PublishResponse:
+        return await self.version_rpcs.Publish(request, context)
+
+    async def Latest(self, request: pb.LatestRequest, context: AioContext) -> pb.LatestResponse:
+        return await self.version_rpcs.Latest(request, context)
+
+    async def Resolve(self, request: pb.ResolveRequest, context: AioContext) -> pb.ResolveResponse:
+        return await self.version_rpcs.Resolve(request, context)
+
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: AioContext
+    ) -> pb.ListModelsResponse:
+        return await self.version_rpcs.ListModels(request, context)
+
+    async def Inspect(self, request: pb.InspectRequest, context: AioContext) -> pb.InspectResponse:
+        return await self.version_rpcs.Inspect(request, context)
+
+    async def RegisterHolder(
+        self, request: pb.RegisterHolderRequest, context: AioContext
+    ) -> pb.RegisterHolderResponse:
+        return await self.holder_rpcs.RegisterHolder(request, context)
+
+    async def UpdateHolder(
+        self, request: pb.UpdateHolderRequest, context: AioContext
+    ) -> pb.UpdateHolderResponse:
+        return await self.holder_rpcs.UpdateHolder(request, context)
+
+    async def ReleaseHolder(
+        self, request: pb.ReleaseHolderRequest, context: AioContext
+    ) -> pb.ReleaseHolderResponse:
+        return await self.holder_rpcs.ReleaseHolder(request, context)
+
+    async def Pin(self, request: pb.PinRequest, context: AioContext) -> pb.PinResponse:
+        return await self.holder_rpcs.Pin(request, context)
+
+    async def Unpin(self, request: pb.UnpinRequest, context: AioContext) -> pb.UnpinResponse:
+        return await self.holder_rpcs.Unpin(request, context)
+
+    async def DeleteModel(
+        self, request: pb.DeleteModelRequest, context: AioContext
+    ) -> pb.DeleteModelResponse:
+        return await self.model_rpcs.DeleteModel(request, context)
+
+    async def CreateTenant(
+        self, request: pb.CreateTenantRequest, context: AioContext
     ) -> pb.CreateTenantResponse:
-        token = bearer(context)
-        if token is None or not same(token_hash(token), self._admin_hash):
-            raise PermissionDenied("CreateTenant needs the admin token")
-        defaults = Quotas()
-        quotas = Quotas(
-            max_models=request.quotas.max_models or defaults.max_models,
-            max_retained_versions=request.quotas.max_retained_versions
-            or defaults.max_retained_versions,
-            max_sessions=request.quotas.max_sessions or defaults.max_sessions,
-            max_etcd_bytes=request.quotas.max_etcd_bytes or defaults.max_etcd_bytes,
-            max_publishes_per_minute=request.quotas.max_publishes_per_minute
-            or defaults.max_publishes_per_minute,
-            max_history_bytes=request.quotas.max_history_bytes
-            or request.quotas.max_etcd_bytes
-            or defaults.max_history_bytes,
-        )
-        tenant_token = self.tenants.create(request.name, quotas)
-        warning = self.tenants.overcommit(
-            self.etcd_quota_bytes, self.history_period, self._timeout(context)
-        )
-        if warning:
-            log.warning("CreateTenant %s: %s", request.name, warning)
-        return pb.CreateTenantResponse(name=request.name, token=tenant_token, warning=warning)
+        return await self.tenant_rpcs.CreateTenant(request, context)
 
-    @unary
-    def DeleteTenant(
-        self, request: pb.DeleteTenantRequest, context: CallContext
+    async def DeleteTenant(
+        self, request: pb.DeleteTenantRequest, context: AioContext
     ) -> pb.DeleteTenantResponse:
-        """Delete a tenant and everything it owns (admin token). Its name may be created
-        again: a new epoch, so the old tenant's tokens and read tokens verify nowhere."""
-        token = bearer(context)
-        if token is None or not same(token_hash(token), self._admin_hash):
-            raise PermissionDenied("DeleteTenant needs the admin token")
-        name = validate_name(request.name, "tenant")
-        return pb.DeleteTenantResponse(revision=self.tenants.delete(name, self._timeout(context)))
+        return await self.tenant_rpcs.DeleteTenant(request, context)

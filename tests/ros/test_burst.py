@@ -105,7 +105,7 @@ def test_a_burst_of_shards_commits_in_full_batches_and_shows_once(
     count = 3 * SHARD_BATCH + 7
     token = tenant(hub_server, "burst")
     keys: Keys = hub_server.keys
-    group = hub_server.servicer.shard_batches.group
+    group = hub_server.servicer.hub.shard_batches.group
     failpoint = HeldTxn(hub_server.etcd, keys.shards("burst", "mp", 1))
     held.append(failpoint)
     md = metadata(token)
@@ -209,9 +209,9 @@ def test_shards_spread_over_two_replicas_show_the_version_once(
     assert not errors, errors
     visible = {r.revision for r in results if r.visible}
     assert len(visible) == 1
-    header = hub_server.servicer._versions(hub_server.servicer.tenants.authenticate(token)).header(
-        "spread", "mp", 1
-    )
+    header = hub_server.servicer.hub.versions(
+        hub_server.servicer.hub.tenants.authenticate(token)
+    ).header("spread", "mp", 1)
     assert header.shard_count == count
     assert header.published_revision == visible.pop()
 
@@ -223,7 +223,7 @@ def test_a_dead_session_in_a_hub_batch_fails_alone(
     token = tenant(hub_server, "dying")
     failpoint = HeldTxn(hub_server.etcd, hub_server.keys.shards("dying", "mp", 1))
     held.append(failpoint)
-    group = hub_server.servicer.shard_batches.group
+    group = hub_server.servicer.hub.shard_batches.group
     md = metadata(token)
 
     async def body(stubs: list[Any]) -> list[Any]:
@@ -275,7 +275,7 @@ def test_a_herd_of_session_opens_commits_in_batches_within_the_quota(
     keys = hub_server.keys
     failpoint = HeldTxn(hub_server.etcd, keys.sessions("herd"))
     held.append(failpoint)
-    group = hub_server.servicer.session_marks.group
+    group = hub_server.servicer.hub.session_marks.group
     md = metadata(token)
 
     async def body(stubs: list[Any]) -> list[Any]:

@@ -31,7 +31,8 @@ from ros.errors import (
     from_rpc_error,
     wire_name,
 )
-from ros.hub.rpc import AioContext, CallContext, streaming, unary
+from ros.hub.call import AioContext, CallContext
+from ros.hub.rpc import streaming, unary
 from ros.hub.servicer import HubServicer
 from ros.hub.tenants import TenantStore
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
@@ -183,6 +184,7 @@ class _Broken(HubServicer):
 
 async def _serve(etcd: Etcd, keys: Keys) -> tuple[grpc.aio.Server, _Broken, int]:
     servicer = _Broken(etcd, keys, admin_token=ADMIN)
+    servicer.start()
     server = grpc.aio.server()
     hub_pb2_grpc.add_TensorHubServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
     port = server.add_insecure_port("127.0.0.1:0")

@@ -29,7 +29,7 @@ def test_many_watchers_share_one_watch_and_each_sees_every_version(
                 seen.append(event.version)
         assert seen == [1, 2, 3, 4, 5]
         watch.close()
-    shared = hub_server.servicer._fanout._shared
+    shared = hub_server.servicer.hub.fanout._shared
     assert len(shared) <= 1  # one etcd watch for the model, not twenty
 
 
@@ -38,7 +38,7 @@ def test_a_late_start_revision_gets_a_private_replay(
 ) -> None:
     trainer = connect()
     first = trainer.publish("policy", 1, make_model(1))
-    fanout: WatchFanout = hub_server.servicer._fanout
+    fanout: WatchFanout = hub_server.servicer.hub.fanout
     loop = asyncio.new_event_loop()  # subscribers are drained by a coroutine, as in the hub
 
     def get(sub: Subscription) -> pb.WatchEvent:

@@ -158,8 +158,8 @@ def test_a_tenants_silent_streams_take_no_slot_and_end_at_the_first_message_dead
         watch = stub.Watch(pb.WatchRequest(model="m", start_revision=1), metadata=b)
         latest = await stub.Latest(pb.LatestRequest(model="m"), metadata=b, timeout=10)
         assert latest.version == 0
-        assert server.servicer.streams.active("team-a") == 0
-        assert server.servicer.streams.active("team-b") >= 1
+        assert server.servicer.hub.streams.active("team-a") == 0
+        assert server.servicer.hub.streams.active("team-b") >= 1
 
         ended = await asyncio.gather(*(_outcome(c, 60) for c in silent))
         timed_out = (grpc.StatusCode.DEADLINE_EXCEEDED, "DeadlineExceeded")
@@ -205,7 +205,7 @@ def test_connect_past_grpcs_own_call_limit_is_overloaded_not_a_quota(
     etcd = Etcd(etcd_cluster.endpoints)
     token = TenantStore(etcd, keys).create("team-c")
     loop = _LoopThread()
-    servicer = HubServicer(etcd, keys, admin_token=ADMIN)
+    servicer = HubServicer(etcd, keys, admin_token=ADMIN).start()
 
     async def serve() -> tuple[grpc.aio.Server, int, grpc.aio.Channel, list[Any]]:
         server = grpc.aio.server(maximum_concurrent_rpcs=2)

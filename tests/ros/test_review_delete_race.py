@@ -55,36 +55,43 @@ def delete(stub: Any, md: Any, model: str) -> pb.DeleteModelResponse:
 class HeldDelete:
     """Failpoint on a hub's etcd client: the first transaction that deletes the whole range
     under `prefix` (retention collecting one version, or a model's deletion: not a holder
-    record's delete) waits
-    at the door until `release()` (at most 30 s). Like `HeldTxn`, the transactions it passes
-    run on the hub's own connection, not a tenant's fenced view of it: no tenant is deleted
-    in these tests."""
+    record's delete) waits at the door until `release()` (at most 30 s). Like `HeldTxn`, it
+    wraps `Etcd.txn` on the class, for the calls of `etcd` and of every view made from it
+    (`Etcd.fenced` views share its members, whenever they were made), so the held write is
+    the real one, fence and all; other clients in the process pass through."""
 
     def __init__(self, etcd: Etcd, prefix: str) -> None:
-        self._etcd = etcd
-        self._txn = etcd.txn
+        self._members = etcd._members
         self._prefix = prefix.encode()
         self.reached = threading.Event()
         self._open = threading.Event()
-        etcd.txn = self  # type: ignore[method-assign]
+        self._original = Etcd.txn
+        failpoint = self
 
-    def __call__(self, compare: Any, success: Any, failure: Any = None, **kw: Any) -> Any:
+        def txn(client: Etcd, compare: Any, success: Any, failure: Any = None, **kw: Any) -> Any:
+            failpoint.stop_at(client, success)
+            return failpoint._original(client, compare, success, failure, **kw)
+
+        Etcd.txn = txn  # type: ignore[method-assign]
+
+    def stop_at(self, client: Etcd, success: Any) -> None:
+        if self.reached.is_set() or client._members is not self._members:
+            return
         ranges = [
             op.request_delete_range
             for op in success
             if op.HasField("request_delete_range") and op.request_delete_range.range_end
         ]
-        if not self.reached.is_set() and any(r.key == self._prefix for r in ranges):
+        if any(r.key == self._prefix for r in ranges):
             self.reached.set()
             self._open.wait(30)
-        return self._txn(compare, success, failure, **kw)
 
     def release(self) -> None:
         self._open.set()
 
     def remove(self) -> None:
         self.release()
-        del self._etcd.txn  # type: ignore[method-assign]
+        Etcd.txn = self._original  # type: ignore[method-assign]
 
 
 @pytest.fixture
@@ -228,7 +235,7 @@ def test_retention_racing_a_delete_gives_back_a_version_only_once(
         failpoint.release()
         wait_until(  # the collection retries on the usage key the delete changed, then ends
             "the retention worker is idle",
-            lambda: hub_server.servicer._collector.submit(lambda: None).result(20) is None,
+            lambda: hub_server.servicer.hub.collector.submit(lambda: None).result(20) is None,
         )
     finally:
         failpoint.remove()
@@ -265,7 +272,7 @@ def test_two_replicas_collecting_the_same_version_give_it_back_once(
         failpoint.release()
         wait_until(
             "A's retention worker is idle",
-            lambda: hub_server.servicer._collector.submit(lambda: None).result(20) is None,
+            lambda: hub_server.servicer.hub.collector.submit(lambda: None).result(20) is None,
         )
     finally:
         failpoint.remove()

@@ -77,7 +77,7 @@ def test_a_delete_in_the_middle_of_a_shard_burst_leaves_a_version_the_retries_co
     whole and visible once."""
     token = tenant(hub_server, "race-d")
     keys = hub_server.keys
-    group = hub_server.servicer.shard_batches.group
+    group = hub_server.servicer.hub.shard_batches.group
     md = metadata(token)
 
     async def body(stubs: list[Any]) -> list[Any]:

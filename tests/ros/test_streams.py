@@ -25,7 +25,8 @@ from prometheus_client import REGISTRY
 import ros
 from consistency import Etcd, EtcdCluster, Keys
 from ros.errors import ERROR_METADATA_KEY, from_rpc_error
-from ros.hub.rpc import CallContext, unary
+from ros.hub.call import CallContext
+from ros.hub.rpc import unary
 from ros.hub.server import HubServer
 from ros.hub.servicer import HubServicer
 from ros.hub.tenants import TenantStore
@@ -91,7 +92,7 @@ def test_many_streams_cost_no_threads_and_calls_still_answer(
             for _ in range(SESSIONS)
         ]
         done = asyncio.Event()
-        baseline = hub_server.servicer.streams.active()
+        baseline = hub_server.servicer.hub.streams.active()
         # Warm up: one stream of each kind starts whatever threads the hub keeps for good
         # (the shared etcd watch of the model, the keepalive multiplexer).
         warm = stub.KeepAlive(
@@ -122,7 +123,7 @@ def test_many_streams_cost_no_threads_and_calls_still_answer(
         assert all(r.ttl_seconds > 0 for r in renewed)  # every stream renewed its session
         total = KEEPALIVES + WATCHES + 1
         await _wait_for(
-            lambda: hub_server.servicer.streams.active() >= baseline + total, 20, "streams"
+            lambda: hub_server.servicer.hub.streams.active() >= baseline + total, 20, "streams"
         )
 
         # With 2,000 streams open, unary calls and the health check answer at once.
@@ -145,13 +146,13 @@ def test_many_streams_cost_no_threads_and_calls_still_answer(
             asyncio.gather(*(call.read() for call in watches)), timeout=30
         )
         assert {(e.kind, e.version) for e in events} == {(pb.WatchEvent.VERSION_PUBLISHED, 2)}
-        assert len(hub_server.servicer._fanout._shared) == 1
+        assert len(hub_server.servicer.hub.fanout._shared) == 1
 
         for call in [warm, *keepalives, *watches]:
             call.cancel()
         done.set()
         await _wait_for(
-            lambda: hub_server.servicer.streams.active() <= baseline, 20, "slots to free"
+            lambda: hub_server.servicer.hub.streams.active() <= baseline, 20, "slots to free"
         )
         await channel.close(None)
 
@@ -181,7 +182,9 @@ def test_a_tenant_at_its_stream_limit_is_overloaded_and_another_is_not(
         channel = grpc.aio.insecure_channel(server.address)
         stub = hub_pb2_grpc.TensorHubStub(channel)  # type: ignore[no-untyped-call]
         held = [watch(stub, a) for _ in range(4)]
-        await _wait_for(lambda: server.servicer.streams.active("tenant-a") == 4, 10, "4 streams")
+        await _wait_for(
+            lambda: server.servicer.hub.streams.active("tenant-a") == 4, 10, "4 streams"
+        )
         # A fifth stream of tenant A fails at once, with the named error and the limit.
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await asyncio.wait_for(watch(stub, a).read(), timeout=5)  # type: ignore[attr-defined]
@@ -201,14 +204,16 @@ def test_a_tenant_at_its_stream_limit_is_overloaded_and_another_is_not(
         assert session.session_id  # the session itself opened: only its stream is refused
         # Tenant B is not affected: its streams open and its calls answer.
         other = watch(stub, b)
-        await _wait_for(lambda: server.servicer.streams.active("tenant-b") == 1, 10, "B's stream")
+        await _wait_for(
+            lambda: server.servicer.hub.streams.active("tenant-b") == 1, 10, "B's stream"
+        )
         await stub.Latest(pb.LatestRequest(model="m"), metadata=b, timeout=5)
         for call in [*held, other]:
             call.cancel()  # type: ignore[attr-defined]
-        await _wait_for(lambda: server.servicer.streams.active() == 0, 10, "slots to free")
+        await _wait_for(lambda: server.servicer.hub.streams.active() == 0, 10, "slots to free")
         # A's slot is free again.
         again = watch(stub, a)
-        await _wait_for(lambda: server.servicer.streams.active("tenant-a") == 1, 10, "reopen")
+        await _wait_for(lambda: server.servicer.hub.streams.active("tenant-a") == 1, 10, "reopen")
         again.cancel()  # type: ignore[attr-defined]
         await channel.close(None)
 
@@ -297,7 +302,7 @@ def test_an_unexpected_failure_answers_internal_with_its_name(
 ) -> None:
     async def main() -> None:
         etcd = Etcd(etcd_cluster.endpoints)
-        servicer = _Failing(etcd, keys, admin_token=ADMIN)
+        servicer = _Failing(etcd, keys, admin_token=ADMIN).start()
         server = grpc.aio.server()
         hub_pb2_grpc.add_TensorHubServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
         port = server.add_insecure_port("127.0.0.1:0")
@@ -337,7 +342,7 @@ def test_replays_from_old_revisions_are_bounded(etcd_cluster: EtcdCluster, keys:
 
         first = server.etcd.put(latest, "1")
         live = watch(first + 1)  # joins (creates) the shared watch
-        await _wait_for(lambda: server.servicer.streams.active() == 1, 10, "the live watch")
+        await _wait_for(lambda: server.servicer.hub.streams.active() == 1, 10, "the live watch")
         server.etcd.put(latest, "2")
         assert (await asyncio.wait_for(live.read(), 10)).version == 2  # the shared one passed
         replay = watch(first)  # older than the shared watch: a private replay, the only slot
@@ -376,7 +381,7 @@ def test_the_sdk_waits_out_an_overloaded_hub_and_then_watches(
         since = server.etcd.put(keys.latest("tenant-o", "m"), "1") + 1
         hog = stub.Watch(pb.WatchRequest(model="m", start_revision=since), metadata=_meta(token))
         deadline = time.monotonic() + 10
-        while server.servicer.streams.active("tenant-o") < 2:
+        while server.servicer.hub.streams.active("tenant-o") < 2:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         watch = client.watch("m", since=since)  # refused (Overloaded): the SDK backs off
@@ -408,7 +413,7 @@ def test_a_refused_session_keepalive_retries_before_its_lease_runs_out(
         stub = hub_pb2_grpc.TensorHubStub(channel)  # type: ignore[no-untyped-call]
         hog = stub.Watch(pb.WatchRequest(model="m", start_revision=1), metadata=_meta(token))
         deadline = time.monotonic() + 10
-        while server.servicer.streams.active("tenant-k") < 1:
+        while server.servicer.hub.streams.active("tenant-k") < 1:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         client = ros.connect(server.address, tenant="tenant-k", token=token, session_ttl=3)

@@ -76,7 +76,7 @@ def test_distinct_names_are_bounded_cost_no_threads_and_leave_others_alone(
     ).start()
     tenants = TenantStore(server.etcd, server.keys)
     attacker, other = _meta(tenants.create("attacker")), _meta(tenants.create("other"))
-    fanout = server.servicer._fanout
+    fanout = server.servicer.hub.fanout
 
     async def main() -> None:
         channel = grpc.aio.insecure_channel(server.address)
@@ -98,7 +98,7 @@ def test_distinct_names_are_bounded_cost_no_threads_and_leave_others_alone(
         await _until(lambda: fanout.watchers() == NAMES, 30, f"{NAMES} etcd watches")
         grown = _threads() - idle
         assert grown <= 10, f"{NAMES} watched names grew the hub by {grown} threads"
-        assert server.servicer.streams.watched("attacker") == NAMES
+        assert server.servicer.hub.streams.watched("attacker") == NAMES
 
         # One more name is refused at once, named; one more stream on a watched name is not.
         with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -124,10 +124,10 @@ def test_distinct_names_are_bounded_cost_no_threads_and_leave_others_alone(
         slowest = max([await latest() for _ in range(10)])
         assert slowest < 2.0, f"the other tenant waited {slowest:.1f}s while they closed"
         await _until(lambda: fanout.watchers() == 1, 20, "the attacker's watches to end")
-        assert server.servicer.streams.watched("attacker") == 0
+        assert server.servicer.hub.streams.watched("attacker") == 0
         # ... and the bound frees with them.
         fresh = watch("one-too-many", attacker, server.etcd.put(keys.latest("attacker", "x"), "1"))
-        await _until(lambda: server.servicer.streams.watched("attacker") == 1, 10, "a new name")
+        await _until(lambda: server.servicer.hub.streams.watched("attacker") == 1, 10, "a new name")
         for call in (fresh, theirs):
             call.cancel()
         await channel.close(None)
@@ -189,7 +189,7 @@ def test_private_replays_are_bounded_per_tenant(etcd_cluster: EtcdCluster, keys:
 
 
 def _watching(server: HubServer, tenant: str) -> Callable[[], bool]:
-    return lambda: server.servicer.streams.watched(tenant) == 1
+    return lambda: server.servicer.hub.streams.watched(tenant) == 1
 
 
 class _Collector:

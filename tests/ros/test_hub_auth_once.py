@@ -1,0 +1,70 @@
+"""The hub authenticates a call once: the call guard finds the caller and hands it to the
+handler, which does not look the token up again."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import grpc
+import pytest
+
+from ros.hub.server import HubServer
+from ros.hub.tenants import Tenant
+from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from ros.proto.tensorhub.v1 import hub_pb2_grpc
+from tests.ros.conftest import ADMIN
+
+
+@pytest.fixture
+def lookups(hub_server: HubServer) -> Iterator[list[str]]:
+    """Every token lookup the replica's tenant store answers (from memory or etcd)."""
+    store = hub_server.servicer.hub.tenants
+    seen: list[str] = []
+    cached = store.cached
+
+    def counted(token: str) -> Tenant | None:
+        seen.append(token)
+        return cached(token)
+
+    store.cached = counted  # type: ignore[method-assign]
+    yield seen
+    store.cached = cached  # type: ignore[method-assign]
+
+
+def test_each_call_looks_its_token_up_once(
+    hub_server: HubServer, make_tenant: Callable[[str], str], lookups: list[str]
+) -> None:
+    token = make_tenant("once")
+    metadata = (("authorization", f"Bearer {token}"),)
+    with grpc.insecure_channel(hub_server.address) as channel:
+        stub = hub_pb2_grpc.TensorHubStub(channel)  # type: ignore[no-untyped-call]
+        stub.Latest(pb.LatestRequest(model="m"), metadata=metadata, timeout=10)  # now known
+        for _ in range(3):
+            lookups.clear()
+            stub.Latest(pb.LatestRequest(model="m"), metadata=metadata, timeout=10)
+            assert lookups == [token]  # the guard's; the handler reads the caller it was given
+        session = stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=10), metadata=metadata)
+        lookups.clear()
+        stub.CloseSession(
+            pb.CloseSessionRequest(session_id=session.session_id), metadata=metadata, timeout=10
+        )
+        assert lookups == [token]
+
+
+def test_the_admin_is_told_apart_once_and_refused_tenant_calls(
+    hub_server: HubServer, lookups: list[str]
+) -> None:
+    admin = (("authorization", f"Bearer {ADMIN}"),)
+    with grpc.insecure_channel(hub_server.address) as channel:
+        stub = hub_pb2_grpc.TensorHubStub(channel)  # type: ignore[no-untyped-call]
+        made = stub.CreateTenant(pb.CreateTenantRequest(name="by-admin"), metadata=admin)
+        assert made.token
+        assert lookups == []  # the admin token is never looked up as a tenant's
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Latest(pb.LatestRequest(model="m"), metadata=admin, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        tenant = (("authorization", f"Bearer {made.token}"),)
+        with pytest.raises(grpc.RpcError) as not_admin:
+            stub.DeleteTenant(pb.DeleteTenantRequest(name="by-admin"), metadata=tenant)
+        assert not_admin.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "needs the admin token" in (not_admin.value.details() or "")
