@@ -29,6 +29,18 @@ Each watch keeps `KeyWatch`'s guarantees:
   `_AUTH_REOPEN_EVERY`; a refusal that survives that ends the watch), and every watch
   resumes as after any reconnect.
 
+Progress (opt-in, `on_progress`): an owner that caches what its watches deliver must know how
+current it is when nothing under its keys changes, as Kubernetes' watch cache does.
+`request_progress()` queues etcd's `WatchProgressRequest` on the stream; etcd answers with a
+response that names no watch (`watch_id` -1, no events) whose header revision R is one
+through which every watch synced on the stream has delivered. The mux hands R to
+`on_progress`, on the pump's thread, after the events before it. It holds for the watches
+that are `active` when it arrives (a pending or re-listing one has not caught up). etcd
+releases before the fix of etcd-io/etcd#15220 answer with the store's revision even while a
+watcher created from the past is still catching up (etcd syncs those every 100 ms): a
+notification within `UNSYNCED_GRACE` of such a create is dropped, so an owner that needs
+certainty confirms one with the next (the hub's holder index does).
+
 Items are handed to each watch's `deliver` callback on the pump's thread (a `Resync` on the
 re-list worker's), never two at once for one watch: the callback must not block (the hub's
 fan-out queues them for coroutines). A watch that etcd refuses, or that cannot be re-listed,
@@ -73,6 +85,10 @@ _AUTH_REFUSALS = ("permission denied", "invalid auth token", "auth store is old"
 # The stream is reopened for such a refusal at most this often (seconds): a refusal that
 # survives a fresh stream is the watch's own, and ends that watch.
 _AUTH_REOPEN_EVERY = 60.0
+# A progress notification this soon (seconds) after a watch was created from a revision etcd
+# has passed is dropped (see the module docstring); the bound `consistency.watch` uses.
+UNSYNCED_GRACE = 0.25
+_NO_WATCH = -1  # the watch_id of etcd's progress notification, which names no watch
 
 
 class _State(Enum):
@@ -85,6 +101,7 @@ class _State(Enum):
 
 Deliver = Callable[[Sequence[RawEvent | Resync]], None]
 Fail = Callable[[TensorHubError], None]
+Progress = Callable[[int], None]
 
 
 class MuxWatch:
@@ -111,6 +128,12 @@ class MuxWatch:
     def ended(self) -> bool:
         return self.state is _State.ENDED
 
+    @property
+    def active(self) -> bool:
+        """Created on the live stream and not being re-listed: what an etcd progress
+        notification vouches for (see the module docstring)."""
+        return self.state is _State.ACTIVE
+
     def create_request(self) -> Any:
         create = etcdrpc.WatchCreateRequest(key=ops.b(self.key), start_revision=self.next_revision)
         if self.prefix:
@@ -119,11 +142,16 @@ class MuxWatch:
 
 
 class WatchMux(StreamPump[None]):
-    """Every watch of one owner (a hub replica's fan-out) on one etcd Watch stream."""
+    """Every watch of one owner (a hub replica's fan-out) on one etcd Watch stream; with
+    `on_progress`, also etcd's progress notifications for them (see the module docstring)."""
 
-    def __init__(self, etcd: Etcd, name: str = "watch-mux") -> None:
+    def __init__(
+        self, etcd: Etcd, name: str = "watch-mux", *, on_progress: Progress | None = None
+    ) -> None:
         super().__init__(name)
         self._etcd = etcd
+        self._on_progress = on_progress
+        self._trusted_from = 0.0  # monotonic time from which progress notifications count
         self._lock = threading.Lock()
         self._watches: dict[MuxWatch, None] = {}  # live ones, in creation order
         self._pending: deque[MuxWatch] = deque()  # creates sent on the live stream, in order
@@ -163,6 +191,16 @@ class WatchMux(StreamPump[None]):
                 ))  # fmt: skip
             # PENDING: its `created` response finds it ENDED and cancels it then
             watch.state = _State.ENDED
+
+    def request_progress(self) -> None:
+        """Ask etcd for a progress notification, handed to `on_progress` when it comes.
+        Never blocks: one request is queued (dropped while the stream reconnects, so an owner
+        that waits for one asks again). `InvalidArgument` on a mux made without
+        `on_progress`."""
+        if self._on_progress is None:
+            raise InvalidArgument("request_progress needs a WatchMux made with on_progress")
+        with self._lock:
+            self._send(etcdrpc.WatchRequest(progress_request=etcdrpc.WatchProgressRequest()))
 
     def __len__(self) -> int:
         with self._lock:
@@ -274,9 +312,12 @@ class WatchMux(StreamPump[None]):
             self._by_id.clear()
 
     def _handle(self, response: Any) -> None:
-        """One response of the stream: a create answered, a watch ended, or events. What
-        it tells a watch's owner is told after the lock is released (`later`), so an owner
-        may call back into the mux."""
+        """One response of the stream: a create answered, a watch ended, events, or a
+        progress notification. What it tells a watch's owner is told after the lock is
+        released (`later`), so an owner may call back into the mux."""
+        if not response.created and response.watch_id == _NO_WATCH and not response.events:
+            self._progressed(int(response.header.revision))
+            return
         later: list[Callable[[], None]] = []
         try:
             with self._lock:
@@ -310,6 +351,8 @@ class WatchMux(StreamPump[None]):
             log.warning("etcd answered a watch create that was not sent; ignored")
             return
         watch = self._pending.popleft()
+        if int(response.header.revision) >= watch.next_revision:  # created from the past
+            self._trusted_from = time.monotonic() + UNSYNCED_GRACE
         if response.canceled and not response.compact_revision:
             self._refused(watch, response.cancel_reason, later)
             return
@@ -325,6 +368,14 @@ class WatchMux(StreamPump[None]):
         watch.watch_id = response.watch_id
         watch.state = _State.ACTIVE
         self._by_id[response.watch_id] = watch
+
+    def _progressed(self, revision: int) -> None:
+        """etcd's progress notification: to `on_progress`, unless too soon after a create
+        from the past to be trusted (see the module docstring)."""
+        with self._lock:
+            trusted = time.monotonic() >= self._trusted_from
+        if trusted and self._on_progress is not None:
+            self._on_progress(revision)
 
     def _refused(self, watch: MuxWatch, reason: str, later: list[Callable[[], None]]) -> None:
         """etcd refused a create (under the lock). etcd refuses a create on the stream's auth

@@ -24,18 +24,15 @@ hands it to its sinks (`Sink.progress`). The price of one stream: on etcd releas
 fix, a notification waits until every watch of the stream has caught up, so a replay from
 far back delays it for every index of the replica (a Resolve that cannot wait reads etcd
 directly, `ros.hub.holder_index.FRESH_WAIT`); and on older ones, watches created from the
-past keep resetting the grace above.
+past keep resetting the mux's grace (`consistency.watch_mux.UNSYNCED_GRACE`).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
-
-from etcd3 import etcdrpc
+from collections.abc import Sequence
+from typing import Protocol
 
 from consistency import Etcd
 from consistency.watch import RawEvent, Resync
@@ -43,12 +40,6 @@ from consistency.watch_mux import MuxWatch, WatchMux
 from tensorhub.errors import TensorHubError, Unavailable
 
 log = logging.getLogger(__name__)
-
-# A progress notification this soon after a watch was created from a past revision is not
-# trusted: on etcd before the fix of etcd-io/etcd#15220 it may overtake that watch's
-# catch-up (etcd syncs unsynced watchers every 100 ms). Same bound as `consistency.watch`.
-UNSYNCED_GRACE = 0.25
-_NO_WATCH = -1  # the watch_id etcd gives a progress notification, which names no watch
 
 Item = RawEvent | Resync
 
@@ -62,33 +53,6 @@ class Sink(Protocol):
     def fail(self, error: TensorHubError) -> None: ...
 
     def progress(self, revision: int) -> None: ...
-
-
-class _ProgressMux(WatchMux):
-    """The replica's `WatchMux`, with etcd's progress notifications passed to `on_progress`
-    (the mux itself drops responses that name no watch)."""
-
-    def __init__(self, etcd: Etcd, on_progress: Callable[[int], None]) -> None:
-        self._on_progress = on_progress
-        self._trusted_from = 0.0  # monotonic time from which notifications count
-        super().__init__(etcd, name="feed-mux")
-
-    def request_progress(self) -> None:
-        """Ask etcd for a progress notification (dropped while the stream reconnects)."""
-        with self._lock:
-            self._send(etcdrpc.WatchRequest(progress_request=etcdrpc.WatchProgressRequest()))
-
-    def _handle(self, response: Any) -> None:
-        if response.created:
-            with self._lock:
-                waiting = self._pending[0] if self._pending else None
-                if waiting is not None and response.header.revision >= waiting.next_revision:
-                    self._trusted_from = time.monotonic() + UNSYNCED_GRACE
-        elif response.watch_id == _NO_WATCH and not response.events:
-            if time.monotonic() >= self._trusted_from:
-                self._on_progress(int(response.header.revision))
-            return
-        super()._handle(response)
 
 
 class Feed:
@@ -124,7 +88,7 @@ class Feed:
         if it is created and not being re-listed."""
         with self.lock:
             handle = self.handle
-            if self.failed or handle is None or handle.state.value != "active":
+            if self.failed or handle is None or not handle.active:
                 return
             for sink in self.sinks:
                 sink.progress(revision)
@@ -138,7 +102,7 @@ class ModelFeeds:
         self._etcd = etcd
         self._lock = threading.Lock()
         self._feeds: dict[tuple[str, str], Feed] = {}
-        self._mux: _ProgressMux | None = None  # started by the first watch
+        self._mux: WatchMux | None = None  # started by the first watch
         self._closed = False
 
     def mux(self) -> WatchMux:
@@ -147,13 +111,13 @@ class ModelFeeds:
         with self._lock:
             return self._live_mux()
 
-    def _live_mux(self) -> _ProgressMux:
+    def _live_mux(self) -> WatchMux:
         if self._closed:
             raise Unavailable("this hub replica is stopping; watch through another")
         if self._mux is None or self._mux.failed is not None:
             if self._mux is not None:
                 self._mux.close()  # its pump has already ended: no wait
-            self._mux = _ProgressMux(self._etcd, self._progress)
+            self._mux = WatchMux(self._etcd, name="feed-mux", on_progress=self._progress)
         return self._mux
 
     def join(
