@@ -42,8 +42,9 @@ from typing import IO, Any
 import grpc
 
 from bench.report import Result, emit
+from bench.scale.clients import WorkerLost
 from bench.scale.load import percentile
-from bench.scale.procs import ProcStats, Server, create_tenant, gauge
+from bench.scale.procs import ProcStats, Server, ServerStartError, create_tenant, gauge
 from bench.scale.world import World
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
@@ -149,7 +150,8 @@ class Victim:
 
 class Attacker:
     """`python -m bench.hostile attack` driven over its stdin/stdout: it opens the streams,
-    reports (`{"opened", "refused", "failed"}`), cancels them all on `cancel`."""
+    reports (`{"opened", "refused", "failed"}`), cancels them all on `cancel`. `WorkerLost`
+    when it does not report in time."""
 
     def __init__(self, address: str, token: str, names: int) -> None:
         env = dict(os.environ, THB_ATTACK_TOKEN=token)
@@ -157,14 +159,20 @@ class Attacker:
             [sys.executable, "-m", "bench.hostile", "attack", address, str(names)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
         )  # fmt: skip
+        stdin, stdout = self.proc.stdin, self.proc.stdout
+        if stdin is None or stdout is None:  # Popen opens both with PIPE
+            self.proc.kill()
+            raise WorkerLost("the attacker process was started without its pipes")
+        self._stdin: IO[str] = stdin
+        self._stdout: IO[str] = stdout
 
     def _line(self, timeout: float) -> dict[str, Any]:
         """The attacker's next report line (a JSON object), within `timeout` seconds."""
-        out = self.proc.stdout
-        assert out is not None
-        line = _readline(out, timeout)
+        line = _readline(self._stdout, timeout)
         if not line:
-            raise RuntimeError(f"the attacker ended (exit {self.proc.poll()}) without a report")
+            code = self.proc.poll()
+            why = f"ended (exit {code})" if code is not None else f"is silent after {timeout} s"
+            raise WorkerLost(f"the attacker {why} without a report")
         report: dict[str, Any] = json.loads(line)
         return report
 
@@ -172,17 +180,15 @@ class Attacker:
         return self._line(timeout)
 
     def cancel(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("cancel\n")
-        self.proc.stdin.flush()
+        self._stdin.write("cancel\n")
+        self._stdin.flush()
 
     def cancelled(self, timeout: float) -> dict[str, Any]:
         return self._line(timeout)
 
     def stop(self) -> None:
         with contextlib.suppress(OSError):
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
+            self._stdin.close()
         try:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
@@ -283,7 +289,8 @@ def run(args: argparse.Namespace) -> Result:
     flags = [BOUND_FLAG, str(args.names)] if bounded else []
     with World(flags, max_sessions=16, tree=args.hub_tree, metrics=True) as world:
         hub = world.hub
-        assert hub is not None
+        if hub is None:
+            raise ServerStartError("the bench's world started no hub")
         attacker_token = create_tenant(world.address, world.admin, 16)
         victim = Victim(world.address, world.token)
         attacker: Attacker | None = None

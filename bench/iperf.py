@@ -28,6 +28,8 @@ import subprocess
 import time
 from types import TracebackType
 
+from tensorhub.errors import InvalidArgument
+
 MiB = 1 << 20
 BLOCK = 4 * MiB  # asked for with -l; clamped to what the binary accepts
 START_WAIT = 5.0  # how long a client retries while the server is still starting (s)
@@ -36,21 +38,22 @@ _MAX_BLOCK = re.compile(r"block size too large \(maximum = (\d+) bytes\)")
 
 
 def parse_rate(text: str) -> float:
-    """Bytes/s the receiver saw, from an iperf3 `-J` report. ValueError, with iperf3's own
-    message, when the report is an error or lacks `end.sum_received.bits_per_second`."""
+    """Bytes/s the receiver saw, from an iperf3 `-J` report. `InvalidArgument`, with
+    iperf3's own message, when `text` is not the report of a completed run: not JSON, an
+    error report, or one without `end.sum_received.bits_per_second`."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"iperf3 printed no JSON report: {text[:200]!r}") from exc
+        raise InvalidArgument(f"iperf3 printed no JSON report: {text[:200]!r}") from exc
     if not isinstance(data, dict):
-        raise ValueError(f"iperf3 report is not a JSON object: {text[:200]!r}")
+        raise InvalidArgument(f"iperf3 report is not a JSON object: {text[:200]!r}")
     if data.get("error"):
-        raise ValueError(f"iperf3: {data['error']}")
+        raise InvalidArgument(f"iperf3: {data['error']}")
     end = data.get("end")
     received = end.get("sum_received") if isinstance(end, dict) else None
     bits = received.get("bits_per_second") if isinstance(received, dict) else None
     if isinstance(bits, bool) or not isinstance(bits, int | float) or bits <= 0:
-        raise ValueError("iperf3 report has no end.sum_received.bits_per_second")
+        raise InvalidArgument("iperf3 report has no end.sum_received.bits_per_second")
     return float(bits) / 8
 
 
@@ -145,7 +148,7 @@ class Iperf3:
                 continue
             try:
                 rate = parse_rate(done.stdout)
-            except ValueError as exc:
+            except InvalidArgument as exc:
                 starting = "connect" in str(exc) or "busy" in str(exc)
                 if starting and time.monotonic() < give_up:  # the server is not listening yet
                     time.sleep(0.1)

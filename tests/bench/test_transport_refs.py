@@ -9,6 +9,7 @@ import shutil
 import pytest
 
 from bench import iperf, transport
+from tensorhub.errors import InvalidArgument
 
 REPORT = {
     "start": {"test_start": {"num_streams": 2, "zerocopy": 1, "blksize": 4194304}},
@@ -35,7 +36,7 @@ def test_the_rate_is_the_receivers_bytes_per_second() -> None:
     ],
 )  # fmt: skip
 def test_a_failed_or_odd_report_names_why(text: str, says: str) -> None:
-    with pytest.raises(ValueError, match=says):
+    with pytest.raises(InvalidArgument, match=says):
         iperf.parse_rate(text)
 
 
