@@ -1,0 +1,316 @@
+"""The NIXL backend (transport/nixl/) between real processes, over UCX's TCP transport and
+over same-host cma: round trip, a holder killed or frozen mid-read, corrupt bytes, a refused
+token, the reader's deadline and rate floor, a release during a read, and a clean exit.
+
+The holder runs in a subprocess (tests/transport/nixl_holder_proc.py) with the same UCX
+settings as the reader in this process. The whole module is skipped where NIXL is not
+installed (`pip install 'tensorhub[nixl]'`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tensorhub.errors import DeadlineExceeded, SlowHolder, TransportError
+from tests.transport._model import MODEL, TENANT
+from tests.transport.nixl_holder_proc import CHUNK, nixl_model
+from transport.frames import recv_message, send_message
+from transport.layout import Layout
+from transport.nixl import NixlHolder, NixlReader
+from transport.nixl.loader import unavailable_reason
+from transport.nixl.protocol import (
+    BEGIN,
+    END,
+    GO,
+    MAX_OFFER_BYTES,
+    NixlOffer,
+    NixlRequest,
+    decode_offer,
+    decode_op,
+    encode_op,
+    encode_request,
+)
+from transport.outcome import ChunkOutcome, ChunkStatus
+from transport.pace import DEFAULT_RATE_FLOOR
+from transport.store import HeldVersion, HolderStore
+from transport.wire import ErrorCode, Refusal
+
+_WHY = unavailable_reason()
+pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"NIXL unavailable: {_WHY}")
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN = b"good"
+UCX = {
+    "tcp": {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"},
+    "cma": {"UCX_TLS": "cma,tcp", "UCX_NET_DEVICES": "lo"},
+}
+
+
+class Holder:
+    """A holder subprocess and its control address."""
+
+    def __init__(self, proc: subprocess.Popen[str], port: int) -> None:
+        self.proc, self.address = proc, ("127.0.0.1", port)
+
+    def command(self, line: str) -> str:
+        assert self.proc.stdin is not None
+        assert self.proc.stdout is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+
+@pytest.fixture(params=sorted(UCX))
+def ucx(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """The UCX transport of both sides: set here for the reader, passed to the holder."""
+    for name in list(os.environ):
+        if name.startswith("UCX_"):
+            monkeypatch.delenv(name)
+    env: dict[str, str] = UCX[request.param]
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return env
+
+
+@pytest.fixture
+def spawn(ucx: dict[str, str]) -> Iterator[Callable[..., Holder]]:
+    """Start holder subprocesses; killed (even when stopped) at teardown."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(**opts: object) -> Holder:
+        args = [sys.executable, "-m", "tests.transport.nixl_holder_proc"]
+        for key, value in opts.items():
+            args += [f"--{key.replace('_', '-')}", str(value)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+        env |= {**ucx, "PYTHONPATH": str(ROOT), "NIXL_LOG_LEVEL": "WARN"}
+        proc = subprocess.Popen(
+            args, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        procs.append(proc)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("PORT "):
+                return Holder(proc, int(line.split()[1]))
+        raise AssertionError(f"holder exited with {proc.wait()} before listening")
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+@pytest.fixture
+def reader(ucx: dict[str, str]) -> Iterator[NixlReader]:
+    """A `NixlReader` made under the test's UCX settings (UCX reads them at creation)."""
+    r = NixlReader()
+    yield r
+    r.close()
+
+
+def version(mib: int) -> tuple[dict[str, torch.Tensor], Layout, list[int]]:
+    """The holder's model, its layout and the publisher's per-chunk checksums."""
+    src = nixl_model(1, mib)
+    layout = Layout.from_tensors(src, chunk_size=CHUNK)
+    pub = HeldVersion.publisher(TENANT, MODEL, 1, src, layout)
+    return src, layout, [pub.checksum(i) for i in range(layout.num_chunks)]
+
+
+def destination(src: dict[str, torch.Tensor], layout: Layout) -> HeldVersion:
+    tensors = {k: torch.zeros_like(v) for k, v in src.items()}
+    return HeldVersion.reader(TENANT, MODEL, 1, layout, tensors)
+
+
+def read_all(
+    reader: NixlReader,
+    holder: Holder,
+    mib: int,
+    deadline: float,
+    token: bytes = TOKEN,
+    rate_floor: float = DEFAULT_RATE_FLOOR,
+) -> tuple[list[ChunkOutcome], HeldVersion, dict[str, torch.Tensor], float]:
+    """Read the whole version from `holder`: outcomes, destination, source, seconds."""
+    src, layout, expected = version(mib)
+    dest = destination(src, layout)
+    channel = reader.channel(holder.address, dest, token, rate_floor=rate_floor)
+    start = time.monotonic()
+    try:
+        outcomes = channel.read(range(layout.num_chunks), expected, deadline=start + deadline)
+    finally:
+        channel.close()
+    return outcomes, dest, src, time.monotonic() - start
+
+
+def statuses(outcomes: list[ChunkOutcome]) -> set[ChunkStatus]:
+    return {o.status for o in outcomes}
+
+
+def test_round_trip(spawn: Callable[..., Holder], reader: NixlReader) -> None:
+    holder = spawn(mib=16)
+    outcomes, dest, src, _ = read_all(reader, holder, 16, deadline=60)
+    assert statuses(outcomes) == {ChunkStatus.DONE}
+    assert [o.index for o in outcomes] == list(range(dest.layout.num_chunks))
+    assert dest.complete
+    for name, tensor in src.items():
+        assert torch.equal(dest.tensors[name], tensor), name
+    assert holder.command("registered") == "REGISTERED 1"
+
+
+def test_wrong_token_refused_before_any_metadata(
+    spawn: Callable[..., Holder], reader: NixlReader
+) -> None:
+    holder = spawn(mib=4)
+    outcomes, dest, _, _ = read_all(reader, holder, 4, deadline=30, token=b"bad")
+    assert statuses(outcomes) == {ChunkStatus.DENIED}
+    assert not any(dest.is_present(i) for i in range(dest.layout.num_chunks))
+    # On the wire: a refusal, no agent metadata; and nothing was registered.
+    _, layout, _ = version(4)
+    with socket.create_connection(holder.address, timeout=10) as sock:
+        send_message(sock, encode_request(NixlRequest(TENANT, MODEL, 1, layout.digest, b"bad")))
+        answer = decode_offer(recv_message(sock, MAX_OFFER_BYTES))
+    assert isinstance(answer, Refusal)
+    assert answer.code is ErrorCode.DENIED
+    assert holder.command("registered") == "REGISTERED 0"
+
+
+def test_corrupt_bytes_detected(spawn: Callable[..., Holder], reader: NixlReader) -> None:
+    holder = spawn(mib=4)
+    assert holder.command("corrupt") == "CORRUPTED"
+    outcomes, dest, _, _ = read_all(reader, holder, 4, deadline=30)
+    assert statuses(outcomes) == {ChunkStatus.CORRUPT}
+    assert not any(dest.is_present(i) for i in range(dest.layout.num_chunks))
+
+
+def test_holder_killed_mid_read_fails_fast(
+    spawn: Callable[..., Holder], reader: NixlReader
+) -> None:
+    holder = spawn(mib=256, on_begin="kill")
+    outcomes, dest, _, took = read_all(reader, holder, 256, deadline=60)
+    assert holder.proc.wait(10) == -signal.SIGKILL
+    failed = [o for o in outcomes if o.status is not ChunkStatus.DONE]
+    assert failed, "every chunk read from a killed holder"
+    assert {o.status for o in failed} == {ChunkStatus.FAILED}
+    assert all(type(o.error) is TransportError for o in failed), failed[0].error
+    assert took < 10, f"a dead holder took {took:.1f}s to notice"
+    assert not any(dest.is_present(o.index) for o in failed)
+
+
+def test_holder_stopped_mid_read_never_hangs(
+    spawn: Callable[..., Holder], reader: NixlReader, ucx: dict[str, str]
+) -> None:
+    """The holder freezes once it said `go` to the second of four 64 MiB READs. Over cma
+    that READ still completes, verified (process_vm_readv reads a stopped process); over
+    TCP the holder's progress thread serves READs, so it stays in progress. Either way the
+    next `begin` is never answered, and the deadline ends the read: it never hangs."""
+    holder = spawn(mib=256, on_begin="stop", nth_begin=2)
+    outcomes, dest, _, took = read_all(reader, holder, 256, deadline=4)
+    assert took < 4 + 2, f"read of a stopped holder took {took:.1f}s, deadline 4s"
+    done = [o for o in outcomes if o.status is ChunkStatus.DONE]
+    failed = [o for o in outcomes if o.status is not ChunkStatus.DONE]
+    assert failed, "every chunk read from a stopped holder"
+    assert all(dest.is_present(o.index) for o in done)
+    assert all(isinstance(o.error, DeadlineExceeded) for o in failed), failed[:1]
+    batch = 64  # 1 MiB chunks per 64 MiB READ
+    if ucx["UCX_TLS"] == "tcp":
+        assert len(done) == batch, "only the READ before the freeze completes over TCP"
+    else:
+        assert len(done) >= 2 * batch, "the READ in flight at the freeze did not complete"
+
+
+def test_rate_floor_cuts_a_frozen_holder(
+    spawn: Callable[..., Holder], reader: NixlReader, ucx: dict[str, str]
+) -> None:
+    if ucx["UCX_TLS"] != "tcp":
+        pytest.skip("over cma a stopped holder is still read at full speed")
+    holder = spawn(mib=16, on_begin="stop")
+    outcomes, _, _, took = read_all(reader, holder, 16, deadline=60, rate_floor=1e12)
+    assert statuses(outcomes) == {ChunkStatus.FAILED}
+    assert all(isinstance(o.error, SlowHolder) for o in outcomes)
+    assert took < 5, f"the rate floor took {took:.1f}s"
+
+
+def test_reader_deadline(spawn: Callable[..., Holder], reader: NixlReader) -> None:
+    holder = spawn(mib=4)
+    outcomes, dest, _, took = read_all(reader, holder, 4, deadline=0)
+    assert statuses(outcomes) == {ChunkStatus.FAILED}
+    assert all(isinstance(o.error, DeadlineExceeded) for o in outcomes)
+    assert not any(dest.is_present(i) for i in range(dest.layout.num_chunks))
+    assert took < 1
+
+
+def test_release_waits_for_the_read_in_flight(ucx: dict[str, str], reader: NixlReader) -> None:
+    """A release returns only once the batch a reader began has ended; then the version
+    is deregistered and later reads are refused."""
+    src, layout, expected = version(4)
+    store = HolderStore()
+    held = HeldVersion.publisher(TENANT, MODEL, 1, src, layout)
+    store.add(held)
+    holder = NixlHolder(store, lambda *_: True).start()
+    try:
+        with socket.create_connection(holder.address, timeout=10) as sock:
+            send_message(sock, encode_request(NixlRequest(TENANT, MODEL, 1, layout.digest, TOKEN)))
+            assert isinstance(decode_offer(recv_message(sock, MAX_OFFER_BYTES)), NixlOffer)
+            send_message(sock, encode_op(BEGIN))
+            assert decode_op(recv_message(sock, 1024)) == GO
+            released = threading.Event()
+
+            def release() -> None:
+                store.release(held.key, 10)
+                released.set()
+
+            t = threading.Thread(target=release)
+            t.start()
+            assert not released.wait(0.5), "release returned with a READ in flight"
+            assert holder.registered() == 1
+            send_message(sock, encode_op(END))
+            assert released.wait(5)
+            t.join()
+            answer = decode_op(recv_message(sock, 1024))
+            assert isinstance(answer, Refusal)
+            assert answer.code is ErrorCode.RELEASED
+        deadline = time.monotonic() + 5
+        while holder.registered() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert holder.registered() == 0
+        dest = destination(src, layout)
+        channel = reader.channel(holder.address, dest, TOKEN)
+        outcomes = channel.read(range(layout.num_chunks), expected, deadline=time.monotonic() + 10)
+        channel.close()
+        assert statuses(outcomes) == {ChunkStatus.RELEASED}
+    finally:
+        holder.stop()
+
+
+def test_nixl_process_exits_cleanly(ucx: dict[str, str]) -> None:
+    """With no UCX setting but UCX_TLS, a process that used NIXL exits 0 (docs/nixl.md,
+    "The exit crash": on hosts with rdma-core providers it died with SIGSEGV)."""
+    code = (
+        "import torch\n"
+        "from transport.nixl.holder import new_agent\n"
+        "a = new_agent('exit-test')\n"
+        "a.register_memory([torch.ones(1024)])\n"
+        "print('ok', flush=True)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    env |= {"UCX_TLS": ucx["UCX_TLS"], "PYTHONPATH": str(ROOT), "NIXL_LOG_LEVEL": "WARN"}
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("ok")

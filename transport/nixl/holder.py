@@ -1,0 +1,284 @@
+"""The holder side of the NIXL backend: register held memory, hand it out under the read
+token, and keep a release waiting for the reads in flight.
+
+One `NixlHolder` owns one NIXL agent (UCX backend, with its progress thread: over UCX's TCP
+transport that thread serves the readers' READs) and one control port
+(`transport.nixl.protocol`). A version's tensors are registered with the agent on the first
+request that passes the token check, not before: a version no NIXL reader asks for costs no
+registration. The steps, after NIXL's own register → prepare → transfer → check sequence:
+
+    holder: register(held tensors)                    (first accepted request)
+    holder: offer = agent metadata + one region per tensor, over the control channel only
+    reader: add_remote_agent, READ, check             (transport.nixl.reader)
+    holder: begin/end around each READ, counted in HeldVersion.reading()
+    holder: deregister                                (released, and release has returned)
+
+A release (`HolderStore.release`) refuses new batches at once and waits for the batches in
+flight to end; once it has returned (or given up: the epoch is odd), the registration is
+dropped. A reader that still holds the metadata after that reads nothing the holder vouches
+for: its bytes are checked against the publisher's checksums (`transport.nixl.reader`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import socket
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from tensorhub.errors import TransportError, VersionUnavailable
+from transport.admission import Conn
+from transport.frames import held_for, recv_message, send_message
+from transport.listener import (
+    FRAME_TIMEOUT,
+    IO_TIMEOUT,
+    MAX_CONNECTIONS,
+    PER_PEER,
+    ControlListener,
+)
+from transport.nixl.loader import load
+from transport.nixl.protocol import (
+    BEGIN,
+    END,
+    GO,
+    MAX_REQUEST_BYTES,
+    NixlOffer,
+    NixlRequest,
+    decode_op,
+    decode_request,
+    encode_offer,
+    encode_op,
+    encode_refusal,
+)
+from transport.store import HeldVersion, HolderStore
+from transport.verifier import Verifier
+from transport.wire import ErrorCode, Refusal
+
+log = logging.getLogger(__name__)
+
+POLL = 0.05  # seconds between looks at `released` while a reader's channel is idle
+
+
+def agent_name(role: str) -> str:
+    """A NIXL agent name no other agent of any process shares (agents are keyed by name)."""
+    return f"tensorhub-{role}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def new_agent(role: str) -> Any:
+    """A NIXL agent with the UCX backend and its progress thread."""
+    nixl = load()
+    config = nixl.nixl_agent_config(backends=["UCX"])
+    return nixl.nixl_agent(agent_name(role), config)
+
+
+@dataclass
+class _Registration:
+    """One held version's memory, registered with the agent."""
+
+    held: HeldVersion
+    descs: Any  # the nixlRegDList to deregister (None: every tensor is empty)
+    regions: tuple[tuple[int, int], ...]
+    batches: int = 0  # READs in flight now, between `begin` and `end`
+
+
+class NixlHolder(ControlListener):
+    """Serves NIXL readers the versions in `store` whose token `verifier` accepts. Only
+    COMPLETE versions in host memory are offered (a PARTIAL one is NOT_READY, as over
+    RDMA: read it over TCP). Admission and the accept loop are `transport.listener`'s."""
+
+    name = "nixl-control"
+
+    def __init__(
+        self,
+        store: HolderStore,
+        verifier: Verifier,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        max_connections: int = MAX_CONNECTIONS,
+        per_peer: int = PER_PEER,
+        frame_timeout: float = FRAME_TIMEOUT,
+    ) -> None:
+        super().__init__(
+            host, port,
+            max_connections=max_connections, per_peer=per_peer, frame_timeout=frame_timeout,
+        )  # fmt: skip
+        self._store, self._verifier = store, verifier
+        self._agent = new_agent("holder")
+        self._lock = threading.Lock()  # the agent's registrations and `_regs`
+        self._regs: dict[int, _Registration] = {}  # id(held) -> its registration
+
+    @property
+    def agent(self) -> str:
+        """This holder's NIXL agent name."""
+        return str(self._agent.name)
+
+    def start(self) -> NixlHolder:
+        self.start_listening()
+        return self
+
+    def stop(self) -> None:
+        """Stop accepting, cut every channel, deregister every version."""
+        self.stop_listening()
+        with self._lock:
+            regs, self._regs = list(self._regs.values()), {}
+            for reg in regs:
+                self._deregister(reg)
+
+    def registered(self) -> int:
+        """How many versions are registered with the agent now (tests, metrics)."""
+        with self._lock:
+            return len(self._regs)
+
+    def refusal(self, code: ErrorCode, message: str) -> bytes:
+        return encode_refusal(code, message)
+
+    def tick(self) -> None:
+        """Deregister released versions once their release has returned (or given up) and
+        no READ of theirs is in flight."""
+        with self._lock:
+            done = [
+                k
+                for k, r in self._regs.items()
+                if r.held.released and r.held.epoch & 1 and not r.batches
+            ]
+            for key in done:
+                self._deregister(self._regs.pop(key))
+
+    def _deregister(self, reg: _Registration) -> None:
+        if reg.descs is None:
+            return
+        try:
+            self._agent.deregister_memory(reg.descs)
+        except Exception as exc:  # NIXL's own errors: logged, never fatal to the port
+            log.warning("NIXL deregistration of %s failed: %r", reg.held.key, exc)
+
+    # -- one reader's channel ------------------------------------------------------------
+
+    def serve(self, conn: socket.socket, record: Conn) -> None:
+        try:
+            conn.settimeout(IO_TIMEOUT)
+            req = decode_request(recv_message(conn, MAX_REQUEST_BYTES))
+        except (TransportError, OSError) as exc:
+            with contextlib.suppress(OSError):
+                send_message(conn, encode_refusal(ErrorCode.BAD_FRAME, str(exc)))
+            return
+        self.admission.answering(record)  # a whole request: no frame deadline meanwhile
+        found = self._check(req)
+        if isinstance(found, Refusal):
+            send_message(conn, encode_refusal(ErrorCode(found.raw), found.message))
+            return
+        self.admission.authenticated(record)  # a valid token: never evicted from here on
+        try:
+            reg = self._register(found)
+        except VersionUnavailable as exc:
+            send_message(conn, encode_refusal(ErrorCode.RELEASED, str(exc)))
+            return
+        except TransportError as exc:
+            send_message(conn, encode_refusal(ErrorCode.BAD_REQUEST, str(exc)))
+            return
+        send_message(conn, encode_offer(self._offer(reg)))
+        self._session(conn, reg)
+
+    def _check(self, req: NixlRequest) -> HeldVersion | Refusal:
+        """The version `req` names if its token is accepted and it can be offered."""
+        key = (req.tenant, req.model, req.version)
+        held = held_for(self._store, self._verifier, key, req.token, req.layout_digest)
+        if not isinstance(held, HeldVersion):
+            code, message = held
+            return Refusal(code, int(code), message)
+        if not held.complete or held.on_cuda:
+            why = "PARTIAL here" if not held.complete else "in GPU memory (not served yet)"
+            message = f"{req.model}@{req.version} is {why}: read over tcp"
+            return Refusal(ErrorCode.NOT_READY, int(ErrorCode.NOT_READY), message)
+        return held
+
+    def _register(self, held: HeldVersion) -> _Registration:
+        with self._lock:
+            if held.released:
+                raise VersionUnavailable(f"{held.key} is released on this holder")
+            reg = self._regs.get(id(held))
+            if reg is not None:
+                return reg
+            tensors = [t for t in held.tensors.values() if t.numel()]
+            regions = tuple(
+                (t.data_ptr(), t.numel() * t.element_size()) if t.numel() else (0, 0)
+                for t in held.tensors.values()
+            )
+            try:
+                descs = self._agent.register_memory(tensors) if tensors else None
+            except Exception as exc:
+                raise TransportError(f"NIXL cannot register {held.key}: {exc!r}") from exc
+            reg = self._regs[id(held)] = _Registration(held, descs, regions)
+            return reg
+
+    def _offer(self, reg: _Registration) -> NixlOffer:
+        with self._lock:
+            metadata = bytes(self._agent.get_agent_metadata())
+        return NixlOffer(self.agent, metadata, reg.regions)
+
+    def _session(self, conn: socket.socket, reg: _Registration) -> None:
+        """Answer `begin`/`end` until the reader leaves, the version is released, or we
+        stop. A batch in flight holds one `reading()` of the version, so a release waits
+        for it; a release that gave up ends the channel even mid-batch."""
+        held = reg.held
+        batch: contextlib.ExitStack | None = None
+        try:
+            while not self.stopping.is_set():
+                if held.released and batch is None:
+                    message = f"{held.key} is released on this holder"
+                    with contextlib.suppress(OSError):
+                        send_message(conn, encode_refusal(ErrorCode.RELEASED, message))
+                    return
+                if held.released and held.epoch & 1:
+                    return  # the release gave up waiting for this batch
+                ready, _, _ = select.select([conn], [], [], POLL)
+                if not ready:
+                    continue
+                try:
+                    op = decode_op(recv_message(conn, MAX_REQUEST_BYTES))
+                except TransportError as exc:  # the reader left (or spoke nonsense)
+                    log.debug("NIXL reader channel ended: %s", exc)
+                    return
+                if op == BEGIN and batch is None:
+                    batch = self._begin(conn, reg)
+                    if batch is None:
+                        return
+                elif op == END and batch is not None:
+                    batch.close()
+                    batch = None
+                    self.tick()
+                else:
+                    raise TransportError(f"NIXL reader sent {op!r} out of turn")
+        finally:
+            if batch is not None:
+                batch.close()
+                self.tick()
+
+    def _begin(self, conn: socket.socket, reg: _Registration) -> contextlib.ExitStack | None:
+        """Count a READ in flight and say `go`; None (after a RELEASED refusal) when the
+        version was released meanwhile."""
+        batch = contextlib.ExitStack()
+        try:
+            batch.enter_context(reg.held.reading())
+        except VersionUnavailable as exc:
+            send_message(conn, encode_refusal(ErrorCode.RELEASED, str(exc)))
+            return None
+        with self._lock:
+            reg.batches += 1
+        batch.callback(self._ended, reg)
+        try:
+            send_message(conn, encode_op(GO))
+        except BaseException:
+            batch.close()
+            raise
+        return batch
+
+    def _ended(self, reg: _Registration) -> None:
+        with self._lock:
+            reg.batches -= 1

@@ -1,0 +1,384 @@
+"""The reader side of the NIXL backend: register the destination, READ chunks one-sided from
+a holder, bound every READ by the fetch's deadline and rate floor, verify, commit.
+
+    reader = NixlReader()                                  # one NIXL agent per process part
+    channel = reader.channel(address, dest, token)         # dest: a PARTIAL HeldVersion
+    outcomes = channel.read(chunks, expected, deadline=d)  # one ChunkOutcome per chunk
+    channel.close(); reader.close()
+
+`read` connects on first use (`transport.nixl.protocol`: request → offer), then per batch of
+up to `BATCH_BYTES`: `begin` → `go`, one NIXL READ of the batch's segments straight into the
+destination's memory, `end`. NIXL has no deadline of its own (a READ from a SIGSTOPped holder
+over TCP stays in progress for ever), so the READ's state is polled with a bounded sleep and
+the handle released (which aborts it) at the earlier of the fetch's deadline and the batch's
+rate-floor deadline (`grace` plus its bytes at `rate_floor`). A holder that dies mid-READ
+makes NIXL raise within a fraction of a second. A channel whose READ failed or was aborted
+drops the holder's agent (`remove_remote_agent` disconnects it), so nothing it sends late
+lands in the destination, and answers FAILED from then on.
+
+Each chunk of a finished READ is checked against the publisher's checksum (`expected`, by the
+manifest's algorithm: `transport.checksums`) before it is committed to `dest`, so a reader
+that fetched over NIXL serves pipelined readers over its own TCP port as one that fetched
+over TCP does. The outcome of each chunk is typed (`transport.outcome.ChunkOutcome`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from tensorhub.errors import (
+    DeadlineExceeded,
+    IntegrityError,
+    InvalidArgument,
+    SlowHolder,
+    TransportError,
+)
+from transport.checksums import WSUM64, kind_of, wsum64_of_views
+from transport.frames import recv_message, send_message
+from transport.nixl.holder import new_agent
+from transport.nixl.protocol import (
+    BEGIN,
+    END,
+    GO,
+    MAX_OFFER_BYTES,
+    MAX_REQUEST_BYTES,
+    NixlOffer,
+    NixlRequest,
+    decode_offer,
+    decode_op,
+    encode_op,
+    encode_request,
+)
+from transport.outcome import ChunkOutcome, ChunkStatus
+from transport.pace import DEFAULT_RATE_FLOOR
+from transport.store import HeldVersion
+from transport.wire import Refusal
+
+BATCH_BYTES = 64 * 1024 * 1024  # bytes per READ: one begin/end round trip per ~64 MiB
+GRACE = 1.0  # seconds a batch may take beyond its bytes at the rate floor (connection setup)
+POLL_MIN, POLL_MAX = 50e-6, 2e-3  # seconds between looks at a READ's state (doubling)
+
+
+class NixlReader:
+    """One NIXL agent that reads from holders. Destinations are registered once however
+    many channels write into them; holders' agents are loaded once however many channels
+    read from them. Thread-safe; each channel is used by one thread at a time."""
+
+    def __init__(self) -> None:
+        self._agent = new_agent("reader")
+        self._lock = threading.Lock()
+        self._dests: dict[int, tuple[Any, int]] = {}  # id(dest) -> (reg descs, channels)
+        self._remotes: dict[str, int] = {}  # holder agent -> channels using it
+
+    @property
+    def agent(self) -> Any:
+        """The NIXL agent (`nixl_agent`)."""
+        return self._agent
+
+    def channel(
+        self,
+        address: tuple[str, int],
+        dest: HeldVersion,
+        token: bytes,
+        *,
+        rate_floor: float = DEFAULT_RATE_FLOOR,
+        checksum: str = "",
+    ) -> NixlChannel:
+        """A channel to the holder whose NIXL control port is `address`, for reading
+        `dest`'s version into `dest` (host memory). `checksum` names the manifest's
+        algorithm of the `expected` values given to `read`."""
+        if dest.on_cuda:
+            raise InvalidArgument("the NIXL reader writes host memory only (for now)")
+        return NixlChannel(self, address, dest, token, rate_floor, kind_of(checksum))
+
+    def close(self) -> None:
+        """Deregister every destination (channels must be closed first)."""
+        with self._lock:
+            dests, self._dests = list(self._dests.values()), {}
+        for descs, _ in dests:
+            if descs is not None:
+                with contextlib.suppress(Exception):
+                    self._agent.deregister_memory(descs)
+
+    # -- shared registrations ------------------------------------------------------------
+
+    def _register(self, dest: HeldVersion) -> None:
+        with self._lock:
+            descs, users = self._dests.get(id(dest), (None, 0))
+            if not users:
+                tensors = [t for t in dest.tensors.values() if t.numel()]
+                try:
+                    descs = self._agent.register_memory(tensors) if tensors else None
+                except Exception as exc:
+                    raise TransportError(f"NIXL cannot register the destination: {exc!r}") from exc
+            self._dests[id(dest)] = (descs, users + 1)
+
+    def _unregister(self, dest: HeldVersion) -> None:
+        with self._lock:
+            descs, users = self._dests.get(id(dest), (None, 0))
+            if users > 1:
+                self._dests[id(dest)] = (descs, users - 1)
+                return
+            self._dests.pop(id(dest), None)
+        if descs is not None:
+            with contextlib.suppress(Exception):
+                self._agent.deregister_memory(descs)
+
+    def _load_remote(self, offer: NixlOffer) -> str:
+        with self._lock:
+            try:
+                loaded = self._agent.add_remote_agent(offer.metadata)
+            except Exception as exc:
+                raise TransportError(f"NIXL cannot load the holder's metadata: {exc!r}") from exc
+            name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            if name != offer.agent:
+                why = f"holder offered agent {offer.agent!r}, its metadata names {name!r}"
+                raise TransportError(why)
+            self._remotes[name] = self._remotes.get(name, 0) + 1
+            # Start UCX's wire-up now (it does not block): the first READ need not wait
+            # for it, and over cma a holder that freezes later can still be read.
+            with contextlib.suppress(Exception):
+                self._agent.make_connection(name)
+            return name
+
+    def _drop_remote(self, name: str, *, now: bool = False) -> None:
+        """One channel less uses `name`; the agent is dropped (disconnected) when none
+        does, or at once when `now` (its READ failed: nothing late may land)."""
+        with self._lock:
+            users = self._remotes.get(name, 0) - 1
+            if users > 0 and not now:
+                self._remotes[name] = users
+                return
+            self._remotes.pop(name, None)
+            with contextlib.suppress(Exception):
+                self._agent.remove_remote_agent(name)
+
+
+class NixlChannel:
+    """One reader's channel to one holder for one version (see the module docstring)."""
+
+    def __init__(
+        self,
+        reader: NixlReader,
+        address: tuple[str, int],
+        dest: HeldVersion,
+        token: bytes,
+        rate_floor: float,
+        checksum: str,
+    ) -> None:
+        self._reader, self._agent = reader, reader.agent
+        self._address, self._dest, self._token = address, dest, token
+        self._rate_floor, self._checksum = rate_floor, checksum
+        self._sock: socket.socket | None = None
+        self._remote: str | None = None
+        self._regions: tuple[tuple[int, int], ...] = ()
+        self._registered = False
+        self._broken: BaseException | Refusal | None = None  # why later reads cannot run
+
+    def read(
+        self, chunks: Sequence[int], expected: Sequence[int], *, deadline: float
+    ) -> list[ChunkOutcome]:
+        """Read `chunks` of the version into the destination, each checked against
+        `expected[index]` (the manifest's checksums, one per chunk of the version) and
+        committed. One outcome per chunk, in order; nothing raises but a caller's bug."""
+        if len(expected) != self._dest.layout.num_chunks:
+            raise InvalidArgument("expected must give one checksum per chunk of the version")
+        outcomes: list[ChunkOutcome] = []
+        todo = list(chunks)
+        while todo:
+            if self._broken is not None:
+                outcomes += [self._refused(i, self._broken) for i in todo]
+                break
+            try:
+                refusal = self._connect(deadline)
+            except (TransportError, DeadlineExceeded, OSError) as exc:
+                self._fail(exc)
+                continue
+            if refusal is not None:
+                outcomes += [ChunkOutcome.refused(i, refusal) for i in todo]
+                break
+            batch, todo = self._next_batch(todo)
+            outcomes += self._read_batch(batch, expected, deadline)
+        return outcomes
+
+    def close(self) -> None:
+        """Leave the holder (its channel closes; its agent is dropped when no other
+        channel of this reader uses it) and release the destination's registration."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._remote is not None:
+            self._reader._drop_remote(self._remote, now=self._broken is not None)
+            self._remote = None
+        if self._registered:
+            self._reader._unregister(self._dest)
+            self._registered = False
+        if self._broken is None:
+            self._broken = TransportError("NIXL channel closed")
+
+    # -- steps ---------------------------------------------------------------------------
+
+    def _fail(self, why: BaseException | Refusal) -> None:
+        """This channel is done for: later reads answer with `why` (a refusal keeps its
+        code: RELEASED stays RELEASED)."""
+        self._broken = why
+        self.close()
+        self._broken = why
+
+    @staticmethod
+    def _refused(index: int, why: BaseException | Refusal) -> ChunkOutcome:
+        if isinstance(why, Refusal):
+            return ChunkOutcome.refused(index, why)
+        return ChunkOutcome.failed(index, why)
+
+    def _timeout(self, deadline: float) -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded("NIXL read: the fetch's deadline passed")
+        return left
+
+    def _connect(self, deadline: float) -> Refusal | None:
+        """Connect, send the request, load the offer; a refusal is returned, not raised."""
+        if self._sock is not None:
+            return None
+        layout = self._dest.layout
+        tenant, model, version = self._dest.key
+        sock = socket.create_connection(self._address, timeout=self._timeout(deadline))
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            req = NixlRequest(tenant, model, version, layout.digest, self._token)
+            send_message(sock, encode_request(req))
+            sock.settimeout(self._timeout(deadline))
+            answer = decode_offer(recv_message(sock, MAX_OFFER_BYTES))
+        except BaseException:
+            sock.close()
+            raise
+        if isinstance(answer, Refusal):
+            sock.close()
+            return answer
+        specs = layout.tensors
+        if len(answer.regions) != len(specs) or any(
+            n != s.nbytes for (_, n), s in zip(answer.regions, specs, strict=True)
+        ):
+            sock.close()
+            raise TransportError("holder offered regions that do not match the layout")
+        self._sock, self._regions = sock, answer.regions
+        self._remote = self._reader._load_remote(answer)
+        self._reader._register(self._dest)
+        self._registered = True
+        return None
+
+    def _next_batch(self, todo: list[int]) -> tuple[list[int], list[int]]:
+        size, n = 0, 0
+        while n < len(todo) and (n == 0 or size + self._payload(todo[n]) <= BATCH_BYTES):
+            size += self._payload(todo[n])
+            n += 1
+        return todo[:n], todo[n:]
+
+    def _payload(self, index: int) -> int:
+        return self._dest.layout.payload_bytes(index)
+
+    def _descs(self, batch: Sequence[int]) -> tuple[Any, Any]:
+        """The local and remote NIXL descriptor lists of `batch`'s segments."""
+        flats = self._dest.flats
+        rows = [
+            (flats[s.tensor].data_ptr() + s.start, self._regions[s.tensor][0] + s.start, s.length)
+            for i in batch
+            for s in self._dest.segments(i)
+        ]
+        local = np.array([(a, n, 0) for a, _, n in rows], dtype=np.uint64).reshape(-1, 3)
+        remote = np.array([(b, n, 0) for _, b, n in rows], dtype=np.uint64).reshape(-1, 3)
+        agent = self._agent
+        return agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM")
+
+    def _read_batch(
+        self, batch: list[int], expected: Sequence[int], deadline: float
+    ) -> list[ChunkOutcome]:
+        nbytes = sum(self._payload(i) for i in batch)
+        floor = time.monotonic() + GRACE + nbytes / self._rate_floor
+        try:
+            refusal = self._begin(deadline)
+            if refusal is not None:
+                self._fail(refusal)
+                return [ChunkOutcome.refused(i, refusal) for i in batch]
+            try:
+                self._transfer(batch, deadline, floor)
+            finally:
+                self._end()
+        except (TransportError, DeadlineExceeded, OSError) as exc:
+            self._fail(exc)
+            return [ChunkOutcome.failed(i, exc) for i in batch]
+        return [self._verify(i, expected[i]) for i in batch]
+
+    def _begin(self, deadline: float) -> Refusal | None:
+        assert self._sock is not None
+        send_message(self._sock, encode_op(BEGIN))
+        self._sock.settimeout(self._timeout(deadline))
+        try:
+            answer = decode_op(recv_message(self._sock, MAX_REQUEST_BYTES))
+        except TimeoutError as exc:
+            raise DeadlineExceeded("NIXL read: the holder did not answer by the deadline") from exc
+        if isinstance(answer, Refusal):
+            return answer
+        if answer != GO:
+            raise TransportError(f"NIXL holder answered {answer!r} to begin")
+        return None
+
+    def _end(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                send_message(self._sock, encode_op(END))
+
+    def _transfer(self, batch: Sequence[int], deadline: float, floor: float) -> None:
+        """One READ of `batch`, polled until done; at the deadline (or the rate floor's)
+        the handle is released, which aborts the READ. Raises what went wrong."""
+        agent = self._agent
+        try:
+            local, remote = self._descs(batch)
+            handle = agent.initialize_xfer("READ", local, remote, self._remote)
+        except Exception as exc:
+            raise TransportError(f"NIXL cannot prepare the READ: {exc!r}") from exc
+        try:
+            state = agent.transfer(handle)
+            wait = POLL_MIN
+            while state == "PROC":
+                now = time.monotonic()
+                if now >= min(deadline, floor):
+                    if floor < deadline:
+                        raise SlowHolder("NIXL read: the holder is below the rate floor")
+                    raise DeadlineExceeded("NIXL read: the fetch's deadline passed mid-READ")
+                time.sleep(min(wait, min(deadline, floor) - now))
+                wait = min(wait * 2, POLL_MAX)
+                state = agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise TransportError(f"NIXL READ ended in state {state}")
+        except (SlowHolder, DeadlineExceeded, TransportError):
+            raise
+        except Exception as exc:  # nixlRemoteDisconnectError and NIXL's other errors
+            raise TransportError(f"NIXL READ failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            # One that cannot be aborted stays NIXL's; the caller drops the holder's agent.
+            with contextlib.suppress(Exception):
+                handle.release()
+
+    def _verify(self, index: int, expected: int) -> ChunkOutcome:
+        """Chunk `index`, now in the destination: committed if it is what was published."""
+        views = self._dest.sink_views(index)
+        hasher = xxhash.xxh3_64()
+        for view in views:
+            hasher.update(view)
+        xxh3 = hasher.intdigest()
+        got = wsum64_of_views(views) if self._checksum == WSUM64 else xxh3
+        if got != expected:
+            why = f"chunk {index} read over NIXL differs from the published version"
+            return ChunkOutcome(index, ChunkStatus.CORRUPT, IntegrityError(why))
+        self._dest.commit(index, xxh3)
+        return ChunkOutcome(index, ChunkStatus.DONE, nbytes=self._payload(index), complete=True)
