@@ -70,9 +70,12 @@ def agent_name(role: str) -> str:
 
 
 def new_agent(role: str) -> Any:
-    """A NIXL agent with the UCX backend and its progress thread."""
+    """A NIXL agent with the UCX backend and its progress thread, safe to call from several
+    threads at once (NIXL's default without a listener thread is not: a reader's channels
+    run in the fetch's worker threads, a holder's in its connection threads)."""
     nixl = load()
-    config = nixl.nixl_agent_config(backends=["UCX"])
+    strict = nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+    config = nixl.nixl_agent_config(backends=["UCX"], sync_mode=strict)
     return nixl.nixl_agent(agent_name(role), config)
 
 
