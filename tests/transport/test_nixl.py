@@ -25,6 +25,7 @@ import torch
 from tensorhub.errors import DeadlineExceeded, SlowHolder, TransportError
 from tests.transport._model import MODEL, TENANT
 from tests.transport.nixl_holder_proc import CHUNK, nixl_model
+from transport.checksums import WSUM64
 from transport.frames import recv_message, send_message
 from transport.layout import Layout
 from transport.nixl import NixlHolder, NixlReader
@@ -165,6 +166,24 @@ def test_round_trip(spawn: Callable[..., Holder], reader: NixlReader) -> None:
     for name, tensor in src.items():
         assert torch.equal(dest.tensors[name], tensor), name
     assert holder.command("registered") == "REGISTERED 1"
+
+
+def test_wsum64_manifest(spawn: Callable[..., Holder], reader: NixlReader) -> None:
+    """A manifest whose checksums are wsum64 (computed where a GPU publisher's tensors
+    are) is verified by that algorithm; a wrong value is CORRUPT."""
+    holder = spawn(mib=4)
+    src, layout, _ = version(4)
+    pub = HeldVersion.publisher(TENANT, MODEL, 1, src, layout)
+    sums = [pub.wsum64(i) for i in range(layout.num_chunks)]
+    sums[1] ^= 1
+    dest = destination(src, layout)
+    channel = reader.channel(holder.address, dest, TOKEN, checksum=WSUM64)
+    outcomes = channel.read(range(layout.num_chunks), sums, deadline=time.monotonic() + 30)
+    channel.close()
+    assert [o.status for o in outcomes] == [
+        ChunkStatus.CORRUPT if o.index == 1 else ChunkStatus.DONE for o in outcomes
+    ]
+    assert not dest.is_present(1)
 
 
 def test_channels_read_from_threads_at_once(
