@@ -331,6 +331,44 @@ def test_release_waits_for_the_read_in_flight(ucx: dict[str, str], reader: NixlR
         holder.stop()
 
 
+def test_release_disconnects_readers_that_kept_the_metadata(
+    ucx: dict[str, str], reader: NixlReader
+) -> None:
+    """Deregistering revokes nothing over TCP or cma: a reader that kept the metadata could
+    READ the old regions. A release retires the agent, so such a READ fails; the next
+    version is served by a fresh agent."""
+    src, layout, expected = version(4)
+    store = HolderStore()
+    held = HeldVersion.publisher(TENANT, MODEL, 1, src, layout)
+    store.add(held)
+    holder = NixlHolder(store, lambda *_: True).start()
+    try:
+        dest = destination(src, layout)
+        channel = reader.channel(holder.address, dest, TOKEN)
+        now = time.monotonic()
+        assert statuses(channel.read([0], expected, deadline=now + 10)) == {ChunkStatus.DONE}
+        store.release(held.key, 5)
+        deadline = time.monotonic() + 5
+        while holder.registered() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert holder.retired == 1
+        now = time.monotonic()
+        with pytest.raises(TransportError, match="RemoteDisconnect"):
+            channel._transfer([1], now + 5, now + 5)  # a READ without `begin`: hostile
+        channel.close()
+        again = HeldVersion.publisher(TENANT, MODEL, 2, src, layout)
+        store.add(again)
+        dest = HeldVersion.reader(
+            TENANT, MODEL, 2, layout, {k: torch.zeros_like(v) for k, v in src.items()}
+        )
+        channel = reader.channel(holder.address, dest, TOKEN)
+        outcomes = channel.read(range(layout.num_chunks), expected, deadline=time.monotonic() + 10)
+        channel.close()
+        assert statuses(outcomes) == {ChunkStatus.DONE}
+    finally:
+        holder.stop()
+
+
 def test_nixl_process_exits_cleanly(ucx: dict[str, str]) -> None:
     """With no UCX setting but UCX_TLS, a process that used NIXL exits 0 (docs/nixl.md,
     "The exit crash": on hosts with rdma-core providers it died with SIGSEGV)."""

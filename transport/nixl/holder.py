@@ -12,11 +12,15 @@ registration. The steps, after NIXL's own register → prepare → transfer → 
     reader: add_remote_agent, READ, check             (transport.nixl.reader)
     holder: begin/end around each READ, counted in HeldVersion.reading()
     holder: deregister                                (released, and release has returned)
+    holder: close the agent                           (its last registration is gone)
 
 A release (`HolderStore.release`) refuses new batches at once and waits for the batches in
 flight to end; once it has returned (or given up: the epoch is odd), the registration is
-dropped. A reader that still holds the metadata after that reads nothing the holder vouches
-for: its bytes are checked against the publisher's checksums (`transport.nixl.reader`).
+dropped. Deregistering alone revokes nothing over UCX's TCP and cma transports: a reader
+that kept the metadata could still READ the old regions (docs/nixl.md, "Security"). So a
+release also retires the agent that registered the version: later registrations go to a
+fresh agent, and the old one is closed once its last registration is dropped, which
+disconnects every reader of it (their READs fail with NIXL's remote-disconnect error).
 """
 
 from __future__ import annotations
@@ -81,9 +85,11 @@ def new_agent(role: str) -> Any:
 
 @dataclass
 class _Registration:
-    """One held version's memory, registered with the agent."""
+    """One held version's memory, registered with `agent`. The registrations are the only
+    holders of a retired agent: it closes when the last of them is dropped."""
 
     held: HeldVersion
+    agent: Any  # the nixl_agent it is registered with
     descs: Any  # the nixlRegDList to deregister (None: every tensor is empty)
     regions: tuple[tuple[int, int], ...]
     batches: int = 0  # READs in flight now, between `begin` and `end`
@@ -112,14 +118,15 @@ class NixlHolder(ControlListener):
             max_connections=max_connections, per_peer=per_peer, frame_timeout=frame_timeout,
         )  # fmt: skip
         self._store, self._verifier = store, verifier
-        self._agent = new_agent("holder")
-        self._lock = threading.Lock()  # the agent's registrations and `_regs`
+        self._agent: Any = None  # where new registrations go (made on first use)
+        self._retired = 0  # agents retired so far (tests, metrics)
+        self._lock = threading.Lock()  # the agents, their registrations and `_regs`
         self._regs: dict[int, _Registration] = {}  # id(held) -> its registration
 
     @property
-    def agent(self) -> str:
-        """This holder's NIXL agent name."""
-        return str(self._agent.name)
+    def retired(self) -> int:
+        """How many agents releases have retired (each disconnected its readers)."""
+        return self._retired
 
     def start(self) -> NixlHolder:
         self.start_listening()
@@ -130,6 +137,7 @@ class NixlHolder(ControlListener):
         self.stop_listening()
         with self._lock:
             regs, self._regs = list(self._regs.values()), {}
+            self._agent = None
             for reg in regs:
                 self._deregister(reg)
 
@@ -151,13 +159,19 @@ class NixlHolder(ControlListener):
                 if r.held.released and r.held.epoch & 1 and not r.batches
             ]
             for key in done:
-                self._deregister(self._regs.pop(key))
+                reg = self._regs.pop(key)
+                if reg.agent is self._agent:  # retire it: the next version gets a new one
+                    self._agent = None
+                    self._retired += 1
+                self._deregister(reg)
+            # Dropping `reg` drops a retired agent's last reference once none of its
+            # versions is left: it closes, and its readers are disconnected.
 
     def _deregister(self, reg: _Registration) -> None:
         if reg.descs is None:
             return
         try:
-            self._agent.deregister_memory(reg.descs)
+            reg.agent.deregister_memory(reg.descs)
         except Exception as exc:  # NIXL's own errors: logged, never fatal to the port
             log.warning("NIXL deregistration of %s failed: %r", reg.held.key, exc)
 
@@ -213,17 +227,20 @@ class NixlHolder(ControlListener):
                 (t.data_ptr(), t.numel() * t.element_size()) if t.numel() else (0, 0)
                 for t in held.tensors.values()
             )
+            if self._agent is None:
+                self._agent = new_agent("holder")
             try:
                 descs = self._agent.register_memory(tensors) if tensors else None
             except Exception as exc:
                 raise TransportError(f"NIXL cannot register {held.key}: {exc!r}") from exc
-            reg = self._regs[id(held)] = _Registration(held, descs, regions)
+            reg = self._regs[id(held)] = _Registration(held, self._agent, descs, regions)
             return reg
 
     def _offer(self, reg: _Registration) -> NixlOffer:
         with self._lock:
-            metadata = bytes(self._agent.get_agent_metadata())
-        return NixlOffer(self.agent, metadata, reg.regions)
+            metadata = bytes(reg.agent.get_agent_metadata())
+            name = str(reg.agent.name)
+        return NixlOffer(name, metadata, reg.regions)
 
     def _session(self, conn: socket.socket, reg: _Registration) -> None:
         """Answer `begin`/`end` until the reader leaves, the version is released, or we
