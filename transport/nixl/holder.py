@@ -273,8 +273,9 @@ class NixlHolder(ControlListener):
                     batch.close()
                     batch = None
                     self.tick()
-                else:
-                    raise TransportError(f"NIXL reader sent {op!r} out of turn")
+                else:  # a reader that does not follow the protocol loses its channel
+                    log.info("NIXL reader sent %r out of turn: channel closed", op)
+                    return
         finally:
             if batch is not None:
                 batch.close()
