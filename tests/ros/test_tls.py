@@ -80,7 +80,7 @@ def test_publish_and_fetch_over_tls(tls_hub: HubServer, pki: tuple[TlsConfig, Tl
 
         # The holder port speaks only TLS to peers with a certificate from our CA.
         layout = Layout.from_tensors(weights)
-        host, port = trainer._holder_server().address
+        host, port = trainer._serving.server.address
         source = [Source(trainer.holder_name, host, port, Topology())]
         resolved = reader._rpc("Resolve", pb.ResolveRequest(model="policy", version=1))
         read_token = bytes(resolved.read_token)

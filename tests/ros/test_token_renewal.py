@@ -101,10 +101,10 @@ def test_without_renewal_the_same_fetch_is_refused_part_way(
 ) -> None:
     trainer, weights, _ = _slow_trainer(clients, monkeypatch)
     reader = clients()
-    resolved = reader._resolve("policy", 1)  # what the SDK used for the whole fetch before
+    resolved = reader.resolve("policy", 1)  # one token for the whole fetch
     layout = Layout.from_tensors(weights, chunk_size=CHUNK)  # type: ignore[arg-type]
     dest = HeldVersion.reader("team-a", "policy", 1, layout, layout.allocate())
-    host, port = trainer._holder_server().address
+    host, port = trainer._serving.server.address
     with pytest.raises(PermissionDenied, match="DENIED"):
         fetch(
             "team-a", "policy", 1, layout, dest, [Source(trainer.holder_name, host, port)],
