@@ -1,13 +1,16 @@
-"""The holder's data-plane server: serves chunks of the versions in a `HolderStore`.
+"""The TCP holder backend (`transport.backend.HolderBackend`): serves chunks of the
+versions in a `HolderStore`.
 
-One thread per connection, admitted by `transport.admission`: at most `max_connections`
+One thread per connection, accepted by `transport.listener` and admitted by
+`transport.admission`: at most `max_connections`
 and at most `per_peer` from one address; at either bound a connection that has not presented
 a valid read token is evicted to admit a newcomer (told BUSY, on a port without TLS), and
 only when every candidate has presented one is the newcomer refused BUSY. A request frame
 must be complete within `frame_timeout` or the connection is closed — so idle or
 byte-trickling connections cannot hold the port, even from the readers' own host. Each
-request is checked — frame, names, read token (the pluggable `verifier`), held version,
-layout digest — before any byte of a tensor is touched; a chunk is then sent straight
+request is checked — frame, names, then `transport.verifier.lookup`: read token (the
+pluggable `verifier`), held version, layout digest, chunk range — before any byte of a
+tensor is touched; a chunk is then sent straight
 from the tensors' memory with one sendmsg of header + memoryviews. Every socket operation
 has a timeout, so a silent or stalled peer costs one thread for a bounded time, and any
 malformed input ends in an ERROR frame and a closed connection, never a crash.

@@ -1,4 +1,4 @@
-"""The reader side of same-host CUDA IPC as a `transport.transports.Transport`.
+"""The reader side of same-host CUDA IPC (`transport.backend.ReaderBackend`).
 
 A channel to one holder opens on its first read: connect to the holder's `ipc` endpoint,
 send an `IpcRequest` with the read token, receive the `IpcGrant`, and prove eligibility:

@@ -1,4 +1,5 @@
-"""The holder side of same-host CUDA IPC: grant leases on held versions' GPU memory.
+"""The holder side of same-host CUDA IPC (`transport.backend.HolderBackend`): grant
+leases on held versions' GPU memory.
 
 A reader connects to the holder's `ipc` endpoint and sends an `IpcRequest`. Before anything
 of the memory is shared, the request's read token must pass the holder's verifier (the same

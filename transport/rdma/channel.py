@@ -1,4 +1,4 @@
-"""The reader side of RDMA as a `transport.transports.Transport`.
+"""The reader side of RDMA (`transport.backend.ReaderBackend`).
 
 A channel to one holder is one `RdmaReader` (one RC queue pair) and the TCP control
 connection it was set up over (`transport.rdma.control`). It opens on its first read:

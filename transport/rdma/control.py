@@ -1,4 +1,5 @@
-"""The RDMA control channel: the TCP connection over which a reader gets a descriptor.
+"""The holder side of RDMA (`transport.backend.HolderBackend`): the control channel, the
+TCP connection over which a reader gets a descriptor.
 
 A holder that serves RDMA listens on a TCP port of its own (the `rdma` endpoint of its
 holder record, `HOST:PORT`). One connection per (reader, holder) queue pair:
