@@ -65,7 +65,7 @@ def test_a_cuda_destination_reads_a_complete_holder_over_ipc_with_tcp_to_fall_ba
 )
 def test_ipc_is_passed_over_with_the_reason(kwargs: dict[str, bool], why: str) -> None:
     args = {"complete": True, "device_memory": True, "tls": False, **kwargs}
-    route = choose(ENDPOINTS, local=BOTH, **args)
+    route = choose(ENDPOINTS, local=BOTH, verdicts=Verdicts(), **args)
     assert route.kind is TransportKind.TCP
     assert route.port == 7001
     assert route.fallback.startswith(why), route.fallback
