@@ -55,6 +55,7 @@ from tensorhub.names import validate_name
 from transport.pace import DEFAULT_RATE_FLOOR
 from transport.tls import TlsConfig
 from transport.topology import Topology
+from transport.transports import ReaderBackends
 
 __all__ = ["CLOSE_SESSION_TIMEOUT", "DEFAULT_FETCH_TIMEOUT", "DEFAULT_TIMEOUT", "Hub",
            "default_holder_name"]  # fmt: skip
@@ -130,8 +131,9 @@ class Hub:
         self._publisher = Publisher(
             me, rpc.once, self._reads, records, self.holdings, self._serving, self._handles
         )
+        self._readers = ReaderBackends()  # this client's reader side of every transport
         self._fetches = Orchestrator(  # stateless: every run keeps its state on its stack
-            me, self._reads, records, self.holdings, self._serving, hooks.reader()
+            me, self._reads, records, self.holdings, self._serving, hooks.reader(), self._readers
         )
         self._closed = False
         try:
@@ -357,6 +359,7 @@ class Hub:
         self.holdings.drop_all(5.0)
         self.session.revoke(CLOSE_SESSION_TIMEOUT)
         self._serving.stop()
+        self._readers.close()
         self._channel.close()  # also ends a recovery's call in flight
         if not self.session.join(RECOVERY_JOIN_TIMEOUT):
             log.warning("closing: the session recovery did not stop within %ss",

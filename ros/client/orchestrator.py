@@ -64,6 +64,7 @@ from transport.planner import Candidate, Source, pipeline_sources
 from transport.selection import choose
 from transport.store import HeldVersion
 from transport.topology import Topology
+from transport.transports import ReaderBackends
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +172,7 @@ class Orchestrator:
         holdings: Holdings,
         serving: Serving,
         read: RoundReader,
+        readers: ReaderBackends,
         policy: RetryPolicy = FETCH_ROUNDS,
         busy: RetryPolicy = HOLDER_BUSY,
     ) -> None:
@@ -180,6 +182,7 @@ class Orchestrator:
         self._holdings = holdings  # what this client serves
         self._serving = serving  # started before a record names its endpoints
         self._read = read  # one round (`transport.reader.read_round`, or a chaos wrapper)
+        self._readers = readers  # this client's reader backends (one per transport)
         self._policy = policy
         self._busy = busy
 
@@ -268,7 +271,7 @@ class Orchestrator:
                 token=tokens, deadline=deadline.work_end, me=me.topology, chunks=wanted,
                 expected=list(target.manifest.chunk_xxh3), tls=me.tls, rate_floor=rate_floor,
                 stats=stats, on_chunk=counter, checksum=target.manifest.checksum,
-                busy=self._busy,
+                busy=self._busy, readers=self._readers,
             )  # fmt: skip
             suspects.update(result.failures)
             if result.done:
@@ -329,7 +332,7 @@ class Orchestrator:
             try:
                 route = choose(
                     h.endpoints, complete=h.state == pb.COMPLETE, tls=tls,
-                    device_memory=device_memory,
+                    device_memory=device_memory, verdicts=self._readers.verdicts,
                 )  # fmt: skip
             except InvalidArgument as exc:
                 if h.name not in skipped:

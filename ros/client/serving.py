@@ -1,9 +1,13 @@
-"""What a client serves from: its holder server (TCP) and the control channels beside it
-(RDMA, same-host CUDA IPC: `ros.client.advertise`), started explicitly by the first publish
-or fetch that holds a version, stopped at close.
+"""What a client serves from: its holder backends (`transport.backend.HolderBackend`), the
+TCP holder server and the control channels beside it (RDMA, same-host CUDA IPC:
+`ros.client.advertise`), started explicitly by the first publish or fetch that holds a
+version, stopped at close. Each is this client's own: two clients in one process share
+no server, and closing one leaves the other serving.
 
 Starting is its own call (`start`), never a side effect of building a holder record: a
-record names endpoints that must already be listening (`endpoints`).
+record names endpoints that must already be listening (`endpoints`). Once started, every
+backend hears of each version the store serves and of each release
+(`HolderStore.watch`): register, release.
 """
 
 from __future__ import annotations
@@ -11,17 +15,20 @@ from __future__ import annotations
 import socket
 import threading
 
-from ros.client.advertise import ControlChannels, Verifier
+from ros.client.advertise import control_backends
+from ros.client.advertise import endpoints as advertised
 from ros.metrics import SDK_BYTES_SERVED
 from tensorhub.endpoints import format_endpoint
 from tensorhub.errors import InternalError
+from transport.backend import HolderBackend
 from transport.server import ChunkSender, HolderServer
 from transport.store import HolderStore
 from transport.tls import TlsConfig
+from transport.verifier import Verifier
 
 
 class Serving:
-    """One client's servers over its `HolderStore`. Thread-safe."""
+    """One client's holder backends over its `HolderStore`. Thread-safe."""
 
     def __init__(
         self,
@@ -38,7 +45,7 @@ class Serving:
         self._tls, self._send = tls, send
         self._lock = threading.Lock()
         self._server: HolderServer | None = None
-        self._channels: ControlChannels | None = None
+        self._backends: list[HolderBackend] = []
         self._endpoints: dict[str, str] | None = None
 
     def start(self) -> None:
@@ -52,11 +59,11 @@ class Serving:
                 on_served=SDK_BYTES_SERVED.inc, send=self._send,
             ).start()  # fmt: skip
             self._server = server
-            channels = ControlChannels.start(
-                self._store, self._verifier, host, tls=self._tls is not None
-            )
-            self._channels = channels
-            self._endpoints = channels.endpoints(self._tcp_endpoint(server))
+            others = control_backends(self._store, self._verifier, host, tls=self._tls is not None)
+            self._backends = [server, *others]
+            for backend in self._backends:
+                self._store.watch(backend.register, backend.release)
+            self._endpoints = advertised(self._tcp_endpoint(server), others)
 
     @property
     def server(self) -> HolderServer:
@@ -65,6 +72,12 @@ class Serving:
         if server is None:
             raise InternalError("this client serves nothing yet")
         return server
+
+    @property
+    def backends(self) -> list[HolderBackend]:
+        """The holder backends serving now, TCP first (none before `start`)."""
+        with self._lock:
+            return list(self._backends)
 
     def endpoints(self) -> dict[str, str]:
         """What a holder record advertises: one endpoint per transport served."""
@@ -83,7 +96,6 @@ class Serving:
 
     def stop(self) -> None:
         with self._lock:
-            if self._server is not None:
-                self._server.stop()
-            if self._channels is not None:
-                self._channels.stop()
+            backends = list(self._backends)
+        for backend in backends:
+            backend.stop()

@@ -136,7 +136,7 @@ def test_a_token_less_flood_from_the_readers_host_is_evicted(
     flood = TokenlessFlood(holder.address)
     failures: list[str] = []
     try:
-        wait_until("the flood holds every slot", lambda: len(holder._admission) >= PER_PEER)
+        wait_until("the flood holds every slot", lambda: len(holder.admission) >= PER_PEER)
         for version in range(2, 8):
             weights = make_model(version)
             trainer.publish("policy", version, weights)
