@@ -1,5 +1,6 @@
 """A misbehaving holder, injected from outside: `Fault` is a `ChunkSender` for
-`HolderServer(send=...)` (or `ros.connect(hooks=ClientHooks(send=...))`).
+`HolderServer(send=...)` (or `ros.connect(hooks=ClientHooks(send=...))`), wrapping
+`transport.server.send_chunk`.
 
 TEST ONLY: chaos runs (the `corrupt-holder` failpoint) and tests use it to make a holder
 corrupt bytes, lie about the version, pause or trickle. The production server knows none

@@ -1,16 +1,20 @@
 """Retries: one policy type, and one table of what is worth another try.
 
-Every retry loop of TensorHub is a `RetryPolicy` (tenacity underneath, the model being
-kazoo's `KazooRetry`: tries, backoff, jitter, deadline, and a sleep and a clock that tests
-replace): `Etcd.call` and `Etcd.call_member` (each etcd request), `KeyWatch` and `HubWatch`
-(reopening a broken stream, through `StreamPump._pump`), the SDK's fresh reads
-(`ClientBase._fresh`: an answer older than the revision floor), `OpenSession` refused as
-`Overloaded` (`ros.client.backoff`), the SDK's session recovery after a loss (`OpenSession`
-and re-registration, `ros.client.recovery.RECOVERY_POLICY`: every failure, until closed),
-the waits of the hub's lease keepalive stream
-(`consistency.keepalive`), and the compare-and-set loops of `consistency.holders`,
-`consistency.publishing`, `consistency.deletion`, `consistency.versions`,
-`ros.hub.rpc_sessions` and `ros.hub.holder_index` (`RetryPolicy.compare_and_set`).
+Every retry loop of TensorHub is a `RetryPolicy` (tenacity's own stop and wait objects
+underneath, the model being kazoo's `KazooRetry`: tries, backoff, jitter, deadline, and a
+sleep and a clock that tests replace): `Etcd.call` and `Etcd.call_member` (each etcd
+request), `KeyWatch` and `HubWatch` (reopening a broken stream, through `StreamPump._pump`),
+the SDK's fresh reads (`ros.client.reads.FreshReads.fresh`: an answer older than the
+revision floor), its other unary calls (`ros.client.rpc.UNARY_POLICY`), `OpenSession` at
+connect (`ros.client.session.OPEN_POLICY`), the session's recovery after a loss
+(`OpenSession` and re-registration, `ros.client.session.RECOVERY_POLICY`: every failure,
+until closed), the resend of a `Publish` read back as absent
+(`ros.client.publishing.PUBLISH_RESEND`), the waits of the SDK's and the hub's lease
+keepalive streams (`ros.client.lease`, `consistency.keepalive`: `delay`), and the
+compare-and-set loops of `consistency.holders`, `consistency.publishing`,
+`consistency.deletion`, `consistency.versions`, `ros.hub.rpc_sessions` and
+`ros.hub.holder_index` (`RetryPolicy.compare_and_set`). gRPC's own `retryPolicy` is not
+used: one layer per call (docs/design-notes.md, "One retry layer").
 
 **What is retried** (`is_retryable`): a failure after which another try, on another etcd
 member or hub replica or a moment later, may succeed, and repeats nothing harmful.
@@ -44,7 +48,7 @@ policy backs off and tries again until its tries or deadline run out, and then t
 named error is raised. Errors of the transaction itself propagate at once: `Etcd.call` has
 already retried them until the deadline, and a write's may have been applied.
 
-**Backoff** is exponential with full jitter (what `ros.client.backoff` did for `Overloaded`):
+**Backoff** is exponential with full jitter (tenacity's `wait_exponential`, drawn uniformly):
 the wait after try n (1 for the first) is a uniform draw in [0, min(maximum, initial *
 2**(n - 1))], so clients that failed together do not come back together. It never sleeps past
 the deadline (the last try gets what is left), and none follows a try that ended within
@@ -61,6 +65,8 @@ from typing import Any, TypeVar
 
 import grpc
 import tenacity
+from tenacity.stop import stop_base
+from tenacity.wait import wait_base
 
 from tensorhub.errors import DeadlineExceeded, Overloaded, StaleRead, Unavailable
 
@@ -158,13 +164,23 @@ class RetryPolicy:
         return is_retryable(exc, resumable=resumable)
 
     def delay(self, attempt: int, exc: BaseException | None = None) -> float:
-        """The wait after try `attempt` (1 for the first) failed with `exc`, not clamped."""
-        initial, maximum = (
-            (self.overloaded_initial, self.overloaded_maximum)
-            if isinstance(exc, Overloaded)
-            else (self.initial, self.maximum)
-        )
-        return self.jitter(min(maximum, initial * 2.0 ** min(attempt - 1, 60)))
+        """The wait after try `attempt` (1 for the first) failed with `exc`, not clamped:
+        what the loop's tenacity wait answers, for loops that wait on their own (the
+        keepalive stream's reopening, the read token's renewal)."""
+        state = tenacity.RetryCallState(tenacity.Retrying(), None, (), {})
+        state.attempt_number = attempt
+        return self._backoff(exc)(state)
+
+    def _backoff(self, exc: BaseException | None) -> wait_base:
+        """The schedule after `exc`: tenacity's exponential wait (`initial` doubling up to
+        `maximum`, or the `overloaded_*` pair after `Overloaded`), drawn through `jitter`."""
+        if isinstance(exc, Overloaded):
+            schedule = tenacity.wait_exponential(
+                multiplier=self.overloaded_initial, max=self.overloaded_maximum
+            )
+        else:
+            schedule = tenacity.wait_exponential(multiplier=self.initial, max=self.maximum)
+        return _Jittered(schedule, self.jitter)
 
     def retrying(
         self,
@@ -226,19 +242,19 @@ class RetryPolicy:
         before_sleep: Callable[[BaseException, float], None] | None,
         give_up: Callable[[tenacity.RetryCallState], Any] | None = None,
     ) -> tenacity.Retrying:
-        def wait(state: tenacity.RetryCallState) -> float:
-            exc = state.outcome.exception() if state.outcome is not None else None
-            seconds = self.delay(state.attempt_number, exc)
-            if deadline is not None:  # never past the deadline: the last try gets what is left
-                seconds = max(0.0, min(seconds, deadline - self.clock()))
-            return seconds
-
-        def stopped(state: tenacity.RetryCallState) -> bool:
-            if self.tries is not None and state.attempt_number >= self.tries:
-                return True
-            if deadline is not None and self.clock() >= deadline - _SLACK:
-                return True
-            return stop is not None and stop()
+        """The policy as tenacity's own objects: `stop_after_attempt` any `_StopAt` the
+        deadline any `_StopWhen` asked; the wait chosen by the failure (`_ByFailure`), never
+        past the deadline (`_UntilDeadline`)."""
+        stops: list[stop_base] = []
+        if self.tries is not None:
+            stops.append(tenacity.stop_after_attempt(self.tries))
+        if deadline is not None:
+            stops.append(_StopAt(deadline, self.clock))
+        if stop is not None:
+            stops.append(_StopWhen(stop))
+        wait: wait_base = _ByFailure(self._backoff)
+        if deadline is not None:
+            wait = _UntilDeadline(wait, deadline, self.clock)
 
         def announce(state: tenacity.RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome is not None else None
@@ -253,12 +269,67 @@ class RetryPolicy:
         return tenacity.Retrying(
             retry=retry,
             wait=wait,
-            stop=stopped,
+            stop=tenacity.stop_any(*stops) if stops else tenacity.stop_never,
             sleep=nap,
             before_sleep=announce,
             retry_error_callback=give_up,
             reraise=True,
         )
+
+
+class _Jittered(wait_base):
+    """A tenacity wait drawn through `jitter` (full jitter by default: uniform in
+    [0, the wait]; tests pass the identity, for exact schedules)."""
+
+    def __init__(self, wait: wait_base, jitter: Callable[[float], float]) -> None:
+        self._wait, self._jitter = wait, jitter
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> float:
+        return self._jitter(self._wait(retry_state))
+
+
+class _ByFailure(wait_base):
+    """The wait that the failed try's error calls for (`RetryPolicy._backoff`)."""
+
+    def __init__(self, choose: Callable[[BaseException | None], wait_base]) -> None:
+        self._choose = choose
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> float:
+        outcome = retry_state.outcome
+        exc = outcome.exception() if outcome is not None else None
+        return self._choose(exc)(retry_state)
+
+
+class _UntilDeadline(wait_base):
+    """`wait`, cut to what is left before `deadline` (the last try gets what is left)."""
+
+    def __init__(self, wait: wait_base, deadline: float, clock: Callable[[], float]) -> None:
+        self._wait, self._deadline, self._clock = wait, deadline, clock
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> float:
+        return max(0.0, min(self._wait(retry_state), self._deadline - self._clock()))
+
+
+class _StopAt(stop_base):
+    """Stop within `_SLACK` of `deadline` on the policy's `clock` (tenacity's own
+    `stop_before_delay` counts from the loop's start on its own clock, which tests cannot
+    replace)."""
+
+    def __init__(self, deadline: float, clock: Callable[[], float]) -> None:
+        self._deadline, self._clock = deadline, clock
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
+        return self._clock() >= self._deadline - _SLACK
+
+
+class _StopWhen(stop_base):
+    """Stop once `stopped()` says so (a watch or a session being closed)."""
+
+    def __init__(self, stopped: Callable[[], bool]) -> None:
+        self._stopped = stopped
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
+        return self._stopped()
 
 
 DEFAULT_POLICY = RetryPolicy()

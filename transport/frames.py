@@ -1,5 +1,4 @@
-"""Length-prefixed messages for the holder's control channels (RDMA, same-host CUDA IPC),
-and the checks a request passes on either before any memory is shared.
+"""Length-prefixed messages for the holder's control channels (RDMA, same-host CUDA IPC).
 
 Each message is a u32 big-endian length and that many bytes; both channels put UTF-8 JSON
 in it, tagged with the channel's format. A length over the receiver's limit is refused
@@ -14,16 +13,18 @@ import struct
 from typing import Any
 
 from tensorhub.errors import TransportError
-from transport.store import HeldVersion, HolderStore
-from transport.verifier import Verifier, token_allowed
-from transport.wire import ErrorCode
 
 _LEN = struct.Struct("!I")
 
 
+def framed(data: bytes) -> bytes:
+    """`data` as one length-prefixed message."""
+    return _LEN.pack(len(data)) + data
+
+
 def send_message(sock: socket.socket, data: bytes) -> None:
     """One length-prefixed message."""
-    sock.sendall(_LEN.pack(len(data)) + data)
+    sock.sendall(framed(data))
 
 
 def recv_message(sock: socket.socket, limit: int) -> bytes:
@@ -56,26 +57,3 @@ def decode_json(data: bytes, limit: int, what: str, fmt: str) -> dict[str, Any]:
     if not isinstance(doc, dict) or doc.get("format") != fmt:
         raise TransportError(f"{what}: format is not {fmt!r}")
     return doc
-
-
-def held_for(
-    store: HolderStore,
-    verifier: Verifier,
-    key: tuple[str, str, int],
-    token: bytes,
-    layout_digest: int,
-) -> tuple[ErrorCode, str] | HeldVersion:
-    """The held version a control request names, or why it is refused: the token first (a
-    verifier that raises refuses, `transport.verifier`), then held here, not released, the
-    same layout."""
-    tenant, model, version = key
-    if not token_allowed(verifier, tenant, model, version, token):
-        return ErrorCode.DENIED, "read token refused"
-    held = store.get(key)
-    if held is None:
-        return ErrorCode.NOT_HELD, f"{model}@{version} is not held here"
-    if held.released:
-        return ErrorCode.RELEASED, f"{model}@{version} is released"
-    if held.layout.digest != layout_digest:
-        return ErrorCode.LAYOUT_MISMATCH, "layout digest differs"
-    return held

@@ -1,12 +1,12 @@
-"""The accept loop of a holder's control channels (RDMA descriptors, same-host CUDA IPC).
+"""The one accept loop of every holder backend's port: the TCP data port
+(`transport.server`) and the control channels of RDMA and same-host CUDA IPC.
 
 One thread accepts; each admitted connection gets a thread of its own running the
-subclass's `serve`. Admission is the data port's (`transport.admission`): at most
-`max_connections`, at most `per_peer` from one address; at either bound an unauthenticated
-connection (of that peer, at the per-peer bound) is evicted to admit a newcomer, and only
-when none is left is the newcomer refused BUSY; a request that is not whole within
-`frame_timeout` of accept is cut. `stop` cuts every connection, so no thread waits on a
-peer past it.
+subclass's `serve`. Admission is `transport.admission`'s: at most `max_connections`, at
+most `per_peer` from one address; at either bound an unauthenticated connection is evicted
+(`evict`) to admit a newcomer, and only when none is left is the newcomer refused with the
+subclass's BUSY message (`busy`); a request that is not whole within `frame_timeout` is
+cut. `stop_listening` cuts every connection, so no thread waits on a peer past it.
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ import logging
 import socket
 import threading
 
+from tensorhub.errors import TransportError
 from transport.admission import Admission, Conn
-from transport.frames import send_message
-from transport.wire import ErrorCode
 
 log = logging.getLogger(__name__)
 
@@ -30,16 +29,19 @@ FRAME_TIMEOUT = 10.0
 
 
 def shut(sock: socket.socket) -> None:
-    """Cut a connection at the TCP level; the thread blocked on it sees the error and ends."""
+    """Cut a connection so the thread blocked on it returns at once (it closes the socket).
+    At the TCP level even for a TLS socket: `SSLSocket.shutdown` would also drop the TLS
+    state under the thread still reading it."""
     with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
 
-class ControlListener(abc.ABC):
-    """Accepts control connections on `host:port` (0: a free port) and serves each one in a
-    thread. Subclasses implement `serve`, `refusal` and `tick` (run on every loop turn)."""
+class Listener(abc.ABC):
+    """Accepts connections on `host:port` (0: a free port, bound by `start_listening`) and
+    serves each one in a thread. Subclasses implement `serve` and `busy`; `evict` and
+    `tick` have defaults."""
 
-    name = "control"
+    name = "listener"
 
     def __init__(
         self,
@@ -49,77 +51,98 @@ class ControlListener(abc.ABC):
         max_connections: int = MAX_CONNECTIONS,
         per_peer: int = PER_PEER,
         frame_timeout: float = FRAME_TIMEOUT,
+        io_timeout: float = IO_TIMEOUT,
     ) -> None:
-        self.admission = Admission(max_connections, per_peer, frame_timeout, IO_TIMEOUT)
-        self._sock = socket.create_server((host, port))
-        self._sock.settimeout(min(0.5, frame_timeout / 4))
+        # io_timeout bounds each send and receive, and the idle time between requests.
+        self.admission = Admission(max_connections, per_peer, frame_timeout, io_timeout)
+        self.io_timeout = io_timeout
+        self._bind = (host, port)
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
         self.stopping = threading.Event()
-        self._thread = threading.Thread(target=self._accept, name=self.name, daemon=True)
 
     @property
     def address(self) -> tuple[str, int]:
+        """Where this port listens (`TransportError` before `start_listening`)."""
+        if self._sock is None:
+            raise TransportError(f"{self.name} is not started")
         host, port = self._sock.getsockname()[:2]
         return str(host), int(port)
 
     def start_listening(self) -> None:
+        """Bind and start the accept thread."""
+        sock = socket.create_server(self._bind, backlog=128)
+        # the loop wakes at least this often: it notices a stop and late frames
+        sock.settimeout(min(0.5, self.admission.frame_timeout / 4))
+        self._sock = sock
+        self._thread = threading.Thread(target=self._accept, name=self.name, daemon=True)
         self._thread.start()
 
     def stop_listening(self) -> None:
-        """Stop accepting and cut every open connection."""
+        """Stop accepting, cut every open connection, and wait briefly for the loop."""
         self.stopping.set()
-        self._sock.close()
+        if self._sock is not None:
+            self._sock.close()
         for sock in self.admission.sockets():
             shut(sock)
-        if self._thread.is_alive():
+        if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout=2.0)
 
     @abc.abstractmethod
-    def serve(self, conn: socket.socket, record: Conn) -> None:
-        """Answer one admitted connection (its thread); the listener forgets and closes it."""
+    def serve(self, record: Conn) -> None:
+        """Answer one admitted connection (`record.sock`), in its own thread; the listener
+        forgets it and closes its socket afterwards."""
 
     @abc.abstractmethod
-    def refusal(self, code: ErrorCode, message: str) -> bytes:
-        """The encoded refusal this channel's readers understand."""
+    def busy(self, why: str) -> bytes:
+        """The encoded BUSY refusal this port's readers understand."""
 
-    @abc.abstractmethod
+    def evict(self, victim: Conn) -> None:
+        """Make room: cut `victim`, a connection that has presented no valid token."""
+        shut(victim.sock)
+
     def tick(self) -> None:
         """Housekeeping on every turn of the accept loop (at least twice a second)."""
+        return  # nothing by default
 
     def _accept(self) -> None:
-        while not self.stopping.is_set():
+        sock = self._sock
+        while sock is not None and not self.stopping.is_set():
             self.tick()
             for late in self.admission.expired():  # no whole request in time: cut it
+                log.debug("%s: cutting %s: no complete request in time", self.name, late.peer)
                 shut(late.sock)
             try:
-                conn, addr = self._sock.accept()
+                conn, addr = sock.accept()
             except TimeoutError:
                 continue
             except OSError:
                 return
             record, victim, why = self.admission.admit(conn, str(addr[0]))
             if victim is not None:
-                shut(victim.sock)
+                log.debug("%s: evicting unauthenticated %s: full", self.name, victim.peer)
+                self.evict(victim)
             if record is None:
                 with conn, contextlib.suppress(OSError):
                     conn.settimeout(1.0)
-                    send_message(conn, self.refusal(ErrorCode.BUSY, why))
+                    conn.sendall(self.busy(why))
                 continue
             try:
                 threading.Thread(
-                    target=self._run, args=(conn, record), name=f"{self.name}-conn", daemon=True
+                    target=self._run, args=(record,), name=f"{self.name}-conn", daemon=True
                 ).start()
             except RuntimeError as exc:  # no thread to be had: this connection, not the port
                 log.warning("%s cannot serve a connection: %s", self.name, exc)
                 self.admission.forget(record)
                 conn.close()
 
-    def _run(self, conn: socket.socket, record: Conn) -> None:
+    def _run(self, record: Conn) -> None:
         try:
-            with conn:
-                self.serve(conn, record)
+            self.serve(record)
         except OSError as exc:
             log.debug("%s connection closed: %s", self.name, exc)
-        except Exception:  # a bug must cost one connection, never the channel
+        except Exception:  # a bug must cost one connection, never the port
             log.exception("%s connection failed", self.name)
         finally:
             self.admission.forget(record)
+            record.sock.close()  # the TLS socket when the handshake replaced it

@@ -42,18 +42,19 @@ from tensorhub.errors import (
     VersionUnavailable,
 )
 from tensorhub.names import validate_name, validate_version
+from transport.backend import Channel
 from transport.checks import STRICT, ChunkChecks
 from transport.checksums import XXH3
+from transport.fetch_state import BATCH_BYTES, FetchState, TokenSource
 from transport.layout import Layout
 from transport.outcome import ChunkOutcome, ChunkStatus, FetchStats, final_error
 from transport.pace import DEFAULT_RATE_FLOOR
 from transport.planner import ChunkScheduler, Source, rank
-from transport.receiving import BATCH_BYTES, FetchState, TokenSource
 from transport.staging import StagingBuffer
 from transport.store import HeldVersion
 from transport.tls import TlsConfig
 from transport.topology import Topology
-from transport.transports import Channel, transport_for
+from transport.transports import ReaderBackends
 
 __all__ = [
     "BATCH_BYTES",
@@ -155,6 +156,7 @@ def _worker(
     staging: StagingBuffer | None,
     busy: BusyRetry | None,
     ended: threading.Event,
+    readers: ReaderBackends,
 ) -> None:
     """One connection's worth of work against `source`, over its transport; reconnects
     after NOT_READY (a PARTIAL holder that lacks a chunk yet) and, under `busy`, after
@@ -162,7 +164,7 @@ def _worker(
     them, while this one backs off; `ended` cuts the backoff short when the round ends),
     and gives the holder up on any other outcome, on a second NOT_READY without progress
     in between, or on a BUSY that `busy` gives up on (or any BUSY without it)."""
-    transport = transport_for(source.transport)
+    transport = readers.get(source.transport)
     strikes = 0
     batch: list[int] = []
 
@@ -239,6 +241,7 @@ def read_round(
     on_chunk: ChunkCallback | None = None,
     checksum: str = XXH3,
     busy: BusyRetry | None = None,
+    readers: ReaderBackends | None = None,
 ) -> Round:
     """One round: read the chunks of `chunks` (default: every chunk) that `dest` misses, of
     tenant/model@version, from `sources`, before `deadline` (a time.monotonic() value), and
@@ -254,7 +257,9 @@ def read_round(
     the rounds of one fetch count into one; `on_chunk` sees every chunk committed.
     `checksum` is the algorithm of `expected` (the manifest's: `transport.checksums`).
     `busy` is how a holder that answers BUSY is asked again within `deadline` (the SDK's
-    retry policy); None: a BUSY holder is suspected like any other failure."""
+    retry policy); None: a BUSY holder is suspected like any other failure. `readers` are
+    the caller's reader backends (a client's own); None: the round builds its own and
+    closes them when it ends."""
     validate_name(tenant, "tenant")
     validate_name(model, "model")
     validate_version(version)
@@ -275,13 +280,15 @@ def read_round(
     usable = _routed(f.stats, sources)
     if not missing or not usable:
         return Round(missing, {})
+    own = readers is None
+    backends = ReaderBackends() if readers is None else readers
     sched = ChunkScheduler(missing, layout.payload_bytes, usable, me)
     per_source = max(1, math.ceil(parallel / len(usable)))
     ended = threading.Event()  # set when the round ends: cuts any BUSY backoff short
     threads = [
         threading.Thread(
             target=_worker,
-            args=(f, sched, s, _staging(f), busy, ended),
+            args=(f, sched, s, _staging(f), busy, ended, backends),
             name=f"fetch-{s.holder_id}",
             daemon=True,
         )
@@ -298,6 +305,8 @@ def read_round(
         sched.wake()
         for t in threads:
             t.join(timeout=max(0.1, stall_timeout))
+        if own:
+            backends.close()
     for holder, exc in sched.failures.items():
         f.stats.failed_sources[holder] = repr(exc)
         if isinstance(exc, SlowHolder):
@@ -317,6 +326,7 @@ class RoundOptions(TypedDict, total=False):
     checks: ChunkChecks
     checksum: str
     busy: BusyRetry | None
+    readers: ReaderBackends | None
 
 
 def fetch(

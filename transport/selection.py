@@ -10,19 +10,23 @@ can use raises `NoUsableTransport` with every reason, and the SDK skips it.
 
 IPC is chosen here only on what can be known before connecting (this process has CUDA,
 the destination is GPU memory, the holder is COMPLETE, no TLS, no recent failure with this
-holder: `transport.ipc.fingerprint.VERDICTS`). Whether the two processes can really share
-memory is proven when the channel opens (`transport.ipc.channel`): it falls back to the
-holder's TCP endpoint (`Route.tcp`), with the reason, when they cannot.
+holder: the reader's `transport.ipc.fingerprint.Verdicts`). Whether the two processes
+can really share memory is proven when the channel opens (`transport.ipc.channel`): it
+falls back to the holder's TCP endpoint (`Route.tcp`), with the reason, when they cannot.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tensorhub.endpoints import parse_endpoint
 from tensorhub.errors import InvalidArgument, NoUsableTransport
 from transport.backend import TransportKind, available_transports
+
+if TYPE_CHECKING:
+    from transport.ipc.fingerprint import Verdicts
 
 # Best first.
 PREFERENCE: tuple[TransportKind, ...] = (TransportKind.RDMA, TransportKind.IPC, TransportKind.TCP)
@@ -58,7 +62,13 @@ def local_reason(kind: TransportKind, local: Sequence[TransportKind]) -> str:
 
 
 def _refusal(
-    kind: TransportKind, address: str, *, complete: bool, tls: bool, device_memory: bool
+    kind: TransportKind,
+    address: str,
+    *,
+    complete: bool,
+    tls: bool,
+    device_memory: bool,
+    verdicts: Verdicts | None,
 ) -> str:
     """Why this reader passes over `kind` for a holder that advertises it ('' if it does
     not), on what the reader knows before connecting."""
@@ -76,9 +86,7 @@ def _refusal(
             return "TLS is required and the IPC control channel is not encrypted"
         if not complete:
             return "the holder is PARTIAL (a lease maps the whole version at once)"
-        from transport.ipc.fingerprint import VERDICTS
-
-        if known := VERDICTS.known(address):
+        if verdicts is not None and (known := verdicts.known(address)):
             return f"failed with this holder lately: {known}"
     return ""
 
@@ -100,6 +108,7 @@ def choose(
     tls: bool = False,
     local: Sequence[TransportKind] | None = None,
     device_memory: bool = False,
+    verdicts: Verdicts | None = None,
 ) -> Route:
     """The best transport for a holder advertising `endpoints`, as seen by this reader.
 
@@ -110,6 +119,7 @@ def choose(
     `device_memory`: the destination is GPU memory, which the RDMA channel cannot register
     (it reads into host memory only), so such a fetch reads the holder over same-host CUDA
     IPC or TCP (staged) instead of dropping it; IPC needs it.
+    `verdicts`: the reader's holders whose IPC failed lately (its `ReaderBackends`').
     Raises `NoUsableTransport` naming every reason when none fits.
     """
     have = available_transports() if local is None else list(local)
@@ -122,8 +132,9 @@ def choose(
                 reasons.append(f"{kind.value}: not advertised")
             continue
         why = local_reason(kind, have) or _refusal(
-            kind, address, complete=complete, tls=tls, device_memory=device_memory
-        )
+            kind, address, complete=complete, tls=tls, device_memory=device_memory,
+            verdicts=verdicts,
+        )  # fmt: skip
         if why:
             reasons.append(f"{kind.value}: {why}")
             continue

@@ -1,13 +1,16 @@
-"""The holder's data-plane server: serves chunks of the versions in a `HolderStore`.
+"""The TCP holder backend (`transport.backend.HolderBackend`): serves chunks of the
+versions in a `HolderStore`.
 
-One thread per connection, admitted by `transport.admission`: at most `max_connections`
+One thread per connection, accepted by `transport.listener` and admitted by
+`transport.admission`: at most `max_connections`
 and at most `per_peer` from one address; at either bound a connection that has not presented
 a valid read token is evicted to admit a newcomer (told BUSY, on a port without TLS), and
 only when every candidate has presented one is the newcomer refused BUSY. A request frame
 must be complete within `frame_timeout` or the connection is closed — so idle or
 byte-trickling connections cannot hold the port, even from the readers' own host. Each
-request is checked — frame, names, read token (the pluggable `verifier`), held version,
-layout digest — before any byte of a tensor is touched; a chunk is then sent straight
+request is checked — frame, names, then `transport.verifier.lookup`: read token (the
+pluggable `verifier`), held version, layout digest, chunk range — before any byte of a
+tensor is touched; a chunk is then sent straight
 from the tensors' memory with one sendmsg of header + memoryviews. Every socket operation
 has a timeout, so a silent or stalled peer costs one thread for a bounded time, and any
 malformed input ends in an ERROR frame and a closed connection, never a crash.
@@ -19,18 +22,19 @@ import contextlib
 import logging
 import socket
 import ssl
-import threading
 from collections.abc import Callable
 from typing import Protocol
 
 from tensorhub.errors import TensorHubError, TransportError, VersionUnavailable
-from transport.admission import Admission, Conn
+from transport.admission import Conn
+from transport.backend import TransportKind
+from transport.listener import Listener, shut
 from transport.netio import recv_exact, send_views, set_kernel_timeout
 from transport.reader import DEFAULT_PARALLEL
 from transport.staging import StagingBuffer
 from transport.store import HeldVersion, HolderStore
 from transport.tls import TlsConfig
-from transport.verifier import Verifier, token_allowed
+from transport.verifier import Verifier, lookup
 from transport.wire import (
     HEADER,
     ChunkHeader,
@@ -94,12 +98,16 @@ class _Refuse(Exception):
         self.code = code
 
 
-class HolderServer:
+class HolderServer(Listener):
     """Serve the chunks of `store`'s versions on `host:port` (port 0: pick a free one).
 
     `verifier` decides who may read; `send` puts each chunk on the wire (`send_chunk`:
     tests and chaos runs pass a misbehaving one); `stage` picks the host staging of a
-    version's chunks (`cuda_staging`); all are fixed at construction."""
+    version's chunks (`cuda_staging`); all are fixed at construction. The accept loop and
+    admission are `transport.listener`'s, the request check `transport.verifier.lookup`."""
+
+    name = "holder"
+    kind = TransportKind.TCP
 
     def __init__(
         self,
@@ -118,47 +126,24 @@ class HolderServer:
         send: ChunkSender = send_chunk,
         stage: Stager = cuda_staging,
     ) -> None:
+        super().__init__(
+            host, port, max_connections=max_connections, per_peer=per_peer,
+            frame_timeout=frame_timeout, io_timeout=io_timeout,
+        )  # fmt: skip
         self.store, self.verifier = store, verifier
         self._send = send  # how each chunk goes out: fixed for the server's life
         self._stage = stage
         self._tls = tls.server_context() if tls is not None else None
         self._on_served = on_served  # called with each chunk's payload bytes (metrics)
-        self._bind = (host, port)
         self._max_wait = max_chunk_wait
-        self._io_timeout = io_timeout
-        # io_timeout bounds each send and receive, and the idle time between requests.
-        self._admission = Admission(max_connections, per_peer, frame_timeout, io_timeout)
-        self._listener: socket.socket | None = None
-        self._acceptor: threading.Thread | None = None
-        self._stopped = threading.Event()
-
-    @property
-    def address(self) -> tuple[str, int]:
-        if self._listener is None:
-            raise TransportError("holder server is not started")
-        host, port = self._listener.getsockname()[:2]
-        return str(host), int(port)
 
     def start(self) -> HolderServer:
-        listener = socket.create_server(self._bind, backlog=128)
-        # the accept loop wakes at least this often: it notices stop() and late frames
-        listener.settimeout(min(0.5, self._admission.frame_timeout / 4))
-        self._listener = listener
-        self._acceptor = threading.Thread(
-            target=self._accept_loop, name="holder-accept", daemon=True
-        )
-        self._acceptor.start()
+        self.start_listening()
         return self
 
     def stop(self) -> None:
         """Stop accepting, cut every open connection, and wait briefly for the threads."""
-        self._stopped.set()
-        if self._listener is not None:
-            self._listener.close()
-        for conn in self._admission.sockets():
-            _shut(conn)
-        if self._acceptor is not None:
-            self._acceptor.join(timeout=2)
+        self.stop_listening()
 
     def __enter__(self) -> HolderServer:
         return self.start()
@@ -166,53 +151,34 @@ class HolderServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _accept_loop(self) -> None:
-        listener = self._listener
-        while listener is not None and not self._stopped.is_set():
-            for late in self._admission.expired():  # frame deadline passed: close it
-                log.debug("closing connection from %s: no complete request in time", late.peer)
-                _shut(late.sock)
-            try:
-                conn, addr = listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            record, victim, why = self._admission.admit(conn, str(addr[0]))
-            if victim is not None:
-                log.debug("evicting unauthenticated connection from %s: holder full", victim.peer)
-                if self._tls is None:
-                    _cut_reads(victim.sock)  # its thread wakes, answers BUSY and closes it
-                else:  # its TLS state is its thread's: an end of stream there is an error
-                    _shut(victim.sock)
-            if record is None:
-                with contextlib.suppress(OSError):
-                    conn.settimeout(1.0)
-                    conn.sendall(encode_error(ErrorCode.BUSY, why))
-                conn.close()
-                continue
-            try:
-                threading.Thread(
-                    target=self._serve, args=(record,), name="holder-conn", daemon=True
-                ).start()
-            except RuntimeError as exc:  # no thread to be had: this connection, not the port
-                log.warning("holder cannot serve a connection: %s", exc)
-                self._admission.forget(record)
-                conn.close()
+    def register(self, held: HeldVersion) -> None:
+        """Nothing to do: chunks are sent from the tensors' memory where it is."""
 
-    def _serve(self, record: Conn) -> None:
+    def release(self, held: HeldVersion) -> None:
+        """Nothing to drop: the release already refuses new GETs and waited for the rest."""
+
+    def busy(self, why: str) -> bytes:
+        return encode_error(ErrorCode.BUSY, why)
+
+    def evict(self, victim: Conn) -> None:
+        if self._tls is None:
+            _cut_reads(victim.sock)  # its thread wakes, answers BUSY and closes it
+        else:  # its TLS state is its thread's: an end of stream there is an error
+            shut(victim.sock)
+
+    def serve(self, record: Conn) -> None:
         conn = record.sock
         try:
             if self._tls is not None:
                 conn = self._handshake(record)
-            set_kernel_timeout(conn, self._io_timeout)
+            set_kernel_timeout(conn, self.io_timeout)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             staging: dict[tuple[bool, int], StagingBuffer | None] = {}  # made when first needed
-            while not self._stopped.is_set():
+            while not self.stopping.is_set():
                 try:
                     req = self._request(record, conn)
                     self._answer(record, conn, req, staging)
-                    self._admission.idle(record)
+                    self.admission.idle(record)
                 except _Refuse as refusal:
                     with contextlib.suppress(OSError):
                         conn.sendall(encode_error(refusal.code, str(refusal)))
@@ -221,11 +187,6 @@ class HolderServer:
             if record.evicted and self._tls is None:
                 self._told_busy(conn)
             log.debug("holder connection closed: %s", exc)
-        except Exception:  # a bug must cost one connection, never the server
-            log.exception("holder connection failed")
-        finally:
-            self._admission.forget(record)
-            conn.close()
 
     def _told_busy(self, conn: socket.socket) -> None:
         """Answer an evicted connection BUSY before it closes (best effort, within 1 s), so
@@ -245,13 +206,13 @@ class HolderServer:
         first = bytearray()
         if record.authenticated:
             first = recv_exact(conn, 1)
-            self._admission.frame_started(record)
+            self.admission.frame_started(record)
         parsed = parse_header(first + recv_exact(conn, HEADER.size - len(first)))
         if isinstance(parsed, Rejection):
             raise _Refuse(parsed.code, parsed.message)
         ftype, length = parsed
         body = recv_exact(conn, length)
-        self._admission.answering(record)
+        self.admission.answering(record)
         if ftype is not FrameType.GET:
             raise _Refuse(ErrorCode.BAD_FRAME, f"holder accepts GET, not {ftype.name}")
         try:
@@ -265,11 +226,11 @@ class HolderServer:
         raw = record.sock
         if self._tls is None:
             return raw
-        raw.settimeout(self._io_timeout)
+        raw.settimeout(self.io_timeout)
         # Wrapping detaches `raw` (its fd moves to the TLS socket): record the TLS socket
         # before the handshake, so a late handshake can be cut (frame deadline, eviction).
         conn = self._tls.wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
-        self._admission.replace_socket(record, conn)
+        self.admission.replace_socket(record, conn)
         try:
             conn.do_handshake()
         except (ssl.SSLError, OSError) as exc:
@@ -278,17 +239,14 @@ class HolderServer:
         return conn
 
     def _lookup(self, record: Conn, req: GetRequest) -> HeldVersion:
-        if not token_allowed(self.verifier, req.tenant, req.model, req.version, req.token):
-            raise _Refuse(ErrorCode.DENIED, "read token not valid for this version")
-        self._admission.authenticated(record)
-        held = self.store.get((req.tenant, req.model, req.version))
-        if held is None:
-            raise _Refuse(ErrorCode.NOT_HELD, f"{req.model}@{req.version} not held here")
-        if held.layout.digest != req.layout_digest:
-            raise _Refuse(ErrorCode.LAYOUT_MISMATCH, "reader and holder layouts differ")
-        if any(not 0 <= i < held.layout.num_chunks for i in req.chunks):
-            raise _Refuse(ErrorCode.BAD_REQUEST, "chunk index out of range")
-        return held
+        key = (req.tenant, req.model, req.version)
+        found = lookup(self.store, self.verifier, key, req.token, req.layout_digest, req.chunks)
+        if isinstance(found, HeldVersion):
+            self.admission.authenticated(record)
+            return found
+        if found.token_ok:
+            self.admission.authenticated(record)
+        raise _Refuse(found.code, found.message)
 
     def _answer(
         self,
@@ -349,14 +307,6 @@ class HolderServer:
 def _cut_reads(sock: socket.socket) -> None:
     """Evict a connection: its thread's pending receive returns at once (end of stream), and
     the thread can still write it a BUSY frame before it closes the socket. At the TCP level,
-    for the reason `_shut` says."""
+    for the reason `transport.listener.shut` says."""
     with contextlib.suppress(OSError):
         socket.socket.shutdown(sock, socket.SHUT_RD)
-
-
-def _shut(sock: socket.socket) -> None:
-    """Cut a connection so the thread blocked on it returns at once (it closes the socket).
-    At the TCP level even for a TLS socket: `SSLSocket.shutdown` would also drop the TLS
-    state under the thread still reading it."""
-    with contextlib.suppress(OSError):
-        socket.socket.shutdown(sock, socket.SHUT_RDWR)

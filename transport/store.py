@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from functools import partial
 
@@ -283,18 +283,42 @@ class HeldVersion:
                 self._epoch |= 1
 
 
+Watcher = Callable[["HeldVersion"], None]
+"""Told of one held version (`HolderStore.watch`)."""
+
+
 class HolderStore:
     """The versions this process serves, by (tenant, model, version). Thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._held: dict[Key, HeldVersion] = {}
+        self._watchers: list[tuple[Watcher, Watcher]] = []
+
+    def watch(self, added: Watcher, released: Watcher) -> None:
+        """Tell `added` of every version served from now on (and at once of those held
+        now), and `released` of each once its release returned or gave up waiting: how
+        a holder backend registers and deregisters the memory (`transport.backend`)."""
+        with self._lock:
+            self._watchers.append((added, released))
+            held = list(self._held.values())
+        for h in held:
+            added(h)
+
+    def _added(self, held: HeldVersion) -> None:
+        for added, _ in list(self._watchers):
+            added(held)
+
+    def _released(self, held: HeldVersion) -> None:
+        for _, released in list(self._watchers):
+            released(held)
 
     def add(self, held: HeldVersion) -> None:
         with self._lock:
             if held.key in self._held:
                 raise AlreadyExists(f"{held.key} is already held")
             self._held[held.key] = held
+        self._added(held)
 
     def get(self, key: Key) -> HeldVersion | None:
         with self._lock:
@@ -310,15 +334,22 @@ class HolderStore:
         with self._lock:
             old = self._held.get(held.key)
             self._held[held.key] = held
+        self._added(held)
         if old is not None and old is not held:
-            old.release(timeout)
+            try:
+                old.release(timeout)
+            finally:
+                self._released(old)
 
     def release(self, key: Key, timeout: float) -> None:
         """Release `key` (see `HeldVersion.release`), then forget it: the version is free."""
         held = self.get(key)
         if held is None:
             return
-        held.release(timeout)
+        try:
+            held.release(timeout)
+        finally:
+            self._released(held)
         with self._lock:
             if self._held.get(key) is held:
                 del self._held[key]

@@ -1,7 +1,8 @@
-"""The `Transport` protocol: how a reader's worker talks to one holder, whatever the wire.
+"""The reader side of the backends (`transport.backend.ReaderBackend`), and one client's
+set of them (`ReaderBackends`).
 
-A transport opens a `Channel` to a holder (`Source`, whose host:port is that transport's
-endpoint); a channel reads a set of chunks into the fetch's sink (`FetchState.dest`, a
+A reader backend opens a `Channel` to a holder (`Source`, whose host:port is that
+transport's endpoint); a channel reads a set of chunks into the fetch's sink (`FetchState.dest`, a
 PARTIAL `HeldVersion`, through `staging` for CUDA tensors) and gives back one typed
 `ChunkOutcome` per chunk, in order, stopping after the first that is not DONE (done, not
 ready, corrupt, denied, released, failed: `transport.outcome.ChunkStatus`). The reader
@@ -19,41 +20,19 @@ runs unchanged over every transport:
 from __future__ import annotations
 
 import socket
+import threading
 from collections.abc import Iterator, Sequence
-from typing import Protocol
 
 from tensorhub.errors import TensorHubError, TransportError
-from transport.backend import TransportKind
+from transport.backend import ReaderBackend, TransportKind
+from transport.fetch_state import FetchState
 from transport.netio import arm
 from transport.outcome import ChunkOutcome, ChunkStatus
 from transport.pace import Pace
 from transport.planner import Source
-from transport.receiving import FetchState, Settling
+from transport.receiving import Settling, pace_for, receive
 from transport.staging import StagingBuffer
 from transport.wire import GetRequest, encode_get
-
-
-class Channel(Protocol):
-    """An open way to one holder, used by one worker thread at a time."""
-
-    def read(self, chunks: Sequence[int]) -> Iterator[ChunkOutcome]:
-        """Read `chunks` into the sink: one outcome each, in order, ending after the first
-        that is not DONE. Never raises for the holder's faults (they are outcomes)."""
-        ...
-
-    def close(self) -> None:
-        """Release the connection (idempotent)."""
-        ...
-
-
-class Transport(Protocol):
-    """A kind of data plane a reader can read a holder over."""
-
-    kind: TransportKind
-
-    def open(self, f: FetchState, source: Source, staging: StagingBuffer | None) -> Channel:
-        """A channel to `source` for fetch `f`; it connects on its first read."""
-        ...
 
 
 class TcpChannel:
@@ -87,13 +66,13 @@ class TcpChannel:
             # it withholds bytes it has too: one judge for the rest of the batch.
             pace: Pace | None = None
             for index in chunks:
-                out = f.receive(sock, index, self._staging, pace)
+                out = receive(f, sock, index, self._staging, pace)
                 if out.status is not ChunkStatus.DONE:
                     yield from settling.flush()
                     yield out
                     return
                 yield from settling.done(out)
-                if out.complete and pace is None and (pace := f.pace(sock)) is not None:
+                if out.complete and pace is None and (pace := pace_for(f, sock)) is not None:
                     pace.note(0)  # its window starts now
             yield from settling.flush()
         except (TensorHubError, OSError) as exc:
@@ -115,24 +94,52 @@ class TcpChannel:
 
 
 class TcpTransport:
-    """`Transport` over the TCP data plane (docs/transport.md)."""
+    """`ReaderBackend` over the TCP data plane (docs/transport.md)."""
 
     kind = TransportKind.TCP
 
     def open(self, f: FetchState, source: Source, staging: StagingBuffer | None) -> TcpChannel:
         return TcpChannel(f, source, staging)
 
+    def close(self) -> None:
+        """Nothing to free: each channel owns its connection."""
 
-def transport_for(kind: TransportKind) -> Transport:
-    """The transport of `kind` (RDMA's and IPC's modules are imported only when asked for)."""
-    if kind is TransportKind.RDMA:
-        from transport.rdma.channel import RdmaTransport
 
-        return RdmaTransport()
-    if kind is TransportKind.IPC:
-        from transport.ipc.channel import IpcTransport
+class ReaderBackends:
+    """One client's reader backends, one per kind, each built when first asked for (RDMA's
+    and IPC's modules are imported only then) and closed with the client (`close`).
+    `verdicts`: the holders whose CUDA IPC failed lately, written by this client's IPC
+    channels and read when it chooses a transport (`transport.selection`)."""
 
-        return IpcTransport()
-    if kind is TransportKind.TCP:
-        return TcpTransport()
-    raise TransportError(f"no transport of kind {kind!r}")
+    def __init__(self) -> None:
+        from transport.ipc.fingerprint import Verdicts
+
+        self.verdicts = Verdicts()
+        self._lock = threading.Lock()
+        self._made: dict[TransportKind, ReaderBackend] = {}
+
+    def get(self, kind: TransportKind) -> ReaderBackend:
+        with self._lock:
+            backend = self._made.get(kind)
+            if backend is None:
+                backend = self._made[kind] = self._make(kind)
+            return backend
+
+    def _make(self, kind: TransportKind) -> ReaderBackend:
+        if kind is TransportKind.RDMA:
+            from transport.rdma.channel import RdmaTransport
+
+            return RdmaTransport()
+        if kind is TransportKind.IPC:
+            from transport.ipc.channel import IpcTransport
+
+            return IpcTransport(self.verdicts)
+        if kind is TransportKind.TCP:
+            return TcpTransport()
+        raise TransportError(f"no transport of kind {kind!r}")
+
+    def close(self) -> None:
+        with self._lock:
+            made, self._made = list(self._made.values()), {}
+        for backend in made:
+            backend.close()

@@ -52,7 +52,7 @@ class _Client:
         self.index = index
         self.hub = hub
         self.publication = publication
-        self.session = hub.session  # the ClientSession of the original lease
+        self.session = hub.session.lease  # the original lease (a recovery opens another)
         self.session_id = int(hub.session.id)
         self.holder = str(hub.holder_name)
         self.renewals = int(self.session.renewals)

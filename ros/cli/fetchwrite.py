@@ -42,7 +42,6 @@ from ros.client.handles import Held
 from ros.client.hub import Hub
 from ros.client.orchestrator import Progress
 from ros.client.slices import Slice
-from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import DeadlineExceeded, TensorHubError
 
 
@@ -157,19 +156,16 @@ def pinned(hub: Hub, model: str, version: int, timeout: float) -> Iterator[None]
     """Keep `model@version` from being retired while a fetch reads it in many calls.
 
     The same Pin and Unpin the SDK's `fetch_slices` makes around each call, made once around
-    all of them, under this client's session (so the pin goes if the process dies). The SDK
-    has no public pin, hence its `_rpc`; an unpin that fails is left to the session's end.
+    all of them, under this client's session (so the pin goes if the process dies); an unpin
+    that fails is left to the session's end.
     """
     pin_id = f"cli-fetch-{secrets.token_hex(6)}"
-    session = hub.session.id
-    hub._rpc("Pin", pb.PinRequest(model=model, version=version, pin_id=pin_id,
-                                  session_id=session), timeout)  # fmt: skip
+    hub.pin(model, version, pin_id, timeout=timeout)
     try:
         yield
     finally:
         with contextlib.suppress(TensorHubError):
-            hub._rpc("Unpin", pb.UnpinRequest(model=model, version=version, pin_id=pin_id,
-                                              session_id=session), timeout)  # fmt: skip
+            hub.unpin(model, version, pin_id, timeout=timeout)
 
 
 def stream_fill(

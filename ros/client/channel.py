@@ -3,9 +3,9 @@
 All replica addresses (every IP each name resolves to) go into one channel target
 (`ipv4:a:p,b:p`) with `pick_first`: one replica at a time carries all of a client's calls
 and its streams (KeepAlive and Watch need one replica at once), and when that one fails the
-channel moves to the next in the list. The list is **shuffled per channel** (issue 21): in
-the order given, every client of a job took the first replica while the others idled, and
-when it died they all moved to the same next one. A random order per client puts N clients
+channel moves to the next in the list. The list is **shuffled per channel**: in the order
+given, every client of a job would take the first replica while the others idled, and when
+it died they would all move to the same next one. A random order per client puts N clients
 on each of R replicas about N/R at a time, and the clients of a replica that dies go on to
 the others evenly (each has its own second choice). `pick_first` follows the list even when
 another channel of the process is already connected to a later address (the subchannel is
@@ -16,14 +16,17 @@ ranks do not share one order. `pick_first` is sticky: a replica that comes back 
 clients, and those whose own replica fails, not the ones that moved away.
 
 Reconnecting is spread in time as well: gRPC jitters its reconnect backoff
-(`grpc.initial_reconnect_backoff_ms`, ±20 %) and its retries (`retryPolicy` below: a uniform
-draw up to the backoff), and the SDK reopens a broken stream after a full-jitter backoff
-(`ros.client.session`, `ros.client.watch`), so the clients of a dead replica do not arrive
-at the others in one instant.
+(`grpc.initial_reconnect_backoff_ms`, ±20 %), and the SDK retries a call and reopens a
+broken stream after a full-jitter backoff (`ros.client.rpc`, `ros.client.lease`,
+`ros.client.watch`), so the clients of a dead replica do not arrive at the others in one
+instant.
 
-Idempotent methods are retried on UNAVAILABLE by gRPC itself (`retryPolicy` in the service
-config). `Publish` is deliberately not in that list: a retried publish whose first attempt
-landed would look stale, so the SDK recovers it explicitly (`ros.client.hub`).
+The service config declares **no `retryPolicy`**: every retry of the SDK is a
+`consistency.retry.RetryPolicy` (one layer: `ros.client.rpc.UNARY_POLICY` for a plain
+idempotent call, the client's `retry` for fresh reads, `ros.client.session` for OpenSession
+and recovery, `ros.client.publishing` for Publish), so no call is retried by gRPC underneath
+a policy that retries it too (docs/design-notes.md, "One retry layer"). gRPC's transparent
+retry of a call that never reached the wire stays: it sends nothing twice.
 """
 
 from __future__ import annotations
@@ -42,28 +45,7 @@ from tensorhub.errors import InvalidArgument
 from transport.tls import TlsConfig
 
 SERVICE = "tensorhub.v1.TensorHub"
-RETRIED_METHODS = (
-    "OpenSession", "CloseSession", "Latest", "Resolve", "RegisterHolder", "UpdateHolder",
-    "ReleaseHolder", "Pin", "Unpin", "ListModels", "Inspect",
-)  # fmt: skip
-
-SERVICE_CONFIG = json.dumps(
-    {
-        "loadBalancingConfig": [{"pick_first": {}}],
-        "methodConfig": [
-            {
-                "name": [{"service": SERVICE, "method": m} for m in RETRIED_METHODS],
-                "retryPolicy": {
-                    "maxAttempts": 5,
-                    "initialBackoff": "0.05s",
-                    "maxBackoff": "1s",
-                    "backoffMultiplier": 2,
-                    "retryableStatusCodes": ["UNAVAILABLE"],
-                },
-            }
-        ],
-    }
-)
+SERVICE_CONFIG = json.dumps({"loadBalancingConfig": [{"pick_first": {}}]})
 
 
 def parse_address(address: str, *, allow_zero: bool = False) -> tuple[str, int]:

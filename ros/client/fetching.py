@@ -9,9 +9,9 @@ from collections.abc import Mapping
 
 import torch
 
-from ros.client.base import ClientBase
 from ros.client.deadline import Deadline
-from ros.client.handles import Held
+from ros.client.handles import Handles, Held
+from ros.client.holdings import Holdings
 from ros.client.manifest import layout_of
 from ros.client.orchestrator import Orchestrator, ProgressCallback, Target
 from ros.metrics import SDK_BYTES_FETCHED, SDK_FETCH_SECONDS
@@ -25,8 +25,9 @@ DEFAULT_FETCH_TIMEOUT = 60.0
 
 
 def fetch(
-    client: ClientBase,
     runs: Orchestrator,
+    holdings: Holdings,
+    handles: Handles,
     model: str,
     version: int | str = "latest",
     *,
@@ -37,7 +38,8 @@ def fetch(
     progress: ProgressCallback | None = None,
 ) -> Held:
     """`Hub.fetch` (its docstring is the contract): check the arguments, resolve, build the
-    destination (`into`'s own memory, or new tensors), and let `runs` fill it."""
+    destination (`into`'s own memory, or new tensors, never memory `holdings` still serves),
+    and let `runs` fill it; `handles` makes the `Held` it returns."""
     validate_name(model, "model")
     number = 0 if version == "latest" else validate_version(version)
     check_shard_arg(shard)
@@ -49,17 +51,17 @@ def fetch(
     layout = layout_of(manifest)
     if into is not None:
         layout.check_tensors(into)
-        client.holdings.check_free(into)
+        holdings.check_free(into)
         tensors = {spec.name: into[spec.name] for spec in layout.tensors}
     else:
         tensors = layout.allocate()
-    held = HeldVersion.reader(client.tenant, model, version, layout, tensors)
+    held = HeldVersion.reader(holdings.tenant, model, version, layout, tensors)
     target = Target(model, version, shard, held, manifest)
     stats = runs.run(target, resolved, deadline, rate_floor=rate_floor, progress=progress)
     for source, nbytes in stats.bytes_per_source.items():
         SDK_BYTES_FETCHED.labels(source).inc(nbytes)
     SDK_FETCH_SECONDS.observe(time.monotonic() - start)
-    return Held(client, model, version, tensors, stats, shard)
+    return handles.held(model, version, tensors, stats, shard)
 
 
 def _pick_shard(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Protocol
 
@@ -27,22 +28,27 @@ log = logging.getLogger(__name__)
 
 
 class Owner(Protocol):
-    """What a handle needs of the client that created it."""
+    """What a handle needs of the client that created it: its public name and `watch`."""
 
-    holder_name: str
+    @property
+    def holder_name(self) -> str: ...
 
     def watch(
         self, model: str, *, since: int | None = None, versions_only: bool = False
     ) -> HubWatch: ...
 
-    def _release(
+
+class Releaser(Protocol):
+    """How a handle releases its version (`ros.client.retention.Retention`)."""
+
+    def release(
         self,
         model: str,
         version: int,
         *,
         force: bool,
-        timeout: float = ...,
-        spill: str | os.PathLike[str] | None = ...,
+        timeout: float,
+        spill: str | os.PathLike[str] | None,
     ) -> None: ...
 
 
@@ -51,9 +57,15 @@ DEFAULT_RELEASE_TIMEOUT = 30.0
 
 class _Handle:
     def __init__(
-        self, hub: Owner, model: str, version: int, tensors: dict[str, torch.Tensor]
+        self,
+        hub: Owner,
+        releaser: Releaser,
+        model: str,
+        version: int,
+        tensors: dict[str, torch.Tensor],
     ) -> None:
         self._hub = hub
+        self._releaser = releaser
         self.model = model
         self.version = version
         self.tensors = tensors
@@ -75,7 +87,9 @@ class _Handle:
         `force=True` drops it instead.
         """
         if not self.released:
-            self._hub._release(self.model, self.version, force=force, timeout=timeout, spill=spill)
+            self._releaser.release(
+                self.model, self.version, force=force, timeout=timeout, spill=spill
+            )
             self.released = True
 
     def __enter__(self) -> _Handle:
@@ -113,6 +127,7 @@ class Publication(_Handle):
     def __init__(
         self,
         hub: Owner,
+        releaser: Releaser,
         model: str,
         version: int,
         tensors: dict[str, torch.Tensor],
@@ -120,7 +135,7 @@ class Publication(_Handle):
         visible: bool = True,
         shard: int | None = None,
     ) -> None:
-        super().__init__(hub, model, version, tensors)
+        super().__init__(hub, releaser, model, version, tensors)
         self.revision = revision
         self.visible = visible
         self.shard = shard  # model-parallel: the rank's shard
@@ -173,15 +188,47 @@ class Held(_Handle):
     def __init__(
         self,
         hub: Owner,
+        releaser: Releaser,
         model: str,
         version: int,
         tensors: dict[str, torch.Tensor],
         stats: FetchStats,
         shard: int | None = None,
     ) -> None:
-        super().__init__(hub, model, version, tensors)
+        super().__init__(hub, releaser, model, version, tensors)
         self.stats = stats
         self.shard = shard  # model-parallel: the one shard fetched
 
     def __repr__(self) -> str:
         return f"Held({self.model}@{self.version}, {len(self.tensors)} tensors)"
+
+
+@dataclass(frozen=True)
+class Handles:
+    """Makes the handles of one client: its `Owner` and how they release."""
+
+    owner: Owner
+    releaser: Releaser
+
+    def publication(
+        self,
+        model: str,
+        version: int,
+        tensors: dict[str, torch.Tensor],
+        revision: int,
+        visible: bool,
+        shard: int | None,
+    ) -> Publication:
+        return Publication(
+            self.owner, self.releaser, model, version, tensors, revision, visible, shard
+        )
+
+    def held(
+        self,
+        model: str,
+        version: int,
+        tensors: dict[str, torch.Tensor],
+        stats: FetchStats,
+        shard: int | None,
+    ) -> Held:
+        return Held(self.owner, self.releaser, model, version, tensors, stats, shard)

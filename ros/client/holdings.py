@@ -1,11 +1,9 @@
 """What one client holds, with one owner: the versions it serves, their fences and shards.
 
-Before, "what this client holds" was parallel dicts on the client (`_store`, `_fences`,
-`_shards`), written from five places in four mixin files, so a version could be forgotten in
-one and kept in another (a failed publish left its shard behind). `Holdings` is the one
-object they all call now: its methods are the only ones that change what is held, each under
-one lock, and `reregister` is how a new session takes every held version over after a loss
-(`ros.client.recovery` drives it).
+`Holdings` is the one object that changes what is held: each of its methods works under one
+lock, so a version cannot be forgotten in one table and kept in another (a failed publish
+drops its shard with it). `reregister` is how a new session takes every held version over
+after a loss (`ros.client.session` drives it).
 """
 
 from __future__ import annotations
@@ -132,7 +130,7 @@ class Holdings:
         so it does not keep the others unregistered. A failure another try may get past (the
         hub unreachable, the new session lost too, a reply lost) is raised: the caller's
         retry loop tries again."""
-        taken = self.store.keys()  # the order the versions were taken in, as before
+        taken = self.store.keys()  # the order the versions were taken in
         pending.intersection_update(taken)  # those released meanwhile are done with
         for key in [k for k in taken if k in pending]:
             held = self.store.get(key)

@@ -1,6 +1,6 @@
 """Where fault injection enters a client: `ClientHooks`, given once at `ros.connect(...,
-hooks=...)`. The defaults are production's, and production code reads nothing else (no
-environment variable, no switch on a hot path).
+hooks=...)`. Each hook is a wrapper around the real object (or the real function itself),
+so production code has no switch to read: the defaults are production's objects, unwrapped.
 
 Chaos runs (`chaos.planted`, `chaos.holder_faults`) and tests pass other hooks to plant a
 bug or make the client's holder misbehave, so that a checker can be shown to notice.
@@ -8,20 +8,38 @@ bug or make the client's holder misbehave, so that a checker can be shown to not
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from consistency.floor import RevisionFloor
-from transport.checks import STRICT, ChunkChecks
+from transport.reader import Round, read_round
 from transport.server import ChunkSender, send_chunk
+
+RoundReader = Callable[..., Round]
+"""One round of a fetch: `transport.reader.read_round`'s signature."""
+
+
+def unwrapped_floor(floor: RevisionFloor) -> RevisionFloor:
+    """Production's floor hook: the floor itself."""
+    return floor
+
+
+def unwrapped_reader(read: RoundReader) -> RoundReader:
+    """Production's reader hook: `read_round` itself."""
+    return read
 
 
 @dataclass(frozen=True)
 class ClientHooks:
     """The seams of one client, fixed when it is built."""
 
-    checks: ChunkChecks = STRICT  # what every fetched chunk must pass (transport.checks)
-    floor: type[RevisionFloor] = RevisionFloor  # the revision floor's class (invariant 3)
+    floor: Callable[[RevisionFloor], RevisionFloor] = unwrapped_floor  # wraps the floor
+    read: Callable[[RoundReader], RoundReader] = unwrapped_reader  # wraps `read_round`
     send: ChunkSender = send_chunk  # how this client's holder server sends each chunk
+
+    def reader(self) -> RoundReader:
+        """The round reader the client's fetches use."""
+        return self.read(read_round)
 
 
 PRODUCTION = ClientHooks()

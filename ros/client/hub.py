@@ -1,51 +1,178 @@
-"""`Hub`: the SDK's connection to TensorHub (what `ros.connect` returns).
+"""`Hub`: the SDK's connection to TensorHub (what `ros.connect` returns), and its whole
+public API.
 
 The control plane goes through the hub (gRPC); weight bytes go holder → reader directly over
-the data plane (`transport`). Every client that holds a version runs a small holder server,
-started on first use, so whatever it published or fetched is served to others until released.
-The pieces, composed here: `ros.client.base` (channel, holder server),
-`ros.client.holdings` (what the client holds: the one owner of it), `ros.client.recovery`
-(its session, recovered after a loss), `ros.client.publishing` (`Publisher`),
-`ros.client.orchestrator` (`Orchestrator`: every fetch's steps after its Resolve), with
-`ros.client.fetching` and `ros.client.slices` (reading another layout's blocks) building
-what it fills.
+the data plane (`transport`). Every client that holds a version serves it to others until
+released. `Hub` builds its parts and hands each helper only the narrow handles it needs:
+
+- `ros.client.rpc` (`HubRpc`: every unary call, and its one retry), `ros.client.reads`
+  (`FreshReads`: reads never older than the revision floor);
+- `ros.client.session` (`Session`: the lease, its keepalive, its recovery, the read keys);
+- `ros.client.holdings` (what the client serves), `ros.client.serving` (the servers it
+  serves from), `ros.client.records` (its holder records), `ros.client.pins`;
+- `ros.client.publishing` (`Publisher`), `ros.client.orchestrator` (`Orchestrator`: every
+  fetch's steps after its Resolve) with `ros.client.fetching` and `ros.client.slices`, and
+  `ros.client.retention` (release, spills).
+
+No helper holds the `Hub`, and none calls a private method of another object.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from functools import cached_property
+import logging
+from collections.abc import Mapping, Sequence
 
 import torch
 
+from consistency.floor import RevisionFloor
 from consistency.records import HolderRecord
+from consistency.retry import DEFAULT_POLICY, RetryPolicy
 from ros.client import fetching
 from ros.client import slices as reshard
-from ros.client.base import DEFAULT_TIMEOUT, ClientBase, default_holder_name
+from ros.client.channel import open_channel, parse_address
 from ros.client.fetching import DEFAULT_FETCH_TIMEOUT
-from ros.client.handles import Held, Publication
+from ros.client.handles import Handles, Held, Publication
+from ros.client.holdings import Holdings
+from ros.client.hooks import PRODUCTION, ClientHooks
+from ros.client.identity import DEFAULT_TIMEOUT, Identity, default_holder_name
 from ros.client.manifest import Placements
 from ros.client.orchestrator import Orchestrator, ProgressCallback
+from ros.client.pins import Pins
 from ros.client.publishing import Publisher
+from ros.client.reads import FreshReads
+from ros.client.records import HolderRecords
+from ros.client.retention import Retention, SpillStats
+from ros.client.rpc import HubRpc, Rpc
+from ros.client.serving import Serving
+from ros.client.session import RECOVERY_JOIN_TIMEOUT, Session
 from ros.client.slices import Slice, SliceFetch
-from ros.client.watch import holder_from_message
+from ros.client.watch import HubWatch, holder_from_message
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from ros.proto.tensorhub.v1 import hub_pb2_grpc
+from tensorhub.endpoints import format_endpoint
+from tensorhub.errors import InvalidArgument
 from tensorhub.names import validate_name
 from transport.pace import DEFAULT_RATE_FLOOR
+from transport.tls import TlsConfig
+from transport.topology import Topology
+from transport.transports import ReaderBackends
 
-__all__ = ["DEFAULT_FETCH_TIMEOUT", "DEFAULT_TIMEOUT", "ClientBase", "Hub", "default_holder_name"]
+__all__ = ["CLOSE_SESSION_TIMEOUT", "DEFAULT_FETCH_TIMEOUT", "DEFAULT_TIMEOUT", "Hub",
+           "default_holder_name"]  # fmt: skip
+
+log = logging.getLogger(__name__)
+
+CLOSE_SESSION_TIMEOUT = 1.0  # the most close() waits for the hub to revoke the session
 
 
-class Hub(ClientBase):
+class Hub:
     """A connection to the hub for one tenant. Thread-safe. Close it (or use `with`)."""
 
-    @cached_property
-    def _publisher(self) -> Publisher:
-        return Publisher(self)
+    def __init__(
+        self,
+        endpoints: str | Sequence[str],
+        *,
+        tenant: str,
+        token: str,
+        topology: Mapping[str, str] | None = None,
+        listen: str = "127.0.0.1:0",
+        advertise: str | None = None,
+        name: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        session_ttl: int = 10,
+        tls: TlsConfig | None = None,
+        hooks: ClientHooks = PRODUCTION,
+        spill_budget: int | None = None,
+        retry: RetryPolicy = DEFAULT_POLICY,
+    ) -> None:
+        addresses = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        me = Identity(
+            tenant=validate_name(tenant, "tenant"),
+            holder_name=validate_name(name or default_holder_name(), "holder"),
+            topology=Topology(**dict(topology or {})),
+            tls=tls,
+            timeout=timeout,
+        )
+        listen_at = parse_address(listen, allow_zero=True)
+        if advertise is not None:
+            format_endpoint(advertise, 1)  # a host no reader could use fails here, not later
+        self._me = me
+        self.retry = retry  # how reads and watches are tried again (`consistency.retry`)
+        # The tenant travels on every call: the hub refuses a token of another tenant.
+        self._metadata = (("authorization", f"Bearer {token}"), ("tensorhub-tenant", me.tenant))
+        self._channel = open_channel(addresses, tls=tls)
+        self._stub = hub_pb2_grpc.TensorHubStub(self._channel)  # type: ignore[no-untyped-call]
+        self.floor = hooks.floor(RevisionFloor())  # invariant 3 (chaos may wrap it)
+        self.holdings = Holdings(me.tenant)  # what this client serves: the one owner of it
+        self.session = Session(
+            HubRpc(self._stub, self._metadata, timeout, lambda: None, policy=None),
+            tenant=me.tenant, ttl=session_ttl, timeout=timeout, stub=self._stub,
+            metadata=self._metadata, keepalive=retry, holdings=self.holdings,
+            observe=self.floor.observe,
+        )  # fmt: skip
+        # every unary hub call, typed by method; its `once` for callers with their own policy
+        rpc = HubRpc(self._stub, self._metadata, timeout, lambda: self.session.current)
+        self._rpc: Rpc = rpc
+        self._reads = FreshReads(
+            rpc.once, self.floor, retry, timeout=timeout, holder_name=me.holder_name,
+            topology=me.topology,
+        )  # fmt: skip
+        self._serving = Serving(
+            self.holdings.store, self.session.verify, listen_at, advertise=advertise, tls=tls,
+            send=hooks.send,
+        )  # fmt: skip
+        records = HolderRecords(
+            rpc, self.floor, self._serving, self.session, holder_name=me.holder_name,
+            topology=me.topology,
+        )  # fmt: skip
+        self._retention = Retention(records, self.holdings, spill_budget)
+        self._handles = Handles(self, self._retention)
+        self._pins = Pins(rpc, self.session)
+        self._publisher = Publisher(
+            me, rpc.once, self._reads, records, self.holdings, self._serving, self._handles
+        )
+        self._readers = ReaderBackends()  # this client's reader side of every transport
+        self._fetches = Orchestrator(  # stateless: every run keeps its state on its stack
+            me, self._reads, records, self.holdings, self._serving, hooks.reader(), self._readers
+        )
+        self._closed = False
+        try:
+            self.session.open(
+                lambda model, version, complete, shard: int(
+                    records.register(
+                        model, version, complete=complete, shard=shard, rpc=rpc.once
+                    ).fence
+                )
+            )
+        except BaseException:  # refused at connect (a bad token, another tenant's token)
+            self._channel.close()
+            raise
 
-    @cached_property
-    def _fetches(self) -> Orchestrator:  # stateless: every run keeps its state on its stack
-        return Orchestrator(self)
+    # -- who this client is --------------------------------------------------------------
+
+    @property
+    def tenant(self) -> str:
+        return self._me.tenant
+
+    @property
+    def holder_name(self) -> str:
+        return self._me.holder_name
+
+    @property
+    def topology(self) -> Topology:
+        return self._me.topology
+
+    @property
+    def timeout(self) -> float:
+        """The default deadline of one hub call (s)."""
+        return self._me.timeout
+
+    @property
+    def recovery(self) -> Session:
+        """The session, seen for its recovery: `recovering`, `failures`, `recoveries`."""
+        return self.session
+
+    # -- publish and fetch ---------------------------------------------------------------
 
     def publish(
         self,
@@ -124,8 +251,8 @@ class Hub(ClientBase):
         total) after every chunk is verified, from the thread that received it.
         """
         return fetching.fetch(
-            self, self._fetches, model, version, into=into, timeout=timeout, shard=shard,
-            rate_floor=rate_floor, progress=progress,
+            self._fetches, self.holdings, self._handles, model, version, into=into,
+            timeout=timeout, shard=shard, rate_floor=rate_floor, progress=progress,
         )  # fmt: skip
 
     def fetch_slices(
@@ -147,19 +274,14 @@ class Hub(ClientBase):
         `rate_floor` is `fetch`'s; `progress` is `fetch`'s, per source shard read.
         """
         return reshard.fetch_slices(
-            self, self._fetches, model, version, slices=slices, timeout=timeout,
+            self._fetches, self._pins, self._me, model, version, slices=slices, timeout=timeout,
             rate_floor=rate_floor, progress=progress,
         )  # fmt: skip
 
     def latest(self, model: str, *, timeout: float | None = None) -> int:
         """The latest published version (0 if none); never older than what this client saw."""
         validate_name(model, "model")
-        response = self._fresh(
-            lambda t: self._rpc("Latest", pb.LatestRequest(model=model), t),
-            lambda r: int(r.revision),
-            self.timeout if timeout is None else timeout,
-        )
-        return int(response.version)
+        return int(self._reads.latest(model, timeout).version)
 
     def inspect(
         self, model: str, version: int = 0, *, timeout: float | None = None
@@ -167,13 +289,81 @@ class Hub(ClientBase):
         """Everything about one version (default: the latest), with every holder (the hub
         answers them in pages; this follows them)."""
         validate_name(model, "model")
-        return self._inspect(model, version, timeout)
+        return self._reads.inspect(model, version, timeout)
+
+    def resolve(
+        self, model: str, version: int = 0, *, timeout: float | None = None
+    ) -> pb.ResolveResponse:
+        """Resolve `model@version` (0: the latest) as a fetch does: its manifest (of every
+        shard, for a model-parallel version) and the holders this client would read from.
+        The manifest is cached, so a fetch of the same version does not ask for it again."""
+        validate_name(model, "model")
+        return self._reads.resolve(model, version, timeout=timeout)
 
     def holders(self, model: str, version: int) -> list[HolderRecord]:
         return [holder_from_message(h) for h in self.inspect(model, version).holders]
 
     def list_models(self) -> list[pb.ModelSummary]:
         return list(self._rpc("ListModels", pb.ListModelsRequest()).models)
+
+    def pin(self, model: str, version: int, pin_id: str, *, timeout: float | None = None) -> None:
+        """Keep `model@version` from being retired until `unpin` (or this session's end),
+        for a reader that is no holder and reads it in many calls. `pin_id` names the pin
+        (one per reader: a retried Pin or Unpin is idempotent)."""
+        validate_name(model, "model")
+        self._pins.pin(model, version, pin_id, timeout)
+
+    def unpin(self, model: str, version: int, pin_id: str, *, timeout: float | None = None) -> None:
+        """Drop the pin `pin_id` of `model@version`."""
+        validate_name(model, "model")
+        self._pins.unpin(model, version, pin_id, timeout)
+
+    def watch(
+        self, model: str, *, since: int | None = None, versions_only: bool = False
+    ) -> HubWatch:
+        """New versions and holder changes of `model` from revision `since` (default: now).
+
+        With `versions_only`, the hub sends only new versions (and resyncs): what a rollout
+        waiting for weights needs, without one message per holder change of every reader.
+        Iterate it, or call `get(timeout)`; close it (or use `with`) when done.
+        """
+        validate_name(model, "model")
+        if since is None:
+            since = int(self._rpc("Latest", pb.LatestRequest(model=model)).revision) + 1
+        elif since <= 0:
+            raise InvalidArgument("since must be a positive revision")
+        return HubWatch(
+            self._stub, self._metadata, model, since, self.floor, versions_only, self.retry
+        )
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    @property
+    def spills(self) -> SpillStats:
+        """Host spills made, held now (versions, bytes), freed; file spills; the budget."""
+        return self._retention.stats
+
+    def close(self) -> None:
+        """Stop serving, end the session (its records vanish at once), close the channel.
+
+        The hub is waited for at most `CLOSE_SESSION_TIMEOUT` (CloseSession; a stalled hub
+        leaves the session to expire within its TTL), the keepalive thread at most 2 s, and a
+        recovery in progress at most `RECOVERY_JOIN_TIMEOUT` (2 s; it is stopped first, and a
+        session it opens after that is ended by it, never renewed); reads in flight from our
+        holder server get up to 5 s per held version.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self.session.close()  # no recovery installs a lease after this
+        self.holdings.drop_all(5.0)
+        self.session.revoke(CLOSE_SESSION_TIMEOUT)
+        self._serving.stop()
+        self._readers.close()
+        self._channel.close()  # also ends a recovery's call in flight
+        if not self.session.join(RECOVERY_JOIN_TIMEOUT):
+            log.warning("closing: the session recovery did not stop within %ss",
+                        RECOVERY_JOIN_TIMEOUT)  # fmt: skip
 
     def __enter__(self) -> Hub:
         return self

@@ -40,9 +40,14 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from consistency.retry import RetryPolicy
-from ros.client.base import ClientBase
 from ros.client.deadline import Deadline
+from ros.client.holdings import Holdings
+from ros.client.hooks import RoundReader
+from ros.client.identity import Identity
 from ros.client.read_token import RenewingToken
+from ros.client.reads import FreshReads
+from ros.client.records import HolderRecords
+from ros.client.serving import Serving
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import (
     DeadlineExceeded,
@@ -56,10 +61,10 @@ from transport.backend import TransportKind
 from transport.outcome import FetchStats, final_error
 from transport.pace import DEFAULT_RATE_FLOOR
 from transport.planner import Candidate, Source, pipeline_sources
-from transport.reader import read_round
 from transport.selection import choose
 from transport.store import HeldVersion
 from transport.topology import Topology
+from transport.transports import ReaderBackends
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +82,8 @@ within the fetch's deadline."""
 HOLDER_BUSY = RetryPolicy(initial=0.05, maximum=1.0, retry_on=lambda e: isinstance(e, HolderBusy))
 """A holder that answered BUSY, asked again inside the round: backing off 50 ms doubling to
 1 s (full jitter, so readers refused together do not return together), as often as the
-fetch's deadline allows. Before, BUSY suspected the holder for the whole fetch, so a holder
-full for a moment failed fetches with a long deadline left."""
+fetch's deadline allows: a holder full for a moment does not fail a fetch with a long
+deadline left."""
 
 
 @dataclass(frozen=True)
@@ -161,11 +166,23 @@ class Orchestrator:
 
     def __init__(
         self,
-        client: ClientBase,
+        me: Identity,
+        reads: FreshReads,
+        records: HolderRecords,
+        holdings: Holdings,
+        serving: Serving,
+        read: RoundReader,
+        readers: ReaderBackends,
         policy: RetryPolicy = FETCH_ROUNDS,
         busy: RetryPolicy = HOLDER_BUSY,
     ) -> None:
-        self._client = client
+        self._me = me
+        self._reads = reads  # Resolve, fresh
+        self._records = records  # our holder record: register, COMPLETE, delete
+        self._holdings = holdings  # what this client serves
+        self._serving = serving  # started before a record names its endpoints
+        self._read = read  # one round (`transport.reader.read_round`, or a chaos wrapper)
+        self._readers = readers  # this client's reader backends (one per transport)
         self._policy = policy
         self._busy = busy
 
@@ -173,18 +190,17 @@ class Orchestrator:
         self, model: str, version: int, shard: int | None, deadline: Deadline
     ) -> pb.ResolveResponse:
         """Resolve model@version (0: latest), with its manifest (of shard `shard`)."""
-        return self._client._resolve(
-            model, version, shard=shard, timeout=deadline.work(self._client.timeout)
+        return self._reads.resolve(
+            model, version, shard=shard, timeout=deadline.work(self._me.timeout)
         )
 
     def holders(
         self, model: str, version: int, shard: int | None, deadline: Deadline
     ) -> pb.ResolveResponse:
         """Who holds model@version (of shard `shard`) now, seen from our fence; no manifest."""
-        client = self._client
-        return client._resolve(
-            model, version, shard=shard, fence=client.holdings.fence(model, version),
-            manifest=False, timeout=deadline.work(client.timeout),
+        return self._reads.resolve(
+            model, version, shard=shard, fence=self._holdings.fence(model, version),
+            manifest=False, timeout=deadline.work(self._me.timeout),
         )  # fmt: skip
 
     def run(
@@ -198,10 +214,9 @@ class Orchestrator:
     ) -> FetchStats:
         """Fill `target` from the holders `resolved` names (a Resolve of its version and
         shard), as the module docstring says; its stats, or the last round's named error."""
-        client = self._client
         if target.holder:
-            client._holder_server()
-            client.holdings.hold(target.dest, target.shard)
+            self._serving.start()
+            self._holdings.hold(target.dest, target.shard)
         start = time.monotonic()
         try:
             stats = self._rounds(target, resolved, deadline, rate_floor, _Counter(target, progress))
@@ -224,17 +239,16 @@ class Orchestrator:
         rate_floor: float,
         counter: _Counter,
     ) -> FetchStats:
-        client, dest = self._client, target.dest
+        me, dest = self._me, target.dest
         model, version, shard = target.model, target.version, target.shard
         what = f"fetch {model}@{version}" + ("" if shard is None else f" shard {shard}")
         fence, candidates = 0, holders_of(resolved, shard)
         if target.holder:
-            registered = client._register_holder(
-                model, version, complete=False, shard=shard,
-                timeout=deadline.work(client.timeout),
-            )  # fmt: skip
+            registered = self._records.register(
+                model, version, complete=False, shard=shard, timeout=deadline.work(me.timeout)
+            )
             fence = int(registered.fence)
-            client.holdings.registered(model, version, fence)
+            self._holdings.registered(model, version, fence)
             candidates = list(registered.candidates) or candidates
         tokens = self._token(target, resolved, deadline)
         stats = FetchStats()
@@ -252,12 +266,12 @@ class Orchestrator:
             if not sources:
                 raise _nobody_left(what, suspects, skipped)
             stats.rounds += 1
-            result = read_round(
-                client.tenant, model, version, dest.layout, dest, sources,
-                token=tokens, deadline=deadline.work_end, me=client.topology, chunks=wanted,
-                expected=list(target.manifest.chunk_xxh3), tls=client._tls,
-                rate_floor=rate_floor, checks=client._hooks.checks, stats=stats,
-                on_chunk=counter, checksum=target.manifest.checksum, busy=self._busy,
+            result = self._read(
+                me.tenant, model, version, dest.layout, dest, sources,
+                token=tokens, deadline=deadline.work_end, me=me.topology, chunks=wanted,
+                expected=list(target.manifest.chunk_xxh3), tls=me.tls, rate_floor=rate_floor,
+                stats=stats, on_chunk=counter, checksum=target.manifest.checksum,
+                busy=self._busy, readers=self._readers,
             )  # fmt: skip
             suspects.update(result.failures)
             if result.done:
@@ -294,8 +308,8 @@ class Orchestrator:
         if local:
             return local
         if target.holder:
-            fence = self._client.holdings.fence(target.model, target.version, fence)
-            first = pipeline_sources(self._client.topology, fence, usable)
+            fence = self._holdings.fence(target.model, target.version, fence)
+            first = pipeline_sources(self._me.topology, fence, usable)
             if first:
                 return first
         return [c.source for c in usable]
@@ -309,8 +323,8 @@ class Orchestrator:
         whose endpoints we cannot use (written by an older hub, or naming only a transport
         we lack; RDMA into device memory) is skipped, not fatal: it goes into `skipped` with
         the reason, logged once per fetch, and the others are read."""
-        me = self._client.holder_name
-        tls = self._client._tls is not None
+        me = self._me.holder_name
+        tls = self._me.tls is not None
         out = []
         for h in holders:
             if h.name == me:
@@ -318,7 +332,7 @@ class Orchestrator:
             try:
                 route = choose(
                     h.endpoints, complete=h.state == pb.COMPLETE, tls=tls,
-                    device_memory=device_memory,
+                    device_memory=device_memory, verdicts=self._readers.verdicts,
                 )  # fmt: skip
             except InvalidArgument as exc:
                 if h.name not in skipped:
@@ -351,38 +365,29 @@ class Orchestrator:
 
     def _complete(self, target: Target, deadline: Deadline) -> None:
         """Mark our record COMPLETE (under the fence a session recovery may have changed)."""
-        client = self._client
-        fence = client.holdings.fence(target.model, target.version)
-        update = pb.UpdateHolderRequest(
-            model=target.model, version=target.version,
-            holder=client._holder_pb(True, fence, target.shard),
-        )  # fmt: skip
-        budget = deadline.finish(client.timeout)
+        fence = self._holdings.fence(target.model, target.version)
+        budget = deadline.finish(self._me.timeout)
         if budget is None:
             raise DeadlineExceeded(
                 f"{deadline.what}: every byte arrived, but no time was left to mark it COMPLETE"
             )
-        client._rpc("UpdateHolder", update, budget)  # also drops the pin our PARTIAL held
+        self._records.complete(target.model, target.version, fence, target.shard, budget)
 
     def _abandon(self, target: Target, deadline: Deadline) -> None:
         """Undo a failed fetch within its deadline: stop serving, delete our PARTIAL record
         (and the pin it held). What does not fit in time is left to the session's lease."""
-        client, model, version = self._client, target.model, target.version
+        model, version = target.model, target.version
         try:  # forgets its fence and shard too
-            client.holdings.drop(
+            self._holdings.drop(
                 target.dest.key, min(1.0, max(deadline.end - time.monotonic(), 0.0))
             )
         except TensorHubError as exc:
             log.warning("abandoning %s@%d: %s", model, version, exc)
-        request = pb.ReleaseHolderRequest(
-            model=model, version=version, holder=client.holder_name, force=True,
-            session_id=client.session.id,  # the hub checks that it owns the record
-        )  # fmt: skip
-        budget = deadline.finish(client.timeout)
+        budget = deadline.finish(self._me.timeout)
         try:  # deletes our record and the pin it held
             if budget is None:
                 raise DeadlineExceeded("no time left before the fetch's deadline")
-            client._rpc("ReleaseHolder", request, budget)
+            self._records.release(model, version, force=True, timeout=budget)
         except TensorHubError as exc:  # the lease removes them anyway when we go
             log.warning(
                 "cleanup of %s@%d not done (%s): our PARTIAL record and its pin are left to "

@@ -1,4 +1,9 @@
-"""The publish side of the SDK: a version served from the publisher's own memory."""
+"""The publish side of the SDK: a version served from the publisher's own memory.
+
+`Publish` is not idempotent (a resent publish whose first attempt landed looks stale), so it
+is never retried blindly: each attempt is one gRPC try (`HubRpc.once`), and `PUBLISH_RESEND`
+allows one more attempt only after a read-back found that the first did not land.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +14,16 @@ from collections.abc import Mapping
 
 import torch
 
-from ros.client.base import ClientBase
-from ros.client.handles import Publication
+from consistency.floor import RevisionFloor
+from consistency.retry import RetryPolicy
+from ros.client.handles import Handles, Publication
+from ros.client.holdings import Holdings
+from ros.client.identity import Identity
 from ros.client.manifest import Placements, manifest_of
+from ros.client.reads import FreshReads
+from ros.client.records import HolderRecords
+from ros.client.rpc import Rpc
+from ros.client.serving import Serving
 from ros.manifest_check import check_manifest
 from ros.metrics import SDK_PUBLISH_SECONDS
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
@@ -31,12 +43,40 @@ from transport.store import HeldVersion
 log = logging.getLogger(__name__)
 
 
+class _Resend(Exception):
+    """The first attempt broke on the connection and a read-back found it did not land:
+    nothing of it was written, so the next attempt is a fresh publish. A signal to
+    `PUBLISH_RESEND` only: it is never raised out of its loop."""
+
+
+PUBLISH_RESEND = RetryPolicy(tries=2, retry_on=lambda e: isinstance(e, _Resend))
+"""A publish is sent at most twice, the second only after `_Resend`."""
+
+
 class Publisher:
     """`Hub.publish` for one client, and its retry-safe recovery when the hub's reply is
     lost."""
 
-    def __init__(self, client: ClientBase) -> None:
-        self._client = client  # the channel, session and holdings it publishes through
+    def __init__(
+        self,
+        me: Identity,
+        rpc: Rpc,
+        reads: FreshReads,
+        records: HolderRecords,
+        holdings: Holdings,
+        serving: Serving,
+        handles: Handles,
+        policy: RetryPolicy = PUBLISH_RESEND,
+    ) -> None:
+        self._me = me
+        self._rpc = rpc  # tried once per call: `policy` decides about a second attempt
+        self._reads = reads  # Inspect, to read back a publish whose reply was lost
+        self._floor: RevisionFloor = reads.floor
+        self._records = records
+        self._holdings = holdings
+        self._serving = serving
+        self._handles = handles
+        self._policy = policy
         # Versions whose publish ended OutcomeUnknown: still served (it may have landed)
         # until this client publishes them again, which replaces what it holds.
         self._in_doubt: set[tuple[str, str, int]] = set()
@@ -67,25 +107,25 @@ class Publisher:
         layout = (
             Layout.from_tensors(own) if chunk_size is None else Layout.from_tensors(own, chunk_size)
         )
-        held = HeldVersion.publisher(self._client.tenant, model, version, own, layout)
+        held = HeldVersion.publisher(self._me.tenant, model, version, own, layout)
         manifest = manifest_of(held, placements, checksum)
         if metadata:
             manifest.metadata.update(metadata)
         # the hub's own rules, so a manifest it would refuse fails here with its message
         check_manifest(manifest, "manifest" if shard is None else f"manifest of shard {shard[0]}")
-        self._client._holder_server()
+        self._serving.start()
         index = None if shard is None else shard[0]
         with self._lock:
             doubted = held.key in self._in_doubt
             self._in_doubt.discard(held.key)
         if doubted:  # the retry OutcomeUnknown asks for: it replaces the in-doubt holding
-            self._client.holdings.drop(held.key, 0.0)
-        self._client.holdings.hold(held, index)
+            self._holdings.drop(held.key, 0.0)
+        self._holdings.hold(held, index)
         request = pb.PublishRequest(
             model=model,
             version=version,
             manifest=manifest,
-            holder=self._client._holder_pb(complete=True, shard=index),
+            holder=self._records.record(complete=True, shard=index),
         )
         if shard is not None:
             request.shard_index, request.shard_count = shard
@@ -93,18 +133,18 @@ class Publisher:
             response = self._publish_rpc(request, timeout)
         except OutcomeUnknown:
             # It may have landed: its holder record would then name this client, so keep
-            # serving the tensors (until it publishes again, or closes). Dropping them made
-            # a landed shard of a visible version unreadable for as long as the session lived.
+            # serving the tensors (until it publishes again, or closes); a landed shard of a
+            # visible version stays readable.
             with self._lock:
                 self._in_doubt.add(held.key)
             raise
         except BaseException:
-            self._client.holdings.drop(held.key, 0.0)  # its shard too (it was left behind before)
+            self._holdings.drop(held.key, 0.0)  # its shard too
             raise
-        self._client.floor.observe(response.revision)
+        self._floor.observe(response.revision)
         SDK_PUBLISH_SECONDS.observe(time.monotonic() - start)
-        return Publication(
-            self._client, model, version, own, int(response.revision), bool(response.visible), index
+        return self._handles.publication(
+            model, version, own, int(response.revision), bool(response.visible), index
         )
 
     def _publish_rpc(self, request: pb.PublishRequest, timeout: float | None) -> pb.PublishResponse:
@@ -112,39 +152,40 @@ class Publisher:
 
         A publish that failed on a broken connection (`Unavailable`: the replica in use died,
         the channel moves to another) and that the check finds did not land is sent once
-        more: nothing of it was written, so a second attempt is a fresh publish. Should the
-        first attempt land after the check after all, the second finds `latest` at v, and a
-        last check tells whether that version is ours.
+        more (`PUBLISH_RESEND`): nothing of it was written, so a second attempt is a fresh
+        publish. Should the first attempt land after the check after all, the second finds
+        `latest` at v, and a last check tells whether that version is ours.
         """
-        try:
-            response: pb.PublishResponse = self._client._rpc("Publish", request, timeout)
-            return response
-        except (Unavailable, DeadlineExceeded, OutcomeUnknown) as exc:
-            landed = self._landed(request, exc)
-            if landed is not None:
-                return landed
-            if not isinstance(exc, Unavailable):
+        attempts = 0
+
+        def attempt() -> pb.PublishResponse:
+            nonlocal attempts
+            attempts += 1
+            try:
+                return self._rpc("Publish", request, timeout)
+            except StaleVersion:
+                again = self._landed(request, None) if attempts > 1 else None
+                if again is None:
+                    raise
+                return again
+            except (Unavailable, DeadlineExceeded, OutcomeUnknown) as exc:
+                landed = self._landed(request, exc)
+                if landed is not None:
+                    return landed
+                what = f"publish of {request.model}@{request.version}"
+                if attempts == 1 and isinstance(exc, Unavailable):
+                    log.info("%s: %s; sending it again", what, exc)
+                    raise _Resend(f"{what} did not land ({exc})") from exc
+                if attempts == 1:
+                    raise OutcomeUnknown(
+                        f"{what} not confirmed ({exc}); it did not land by the time of the "
+                        "check; publish again"
+                    ) from exc
                 raise OutcomeUnknown(
-                    f"publish of {request.model}@{request.version} not confirmed ({exc}); "
-                    "it did not land by the time of the check; publish again"
+                    f"{what} not confirmed after a second attempt ({exc}); publish again"
                 ) from exc
-            log.info("publish of %s@%d: %s; sending it again", request.model, request.version, exc)
-        try:
-            second: pb.PublishResponse = self._client._rpc("Publish", request, timeout)
-            return second
-        except StaleVersion:
-            again = self._landed(request, None)
-            if again is None:
-                raise
-            return again
-        except (Unavailable, DeadlineExceeded, OutcomeUnknown) as exc:
-            again = self._landed(request, exc)
-            if again is None:
-                raise OutcomeUnknown(
-                    f"publish of {request.model}@{request.version} not confirmed after a "
-                    f"second attempt ({exc}); publish again"
-                ) from exc
-            return again
+
+        return self._policy.call(attempt, None)
 
     def _landed(
         self, request: pb.PublishRequest, exc: TensorHubError | None
@@ -157,14 +198,14 @@ class Publisher:
                 f"shard {request.shard_index} of {request.model}@{request.version}: {exc}"
             ) from exc
         try:
-            info = self._client._inspect(request.model, request.version)
+            info = self._reads.inspect(request.model, request.version)
         except VersionNotFound:
             return None
         except TensorHubError as inner:
             raise OutcomeUnknown(
                 f"publish of {request.model}@{request.version}: {exc}; {inner}"
             ) from exc
-        mine = (self._client.holder_name, self._client.session.id)
+        mine = (self._me.holder_name, self._records.session_id)
         if any((h.name, h.session_id) == mine for h in info.holders):
             return pb.PublishResponse(
                 version=request.version, revision=info.published_revision, visible=True

@@ -9,8 +9,10 @@ fetches a fresh one — a Resolve without the manifest — once the current one 
 most half the token's life as received (a short-lived token is renewed in its second half).
 
 A renewal that fails (the hub is down for a moment) keeps the current token, which is
-still valid, and is tried again after `RETRY_AFTER`; only the caller's deadline ends the
-fetch. One renewal runs at a time: other workers keep sending the current token meanwhile.
+still valid, and is tried again after the wait of `RENEWAL_POLICY` (`RETRY_AFTER`, 1 s);
+only the caller's deadline ends the fetch. This is no loop: the next GET that wants the
+token makes the next try, so the policy gives the wait, not the sleep. One renewal runs at a
+time: other workers keep sending the current token meanwhile.
 """
 
 from __future__ import annotations
@@ -20,12 +22,15 @@ import threading
 import time
 from collections.abc import Callable
 
+from consistency.retry import RetryPolicy
 from tensorhub.errors import TensorHubError
 
 log = logging.getLogger(__name__)
 
 RENEW_MARGIN = 60.0  # seconds before expiry a token is renewed (at most half its life)
 RETRY_AFTER = 1.0  # seconds between attempts when a renewal failed
+RENEWAL_POLICY = RetryPolicy(initial=RETRY_AFTER, maximum=RETRY_AFTER, jitter=lambda high: high)
+"""The wait after a failed renewal: `RETRY_AFTER`, every time (each is one Resolve)."""
 
 Renew = Callable[[], tuple[bytes, int]]
 """Obtain a fresh token and its expiry (unix seconds): a Resolve with omit_manifest."""
@@ -42,8 +47,11 @@ class RenewingToken:
         *,
         margin: float = RENEW_MARGIN,
         clock: Callable[[], float] = time.time,
+        policy: RetryPolicy = RENEWAL_POLICY,
     ) -> None:
         self._renew, self._margin_cap, self._clock = renew, margin, clock
+        self._policy = policy
+        self._failures = 0  # failed renewals since the last success
         self._lock = threading.Lock()
         self._renewing = False
         self._next_try = 0.0
@@ -74,16 +82,21 @@ class RenewingToken:
             due = self._expiry - now <= self._margin
             if not due or self._renewing or now < self._next_try:
                 return self._token
-            self._renewing, self._next_try = True, now + RETRY_AFTER
+            self._renewing = True
         renewed: tuple[bytes, int] | None = None
+        failed: BaseException | None = None
         try:
             renewed = self._renew()
         except TensorHubError as exc:
+            failed = exc
             log.warning("read token not renewed (%s); the current one expires at %d", exc,
                         self._expiry)  # fmt: skip
-        finally:  # whatever happened, the next call may try again (after RETRY_AFTER)
+        finally:  # whatever happened, the next call may try again, after the policy's wait
             with self._lock:
                 self._renewing = False
+                self._failures = 0 if failed is None else self._failures + 1
+                # never sooner than the first wait, even after a renewal that did not extend
+                self._next_try = now + self._policy.delay(max(self._failures, 1), failed)
                 if renewed is not None and renewed[1] > self._expiry:
                     self._set(*renewed)
                     self.renewals += 1

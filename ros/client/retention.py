@@ -11,7 +11,7 @@ is free all the same:
   what the holder server serves (`HolderStore.replace`: no gap). The holder record stays as
   it is. At most `budget` bytes are held this way at once; past it the release raises
   `SpillBudgetExceeded` and nothing changes.
-- to a safetensors file, when the caller names one (`release(spill=path)`), as before.
+- to a safetensors file, when the caller names one (`release(spill=path)`).
 
 A host spill is freed by a sweep at the start of every later release of this client: each
 spilled version's record is released with `force=False`. The hub accepts that once the
@@ -29,11 +29,11 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from ros.client.holdings import Holdings
+from ros.client.records import HolderRecords
 from ros.client.spill import map_safetensors, write_safetensors
 from ros.metrics import SDK_HOST_SPILL_BYTES, SDK_HOST_SPILLS
-from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import (
     DeadlineExceeded,
     IntegrityError,
@@ -45,9 +45,6 @@ from tensorhub.errors import (
 )
 from transport.staging import StagingBuffer
 from transport.store import HeldVersion, Key
-
-if TYPE_CHECKING:
-    from ros.client.base import ClientBase
 
 log = logging.getLogger(__name__)
 
@@ -86,12 +83,17 @@ class SpillStats:
 
 
 class Retention:
-    """One client's spills: the budget, what is spilled to host memory now, and counts."""
+    """One client's releases and spills: the budget, what is spilled to host memory now,
+    and counts. It deletes records through `records` and stops serving through `holdings`."""
 
-    def __init__(self, budget: int | None = None) -> None:
+    def __init__(
+        self, records: HolderRecords, holdings: Holdings, budget: int | None = None
+    ) -> None:
         if budget is not None and (isinstance(budget, bool) or budget < 0):
             raise InvalidArgument(f"spill_budget must be a number of bytes >= 0, got {budget!r}")
         self.budget = default_spill_budget() if budget is None else int(budget)
+        self._records = records
+        self._holdings = holdings
         self._lock = threading.Lock()
         self._host: dict[Key, int] = {}  # host-spilled versions: their bytes
         self._copying: set[Key] = set()  # reserved, copy not swapped in yet: not swept
@@ -109,7 +111,6 @@ class Retention:
 
     def release(
         self,
-        client: ClientBase,
         model: str,
         version: int,
         *,
@@ -117,24 +118,23 @@ class Retention:
         timeout: float,
         spill: str | os.PathLike[str] | None,
     ) -> None:
-        """Release `model@version` for `client`: delete its record and stop serving it, or,
+        """Release `model@version`: delete our record and stop serving it, or,
         where the hub refuses (the last complete holder of a retained version), spill it to
         host memory and keep serving it. With `spill`, write it to that file and serve it
         from there (the record stays)."""
-        self.sweep(client)
+        self.sweep()
         if spill is not None:
-            self.to_file(client, model, version, spill, timeout)
+            self.to_file(model, version, spill, timeout)
             return
         try:
-            release_record(client, model, version, force=force)
+            self._records.release(model, version, force=force)
         except RetentionViolation as refused:
-            self.to_host(client, model, version, timeout, refused)
+            self.to_host(model, version, timeout, refused)
             return
-        forget(client, (client.tenant, model, version), timeout)
+        self._holdings.drop((self._holdings.tenant, model, version), timeout)
 
     def to_host(
         self,
-        client: ClientBase,
         model: str,
         version: int,
         timeout: float,
@@ -142,8 +142,8 @@ class Retention:
     ) -> None:
         """Copy the held version into host memory and serve it from there, within the budget;
         `SpillBudgetExceeded` (nothing changed) past it."""
-        key = (client.tenant, model, version)
-        held = client.holdings.get(key)
+        key = (self._holdings.tenant, model, version)
+        held = self._holdings.get(key)
         if held is None or not held.complete:
             raise refused
         nbytes = held.layout.total_bytes
@@ -174,7 +174,7 @@ class Retention:
         SDK_HOST_SPILLS.inc()
         SDK_HOST_SPILL_BYTES.inc(nbytes)
         try:  # swaps the copy in at once, then waits for reads in flight of the caller's memory
-            client.holdings.replace(copy, timeout)
+            self._holdings.replace(copy, timeout)
         finally:
             with self._lock:
                 self._copying.discard(key)
@@ -185,30 +185,29 @@ class Retention:
 
     def to_file(
         self,
-        client: ClientBase,
         model: str,
         version: int,
         path: str | os.PathLike[str],
         timeout: float,
     ) -> None:
         """Write the held version to the safetensors file `path` and serve it from there."""
-        key = (client.tenant, model, version)
-        held = client.holdings.get(key)
+        key = (self._holdings.tenant, model, version)
+        held = self._holdings.get(key)
         if held is None or not held.complete:
             raise InvalidArgument(f"{model}@{version} is not held complete here: nothing to spill")
         write_safetensors(path, held.tensors)
         mapped = HeldVersion.publisher(
-            client.tenant, model, version, map_safetensors(path), held.layout
+            self._holdings.tenant, model, version, map_safetensors(path), held.layout
         )
         check_copy(held, mapped, f"spill of {model}@{version} to {path}")
-        client.holdings.replace(mapped, timeout)
+        self._holdings.replace(mapped, timeout)
         with self._lock:
             self._file_spills += 1
         log.info("%s@%d spilled to %s; serving it from there", model, version, path)
 
     # -- freeing host spills ----------------------------------------------------------------
 
-    def sweep(self, client: ClientBase, budget: float = SWEEP_DEADLINE) -> int:
+    def sweep(self, budget: float = SWEEP_DEADLINE) -> int:
         """Free the host spills the cluster no longer needs (see the module's docstring);
         returns how many were freed. Bounded: one ReleaseHolder per spilled version, oldest
         first, all within `budget` seconds; failures are logged and tried again next time."""
@@ -222,7 +221,7 @@ class Retention:
                 break
             _, model, version = key
             try:
-                release_record(client, model, version, force=False, timeout=left)
+                self._records.release(model, version, force=False, timeout=left)
             except RetentionViolation:
                 continue  # still retained, and still ours alone: keep serving it
             except VersionNotFound:
@@ -231,7 +230,7 @@ class Retention:
                 log.info("host spill of %s@%d kept for now: %s", model, version, exc)
                 continue
             try:  # our memory: reads in flight keep their views alive, no need to wait long
-                forget(client, key, min(left, 1.0))
+                self._holdings.drop(key, min(left, 1.0))
             except DeadlineExceeded as exc:
                 log.info("host spill of %s@%d: %s; freed at the next sweep", model, version, exc)
                 continue
@@ -241,23 +240,6 @@ class Retention:
             SDK_HOST_SPILL_BYTES.dec(nbytes)
             freed += 1
         return freed
-
-
-def release_record(
-    client: ClientBase, model: str, version: int, *, force: bool, timeout: float | None = None
-) -> None:
-    """Delete `client`'s holder record of `model@version` (`RetentionViolation`: refused)."""
-    request = pb.ReleaseHolderRequest(
-        model=model, version=version, holder=client.holder_name, force=force,
-        session_id=client.session.id,  # the hub checks that it owns the record
-    )  # fmt: skip
-    response = client._rpc("ReleaseHolder", request, timeout)
-    client.floor.observe(response.revision)
-
-
-def forget(client: ClientBase, key: Key, timeout: float) -> None:
-    """Stop serving `key` (waiting up to `timeout` for reads in flight) and forget it."""
-    client.holdings.drop(key, timeout)
 
 
 def host_copy(held: HeldVersion) -> HeldVersion:

@@ -1,12 +1,12 @@
 """The SDK's unary hub calls, typed: `rpc("Latest", request)` is a `pb.LatestResponse` to
 mypy, not `Any`.
 
-The generated gRPC stub has no types, so the client's calls were `getattr(stub, name)(...)`
-answering `Any`, and a wrong field of an answer went unnoticed until it ran. `Rpc` is the
-call's type (one overload per method: its request and its answer), and `HubRpc` the one
-implementation: a deadline on every call, the tenant's metadata, errors back as
-`TensorHubError`s, and `SessionExpired` reported to the session at once so that its
-recovery starts without waiting for the next renewal to fail.
+The generated gRPC stub has no types; `Rpc` is the call's type (one overload per method:
+its request and its answer), and `HubRpc` the one implementation: a deadline on every call,
+the tenant's metadata, errors back as `TensorHubError`s, `SessionExpired` reported to the
+session at once so that its recovery starts without waiting for the next renewal to fail,
+and the client's one retry of a plain call (`UNARY_POLICY`; docs/design-notes.md, "One
+retry layer").
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from typing import Any, Literal, Protocol, overload
 
 import grpc
 
-from ros.client.session import ClientSession
+from consistency.retry import RetryPolicy
 from ros.errors import from_rpc_error
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
-from tensorhub.errors import SessionExpired
+from tensorhub.errors import SessionExpired, Unavailable
 
 
 class Rpc(Protocol):
@@ -112,36 +112,82 @@ class Rpc(Protocol):
     ) -> pb.DeleteModelResponse: ...
 
 
+class SessionExpiry(Protocol):
+    """What a call needs of the lease it runs under: to declare it lost."""
+
+    def expire(self, why: str) -> None: ...
+
+
+Expirable = Callable[[], SessionExpiry | None]
+"""The lease in use now (None while the first one opens)."""
+
+
+# Methods safe to send again after UNAVAILABLE: each either reads, or writes under a key the
+# hub makes idempotent (our holder record, our pin). `Publish` and `DeleteModel` are not:
+# a lost reply is checked by reading back (`ros.client.publishing`), never resent blindly.
+IDEMPOTENT = frozenset({
+    "OpenSession", "CloseSession", "Latest", "Resolve", "RegisterHolder", "UpdateHolder",
+    "ReleaseHolder", "Pin", "Unpin", "ListModels", "Inspect",
+})  # fmt: skip
+
+UNARY_POLICY = RetryPolicy(
+    initial=0.05, maximum=1.0, tries=5, retry_on=lambda e: isinstance(e, Unavailable)
+)
+"""The one retry of a plain hub call: an idempotent method refused as `Unavailable` (the
+replica died, the channel moves to the next) is sent again, up to 5 tries, 50 ms doubling to
+1 s (full jitter), all within the call's own deadline. Calls that run inside a loop of their
+own (fresh reads, session recovery, publish) use `HubRpc.once` instead: never two layers."""
+
+
 class HubRpc:
-    """`Rpc` over one channel's stub, for one tenant: what `ClientBase._rpc` is."""
+    """`Rpc` over one channel's stub, for one tenant: the client's every unary hub call.
+
+    Calling it tries an idempotent method on `policy` (`UNARY_POLICY`); `once` is the same
+    call tried exactly once, for callers that retry on a policy of their own.
+    """
 
     def __init__(
         self,
         stub: Any,
         metadata: tuple[tuple[str, str], ...],
-        timeout: Callable[[], float],
-        session: Callable[[], ClientSession | None],
+        timeout: float,
+        session: Expirable,
+        policy: RetryPolicy | None = UNARY_POLICY,
     ) -> None:
         self._stub = stub  # the generated stub: untyped, hence `Rpc`
         self._metadata = metadata
         self._timeout = timeout  # the client's default deadline
-        self._session = session  # the session in use (None while the first one opens)
+        self._session = session  # the lease in use (None while the first one opens)
+        self._policy = policy
+
+    @property
+    def once(self) -> Rpc:
+        """The same calls, each tried once."""
+        return HubRpc(self._stub, self._metadata, self._timeout, self._session, None)
 
     def __call__(self, method: str, request: Any, timeout: float | None = None) -> Any:
-        """Call `method` with a deadline; errors come back as TensorHubErrors.
+        """Call `method` within `timeout` (default: the client's); errors come back as
+        TensorHubErrors. An idempotent method refused as `Unavailable` is tried again on the
+        policy, each try getting what is left of the deadline."""
+        budget = self._timeout if timeout is None else timeout
+        policy = self._policy
+        if policy is None or method not in IDEMPOTENT:
+            return self._attempt(method, request, budget)
+        deadline = policy.deadline(budget)
+        return policy.call(
+            lambda: self._attempt(method, request, max(deadline - policy.clock(), 0.01)),
+            deadline,
+        )
 
-        `SessionExpired` means the hub found our session gone: recovery (a new session,
-        every held version re-registered) starts at once instead of when the next renewal
-        fails. (Another `LeaseLost`, about one holder record, leaves the session alone.)
-        """
+    def _attempt(self, method: str, request: Any, timeout: float) -> Any:
+        """One try. `SessionExpired` means the hub found our session gone: recovery (a new
+        session, every held version re-registered) starts at once instead of when the next
+        renewal fails. (Another `LeaseLost`, about one holder record, leaves the session
+        alone.)"""
         session = self._session()  # the one the call runs under, not a later one
         call: grpc.UnaryUnaryMultiCallable[Any, Any] = getattr(self._stub, method)
         try:
-            return call(
-                request,
-                timeout=self._timeout() if timeout is None else timeout,
-                metadata=self._metadata,
-            )
+            return call(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             error = from_rpc_error(exc, method)  # UNKNOWN: OutcomeUnknown only for writes
             if isinstance(error, SessionExpired) and session is not None:

@@ -31,11 +31,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ros.client.base import ClientBase
 from ros.client.deadline import Deadline
 from ros.client.fetching import DEFAULT_FETCH_TIMEOUT
+from ros.client.identity import Identity
 from ros.client.manifest import layout_of, placement_of
 from ros.client.orchestrator import Orchestrator, ProgressCallback, Target
+from ros.client.pins import Pins
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import DeadlineExceeded, InvalidArgument, OutOfMemory, TensorHubError
 from tensorhub.names import validate_name, validate_version
@@ -85,8 +86,9 @@ class _Copy:
 
 
 def fetch_slices(
-    client: ClientBase,
     runs: Orchestrator,
+    pins: Pins,
+    me: Identity,
     model: str,
     version: int | str = "latest",
     *,
@@ -111,32 +113,30 @@ def fetch_slices(
     # A reader of slices is no holder, so it pins the version itself; the pin is its
     # own (not the holder name, whose pin a concurrent fetch of the version may hold).
     pin_id = f"slices-{secrets.token_hex(6)}"
-    pin = pb.PinRequest(model=model, version=found, pin_id=pin_id, session_id=client.session.id)
-    client._rpc("Pin", pin, deadline.work(client.timeout))
+    pins.pin(model, found, pin_id, deadline.work(me.timeout))
     try:
         for index, copies in plan.items():
             shard = index if resolved.shards else None
             # the holders of this shard (a Resolve answers candidates of one shard only)
             holders = resolved if shard is None else runs.holders(model, found, shard, deadline)
             _read_part(
-                client, runs, model, found, shard, holders, parts[index], copies, slices,
+                me, runs, model, found, shard, holders, parts[index], copies, slices,
                 deadline, result, rate_floor, progress,
             )  # fmt: skip
     finally:
-        _unpin(client, model, found, pin_id, deadline)
+        _unpin(pins, me, model, found, pin_id, deadline)
     return result
 
 
-def _unpin(client: ClientBase, model: str, version: int, pin_id: str, deadline: Deadline) -> None:
+def _unpin(
+    pins: Pins, me: Identity, model: str, version: int, pin_id: str, deadline: Deadline
+) -> None:
     """Drop our pin within the deadline; one that does not fit is left to the lease."""
-    budget = deadline.finish(client.timeout)
+    budget = deadline.finish(me.timeout)
     try:
         if budget is None:
             raise DeadlineExceeded("no time left before the deadline")
-        unpin = pb.UnpinRequest(
-            model=model, version=version, pin_id=pin_id, session_id=client.session.id
-        )
-        client._rpc("Unpin", unpin, budget)
+        pins.unpin(model, version, pin_id, budget)
     except TensorHubError as exc:
         log.warning(
             "unpin of %s@%d not done (%s): the pin is left to the session's lease "
@@ -145,7 +145,7 @@ def _unpin(client: ClientBase, model: str, version: int, pin_id: str, deadline: 
 
 
 def _read_part(
-    client: ClientBase,
+    me: Identity,
     runs: Orchestrator,
     model: str,
     version: int,
@@ -176,7 +176,7 @@ def _read_part(
         needed.update(chunks_for(layout, spec, first, end))
     device = _staging_device([slices[c.name].tensor for c in copies])
     tensors = _allocate_staging(layout, device, model, version, shard)
-    staging = HeldVersion.reader(client.tenant, model, version, layout, tensors)
+    staging = HeldVersion.reader(me.tenant, model, version, layout, tensors)
     target = Target(model, version, shard, staging, manifest, chunks=needed, holder=False)
     stats = runs.run(target, holders, deadline, rate_floor=rate_floor, progress=progress)
     for source, nbytes in stats.bytes_per_source.items():

@@ -87,7 +87,7 @@ class VersionReceiver:
         number = 0 if version == "latest" else int(version)
         self._release_previous()
         # the manifest (cached: the fetch below does not ask for it again) says its shape
-        resolved = self.hub._resolve(self.model, number, timeout=self.timeout)
+        resolved = self.hub.resolve(self.model, number, timeout=self.timeout)
         number = int(resolved.version)
         if resolved.shard_count or resolved.shards:
             return number, self._receive_slices(number, list(resolved.shards))

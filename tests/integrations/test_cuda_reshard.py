@@ -204,8 +204,7 @@ def test_a_tp2_rollout_fetches_its_own_shard_into_gpu_memory(
             assert held.tensors[name] is tensor, name
             assert tensor.is_cuda, name
             assert torch.equal(tensor, shards[rank][name]), (name, rank)
-    assert trainers[0]._server is not None
-    trainers[0]._server.stop()  # shard 0's publisher stops serving; its record stays
+    trainers[0]._serving.server.stop()  # shard 0's publisher stops serving; its record stays
     _, stats = read_tp(connect(), global_model(), 0, 4, "cuda")  # TP-4 rank 0: shard 0 only
     assert trainers[0].holder_name not in stats.bytes_per_source
     assert stats.bytes_per_source.get(rollouts[0].holder_name, 0) > 0

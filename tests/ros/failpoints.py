@@ -36,12 +36,19 @@ class HeldTxn:
     def stop_at(self, client: Etcd, success: Any) -> None:
         if self.reached.is_set() or client._members is not self._members:
             return
-        writes = [op.request_put.key for op in success if op.HasField("request_put")]
-        if any(k.startswith(self._prefix) for k in writes):
-            self.leases = [op.request_put.lease for op in success if op.HasField("request_put")]
-            self.keys = [k.decode() for k in writes if k.startswith(self._prefix)]
+        if self.matches(success):
             self.reached.set()
             self._open.wait(30)
+
+    def matches(self, success: Any) -> bool:
+        """Whether to hold the transaction whose success ops are `success`: one that puts a
+        key under the prefix (noting its leases and keys)."""
+        writes = [op.request_put.key for op in success if op.HasField("request_put")]
+        if not any(k.startswith(self._prefix) for k in writes):
+            return False
+        self.leases = [op.request_put.lease for op in success if op.HasField("request_put")]
+        self.keys = [k.decode() for k in writes if k.startswith(self._prefix)]
+        return True
 
     def release(self) -> None:
         self._open.set()
@@ -49,3 +56,16 @@ class HeldTxn:
     def remove(self) -> None:
         self.release()
         Etcd.txn = self._original  # type: ignore[method-assign]
+
+
+class HeldDelete(HeldTxn):
+    """`HeldTxn` for the first transaction that deletes the whole range under `prefix`
+    (retention collecting one version, or a model's deletion: not a holder record's delete)."""
+
+    def matches(self, success: Any) -> bool:
+        ranges = [
+            op.request_delete_range
+            for op in success
+            if op.HasField("request_delete_range") and op.request_delete_range.range_end
+        ]
+        return any(r.key == self._prefix for r in ranges)

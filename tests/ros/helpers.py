@@ -38,7 +38,7 @@ def read_policy_1(holder: ros.Hub, token: bytes) -> None:
     the given read token: what a holder accepts, bypassing the SDK's token handling."""
     layout = Layout.from_tensors(make_model(1))
     dest = HeldVersion.reader(holder.tenant, "policy", 1, layout, layout.allocate())
-    host, port = holder._holder_server().address
+    host, port = holder._serving.server.address
     fetch(
         holder.tenant, "policy", 1, layout, dest,
         [Source(holder.holder_name, host, port, Topology())],

@@ -9,6 +9,7 @@ so nothing else talks to it; the figures are printed (`-s`) and bounded.
 from __future__ import annotations
 
 import re
+import statistics
 import urllib.request
 from collections.abc import Iterator
 
@@ -52,12 +53,14 @@ def test_etcd_requests_per_publish_and_per_fetch(own_etcd: EtcdCluster) -> None:
     is a compare in it, the budget a cached read), and retention's scan of the model's
     versions, which finds nothing to collect (`retain` is past the rounds). A fetch of a new
     version is 5 (its header, its manifest, the PARTIAL registration, the COMPLETE update's
-    read and transaction); a release is 3."""
+    read and transaction); a release is 3. Each is the median over the rounds: etcd counts
+    every request, and a background one (retention's scan landing after its publish
+    answered, a read-key rotation) may fall into a round's window."""
     keys = Keys("/count")
     server = HubServer(
         own_etcd.endpoints, admin_token="admin", keys=keys, retain=2 * ROUNDS
     ).start()
-    counts = {"publish": 0, "fetch": 0, "release": 0}
+    counts: dict[str, list[int]] = {"publish": [], "fetch": [], "release": []}
     try:
         quotas = Quotas(max_retained_versions=2 * ROUNDS)
         token = TenantStore(server.etcd, keys).create("team", quotas)
@@ -74,16 +77,17 @@ def test_etcd_requests_per_publish_and_per_fetch(own_etcd: EtcdCluster) -> None:
                 held = reader.fetch("policy", step, timeout=30)
                 fetched = kv_requests(own_etcd)
                 held.release(force=True)
-                counts["publish"] += published - start
-                counts["fetch"] += fetched - published
-                counts["release"] += kv_requests(own_etcd) - fetched
+                counts["publish"].append(published - start)
+                counts["fetch"].append(fetched - published)
+                counts["release"].append(kv_requests(own_etcd) - fetched)
         finally:
             reader.close()
             trainer.close()
     finally:
         server.stop(grace=0.2)
-    per = {name: count / ROUNDS for name, count in counts.items()}
-    print("\netcd KV requests: " + ", ".join(f"{v:.2f} per {k}" for k, v in per.items()))
-    assert per["publish"] <= 3.0
-    assert per["fetch"] <= 5.0
-    assert per["release"] <= 3.0
+    print("\netcd KV requests per call, median (mean, max) over the rounds:")
+    for name, seen in counts.items():
+        print(f"  {name}: {statistics.median(seen):g} ({statistics.mean(seen):.2f}, {max(seen)})")
+    assert statistics.median(counts["publish"]) <= 3
+    assert statistics.median(counts["fetch"]) <= 5
+    assert statistics.median(counts["release"]) <= 3

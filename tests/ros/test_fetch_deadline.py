@@ -24,8 +24,8 @@ import torch
 
 import ros
 from chaos.proxy import Proxy
-from ros.client.base import CLOSE_SESSION_TIMEOUT
 from ros.client.channel import parse_address
+from ros.client.hub import CLOSE_SESSION_TIMEOUT
 from ros.hub.server import HubServer
 from tests.ros.helpers import make_model
 
@@ -44,16 +44,17 @@ def proxy(hub_server: HubServer) -> Iterator[Proxy]:
 
 
 def _freeze_after(client: ros.Hub, proxy: Proxy, method: str) -> None:
-    """Blackhole the client's link to the hub as soon as its first `method` call returns."""
-    rpc: Callable[..., Any] = client._rpc
+    """Blackhole the client's link to the hub as soon as its first `method` call returns
+    (the stub's method is wrapped: every caller in the client shares that stub)."""
+    stub = client._stub
+    rpc: Callable[..., Any] = getattr(stub, method)
 
-    def call(name: str, request: Any, timeout: float | None = None) -> Any:
-        answer = rpc(name, request, timeout)
-        if name == method:
-            proxy.set("blackhole")
+    def call(request: Any, **kwargs: Any) -> Any:
+        answer = rpc(request, **kwargs)
+        proxy.set("blackhole")
         return answer
 
-    client._rpc = call  # type: ignore[assignment]
+    setattr(stub, method, call)
 
 
 @pytest.fixture

@@ -141,7 +141,7 @@ def _read(a: ros.Hub, tenant: str, token: bytes, version: int = 1) -> None:
     weights = make_model(1)
     layout = Layout.from_tensors(weights)
     dest = HeldVersion.reader(tenant, "policy", version, layout, layout.allocate())
-    host, port = a._holder_server().address
+    host, port = a._serving.server.address
     fetch(
         tenant, "policy", version, layout, dest, [Source(a.holder_name, host, port, Topology())],
         token=token, deadline=time.monotonic() + 5, me=Topology(),

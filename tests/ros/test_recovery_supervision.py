@@ -22,7 +22,7 @@ import pytest
 
 import ros
 from consistency import Etcd, EtcdCluster, Keys
-from ros.client.recovery import RECOVERY_JOIN_TIMEOUT
+from ros.client.session import RECOVERY_JOIN_TIMEOUT
 from ros.hub.server import HubServer
 from ros.hub.tenants import Quotas, TenantStore
 from tests.ros.helpers import make_model

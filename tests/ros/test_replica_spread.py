@@ -194,7 +194,7 @@ def test_killing_a_replica_keeps_every_session_and_holder_record(
     victim, survivor = replicas
     moved = victim.sessions()
     assert moved >= 1, "no client on the replica to kill: nothing would be tested"
-    caplog.set_level(logging.INFO, logger="ros.client.session")  # the rest: WARNING and up
+    caplog.set_level(logging.INFO, logger="ros.client.lease")  # the rest: WARNING and up
     caplog.clear()
     renewals = [c.session.renewals for c in clients]
     opened = survivor.metric("tensorhub_hub_sessions_opened_total")
@@ -214,7 +214,7 @@ def test_killing_a_replica_keeps_every_session_and_holder_record(
     waits = [
         r.created - killed_wall + float(r.args[2])  # type: ignore[index,arg-type]
         for r in caplog.records
-        if r.name == "ros.client.session" and "reopening" in r.getMessage()
+        if r.name == "ros.client.lease" and "reopening" in r.getMessage()
     ]
     assert len(waits) >= moved, waits
     assert len({round(w, 3) for w in waits}) > 1, f"all reopened at once: {waits}"

@@ -159,8 +159,7 @@ def test_a_dead_holder_of_a_source_shard_is_replaced_by_another(
     trainers = publish_tp(connect, 2)
     standby = connect()
     standby.fetch("policy", 1, shard=0, timeout=30)  # a second holder of shard 0
-    assert trainers[0]._server is not None
-    trainers[0]._server.stop()  # shard 0's publisher stops serving; its record stays
+    trainers[0]._serving.server.stop()  # shard 0's publisher stops serving; its record stays
     reader = connect()
     got, stats = read_tp(reader, 0, 1)  # the whole model: both shards
     for name, tensor in global_model().items():

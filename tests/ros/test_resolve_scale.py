@@ -136,7 +136,7 @@ def test_manifest_once_and_its_digest_always(connect: Callable[..., ros.Hub]) ->
     first = reader.fetch("policy", 1, timeout=30)
     assert digest(first.tensors) == digest(model)
     first.release()
-    assert len(reader._manifests) == 1
+    assert len(reader._reads.manifests) == 1
     again = reader.fetch("policy", 1, into={k: torch.empty_like(v) for k, v in model.items()})
     assert digest(again.tensors) == digest(model)
 

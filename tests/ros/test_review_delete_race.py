@@ -23,12 +23,13 @@ import grpc
 import pytest
 
 import ros
-from consistency import Etcd, EtcdCluster
+from consistency import EtcdCluster
 from ros.hub.server import HubServer
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
 from tests.consistency.test_manifests import big_manifest
 from tests.ros import review_state
+from tests.ros.failpoints import HeldDelete, HeldTxn
 from tests.ros.helpers import make_model
 from tests.ros.review_state import (
     ModelState,
@@ -36,7 +37,7 @@ from tests.ros.review_state import (
     read_model,
     usage_held,
 )
-from tests.ros.test_burst import HeldTxn, error_name, metadata, tenant
+from tests.ros.test_burst import error_name, metadata, tenant
 from tests.waiting import wait_until
 
 
@@ -50,56 +51,6 @@ def delete(stub: Any, md: Any, model: str) -> pb.DeleteModelResponse:
         pb.DeleteModelRequest(model=model), metadata=md, timeout=20
     )
     return answer
-
-
-class HeldDelete:
-    """Failpoint on a hub's etcd client: the first transaction that deletes the whole range
-    under `prefix` (retention collecting one version, or a model's deletion: not a holder
-    record's delete) waits at the door until `release()` (at most 30 s). Like `HeldTxn`, it
-    wraps `Etcd.txn` on the class, for the calls of `etcd` and of every view made from it
-    (`Etcd.fenced` views share its members, whenever they were made), so the held write is
-    the real one, fence and all; other clients in the process pass through."""
-
-    def __init__(self, etcd: Etcd, prefix: str) -> None:
-        self._members = etcd._members
-        self._prefix = prefix.encode()
-        self.reached = threading.Event()
-        self._open = threading.Event()
-        self._original = Etcd.txn
-        failpoint = self
-
-        def txn(client: Etcd, compare: Any, success: Any, failure: Any = None, **kw: Any) -> Any:
-            failpoint.stop_at(client, success)
-            return failpoint._original(client, compare, success, failure, **kw)
-
-        Etcd.txn = txn  # type: ignore[method-assign]
-
-    def stop_at(self, client: Etcd, success: Any) -> None:
-        if self.reached.is_set() or client._members is not self._members:
-            return
-        ranges = [
-            op.request_delete_range
-            for op in success
-            if op.HasField("request_delete_range") and op.request_delete_range.range_end
-        ]
-        if any(r.key == self._prefix for r in ranges):
-            self.reached.set()
-            self._open.wait(30)
-
-    def release(self) -> None:
-        self._open.set()
-
-    def remove(self) -> None:
-        self.release()
-        Etcd.txn = self._original  # type: ignore[method-assign]
-
-
-@pytest.fixture
-def held() -> Any:
-    made: list[HeldTxn] = []
-    yield made
-    for failpoint in made:
-        failpoint.remove()
 
 
 @pytest.mark.timeout(60)

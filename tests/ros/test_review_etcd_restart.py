@@ -2,7 +2,7 @@
 one-member etcd is SIGKILLed and started again from its data dir, under a real hub (gRPC on
 loopback) and SDK clients that hold a version.
 
-What the SDK promises (docs/sdk.md, `ros/client/session.py`, `ros/client/recovery.py`), and
+What the SDK promises (docs/sdk.md, `ros/client/session.py`, `ros/client/lease.py`), and
 what is tested, exactly:
 
 - a session renewed again before its TTL ran out is the same session: same lease id, never

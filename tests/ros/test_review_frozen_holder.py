@@ -10,7 +10,7 @@ connections on its port, but nothing answers. What must hold:
 - once the frozen holder's lease has expired, its record is gone and a fetch is refused
   as `VersionUnavailable` at once, not after its whole deadline;
 - after SIGCONT the holder finds its session lost, opens a new one and registers policy@1
-  again (`ros.client.recovery`), and readers fetch the publisher's bytes from it.
+  again (`ros.client.session`), and readers fetch the publisher's bytes from it.
 
 (A reader cannot find "another holder" here: only the frozen one has the bytes; the case
 with a second holder is the SDK's failover, tested in `tests/transport/test_failover.py`.)

@@ -133,6 +133,6 @@ def test_read_token_ttl_sets_what_resolve_issues(
         tenant_token = _create_tenant(address, TOKEN, "team-ttl")
         with ros.connect(address, tenant="team-ttl", token=tenant_token) as hub:
             hub.publish("policy", 1, make_model(1))
-            resolved = hub._resolve("policy", 1)
+            resolved = hub.resolve("policy", 1)
             left = resolved.token_expiry_unix - time.time()  # issued before now: <= 7
             assert 0 < left <= 7  # not the 300 s default

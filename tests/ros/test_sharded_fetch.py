@@ -133,8 +133,7 @@ def test_a_dead_holder_of_the_shard_fails_over_to_holders_of_that_shard_only(
     of_0, of_1 = connect(), connect()
     of_0.fetch("policy", 1, shard=0, timeout=30)
     of_1.fetch("policy", 1, shard=1, timeout=30)
-    assert trainers[1]._server is not None
-    trainers[1]._server.stop()  # shard 1's publisher stops serving; its record stays
+    trainers[1]._serving.server.stop()  # shard 1's publisher stops serving; its record stays
     reader = connect()
     held = reader.fetch("policy", 1, shard=1, timeout=30)
     for name, tensor in part(1).items():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -80,7 +81,7 @@ def test_publish_and_fetch_over_tls(tls_hub: HubServer, pki: tuple[TlsConfig, Tl
 
         # The holder port speaks only TLS to peers with a certificate from our CA.
         layout = Layout.from_tensors(weights)
-        host, port = trainer._holder_server().address
+        host, port = trainer._serving.server.address
         source = [Source(trainer.holder_name, host, port, Topology())]
         resolved = reader._rpc("Resolve", pb.ResolveRequest(model="policy", version=1))
         read_token = bytes(resolved.read_token)
@@ -107,3 +108,53 @@ def test_publish_and_fetch_over_tls(tls_hub: HubServer, pki: tuple[TlsConfig, Tl
     # and a client that does not trust the hub's CA cannot even connect
     with pytest.raises(ros.TensorHubError):
         ros.connect(tls_hub.address, tenant="team-a", token=token, tls=theirs, timeout=3)
+
+
+def _refused(address: tuple[str, int]) -> bool:
+    """Whether nothing listens at `address` any more."""
+    try:
+        socket.create_connection(address, timeout=2).close()
+    except OSError:
+        return True
+    return False
+
+
+@pytest.mark.timeout(120)
+def test_two_clients_in_one_process_each_own_their_servers(
+    tls_hub: HubServer, hub_server: HubServer, pki: tuple[TlsConfig, TlsConfig]
+) -> None:
+    """A client with TLS and one without, in one process, serve from servers of their own
+    (the backends are the client's, not the module's): closing either one stops its own
+    port only, and a fetch from the other still works."""
+    ours, _ = pki
+    token = TenantStore(tls_hub.etcd, tls_hub.keys).create("team-a")
+    weights = make_model(3)
+
+    def secure_client() -> ros.Hub:
+        return ros.connect(tls_hub.address, tenant="team-a", token=token, tls=ours)
+
+    def plain_client() -> ros.Hub:
+        return ros.connect(hub_server.address, tenant="team-a", token=token)
+
+    secure, plain = secure_client(), plain_client()
+    try:
+        secure.publish("secure", 1, weights)
+        plain.publish("plain", 1, weights)
+        secure_at = secure._serving.server.address
+        plain_at = plain._serving.server.address
+        assert secure_at != plain_at
+        secure.close()  # the TLS client goes: the plain one keeps serving
+        assert _refused(secure_at)
+        with plain_client() as reader:
+            held = reader.fetch("plain", 1, timeout=20)
+            assert digest(held.tensors) == digest(weights)
+        secure = secure_client()  # and the other way round
+        secure.publish("secure", 2, weights)
+        plain.close()
+        assert _refused(plain_at)
+        with secure_client() as reader:
+            held = reader.fetch("secure", 2, timeout=20)
+            assert digest(held.tensors) == digest(weights)
+    finally:
+        secure.close()
+        plain.close()

@@ -30,7 +30,7 @@ from ros.hub.tenants import TenantStore
 from tensorhub.errors import InvalidArgument, PermissionDenied, Unavailable
 from tests.ros.conftest import ADMIN
 from tests.ros.helpers import digest, make_model
-from transport import receiving
+from transport import fetch_state
 from transport.layout import Layout
 from transport.planner import Source
 from transport.reader import fetch
@@ -72,7 +72,7 @@ def _slow_trainer(
 ) -> tuple[ros.Hub, dict[str, object], float]:
     """A trainer whose holder pauses DELAY before each chunk, and the least time a fetch
     of its model with PARALLEL one-chunk GETs takes."""
-    monkeypatch.setattr(receiving, "BATCH_BYTES", CHUNK)  # one chunk per GET
+    monkeypatch.setattr(fetch_state, "BATCH_BYTES", CHUNK)  # one chunk per GET
     trainer = clients(hooks=ClientHooks(send=Fault(chunk_delay=DELAY)))
     weights = make_model(5, big=24 * CHUNK // 4)  # 24 chunks of float32, and the small ones
     trainer.publish("policy", 1, weights, chunk_size=CHUNK)
@@ -101,10 +101,10 @@ def test_without_renewal_the_same_fetch_is_refused_part_way(
 ) -> None:
     trainer, weights, _ = _slow_trainer(clients, monkeypatch)
     reader = clients()
-    resolved = reader._resolve("policy", 1)  # what the SDK used for the whole fetch before
+    resolved = reader.resolve("policy", 1)  # one token for the whole fetch
     layout = Layout.from_tensors(weights, chunk_size=CHUNK)  # type: ignore[arg-type]
     dest = HeldVersion.reader("team-a", "policy", 1, layout, layout.allocate())
-    host, port = trainer._holder_server().address
+    host, port = trainer._serving.server.address
     with pytest.raises(PermissionDenied, match="DENIED"):
         fetch(
             "team-a", "policy", 1, layout, dest, [Source(trainer.holder_name, host, port)],

@@ -1,10 +1,7 @@
-"""Fault injection comes from outside (issue 13): a planted bug is a hook object handed to
-the reader or the client when it is built; no environment variable reaches production code.
-
-Before, `planted_bug()` read TENSORHUB_PLANTED_BUG for every received chunk and in the
-revision floor's rejection path, so that variable alone turned the checks off in any
-process. Now it is ignored, and the planted bugs of chaos runs (`chaos.planted`) work
-through `ChunkChecks` and the floor's class.
+"""Fault injection comes from outside: a planted bug is a wrapper handed to the client when
+it is built (around its floor, or its round reader), or a `ChunkChecks` handed to the
+reader; no environment variable (TENSORHUB_PLANTED_BUG, once read here) reaches production
+code.
 """
 
 from __future__ import annotations
@@ -14,7 +11,7 @@ import time
 import pytest
 
 from chaos.holder_faults import Fault
-from chaos.planted import UNCHECKED, LaxFloor, hooks_for
+from chaos.planted import UNCHECKED, LaxFloor, hooks_for, unchecked
 from consistency.floor import RevisionFloor
 from ros.client.hooks import PRODUCTION
 from tensorhub.errors import IntegrityError, StaleRead
@@ -65,7 +62,7 @@ def test_the_environment_cannot_switch_the_floor_off(monkeypatch: pytest.MonkeyP
     floor.accept(10)
     with pytest.raises(StaleRead):
         floor.accept(9)
-    lax = LaxFloor()  # the planted bug, as a class the client is built with
+    lax = LaxFloor(floor)  # the planted bug, wrapped around the client's floor
     lax.accept(10)
     assert lax.accept(9) == 9
     assert lax.value == 9
@@ -73,9 +70,22 @@ def test_the_environment_cannot_switch_the_floor_off(monkeypatch: pytest.MonkeyP
 
 def test_chaos_hooks_are_production_but_for_the_planted_bug() -> None:
     assert hooks_for("") == PRODUCTION
-    assert hooks_for("no-version-check").checks == UNCHECKED
-    assert hooks_for("no-version-check").floor is RevisionFloor
+    assert hooks_for("no-version-check").read is unchecked
+    assert hooks_for("no-version-check").floor is PRODUCTION.floor
     assert hooks_for("no-revision-floor").floor is LaxFloor
-    assert hooks_for("no-revision-floor").checks == STRICT
+    assert hooks_for("no-revision-floor").read is PRODUCTION.read
     fault = Fault()
     assert hooks_for("", send=fault).send is fault
+
+
+def test_the_planted_reader_runs_every_round_unchecked() -> None:
+    """`unchecked` wraps the real round reader and changes nothing but its checks."""
+    seen: list[dict[str, object]] = []
+
+    def read(*args: object, **kwargs: object) -> str:
+        seen.append(dict(kwargs, args=args))
+        return "round"
+
+    assert unchecked(read)(1, 2, tls=None) == "round"
+    assert seen == [{"args": (1, 2), "tls": None, "checks": UNCHECKED}]
+    assert PRODUCTION.read(read) is read  # production's hook is the reader itself

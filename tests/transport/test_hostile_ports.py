@@ -132,11 +132,11 @@ def test_a_token_less_flood_from_the_readers_host_is_evicted(
     trainer = connect(topology={"host": "trainer"})
     reader = connect(topology={"host": "rollout"})
     trainer.publish("policy", 1, make_model(1))  # starts the trainer's holder port
-    holder = trainer._holder_server()
+    holder = trainer._serving.server
     flood = TokenlessFlood(holder.address)
     failures: list[str] = []
     try:
-        wait_until("the flood holds every slot", lambda: len(holder._admission) >= PER_PEER)
+        wait_until("the flood holds every slot", lambda: len(holder.admission) >= PER_PEER)
         for version in range(2, 8):
             weights = make_model(version)
             trainer.publish("policy", version, weights)
@@ -195,8 +195,8 @@ def test_the_sdk_waits_out_a_holder_full_of_readers(
     reader = connect(topology={"host": "rollout"})
     weights = make_model(3)
     trainer.publish("policy", 1, weights)
-    resolved = reader._resolve("policy", 1)
-    readers = _tokened(trainer._holder_server().address, trainer.tenant, resolved, PER_PEER)
+    resolved = reader.resolve("policy", 1)
+    readers = _tokened(trainer._serving.server.address, trainer.tenant, resolved, PER_PEER)
 
     def leave() -> None:
         for sock in readers:

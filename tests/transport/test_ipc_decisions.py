@@ -24,7 +24,6 @@ from tensorhub.errors import TransportError
 from tests.transport._model import MODEL, TENANT
 from transport.backend import TransportKind
 from transport.ipc.fingerprint import (
-    VERDICTS,
     HostFingerprint,
     Verdicts,
     local_fingerprint,
@@ -66,7 +65,7 @@ def test_a_cuda_destination_reads_a_complete_holder_over_ipc_with_tcp_to_fall_ba
 )
 def test_ipc_is_passed_over_with_the_reason(kwargs: dict[str, bool], why: str) -> None:
     args = {"complete": True, "device_memory": True, "tls": False, **kwargs}
-    route = choose(ENDPOINTS, local=BOTH, **args)
+    route = choose(ENDPOINTS, local=BOTH, verdicts=Verdicts(), **args)
     assert route.kind is TransportKind.TCP
     assert route.port == 7001
     assert route.fallback.startswith(why), route.fallback
@@ -82,8 +81,9 @@ def test_a_process_without_cuda_says_so_when_it_passes_ipc_over() -> None:
 
 def test_a_holder_whose_ipc_failed_lately_is_read_over_tcp_at_once() -> None:
     endpoints = {"tcp": "127.0.0.1:7101", "ipc": "127.0.0.1:7102"}
-    VERDICTS.remember("127.0.0.1:7102", "the holder's GPU x is not visible here")
-    route = choose(endpoints, complete=True, local=BOTH, device_memory=True)
+    verdicts = Verdicts()  # the reader's own (its client's ReaderBackends)
+    verdicts.remember("127.0.0.1:7102", "the holder's GPU x is not visible here")
+    route = choose(endpoints, complete=True, local=BOTH, device_memory=True, verdicts=verdicts)
     assert route.kind is TransportKind.TCP
     assert "failed with this holder lately: the holder's GPU x is not visible" in route.fallback
 

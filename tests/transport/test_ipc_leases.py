@@ -24,7 +24,6 @@ from transport.backend import TransportKind
 from transport.frames import recv_message, send_message
 from transport.ipc.cuda import Export
 from transport.ipc.fingerprint import (
-    VERDICTS,
     local_fingerprint,
 )
 from transport.ipc.protocol import (
@@ -45,6 +44,7 @@ from transport.reader import read_round
 from transport.server import HolderServer, allow_all
 from transport.store import HeldVersion, HolderStore
 from transport.topology import Topology
+from transport.transports import ReaderBackends
 from transport.wire import ErrorCode, Refusal
 
 ME = local_fingerprint()
@@ -270,9 +270,10 @@ def test_a_host_memory_reader_routed_to_ipc_reads_the_same_holder_over_tcp() -> 
         )  # fmt: skip
         dest = HeldVersion.reader(TENANT, MODEL, 1, layout, layout.allocate("cpu"))
         stats = FetchStats()
+        readers = ReaderBackends()
         result = read_round(
             TENANT, MODEL, 1, layout, dest, [source], token=b"ok",
-            deadline=time.monotonic() + 30, me=Topology(), stats=stats,
+            deadline=time.monotonic() + 30, me=Topology(), stats=stats, readers=readers,
         )  # fmt: skip
         assert ipc.leases == 0
         host, port = ipc.address
@@ -283,4 +284,4 @@ def test_a_host_memory_reader_routed_to_ipc_reads_the_same_holder_over_tcp() -> 
     assert stats.transports == {"h": "tcp"}
     assert stats.fallbacks == {"h": "ipc: the destination is in host memory"}
     assert stats.bytes_per_source["h"] == sum(t.nbytes for t in layout.tensors)
-    assert "the destination is in host memory" in VERDICTS.known(f"{host}:{port}")
+    assert "the destination is in host memory" in readers.verdicts.known(f"{host}:{port}")

@@ -16,11 +16,11 @@ import torch
 
 from tests.transport._later_copies import LaterCopies
 from tests.transport._model import MODEL, TENANT, make_model
+from transport.fetch_state import FetchState
 from transport.layout import Layout
 from transport.outcome import ChunkOutcome, ChunkStatus
 from transport.planner import Source
 from transport.reader import fetch
-from transport.receiving import FetchState
 from transport.server import HolderServer, allow_all, send_chunk
 from transport.staging import StagingBuffer
 from transport.store import HeldVersion, HolderStore

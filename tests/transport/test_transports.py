@@ -28,6 +28,7 @@ from tests.transport._model import MODEL, TENANT, make_model
 from tests.transport._sockets import closed_by_peer
 from tests.transport.conftest import StartHolder
 from transport.backend import TransportKind
+from transport.fetch_state import FetchState
 from transport.frames import recv_message, send_message
 from transport.layout import Layout
 from transport.outcome import ChunkStatus
@@ -43,12 +44,11 @@ from transport.rdma.control import (
     encode_request,
 )
 from transport.reader import fetch
-from transport.receiving import FetchState
 from transport.selection import choose
 from transport.server import allow_all
 from transport.store import HeldVersion, HolderStore
 from transport.topology import Topology
-from transport.transports import transport_for
+from transport.transports import ReaderBackends
 from transport.wire import ErrorCode, Refusal
 
 needs_rdma = pytest.mark.skipif(
@@ -135,7 +135,7 @@ def test_a_channel_gives_one_typed_outcome_per_chunk(
     _, source = _serve(kind, holders, controls, tensors, layout)
     dest = _dest(layout)
     f = FetchState(TENANT, MODEL, 1, dest, b"t", time.monotonic() + 30, 5.0)
-    channel = transport_for(kind).open(f, source, None)
+    channel = ReaderBackends().get(kind).open(f, source, None)
     try:
         outcomes = list(channel.read(list(range(layout.num_chunks))))
     finally:
@@ -153,7 +153,7 @@ def test_a_refused_token_is_denied_over_each_transport(
     layout = Layout.from_tensors(tensors, chunk_size=CHUNK)
     _, source = _serve(kind, holders, controls, tensors, layout, verifier=_deny)
     f = FetchState(TENANT, MODEL, 1, _dest(layout), b"t", time.monotonic() + 30, 5.0)
-    channel = transport_for(kind).open(f, source, None)
+    channel = ReaderBackends().get(kind).open(f, source, None)
     try:
         (out,) = list(channel.read([0, 1]))
     finally:
@@ -175,7 +175,7 @@ def test_a_released_version_is_refused_over_each_transport(
     assert held is not None
     held.release(1.0)  # still in the store, refused: RELEASED
     f = FetchState(TENANT, MODEL, 1, _dest(layout), b"t", time.monotonic() + 30, 5.0)
-    channel = transport_for(kind).open(f, source, None)
+    channel = ReaderBackends().get(kind).open(f, source, None)
     try:
         (out,) = list(channel.read([0]))
     finally:
@@ -197,7 +197,7 @@ def test_release_returns_only_once_no_rdma_reader_can_read_the_memory(
     held = store.get((TENANT, MODEL, 1))
     assert held is not None
     f = FetchState(TENANT, MODEL, 1, _dest(layout), b"t", time.monotonic() + 30, 5.0)
-    channel = transport_for(TransportKind.RDMA).open(f, source, None)
+    channel = ReaderBackends().get(TransportKind.RDMA).open(f, source, None)
     try:
         assert [o.status for o in channel.read([0])] == [ChunkStatus.DONE]
         assert held.reads_in_flight == 1  # the connected reader counts until its QP is gone

@@ -1,5 +1,5 @@
 """A read-token verifier that raises refuses the read and is logged, on the data port and
-on the control channels alike (`transport.verifier.token_allowed`)."""
+on the control channels alike (`transport.verifier.lookup`)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ import logging
 
 import pytest
 
-from transport.frames import held_for
 from transport.store import HolderStore
-from transport.verifier import token_allowed
+from transport.verifier import Refused, lookup, token_allowed
 from transport.wire import ErrorCode
 
 
@@ -28,6 +27,6 @@ def test_the_control_channels_refuse_a_raising_verifier_the_same_way(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="transport.verifier"):
-        refused = held_for(HolderStore(), _broken, ("t", "m", 3), b"tok", 0)
-    assert refused == (ErrorCode.DENIED, "read token refused")
+        refused = lookup(HolderStore(), _broken, ("t", "m", 3), b"tok", 0)
+    assert refused == Refused(ErrorCode.DENIED, "read token refused", token_ok=False)
     assert "no such key" in caplog.text

@@ -1,12 +1,12 @@
-"""The reader side of same-host CUDA IPC as a `transport.transports.Transport`.
+"""The reader side of same-host CUDA IPC (`transport.backend.ReaderBackend`).
 
 A channel to one holder opens on its first read: connect to the holder's `ipc` endpoint,
 send an `IpcRequest` with the read token, receive the `IpcGrant`, and prove eligibility:
 the two fingerprints match (`transport.ipc.fingerprint`), the handles open
 (`transport.ipc.cuda.open_grant`), and the probe chunk read through the mapping has the
 wsum64 the holder computed over its own memory. Any of these failing is `IpcIneligible`:
-the channel remembers why (`VERDICTS`), says so in `FetchStats.fallbacks`, and reads the
-same holder over its TCP endpoint from then on. A refusal of the token (or NOT_HELD,
+the channel remembers why (its client's `Verdicts`), says so in `FetchStats.fallbacks`,
+and reads the same holder over its TCP endpoint from then on. A refusal of the token (or NOT_HELD,
 RELEASED...) is an outcome like over TCP; NOT_READY ("not over IPC here") is a fallback.
 
 Each batch is then moved device to device: the chunks' segments joined into the fewest
@@ -29,18 +29,15 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import xxhash
-
 from tensorhub.endpoints import format_endpoint
 from tensorhub.errors import (
-    IntegrityError,
     IpcIneligible,
     TensorHubError,
     TransportError,
     VersionUnavailable,
 )
 from transport.backend import TransportKind
-from transport.checksums import WSUM64
+from transport.fetch_state import FetchState
 from transport.frames import recv_message, send_message
 from transport.ipc.cuda import (
     Mapping,
@@ -49,7 +46,7 @@ from transport.ipc.cuda import (
     new_stream,
     open_grant,
 )
-from transport.ipc.fingerprint import VERDICTS, local_fingerprint, mismatch
+from transport.ipc.fingerprint import Verdicts, local_fingerprint, mismatch
 from transport.ipc.protocol import (
     MAX_GRANT_BYTES,
     MAX_SMALL_BYTES,
@@ -63,9 +60,9 @@ from transport.ipc.spans import coalesce
 from transport.outcome import ChunkOutcome, ChunkStatus
 from transport.planner import Source
 from transport.rdma.seqlock import epoch_ok
-from transport.receiving import FetchState
 from transport.staging import StagingBuffer
 from transport.transports import TcpChannel
+from transport.verification import DeviceBytes
 from transport.wire import ErrorCode, Refusal
 
 log = logging.getLogger(__name__)
@@ -74,8 +71,11 @@ log = logging.getLogger(__name__)
 class IpcChannel:
     """One lease on one holder's GPU memory, for one worker thread (module docstring)."""
 
-    def __init__(self, f: FetchState, source: Source, staging: StagingBuffer | None) -> None:
+    def __init__(
+        self, f: FetchState, source: Source, staging: StagingBuffer | None, verdicts: Verdicts
+    ) -> None:
         self._f, self._source, self._staging = f, source, staging
+        self._verdicts = verdicts
         self._sock: socket.socket | None = None
         self._grant: IpcGrant | None = None
         self._mapping: Mapping | None = None
@@ -144,17 +144,17 @@ class IpcChannel:
         copy_spans(mapping.flats, f.dest.flats, coalesce(f.layout, chunks), stream, mapping.event)
         good: list[tuple[int, int | None]] = []
         bad: ChunkOutcome | None = None
-        for index in chunks:
-            ok, checksum = self._verify(index)
-            if not ok:
-                why = f"chunk {index} copied through CUDA IPC differs from the published version"
-                bad = ChunkOutcome(index, ChunkStatus.CORRUPT, IntegrityError(why))
+        for index in chunks:  # checked where it now is (transport.verification)
+            got = DeviceBytes(f.dest, index)
+            error = f.verify.check(index, got, via="copied through CUDA IPC")
+            if error is not None:
+                bad = ChunkOutcome(index, ChunkStatus.CORRUPT, error)
                 break
-            good.append((index, checksum))
+            good.append((index, got.known))
         assert self._sock is not None
         ack = _report(self._sock, len(chunks))
         if not epoch_ok(grant.epoch, ack.epoch, grant.epoch):
-            self._drop(chunks)
+            self._f.discard(chunks)
             self._end_lease()
             why = f"{f.model}@{f.version} was released on {self._source.holder_id} during the copy"
             return [ChunkOutcome(chunks[0], ChunkStatus.RELEASED, VersionUnavailable(why))]
@@ -167,38 +167,18 @@ class IpcChannel:
                 )
             )
         if bad is not None:
-            self._drop([bad.index])
+            self._f.discard([bad.index])
             out.append(bad)
         if ack.released:
             self._end_lease()  # the next batch asks again, and is refused RELEASED
         return out
-
-    def _verify(self, index: int) -> tuple[bool, int | None]:
-        """Whether the copied chunk is the published one, and its xxh3 when computed."""
-        f = self._f
-        if f.expected is None or not f.checks.manifest:
-            return True, None
-        if f.checksum == WSUM64:
-            return f.dest.wsum64(index) == f.expected[index], None
-        h = xxhash.xxh3_64()  # an xxh3 version: the chunk comes to the host to be hashed
-        for seg in f.layout.segments(index):
-            part = f.dest.flats[seg.tensor][seg.start : seg.start + seg.length].cpu()
-            h.update(part.numpy().data)
-        value = int(h.intdigest())
-        return value == f.expected[index], value
-
-    def _drop(self, chunks: Sequence[int]) -> None:
-        f = self._f
-        with f.lock:
-            f.stats.touched.update(chunks)
-            f.stats.discarded_bytes += sum(f.layout.payload_bytes(i) for i in chunks)
 
     def _fall_back(self, why: str, index: int) -> list[ChunkOutcome] | None:
         """Read this holder over TCP from now on (None: the caller reads this batch so), or
         the failed outcome when it advertised no TCP endpoint."""
         f, source = self._f, self._source
         self._end_lease()
-        VERDICTS.remember(self.endpoint, why)
+        self._verdicts.remember(self.endpoint, why)
         if source.tcp is None:
             error = TransportError(f"CUDA IPC with {source.holder_id} failed ({why}), no tcp")
             return [ChunkOutcome.failed(index, error)]
@@ -237,9 +217,16 @@ def _report(sock: socket.socket, copied: int, *, final: bool = False) -> Ack:
 
 
 class IpcTransport:
-    """`Transport` over same-host CUDA IPC (docs/transport.md, "Same-host CUDA IPC")."""
+    """`ReaderBackend` over same-host CUDA IPC (docs/transport.md, "Same-host CUDA IPC").
+    `verdicts`: where its channels remember the holders whose IPC failed (the client's)."""
 
     kind = TransportKind.IPC
 
+    def __init__(self, verdicts: Verdicts) -> None:
+        self.verdicts = verdicts
+
     def open(self, f: FetchState, source: Source, staging: StagingBuffer | None) -> IpcChannel:
-        return IpcChannel(f, source, staging)
+        return IpcChannel(f, source, staging, self.verdicts)
+
+    def close(self) -> None:
+        """Nothing to free: each channel ends its own lease."""

@@ -141,7 +141,3 @@ class Verdicts:
                 del self._why[endpoint]
                 return ""
             return entry[1]
-
-
-VERDICTS = Verdicts()
-"""This process's verdicts: the IPC channel writes them, `transport.selection` reads them."""

@@ -1,4 +1,5 @@
-"""The holder side of same-host CUDA IPC: grant leases on held versions' GPU memory.
+"""The holder side of same-host CUDA IPC (`transport.backend.HolderBackend`): grant
+leases on held versions' GPU memory.
 
 A reader connects to the holder's `ipc` endpoint and sends an `IpcRequest`. Before anything
 of the memory is shared, the request's read token must pass the holder's verifier (the same
@@ -24,7 +25,8 @@ from collections.abc import Callable
 
 from tensorhub.errors import IpcIneligible, TransportError, VersionUnavailable
 from transport.admission import Conn
-from transport.frames import held_for, recv_message, send_message
+from transport.backend import TransportKind
+from transport.frames import framed, recv_message, send_message
 from transport.ipc.cuda import Export, export, probe_sum
 from transport.ipc.protocol import (
     MAX_GRANT_BYTES,
@@ -40,10 +42,10 @@ from transport.listener import (
     IO_TIMEOUT,
     MAX_CONNECTIONS,
     PER_PEER,
-    ControlListener,
+    Listener,
 )
 from transport.store import HeldVersion, HolderStore
-from transport.verifier import Verifier
+from transport.verifier import Refused, Verifier, lookup
 from transport.wire import ErrorCode
 
 LEASE_IDLE = 30.0  # the longest a reader may take between reports before its lease ends
@@ -52,12 +54,13 @@ Exporter = Callable[[HeldVersion, int], Export]
 """`(held, probe sum) -> Export`: share `held` for one lease (`transport.ipc.cuda.export`)."""
 
 
-class IpcControlServer(ControlListener):
+class IpcControlServer(Listener):
     """Grants CUDA IPC leases on the versions of `store` to readers whose token `verifier`
     accepts (module docstring). `exporter` shares the memory (default: CUDA's); `leases`
     is the number granted and not ended, for metrics and tests."""
 
     name = "ipc-control"
+    kind = TransportKind.IPC
 
     def __init__(
         self,
@@ -96,8 +99,16 @@ class IpcControlServer(ControlListener):
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def refusal(self, code: ErrorCode, message: str) -> bytes:
-        return encode_refusal(code, message)
+    def register(self, held: HeldVersion) -> None:
+        """Nothing yet: `held`'s GPU memory is exported per lease, to a reader whose token
+        passed (`serve`)."""
+
+    def release(self, held: HeldVersion) -> None:
+        """Forget `held`'s probe sum (its leases ended with the release)."""
+        self.tick()
+
+    def busy(self, why: str) -> bytes:
+        return framed(encode_refusal(ErrorCode.BUSY, why))
 
     def tick(self) -> None:
         """Forget the probes of released versions."""
@@ -105,7 +116,8 @@ class IpcControlServer(ControlListener):
             for key in [k for k, (h, _) in self._probes.items() if h.released]:
                 del self._probes[key]
 
-    def serve(self, conn: socket.socket, record: Conn) -> None:
+    def serve(self, record: Conn) -> None:
+        conn = record.sock
         conn.settimeout(IO_TIMEOUT)
         try:
             req = IpcRequest.decode(recv_message(conn, MAX_REQUEST_BYTES))
@@ -116,7 +128,7 @@ class IpcControlServer(ControlListener):
         self.admission.answering(record)  # a whole request: no deadline meanwhile
         found = self._check(req)
         if not isinstance(found, HeldVersion):
-            send_message(conn, encode_refusal(*found))
+            send_message(conn, encode_refusal(found.code, found.message))
             return
         self.admission.authenticated(record)  # a valid token: never evicted from here on
         try:
@@ -145,11 +157,12 @@ class IpcControlServer(ControlListener):
         except TransportError as exc:
             send_message(conn, encode_refusal(ErrorCode.BAD_REQUEST, str(exc)))
 
-    def _check(self, req: IpcRequest) -> tuple[ErrorCode, str] | HeldVersion:
+    def _check(self, req: IpcRequest) -> Refused | HeldVersion:
         key = (req.tenant, req.model, req.version)
-        found = held_for(self._store, self._verifier, key, req.token, req.layout_digest)
+        found = lookup(self._store, self._verifier, key, req.token, req.layout_digest)
         if isinstance(found, HeldVersion) and not found.complete:
-            return ErrorCode.NOT_READY, f"{req.model}@{req.version} is PARTIAL here: read over tcp"
+            why = f"{req.model}@{req.version} is PARTIAL here: read over tcp"
+            return Refused(ErrorCode.NOT_READY, why, token_ok=True)
         return found
 
     def _probe(self, held: HeldVersion) -> int:

@@ -1,4 +1,4 @@
-"""The reader side of RDMA as a `transport.transports.Transport`.
+"""The reader side of RDMA (`transport.backend.ReaderBackend`).
 
 A channel to one holder is one `RdmaReader` (one RC queue pair) and the TCP control
 connection it was set up over (`transport.rdma.control`). It opens on its first read:
@@ -8,55 +8,38 @@ queue pair. Each chunk is then read segment by segment straight into the destina
 tensors (`RdmaReader.read`, seqlock-checked), hashed, checked against the publisher's
 checksum and committed, exactly as a TCP chunk is. Nothing here imports pyverbs at
 import time; without a device the first read's outcome is FAILED with the probe's reason
-(the SDK never routes a holder to RDMA then: `transport.selection`).
+(the SDK never routes a holder to RDMA then: `transport.selection`). The opened port
+belongs to the client's `RdmaTransport`, never to the module.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import xxhash
-
-from tensorhub.errors import IntegrityError, TensorHubError, TransportError
+from tensorhub.errors import TensorHubError, TransportError
 from transport.backend import TransportKind
+from transport.fetch_state import FetchState
 from transport.frames import recv_message
 from transport.frames import send_message as send_control
 from transport.outcome import ChunkOutcome, ChunkStatus
 from transport.planner import Source
 from transport.rdma.control import RdmaRequest, decode_reply, encode_request
 from transport.rdma.descriptor import MAX_ENCODED_BYTES
-from transport.receiving import FetchState
 from transport.staging import StagingBuffer
+from transport.verification import HostBytes
 from transport.wire import Refusal
-
-_device_lock = threading.Lock()
-
-
-@functools.cache
-def _shared_device() -> Any:
-    """The process's one opened RDMA port (every reader's queue pairs live in its PD)."""
-    from transport.rdma.device import RdmaDevice
-
-    return RdmaDevice()
-
-
-def shared_device() -> Any:
-    """`_shared_device()` under a lock (two workers must not open the port twice)."""
-    with _device_lock:
-        return _shared_device()
 
 
 class RdmaChannel:
     """One queue pair to one holder, for one worker thread."""
 
-    def __init__(self, f: FetchState, source: Source) -> None:
-        self._f, self._source = f, source
+    def __init__(self, f: FetchState, source: Source, device: Callable[[], Any]) -> None:
+        self._f, self._source, self._device = f, source, device
         self._sock: socket.socket | None = None
         self._reader: Any = None
 
@@ -67,7 +50,7 @@ class RdmaChannel:
         f = self._f
         if f.dest.on_cuda:
             raise TransportError("RDMA reads into CPU tensors only")
-        self._reader = RdmaReader(shared_device())
+        self._reader = RdmaReader(self._device())
         self._sock = f.connect(self._source)
         self._sock.settimeout(max(0.01, min(f.stall, f.deadline - time.monotonic())))
         request = RdmaRequest(
@@ -117,18 +100,13 @@ class RdmaChannel:
         except TensorHubError:
             f.stats.touched.add(index)
             raise
-        hasher = xxhash.xxh3_64()
-        for view in f.dest.sink_views(index):
-            hasher.update(view)
-        checksum = int(hasher.intdigest())
+        got = HostBytes(f.dest.sink_views(index))  # read in place: hashed where it landed
+        bad = f.verify.check(index, got)
+        if bad is not None:
+            f.discard([index])
+            return ChunkOutcome(index, ChunkStatus.CORRUPT, bad)
         nbytes = f.layout.payload_bytes(index)
-        if not f.published(index, checksum, f.dest.sink_views(index)):
-            f.stats.touched.add(index)
-            with f.lock:
-                f.stats.discarded_bytes += nbytes
-            why = f"chunk {index} differs from the published version"
-            return ChunkOutcome(index, ChunkStatus.CORRUPT, IntegrityError(why))
-        f.dest.commit(index, checksum)
+        f.dest.commit(index, got.xxh3())
         return ChunkOutcome(index, ChunkStatus.DONE, nbytes=nbytes, complete=True)
 
     def close(self) -> None:
@@ -143,9 +121,31 @@ class RdmaChannel:
 
 
 class RdmaTransport:
-    """`Transport` over one-sided RDMA reads (docs/rdma.md)."""
+    """`ReaderBackend` over one-sided RDMA reads (docs/rdma.md). It owns the RDMA port its
+    channels' queue pairs live in: opened by the first channel that connects (two
+    workers never open it twice), closed with the client (`close`)."""
 
     kind = TransportKind.RDMA
 
+    def __init__(self, opener: Callable[[], Any] | None = None) -> None:
+        self._opener = opener
+        self._lock = threading.Lock()
+        self._device: Any = None
+
+    def device(self) -> Any:
+        """The opened port (`RdmaDevice`), opened on first use."""
+        with self._lock:
+            if self._device is None:
+                from transport.rdma.device import RdmaDevice
+
+                self._device = (self._opener or RdmaDevice)()
+            return self._device
+
     def open(self, f: FetchState, source: Source, staging: StagingBuffer | None) -> RdmaChannel:
-        return RdmaChannel(f, source)
+        return RdmaChannel(f, source, self.device)
+
+    def close(self) -> None:
+        with self._lock:
+            device, self._device = self._device, None
+        if device is not None:
+            device.close()

@@ -1,4 +1,5 @@
-"""The RDMA control channel: the TCP connection over which a reader gets a descriptor.
+"""The holder side of RDMA (`transport.backend.HolderBackend`): the control channel, the
+TCP connection over which a reader gets a descriptor.
 
 A holder that serves RDMA listens on a TCP port of its own (the `rdma` endpoint of its
 holder record, `HOST:PORT`). One connection per (reader, holder) queue pair:
@@ -30,13 +31,14 @@ from typing import Any
 
 from tensorhub.errors import TransportError, VersionUnavailable
 from transport.admission import Conn
-from transport.frames import decode_json, held_for, recv_message, send_message
+from transport.backend import TransportKind
+from transport.frames import decode_json, framed, recv_message, send_message
 from transport.listener import (
     FRAME_TIMEOUT,
     IO_TIMEOUT,
     MAX_CONNECTIONS,
     PER_PEER,
-    ControlListener,
+    Listener,
 )
 from transport.rdma.descriptor import (
     FORMAT,
@@ -47,7 +49,7 @@ from transport.rdma.descriptor import (
     encode_descriptor,
 )
 from transport.store import HeldVersion, HolderStore
-from transport.verifier import Verifier
+from transport.verifier import Refused, Verifier, lookup
 from transport.wire import ErrorCode, Refusal
 
 MAX_REQUEST_BYTES = 64 * 1024
@@ -119,7 +121,7 @@ def decode_reply(data: bytes) -> RdmaDescriptor | Refusal:
     return Refusal(code, raw, str(error.get("message", "")))
 
 
-class RdmaControlServer(ControlListener):
+class RdmaControlServer(Listener):
     """Serves descriptors for the versions in `store` to RDMA readers whose token
     `verifier` accepts. The device is opened on the first request that needs it
     (`device_factory`, default `RdmaDevice()`), so refusals need no device; one
@@ -128,6 +130,7 @@ class RdmaControlServer(ControlListener):
     rules as the TCP data port (a slowloris is cut at the frame deadline)."""
 
     name = "rdma-control"
+    kind = TransportKind.RDMA
 
     def __init__(
         self,
@@ -166,8 +169,17 @@ class RdmaControlServer(ControlListener):
         if device is not None:
             device.close()
 
-    def refusal(self, code: ErrorCode, message: str) -> bytes:
-        return encode_refusal(code, message)
+    def register(self, held: HeldVersion) -> None:
+        """Nothing yet: `held`'s memory is registered with the NIC for the first reader
+        whose token passes (`_enter`), so a holder no RDMA reader asks opens no device."""
+
+    def release(self, held: HeldVersion) -> None:
+        """Close `held`'s exporter once its last reader is gone (the release waited for
+        them, or gave up: then the next tick closes it after they leave)."""
+        self.tick()
+
+    def busy(self, why: str) -> bytes:
+        return framed(encode_refusal(ErrorCode.BUSY, why))
 
     def tick(self) -> None:
         """Close the exporters of released versions that no reader uses any more."""
@@ -177,7 +189,8 @@ class RdmaControlServer(ControlListener):
         for exporter in gone:
             exporter.close()
 
-    def serve(self, conn: socket.socket, record: Conn) -> None:
+    def serve(self, record: Conn) -> None:
+        conn = record.sock
         try:
             conn.settimeout(IO_TIMEOUT)
             req = decode_request(recv_message(conn, MAX_REQUEST_BYTES))
@@ -188,21 +201,19 @@ class RdmaControlServer(ControlListener):
         self.admission.answering(record)  # a whole request: no deadline meanwhile
         self._answer(conn, req, record)
 
-    def _refuse(self, req: RdmaRequest) -> tuple[ErrorCode, str] | HeldVersion:
+    def _refuse(self, req: RdmaRequest) -> Refused | HeldVersion:
         key = (req.tenant, req.model, req.version)
-        held = held_for(self._store, self._verifier, key, req.token, req.layout_digest)
+        held = lookup(self._store, self._verifier, key, req.token, req.layout_digest)
         if isinstance(held, HeldVersion) and (not held.complete or held.on_cuda):
             why = "PARTIAL here" if not held.complete else "on CUDA (RDMA serves CPU memory)"
-            return (
-                ErrorCode.NOT_READY,
-                f"{req.model}@{req.version} is {why}: read over tcp",
-            )
+            message = f"{req.model}@{req.version} is {why}: read over tcp"
+            return Refused(ErrorCode.NOT_READY, message, token_ok=True)
         return held
 
     def _answer(self, conn: socket.socket, req: RdmaRequest, record: Conn) -> None:
         found = self._refuse(req)
         if not isinstance(found, HeldVersion):
-            send_message(conn, encode_refusal(*found))
+            send_message(conn, encode_refusal(found.code, found.message))
             return
         self.admission.authenticated(record)  # a valid token: never evicted from here on
         held = found

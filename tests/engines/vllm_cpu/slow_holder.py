@@ -16,10 +16,9 @@ from ros.client.hooks import ClientHooks
 
 def main() -> None:
     hub, tenant, token, model, version, delay = sys.argv[1:7]
-    client = ros.connect(hub, tenant=tenant, token=token, hooks=ClientHooks(send=Fault()))
-    fault = client._hooks.send
+    fault = Fault()  # the holder server sends every chunk through it
+    client = ros.connect(hub, tenant=tenant, token=token, hooks=ClientHooks(send=fault))
     held = client.fetch(model, int(version), timeout=60)
-    assert isinstance(fault, Fault)
     fault.chunk_delay = float(delay)  # from now on it serves slowly
     print("ready", client.holder_name, held.version, flush=True)
     time.sleep(300)  # bounded: the test kills it long before
