@@ -76,6 +76,7 @@ def main() -> None:
         server: NixlHolder = _SignalOnBegin(store, verifier, sig=sig, nth=args.nth_begin).start()
     else:
         server = NixlHolder(store, verifier).start()
+    store.watch(server.register, server.release)
     print(f"PORT {server.address[1]}", flush=True)
     for line in sys.stdin:
         cmd = line.split()

@@ -19,9 +19,11 @@ import torch
 
 from tests.transport._model import MODEL, TENANT
 from tests.transport.nixl_holder_proc import CHUNK, nixl_model
+from transport.fetch_state import FetchState
 from transport.layout import Layout
 from transport.nixl import NixlReader
 from transport.nixl.reader import NixlChannel
+from transport.planner import Source
 from transport.store import HeldVersion
 
 MIB, RUNS = 256, 3
@@ -52,10 +54,11 @@ def main() -> None:
     for run in range(RUNS + 1):
         tensors = {k: torch.zeros_like(v) for k, v in src.items()}
         dest = HeldVersion.reader(TENANT, MODEL, 1, layout, tensors)
-        channel = reader.channel(("127.0.0.1", port), dest, b"good")
         spent.clear()
         start = time.monotonic()
-        outcomes = channel.read(range(layout.num_chunks), expected, deadline=start + 120)
+        f = FetchState(TENANT, MODEL, 1, dest, b"good", start + 120, 120, expected)
+        channel = reader.open(f, Source("holder", "127.0.0.1", port), None)
+        outcomes = list(channel.read(range(layout.num_chunks)))
         took = time.monotonic() - start
         channel.close()
         assert dest.complete, {o.status for o in outcomes}

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -25,10 +25,11 @@ import torch
 from tensorhub.errors import DeadlineExceeded, SlowHolder, TransportError
 from tests.transport._model import MODEL, TENANT
 from tests.transport.nixl_holder_proc import CHUNK, nixl_model
-from transport.checksums import WSUM64
+from transport.checksums import WSUM64, XXH3
+from transport.fetch_state import FetchState
 from transport.frames import recv_message, send_message
 from transport.layout import Layout
-from transport.nixl import NixlHolder, NixlReader
+from transport.nixl import NixlChannel, NixlHolder, NixlReader
 from transport.nixl.loader import unavailable_reason
 from transport.nixl.protocol import (
     BEGIN,
@@ -44,6 +45,7 @@ from transport.nixl.protocol import (
 )
 from transport.outcome import ChunkOutcome, ChunkStatus
 from transport.pace import DEFAULT_RATE_FLOOR
+from transport.planner import Source
 from transport.store import HeldVersion, HolderStore
 from transport.wire import ErrorCode, Refusal
 
@@ -133,6 +135,28 @@ def destination(src: dict[str, torch.Tensor], layout: Layout) -> HeldVersion:
     return HeldVersion.reader(TENANT, MODEL, 1, layout, tensors)
 
 
+def fetch(
+    dest: HeldVersion,
+    expected: list[int],
+    deadline: float,
+    token: bytes = TOKEN,
+    rate_floor: float = DEFAULT_RATE_FLOOR,
+    checksum: str = "",
+) -> FetchState:
+    """One round's state for reading into `dest` by `deadline` (monotonic); the stall
+    timeout is the whole time left, so the deadline is what ends a wait."""
+    stall = max(0.01, deadline - time.monotonic())
+    return FetchState(
+        TENANT, MODEL, dest.key[2], dest, token, deadline, stall, expected,
+        rate_floor=rate_floor, checksum=checksum or XXH3,
+    )  # fmt: skip
+
+
+def channel_to(reader: NixlReader, address: tuple[str, int], f: FetchState) -> NixlChannel:
+    """The reader's channel to the holder whose NIXL control port is `address`."""
+    return reader.open(f, Source("holder", address[0], address[1]), None)
+
+
 def read_all(
     reader: NixlReader,
     holder: Holder,
@@ -144,16 +168,17 @@ def read_all(
     """Read the whole version from `holder`: outcomes, destination, source, seconds."""
     src, layout, expected = version(mib)
     dest = destination(src, layout)
-    channel = reader.channel(holder.address, dest, token, rate_floor=rate_floor)
     start = time.monotonic()
+    f = fetch(dest, expected, start + deadline, token, rate_floor)
+    channel = channel_to(reader, holder.address, f)
     try:
-        outcomes = channel.read(range(layout.num_chunks), expected, deadline=start + deadline)
+        outcomes = list(channel.read(range(layout.num_chunks)))
     finally:
         channel.close()
     return outcomes, dest, src, time.monotonic() - start
 
 
-def statuses(outcomes: list[ChunkOutcome]) -> set[ChunkStatus]:
+def statuses(outcomes: Iterable[ChunkOutcome]) -> set[ChunkStatus]:
     return {o.status for o in outcomes}
 
 
@@ -170,16 +195,20 @@ def test_round_trip(spawn: Callable[..., Holder], reader: NixlReader) -> None:
 
 def test_wsum64_manifest(spawn: Callable[..., Holder], reader: NixlReader) -> None:
     """A manifest whose checksums are wsum64 (computed where a GPU publisher's tensors
-    are) is verified by that algorithm; a wrong value is CORRUPT."""
+    are) is verified by that algorithm; a wrong value is CORRUPT (and ends that read, as
+    on every channel); the chunks after it read DONE on the next."""
     holder = spawn(mib=4)
     src, layout, _ = version(4)
     pub = HeldVersion.publisher(TENANT, MODEL, 1, src, layout)
     sums = [pub.wsum64(i) for i in range(layout.num_chunks)]
     sums[1] ^= 1
     dest = destination(src, layout)
-    channel = reader.channel(holder.address, dest, TOKEN, checksum=WSUM64)
-    outcomes = channel.read(range(layout.num_chunks), sums, deadline=time.monotonic() + 30)
+    f = fetch(dest, sums, time.monotonic() + 30, checksum=WSUM64)
+    channel = channel_to(reader, holder.address, f)
+    outcomes = list(channel.read(range(layout.num_chunks)))
+    outcomes += list(channel.read(range(2, layout.num_chunks)))
     channel.close()
+    assert [o.index for o in outcomes] == list(range(layout.num_chunks))
     assert [o.status for o in outcomes] == [
         ChunkStatus.CORRUPT if o.index == 1 else ChunkStatus.DONE for o in outcomes
     ]
@@ -296,6 +325,7 @@ def test_release_waits_for_the_read_in_flight(ucx: dict[str, str], reader: NixlR
     held = HeldVersion.publisher(TENANT, MODEL, 1, src, layout)
     store.add(held)
     holder = NixlHolder(store, lambda *_: True).start()
+    store.watch(holder.register, holder.release)
     try:
         with socket.create_connection(holder.address, timeout=10) as sock:
             send_message(sock, encode_request(NixlRequest(TENANT, MODEL, 1, layout.digest, TOKEN)))
@@ -323,8 +353,8 @@ def test_release_waits_for_the_read_in_flight(ucx: dict[str, str], reader: NixlR
             time.sleep(0.05)
         assert holder.registered() == 0
         dest = destination(src, layout)
-        channel = reader.channel(holder.address, dest, TOKEN)
-        outcomes = channel.read(range(layout.num_chunks), expected, deadline=time.monotonic() + 10)
+        channel = channel_to(reader, holder.address, fetch(dest, expected, time.monotonic() + 10))
+        outcomes = list(channel.read(range(layout.num_chunks)))
         channel.close()
         assert statuses(outcomes) == {ChunkStatus.RELEASED}
     finally:
@@ -342,16 +372,21 @@ def test_release_disconnects_readers_that_kept_the_metadata(
     held = HeldVersion.publisher(TENANT, MODEL, 1, src, layout)
     store.add(held)
     holder = NixlHolder(store, lambda *_: True).start()
+    store.watch(holder.register, holder.release)
     try:
         dest = destination(src, layout)
-        channel = reader.channel(holder.address, dest, TOKEN)
-        now = time.monotonic()
-        assert statuses(channel.read([0], expected, deadline=now + 10)) == {ChunkStatus.DONE}
+        channel = channel_to(reader, holder.address, fetch(dest, expected, time.monotonic() + 10))
+        assert statuses(channel.read([0])) == {ChunkStatus.DONE}
         store.release(held.key, 5)
-        deadline = time.monotonic() + 5
-        while holder.registered() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        # the store told the holder (HolderStore.watch) before its release returned
+        assert holder.registered() == 0
         assert holder.retired == 1
+        # the reader's control channel is told RELEASED and ends (within POLL): with it the
+        # retired agent's last reference goes, and the agent closes
+        deadline = time.monotonic() + 5
+        while holder.admission.sockets() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not holder.admission.sockets()
         now = time.monotonic()
         with pytest.raises(TransportError, match="RemoteDisconnect"):
             channel._transfer([1], now + 5, now + 5)  # a READ without `begin`: hostile
@@ -361,8 +396,8 @@ def test_release_disconnects_readers_that_kept_the_metadata(
         dest = HeldVersion.reader(
             TENANT, MODEL, 2, layout, {k: torch.zeros_like(v) for k, v in src.items()}
         )
-        channel = reader.channel(holder.address, dest, TOKEN)
-        outcomes = channel.read(range(layout.num_chunks), expected, deadline=time.monotonic() + 10)
+        channel = channel_to(reader, holder.address, fetch(dest, expected, time.monotonic() + 10))
+        outcomes = list(channel.read(range(layout.num_chunks)))
         channel.close()
         assert statuses(outcomes) == {ChunkStatus.DONE}
     finally:

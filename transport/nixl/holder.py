@@ -37,13 +37,13 @@ from typing import Any
 
 from tensorhub.errors import TransportError, VersionUnavailable
 from transport.admission import Conn
-from transport.frames import held_for, recv_message, send_message
+from transport.frames import framed, recv_message, send_message
 from transport.listener import (
     FRAME_TIMEOUT,
     IO_TIMEOUT,
     MAX_CONNECTIONS,
     PER_PEER,
-    ControlListener,
+    Listener,
 )
 from transport.nixl.loader import load
 from transport.nixl.protocol import (
@@ -60,8 +60,8 @@ from transport.nixl.protocol import (
     encode_refusal,
 )
 from transport.store import HeldVersion, HolderStore
-from transport.verifier import Verifier
-from transport.wire import ErrorCode, Refusal
+from transport.verifier import Refused, Verifier, lookup
+from transport.wire import ErrorCode
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +95,13 @@ class _Registration:
     batches: int = 0  # READs in flight now, between `begin` and `end`
 
 
-class NixlHolder(ControlListener):
-    """Serves NIXL readers the versions in `store` whose token `verifier` accepts. Only
-    COMPLETE versions in host memory are offered (a PARTIAL one is NOT_READY, as over
-    RDMA: read it over TCP). Admission and the accept loop are `transport.listener`'s."""
+class NixlHolder(Listener):
+    """Serves NIXL readers the versions in `store` whose token `verifier` accepts: the
+    holder side of the NIXL backend (`transport.backend.HolderBackend`; its owner tells it
+    of each version and release through `HolderStore.watch(holder.register,
+    holder.release)`). Only COMPLETE versions in host memory are offered (a PARTIAL one is
+    NOT_READY, as over RDMA: read it over TCP). Admission and the accept loop are
+    `transport.listener`'s: the same rules as the TCP data port."""
 
     name = "nixl-control"
 
@@ -146,8 +149,19 @@ class NixlHolder(ControlListener):
         with self._lock:
             return len(self._regs)
 
-    def refusal(self, code: ErrorCode, message: str) -> bytes:
-        return encode_refusal(code, message)
+    def register(self, held: HeldVersion) -> None:
+        """Nothing yet: `held`'s memory is registered with NIXL for the first reader whose
+        token passes (`_register`), so a version no NIXL reader asks for costs no
+        registration."""
+
+    def release(self, held: HeldVersion) -> None:
+        """`held`'s release returned (or gave up waiting): deregister it and retire its
+        agent once no READ of it is in flight (now, or at a later tick when the release
+        gave up on one)."""
+        self.tick()
+
+    def busy(self, why: str) -> bytes:
+        return framed(encode_refusal(ErrorCode.BUSY, why))
 
     def tick(self) -> None:
         """Deregister released versions once their release has returned (or given up) and
@@ -177,7 +191,8 @@ class NixlHolder(ControlListener):
 
     # -- one reader's channel ------------------------------------------------------------
 
-    def serve(self, conn: socket.socket, record: Conn) -> None:
+    def serve(self, record: Conn) -> None:
+        conn = record.sock
         try:
             conn.settimeout(IO_TIMEOUT)
             req = decode_request(recv_message(conn, MAX_REQUEST_BYTES))
@@ -187,8 +202,8 @@ class NixlHolder(ControlListener):
             return
         self.admission.answering(record)  # a whole request: no frame deadline meanwhile
         found = self._check(req)
-        if isinstance(found, Refusal):
-            send_message(conn, encode_refusal(ErrorCode(found.raw), found.message))
+        if isinstance(found, Refused):
+            send_message(conn, encode_refusal(found.code, found.message))
             return
         self.admission.authenticated(record)  # a valid token: never evicted from here on
         try:
@@ -202,17 +217,15 @@ class NixlHolder(ControlListener):
         send_message(conn, encode_offer(self._offer(reg)))
         self._session(conn, reg)
 
-    def _check(self, req: NixlRequest) -> HeldVersion | Refusal:
-        """The version `req` names if its token is accepted and it can be offered."""
+    def _check(self, req: NixlRequest) -> HeldVersion | Refused:
+        """The version `req` names if its token is accepted (`transport.verifier.lookup`)
+        and it can be offered."""
         key = (req.tenant, req.model, req.version)
-        held = held_for(self._store, self._verifier, key, req.token, req.layout_digest)
-        if not isinstance(held, HeldVersion):
-            code, message = held
-            return Refusal(code, int(code), message)
-        if not held.complete or held.on_cuda:
+        held = lookup(self._store, self._verifier, key, req.token, req.layout_digest)
+        if isinstance(held, HeldVersion) and (not held.complete or held.on_cuda):
             why = "PARTIAL here" if not held.complete else "in GPU memory (not served yet)"
             message = f"{req.model}@{req.version} is {why}: read over tcp"
-            return Refusal(ErrorCode.NOT_READY, int(ErrorCode.NOT_READY), message)
+            return Refused(ErrorCode.NOT_READY, message, token_ok=True)
         return held
 
     def _register(self, held: HeldVersion) -> _Registration:

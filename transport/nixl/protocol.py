@@ -5,7 +5,7 @@ A holder that serves NIXL listens on a TCP port of its own. One connection per (
 holder, version):
 
 1. reader → holder: a `NixlRequest` (tenant, model, version, layout digest, read token);
-2. holder → reader: after the token is checked (`transport.frames.held_for`), a `NixlOffer`:
+2. holder → reader: after the token is checked (`transport.verifier.lookup`), a `NixlOffer`:
    its agent's metadata and one `(address, length)` region per layout tensor; or a refusal
    with a `transport.wire.ErrorCode`, which the reader turns into a typed `ChunkOutcome`;
 3. for each batch of chunks: reader → holder `begin`; holder → reader `go` (the read is now

@@ -1,25 +1,29 @@
-"""The reader side of the NIXL backend: register the destination, READ chunks one-sided from
-a holder, bound every READ by the fetch's deadline and rate floor, verify, commit.
+"""The reader side of the NIXL backend (`transport.backend.ReaderBackend`): register the
+destination, READ chunks one-sided from a holder, bound every READ by the fetch's deadline
+and rate floor, verify, commit.
 
-    reader = NixlReader()                                  # one NIXL agent per process part
-    channel = reader.channel(address, dest, token)         # dest: a PARTIAL HeldVersion
-    outcomes = channel.read(chunks, expected, deadline=d)  # one ChunkOutcome per chunk
+    reader = NixlReader()                      # the client's: one NIXL agent
+    channel = reader.open(f, source, None)     # f: the round's FetchState (dest, deadline, ...)
+    for outcome in channel.read(chunks): ...   # one ChunkOutcome per chunk, typed
     channel.close(); reader.close()
 
-`read` connects on first use (`transport.nixl.protocol`: request → offer), then per batch of
-up to `BATCH_BYTES`: `begin` → `go`, one NIXL READ of the batch's segments straight into the
-destination's memory, `end`. NIXL has no deadline of its own (a READ from a SIGSTOPped holder
-over TCP stays in progress for ever), so the READ's state is polled with a bounded sleep and
-the handle released (which aborts it) at the earlier of the fetch's deadline and the batch's
-rate-floor deadline (`grace` plus its bytes at `rate_floor`). A holder that dies mid-READ
-makes NIXL raise within a fraction of a second. A channel whose READ failed or was aborted
-drops the holder's agent (`remove_remote_agent` disconnects it), so nothing it sends late
-lands in the destination, and answers FAILED from then on.
+`read` connects on first use (`FetchState.connect`, then `transport.nixl.protocol`: request
+with the fetch's read token → offer), then per batch of up to `BATCH_BYTES`: `begin` → `go`,
+one NIXL READ of the batch's segments straight into the destination's memory, `end`. NIXL
+has no deadline of its own (a READ from a SIGSTOPped holder over TCP stays in progress for
+ever), so the READ's state is polled with a bounded sleep and the handle released (which
+aborts it) at the earlier of the fetch's deadline and the batch's rate-floor deadline
+(`GRACE` plus its bytes at the fetch's `rate_floor`), or as soon as the fetch is aborted. A
+holder that dies mid-READ makes NIXL raise within a fraction of a second. A channel whose
+READ failed or was aborted drops the holder's agent (`remove_remote_agent` disconnects it),
+so nothing it sends late lands in the destination, and answers FAILED from then on.
 
-Each chunk of a finished READ is checked against the publisher's checksum (`expected`, by the
-manifest's algorithm: `transport.checksums`) before it is committed to `dest`, so a reader
-that fetched over NIXL serves pipelined readers over its own TCP port as one that fetched
-over TCP does. The outcome of each chunk is typed (`transport.outcome.ChunkOutcome`).
+Each chunk of a finished READ is checked against the manifest by the fetch's
+`ChunkVerifier` (`transport.verification`, the one check every backend runs) before it is
+committed to the destination, so a reader that fetched over NIXL serves pipelined readers
+over its own TCP port as one that fetched over TCP does. As every `Channel`, `read` yields
+one typed `transport.outcome.ChunkOutcome` per chunk, in order, and ends after the first
+that is not DONE.
 """
 
 from __future__ import annotations
@@ -28,20 +32,13 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
-import xxhash
 
-from tensorhub.errors import (
-    DeadlineExceeded,
-    IntegrityError,
-    InvalidArgument,
-    SlowHolder,
-    TransportError,
-)
-from transport.checksums import WSUM64, kind_of, wsum64_of_views
+from tensorhub.errors import DeadlineExceeded, SlowHolder, TensorHubError, TransportError
+from transport.fetch_state import FetchState
 from transport.frames import recv_message, send_message
 from transport.nixl.holder import new_agent
 from transport.nixl.protocol import (
@@ -58,8 +55,10 @@ from transport.nixl.protocol import (
     encode_request,
 )
 from transport.outcome import ChunkOutcome, ChunkStatus
-from transport.pace import DEFAULT_RATE_FLOOR
+from transport.planner import Source
+from transport.staging import StagingBuffer
 from transport.store import HeldVersion
+from transport.verification import HostBytes
 from transport.wire import Refusal
 
 BATCH_BYTES = 64 * 1024 * 1024  # bytes per READ: one begin/end round trip per ~64 MiB
@@ -68,9 +67,10 @@ POLL_MIN, POLL_MAX = 50e-6, 2e-3  # seconds between looks at a READ's state (dou
 
 
 class NixlReader:
-    """One NIXL agent that reads from holders. Destinations are registered once however
-    many channels write into them; holders' agents are loaded once however many channels
-    read from them. Thread-safe; each channel is used by one thread at a time."""
+    """The reader side of NIXL for one client: one NIXL agent that reads from holders.
+    Destinations are registered once however many channels write into them; holders'
+    agents are loaded once however many channels read from them. Thread-safe; each
+    channel is used by one thread at a time."""
 
     def __init__(self) -> None:
         self._agent = new_agent("reader")
@@ -83,21 +83,10 @@ class NixlReader:
         """The NIXL agent (`nixl_agent`)."""
         return self._agent
 
-    def channel(
-        self,
-        address: tuple[str, int],
-        dest: HeldVersion,
-        token: bytes,
-        *,
-        rate_floor: float = DEFAULT_RATE_FLOOR,
-        checksum: str = "",
-    ) -> NixlChannel:
-        """A channel to the holder whose NIXL control port is `address`, for reading
-        `dest`'s version into `dest` (host memory). `checksum` names the manifest's
-        algorithm of the `expected` values given to `read`."""
-        if dest.on_cuda:
-            raise InvalidArgument("the NIXL reader writes host memory only (for now)")
-        return NixlChannel(self, address, dest, token, rate_floor, kind_of(checksum))
+    def open(self, f: FetchState, source: Source, staging: StagingBuffer | None) -> NixlChannel:
+        """A channel to the holder whose NIXL control port is `source`'s host:port, for
+        reading `f`'s version into `f.dest` (host memory: `staging` is not used)."""
+        return NixlChannel(self, f, source)
 
     def close(self) -> None:
         """Deregister every destination (channels must be closed first)."""
@@ -163,58 +152,46 @@ class NixlReader:
 
 
 class NixlChannel:
-    """One reader's channel to one holder for one version (see the module docstring)."""
+    """One worker's channel to one holder for fetch `f` (see the module docstring)."""
 
-    def __init__(
-        self,
-        reader: NixlReader,
-        address: tuple[str, int],
-        dest: HeldVersion,
-        token: bytes,
-        rate_floor: float,
-        checksum: str,
-    ) -> None:
+    def __init__(self, reader: NixlReader, f: FetchState, source: Source) -> None:
         self._reader, self._agent = reader, reader.agent
-        self._address, self._dest, self._token = address, dest, token
-        self._rate_floor, self._checksum = rate_floor, checksum
+        self._f, self._source, self._dest = f, source, f.dest
         self._sock: socket.socket | None = None
         self._remote: str | None = None
         self._regions: tuple[tuple[int, int], ...] = ()
         self._registered = False
         self._broken: BaseException | Refusal | None = None  # why later reads cannot run
 
-    def read(
-        self, chunks: Sequence[int], expected: Sequence[int], *, deadline: float
-    ) -> list[ChunkOutcome]:
-        """Read `chunks` of the version into the destination, each checked against
-        `expected[index]` (the manifest's checksums, one per chunk of the version) and
-        committed. One outcome per chunk, in order; nothing raises but a caller's bug."""
-        if len(expected) != self._dest.layout.num_chunks:
-            raise InvalidArgument("expected must give one checksum per chunk of the version")
-        outcomes: list[ChunkOutcome] = []
+    def read(self, chunks: Sequence[int]) -> Iterator[ChunkOutcome]:
+        """Read `chunks` of the version into the destination, each checked against the
+        manifest and committed: one outcome per chunk, in order, ending after the first
+        that is not DONE. Nothing raises but a caller's bug."""
         todo = list(chunks)
         while todo:
             if self._broken is not None:
-                outcomes += [self._refused(i, self._broken) for i in todo]
-                break
+                yield self._refused(todo[0], self._broken)
+                return
             try:
-                refusal = self._connect(deadline)
-            except (TransportError, DeadlineExceeded, OSError) as exc:
+                refusal = self._connect()
+            except (TensorHubError, OSError) as exc:
                 self._fail(exc)
                 continue
             if refusal is not None:
-                outcomes += [ChunkOutcome.refused(i, refusal) for i in todo]
-                break
+                yield ChunkOutcome.refused(todo[0], refusal)
+                return
             batch, todo = self._next_batch(todo)
-            outcomes += self._read_batch(batch, expected, deadline)
-        return outcomes
+            for out in self._read_batch(batch):
+                yield out
+                if out.status is not ChunkStatus.DONE:
+                    return
 
     def close(self) -> None:
         """Leave the holder (its channel closes; its agent is dropped when no other
         channel of this reader uses it) and release the destination's registration."""
         if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+            sock, self._sock = self._sock, None
+            self._forget(sock)
         if self._remote is not None:
             self._reader._drop_remote(self._remote, now=self._broken is not None)
             self._remote = None
@@ -225,6 +202,14 @@ class NixlChannel:
             self._broken = TransportError("NIXL channel closed")
 
     # -- steps ---------------------------------------------------------------------------
+
+    def _forget(self, sock: socket.socket) -> None:
+        """Close a control connection `FetchState.connect` opened (the round no longer
+        needs to cut it)."""
+        with self._f.lock:
+            self._f.socks.discard(sock)
+        with contextlib.suppress(OSError):
+            sock.close()
 
     def _fail(self, why: BaseException | Refusal) -> None:
         """This channel is done for: later reads answer with `why` (a refusal keeps its
@@ -239,36 +224,40 @@ class NixlChannel:
             return ChunkOutcome.refused(index, why)
         return ChunkOutcome.failed(index, why)
 
-    def _timeout(self, deadline: float) -> float:
-        left = deadline - time.monotonic()
+    def _arm(self, sock: socket.socket) -> bool:
+        """Bound the next receive on `sock` by the stall timeout and the deadline; whether
+        the deadline is the nearer (a timeout then means the deadline passed)."""
+        f = self._f
+        left = f.deadline - time.monotonic()
         if left <= 0:
             raise DeadlineExceeded("NIXL read: the fetch's deadline passed")
-        return left
+        sock.settimeout(min(f.stall, left))
+        return left <= f.stall
 
-    def _connect(self, deadline: float) -> Refusal | None:
+    def _connect(self) -> Refusal | None:
         """Connect, send the request, load the offer; a refusal is returned, not raised."""
         if self._sock is not None:
             return None
-        layout = self._dest.layout
-        tenant, model, version = self._dest.key
-        sock = socket.create_connection(self._address, timeout=self._timeout(deadline))
+        f = self._f
+        if self._dest.on_cuda:
+            raise TransportError("the NIXL reader writes host memory only (for now)")
+        sock = f.connect(self._source)  # bounded by the stall timeout and the deadline
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            req = NixlRequest(tenant, model, version, layout.digest, self._token)
+            req = NixlRequest(f.tenant, f.model, f.version, f.layout.digest, f.token())
             send_message(sock, encode_request(req))
-            sock.settimeout(self._timeout(deadline))
+            self._arm(sock)
             answer = decode_offer(recv_message(sock, MAX_OFFER_BYTES))
         except BaseException:
-            sock.close()
+            self._forget(sock)
             raise
         if isinstance(answer, Refusal):
-            sock.close()
+            self._forget(sock)
             return answer
-        specs = layout.tensors
+        specs = f.layout.tensors
         if len(answer.regions) != len(specs) or any(
             n != s.nbytes for (_, n), s in zip(answer.regions, specs, strict=True)
         ):
-            sock.close()
+            self._forget(sock)
             raise TransportError("holder offered regions that do not match the layout")
         self._sock, self._regions = sock, answer.regions
         self._remote = self._reader._load_remote(answer)
@@ -299,33 +288,50 @@ class NixlChannel:
         agent = self._agent
         return agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM")
 
-    def _read_batch(
-        self, batch: list[int], expected: Sequence[int], deadline: float
-    ) -> list[ChunkOutcome]:
+    def _read_batch(self, batch: list[int]) -> Iterator[ChunkOutcome]:
+        """One `begin` → READ → `end` of `batch`, then each chunk verified and committed;
+        ends after the first outcome that is not DONE."""
+        f = self._f
         nbytes = sum(self._payload(i) for i in batch)
-        floor = time.monotonic() + GRACE + nbytes / self._rate_floor
+        floor = float("inf")
+        if f.rate_floor > 0:
+            floor = time.monotonic() + GRACE + nbytes / f.rate_floor
         try:
-            refusal = self._begin(deadline)
+            refusal = self._begin()
             if refusal is not None:
                 self._fail(refusal)
-                return [ChunkOutcome.refused(i, refusal) for i in batch]
+                yield ChunkOutcome.refused(batch[0], refusal)
+                return
             try:
-                self._transfer(batch, deadline, floor)
+                self._transfer(batch, f.deadline, floor)
             finally:
                 self._end()
-        except (TransportError, DeadlineExceeded, OSError) as exc:
+        except (TensorHubError, OSError) as exc:
+            with f.lock:
+                f.stats.touched.update(batch)  # bytes may have landed: a later copy refetches
             self._fail(exc)
-            return [ChunkOutcome.failed(i, exc) for i in batch]
-        return [self._verify(i, expected[i]) for i in batch]
+            yield ChunkOutcome.failed(batch[0], exc)
+            return
+        for n, index in enumerate(batch):
+            out = self._verify(index)
+            if out.status is not ChunkStatus.DONE:
+                f.discard(batch[n + 1 :])  # read, but not checked: thrown away with it
+            yield out
+            if out.status is not ChunkStatus.DONE:
+                return
 
-    def _begin(self, deadline: float) -> Refusal | None:
+    def _begin(self) -> Refusal | None:
         assert self._sock is not None
         send_message(self._sock, encode_op(BEGIN))
-        self._sock.settimeout(self._timeout(deadline))
+        by_deadline = self._arm(self._sock)
         try:
             answer = decode_op(recv_message(self._sock, MAX_REQUEST_BYTES))
         except TimeoutError as exc:
-            raise DeadlineExceeded("NIXL read: the holder did not answer by the deadline") from exc
+            if by_deadline:
+                why = "NIXL read: the holder did not answer by the deadline"
+                raise DeadlineExceeded(why) from exc
+            why = f"NIXL read: the holder did not answer within {self._f.stall}s"
+            raise TransportError(why) from exc
         if isinstance(answer, Refusal):
             return answer
         if answer != GO:
@@ -338,8 +344,9 @@ class NixlChannel:
                 send_message(self._sock, encode_op(END))
 
     def _transfer(self, batch: Sequence[int], deadline: float, floor: float) -> None:
-        """One READ of `batch`, polled until done; at the deadline (or the rate floor's)
-        the handle is released, which aborts the READ. Raises what went wrong."""
+        """One READ of `batch`, polled until done; at the deadline (or the rate floor's),
+        or once the fetch is aborted, the handle is released, which aborts the READ.
+        Raises what went wrong."""
         agent = self._agent
         try:
             local, remote = self._descs(batch)
@@ -355,6 +362,8 @@ class NixlChannel:
                     if floor < deadline:
                         raise SlowHolder("NIXL read: the holder is below the rate floor")
                     raise DeadlineExceeded("NIXL read: the fetch's deadline passed mid-READ")
+                if self._f.aborted:
+                    raise TransportError("NIXL read: the fetch ended mid-READ")
                 time.sleep(min(wait, min(deadline, floor) - now))
                 wait = min(wait * 2, POLL_MAX)
                 state = agent.check_xfer_state(handle)
@@ -369,16 +378,14 @@ class NixlChannel:
             with contextlib.suppress(Exception):
                 handle.release()
 
-    def _verify(self, index: int, expected: int) -> ChunkOutcome:
-        """Chunk `index`, now in the destination: committed if it is what was published."""
-        views = self._dest.sink_views(index)
-        hasher = xxhash.xxh3_64()
-        for view in views:
-            hasher.update(view)
-        xxh3 = hasher.intdigest()
-        got = wsum64_of_views(views) if self._checksum == WSUM64 else xxh3
-        if got != expected:
-            why = f"chunk {index} read over NIXL differs from the published version"
-            return ChunkOutcome(index, ChunkStatus.CORRUPT, IntegrityError(why))
-        self._dest.commit(index, xxh3)
+    def _verify(self, index: int) -> ChunkOutcome:
+        """Chunk `index`, now in the destination: committed if the fetch's verifier finds
+        it is what was published (`transport.verification`), else CORRUPT."""
+        f = self._f
+        got = HostBytes(self._dest.sink_views(index))  # read in place: hashed where it landed
+        bad = f.verify.check(index, got, via="read over NIXL")
+        if bad is not None:
+            f.discard([index])
+            return ChunkOutcome(index, ChunkStatus.CORRUPT, bad)
+        self._dest.commit(index, got.xxh3())
         return ChunkOutcome(index, ChunkStatus.DONE, nbytes=self._payload(index), complete=True)
