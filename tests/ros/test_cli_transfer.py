@@ -209,18 +209,29 @@ def test_a_reader_killed_mid_fetch_leaves_nothing_that_looks_complete(
         # the next fetch removes what the killed one left, and completes
         slow.chunk_delay = 0.0
         assert main(["fetch", "policy@1", "-o", str(out), "--max-shard-size", "16MB"]) == 0
+        assert partial_dirs(out) == []
+        files = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+        for name, tensor in tensors.items():
+            assert torch.equal(load_file(out / files[name])[name], tensor)
+        # --force replaces a directory an earlier fetch wrote, with the newer version whole
+        newer = {name: tensor + 1 for name, tensor in tensors.items()}
+        trainer.publish("policy", 2, newer)
+        assert main(["fetch", "policy@latest", "-o", str(out), "--force"]) == 0
     assert partial_dirs(out) == []
-    files = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
-    for name, tensor in tensors.items():
-        assert torch.equal(load_file(out / files[name])[name], tensor)
+    assert json.loads((out / "tensorhub.json").read_text())["version"] == 2
+    # one file now (48 MiB, under the default shard size): nothing of the earlier fetch is left
+    assert sorted(p.name for p in out.glob("*.safetensors*")) == ["model.safetensors"]
+    got = load_file(out / "model.safetensors")
+    for name, tensor in newer.items():
+        assert torch.equal(got[name], tensor)
 
 
 @pytest.mark.timeout(120)
 def test_a_fetch_larger_than_its_memory_bound_stays_within_it(
     env: dict[str, str], tmp_path: Path
 ) -> None:
-    """128 MiB fetched in files of 16 MB: the bound (a file + 64 MiB, about 79 MiB) is less
-    than the model, so a fetch that held the model would break it."""
+    """128 MiB fetched in files of 16 MB: the bound (the largest file, three 4 MiB tensors,
+    + 64 MiB = 76 MiB) is less than the model, so a fetch that held the model would break it."""
     tensors = {f"layer.{i}": torch.randn(1024, 1024) for i in range(32)}  # 32 x 4 MiB
     with ros.connect(env["TENSORHUB_HUB"], tenant="team-a", token=env["TENSORHUB_TOKEN"]) as hub:
         hub.publish("big", 1, tensors)
