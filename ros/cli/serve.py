@@ -271,14 +271,16 @@ def run(args: argparse.Namespace) -> int:
         metrics = None
         if args.metrics_port:  # one thread, a deadline per connection (ros/metrics_http.py)
             metrics = MetricsServer(args.metrics_host.strip("[]"), args.metrics_port).start()
+        # Handlers before anything says "ready": a SIGTERM sent as soon as the ready file
+        # appears must stop the hub gracefully, not kill it by default.
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
         print(f"hub serving on {server.address}", flush=True)
         if generated:
             print(f"admin token: {admin_token}", flush=True)
         if args.ready_file:
             write_ready_file(args.ready_file, {"address": server.address, "etcd": endpoints})
-        stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
         stop.wait()
         print("shutting down", flush=True)
         if metrics is not None:

@@ -31,23 +31,36 @@ TOKEN = "admin-token-from-a-file"
 def _serve(
     etcd_cluster: EtcdCluster, keys: Keys, tmp_path: Path, *flags: str
 ) -> Iterator[tuple[str, subprocess.Popen[str]]]:
-    """A `tensorhub serve` with `flags`; yields its address and process (ended after)."""
+    """A `tensorhub serve` with `flags`; yields its address and process, and ends it with
+    SIGTERM, as an operator would. Its output goes to `_output(tmp_path)`, a file: a pipe
+    nobody reads while it runs could fill and block it."""
     ready = tmp_path / "ready.json"
     ready.unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "TENSORHUB_ADMIN_TOKEN"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ros.cli", "serve", "--listen", "127.0.0.1:0",
-         "--etcd", ",".join(etcd_cluster.endpoints), "--prefix", keys.prefix,
-         "--ready-file", str(ready), "--grace", "0.2", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )  # fmt: skip
+    with (tmp_path / "serve.log").open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ros.cli", "serve", "--listen", "127.0.0.1:0",
+             "--etcd", ",".join(etcd_cluster.endpoints), "--prefix", keys.prefix,
+             "--ready-file", str(ready), "--grace", "0.2", *flags],
+            stdout=log, stderr=subprocess.STDOUT, text=True, env=env,
+        )  # fmt: skip
     try:
         wait_until("serve is ready", lambda: ready.exists() or proc.poll() is not None, 30)
-        assert proc.poll() is None, proc.communicate()[0]
+        assert proc.poll() is None, _output(tmp_path)
         yield json.loads(ready.read_text())["address"], proc
     finally:
         proc.terminate()
-        proc.wait(15)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+            raise AssertionError(f"serve ignored SIGTERM for 30 s:\n{_output(tmp_path)}") from None
+
+
+def _output(tmp_path: Path) -> str:
+    """What the last `_serve` of this test printed."""
+    return (tmp_path / "serve.log").read_text()
 
 
 def _create_tenant(address: str, token: str, name: str) -> str:
@@ -70,16 +83,16 @@ def test_the_admin_token_flag_warns_and_a_token_file_is_read(
     token_file.chmod(0o600)
     with _serve(etcd_cluster, keys, tmp_path, "--admin-token-file", str(token_file)) as (
         address,
-        proc,
+        _,
     ):
         assert _create_tenant(address, TOKEN, "team-file")
-    out = proc.communicate()[0]
+    out = _output(tmp_path)
     assert "visible to every local user" not in out
     assert TOKEN not in out  # neither generated nor printed
 
-    with _serve(etcd_cluster, keys, tmp_path, "--admin-token", TOKEN) as (address, proc):
+    with _serve(etcd_cluster, keys, tmp_path, "--admin-token", TOKEN) as (address, _):
         assert _create_tenant(address, TOKEN, "team-flag")  # still accepted, with a warning
-    assert "visible to every local user" in proc.communicate()[0]
+    assert "visible to every local user" in _output(tmp_path)
 
 
 def _free_port() -> int:
