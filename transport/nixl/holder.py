@@ -37,6 +37,7 @@ from typing import Any
 
 from tensorhub.errors import TransportError, VersionUnavailable
 from transport.admission import Conn
+from transport.backend import TransportKind
 from transport.frames import framed, recv_message, send_message
 from transport.listener import (
     FRAME_TIMEOUT,
@@ -104,6 +105,7 @@ class NixlHolder(Listener):
     `transport.listener`'s: the same rules as the TCP data port."""
 
     name = "nixl-control"
+    kind = TransportKind.NIXL
 
     def __init__(
         self,

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from tensorhub.errors import DeadlineExceeded, SlowHolder, TensorHubError, TransportError
+from transport.backend import TransportKind
 from transport.fetch_state import FetchState
 from transport.frames import recv_message, send_message
 from transport.nixl.holder import new_agent
@@ -71,6 +72,8 @@ class NixlReader:
     Destinations are registered once however many channels write into them; holders'
     agents are loaded once however many channels read from them. Thread-safe; each
     channel is used by one thread at a time."""
+
+    kind = TransportKind.NIXL
 
     def __init__(self) -> None:
         self._agent = new_agent("reader")
