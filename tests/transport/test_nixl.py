@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from tensorhub.errors import DeadlineExceeded, SlowHolder, TransportError
+from tests.nixl_support import UCX, use_ucx
 from tests.transport._model import MODEL, TENANT
 from tests.transport.nixl_holder_proc import CHUNK, nixl_model
 from transport.checksums import WSUM64, XXH3
@@ -54,10 +55,6 @@ pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"NIXL unavailable: {_W
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = b"good"
-UCX = {
-    "tcp": {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"},
-    "cma": {"UCX_TLS": "cma,tcp", "UCX_NET_DEVICES": "lo"},
-}
 
 
 class Holder:
@@ -77,13 +74,7 @@ class Holder:
 @pytest.fixture(params=sorted(UCX))
 def ucx(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """The UCX transport of both sides: set here for the reader, passed to the holder."""
-    for name in list(os.environ):
-        if name.startswith("UCX_"):
-            monkeypatch.delenv(name)
-    env: dict[str, str] = UCX[request.param]
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    return env
+    return use_ucx(request.param, monkeypatch)
 
 
 @pytest.fixture
