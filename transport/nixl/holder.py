@@ -30,22 +30,15 @@ import logging
 import os
 import select
 import socket
-import threading
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Unpack
 
 from tensorhub.errors import TransportError, VersionUnavailable
 from transport.admission import Conn
 from transport.backend import TransportKind
 from transport.frames import framed, recv_message, send_message
-from transport.listener import (
-    FRAME_TIMEOUT,
-    IO_TIMEOUT,
-    MAX_CONNECTIONS,
-    PER_PEER,
-    Listener,
-)
+from transport.listener import IO_TIMEOUT, ControlServer, PortLimits
 from transport.nixl.loader import load
 from transport.nixl.protocol import (
     BEGIN,
@@ -96,7 +89,7 @@ class _Registration:
     batches: int = 0  # READs in flight now, between `begin` and `end`
 
 
-class NixlHolder(Listener):
+class NixlHolder(ControlServer):
     """Serves NIXL readers the versions in `store` whose token `verifier` accepts: the
     holder side of the NIXL backend (`transport.backend.HolderBackend`; its owner tells it
     of each version and release through `HolderStore.watch(holder.register,
@@ -113,19 +106,11 @@ class NixlHolder(Listener):
         verifier: Verifier,
         host: str = "127.0.0.1",
         port: int = 0,
-        *,
-        max_connections: int = MAX_CONNECTIONS,
-        per_peer: int = PER_PEER,
-        frame_timeout: float = FRAME_TIMEOUT,
+        **limits: Unpack[PortLimits],
     ) -> None:
-        super().__init__(
-            host, port,
-            max_connections=max_connections, per_peer=per_peer, frame_timeout=frame_timeout,
-        )  # fmt: skip
-        self._store, self._verifier = store, verifier
+        super().__init__(store, verifier, host, port, **limits)
         self._agent: Any = None  # where new registrations go (made on first use)
         self._retired = 0  # agents retired so far (tests, metrics)
-        self._lock = threading.Lock()  # the agents, their registrations and `_regs`
         self._regs: dict[int, _Registration] = {}  # id(held) -> its registration
 
     @property
