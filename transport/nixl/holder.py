@@ -55,7 +55,7 @@ from transport.nixl.protocol import (
 )
 from transport.store import HeldVersion, HolderStore
 from transport.verifier import Refused, Verifier, lookup
-from transport.wire import ErrorCode
+from transport.wire import ErrorCode, Refusal
 
 log = logging.getLogger(__name__)
 
@@ -265,11 +265,14 @@ class NixlHolder(ControlServer):
                 except TransportError as exc:  # the reader left (or spoke nonsense)
                     log.debug("NIXL reader channel ended: %s", exc)
                     return
-                if op == BEGIN and batch is None:
-                    batch = self._begin(conn, reg)
+                if isinstance(op, Refusal):
+                    log.info("NIXL reader sent a refusal out of turn: channel closed")
+                    return
+                if op.name == BEGIN and batch is None:
+                    batch = self._begin(conn, reg, op.token)
                     if batch is None:
                         return
-                elif op == END and batch is not None:
+                elif op.name == END and batch is not None:
                     batch.close()
                     batch = None
                     self.tick()
@@ -281,9 +284,20 @@ class NixlHolder(ControlServer):
                 batch.close()
                 self.tick()
 
-    def _begin(self, conn: socket.socket, reg: _Registration) -> contextlib.ExitStack | None:
-        """Count a READ in flight and say `go`; None (after a RELEASED refusal) when the
-        version was released meanwhile."""
+    def _begin(
+        self, conn: socket.socket, reg: _Registration, token: bytes
+    ) -> contextlib.ExitStack | None:
+        """Check `token` again (it may have expired or been revoked since the channel
+        opened), count a READ in flight and say `go`; None, after the refusal, when the
+        token no longer passes or the version was released meanwhile."""
+        held = reg.held
+        found = lookup(self._store, self._verifier, held.key, token, held.layout.digest)
+        if isinstance(found, Refused) or found is not held:
+            refused = found if isinstance(found, Refused) else None
+            code = refused.code if refused else ErrorCode.RELEASED
+            message = refused.message if refused else f"{held.key} is no longer held here"
+            send_message(conn, encode_refusal(code, message))
+            return None
         batch = contextlib.ExitStack()
         try:
             batch.enter_context(reg.held.reading())

@@ -325,7 +325,7 @@ class NixlChannel:
 
     def _begin(self) -> Refusal | None:
         assert self._sock is not None
-        send_message(self._sock, encode_op(BEGIN))
+        send_message(self._sock, encode_op(BEGIN, self._f.token()))
         by_deadline = self._arm(self._sock)
         try:
             answer = decode_op(recv_message(self._sock, MAX_REQUEST_BYTES))
@@ -337,8 +337,8 @@ class NixlChannel:
             raise TransportError(why) from exc
         if isinstance(answer, Refusal):
             return answer
-        if answer != GO:
-            raise TransportError(f"NIXL holder answered {answer!r} to begin")
+        if answer.name != GO:
+            raise TransportError(f"NIXL holder answered {answer.name!r} to begin")
         return None
 
     def _end(self) -> None:
