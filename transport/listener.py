@@ -1,5 +1,6 @@
 """The one accept loop of every holder backend's port: the TCP data port
-(`transport.server`) and the control channels of RDMA and same-host CUDA IPC.
+(`transport.server`) and the control channels of RDMA, same-host CUDA IPC and NIXL (each a
+`ControlServer`: the store it serves from, the verifier every request passes, its limits).
 
 One thread accepts; each admitted connection gets a thread of its own running the
 subclass's `serve`. Admission is `transport.admission`'s: at most `max_connections`, at
@@ -16,9 +17,14 @@ import contextlib
 import logging
 import socket
 import threading
+from typing import TYPE_CHECKING, TypedDict, Unpack
 
 from tensorhub.errors import TransportError
 from transport.admission import Admission, Conn
+
+if TYPE_CHECKING:
+    from transport.store import HolderStore
+    from transport.verifier import Verifier
 
 log = logging.getLogger(__name__)
 
@@ -146,3 +152,31 @@ class Listener(abc.ABC):
         finally:
             self.admission.forget(record)
             record.sock.close()  # the TLS socket when the handshake replaced it
+
+
+class PortLimits(TypedDict, total=False):
+    """A port's admission limits (`transport.admission.Admission`); each one left out is
+    this module's default."""
+
+    max_connections: int
+    per_peer: int
+    frame_timeout: float
+
+
+class ControlServer(Listener):
+    """The control port of a holder backend that hands out access to held memory (RDMA,
+    CUDA IPC, NIXL): it serves from `store`, and each request passes `verifier`
+    (`transport.verifier.lookup`) before anything is shared. Subclasses speak their own
+    hand-shake in `serve`."""
+
+    def __init__(
+        self,
+        store: HolderStore,
+        verifier: Verifier,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        **limits: Unpack[PortLimits],
+    ) -> None:
+        super().__init__(host, port, **limits)
+        self._store, self._verifier = store, verifier
+        self._lock = threading.Lock()  # the subclass's own state

@@ -1,8 +1,9 @@
 """Which transport a reader uses for one holder, and why it did not use a better one.
 
 A holder record advertises one endpoint per transport it serves (`tensorhub.endpoints`).
-A reader tries them in preference order, RDMA → same-host CUDA IPC → TCP, and takes the
-first that both sides can use. RDMA reads into host memory and IPC copies into GPU memory,
+A reader tries them in preference order, NIXL → RDMA → same-host CUDA IPC → TCP, and takes
+the first that both sides can use (NIXL only where the client enabled it:
+`transport.backend.enabled_transports`). RDMA reads into host memory and IPC copies into GPU memory,
 so for one destination at most one of them is in the running. Each kind it passes over
 leaves its reason in `Route.fallback`, so a fetch that runs over TCP although the holder
 offered RDMA says so (log and `FetchStats.fallbacks`); a holder with no kind this reader
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from transport.ipc.fingerprint import Verdicts
 
 # Best first.
-PREFERENCE: tuple[TransportKind, ...] = (TransportKind.RDMA, TransportKind.IPC, TransportKind.TCP)
+PREFERENCE: tuple[TransportKind, ...] = tuple(TransportKind)  # NIXL, RDMA, IPC, TCP
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ def local_reason(kind: TransportKind, local: Sequence[TransportKind]) -> str:
     """Why this process cannot read over `kind` ('' when it can)."""
     if kind in local:
         return ""
+    if kind is TransportKind.NIXL:
+        return 'not enabled by this client (ros.connect(transports=["nixl"]))'
     if kind is TransportKind.RDMA:
         from transport.rdma import rdma_unavailable_reason
 
@@ -79,6 +82,13 @@ def _refusal(
             return "the destination is device memory (the RDMA channel reads into host memory)"
         if not complete:
             return "the holder is PARTIAL (one-sided reads cannot wait for its chunks)"
+    if kind is TransportKind.NIXL:
+        if tls:
+            return "TLS is required and NIXL reads are not encrypted"
+        if device_memory:
+            return "the destination is device memory (this NIXL backend reads host memory)"
+        if not complete:
+            return "the holder is PARTIAL (it offers NIXL only for a COMPLETE version)"
     if kind is TransportKind.IPC:
         if not device_memory:
             return "the destination is host memory (CUDA IPC copies GPU memory to GPU memory)"

@@ -14,7 +14,9 @@ runs unchanged over every transport:
 - `RdmaTransport` (`transport.rdma.channel`): a descriptor over a TCP control channel,
   then one-sided reads;
 - `IpcTransport` (`transport.ipc.channel`): a lease on a same-host holder's GPU memory,
-  copied device to device (falling back to TCP, with the reason, when it cannot map).
+  copied device to device (falling back to TCP, with the reason, when it cannot map);
+- `NixlReader` (`transport.nixl.reader`): agent metadata over a TCP control channel, then
+  one-sided NIXL READs into the destination.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import threading
 from collections.abc import Iterator, Sequence
 
 from tensorhub.errors import TensorHubError, TransportError
-from transport.backend import ReaderBackend, TransportKind
+from transport.backend import ReaderBackend, TransportKind, enabled_transports
 from transport.fetch_state import FetchState
 from transport.netio import arm
 from transport.outcome import ChunkOutcome, ChunkStatus
@@ -106,14 +108,17 @@ class TcpTransport:
 
 
 class ReaderBackends:
-    """One client's reader backends, one per kind, each built when first asked for (RDMA's
-    and IPC's modules are imported only then) and closed with the client (`close`).
-    `verdicts`: the holders whose CUDA IPC failed lately, written by this client's IPC
-    channels and read when it chooses a transport (`transport.selection`)."""
+    """One client's reader backends, one per kind, each built when first asked for (RDMA's,
+    IPC's and NIXL's modules are imported only then) and closed with the client (`close`).
+    `kinds`: the transports this client reads over (`transport.backend.enabled_transports`;
+    default: what this machine has, NIXL only when asked for). `verdicts`: the holders
+    whose CUDA IPC failed lately, written by this client's IPC channels and read when it
+    chooses a transport (`transport.selection`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kinds: Sequence[TransportKind] | None = None) -> None:
         from transport.ipc.fingerprint import Verdicts
 
+        self.kinds = tuple(enabled_transports() if kinds is None else kinds)
         self.verdicts = Verdicts()
         self._lock = threading.Lock()
         self._made: dict[TransportKind, ReaderBackend] = {}
@@ -126,6 +131,10 @@ class ReaderBackends:
             return backend
 
     def _make(self, kind: TransportKind) -> ReaderBackend:
+        if kind is TransportKind.NIXL:
+            from transport.nixl.reader import NixlReader
+
+            return NixlReader()
         if kind is TransportKind.RDMA:
             from transport.rdma.channel import RdmaTransport
 

@@ -7,7 +7,9 @@ the `rdma` endpoint. Queue-pair numbers, GIDs and keys are exchanged on that cha
 reader, never written into the record (tensorhub/endpoints.py). Same-host CUDA IPC
 likewise when this process has a CUDA device (`ipc_unavailable_reason()` is empty): an
 `IpcControlServer`, advertised as `ipc`; it grants leases only on versions held in GPU
-memory. A client with TLS serves neither: their control channels (and one-sided reads)
+memory. NIXL when the client enabled it (`transports=`, `transport.backend.enabled_transports`):
+a `NixlHolder`, advertised as `nixl`; it offers COMPLETE host-memory versions. A client with
+TLS serves none of them: their control channels (and one-sided reads)
 are not encrypted, and a holder that requires TLS must not serve bytes without it. Readers
 pick among what is advertised (`transport.selection`). Each backend built here belongs to
 the client that asked for it (`Serving` stops it at close).
@@ -19,7 +21,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from tensorhub.endpoints import format_endpoint, parse_endpoint
-from transport.backend import HolderBackend
+from transport.backend import HolderBackend, TransportKind
 from transport.ipc import ipc_unavailable_reason
 from transport.ipc.server import IpcControlServer
 from transport.rdma import rdma_available, rdma_unavailable_reason
@@ -31,22 +33,38 @@ log = logging.getLogger(__name__)
 
 
 def control_backends(
-    store: HolderStore, verifier: Verifier, listen_host: str, *, tls: bool
+    store: HolderStore,
+    verifier: Verifier,
+    listen_host: str,
+    *,
+    tls: bool,
+    kinds: Sequence[TransportKind] = (TransportKind.RDMA, TransportKind.IPC),
 ) -> list[HolderBackend]:
-    """Every control-channel backend (RDMA, IPC) this machine can serve over `store`,
-    started; the ones it cannot, logged with why."""
+    """Every control-channel backend among `kinds` (NIXL, RDMA, IPC) this machine can serve
+    over `store`, started; the ones it cannot, logged with why."""
     no_rdma = "" if rdma_available() else rdma_unavailable_reason() or "no device"
+    off = "not enabled by this client"
     started = [
         _start(
-            "rdma", no_rdma, tls,
+            "nixl", "" if TransportKind.NIXL in kinds else off, tls,
+            lambda: _nixl_holder(store, verifier, listen_host),
+        ),
+        _start(
+            "rdma", no_rdma if TransportKind.RDMA in kinds else off, tls,
             lambda: RdmaControlServer(store, verifier, listen_host, 0).start(),
         ),
         _start(
-            "ipc", ipc_unavailable_reason(), tls,
+            "ipc", ipc_unavailable_reason() if TransportKind.IPC in kinds else off, tls,
             lambda: IpcControlServer(store, verifier, listen_host, 0).start(),
         ),
     ]  # fmt: skip
     return [b for b in started if b is not None]
+
+
+def _nixl_holder(store: HolderStore, verifier: Verifier, host: str) -> HolderBackend:
+    from transport.nixl.holder import NixlHolder  # imports NIXL only for a client that uses it
+
+    return NixlHolder(store, verifier, host, 0).start()
 
 
 def endpoints(tcp: str, backends: Sequence[HolderBackend]) -> dict[str, str]:

@@ -52,6 +52,7 @@ from ros.proto.tensorhub.v1 import hub_pb2_grpc
 from tensorhub.endpoints import format_endpoint
 from tensorhub.errors import InvalidArgument
 from tensorhub.names import validate_name
+from transport.backend import enabled_transports
 from transport.pace import DEFAULT_RATE_FLOOR
 from transport.tls import TlsConfig
 from transport.topology import Topology
@@ -84,8 +85,12 @@ class Hub:
         hooks: ClientHooks = PRODUCTION,
         spill_budget: int | None = None,
         retry: RetryPolicy = DEFAULT_POLICY,
+        transports: Sequence[str] | None = None,
     ) -> None:
         addresses = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        # what it serves and reads over: TCP, and RDMA/IPC where the machine has them, or
+        # the kinds named (here or in TENSORHUB_TRANSPORTS); NIXL only when named
+        kinds = enabled_transports(transports)
         me = Identity(
             tenant=validate_name(tenant, "tenant"),
             holder_name=validate_name(name or default_holder_name(), "holder"),
@@ -119,7 +124,7 @@ class Hub:
         )  # fmt: skip
         self._serving = Serving(
             self.holdings.store, self.session.verify, listen_at, advertise=advertise, tls=tls,
-            send=hooks.send,
+            send=hooks.send, kinds=kinds,
         )  # fmt: skip
         records = HolderRecords(
             rpc, self.floor, self._serving, self.session, holder_name=me.holder_name,
@@ -131,7 +136,7 @@ class Hub:
         self._publisher = Publisher(
             me, rpc.once, self._reads, records, self.holdings, self._serving, self._handles
         )
-        self._readers = ReaderBackends()  # this client's reader side of every transport
+        self._readers = ReaderBackends(kinds)  # this client's reader side of each transport
         self._fetches = Orchestrator(  # stateless: every run keeps its state on its stack
             me, self._reads, records, self.holdings, self._serving, hooks.reader(), self._readers
         )

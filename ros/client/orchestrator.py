@@ -317,12 +317,12 @@ class Orchestrator:
     def _candidates(
         self, holders: Sequence[pb.Holder], skipped: dict[str, str], *, device_memory: bool
     ) -> list[Candidate]:
-        """The holders we can read from, each over the best transport both sides have (rdma
-        → same-host CUDA IPC → tcp: `transport.selection`); why a better one was passed
+        """The holders we can read from, each over the best transport both sides have (nixl
+        → rdma → same-host CUDA IPC → tcp: `transport.selection`); why a better one was passed
         over is logged and travels in `Source.fallback` into `stats.fallbacks`. A holder
         whose endpoints we cannot use (written by an older hub, or naming only a transport
-        we lack; RDMA into device memory) is skipped, not fatal: it goes into `skipped` with
-        the reason, logged once per fetch, and the others are read."""
+        we lack or did not enable; RDMA into device memory) is skipped, not fatal: it goes
+        into `skipped` with the reason, logged once per fetch, and the others are read."""
         me = self._me.holder_name
         tls = self._me.tls is not None
         out = []
@@ -333,6 +333,7 @@ class Orchestrator:
                 route = choose(
                     h.endpoints, complete=h.state == pb.COMPLETE, tls=tls,
                     device_memory=device_memory, verdicts=self._readers.verdicts,
+                    local=self._readers.kinds,
                 )  # fmt: skip
             except InvalidArgument as exc:
                 if h.name not in skipped:

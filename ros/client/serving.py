@@ -1,5 +1,5 @@
 """What a client serves from: its holder backends (`transport.backend.HolderBackend`), the
-TCP holder server and the control channels beside it (RDMA, same-host CUDA IPC:
+TCP holder server and the control channels beside it (NIXL, RDMA, same-host CUDA IPC:
 `ros.client.advertise`), started explicitly by the first publish or fetch that holds a
 version, stopped at close. Each is this client's own: two clients in one process share
 no server, and closing one leaves the other serving.
@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Sequence
 
 from ros.client.advertise import control_backends
 from ros.client.advertise import endpoints as advertised
 from ros.metrics import SDK_BYTES_SERVED
 from tensorhub.endpoints import format_endpoint
 from tensorhub.errors import InternalError
-from transport.backend import HolderBackend
+from transport.backend import HolderBackend, TransportKind
 from transport.server import ChunkSender, HolderServer
 from transport.store import HolderStore
 from transport.tls import TlsConfig
@@ -39,8 +40,10 @@ class Serving:
         advertise: str | None,
         tls: TlsConfig | None,
         send: ChunkSender,
+        kinds: Sequence[TransportKind] = (TransportKind.RDMA, TransportKind.IPC, TransportKind.TCP),
     ) -> None:
         self._store, self._verifier = store, verifier
+        self._kinds = tuple(kinds)  # what it serves beside TCP, where the machine can
         self._listen, self._advertise = listen, advertise
         self._tls, self._send = tls, send
         self._lock = threading.Lock()
@@ -59,7 +62,9 @@ class Serving:
                 on_served=SDK_BYTES_SERVED.inc, send=self._send,
             ).start()  # fmt: skip
             self._server = server
-            others = control_backends(self._store, self._verifier, host, tls=self._tls is not None)
+            others = control_backends(
+                self._store, self._verifier, host, tls=self._tls is not None, kinds=self._kinds
+            )
             self._backends = [server, *others]
             for backend in self._backends:
                 self._store.watch(backend.register, backend.release)

@@ -155,7 +155,15 @@ def _load(model: Any, weights: list[Any]) -> None:
 
 
 def register() -> None:
-    """The `vllm.general_plugins` entry point: register the engine (once per process)."""
+    """The `vllm.general_plugins` entry point: register the engine (once per process).
+
+    vLLM loads its plugins in every process it starts, before its NixlConnector may import
+    NIXL, so this is where the host libraries NIXL's UCX modules need are opened first
+    (`transport.nixl.loader.pin_host_libraries`; without it a NIXL process on a host with
+    `ibverbs-providers` dies with SIGSEGV at exit, docs/nixl.md). It loads no NIXL."""
+    from transport.nixl.loader import pin_host_libraries
+
+    pin_host_libraries()
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     if BACKEND not in WeightTransferEngineFactory._registry:

@@ -45,8 +45,10 @@ class _SignalOnBegin(NixlHolder):
         super().__init__(*args, **kw)  # type: ignore[arg-type]
         self._sig, self._left = sig, nth
 
-    def _begin(self, conn: socket.socket, reg: _Registration) -> contextlib.ExitStack | None:
-        batch = super()._begin(conn, reg)
+    def _begin(
+        self, conn: socket.socket, reg: _Registration, token: bytes
+    ) -> contextlib.ExitStack | None:
+        batch = super()._begin(conn, reg, token)
         self._left -= 1
         if not self._left:
             os.kill(os.getpid(), self._sig)

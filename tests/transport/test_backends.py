@@ -21,10 +21,11 @@ import pytest
 from ros.client.serving import Serving
 from tensorhub.errors import DeadlineExceeded, InternalError
 from tests.transport._model import MODEL, TENANT, make_model
-from transport.backend import HolderBackend, ReaderBackend, TransportKind
+from transport.backend import HolderBackend, ReaderBackend, TransportKind, enabled_transports
 from transport.ipc.channel import IpcTransport
 from transport.ipc.server import IpcControlServer
 from transport.layout import Layout
+from transport.nixl.loader import unavailable_reason as nixl_unavailable
 from transport.rdma.channel import RdmaTransport
 from transport.rdma.control import RdmaControlServer
 from transport.server import HolderServer, allow_all, send_chunk
@@ -65,6 +66,38 @@ def test_every_transport_implements_both_sides() -> None:
             backend.stop()
     for reader in readers:
         reader.close()
+
+
+@pytest.mark.skipif(nixl_unavailable() is not None, reason=f"NIXL: {nixl_unavailable()}")
+def test_nixl_implements_both_sides_and_a_client_serves_it_only_when_asked() -> None:
+    from transport.nixl import NixlHolder, NixlReader
+
+    store = HolderStore()
+    holder: HolderBackend = NixlHolder(store, allow_all)
+    reader: ReaderBackend = NixlReader()
+    assert holder.kind is reader.kind is TransportKind.NIXL
+    holder.start()
+    try:
+        held = _held()
+        holder.register(held)
+        held.release(1.0)
+        holder.release(held)
+    finally:
+        holder.stop()
+        reader.close()
+    for kinds, served in [
+        (enabled_transports(), {"tcp"}),  # the default: TCP (no RDMA device, no GPU here)
+        (enabled_transports(["nixl"]), {"tcp", "nixl"}),
+    ]:
+        serving = Serving(
+            HolderStore(), allow_all, ("127.0.0.1", 0), advertise=None, tls=None,
+            send=send_chunk, kinds=kinds,
+        )  # fmt: skip
+        serving.start()
+        try:
+            assert set(serving.endpoints()) == served
+        finally:
+            serving.stop()
 
 
 def test_a_holder_backend_hears_of_every_version_and_release_through_the_store() -> None:

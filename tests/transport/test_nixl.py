@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from tensorhub.errors import DeadlineExceeded, SlowHolder, TransportError
+from tests.nixl_support import UCX, use_ucx
 from tests.transport._model import MODEL, TENANT
 from tests.transport.nixl_holder_proc import CHUNK, nixl_model
 from transport.checksums import WSUM64, XXH3
@@ -54,10 +55,6 @@ pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"NIXL unavailable: {_W
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = b"good"
-UCX = {
-    "tcp": {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"},
-    "cma": {"UCX_TLS": "cma,tcp", "UCX_NET_DEVICES": "lo"},
-}
 
 
 class Holder:
@@ -77,13 +74,7 @@ class Holder:
 @pytest.fixture(params=sorted(UCX))
 def ucx(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """The UCX transport of both sides: set here for the reader, passed to the holder."""
-    for name in list(os.environ):
-        if name.startswith("UCX_"):
-            monkeypatch.delenv(name)
-    env: dict[str, str] = UCX[request.param]
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    return env
+    return use_ucx(request.param, monkeypatch)
 
 
 @pytest.fixture
@@ -317,6 +308,34 @@ def test_reader_deadline(spawn: Callable[..., Holder], reader: NixlReader) -> No
     assert took < 1
 
 
+def test_a_token_revoked_mid_channel_stops_the_next_batch(
+    ucx: dict[str, str], reader: NixlReader
+) -> None:
+    """The token is checked again at every `begin`, as the TCP holder checks every GET: a
+    channel opened with a good token, whose token is then refused (expired, or its tenant
+    deleted), gets DENIED for its next batch and reads nothing more."""
+    src, layout, expected = version(4)
+    store = HolderStore()
+    store.add(HeldVersion.publisher(TENANT, MODEL, 1, src, layout))
+    accepted = threading.Event()
+    accepted.set()
+    holder = NixlHolder(store, lambda *_: accepted.is_set()).start()
+    store.watch(holder.register, holder.release)
+    try:
+        dest = destination(src, layout)
+        channel = channel_to(reader, holder.address, fetch(dest, expected, time.monotonic() + 20))
+        try:
+            assert statuses(channel.read([0])) == {ChunkStatus.DONE}
+            accepted.clear()  # revoked while the channel is open
+            assert statuses(channel.read([1])) == {ChunkStatus.DENIED}
+        finally:
+            channel.close()
+        assert dest.is_present(0)
+        assert not dest.is_present(1)
+    finally:
+        holder.stop()
+
+
 def test_release_waits_for_the_read_in_flight(ucx: dict[str, str], reader: NixlReader) -> None:
     """A release returns only once the batch a reader began has ended; then the version
     is deregistered and later reads are refused."""
@@ -330,8 +349,8 @@ def test_release_waits_for_the_read_in_flight(ucx: dict[str, str], reader: NixlR
         with socket.create_connection(holder.address, timeout=10) as sock:
             send_message(sock, encode_request(NixlRequest(TENANT, MODEL, 1, layout.digest, TOKEN)))
             assert isinstance(decode_offer(recv_message(sock, MAX_OFFER_BYTES)), NixlOffer)
-            send_message(sock, encode_op(BEGIN))
-            assert decode_op(recv_message(sock, 1024)) == GO
+            send_message(sock, encode_op(BEGIN, TOKEN))
+            assert decode_op(recv_message(sock, 1024)) == (GO, b"")
             released = threading.Event()
 
             def release() -> None:
@@ -387,9 +406,21 @@ def test_release_disconnects_readers_that_kept_the_metadata(
         while holder.admission.sockets() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not holder.admission.sockets()
-        now = time.monotonic()
-        with pytest.raises(TransportError, match="RemoteDisconnect"):
-            channel._transfer([1], now + 5, now + 5)  # a READ without `begin`: hostile
+        # A READ without `begin` (hostile) fails once the reader's UCX has heard of the
+        # disconnect: at once over TCP; over cma the READ needs nothing of the holder, so
+        # one that starts before UCX delivered the disconnect may still complete.
+        cut = time.monotonic() + 5
+        error: TransportError | None = None
+        while error is None:
+            now = time.monotonic()
+            try:
+                channel._transfer([1], now + 5, now + 5)
+            except TransportError as exc:
+                error = exc
+            else:
+                assert now < cut, "the retired agent's reader could still READ after 5 s"
+                time.sleep(0.05)
+        assert "RemoteDisconnect" in str(error)
         channel.close()
         again = HeldVersion.publisher(TENANT, MODEL, 2, src, layout)
         store.add(again)

@@ -15,6 +15,7 @@ from transport.nixl.protocol import (
     GO,
     NixlOffer,
     NixlRequest,
+    Op,
     decode_offer,
     decode_op,
     decode_request,
@@ -95,6 +96,9 @@ def test_unknown_refusal_code_is_kept_raw() -> None:
 
 
 def test_ops() -> None:
-    assert [decode_op(encode_op(op)) for op in (BEGIN, GO, END)] == [BEGIN, GO, END]
+    assert [decode_op(encode_op(op)) for op in (GO, END)] == [Op(GO), Op(END)]
+    assert decode_op(encode_op(BEGIN, b"tok")) == Op(BEGIN, b"tok")
     with pytest.raises(TransportError, match="unknown op"):
         decode_op(_doc(op="read-everything"))
+    with pytest.raises(TransportError, match="begin without a read token"):
+        decode_op(encode_op(BEGIN))  # every READ is asked for with the token as it is now

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import threading
 from collections.abc import Callable
+from typing import Unpack
 
 from tensorhub.errors import IpcIneligible, TransportError, VersionUnavailable
 from transport.admission import Conn
@@ -37,13 +37,7 @@ from transport.ipc.protocol import (
     Report,
     encode_refusal,
 )
-from transport.listener import (
-    FRAME_TIMEOUT,
-    IO_TIMEOUT,
-    MAX_CONNECTIONS,
-    PER_PEER,
-    Listener,
-)
+from transport.listener import IO_TIMEOUT, ControlServer, PortLimits
 from transport.store import HeldVersion, HolderStore
 from transport.verifier import Refused, Verifier, lookup
 from transport.wire import ErrorCode
@@ -54,7 +48,7 @@ Exporter = Callable[[HeldVersion, int], Export]
 """`(held, probe sum) -> Export`: share `held` for one lease (`transport.ipc.cuda.export`)."""
 
 
-class IpcControlServer(Listener):
+class IpcControlServer(ControlServer):
     """Grants CUDA IPC leases on the versions of `store` to readers whose token `verifier`
     accepts (module docstring). `exporter` shares the memory (default: CUDA's); `leases`
     is the number granted and not ended, for metrics and tests."""
@@ -71,17 +65,11 @@ class IpcControlServer(Listener):
         *,
         exporter: Exporter = export,
         lease_idle: float = LEASE_IDLE,
-        max_connections: int = MAX_CONNECTIONS,
-        per_peer: int = PER_PEER,
-        frame_timeout: float = FRAME_TIMEOUT,
+        **limits: Unpack[PortLimits],
     ) -> None:
-        super().__init__(
-            host, port,
-            max_connections=max_connections, per_peer=per_peer, frame_timeout=frame_timeout,
-        )  # fmt: skip
-        self._store, self._verifier, self._exporter = store, verifier, exporter
+        super().__init__(store, verifier, host, port, **limits)
+        self._exporter = exporter
         self._lease_idle = lease_idle
-        self._lock = threading.Lock()
         self._probes: dict[int, tuple[HeldVersion, int]] = {}
         self.leases = 0
 

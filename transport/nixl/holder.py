@@ -30,21 +30,15 @@ import logging
 import os
 import select
 import socket
-import threading
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Unpack
 
 from tensorhub.errors import TransportError, VersionUnavailable
 from transport.admission import Conn
+from transport.backend import TransportKind
 from transport.frames import framed, recv_message, send_message
-from transport.listener import (
-    FRAME_TIMEOUT,
-    IO_TIMEOUT,
-    MAX_CONNECTIONS,
-    PER_PEER,
-    Listener,
-)
+from transport.listener import IO_TIMEOUT, ControlServer, PortLimits
 from transport.nixl.loader import load
 from transport.nixl.protocol import (
     BEGIN,
@@ -61,7 +55,7 @@ from transport.nixl.protocol import (
 )
 from transport.store import HeldVersion, HolderStore
 from transport.verifier import Refused, Verifier, lookup
-from transport.wire import ErrorCode
+from transport.wire import ErrorCode, Refusal
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +89,7 @@ class _Registration:
     batches: int = 0  # READs in flight now, between `begin` and `end`
 
 
-class NixlHolder(Listener):
+class NixlHolder(ControlServer):
     """Serves NIXL readers the versions in `store` whose token `verifier` accepts: the
     holder side of the NIXL backend (`transport.backend.HolderBackend`; its owner tells it
     of each version and release through `HolderStore.watch(holder.register,
@@ -104,6 +98,7 @@ class NixlHolder(Listener):
     `transport.listener`'s: the same rules as the TCP data port."""
 
     name = "nixl-control"
+    kind = TransportKind.NIXL
 
     def __init__(
         self,
@@ -111,19 +106,11 @@ class NixlHolder(Listener):
         verifier: Verifier,
         host: str = "127.0.0.1",
         port: int = 0,
-        *,
-        max_connections: int = MAX_CONNECTIONS,
-        per_peer: int = PER_PEER,
-        frame_timeout: float = FRAME_TIMEOUT,
+        **limits: Unpack[PortLimits],
     ) -> None:
-        super().__init__(
-            host, port,
-            max_connections=max_connections, per_peer=per_peer, frame_timeout=frame_timeout,
-        )  # fmt: skip
-        self._store, self._verifier = store, verifier
+        super().__init__(store, verifier, host, port, **limits)
         self._agent: Any = None  # where new registrations go (made on first use)
         self._retired = 0  # agents retired so far (tests, metrics)
-        self._lock = threading.Lock()  # the agents, their registrations and `_regs`
         self._regs: dict[int, _Registration] = {}  # id(held) -> its registration
 
     @property
@@ -278,11 +265,14 @@ class NixlHolder(Listener):
                 except TransportError as exc:  # the reader left (or spoke nonsense)
                     log.debug("NIXL reader channel ended: %s", exc)
                     return
-                if op == BEGIN and batch is None:
-                    batch = self._begin(conn, reg)
+                if isinstance(op, Refusal):
+                    log.info("NIXL reader sent a refusal out of turn: channel closed")
+                    return
+                if op.name == BEGIN and batch is None:
+                    batch = self._begin(conn, reg, op.token)
                     if batch is None:
                         return
-                elif op == END and batch is not None:
+                elif op.name == END and batch is not None:
                     batch.close()
                     batch = None
                     self.tick()
@@ -294,9 +284,20 @@ class NixlHolder(Listener):
                 batch.close()
                 self.tick()
 
-    def _begin(self, conn: socket.socket, reg: _Registration) -> contextlib.ExitStack | None:
-        """Count a READ in flight and say `go`; None (after a RELEASED refusal) when the
-        version was released meanwhile."""
+    def _begin(
+        self, conn: socket.socket, reg: _Registration, token: bytes
+    ) -> contextlib.ExitStack | None:
+        """Check `token` again (it may have expired or been revoked since the channel
+        opened), count a READ in flight and say `go`; None, after the refusal, when the
+        token no longer passes or the version was released meanwhile."""
+        held = reg.held
+        found = lookup(self._store, self._verifier, held.key, token, held.layout.digest)
+        if isinstance(found, Refused) or found is not held:
+            refused = found if isinstance(found, Refused) else None
+            code = refused.code if refused else ErrorCode.RELEASED
+            message = refused.message if refused else f"{held.key} is no longer held here"
+            send_message(conn, encode_refusal(code, message))
+            return None
         batch = contextlib.ExitStack()
         try:
             batch.enter_context(reg.held.reading())

@@ -30,9 +30,12 @@ from types import ModuleType
 HOST_LIBRARIES = ("libefa.so.1",)
 """Host libraries the wheel's UCX modules need but the wheel does not bundle: opened first."""
 
-MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
-"""The import names of NIXL's Python API, tried in order (`nixl` is the meta-package that
-vLLM's NixlConnector imports)."""
+MODULES = ("nixl", "nixl_cu12", "nixl_cu13")
+"""The import names of NIXL's Python API, tried in order. `nixl` first: the meta-package that
+vLLM's NixlConnector imports (`nixl._api`) picks the CUDA variant (`nixl_cu12` or `nixl_cu13`)
+and re-exports it, so where it is installed TensorHub uses the same build and one UCX. Two
+builds in one process would each load their own UCX. Without it (`tensorhub[nixl]` installs
+`nixl-cu12` alone), the variant is imported directly."""
 
 
 def pin_host_libraries() -> list[str]:

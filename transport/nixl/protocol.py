@@ -8,8 +8,9 @@ holder, version):
 2. holder → reader: after the token is checked (`transport.verifier.lookup`), a `NixlOffer`:
    its agent's metadata and one `(address, length)` region per layout tensor; or a refusal
    with a `transport.wire.ErrorCode`, which the reader turns into a typed `ChunkOutcome`;
-3. for each batch of chunks: reader → holder `begin`; holder → reader `go` (the read is now
-   counted in `HeldVersion.reading()`, so a release waits for it) or a refusal (`RELEASED`);
+3. for each batch of chunks: reader → holder `begin` with its read token as it is now;
+   holder → reader, once the token passes `lookup` again, `go` (the read is now counted in
+   `HeldVersion.reading()`, so a release waits for it) or a refusal (`DENIED`, `RELEASED`);
    the reader READs the batch with NIXL; reader → holder `end` (no answer);
 4. the reader closes the connection, or the holder does once the version is released.
 
@@ -25,7 +26,7 @@ import base64
 import binascii
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from tensorhub.errors import TransportError
 from transport.frames import decode_json
@@ -108,9 +109,21 @@ def encode_refusal(code: ErrorCode, message: str) -> bytes:
     return _dumps({"error": {"code": int(code), "message": message[:1024]}})
 
 
-def encode_op(op: str) -> bytes:
-    """`begin`, `go` or `end` (step 3)."""
-    return _dumps({"op": op})
+class Op(NamedTuple):
+    """A control op (step 3). `begin` carries the reader's read token as it is now, so the
+    holder checks it again before every READ, as the TCP holder does every GET: a token that
+    expired or was revoked mid-channel stops the next batch."""
+
+    name: str
+    token: bytes = b""
+
+
+def encode_op(op: str, token: bytes = b"") -> bytes:
+    """`begin` (with `token`), `go` or `end` (step 3)."""
+    doc: dict[str, Any] = {"op": op}
+    if token:
+        doc["token"] = token.hex()
+    return _dumps(doc)
 
 
 def _refusal(doc: dict[str, Any]) -> Refusal | None:
@@ -142,8 +155,8 @@ def decode_offer(data: bytes) -> NixlOffer | Refusal:
     return NixlOffer(agent, metadata, regions)
 
 
-def decode_op(data: bytes) -> str | Refusal:
-    """An op message (`begin`, `go`, `end`), or a `Refusal`."""
+def decode_op(data: bytes) -> Op | Refusal:
+    """An op message (`begin` with its token, `go`, `end`), or a `Refusal`."""
     doc = decode_json(data, MAX_REQUEST_BYTES, "NIXL control message", FORMAT)
     refusal = _refusal(doc)
     if refusal is not None:
@@ -151,4 +164,10 @@ def decode_op(data: bytes) -> str | Refusal:
     op = doc.get("op")
     if op not in (BEGIN, GO, END):
         raise _malformed("message", f"unknown op {op!r}")
-    return str(op)
+    if op != BEGIN:
+        return Op(str(op))
+    try:
+        token = bytes.fromhex(doc["token"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise _malformed("message", f"begin without a read token: {exc!r}") from exc
+    return Op(BEGIN, token)

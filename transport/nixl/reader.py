@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from tensorhub.errors import DeadlineExceeded, SlowHolder, TensorHubError, TransportError
+from transport.backend import TransportKind
 from transport.fetch_state import FetchState
 from transport.frames import recv_message, send_message
 from transport.nixl.holder import new_agent
@@ -71,6 +72,8 @@ class NixlReader:
     Destinations are registered once however many channels write into them; holders'
     agents are loaded once however many channels read from them. Thread-safe; each
     channel is used by one thread at a time."""
+
+    kind = TransportKind.NIXL
 
     def __init__(self) -> None:
         self._agent = new_agent("reader")
@@ -322,7 +325,7 @@ class NixlChannel:
 
     def _begin(self) -> Refusal | None:
         assert self._sock is not None
-        send_message(self._sock, encode_op(BEGIN))
+        send_message(self._sock, encode_op(BEGIN, self._f.token()))
         by_deadline = self._arm(self._sock)
         try:
             answer = decode_op(recv_message(self._sock, MAX_REQUEST_BYTES))
@@ -334,8 +337,8 @@ class NixlChannel:
             raise TransportError(why) from exc
         if isinstance(answer, Refusal):
             return answer
-        if answer != GO:
-            raise TransportError(f"NIXL holder answered {answer!r} to begin")
+        if answer.name != GO:
+            raise TransportError(f"NIXL holder answered {answer.name!r} to begin")
         return None
 
     def _end(self) -> None:

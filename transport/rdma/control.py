@@ -24,22 +24,15 @@ import contextlib
 import json
 import select
 import socket
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Unpack
 
 from tensorhub.errors import TransportError, VersionUnavailable
 from transport.admission import Conn
 from transport.backend import TransportKind
 from transport.frames import decode_json, framed, recv_message, send_message
-from transport.listener import (
-    FRAME_TIMEOUT,
-    IO_TIMEOUT,
-    MAX_CONNECTIONS,
-    PER_PEER,
-    Listener,
-)
+from transport.listener import IO_TIMEOUT, ControlServer, PortLimits
 from transport.rdma.descriptor import (
     FORMAT,
     MAX_ENCODED_BYTES,
@@ -121,7 +114,7 @@ def decode_reply(data: bytes) -> RdmaDescriptor | Refusal:
     return Refusal(code, raw, str(error.get("message", "")))
 
 
-class RdmaControlServer(Listener):
+class RdmaControlServer(ControlServer):
     """Serves descriptors for the versions in `store` to RDMA readers whose token
     `verifier` accepts. The device is opened on the first request that needs it
     (`device_factory`, default `RdmaDevice()`), so refusals need no device; one
@@ -139,19 +132,11 @@ class RdmaControlServer(Listener):
         host: str = "127.0.0.1",
         port: int = 0,
         device_factory: Callable[[], Any] | None = None,
-        *,
-        max_connections: int = MAX_CONNECTIONS,
-        per_peer: int = PER_PEER,
-        frame_timeout: float = FRAME_TIMEOUT,
+        **limits: Unpack[PortLimits],
     ) -> None:
-        super().__init__(
-            host, port,
-            max_connections=max_connections, per_peer=per_peer, frame_timeout=frame_timeout,
-        )  # fmt: skip
-        self._store, self._verifier = store, verifier
+        super().__init__(store, verifier, host, port, **limits)
         self._device_factory = device_factory
         self._device: Any = None
-        self._lock = threading.Lock()
         self._exporters: dict[int, tuple[HeldVersion, Any, int]] = {}  # id -> (held, exp, readers)
 
     def start(self) -> RdmaControlServer:
