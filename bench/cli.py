@@ -5,7 +5,10 @@
 needed); `gpu` is the GPU memory paths (`bench.gpu`, its own flags; needs a CUDA device);
 `sim` is the cluster-scale simulator (`bench.sim.cli`); `scale` is the scale
 envelope on loopback (`bench.scale.cli`, its own flags); `watches` is a hostile tenant's Watch
-streams on many model names (`bench.hostile`, its own flags); `all` runs every emulated benchmark,
+streams on many model names (`bench.hostile`, its own flags); `revoke` is a deleted tenant's
+token against two replicas and `history-fill` two tenants inside their budgets against etcd's
+quota (`bench.review_revoke`, `bench.review_fill`: issue 25's items 1 and 3, their own flags);
+`all` runs every emulated benchmark,
 a shortened `transport` and a shortened `scale` in sequence and writes one JSON report.
 Human table by default; `--json PATH` writes the figures (`-` for stdout).
 """
@@ -41,7 +44,7 @@ ALL_TRANSPORT = ["--size-mb", "256", "--repeat", "2"]
 ALL_SCALE = ["--parts", "clients,holders,manifest,history,shards",
              "--clients", "100,2000", "--history-steps", "3000", "--history-seconds", "120",
              "--history-sample-every", "250"]  # fmt: skip
-NAMES = [*EMULATED, "transport", "sim", "scale", "gpu", "watches", "all"]
+NAMES = [*EMULATED, "transport", "sim", "scale", "gpu", "watches", "revoke", "history-fill", "all"]
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
@@ -126,6 +129,14 @@ def run(args: argparse.Namespace) -> int:
         from bench import hostile
 
         return hostile.main(rest)
+    if name == "revoke":  # a deleted tenant's token on two replicas (bench.review_revoke)
+        from bench import review_revoke
+
+        return review_revoke.main(rest)
+    if name == "history-fill":  # tenants inside their budgets filling etcd (bench.review_fill)
+        from bench import review_fill
+
+        return review_fill.main(rest)
     opts_ns = _parse(name, rest)
     _check_plot(getattr(opts_ns, "plot", None))
     if os.geteuid() != 0:
