@@ -101,4 +101,4 @@ def test_ops() -> None:
     with pytest.raises(TransportError, match="unknown op"):
         decode_op(_doc(op="read-everything"))
     with pytest.raises(TransportError, match="begin without a read token"):
-        decode_op(encode_op(BEGIN))  # every READ is asked for with the token as it is now
+        decode_op(_doc(op=BEGIN))  # every READ is asked for with the token as it is now

@@ -121,7 +121,7 @@ class Op(NamedTuple):
 def encode_op(op: str, token: bytes = b"") -> bytes:
     """`begin` (with `token`), `go` or `end` (step 3)."""
     doc: dict[str, Any] = {"op": op}
-    if token:
+    if op == BEGIN:
         doc["token"] = token.hex()
     return _dumps(doc)
 
