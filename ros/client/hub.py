@@ -52,7 +52,7 @@ from ros.proto.tensorhub.v1 import hub_pb2_grpc
 from tensorhub.endpoints import format_endpoint
 from tensorhub.errors import InvalidArgument
 from tensorhub.names import validate_name
-from transport.backend import enabled_transports
+from transport.backend import TransportKind, enabled_transports
 from transport.pace import DEFAULT_RATE_FLOOR
 from transport.tls import TlsConfig
 from transport.topology import Topology
@@ -137,6 +137,8 @@ class Hub:
             me, rpc.once, self._reads, records, self.holdings, self._serving, self._handles
         )
         self._readers = ReaderBackends(kinds)  # this client's reader side of each transport
+        if TransportKind.NIXL in kinds:  # its agent now, not in the first fetch's time
+            self._readers.get(TransportKind.NIXL)
         self._fetches = Orchestrator(  # stateless: every run keeps its state on its stack
             me, self._reads, records, self.holdings, self._serving, hooks.reader(), self._readers
         )

@@ -40,6 +40,7 @@ from transport.backend import TransportKind
 from transport.frames import framed, recv_message, send_message
 from transport.listener import IO_TIMEOUT, ControlServer, PortLimits
 from transport.nixl.loader import load
+from transport.nixl.progress import Pump
 from transport.nixl.protocol import (
     BEGIN,
     END,
@@ -68,12 +69,13 @@ def agent_name(role: str) -> str:
 
 
 def new_agent(role: str) -> Any:
-    """A NIXL agent with the UCX backend and its progress thread, safe to call from several
-    threads at once (NIXL's default without a listener thread is not: a reader's channels
-    run in the fetch's worker threads, a holder's in its connection threads)."""
+    """A NIXL agent with the UCX backend, safe to call from several threads at once (NIXL's
+    default without a listener thread is not: a reader's channels run in the fetch's worker
+    threads, a holder's in its connection threads), and without NIXL's progress thread,
+    which spins a core per agent: its owner progresses it (`transport.nixl.progress`)."""
     nixl = load()
     strict = nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
-    config = nixl.nixl_agent_config(backends=["UCX"], sync_mode=strict)
+    config = nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"], sync_mode=strict)
     return nixl.nixl_agent(agent_name(role), config)
 
 
@@ -112,6 +114,7 @@ class NixlHolder(ControlServer):
         self._agent: Any = None  # where new registrations go (made on first use)
         self._retired = 0  # agents retired so far (tests, metrics)
         self._regs: dict[int, _Registration] = {}  # id(held) -> its registration
+        self._pump = Pump(f"{self.name}-progress")  # the agents' progress, while reads run
 
     @property
     def retired(self) -> int:
@@ -119,12 +122,17 @@ class NixlHolder(ControlServer):
         return self._retired
 
     def start(self) -> NixlHolder:
+        """Listen, with the agent made now rather than in the first reader's time."""
+        with self._lock:
+            if self._agent is None:
+                self._agent = new_agent("holder")
         self.start_listening()
         return self
 
     def stop(self) -> None:
         """Stop accepting, cut every channel, deregister every version."""
         self.stop_listening()
+        self._pump.stop()
         with self._lock:
             regs, self._regs = list(self._regs.values()), {}
             self._agent = None
@@ -307,6 +315,7 @@ class NixlHolder(ControlServer):
         with self._lock:
             reg.batches += 1
         batch.callback(self._ended, reg)
+        batch.enter_context(self._pump.active(reg.agent))  # its READs need our progress
         try:
             send_message(conn, encode_op(GO))
         except BaseException:

@@ -62,7 +62,9 @@ from transport.store import HeldVersion
 from transport.verification import HostBytes
 from transport.wire import Refusal
 
-BATCH_BYTES = 64 * 1024 * 1024  # bytes per READ: one begin/end round trip per ~64 MiB
+BATCH_BYTES = 64 * 1024 * 1024  # bytes per begin/end bracket: one control round trip each
+READ_BYTES = 4 * 1024 * 1024  # bytes per READ (at least one chunk): what is committed at once
+WINDOW = 2  # READs in flight at once in a bracket: the next is on the wire while one is checked
 GRACE = 1.0  # seconds a batch may take beyond its bytes at the rate floor (connection setup)
 POLL_MIN, POLL_MAX = 50e-6, 2e-3  # seconds between looks at a READ's state (doubling)
 
@@ -292,36 +294,72 @@ class NixlChannel:
         return agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM")
 
     def _read_batch(self, batch: list[int]) -> Iterator[ChunkOutcome]:
-        """One `begin` → READ → `end` of `batch`, then each chunk verified and committed;
-        ends after the first outcome that is not DONE."""
+        """One `begin` … `end` bracket over `batch`: READs of up to `READ_BYTES`, `WINDOW`
+        of them in flight, each one's chunks verified and committed as soon as it is done
+        (so pipelined readers can take them, and a holder lost mid-batch costs only the
+        READs in flight); ends after the first outcome that is not DONE."""
         f = self._f
-        nbytes = sum(self._payload(i) for i in batch)
-        floor = float("inf")
-        if f.rate_floor > 0:
-            floor = time.monotonic() + GRACE + nbytes / f.rate_floor
+        start = time.monotonic()
+        groups = self._groups(batch)
+        floors, sent = [], 0  # each READ's rate-floor deadline, from the bracket's start
+        for group in groups:
+            sent += sum(self._payload(i) for i in group)
+            rate = f.rate_floor
+            floors.append(start + GRACE + sent / rate if rate > 0 else float("inf"))
         try:
             refusal = self._begin()
-            if refusal is not None:
-                self._fail(refusal)
-                yield ChunkOutcome.refused(batch[0], refusal)
-                return
-            try:
-                self._transfer(batch, f.deadline, floor)
-            finally:
-                self._end()
         except (TensorHubError, OSError) as exc:
-            with f.lock:
-                f.stats.touched.update(batch)  # bytes may have landed: a later copy refetches
             self._fail(exc)
             yield ChunkOutcome.failed(batch[0], exc)
             return
-        for n, index in enumerate(batch):
-            out = self._verify(index)
-            if out.status is not ChunkStatus.DONE:
-                f.discard(batch[n + 1 :])  # read, but not checked: thrown away with it
-            yield out
-            if out.status is not ChunkStatus.DONE:
-                return
+        if refusal is not None:
+            self._fail(refusal)
+            yield ChunkOutcome.refused(batch[0], refusal)
+            return
+        flight: list[tuple[list[int], Any]] = []  # (chunks, handle), oldest first
+        done = 0  # groups finished
+        try:
+            while done < len(groups):
+                while len(flight) < WINDOW and done + len(flight) < len(groups):
+                    group = groups[done + len(flight)]
+                    flight.append((group, self._post(group)))
+                group, handle = flight[0]
+                self._wait(handle, f.deadline, floors[done])
+                flight.pop(0)
+                self._release(handle)
+                done += 1
+                for index in group:
+                    out = self._verify(index)
+                    if out.status is not ChunkStatus.DONE:
+                        rest = [i for g in groups[done:] for i in g]
+                        f.discard([*group[group.index(index) + 1 :], *rest])
+                    yield out
+                    if out.status is not ChunkStatus.DONE:
+                        return
+        except (TensorHubError, OSError) as exc:
+            left = [i for g in groups[done:] for i in g]
+            with f.lock:
+                f.stats.touched.update(left)  # bytes may have landed: a later copy refetches
+            self._fail(exc)
+            yield ChunkOutcome.failed(left[0], exc)
+        finally:
+            for _, handle in flight:
+                self._release(handle)
+            if self._sock is not None:
+                self._end()
+
+    def _groups(self, batch: list[int]) -> list[list[int]]:
+        """`batch` cut into READs of at most `READ_BYTES` (at least one chunk each)."""
+        groups: list[list[int]] = []
+        size = 0
+        for index in batch:
+            n = self._payload(index)
+            if not groups or size + n > READ_BYTES:
+                groups.append([])
+                size = 0
+            groups[-1].append(index)
+            size += n
+        return groups
 
     def _begin(self) -> Refusal | None:
         assert self._sock is not None
@@ -346,19 +384,32 @@ class NixlChannel:
             with contextlib.suppress(OSError):
                 send_message(self._sock, encode_op(END))
 
-    def _transfer(self, batch: Sequence[int], deadline: float, floor: float) -> None:
-        """One READ of `batch`, polled until done; at the deadline (or the rate floor's),
-        or once the fetch is aborted, the handle is released, which aborts the READ.
-        Raises what went wrong."""
+    def _post(self, group: Sequence[int]) -> Any:
+        """Start one READ of `group`'s segments; its handle."""
         agent = self._agent
         try:
-            local, remote = self._descs(batch)
+            local, remote = self._descs(group)
             handle = agent.initialize_xfer("READ", local, remote, self._remote)
         except Exception as exc:
             raise TransportError(f"NIXL cannot prepare the READ: {exc!r}") from exc
         try:
             state = agent.transfer(handle)
-            wait = POLL_MIN
+        except Exception as exc:  # nixlRemoteDisconnectError and NIXL's other errors
+            self._release(handle)
+            raise TransportError(f"NIXL READ failed: {type(exc).__name__}: {exc}") from exc
+        if state not in ("PROC", "DONE"):
+            self._release(handle)
+            raise TransportError(f"NIXL READ ended in state {state}")
+        return handle
+
+    def _wait(self, handle: Any, deadline: float, floor: float) -> None:
+        """Poll a READ (which progresses this agent) until it is done; at the deadline (or
+        the rate floor's), or once the fetch is aborted, raise: the caller releases the
+        handle, which aborts the READ."""
+        agent = self._agent
+        wait = POLL_MIN
+        try:
+            state = agent.check_xfer_state(handle)
             while state == "PROC":
                 now = time.monotonic()
                 if now >= min(deadline, floor):
@@ -370,16 +421,28 @@ class NixlChannel:
                 time.sleep(min(wait, min(deadline, floor) - now))
                 wait = min(wait * 2, POLL_MAX)
                 state = agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise TransportError(f"NIXL READ ended in state {state}")
         except (SlowHolder, DeadlineExceeded, TransportError):
             raise
         except Exception as exc:  # nixlRemoteDisconnectError and NIXL's other errors
             raise TransportError(f"NIXL READ failed: {type(exc).__name__}: {exc}") from exc
+        if state != "DONE":
+            raise TransportError(f"NIXL READ ended in state {state}")
+
+    @staticmethod
+    def _release(handle: Any) -> None:
+        """Free a READ's handle (aborting it if it still runs); one that cannot be aborted
+        stays NIXL's, and the channel drops the holder's agent on failure."""
+        with contextlib.suppress(Exception):
+            handle.release()
+
+    def _transfer(self, batch: Sequence[int], deadline: float, floor: float) -> None:
+        """One READ of `batch` to completion, outside any bracket (tests: a hostile reader
+        that kept a holder's metadata). Raises what went wrong."""
+        handle = self._post(batch)
+        try:
+            self._wait(handle, deadline, floor)
         finally:
-            # One that cannot be aborted stays NIXL's; the caller drops the holder's agent.
-            with contextlib.suppress(Exception):
-                handle.release()
+            self._release(handle)
 
     def _verify(self, index: int) -> ChunkOutcome:
         """Chunk `index`, now in the destination: committed if the fetch's verifier finds
