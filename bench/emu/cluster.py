@@ -56,8 +56,8 @@ UCX_ON_LINKS = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
 ON_LINKS = 0.95
 """A phase that moved k copies of the model must show at least this fraction of k model
 sizes on the host links' counters (which count frames with their headers, so an honest
-phase shows a little more than k: 1.006 k measured here); below it, the bytes went around
-the links (`LinksBypassed`)."""
+phase shows a little more than k: 1.003 k to 1.009 k measured here); below it, the bytes
+went around the links (`LinksBypassed`)."""
 
 
 def links_between(
