@@ -10,7 +10,8 @@ token against two replicas and `history-fill` two tenants inside their budgets a
 quota (`bench.review_revoke`, `bench.review_fill`: issue 25's items 1 and 3, their own flags);
 `all` runs every emulated benchmark,
 a shortened `transport` and a shortened `scale` in sequence and writes one JSON report.
-Human table by default; `--json PATH` writes the figures (`-` for stdout).
+`fanout`, `elastic` and `failover` take `--transport {tcp,nixl}` (default tcp; `all` runs
+them over TCP). Human table by default; `--json PATH` writes the figures (`-` for stdout).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench import crossdc, elastic, failover, fanout, metadata
-from bench.common import Options, add_options, options
+from bench.common import Options, add_options, add_transport, options
 from bench.emu.netns import NeedsRoot
 from bench.report import Result, emit
 from ros.cli.progress import Bar
@@ -36,6 +37,7 @@ EMULATED: dict[str, Callable[[Options], Result]] = {
     "failover": failover.run,
     "metadata": metadata.run,
 }
+TRANSPORT_BENCHES = ("fanout", "elastic", "failover")  # those that take `--transport`
 CROSSDC_MB = 16  # the inter-dc link is 5x slower: a smaller model keeps the run short
 ALL_TRANSPORT = ["--size-mb", "256", "--repeat", "2"]
 # `bench all` keeps scale to a few minutes: the two ends of the clients sweep, a shorter
@@ -56,6 +58,8 @@ def _parse(name: str, rest: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog=f"tensorhub bench {name}")
     add_options(ap, CROSSDC_MB if name == "crossdc" else 32)
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON (- = stdout)")
+    if name in TRANSPORT_BENCHES:
+        add_transport(ap)
     if name == "fanout":
         ap.add_argument(
             "--plot",

@@ -8,6 +8,14 @@ Target: extra time <= detection (1 s) + the time to re-fetch, at the reader's li
 exactly the bytes not yet received (the fetch's `refetched_bytes` + `discarded_bytes`);
 every chunk is completed exactly once, and only chunks in flight at the kill are fetched
 again (their bytes are reported).
+
+`--transport nixl`: each holder also serves the model on a bare `NixlHolder`, and the reader
+reads all three over NIXL (UCX over TCP on each host's veth); the targets are the same.
+Each fetch checks the host links' byte counters against the one copy it moved
+(`LinksBypassed`), and its reads are counted by transport (`reads`). A NIXL run first
+fetches once untimed (`details["nixl_warmup_s"]`): each holder makes its NIXL agent and
+registers the model for its first reader, which the faulty run, after the clean ones, no
+longer pays, so a clean run that paid it would shrink the extra time.
 """
 
 from __future__ import annotations
@@ -16,8 +24,8 @@ import math
 import statistics
 import time
 
-from bench.common import Options, span, verify
-from bench.emu.cluster import Cluster
+from bench.common import Options, add_reads, reads, span, transport_figures, verify
+from bench.emu.cluster import Cluster, Links
 from bench.emu.control import broadcast
 from bench.report import Result
 
@@ -29,28 +37,44 @@ PARALLEL = 4  # baseline_ops.tfetch's default: connections per fetch
 def run(opts: Options) -> Result:
     res = Result("failover", "tensorhub bench failover" + opts.flags())
     started = time.monotonic()
-    with Cluster({1: 4}, opts.rate_mbit, hub=False) as c:
+    fetch = {"nbytes": opts.nbytes, "chunk": opts.chunk, "transport": opts.transport}
+    with Cluster({1: 4}, opts.rate_mbit, hub=False, transport=opts.transport) as c:
         holders, reader = c.parts[:3], c.parts[3]
         sat = c.saturation(c.parts, opts.nbytes)
         served = broadcast(
-            holders, "serve", 60, nbytes=opts.nbytes, seed=opts.seed, chunk=opts.chunk
-        )
+            holders, "serve", 60, nbytes=opts.nbytes, seed=opts.seed, chunk=opts.chunk,
+            transport=opts.transport,
+        )  # fmt: skip
         sources = [
             [f"h{i}", h.host.ip, s["port"]]
             for i, (h, s) in enumerate(zip(holders, served, strict=True))
         ]
+        warmup = None
+        if opts.transport == "nixl":
+            got = reader.call("tfetch", 300, sources=sources, **fetch)
+            verify(served[0]["digest"], [got], "warm-up fetch")
+            warmup = span([got])
         clean = []
-        for _ in range(CLEAN_RUNS):
-            got = reader.call("tfetch", 300, sources=sources, nbytes=opts.nbytes, chunk=opts.chunk)
+        links: list[Links] = []
+        used: dict[str, int] = {}
+        for run_ in range(CLEAN_RUNS):
+            before = c.link_bytes()
+            got = reader.call("tfetch", 300, sources=sources, **fetch)
             verify(served[0]["digest"], [got], "clean fetch")
+            links.append(c.links_since(before, opts.nbytes, 1, f"clean fetch {run_ + 1}"))
             clean.append(span([got]))
+            used = add_reads(used, reads([got]))
         t_clean = statistics.median(clean)
-        reader.send("tfetch", sources=sources, nbytes=opts.nbytes, chunk=opts.chunk)
+        before = c.link_bytes()
+        reader.send("tfetch", sources=sources, **fetch)
         time.sleep(t_clean / 2)
         holders[0].kill()  # the first-ranked source: busy until the end
         got = reader.reply(300)
         verify(served[0]["digest"], [got], "fetch with a killed holder")
+        links.append(c.links_since(before, opts.nbytes, 1, "fetch with a killed holder"))
+        used = add_reads(used, reads([got]))
         t_fail = span([got])
+        ucx = c.ucx()
     refetched = got["refetched_bytes"] + got["discarded_bytes"]
     received = sum(got["bytes_per_source"].values())
     bound = DETECTION + refetched / opts.rate_Bps
@@ -63,6 +87,7 @@ def run(opts: Options) -> Result:
     res.add("re-fetched / chunks in flight at the kill", refetched / in_flight, "<= 1")
     res.add("re-fetched", refetched / 1024, unit="KiB")
     res.add("extra time", extra, unit="s")
+    transport_figures(res, opts.transport, min(m.per_copy for m in links), used, "reader")
     res.details = {
         "saturation": sat.to_dict(),
         "clean_s": clean,
@@ -72,6 +97,12 @@ def run(opts: Options) -> Result:
         "bytes_per_source": got["bytes_per_source"],
         "failed_sources": got["failed_sources"],
         "bound_s": bound,
+        "transport": opts.transport,
+        "ucx": ucx,
+        "nixl_warmup_s": warmup,
+        "reads": used,
+        "transports": got["transports"],
+        "links": [m.to_dict() for m in links],
     }
     if not got["failed_sources"]:
         res.note = "the killed holder was not seen to fail (the fetch ended before the kill)"

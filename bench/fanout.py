@@ -13,6 +13,17 @@ Per N, in one run on the same emulated hosts:
 Targets: TensorHub T(8)/T(1) <= 1.3; trainer stall <= 1.2x one plain-socket transfer of
 the model on one link, for every N.
 
+`--transport nixl`: the clients read COMPLETE holders over NIXL (UCX over TCP on each host's
+veth; the first reader reads the trainer so, the readers behind it, PARTIAL when planned,
+over TCP), and the parameter-server readers pull from a bare NIXL holder on the trainer.
+Every TensorHub and parameter-server phase checks the host links' byte counters against
+its N copies (`LinksBypassed`), and the reads are counted by transport (`reads`). Before
+the measured versions a NIXL run warms up, as gloo's group set-up is not counted: the
+trainer publishes a `warmup` model and the readers fetch it one after another, so each
+reads a COMPLETE holder over NIXL once and has paid NIXL's one-time costs in its process
+(its agent, a UCX context: about 0.4 s; the UCX connections); those fetches' times are in
+`details["nixl_warmup"]`.
+
 `--plot FILE.png` (`plot`) draws T(N) against N for the three, from the result's details.
 """
 
@@ -24,12 +35,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from bench.common import MODEL, Options, span, verify
-from bench.emu.cluster import Cluster, settle
-from bench.emu.control import broadcast, gather
+from bench.common import MODEL, Options, add_reads, reads, span, transport_figures, verify
+from bench.emu.cluster import Cluster, Links, settle
+from bench.emu.control import Participant, broadcast, gather
 from bench.report import Result
 
 READERS = (1, 2, 4, 8)
+WARMUP = "warmup"  # the model a NIXL run's warm-up fetches (`_warm_up`)
 SERIES = {  # the plot's lines: label -> key of `Result.details`
     "TensorHub": "tensorhub_T",
     "parameter server": "param_server_T",
@@ -52,34 +64,45 @@ def run(
     done = progress or (lambda what: None)
     most = max(readers)
     started = time.monotonic()
-    with Cluster({1: 1 + most}, opts.rate_mbit) as c:
+    with Cluster({1: 1 + most}, opts.rate_mbit, transport=opts.transport) as c:
         trainer, pool = c.parts[0], c.parts[1:]
         sat = c.saturation(c.parts, opts.nbytes)
         one = sat.one_transfer
         th: dict[int, float] = {}
         stall: dict[int, float] = {}
+        links: dict[str, dict[int, Links]] = {"tensorhub": {}, "param_server": {}}
+        used: dict[int, dict[str, int]] = {}
+        warmup = _warm_up(opts, trainer, pool) if opts.transport == "nixl" else []
         for version, n in enumerate(readers, start=1):
+            before = c.link_bytes()
             pub = trainer.call("publish", model=MODEL, version=version, nbytes=opts.nbytes,
                                seed=opts.seed, chunk=opts.chunk)  # fmt: skip
             trainer.send("wait", version=version, k=1)
             got = broadcast(pool[:n], "fetch", 300, model=MODEL, version=version)
             waited = trainer.reply(300)
             verify(pub["digest"], got, f"tensorhub N={n}")
+            links["tensorhub"][n] = c.links_since(before, opts.nbytes, n, f"tensorhub N={n}")
             th[n] = span(got, pub["t0"])
             stall[n] = waited["t1"] - waited["t0"]
+            used[n] = reads(got)
             broadcast(pool[:n], "release", 60, version=version)
             done(f"TensorHub N={n}: {th[n]:.2f}s")
             settle()
-        served = trainer.call("serve", nbytes=opts.nbytes, seed=opts.seed, chunk=opts.chunk)
+        served = trainer.call("serve", nbytes=opts.nbytes, seed=opts.seed, chunk=opts.chunk,
+                              transport=opts.transport)  # fmt: skip
         source = [["trainer", trainer.host.ip, served["port"]]]
         ps: dict[int, float] = {}
         for n in readers:
+            before = c.link_bytes()
             got = broadcast(pool[:n], "tfetch", 600, sources=source, nbytes=opts.nbytes,
-                            chunk=opts.chunk)  # fmt: skip
+                            chunk=opts.chunk, transport=opts.transport)  # fmt: skip
             verify(served["digest"], got, f"parameter-server N={n}")
+            what = f"parameter-server N={n}"
+            links["param_server"][n] = c.links_since(before, opts.nbytes, n, what)
             ps[n] = span(got)
             done(f"parameter server N={n}: {ps[n]:.2f}s")
             settle()
+        ucx = c.ucx()
         gl: dict[int, float] = {}
         for n in readers:
             group = [trainer, *pool[:n]]
@@ -100,6 +123,11 @@ def run(
     res.add(f"gloo T({hi}) / TensorHub T({hi})", gl[hi] / th[hi])
     res.add(f"param-server stall({hi}) / TensorHub stall({hi})", ps[hi] / stall[hi])
     res.add("one transfer (plain socket)", one, unit="s")
+    total: dict[str, int] = {}
+    for counted in used.values():
+        total = add_reads(total, counted)
+    lowest = min(m.per_copy for phase in links.values() for m in phase.values())
+    transport_figures(res, opts.transport, lowest, total)
     res.details = {
         "saturation": sat.to_dict(),
         "tensorhub_T": th,
@@ -107,11 +135,32 @@ def run(
         "param_server_T": ps,
         "gloo_T": gl,
         "bytes": opts.nbytes,
+        "transport": opts.transport,
+        "ucx": ucx,
+        "tensorhub_reads": used,
+        "nixl_warmup": warmup,
+        "links": {k: {n: m.to_dict() for n, m in v.items()} for k, v in links.items()},
     }
     if not sat.saturated:
         res.withhold(f"a plain socket reached only {sat.fraction:.0%} of the link rate")
     res.seconds = time.monotonic() - started
     return res
+
+
+def _warm_up(opts: Options, trainer: Participant, pool: list[Participant]) -> list[Any]:
+    """Each reader fetches a `warmup` model in turn, every holder before it COMPLETE, so
+    each reads over NIXL once (module docstring); then everyone releases it. Returns each
+    fetch's seconds and reads."""
+    pub = trainer.call("publish", model=WARMUP, version=1, nbytes=opts.nbytes,
+                       seed=opts.seed, chunk=opts.chunk)  # fmt: skip
+    out = []
+    for p in pool:
+        got = p.call("fetch", 300, model=WARMUP, version=1)
+        verify(pub["digest"], [got], f"warm-up on {p.host.name}")
+        out.append({"host": p.host.name, "s": round(span([got]), 3), "reads": reads([got])})
+    broadcast([trainer, *pool], "release", 60, version=1)
+    settle()
+    return out
 
 
 def series(details: Mapping[str, Any]) -> dict[str, dict[int, float]]:

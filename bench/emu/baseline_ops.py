@@ -20,11 +20,13 @@ import torch
 import torch.distributed as dist
 
 from bench.emu.model import digest, flat, make_model, model_layout
+from transport.backend import TransportKind
 from transport.layout import Layout
 from transport.reader import DEFAULT_RATE_FLOOR, Source, fetch
 from transport.server import HolderServer, allow_all
 from transport.store import HeldVersion, HolderStore
 from transport.topology import Topology
+from transport.transports import ReaderBackends
 
 PIECE = 1 << 20
 _keep: list[Any] = []  # servers and their memory live as long as the participant
@@ -65,8 +67,10 @@ def plain_recv(ip: str, host: str, port: int, nbytes: int) -> dict[str, Any]:
     return {"t0": start, "t1": end, "seconds": end - start}
 
 
-def serve(ip: str, nbytes: int, seed: int, chunk: int) -> dict[str, Any]:
-    """Hold the model (version 1 of bench/model) on a bare HolderServer (no hub, no tokens)."""
+def serve(ip: str, nbytes: int, seed: int, chunk: int, transport: str = "tcp") -> dict[str, Any]:
+    """Hold the model (version 1 of bench/model) on a bare HolderServer (no hub, no tokens);
+    with `transport` "nixl" also on a bare `NixlHolder` beside it. `port` is where
+    `transport` reads it (the NIXL control port for "nixl"), `tcp_port` the TCP server's."""
     tensors = make_model(nbytes, seed)
     layout = Layout.from_tensors(tensors, chunk_size=chunk)
     store = HolderStore()
@@ -75,7 +79,15 @@ def serve(ip: str, nbytes: int, seed: int, chunk: int) -> dict[str, Any]:
     store.add(held)
     server = HolderServer(store, allow_all, ip, 0).start()
     _keep.append((server, store))
-    return {"port": server.address[1], "digest": digest(tensors)}
+    port = tcp_port = server.address[1]
+    if TransportKind(transport) is TransportKind.NIXL:
+        from transport.nixl.holder import NixlHolder  # imports NIXL only for a NIXL run
+
+        nixl = NixlHolder(store, allow_all, ip, 0).start()
+        store.watch(nixl.register, nixl.release)
+        _keep.append(nixl)
+        port = nixl.address[1]
+    return {"port": port, "tcp_port": tcp_port, "digest": digest(tensors)}
 
 
 def tfetch(
@@ -85,20 +97,29 @@ def tfetch(
     chunk: int,
     parallel: int = 4,
     rate_floor: float = DEFAULT_RATE_FLOOR,
+    transport: str = "tcp",
 ) -> dict[str, Any]:
-    """Fetch the model from exactly `sources` ([id, host, port] each) with transport.fetch.
+    """Fetch the model from exactly `sources` ([id, host, port] each, the port `serve`
+    gave for `transport`) with transport.fetch, over `transport` ("tcp" or "nixl").
     `rate_floor` 0 turns the reader's floor off (a baseline whose one source is shared by
     so many connections that each gets less than the floor)."""
     layout = model_layout(nbytes, chunk)
     tensors = layout.allocate()
     dest = HeldVersion.reader("bench", "model", 1, layout, tensors)
-    srcs = [Source(str(h), str(a), int(p), Topology()) for h, a, p in sources]
+    kind = TransportKind(transport)
+    srcs = [Source(str(h), str(a), int(p), Topology(), transport=kind) for h, a, p in sources]
+    readers = ReaderBackends((kind, TransportKind.TCP))
+    readers.get(kind)  # NIXL's agent (a UCX context) is made before the clock starts
     start = time.monotonic()
-    stats = fetch(
-        "bench", "model", 1, layout, dest, srcs, token=b"", deadline=start + 300,
-        me=Topology(), parallel=parallel, stall_timeout=5.0, rate_floor=rate_floor,
-    )  # fmt: skip
-    end = time.monotonic()
+    try:
+        stats = fetch(
+            "bench", "model", 1, layout, dest, srcs, token=b"", deadline=start + 300,
+            me=Topology(), parallel=parallel, stall_timeout=5.0, rate_floor=rate_floor,
+            readers=readers,
+        )  # fmt: skip
+        end = time.monotonic()
+    finally:
+        readers.close()
     return {
         "t0": start,
         "t1": end,
@@ -107,6 +128,8 @@ def tfetch(
         "refetched_bytes": stats.refetched_bytes,
         "discarded_bytes": stats.discarded_bytes,
         "failed_sources": stats.failed_sources,
+        "transports": stats.transports,
+        "fallbacks": stats.fallbacks,
     }
 
 

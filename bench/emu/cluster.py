@@ -10,6 +10,14 @@ number of bytes with a plain socket, all links busy at once (each host uploads t
 and downloads from the previous one, as in a replication chain). If a link then delivers
 less than `SATURATED` of its configured rate, the CPUs (not the links) were the limit and
 the benchmark refuses to report its ratios.
+
+`links_since` is the check that the bytes crossed those links at all: the host links' byte
+counters before and after a phase, against the model copies the phase moved. With
+`transport="nixl"` each participant's client reads COMPLETE holders over NIXL, whose UCX
+would pick cma (`process_vm_readv`) or shared memory between two namespaces of one kernel
+and move the bytes past the shaped veths; so those participants start with `UCX_TLS=tcp`
+and `UCX_NET_DEVICES=eth0` (UCX's TCP transport on the host's own veth, not `lo`), and a
+phase whose bytes did not show up on the links raises `LinksBypassed`.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from bench.common import TRANSPORTS, LinksBypassed
 from bench.emu.control import Participant, broadcast, gather
 from bench.emu.netns import Emulation, Host
 from consistency import EtcdCluster, Keys
@@ -40,6 +49,68 @@ SATURATED = 0.85
 Ethernet framing too, so about 0.95 is the most TCP payload can get)."""
 
 TENANT = "bench"
+
+UCX_ON_LINKS = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
+"""What a NIXL participant's UCX is given (module docstring): TCP only, over `eth0`."""
+
+ON_LINKS = 0.95
+"""A phase that moved k copies of the model must show at least this fraction of k model
+sizes on the host links' counters (which count frames with their headers, so an honest
+phase shows a little more than k: 1.003 k to 1.009 k measured here); below it, the bytes
+went around the links (`LinksBypassed`)."""
+
+
+def links_between(
+    before: dict[str, tuple[int, int]],
+    after: dict[str, tuple[int, int]],
+    nbytes: int,
+    copies: int,
+    what: str,
+) -> Links:
+    """What the host links carried from `before` to `after` (`Emulation.link_bytes`) in a
+    phase that moved `copies` copies of `nbytes`; `LinksBypassed` when less than `ON_LINKS`
+    of that crossed them."""
+    down = sum(after[h][0] - before[h][0] for h in after)
+    up = sum(after[h][1] - before[h][1] for h in after)
+    links = Links(down, up, copies, nbytes)
+    if links.per_copy < ON_LINKS:
+        raise LinksBypassed(
+            f"{what}: the host links carried {down / nbytes:.2f} model sizes for {copies} "
+            f"copies moved ({links.per_copy:.2f} per copy, < {ON_LINKS}): the bytes went "
+            f"around the shaped links, so the time is not the links'"
+        )
+    return links
+
+
+def participant_env(transport: str) -> dict[str, str]:
+    """The environment a participant of a `transport` run starts with, on top of ours."""
+    return dict(UCX_ON_LINKS) if transport == "nixl" else {}
+
+
+@dataclass(frozen=True)
+class Links:
+    """Bytes the host links carried during one phase that moved `copies` copies of an
+    `nbytes` model: `down` into the hosts, `up` out of them (frames included)."""
+
+    down: int
+    up: int
+    copies: int
+    nbytes: int
+
+    @property
+    def per_copy(self) -> float:
+        """Bytes into the hosts / (copies x model): a little over 1 when every copy crossed
+        a link (headers), near 0 when the bytes went around the links."""
+        return self.down / (self.copies * self.nbytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "down_bytes": self.down,
+            "up_bytes": self.up,
+            "copies": self.copies,
+            "link_bytes_per_model": round(self.down / self.nbytes, 3),
+            "per_copy": round(self.per_copy, 3),
+        }
 
 
 class HubStartError(TensorHubError):
@@ -94,9 +165,14 @@ class Cluster:
         *,
         hub: bool = True,
         replicas: int = 1,
+        transport: str = "tcp",
     ) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport {transport!r}: expected one of {TRANSPORTS}")
         self.emu = Emulation(hosts_per_dc, rate_mbit, wan_mbit)
         self.want_hub = hub
+        self.transport = transport
+        self.env = participant_env(transport)
         self.etcd: EtcdCluster | None = None
         self.replicas = replicas
         self.hubs: dict[int, list[tuple[subprocess.Popen[bytes], Path]]] = {}
@@ -111,13 +187,13 @@ class Cluster:
                 self._start_hub()
             for host in self.emu.hosts:
                 log = self.logs / f"{host.name}.log"
-                self.parts.append(Participant(self.emu, host, host.name, log))
+                self.parts.append(Participant(self.emu, host, host.name, log, self.env))
             gather(self.parts, 120)  # each says {"ready": true} once imported
             if self.want_hub:
                 for i, p in enumerate(self.parts):
                     where = self.hub_address(p.host.dc, i)
-                    p.send("connect", hub=[where], tenant=TENANT,
-                           token=self.token, topology=p.host.topology)  # fmt: skip
+                    p.send("connect", hub=[where], tenant=TENANT, token=self.token,
+                           topology=p.host.topology, transports=[self.transport])  # fmt: skip
                 gather(self.parts, 60)
         except BaseException:
             self.__exit__(*sys.exc_info())
@@ -192,6 +268,24 @@ class Cluster:
                 tail = path.read_bytes()[-2000:].decode(errors="replace")
                 print(f"--- {path.name} (tail) ---\n{tail}", file=sys.stderr)
         shutil.rmtree(self.logs, ignore_errors=True)
+
+    def ucx(self) -> dict[str, str]:
+        """The `UCX_*` settings the participants started with (ours and inherited ones)."""
+        env = {**os.environ, **self.env}
+        return {k: v for k, v in sorted(env.items()) if k.startswith("UCX_")}
+
+    def link_bytes(self) -> dict[str, tuple[int, int]]:
+        """The host links' counters now (`Emulation.link_bytes`), for `links_since`."""
+        return self.emu.link_bytes()
+
+    def links_since(
+        self, before: dict[str, tuple[int, int]], nbytes: int, copies: int, what: str
+    ) -> Links:
+        """What the host links carried since `before` (`link_bytes()`), for a phase that
+        moved `copies` copies of `nbytes`; `LinksBypassed` when less than `ON_LINKS` of
+        that crossed them."""
+        how = f"transport {self.transport}, UCX settings {self.ucx()}"
+        return links_between(before, self.emu.link_bytes(), nbytes, copies, f"{what} ({how})")
 
     def host(self, i: int) -> Host:
         return self.emu.hosts[i]

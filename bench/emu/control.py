@@ -37,10 +37,14 @@ class ParticipantError(TensorHubError):
 class Participant:
     """`python -m bench.emu.participant` inside `host`'s namespace."""
 
-    def __init__(self, emu: Emulation, host: Host, role: str, log: Path) -> None:
+    def __init__(
+        self, emu: Emulation, host: Host, role: str, log: Path, env: dict[str, str] | None = None
+    ) -> None:
+        """`env`: set in the participant's environment on top of this process's (what a
+        library reads when it starts, such as UCX's `UCX_*`, must be there from the start)."""
         self.host, self.role, self.log = host, role, log
         argv = emu.exec_argv(host, [sys.executable, "-m", "bench.emu.participant", host.ip])
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
         self.proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
             start_new_session=True, stderr=log.open("ab"),

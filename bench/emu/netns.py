@@ -217,6 +217,18 @@ class Emulation:
         path = f"/sys/class/net/r{dc}/statistics/tx_bytes"
         return int(_sh("ip", "netns", "exec", self.router_ns(), "cat", path).strip())
 
+    def link_bytes(self) -> dict[str, tuple[int, int]]:
+        """Each host's link counters, host name -> (bytes into the host, bytes out of it),
+        frames included: the `tx_bytes` and `rx_bytes` of the root-side end of its veth, the
+        same link as its `eth0` (what that end sends, the host receives). Bytes that two
+        namespaces exchange without their veths (cma, shared memory) are not counted."""
+        out = {}
+        for host in self.hosts:
+            stats = f"/sys/class/net/{host.peer}/statistics"
+            with open(f"{stats}/tx_bytes") as down, open(f"{stats}/rx_bytes") as up:
+                out[host.name] = (int(down.read()), int(up.read()))
+        return out
+
     def exec_argv(self, host: Host, argv: list[str]) -> list[str]:
         """`argv` run inside `host`'s namespace."""
         return ["ip", "netns", "exec", host.ns, *argv]

@@ -46,10 +46,21 @@ class Participant:
             raise EngineNotReady("this participant has not connected: connect first")
         return self.hub
 
-    def connect(self, hub: list[str], tenant: str, token: str, topology: dict[str, str]) -> Any:
+    def connect(
+        self,
+        hub: list[str],
+        tenant: str,
+        token: str,
+        topology: dict[str, str],
+        transports: list[str] | None = None,
+    ) -> Any:
+        """`transports`: what the client serves and reads over (`ros.connect`'s, e.g.
+        `["nixl"]`; None: its default). UCX's `UCX_*` settings, which NIXL reads when its
+        agents are made, are in this process's environment from its start."""
         self.hub = ros.connect(
-            hub, tenant=tenant, token=token, topology=topology, listen=f"{self.ip}:0"
-        )
+            hub, tenant=tenant, token=token, topology=topology, listen=f"{self.ip}:0",
+            transports=transports,
+        )  # fmt: skip
         return {"holder": self.hub.holder_name}
 
     def publish(self, model: str, version: int, nbytes: int, seed: int, chunk: int) -> Any:
@@ -77,6 +88,8 @@ class Participant:
             "t1": end,
             "digest": digest(held.tensors),
             "bytes_per_source": held.stats.bytes_per_source,
+            "transports": held.stats.transports,  # holder id -> the kind it was read over
+            "fallbacks": held.stats.fallbacks,  # holder id -> why not over a better kind
         }
 
     def release(self, version: int) -> Any:
