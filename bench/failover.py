@@ -10,7 +10,8 @@ every chunk is completed exactly once, and only chunks in flight at the kill are
 again (their bytes are reported).
 
 `--transport nixl`: each holder also serves the model on a bare `NixlHolder`, and the reader
-reads all three over NIXL (UCX over TCP on each host's veth); the targets are the same.
+reads all three over NIXL (UCX over TCP on each host's veth); the targets are the same, with
+what a connection has in flight at the kill being its window of READs rather than one chunk.
 Each fetch checks the host links' byte counters against the one copy it moved
 (`LinksBypassed`), and its reads are counted by transport (`reads`). A NIXL run first
 fetches once untimed (`details["nixl_warmup_s"]`): each holder makes its NIXL agent and
@@ -32,6 +33,17 @@ from bench.report import Result
 DETECTION = 1.0
 CLEAN_RUNS = 2
 PARALLEL = 4  # baseline_ops.tfetch's default: connections per fetch
+
+
+def _in_flight(opts: Options) -> int:
+    """Bytes one connection has asked for and not yet committed: over TCP one chunk; over
+    NIXL its window of READs (`transport.nixl.reader`: `WINDOW` READs of `READ_BYTES`, each
+    at least one chunk), which land whole or not at all."""
+    if opts.transport != "nixl":
+        return opts.chunk
+    from transport.nixl.reader import READ_BYTES, WINDOW
+
+    return WINDOW * max(opts.chunk, READ_BYTES // opts.chunk * opts.chunk)
 
 
 def run(opts: Options) -> Result:
@@ -80,9 +92,10 @@ def run(opts: Options) -> Result:
     bound = DETECTION + refetched / opts.rate_Bps
     extra = t_fail - t_clean
     res.add("extra time / (detection + re-fetch time)", max(extra, 0.0) / bound, "<= 1")
-    # Each chunk is completed exactly once; only chunks cut mid-way by the kill (at most
-    # one per connection to the killed holder) are received again.
-    in_flight = math.ceil(PARALLEL / len(sources)) * opts.chunk
+    # Each chunk is completed exactly once; only chunks cut mid-way by the kill are received
+    # again: over TCP at most one per connection to the killed holder (a GET streams chunk by
+    # chunk), over NIXL the READs a connection has posted (`_in_flight`).
+    in_flight = math.ceil(PARALLEL / len(sources)) * _in_flight(opts)
     res.add("chunk bytes completed / model", received / opts.nbytes, "<= 1.0")
     res.add("re-fetched / chunks in flight at the kill", refetched / in_flight, "<= 1")
     res.add("re-fetched", refetched / 1024, unit="KiB")

@@ -337,11 +337,11 @@ class NixlChannel:
                     if out.status is not ChunkStatus.DONE:
                         return
         except (TensorHubError, OSError) as exc:
-            left = [i for g in groups[done:] for i in g]
-            with f.lock:
-                f.stats.touched.update(left)  # bytes may have landed: a later copy refetches
+            posted = [i for g, _ in flight for i in g]
+            with f.lock:  # a READ posted may have landed bytes: a later copy refetches them
+                f.stats.touched.update(posted)
             self._fail(exc)
-            yield ChunkOutcome.failed(left[0], exc)
+            yield ChunkOutcome.failed(groups[done][0], exc)
         finally:
             for _, handle in flight:
                 self._release(handle)
