@@ -7,6 +7,7 @@ with etcd's own `kv.proto`/`rpc.proto` (which python3-etcd3 registers too).
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,20 +20,24 @@ def protos() -> list[Path]:
 
 
 def generate(out_dir: Path = ROOT) -> None:
-    """Run grpc_tools.protoc for every proto, writing *_pb2.py, *_pb2.pyi, *_pb2_grpc.py."""
-    from grpc_tools import protoc
+    """Run grpc_tools.protoc for every proto, writing *_pb2.py, *_pb2.pyi, *_pb2_grpc.py.
 
+    The compiler runs in a process of its own (`python -m grpc_tools.protoc`), never imported
+    here: its extension and the abseil that NIXL's wheel bundles cannot share a process
+    (loading either after the other crashed with SIGSEGV or SIGABRT, nixl-cu12 1.5.1 with
+    grpcio-tools), and the test suite, which checks the generated code, loads NIXL."""
     for proto in protos():
         args = [
-            "protoc",
+            sys.executable, "-m", "grpc_tools.protoc",
             f"-I{ROOT}",
             f"--python_out={out_dir}",
             f"--pyi_out={out_dir}",
             f"--grpc_python_out={out_dir}",
             str(proto.relative_to(ROOT)),
-        ]
-        if protoc.main(args) != 0:
-            sys.exit(f"protoc failed for {proto}")
+        ]  # fmt: skip
+        done = subprocess.run(args, check=False, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            sys.exit(f"protoc failed for {proto} (exit {done.returncode}): {done.stderr.strip()}")
 
 
 if __name__ == "__main__":
