@@ -281,7 +281,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"admin token: {admin_token}", flush=True)
         if args.ready_file:
             write_ready_file(args.ready_file, {"address": server.address, "etcd": endpoints})
-        stop.wait()
+        # Not a bare wait: Python runs a signal's handler in the main thread only when that
+        # thread runs bytecode, and the kernel may deliver SIGTERM to one of gRPC's threads,
+        # which does not wake a main thread blocked on a lock. A CI run found a serve still
+        # waiting here hours after its SIGTERM; a timed wait runs the handler within a second.
+        while not stop.wait(1.0):
+            pass
         print("shutting down", flush=True)
         if metrics is not None:
             metrics.close()
