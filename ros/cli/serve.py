@@ -77,7 +77,11 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         help="versions kept readable per model (default %(default)s)",
     )
     parser.add_argument(
-        "--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port"
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on this port (off unless given; 0: a free port, "
+        'printed and written to --ready-file as "metrics")',
     )
     parser.add_argument(
         "--metrics-host",
@@ -255,6 +259,17 @@ def run(args: argparse.Namespace) -> int:
             [(args.tls_key.read_bytes(), args.tls_cert.read_bytes())]
         )
     try:
+        metrics = None
+        if args.metrics_port is not None:  # bound first: a taken port stops nothing half-started
+            try:  # one thread, a deadline per connection (ros/metrics_http.py)
+                metrics = MetricsServer(args.metrics_host.strip("[]"), args.metrics_port)
+            except (OSError, TensorHubError) as exc:
+                print(
+                    f"error: --metrics-host {args.metrics_host} --metrics-port "
+                    f"{args.metrics_port}: {exc}",
+                    file=sys.stderr,
+                )
+                return 2
         server = HubServer(
             endpoints, listen=args.listen, admin_token=admin_token, keys=Keys(args.prefix),
             retain=args.retain, credentials=credentials, max_workers=args.workers,
@@ -268,19 +283,23 @@ def run(args: argparse.Namespace) -> int:
             first_message_seconds=args.first_message_timeout,
             max_streams_per_connection=args.max_streams_per_connection,
         ).start()  # fmt: skip
-        metrics = None
-        if args.metrics_port:  # one thread, a deadline per connection (ros/metrics_http.py)
-            metrics = MetricsServer(args.metrics_host.strip("[]"), args.metrics_port).start()
+        ready: dict[str, object] = {"address": server.address, "etcd": endpoints}
+        if metrics is not None:
+            metrics.start()
+            host, port = metrics.address
+            ready["metrics"] = f"{host}:{port}"
         # Handlers before anything says "ready": a SIGTERM sent as soon as the ready file
         # appears must stop the hub gracefully, not kill it by default.
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         print(f"hub serving on {server.address}", flush=True)
+        if metrics is not None:
+            print(f"metrics on http://{ready['metrics']}/metrics", flush=True)
         if generated:
             print(f"admin token: {admin_token}", flush=True)
         if args.ready_file:
-            write_ready_file(args.ready_file, {"address": server.address, "etcd": endpoints})
+            write_ready_file(args.ready_file, ready)
         # Not a bare wait: Python runs a signal's handler in the main thread only when that
         # thread runs bytecode, and the kernel may deliver SIGTERM to one of gRPC's threads,
         # which does not wake a main thread blocked on a lock. A CI run found a serve still

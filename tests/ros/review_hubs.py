@@ -17,7 +17,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from consistency.embedded import free_port, stop_process
+from consistency.embedded import stop_process
 
 ADMIN = "review-admin"
 START_TIMEOUT = 60.0  # a loaded two-core machine can take this long to import a hub
@@ -68,37 +68,40 @@ def start_replicas(
     for index, endpoints in enumerate(etcd):
         ready = root / f"hub{index}.ready"
         log = root / f"hub{index}.log"
-        metrics = free_port()
         args = [
             sys.executable, "-m", "ros.cli", "serve", "--listen", "127.0.0.1:0",
             "--etcd", ",".join(endpoints), f"--admin-token={ADMIN}", "--prefix", prefix,
-            "--ready-file", str(ready), "--metrics-port", str(metrics), *(extra or []),
+            "--ready-file", str(ready), "--metrics-port", "0", *(extra or []),
         ]  # fmt: skip
         with log.open("ab") as out:
             process = subprocess.Popen(
                 args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
             )
-        replicas.append(Replica(process, ready, log, metrics))
+        replicas.append(Replica(process, ready, log, 0))
     deadline = time.monotonic() + START_TIMEOUT
     try:
         for replica in replicas:
-            while not (address := _address(replica.ready)):
+            while not (info := _ready(replica.ready)):
                 if not replica.alive or time.monotonic() > deadline:
                     raise AssertionError(f"a hub replica did not start:\n{replica.tail()}")
                 time.sleep(0.05)
-            replica.address = address
+            replica.address = str(info["address"])
+            replica.metrics_port = int(str(info["metrics"]).rsplit(":", 1)[1])
     except BaseException:
         stop_all(replicas)
         raise
     return replicas
 
 
-def _address(ready: Path) -> str:
-    """The address in a ready file, or "" while it is absent or half written."""
+def _ready(ready: Path) -> dict[str, object]:
+    """A ready file's content (the hub's address and metrics address), or {} while it is
+    absent. The hub picks its metrics port itself (`--metrics-port 0`): a port picked here
+    and passed in could be taken by another process in between."""
     try:
-        return str(json.loads(ready.read_text())["address"])
-    except (OSError, ValueError, KeyError):
-        return ""
+        info: dict[str, object] = json.loads(ready.read_text())
+    except (OSError, ValueError):
+        return {}
+    return info
 
 
 def stop_all(replicas: list[Replica]) -> None:

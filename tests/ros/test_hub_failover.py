@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,21 +29,25 @@ ADMIN = "failover-admin"
 
 
 def start_hub(
-    etcd_cluster: EtcdCluster, keys: Keys, ready: Path, metrics_port: int
-) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ros.cli", "serve", "--listen", "127.0.0.1:0",
-         "--etcd", ",".join(etcd_cluster.endpoints), "--admin-token", ADMIN,
-         "--prefix", keys.prefix, "--ready-file", str(ready),
-         "--metrics-port", str(metrics_port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    etcd_cluster: EtcdCluster, keys: Keys, ready: Path
+) -> tuple[subprocess.Popen[bytes], str, int]:
+    """A hub process; its address and the metrics port it chose (`--metrics-port 0`: a port
+    picked here could be taken by another process before the hub binds it)."""
+    log = ready.with_suffix(".log")
+    with log.open("wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ros.cli", "serve", "--listen", "127.0.0.1:0",
+             "--etcd", ",".join(etcd_cluster.endpoints), "--admin-token", ADMIN,
+             "--prefix", keys.prefix, "--ready-file", str(ready), "--metrics-port", "0"],
+            stdout=subprocess.DEVNULL, stderr=err,
+        )  # fmt: skip
     deadline = time.monotonic() + 30
     while not ready.exists():
-        assert proc.poll() is None, "hub process exited during start-up"
+        assert proc.poll() is None, f"hub exited during start-up: {log.read_text()[-2000:]}"
         assert time.monotonic() < deadline, "hub did not start in 30 s"
         time.sleep(0.05)
-    return proc
+    info = json.loads(ready.read_text())
+    return proc, info["address"], int(info["metrics"].rsplit(":", 1)[1])
 
 
 def watches(metrics_port: int) -> float:
@@ -64,11 +67,7 @@ def two_hubs(
     hubs = []
     for i in range(2):
         ready = tmp_path / f"hub{i}.json"
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        proc = start_hub(etcd_cluster, keys, ready, port)
-        hubs.append((proc, json.loads(ready.read_text())["address"], port))
+        hubs.append(start_hub(etcd_cluster, keys, ready))
     yield hubs
     for proc, _, _ in hubs:
         if proc.poll() is None:

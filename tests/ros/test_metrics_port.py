@@ -40,30 +40,28 @@ DEADLINE = 5.0  # ros.metrics_http.TIMEOUT, named here so the attack test runs o
 @contextmanager
 def _serve(
     etcd_cluster: EtcdCluster, keys: Keys, tmp_path: Path, *flags: str
-) -> Iterator[subprocess.Popen[str]]:
-    """A `tensorhub serve` with `flags`, ready; ended after."""
+) -> Iterator[tuple[subprocess.Popen[str], int]]:
+    """A `tensorhub serve` with `flags` and `--metrics-port 0`, ready; ended after. Yields
+    the process and the metrics port it chose and wrote to its ready file (a port picked
+    here could be taken by another process before the hub binds it)."""
     ready = tmp_path / "ready.json"
     env = {k: v for k, v in os.environ.items() if k != "TENSORHUB_ADMIN_TOKEN"}
     env["TENSORHUB_ADMIN_TOKEN"] = "admin-token-for-the-metrics-test"
     proc = subprocess.Popen(
         [sys.executable, "-m", "ros.cli", "serve", "--etcd", ",".join(etcd_cluster.endpoints),
-         "--prefix", keys.prefix, "--ready-file", str(ready), "--grace", "0.2", *flags],
+         "--prefix", keys.prefix, "--ready-file", str(ready), "--grace", "0.2",
+         "--metrics-port", "0", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )  # fmt: skip
     try:
         wait_until("serve is ready", lambda: ready.exists() or proc.poll() is not None, 60)
         assert proc.poll() is None, proc.communicate()[0]
-        assert json.loads(ready.read_text())["address"]
-        yield proc
+        info = json.loads(ready.read_text())
+        assert info["address"]
+        yield proc, int(info["metrics"].rsplit(":", 1)[1])
     finally:
         proc.terminate()
         proc.wait(15)
-
-
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _threads(pid: int) -> int:
@@ -106,8 +104,7 @@ def test_idle_metrics_connections_cost_no_thread_and_are_closed(
     """300 idle connections to `serve --metrics-port P` add no hub thread (before: one
     each) and are all closed within the request deadline (before: never), while a scrape
     is still answered."""
-    port = _free_port()
-    with _serve(etcd_cluster, keys, tmp_path, "--metrics-port", str(port)) as proc:
+    with _serve(etcd_cluster, keys, tmp_path) as (proc, port):
         assert b"tensorhub_hub_calls_refused_total" in _scrape("127.0.0.1", port)
         before = _threads(proc.pid)
         idle = []
@@ -140,9 +137,7 @@ def test_metrics_bind_to_loopback_whatever_the_listen_host(
     """`serve --listen 127.0.0.2:0 --metrics-port P`: the port that needs no token answers
     on 127.0.0.1 only (before: on the --listen host, so a hub listening on a routable
     address published its metrics there too)."""
-    port = _free_port()
-    flags = ("--listen", "127.0.0.2:0", "--metrics-port", str(port))
-    with _serve(etcd_cluster, keys, tmp_path, *flags):
+    with _serve(etcd_cluster, keys, tmp_path, "--listen", "127.0.0.2:0") as (_, port):
         assert b"tensorhub_hub_calls_refused_total" in _scrape("127.0.0.1", port)
         assert not _connects("127.0.0.2", port)
 
@@ -231,3 +226,24 @@ def test_a_flood_of_connections_is_bounded_and_a_scrape_still_gets_in(
     finally:
         for sock in crowd:
             sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_taken_metrics_port_is_a_clear_error(
+    etcd_cluster: EtcdCluster, keys: Keys, tmp_path: Path
+) -> None:
+    """`serve --metrics-port P` with P taken: exit 2 with one line naming the flag, before
+    the hub starts (before: a traceback, after the gRPC server had started)."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "ros.cli", "serve", "--listen", "127.0.0.1:0",
+             "--etcd", ",".join(etcd_cluster.endpoints), "--prefix", keys.prefix,
+             "--metrics-port", str(port)],
+            check=False, capture_output=True, text=True, timeout=50,
+            env={**os.environ, "TENSORHUB_ADMIN_TOKEN": "admin-token-for-the-metrics-test"},
+        )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert f"--metrics-port {port}" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert "hub serving" not in done.stdout

@@ -15,7 +15,6 @@ import json
 import logging
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -86,36 +85,33 @@ class Replica:
         return int(self.metric("tensorhub_hub_sessions_active"))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.fixture
 def replicas(etcd_cluster: EtcdCluster, keys: Keys, tmp_path: Path) -> Iterator[list[Replica]]:
-    """Two replicas, started together (each is ~1 s of imports on a loaded machine)."""
-    started: list[tuple[subprocess.Popen[bytes], Path, int]] = []
+    """Two replicas, started together (each is ~1 s of imports on a loaded machine). Each
+    binds its metrics to a free port of its own choosing and names it in its ready file: a
+    port picked here and passed in could be taken by another process in between."""
+    started: list[tuple[subprocess.Popen[bytes], Path, Path]] = []
     for i in range(2):
-        ready, port = tmp_path / f"hub{i}.json", free_port()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "ros.cli", "serve", "--listen", "127.0.0.1:0",
-             "--etcd", ",".join(etcd_cluster.endpoints), "--admin-token", ADMIN,
-             "--prefix", keys.prefix, "--ready-file", str(ready),
-             "--metrics-port", str(port), "--compact-interval", "0"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        started.append((proc, ready, port))
+        ready, log = tmp_path / f"hub{i}.json", tmp_path / f"hub{i}.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "ros.cli", "serve", "--listen", "127.0.0.1:0",
+                 "--etcd", ",".join(etcd_cluster.endpoints), "--admin-token", ADMIN,
+                 "--prefix", keys.prefix, "--ready-file", str(ready),
+                 "--metrics-port", "0", "--compact-interval", "0"],
+                stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        started.append((proc, ready, log))
     deadline = time.monotonic() + 30
-    for proc, ready, _ in started:
+    for proc, ready, log in started:
         while not ready.exists():
-            assert proc.poll() is None, "hub process exited during start-up"
+            assert proc.poll() is None, f"hub exited during start-up: {log.read_text()[-2000:]}"
             assert time.monotonic() < deadline, "hub did not start in 30 s"
             time.sleep(0.05)
+    infos = [json.loads(ready.read_text()) for _, ready, _ in started]
     yield [
-        Replica(proc, json.loads(ready.read_text())["address"], port)
-        for proc, ready, port in started
+        Replica(proc, info["address"], int(info["metrics"].rsplit(":", 1)[1]))
+        for (proc, _, _), info in zip(started, infos, strict=True)
     ]
     for proc, _, _ in started:
         if proc.poll() is None:
