@@ -21,7 +21,10 @@ from collections.abc import Mapping, Sequence
 
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.checksum_kinds import KINDS
+from tensorhub.delta_rules import ENCODINGS as DELTA_ENCODINGS
+from tensorhub.delta_rules import WHOLE_RATIO, companion_of
 from tensorhub.errors import InvalidArgument, InvalidManifest
+from tensorhub.names import MAX_VERSION
 
 # The flat-space rules of `transport.layout` (equal there: checked by the tests).
 ALIGN = 64  # every tensor starts on a multiple of this
@@ -59,11 +62,20 @@ DTYPE_SIZES: Mapping[str, int] = {
 }  # fmt: skip
 
 
-def check_manifest(manifest: pb.Manifest, what: str = "manifest") -> None:
+def check_manifest(
+    manifest: pb.Manifest,
+    what: str = "manifest",
+    *,
+    model: str | None = None,
+    version: int | None = None,
+) -> None:
     """Raise `InvalidManifest` naming the first rule `manifest` breaks (`what` names it in
-    the message: "manifest of shard 3"); return if every reader can use it."""
+    the message: "manifest of shard 3"); return if every reader can use it. With `model`
+    and `version` (the publish's), a delta section is checked against them too."""
     try:
         _check_manifest(manifest)
+        if manifest.HasField("delta"):
+            _check_delta(manifest, model, version)
     except InvalidManifest as exc:
         raise InvalidManifest(f"{what}: {exc}") from None
 
@@ -103,6 +115,44 @@ def _check_manifest(manifest: pb.Manifest) -> None:
                 f"tensor {entry.name!r} ends at byte {end}, past total_bytes {total}"
             )
     check_metadata(manifest.metadata, "metadata")
+
+
+def _check_delta(manifest: pb.Manifest, model: str | None, version: int | None) -> None:
+    """A delta section every reader can use: a base before this version, a known encoding,
+    one size, digest and base checksum per chunk, each size at most `WHOLE_RATIO` of a chunk
+    (a larger one goes whole, size 0), and the companion model that serves them."""
+    delta = manifest.delta
+    if not 1 <= delta.base <= MAX_VERSION or (version is not None and delta.base >= version):
+        raise InvalidManifest(
+            f"delta base {delta.base} must be a version before this one ({version})"
+        )
+    if delta.encoding not in DELTA_ENCODINGS:
+        raise InvalidManifest(
+            f"unknown delta encoding {delta.encoding[:40]!r} (known: {', '.join(DELTA_ENCODINGS)})"
+        )
+    chunks = len(manifest.chunk_xxh3)
+    counts = (len(delta.encoded_bytes), len(delta.encoded_xxh3), len(delta.base_checksum))
+    if counts != (chunks,) * 3:
+        raise InvalidManifest(
+            f"delta lists {counts[0]} sizes, {counts[1]} digests and {counts[2]} base "
+            f"checksums for {chunks} chunks"
+        )
+    bound = int(WHOLE_RATIO * manifest.chunk_size)
+    for index, size in enumerate(delta.encoded_bytes):
+        if not 0 <= size <= bound:
+            raise InvalidManifest(
+                f"delta chunk {index}: {size} encoded bytes (0 to {bound}: a chunk whose "
+                f"encoding is over {WHOLE_RATIO} of it goes whole)"
+            )
+        if size == 0 and delta.encoded_xxh3[index]:
+            raise InvalidManifest(f"delta chunk {index} is sent whole but has a digest")
+    if not any(delta.encoded_bytes):
+        raise InvalidManifest("delta encodes no chunk (publish without one)")
+    if model is not None and delta.companion != companion_of(model):
+        raise InvalidManifest(
+            f"delta companion {delta.companion[:70]!r}: the deltas of {model!r} are served "
+            f"as {companion_of(model)!r}"
+        )
 
 
 def _check_entry(entry: pb.TensorEntry, names: set[str]) -> None:

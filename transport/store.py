@@ -188,6 +188,11 @@ class HeldVersion:
         """Chunk `index`'s segments as flat uint8 tensors over the tensors (any device)."""
         return [self._flats[s.tensor][s.start : s.start + s.length] for s in self.segments(index)]
 
+    def chunk_parts(self, index: int) -> list[torch.Tensor]:
+        """Chunk `index`'s segments as flat uint8 tensors over the tensors' own memory (any
+        device, no copy): what a delta is encoded from and applied to (`transport.delta`)."""
+        return self._parts(index)
+
     def sink_views(self, index: int, staging: StagingBuffer | None = None) -> list[memoryview]:
         """Where to receive chunk `index`: the tensors' own memory, or a free host buffer of
         `staging` (required for CUDA), whose earlier copy has completed."""

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 import torch
 
 from ros.client.deadline import Deadline
+from ros.client.delta_fetch import DeltaReader
 from ros.client.handles import Handles, Held
 from ros.client.holdings import Holdings
 from ros.client.manifest import layout_of
@@ -36,10 +37,16 @@ def fetch(
     shard: int | None = None,
     rate_floor: float = DEFAULT_RATE_FLOOR,
     progress: ProgressCallback | None = None,
+    deltas: DeltaReader | None = None,
+    base: int | None = None,
 ) -> Held:
     """`Hub.fetch` (its docstring is the contract): check the arguments, resolve, build the
     destination (`into`'s own memory, or new tensors, never memory `holdings` still serves),
-    and let `runs` fill it; `handles` makes the `Held` it returns."""
+    apply what deltas it can when `deltas` is given and the destination holds an earlier
+    version (`base`, or the one `deltas` knows `into` holds), and let `runs` fill in the
+    rest; `handles` makes the `Held` it returns."""
+    if base is not None:
+        validate_version(base)
     validate_name(model, "model")
     number = 0 if version == "latest" else validate_version(version)
     check_shard_arg(shard)
@@ -47,7 +54,7 @@ def fetch(
     deadline = Deadline.after(timeout, f"fetch {model}@{version}")
     resolved = runs.resolve(model, number, shard, deadline)
     version = int(resolved.version)
-    manifest = _pick_shard(model, version, resolved, shard)
+    manifest = manifest_of_shard(model, version, resolved, shard)
     layout = layout_of(manifest)
     if into is not None:
         layout.check_tensors(into)
@@ -56,15 +63,31 @@ def fetch(
     else:
         tensors = layout.allocate()
     held = HeldVersion.reader(holdings.tenant, model, version, layout, tensors)
+    applied = None
+    if deltas is not None and into is not None and manifest.HasField("delta"):
+        if base is None:
+            base = deltas.bases.version_in(model, shard, into)
+        if base is not None:
+            applied = deltas.apply(model, shard, manifest, held, base, deadline)
     target = Target(model, version, shard, held, manifest)
-    stats = runs.run(target, resolved, deadline, rate_floor=rate_floor, progress=progress)
+    try:
+        stats = runs.run(target, resolved, deadline, rate_floor=rate_floor, progress=progress)
+    except BaseException:
+        if applied is not None and applied.keep is not None:
+            applied.keep.release(force=True)
+        raise
     for source, nbytes in stats.bytes_per_source.items():
         SDK_BYTES_FETCHED.labels(source).inc(nbytes)
     SDK_FETCH_SECONDS.observe(time.monotonic() - start)
-    return handles.held(model, version, tensors, stats, shard)
+    out = handles.held(model, version, tensors, stats, shard)
+    if applied is not None:
+        out.delta, out.companion = applied.stats, applied.keep
+    if deltas is not None:
+        deltas.bases.remember(model, shard, version, tensors)
+    return out
 
 
-def _pick_shard(
+def manifest_of_shard(
     model: str, version: int, resolved: pb.ResolveResponse, shard: int | None
 ) -> pb.Manifest:
     """The manifest to read: the whole version's, or shard `shard`'s of a model-parallel one

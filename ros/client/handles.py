@@ -22,6 +22,7 @@ from tensorhub.errors import DeadlineExceeded
 from transport.reader import FetchStats
 
 if TYPE_CHECKING:
+    from ros.client.delta_fetch import DeltaStats
     from ros.client.watch import HubWatch
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,9 @@ class _Handle:
         self.version = version
         self.tensors = tensors
         self.released = False
+        # the version of `{model}.delta` that serves this one's encoded chunks, when this
+        # client publishes or holds it (delta versions): released with this one
+        self.companion: _Handle | None = None
 
     def release(
         self,
@@ -91,6 +95,8 @@ class _Handle:
                 self.model, self.version, force=force, timeout=timeout, spill=spill
             )
             self.released = True
+        if self.companion is not None:  # bytes saved, never needed for a version's data
+            self.companion.release(force=True, timeout=timeout)
 
     def __enter__(self) -> _Handle:
         return self
@@ -198,6 +204,7 @@ class Held(_Handle):
         super().__init__(hub, releaser, model, version, tensors)
         self.stats = stats
         self.shard = shard  # model-parallel: the one shard fetched
+        self.delta: DeltaStats | None = None  # what deltas did, when the fetch used them
 
     def __repr__(self) -> str:
         return f"Held({self.model}@{self.version}, {len(self.tensors)} tensors)"

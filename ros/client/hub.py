@@ -30,6 +30,8 @@ from consistency.retry import DEFAULT_POLICY, RetryPolicy
 from ros.client import fetching
 from ros.client import slices as reshard
 from ros.client.channel import open_channel, parse_address
+from ros.client.deadline import Deadline
+from ros.client.delta_fetch import DEFAULT_HOLD_BYTES, DeltaReader
 from ros.client.fetching import DEFAULT_FETCH_TIMEOUT
 from ros.client.handles import Handles, Held, Publication
 from ros.client.holdings import Holdings
@@ -49,6 +51,7 @@ from ros.client.slices import Slice, SliceFetch
 from ros.client.watch import HubWatch, holder_from_message
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
+from tensorhub.delta_rules import SUFFIX, is_companion
 from tensorhub.endpoints import format_endpoint
 from tensorhub.errors import InvalidArgument
 from tensorhub.names import validate_name
@@ -86,6 +89,7 @@ class Hub:
         spill_budget: int | None = None,
         retry: RetryPolicy = DEFAULT_POLICY,
         transports: Sequence[str] | None = None,
+        delta_hold_bytes: int = DEFAULT_HOLD_BYTES,
     ) -> None:
         addresses = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         # what it serves and reads over: TCP, and RDMA/IPC where the machine has them, or
@@ -142,6 +146,13 @@ class Hub:
         self._fetches = Orchestrator(  # stateless: every run keeps its state on its stack
             me, self._reads, records, self.holdings, self._serving, hooks.reader(), self._readers
         )
+        if (
+            isinstance(delta_hold_bytes, bool)
+            or not isinstance(delta_hold_bytes, int)
+            or (delta_hold_bytes < 0)
+        ):
+            raise InvalidArgument(f"delta_hold_bytes {delta_hold_bytes!r}: a byte count >= 0")
+        self._deltas = DeltaReader(self._fetch_companion, self._manifest, delta_hold_bytes)
         self._closed = False
         try:
             self.session.open(
@@ -193,6 +204,8 @@ class Hub:
         placements: Placements | None = None,
         checksum: str | None = None,
         metadata: Mapping[str, str] | None = None,
+        delta: bool = False,
+        base_copy: str = "host",
     ) -> Publication:
         """Publish `version` of `model`, served from these tensors' own memory.
 
@@ -215,10 +228,23 @@ class Hub:
 
         `metadata`: string entries carried in the manifest (`Manifest.metadata`, bounded as
         the hub bounds them: `ros.manifest_check.check_metadata`), e.g. a model's config.
+
+        `delta=True` (opt-in): keep a copy of these tensors (`base_copy`: "host" memory, or
+        "device", the tensors' own), costing one more copy of the model, so that the next
+        `delta=True` publish of this model (and shard) by this client is also published as
+        a delta against this one: only what changed, encoded losslessly, for readers whose
+        memory holds this version (docs/sdk.md, "Delta versions"). The version itself is
+        published and served whole as always.
         """
+        if is_companion(model):
+            raise InvalidArgument(
+                f"model {model!r}: names ending in {SUFFIX!r} are reserved for the encoded "
+                "chunks of delta versions"
+            )
         return self._publisher.publish(
             model, version, tensors, chunk_size=chunk_size, timeout=timeout, shard=shard,
-            placements=placements, checksum=checksum, metadata=metadata,
+            placements=placements, checksum=checksum, metadata=metadata, delta=delta,
+            base_copy=base_copy,
         )  # fmt: skip
 
     def fetch(
@@ -231,6 +257,8 @@ class Hub:
         shard: int | None = None,
         rate_floor: float = DEFAULT_RATE_FLOOR,
         progress: ProgressCallback | None = None,
+        base: int | None = None,
+        delta: bool = True,
     ) -> Held:
         """Read `model@version` from its holders, in place into `into` or into new tensors.
 
@@ -256,11 +284,32 @@ class Hub:
 
         `progress`, when given, is called with a `Progress` (chunks and bytes so far, of the
         total) after every chunk is verified, from the thread that received it.
+
+        Delta versions (docs/sdk.md): when the version was published with a delta and `into`
+        holds an earlier version (`base`, or known to this client: `into` is the memory of
+        its own earlier fetch of the model), only the encoded changes are read, applied in
+        place and verified; a chunk of `into` that is not exactly the base's is read whole.
+        `Held.delta` says what the delta did. `delta=False` reads every chunk whole.
         """
         return fetching.fetch(
             self._fetches, self.holdings, self._handles, model, version, into=into,
             timeout=timeout, shard=shard, rate_floor=rate_floor, progress=progress,
+            deltas=self._deltas if delta else None, base=base,
         )  # fmt: skip
+
+    def _fetch_companion(self, model: str, version: int, shard: int | None, timeout: float) -> Held:
+        """Read a delta's encoded chunks (`{model}.delta`@version) whole, as their holder."""
+        return fetching.fetch(
+            self._fetches, self.holdings, self._handles, model, version, timeout=timeout,
+            shard=shard,
+        )  # fmt: skip
+
+    def _manifest(
+        self, model: str, version: int, shard: int | None, deadline: Deadline
+    ) -> pb.Manifest:
+        """The manifest of model@version (of shard `shard`): a delta chain's earlier link."""
+        resolved = self._fetches.resolve(model, version, shard, deadline)
+        return fetching.manifest_of_shard(model, version, resolved, shard)
 
     def fetch_slices(
         self,

@@ -16,6 +16,7 @@ import torch
 
 from consistency.floor import RevisionFloor
 from consistency.retry import RetryPolicy
+from ros.client.delta_publish import WHERE, BaseCopies
 from ros.client.handles import Handles, Publication
 from ros.client.holdings import Holdings
 from ros.client.identity import Identity
@@ -77,6 +78,7 @@ class Publisher:
         self._serving = serving
         self._handles = handles
         self._policy = policy
+        self._bases = BaseCopies(me.tenant)  # delta=True: what each model's next encodes against
         # Versions whose publish ended OutcomeUnknown: still served (it may have landed)
         # until this client publishes them again, which replaces what it holds.
         self._in_doubt: set[tuple[str, str, int]] = set()
@@ -94,6 +96,8 @@ class Publisher:
         placements: Placements | None = None,
         checksum: str | None = None,
         metadata: Mapping[str, str] | None = None,
+        delta: bool = False,
+        base_copy: str = "host",
     ) -> Publication:
         """`Hub.publish` (its docstring is the contract)."""
         if placements and shard is None:
@@ -102,6 +106,8 @@ class Publisher:
             raise InvalidArgument(f"shard must be (index, count), got {shard!r}")
         validate_name(model, "model")
         validate_version(version)
+        if base_copy not in WHERE:
+            raise InvalidArgument(f"base_copy {base_copy!r}: one of {', '.join(WHERE)}")
         start = time.monotonic()
         own = _contiguous(tensors)
         layout = (
@@ -111,8 +117,66 @@ class Publisher:
         manifest = manifest_of(held, placements, checksum)
         if metadata:
             manifest.metadata.update(metadata)
+        index = None if shard is None else shard[0]
+        companion = self._publish_delta(held, manifest, shard, timeout) if delta else None
+        try:
+            publication = self._publish(held, manifest, shard, timeout, start)
+        except BaseException:
+            if companion is not None:
+                companion.release(force=True)
+            raise
+        publication.companion = companion
+        if delta:
+            self._bases.keep(model, index, held, manifest, base_copy)
+        return publication
+
+    def _publish_delta(
+        self,
+        held: HeldVersion,
+        manifest: pb.Manifest,
+        shard: tuple[int, int] | None,
+        timeout: float | None,
+    ) -> Publication | None:
+        """Encode `held` against this client's copy of the version it published before and
+        publish the encoded chunks as the companion's version (module `delta_publish`); add
+        the delta section to `manifest`. None, with v to be published whole, when there is
+        no copy to encode against or nothing is worth encoding; a companion publish that
+        fails is logged and v is published whole (readers lose bytes saved, never data)."""
+        _, model, version = held.key
+        index = None if shard is None else shard[0]
+        encoded = self._bases.encode(model, index, held, manifest)
+        if encoded is None:
+            return None
+        try:
+            companion = self.publish(
+                encoded.section.companion, version, encoded.tensors,
+                chunk_size=held.layout.chunk_size, timeout=timeout, shard=shard,
+                metadata={"tensorhub.delta-of": model, "tensorhub.delta-base": str(
+                    encoded.section.base)},
+            )  # fmt: skip
+        except TensorHubError as exc:
+            log.warning(
+                "the delta of %s@%d against %d was not published (%s): publishing it whole",
+                model, version, encoded.section.base, exc,
+            )  # fmt: skip
+            return None
+        manifest.delta.CopyFrom(encoded.section)
+        return companion
+
+    def _publish(
+        self,
+        held: HeldVersion,
+        manifest: pb.Manifest,
+        shard: tuple[int, int] | None,
+        timeout: float | None,
+        start: float,
+    ) -> Publication:
+        """Publish `held` with `manifest`: the hub's checks here first, then the holding,
+        the Publish call and its handle."""
+        _, model, version = held.key
         # the hub's own rules, so a manifest it would refuse fails here with its message
-        check_manifest(manifest, "manifest" if shard is None else f"manifest of shard {shard[0]}")
+        what = "manifest" if shard is None else f"manifest of shard {shard[0]}"
+        check_manifest(manifest, what, model=model, version=version)
         self._serving.start()
         index = None if shard is None else shard[0]
         with self._lock:
@@ -144,7 +208,7 @@ class Publisher:
         self._floor.observe(response.revision)
         SDK_PUBLISH_SECONDS.observe(time.monotonic() - start)
         return self._handles.publication(
-            model, version, own, int(response.revision), bool(response.visible), index
+            model, version, held.tensors, int(response.revision), bool(response.visible), index
         )
 
     def _publish_rpc(self, request: pb.PublishRequest, timeout: float | None) -> pb.PublishResponse:

@@ -106,7 +106,9 @@ class VersionRPCs:
             self.hub.etcd, self.hub.keys, tenant, len(manifest), 0, timeout,
             self.hub.history_period, self.hub.usage_cache,
         )  # fmt: skip
-        check_manifest(request.manifest, _what(request))  # every rule, before any write
+        check_manifest(  # every rule, before any write
+            request.manifest, _what(request), model=request.model, version=request.version
+        )
         return self.hub.versions(tenant).publish(
             tenant.name, model, version, manifest, holder, timeout=timeout,
             admit_model=admit, charge=charge, serial=model_serial(tenant.name, model),
@@ -129,7 +131,9 @@ class VersionRPCs:
                 self.hub.etcd, self.hub.keys, tenant, len(manifest), request.shard_count, timeout,
                 self.hub.history_period,
             )  # fmt: skip
-        check_manifest(request.manifest, _what(request))  # every rule, before any write
+        check_manifest(  # every rule, before any write
+            request.manifest, _what(request), model=request.model, version=request.version
+        )
         versions = self.hub.versions(tenant)
         entry = versions.stage_shard(
             tenant.name, model, version, request.shard_index, request.shard_count, manifest,

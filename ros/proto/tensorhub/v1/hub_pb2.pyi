@@ -67,7 +67,7 @@ class TensorEntry(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., global_shape: _Optional[_Iterable[int]] = ..., global_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("tensors", "total_bytes", "chunk_size", "chunk_xxh3", "metadata", "checksum")
+    __slots__ = ("tensors", "total_bytes", "chunk_size", "chunk_xxh3", "metadata", "checksum", "delta")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -81,13 +81,31 @@ class Manifest(_message.Message):
     CHUNK_XXH3_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[TensorEntry]
     total_bytes: int
     chunk_size: int
     chunk_xxh3: _containers.RepeatedScalarFieldContainer[int]
     metadata: _containers.ScalarMap[str, str]
     checksum: str
-    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., chunk_size: _Optional[int] = ..., chunk_xxh3: _Optional[_Iterable[int]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., checksum: _Optional[str] = ...) -> None: ...
+    delta: Delta
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., chunk_size: _Optional[int] = ..., chunk_xxh3: _Optional[_Iterable[int]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., checksum: _Optional[str] = ..., delta: _Optional[_Union[Delta, _Mapping]] = ...) -> None: ...
+
+class Delta(_message.Message):
+    __slots__ = ("base", "encoding", "encoded_bytes", "encoded_xxh3", "base_checksum", "companion")
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    ENCODED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ENCODED_XXH3_FIELD_NUMBER: _ClassVar[int]
+    BASE_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    COMPANION_FIELD_NUMBER: _ClassVar[int]
+    base: int
+    encoding: str
+    encoded_bytes: _containers.RepeatedScalarFieldContainer[int]
+    encoded_xxh3: _containers.RepeatedScalarFieldContainer[int]
+    base_checksum: _containers.RepeatedScalarFieldContainer[int]
+    companion: str
+    def __init__(self, base: _Optional[int] = ..., encoding: _Optional[str] = ..., encoded_bytes: _Optional[_Iterable[int]] = ..., encoded_xxh3: _Optional[_Iterable[int]] = ..., base_checksum: _Optional[_Iterable[int]] = ..., companion: _Optional[str] = ...) -> None: ...
 
 class ReadKey(_message.Message):
     __slots__ = ("id", "key")

@@ -1,0 +1,333 @@
+"""The reader's half of delta versions: turn memory that holds version b into version v by
+reading the encoded chunks of b→v instead of whole ones.
+
+`Hub.fetch(model, v, into=T)` calls `DeltaReader.apply` before the fetch's rounds when v's
+manifest has a delta section and T holds an earlier version b: stated by the caller
+(`base=b`) or known to the SDK (`BaseMemory`: T is the memory of this client's own earlier
+fetch of the model). Then, chunk by chunk:
+
+1. **Plan.** Follow the delta sections back from v to b (a chain when b is several
+   versions behind, at most `MAX_CHAIN` links). Use them only if the encoded bytes plus the
+   chunks they cannot give are fewer bytes than the whole version; else read v whole.
+2. **Check the base.** A chunk is applied only if T's bytes are exactly b's (its checksum
+   equals the base checksum v's manifest records). Any other chunk is read whole: a
+   destination that is not b never gets a wrong result (`DeltaStats.base_mismatch`).
+3. **Read the encoded chunks** by fetching each link's companion version
+   (`{model}.delta`@u) like any version: this client becomes one of its holders, so the
+   sources of a delta multiply as readers apply it. The companions are kept and served
+   within `hold_bytes` (host memory, over all models), and released with the version.
+4. **Apply and verify**: each encoded chunk's digest is checked, it is XORed into T in
+   place on T's device (`transport.delta`), and the result must have the checksum of the
+   next link's base, and at the end v's own; only then is the chunk marked present, so
+   this client serves it. A chunk that fails any check is read whole by the rounds that
+   follow, which read exactly the chunks still missing.
+
+Anything that stops the delta (no companion holder left, a companion retired, the deadline
+of its part) leaves the chunks not applied to the rounds: slower, never wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ros.client.deadline import Deadline
+from ros.client.handles import Held
+from ros.client.manifest import layout_of
+from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from tensorhub.checksum_kinds import KINDS
+from tensorhub.delta_rules import ENCODINGS
+from tensorhub.errors import IntegrityError, TensorHubError
+from transport import delta as codec
+from transport.store import HeldVersion
+
+log = logging.getLogger(__name__)
+
+MAX_CHAIN = 8  # links a reader follows back to its base; further behind, it reads whole
+DEFAULT_HOLD_BYTES = 1 << 30  # host memory a client keeps encoded chunks in to serve them
+
+FetchCompanion = Callable[[str, int, int | None, float], Held]
+"""Fetch (model, version, shard, timeout) whole, as a holder: how a companion is read."""
+ResolveManifest = Callable[[str, int, int | None, Deadline], pb.Manifest]
+"""The manifest of (model, version, shard): how a chain's earlier links are found."""
+
+
+@dataclass
+class DeltaStats:
+    """What a fetch's delta did (`Held.delta`); all zero when it read the version whole."""
+
+    base: int = 0  # the version the destination held, that the deltas were applied to
+    links: int = 0  # deltas applied one after the other (more than 1: a chain)
+    chunks: int = 0  # chunks made from deltas
+    encoded_bytes: int = 0  # bytes of the companions read (what crossed the network)
+    whole_chunks: int = 0  # chunks left to be read whole (not encoded, or failed a check)
+    base_mismatch: int = 0  # of those: the destination's bytes were not exactly the base's
+    seconds: float = 0.0  # the delta's part of the fetch: plan, read, apply, verify
+    fallback: str = ""  # why the delta was not used, or was used only in part
+
+
+@dataclass(frozen=True)
+class _Link:
+    version: int  # the version this link makes
+    manifest: pb.Manifest  # its manifest (with the delta section against the link before)
+
+
+class BaseMemory:
+    """Which version the memory of each of this client's fetches holds, by the identity of
+    that memory (each tensor's data pointer and size): so that a fetch into the same tensors
+    knows its base without the caller saying it. Only a hint: the base is checked chunk by
+    chunk against checksums before anything is applied. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[str, int | None], tuple[int, tuple[object, ...]]] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _identity(tensors: Mapping[str, torch.Tensor]) -> tuple[object, ...]:
+        return tuple(
+            (name, t.device.type, t.data_ptr(), t.numel() * t.element_size())
+            for name, t in sorted(tensors.items())
+        )
+
+    def remember(
+        self, model: str, shard: int | None, version: int, tensors: Mapping[str, torch.Tensor]
+    ) -> None:
+        with self._lock:
+            self._seen[(model, shard)] = (version, self._identity(tensors))
+
+    def version_in(
+        self, model: str, shard: int | None, tensors: Mapping[str, torch.Tensor]
+    ) -> int | None:
+        """The version this client last fetched into exactly these tensors, if it did."""
+        with self._lock:
+            seen = self._seen.get((model, shard))
+        if seen is None or seen[1] != self._identity(tensors):
+            return None
+        return seen[0]
+
+
+@dataclass
+class Applied:
+    """A delta applied: its stats, and the companion kept (served) with the version."""
+
+    stats: DeltaStats
+    keep: Held | None
+
+
+class DeltaReader:
+    """Applies deltas for one client (module docstring). Thread-safe."""
+
+    def __init__(
+        self,
+        fetch_companion: FetchCompanion,
+        resolve: ResolveManifest,
+        hold_bytes: int = DEFAULT_HOLD_BYTES,
+    ) -> None:
+        self._fetch_companion = fetch_companion
+        self._resolve = resolve
+        self.hold_bytes = hold_bytes
+        self.bases = BaseMemory()
+        self._kept: list[Held] = []  # companions served now (pruned as they are released)
+        self._lock = threading.Lock()
+
+    def held_bytes(self) -> int:
+        """Bytes of encoded chunks this client keeps and serves now."""
+        with self._lock:
+            self._kept = [h for h in self._kept if not h.released]
+            return sum(_nbytes(h) for h in self._kept)
+
+    def apply(
+        self,
+        model: str,
+        shard: int | None,
+        manifest: pb.Manifest,
+        dest: HeldVersion,
+        base: int,
+        deadline: Deadline,
+    ) -> Applied:
+        """Make what chunks it can of `dest` (memory holding `base`) into `manifest`'s
+        version from deltas, marking each present (module docstring); the rest is left
+        missing for the fetch's rounds. Never raises for a delta that cannot be used: the
+        reason is in the stats."""
+        start = time.monotonic()
+        stats = DeltaStats(base=base)
+        version = dest.key[2]
+        try:
+            links = self._chain(model, shard, version, manifest, base, deadline)
+            kept = self._apply_links(model, shard, links, dest, stats, deadline)
+        except _NoDelta as why:
+            stats.fallback = str(why)
+            stats.whole_chunks = len(dest.missing())
+            kept = None
+        stats.seconds = time.monotonic() - start
+        if stats.fallback:
+            log.info("fetch %s@%d: delta from %d: %s", model, version, base, stats.fallback)
+        return Applied(stats, kept)
+
+    def _chain(
+        self,
+        model: str,
+        shard: int | None,
+        version: int,
+        manifest: pb.Manifest,
+        base: int,
+        deadline: Deadline,
+    ) -> list[_Link]:
+        """The links from `base` to `version`, oldest first; `_NoDelta` if there is none or
+        it would move as many bytes as the whole version."""
+        if base >= version:
+            raise _NoDelta(f"the destination holds {base}, not an earlier version")
+        links = [_Link(version, manifest)]
+        while links[-1].manifest.delta.base != base:
+            head = links[-1]
+            if not head.manifest.HasField("delta"):
+                raise _NoDelta(f"{head.version} was published without a delta")
+            if head.manifest.delta.base < base or len(links) >= MAX_CHAIN:
+                raise _NoDelta(f"no chain of at most {MAX_CHAIN} deltas leads from {base}")
+            earlier = head.manifest.delta.base
+            try:
+                links.append(_Link(earlier, self._resolve(model, earlier, shard, deadline)))
+            except TensorHubError as exc:
+                raise _NoDelta(f"{earlier}, a link of the chain, is gone ({exc})") from exc
+        links.reverse()
+        for link in links:
+            section = link.manifest.delta
+            if section.encoding not in ENCODINGS:
+                raise _NoDelta(f"{link.version}: unknown encoding {section.encoding!r}")
+            if (link.manifest.chunk_size, link.manifest.checksum) != (
+                manifest.chunk_size,
+                manifest.checksum,
+            ) or len(link.manifest.chunk_xxh3) != len(manifest.chunk_xxh3):
+                raise _NoDelta(f"{link.version} is laid out otherwise")
+        if manifest.checksum not in ("", *KINDS):
+            raise _NoDelta(f"unknown checksum {manifest.checksum!r}")
+        usable = self._usable(links)
+        encoded = sum(link.manifest.delta.encoded_bytes[i] for link in links for i in usable)
+        layout = _layout(manifest)
+        whole = sum(layout[i] for i in range(len(layout)) if i not in usable)
+        if encoded + whole >= sum(layout):
+            raise _NoDelta(
+                f"{len(links)} deltas ({encoded} bytes, and {whole} whole) move no fewer bytes "
+                "than the whole version"
+            )
+        return links
+
+    @staticmethod
+    def _usable(links: list[_Link]) -> set[int]:
+        """Chunks every link encodes (a chunk sent whole by any link is read whole)."""
+        count = len(links[0].manifest.chunk_xxh3)
+        return {i for i in range(count) if all(k.manifest.delta.encoded_bytes[i] for k in links)}
+
+    def _apply_links(
+        self,
+        model: str,
+        shard: int | None,
+        links: list[_Link],
+        dest: HeldVersion,
+        stats: DeltaStats,
+        deadline: Deadline,
+    ) -> Held | None:
+        kind = links[-1].manifest.checksum or KINDS[0]
+        todo = []
+        for index in sorted(self._usable(links)):
+            have = codec.chunk_checksum(dest.flats, dest.segments(index), kind)
+            if have == links[0].manifest.delta.base_checksum[index]:
+                todo.append(index)
+            else:
+                stats.base_mismatch += 1
+        if not todo:
+            raise _NoDelta(f"no chunk of the destination is exactly {links[0].manifest.delta.base}")
+        companions: list[Held] = []
+        try:
+            for link in links:
+                companion = link.manifest.delta.companion
+                try:
+                    held = self._fetch_companion(
+                        companion,
+                        link.version,
+                        shard,
+                        deadline.work(deadline.end - time.monotonic()),
+                    )
+                except TensorHubError as exc:
+                    raise _NoDelta(f"{companion}@{link.version} could not be read ({exc})") from exc
+                companions.append(held)
+                stats.encoded_bytes += held.stats.total_bytes
+            failed = self._apply_chunks(links, companions, dest, todo, kind)
+        except BaseException:
+            for held in companions:
+                held.release(force=True)
+            raise
+        stats.links = len(links)
+        stats.chunks = len(todo) - len(failed)
+        stats.whole_chunks = len(dest.missing())
+        if failed:
+            stats.fallback = f"{len(failed)} chunks failed a check after applying: read whole"
+        for held in companions[:-1]:  # earlier links: the readers behind this one need v's
+            held.release(force=True)
+        return self._keep(companions[-1])
+
+    def _apply_chunks(
+        self,
+        links: list[_Link],
+        companions: list[Held],
+        dest: HeldVersion,
+        todo: list[int],
+        kind: str,
+    ) -> list[int]:
+        """Apply every link to each chunk of `todo`, verifying as it goes; mark each chunk
+        that ends as the version's present. The chunks that failed a check (left missing,
+        their memory no longer the base: the rounds read them whole)."""
+        failed = []
+        final = links[-1].manifest
+        for index in todo:
+            parts = dest.chunk_parts(index)
+            try:
+                for step, (link, held) in enumerate(zip(links, companions, strict=True)):
+                    blob = held.tensors[f"c{index}"]
+                    if codec.digest(blob.numpy().data) != link.manifest.delta.encoded_xxh3[index]:
+                        raise IntegrityError(f"encoded chunk {index} of {link.version}: digest")
+                    codec.apply(parts, blob.numpy().data)
+                    want = (
+                        links[step + 1].manifest.delta.base_checksum[index]
+                        if step + 1 < len(links)
+                        else final.chunk_xxh3[index]
+                    )
+                    got = codec.chunk_checksum(dest.flats, dest.segments(index), kind)
+                    if got != want:
+                        raise IntegrityError(f"chunk {index} of {link.version}: checksum")
+            except (IntegrityError, KeyError) as exc:
+                log.warning("delta chunk %d: %s; reading it whole", index, exc)
+                failed.append(index)
+                continue
+            dest.mark_present(index, final.chunk_xxh3[index] if kind == KINDS[0] else None)
+        return failed
+
+    def _keep(self, held: Held) -> Held | None:
+        """Keep serving `held` if it fits in `hold_bytes` with what is kept already; else
+        release it now (it was read, and applied)."""
+        with self._lock:
+            self._kept = [h for h in self._kept if not h.released]
+            if sum(_nbytes(h) for h in self._kept) + _nbytes(held) <= self.hold_bytes:
+                self._kept.append(held)
+                return held
+        held.release(force=True)
+        return None
+
+
+class _NoDelta(Exception):
+    """Why a delta cannot be used: the version is read whole (never raised out of here)."""
+
+
+def _nbytes(held: Held) -> int:
+    return sum(t.numel() * t.element_size() for t in held.tensors.values())
+
+
+def _layout(manifest: pb.Manifest) -> list[int]:
+    """Each chunk's payload size (what it costs to read whole)."""
+    layout = layout_of(manifest)
+    return [layout.payload_bytes(i) for i in range(layout.num_chunks)]
