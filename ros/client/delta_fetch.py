@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +44,7 @@ from tensorhub.checksum_kinds import KINDS
 from tensorhub.delta_rules import ENCODINGS
 from tensorhub.errors import IntegrityError, TensorHubError
 from transport import delta as codec
+from transport.layout import Layout
 from transport.store import HeldVersion
 
 log = logging.getLogger(__name__)
@@ -51,8 +52,24 @@ log = logging.getLogger(__name__)
 MAX_CHAIN = 8  # links a reader follows back to its base; further behind, it reads whole
 DEFAULT_HOLD_BYTES = 1 << 30  # host memory a client keeps encoded chunks in to serve them
 
-FetchCompanion = Callable[[str, int, int | None, float], Held]
-"""Fetch (model, version, shard, timeout) whole, as a holder: how a companion is read."""
+
+@dataclass(frozen=True)
+class Companion:
+    """A companion version read whole: its tensors (the encoded chunks), the bytes that
+    crossed, and its `Held` when this client holds and serves it (None: read unheld)."""
+
+    tensors: Mapping[str, torch.Tensor]
+    nbytes: int
+    held: Held | None = None
+
+    def release(self) -> None:
+        if self.held is not None:
+            self.held.release(force=True)
+
+
+FetchCompanion = Callable[[str, int, int | None, float, bool], Companion]
+"""Read (model, version, shard, timeout, hold) whole: as a holder that serves it (`hold`),
+or unheld (a `fetch_slices` reader, which holds nothing)."""
 ResolveManifest = Callable[[str, int, int | None, Deadline], pb.Manifest]
 """The manifest of (model, version, shard): how a chain's earlier links are found."""
 
@@ -132,6 +149,7 @@ class DeltaReader:
         self._resolve = resolve
         self.hold_bytes = hold_bytes
         self.bases = BaseMemory()
+        self.staged = StagedBases()  # fetch_slices(delta=True): each source shard's base
         self._kept: list[Held] = []  # companions served now (pruned as they are released)
         self._lock = threading.Lock()
 
@@ -149,20 +167,24 @@ class DeltaReader:
         dest: HeldVersion,
         base: int,
         deadline: Deadline,
+        chunks: Collection[int] | None = None,
+        hold: bool = True,
     ) -> Applied:
         """Make what chunks it can of `dest` (memory holding `base`) into `manifest`'s
         version from deltas, marking each present (module docstring); the rest is left
-        missing for the fetch's rounds. Never raises for a delta that cannot be used: the
-        reason is in the stats."""
+        missing for the fetch's rounds. `chunks`: only these are wanted (`fetch_slices`),
+        None: all; `hold`: read the companions as their holder (else unheld, kept nowhere).
+        Never raises for a delta that cannot be used: the reason is in the stats."""
         start = time.monotonic()
         stats = DeltaStats(base=base)
         version = dest.key[2]
         try:
-            links = self._chain(model, shard, version, manifest, base, deadline)
-            kept = self._apply_links(model, shard, links, dest, stats, deadline)
+            wanted = set(range(len(manifest.chunk_xxh3)) if chunks is None else chunks)
+            links = self._chain(model, shard, version, manifest, base, deadline, wanted)
+            kept = self._apply_links(model, shard, links, dest, stats, deadline, wanted, hold)
         except _NoDelta as why:
             stats.fallback = str(why)
-            stats.whole_chunks = len(dest.missing())
+            stats.whole_chunks = len(_missing(dest, chunks))
             kept = None
         stats.seconds = time.monotonic() - start
         if stats.fallback:
@@ -177,6 +199,7 @@ class DeltaReader:
         manifest: pb.Manifest,
         base: int,
         deadline: Deadline,
+        wanted: set[int],
     ) -> list[_Link]:
         """The links from `base` to `version`, oldest first; `_NoDelta` if there is none or
         it would move as many bytes as the whole version."""
@@ -206,11 +229,11 @@ class DeltaReader:
                 raise _NoDelta(f"{link.version} is laid out otherwise")
         if manifest.checksum not in ("", *KINDS):
             raise _NoDelta(f"unknown checksum {manifest.checksum!r}")
-        usable = self._usable(links)
+        usable = self._usable(links, wanted)
         encoded = sum(link.manifest.delta.encoded_bytes[i] for link in links for i in usable)
         layout = _layout(manifest)
-        whole = sum(layout[i] for i in range(len(layout)) if i not in usable)
-        if encoded + whole >= sum(layout):
+        whole = sum(layout[i] for i in wanted - usable)
+        if encoded + whole >= sum(layout[i] for i in wanted):
             raise _NoDelta(
                 f"{len(links)} deltas ({encoded} bytes, and {whole} whole) move no fewer bytes "
                 "than the whole version"
@@ -218,10 +241,9 @@ class DeltaReader:
         return links
 
     @staticmethod
-    def _usable(links: list[_Link]) -> set[int]:
-        """Chunks every link encodes (a chunk sent whole by any link is read whole)."""
-        count = len(links[0].manifest.chunk_xxh3)
-        return {i for i in range(count) if all(k.manifest.delta.encoded_bytes[i] for k in links)}
+    def _usable(links: list[_Link], wanted: set[int]) -> set[int]:
+        """The wanted chunks every link encodes (one sent whole by any link is read whole)."""
+        return {i for i in wanted if all(k.manifest.delta.encoded_bytes[i] for k in links)}
 
     def _apply_links(
         self,
@@ -231,10 +253,12 @@ class DeltaReader:
         dest: HeldVersion,
         stats: DeltaStats,
         deadline: Deadline,
+        wanted: set[int],
+        hold: bool,
     ) -> Held | None:
         kind = links[-1].manifest.checksum or KINDS[0]
         todo = []
-        for index in sorted(self._usable(links)):
+        for index in sorted(self._usable(links, wanted)):
             have = codec.chunk_checksum(dest.flats, dest.segments(index), kind)
             if have == links[0].manifest.delta.base_checksum[index]:
                 todo.append(index)
@@ -242,39 +266,38 @@ class DeltaReader:
                 stats.base_mismatch += 1
         if not todo:
             raise _NoDelta(f"no chunk of the destination is exactly {links[0].manifest.delta.base}")
-        companions: list[Held] = []
+        companions: list[Companion] = []
         try:
             for link in links:
                 companion = link.manifest.delta.companion
                 try:
-                    held = self._fetch_companion(
-                        companion,
-                        link.version,
-                        shard,
-                        deadline.work(deadline.end - time.monotonic()),
-                    )
+                    # at most half of what is left: the rest reads whole what the delta
+                    # could not give, should its holders be dead or frozen
+                    half = deadline.work((deadline.work_end - time.monotonic()) / 2)
+                    read = self._fetch_companion(companion, link.version, shard, half, hold)
                 except TensorHubError as exc:
                     raise _NoDelta(f"{companion}@{link.version} could not be read ({exc})") from exc
-                companions.append(held)
-                stats.encoded_bytes += held.stats.total_bytes
+                companions.append(read)
+                stats.encoded_bytes += read.nbytes
             failed = self._apply_chunks(links, companions, dest, todo, kind)
         except BaseException:
-            for held in companions:
-                held.release(force=True)
+            for read in companions:
+                read.release()
             raise
         stats.links = len(links)
         stats.chunks = len(todo) - len(failed)
-        stats.whole_chunks = len(dest.missing())
+        stats.whole_chunks = len(_missing(dest, wanted))
         if failed:
             stats.fallback = f"{len(failed)} chunks failed a check after applying: read whole"
-        for held in companions[:-1]:  # earlier links: the readers behind this one need v's
-            held.release(force=True)
-        return self._keep(companions[-1])
+        for read in companions[:-1]:  # earlier links: the readers behind this one need v's
+            read.release()
+        last = companions[-1].held
+        return None if last is None else self._keep(last)
 
     def _apply_chunks(
         self,
         links: list[_Link],
-        companions: list[Held],
+        companions: list[Companion],
         dest: HeldVersion,
         todo: list[int],
         kind: str,
@@ -287,8 +310,8 @@ class DeltaReader:
         for index in todo:
             parts = dest.chunk_parts(index)
             try:
-                for step, (link, held) in enumerate(zip(links, companions, strict=True)):
-                    blob = held.tensors[f"c{index}"]
+                for step, (link, read) in enumerate(zip(links, companions, strict=True)):
+                    blob = read.tensors[f"c{index}"]
                     if codec.digest(blob.numpy().data) != link.manifest.delta.encoded_xxh3[index]:
                         raise IntegrityError(f"encoded chunk {index} of {link.version}: digest")
                     codec.apply(parts, blob.numpy().data)
@@ -319,8 +342,63 @@ class DeltaReader:
         return None
 
 
+@dataclass
+class Staged:
+    """A `fetch_slices` staging copy kept as the base of the next one (`delta=True`): the
+    version it holds, its layout, its tensors, which chunks are filled, and the companion
+    its delta came with (served until the copy is replaced or dropped)."""
+
+    version: int
+    layout: Layout
+    tensors: dict[str, torch.Tensor]
+    filled: frozenset[int]
+    companion: Held | None = None
+
+    def drop(self) -> None:
+        if self.companion is not None:
+            self.companion.release(force=True)
+
+
+class StagedBases:
+    """Per (model, source shard): the staging copy a `fetch_slices(delta=True)` left. A
+    fetch takes it (so two at once never share one) and puts back what it ends with.
+    Thread-safe."""
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple[str, int | None], Staged] = {}
+        self._lock = threading.Lock()
+
+    def take(self, model: str, shard: int | None) -> Staged | None:
+        with self._lock:
+            return self._kept.pop((model, shard), None)
+
+    def put(self, model: str, shard: int | None, staged: Staged) -> None:
+        with self._lock:
+            old = self._kept.pop((model, shard), None)
+            self._kept[(model, shard)] = staged
+        if old is not None and old.companion is not staged.companion:
+            old.drop()
+
+    def drop(self, model: str | None) -> None:
+        """Free the copies of `model` (None: all) and release their companions."""
+        with self._lock:
+            gone = [k for k in self._kept if model is None or k[0] == model]
+            dropped = [self._kept.pop(k) for k in gone]
+        for staged in dropped:
+            staged.drop()
+
+    def nbytes(self) -> int:
+        """Host and device memory the kept copies take (what `delta=True` costs)."""
+        with self._lock:
+            return sum(k.layout.total_bytes for k in self._kept.values())
+
+
 class _NoDelta(Exception):
     """Why a delta cannot be used: the version is read whole (never raised out of here)."""
+
+
+def _missing(dest: HeldVersion, wanted: Collection[int] | None) -> list[int]:
+    return [i for i in dest.missing() if wanted is None or i in wanted]
 
 
 def _nbytes(held: Held) -> int:

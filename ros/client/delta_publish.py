@@ -140,6 +140,12 @@ class BaseCopies:
                 held.key[2], copy, tuple(manifest.chunk_xxh3), manifest.checksum
             )
 
+    def drop(self, model: str | None) -> None:
+        """Free the copies of `model` (None: all): its next publish goes whole."""
+        with self._lock:
+            for key in [k for k in self._copies if model is None or k[0] == model]:
+                del self._copies[key]
+
 
 def _same_place(old: _Copy, held: HeldVersion, where: str) -> bool:
     want = "cpu" if where == "host" else next(iter(held.tensors.values())).device.type

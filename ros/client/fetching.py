@@ -19,6 +19,7 @@ from ros.metrics import SDK_BYTES_FETCHED, SDK_FETCH_SECONDS
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import InvalidArgument
 from tensorhub.names import validate_name, validate_version
+from transport.outcome import FetchStats
 from transport.pace import DEFAULT_RATE_FLOOR
 from transport.store import HeldVersion
 
@@ -85,6 +86,28 @@ def fetch(
     if deltas is not None:
         deltas.bases.remember(model, shard, version, tensors)
     return out
+
+
+def fetch_unheld(
+    runs: Orchestrator,
+    tenant: str,
+    model: str,
+    version: int,
+    *,
+    shard: int | None,
+    timeout: float,
+) -> tuple[dict[str, torch.Tensor], FetchStats]:
+    """Read `model@version` (shard `shard`) whole into new tensors as no holder: nothing is
+    registered or served, and nothing pins it (a version retired meanwhile fails the read).
+    How a `fetch_slices` reader, which holds nothing, reads a delta's encoded chunks."""
+    deadline = Deadline.after(timeout, f"read {model}@{version}")
+    resolved = runs.resolve(model, version, shard, deadline)
+    manifest = manifest_of_shard(model, version, resolved, shard)
+    layout = layout_of(manifest)
+    tensors = layout.allocate()
+    dest = HeldVersion.reader(tenant, model, version, layout, tensors)
+    target = Target(model, version, shard, dest, manifest, holder=False)
+    return tensors, runs.run(target, resolved, deadline)
 
 
 def manifest_of_shard(

@@ -31,7 +31,7 @@ from ros.client import fetching
 from ros.client import slices as reshard
 from ros.client.channel import open_channel, parse_address
 from ros.client.deadline import Deadline
-from ros.client.delta_fetch import DEFAULT_HOLD_BYTES, DeltaReader
+from ros.client.delta_fetch import DEFAULT_HOLD_BYTES, Companion, DeltaReader
 from ros.client.fetching import DEFAULT_FETCH_TIMEOUT
 from ros.client.handles import Handles, Held, Publication
 from ros.client.holdings import Holdings
@@ -297,12 +297,21 @@ class Hub:
             deltas=self._deltas if delta else None, base=base,
         )  # fmt: skip
 
-    def _fetch_companion(self, model: str, version: int, shard: int | None, timeout: float) -> Held:
-        """Read a delta's encoded chunks (`{model}.delta`@version) whole, as their holder."""
-        return fetching.fetch(
+    def _fetch_companion(
+        self, model: str, version: int, shard: int | None, timeout: float, hold: bool
+    ) -> Companion:
+        """Read a delta's encoded chunks (`{model}.delta`@version) whole: as their holder,
+        or unheld (for `fetch_slices`, whose reader holds nothing)."""
+        if not hold:
+            tensors, stats = fetching.fetch_unheld(
+                self._fetches, self.holdings.tenant, model, version, shard=shard, timeout=timeout
+            )
+            return Companion(tensors, stats.total_bytes)
+        held = fetching.fetch(
             self._fetches, self.holdings, self._handles, model, version, timeout=timeout,
             shard=shard,
         )  # fmt: skip
+        return Companion(held.tensors, held.stats.total_bytes, held)
 
     def _manifest(
         self, model: str, version: int, shard: int | None, deadline: Deadline
@@ -320,6 +329,7 @@ class Hub:
         timeout: float = DEFAULT_FETCH_TIMEOUT,
         rate_floor: float = DEFAULT_RATE_FLOOR,
         progress: ProgressCallback | None = None,
+        delta: bool = False,
     ) -> SliceFetch:
         """Fill every `Slice` with its block of `model@version`, read from the holders of the
         shards that hold it. Checks names, dtypes, global shapes and bounds before any byte
@@ -328,11 +338,27 @@ class Hub:
         written. `timeout` bounds the whole call, every hub call inside it included (see
         `fetch`); an Unpin that does not fit is left to the session's lease, and logged.
         `rate_floor` is `fetch`'s; `progress` is `fetch`'s, per source shard read.
+
+        `delta=True` (opt-in): keep each source shard's staging copy (memory for one copy of
+        every source shard read, where the staging is: host, or the slices' GPU) as the
+        base of the next `fetch_slices(delta=True)` of the model, which then reads only the
+        encoded changes of the chunks it needs, applies and verifies them there, and copies
+        the blocks out (`SliceFetch.deltas`). `Hub.drop_bases` frees the copies.
         """
         return reshard.fetch_slices(
             self._fetches, self._pins, self._me, model, version, slices=slices, timeout=timeout,
-            rate_floor=rate_floor, progress=progress,
+            rate_floor=rate_floor, progress=progress, deltas=self._deltas if delta else None,
         )  # fmt: skip
+
+    def drop_bases(self, model: str | None = None) -> None:
+        """Free the copies kept for delta versions (of `model`, or of every model): the
+        publisher's base copies (`publish(delta=True)`) and the staging copies of
+        `fetch_slices(delta=True)`, with the encoded chunks served alongside them. The next
+        publish or fetch of such a model moves the version whole."""
+        if model is not None:
+            validate_name(model, "model")
+        self._publisher.drop_bases(model)
+        self._deltas.staged.drop(model)
 
     def latest(self, model: str, *, timeout: float | None = None) -> int:
         """The latest published version (0 if none); never older than what this client saw."""

@@ -130,6 +130,10 @@ class Publisher:
             self._bases.keep(model, index, held, manifest, base_copy)
         return publication
 
+    def drop_bases(self, model: str | None) -> None:
+        """Free the base copies kept by `delta=True` (of `model`; None: all)."""
+        self._bases.drop(model)
+
     def _publish_delta(
         self,
         held: HeldVersion,

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ros.client.deadline import Deadline
+from ros.client.delta_fetch import DeltaReader, DeltaStats, Staged
 from ros.client.fetching import DEFAULT_FETCH_TIMEOUT
 from ros.client.identity import Identity
 from ros.client.manifest import layout_of, placement_of
@@ -72,6 +73,8 @@ class SliceFetch:
     chunks: int = 0
     failed_sources: dict[str, str] = field(default_factory=dict)
     slow_sources: dict[str, float] = field(default_factory=dict)  # under the rate floor: B/s
+    # delta=True: what the delta did for each source shard read (None: the whole version)
+    deltas: dict[int | None, DeltaStats] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -96,10 +99,13 @@ def fetch_slices(
     timeout: float = DEFAULT_FETCH_TIMEOUT,
     rate_floor: float = DEFAULT_RATE_FLOOR,
     progress: ProgressCallback | None = None,
+    deltas: DeltaReader | None = None,
 ) -> SliceFetch:
     """`Hub.fetch_slices` (its docstring is the contract): plan which chunks of which source
     shard each slice needs, pin the version, run one non-holder `Target` per source shard
-    through `runs`, and copy the intersections into place."""
+    through `runs`, and copy the intersections into place. With `deltas`, each source
+    shard's staging copy is kept as the base of the next call, which applies the deltas
+    to it."""
     validate_name(model, "model")
     if not slices:
         raise InvalidArgument("fetch_slices needs at least one slice")
@@ -121,7 +127,7 @@ def fetch_slices(
             holders = resolved if shard is None else runs.holders(model, found, shard, deadline)
             _read_part(
                 me, runs, model, found, shard, holders, parts[index], copies, slices,
-                deadline, result, rate_floor, progress,
+                deadline, result, rate_floor, progress, deltas,
             )  # fmt: skip
     finally:
         _unpin(pins, me, model, found, pin_id, deadline)
@@ -158,6 +164,7 @@ def _read_part(
     result: SliceFetch,
     rate_floor: float,
     progress: ProgressCallback | None,
+    deltas: DeltaReader | None = None,
 ) -> None:
     """Fetch the chunks of one source shard that `copies` need (and only those: the others
     of the staging copy stay missing), then copy the intersections out, in place.
@@ -175,16 +182,49 @@ def _read_part(
         first, end = byte_span(c.source, c.part, torch_dtype(spec.dtype).itemsize)
         needed.update(chunks_for(layout, spec, first, end))
     device = _staging_device([slices[c.name].tensor for c in copies])
-    tensors = _allocate_staging(layout, device, model, version, shard)
+    base = deltas.staged.take(model, shard) if deltas is not None else None
+    if base is not None and not _fits(base, layout, needed, device):
+        base.drop()
+        base = None
+    tensors = base.tensors if base is not None else _allocate_staging(
+        layout, device, model, version, shard
+    )  # fmt: skip
     staging = HeldVersion.reader(me.tenant, model, version, layout, tensors)
+    applied = None
+    if deltas is not None and base is not None and manifest.HasField("delta"):
+        applied = deltas.apply(
+            model, shard, manifest, staging, base.version, deadline, needed, hold=False
+        )
+        result.deltas[shard] = applied.stats
     target = Target(model, version, shard, staging, manifest, chunks=needed, holder=False)
-    stats = runs.run(target, holders, deadline, rate_floor=rate_floor, progress=progress)
+    try:
+        stats = runs.run(target, holders, deadline, rate_floor=rate_floor, progress=progress)
+    except BaseException:
+        if base is not None:
+            base.drop()
+        if applied is not None and applied.keep is not None:
+            applied.keep.release(force=True)
+        raise
+    if deltas is not None:
+        companion = applied.keep if applied is not None else None
+        if base is not None and companion is None:
+            base.drop()
+        kept = Staged(version, layout, tensors, frozenset(needed), companion)
+        deltas.staged.put(model, shard, kept)
     for source, nbytes in stats.bytes_per_source.items():
         result.bytes_per_source[source] = result.bytes_per_source.get(source, 0) + nbytes
     result.chunks += stats.chunks
     result.failed_sources.update(stats.failed_sources)
     result.slow_sources.update(stats.slow_sources)
     _copy_parts(copies, staging.tensors, slices)
+
+
+def _fits(base: Staged, layout: Layout, needed: set[int], device: torch.device) -> bool:
+    """Whether a kept staging copy can be the base of this read: the same layout, on the
+    same device, holding every chunk this read needs."""
+    first = next(iter(base.tensors.values()), None)
+    on = first.device if first is not None else torch.device("cpu")
+    return base.layout == layout and needed <= base.filled and on.type == device.type
 
 
 def _staging_device(destinations: Sequence[torch.Tensor]) -> torch.device:

@@ -28,6 +28,7 @@ from ros.manifest_check import (
     check_topology,
 )
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from tensorhub import delta_rules
 from tensorhub.errors import InvalidArgument, InvalidManifest
 from transport.layout import Layout, dtype_name, torch_dtype
 
@@ -86,9 +87,49 @@ def broken(case: str) -> pb.Manifest:
         a.name = "x" * (MAX_TENSOR_NAME_BYTES + 1)
     elif case == "unknown checksum algorithm":
         m.checksum = "crc32"  # a reader could not run the check: refused, never skipped
+    elif case.startswith("delta "):
+        _break_delta(m, case)
     else:
         raise AssertionError(case)
     return m
+
+
+def good_delta(m: pb.Manifest, model: str = "policy") -> pb.Delta:
+    """A valid delta section for `good()`'s two chunks: the first encoded, the second whole."""
+    return pb.Delta(
+        base=1, encoding=delta_rules.ENCODING, encoded_bytes=[100, 0], encoded_xxh3=[5, 0],
+        base_checksum=[3, 4], companion=delta_rules.companion_of(model),
+    )  # fmt: skip
+
+
+def _break_delta(m: pb.Manifest, case: str) -> None:
+    """Issue 22, item 6: a delta section whose sizes, digests or base are malformed."""
+    m.delta.CopyFrom(good_delta(m))
+    d = m.delta
+    if case == "delta base not before the version":
+        d.base = 1 << 40
+    elif case == "delta base 0":
+        d.base = 0
+    elif case == "delta unknown encoding":
+        d.encoding = "xor-gzip"
+    elif case == "delta sizes count":
+        d.encoded_bytes.append(7)
+    elif case == "delta digests count":
+        del d.encoded_xxh3[1:]
+    elif case == "delta base checksums count":
+        d.base_checksum.append(1)
+    elif case == "delta size over the whole ratio":
+        d.encoded_bytes[0] = m.chunk_size  # larger than 0.8 of the chunk: it goes whole
+    elif case == "delta negative size":
+        d.encoded_bytes[0] = -1
+    elif case == "delta whole chunk with a digest":
+        d.encoded_xxh3[1] = 9
+    elif case == "delta encodes nothing":
+        d.encoded_bytes[0], d.encoded_xxh3[0] = 0, 0
+    elif case == "delta companion of another model":
+        d.companion = "other.delta"
+    else:
+        raise AssertionError(case)
 
 
 CASES = [
@@ -97,19 +138,26 @@ CASES = [
     "1 TB tensor in a small version", "nbytes not dtype x shape", "unaligned offset",
     "no tensors", "negative dimension", "placement outside global shape",
     "placement of another rank", "metadata entries", "metadata bytes", "tensor name length",
-    "unknown checksum algorithm",
+    "unknown checksum algorithm", "delta base not before the version", "delta base 0",
+    "delta unknown encoding", "delta sizes count", "delta digests count",
+    "delta base checksums count", "delta size over the whole ratio", "delta negative size",
+    "delta whole chunk with a digest", "delta encodes nothing",
+    "delta companion of another model",
 ]  # fmt: skip
 
 
 def test_a_valid_manifest_passes() -> None:
     check_manifest(good())
     check_manifest(good(total=8192 + 100, chunk=4096))  # padding after the last tensor
+    with_delta = good()
+    with_delta.delta.CopyFrom(good_delta(with_delta))
+    check_manifest(with_delta, model="policy", version=2)
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_each_malformed_case_is_refused_by_name(case: str) -> None:
     with pytest.raises(InvalidManifest, match=r"^manifest: ") as info:
-        check_manifest(broken(case))
+        check_manifest(broken(case), model="policy", version=2)
     assert isinstance(info.value, InvalidArgument)  # INVALID_ARGUMENT on the wire
 
 

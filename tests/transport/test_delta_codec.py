@@ -1,0 +1,114 @@
+"""The delta codec (`transport.delta`): lossless both ways, whole when not worth it, and a
+corrupt or mismatched encoding refused before a byte of the destination changes. The CUDA
+cases run where a GPU exists (encoding and applying on the tensors' own device) and are
+skipped here with the reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tensorhub.errors import IntegrityError
+from transport import delta
+from transport.checksums import WSUM64, XXH3
+from transport.layout import Layout
+from transport.store import HeldVersion
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+
+
+def bf16(n: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def nudged(t: torch.Tensor, share: float, seed: int) -> torch.Tensor:
+    """`share` of the elements changed in their low bits, as an RL step changes them."""
+    mask = torch.rand(t.shape, generator=torch.Generator().manual_seed(seed)) < share
+    return torch.where(mask, (t.float() * 1.003).to(torch.bfloat16), t)
+
+
+def u8(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def test_a_sparse_change_encodes_small_and_applies_exactly() -> None:
+    base = bf16(1 << 20, 1)
+    new = nudged(base, 0.01, 2)
+    encoded = delta.encode([u8(base)], [u8(new)])
+    assert encoded is not None
+    assert len(encoded) < 0.05 * base.numel() * 2  # ~1 % changed: a few % of the bytes
+    dest = base.clone()
+    delta.apply([u8(dest)], encoded)
+    assert torch.equal(u8(dest), u8(new))
+
+
+def test_segments_and_odd_lengths_round_trip() -> None:
+    """A chunk made of several tensors' bytes (no padding), one of odd length."""
+    a, b = torch.arange(1001, dtype=torch.uint8), bf16(3000, 3)
+    a2, b2 = a.clone(), nudged(b, 0.05, 4)
+    a2[17] ^= 0x5A
+    encoded = delta.encode([a, u8(b)], [a2, u8(b2)])
+    assert encoded is not None
+    dest = [a.clone(), u8(b.clone())]
+    delta.apply(dest, encoded)
+    assert torch.equal(dest[0], a2)
+    assert torch.equal(dest[1], u8(b2))
+
+
+def test_a_dense_change_goes_whole() -> None:
+    g = torch.Generator().manual_seed(5)
+    base, new = (torch.randint(0, 256, (1 << 18,), dtype=torch.uint8, generator=g) for _ in "ab")
+    assert delta.encode([base], [new]) is None  # every byte changed at random: whole
+
+
+def test_a_corrupt_or_foreign_encoding_changes_nothing() -> None:
+    base = bf16(1 << 16, 7)
+    encoded = delta.encode([u8(base)], [u8(nudged(base, 0.01, 8))])
+    assert encoded is not None
+    dest = base.clone()
+    broken = bytearray(encoded)
+    broken[len(broken) // 2] ^= 0xFF
+    with pytest.raises(IntegrityError):
+        delta.apply([u8(dest)], bytes(broken[: len(broken) // 2]))  # cut short
+    shorter = base[:-64].clone()
+    with pytest.raises(IntegrityError):
+        delta.apply([u8(shorter)], encoded)  # an encoding of another chunk size
+    assert torch.equal(dest, base)
+    assert delta.digest(encoded) != delta.digest(bytes(broken))
+
+
+@pytest.mark.parametrize("kind", [XXH3, WSUM64])
+def test_chunk_checksum_is_the_manifests(kind: str) -> None:
+    tensors = {"a": bf16(5000, 9), "b": torch.arange(300, dtype=torch.int32)}
+    layout = Layout.from_tensors(tensors, chunk_size=4096)
+    held = HeldVersion.publisher("t", "m", 1, tensors, layout)
+    for index in range(layout.num_chunks):
+        want = held.checksum(index) if kind == XXH3 else held.wsum64(index)
+        assert delta.chunk_checksum(held.flats, held.segments(index), kind) == want
+
+
+@cuda
+def test_on_a_gpu_the_encoding_is_the_hosts_and_applies_in_place() -> None:
+    base = bf16(1 << 20, 10)
+    new = nudged(base, 0.01, 11)
+    on_host = delta.encode([u8(base)], [u8(new)])
+    on_gpu = delta.encode([u8(base.cuda())], [u8(new.cuda())])
+    assert on_gpu == on_host
+    assert on_gpu is not None
+    dest = base.cuda()
+    delta.apply([u8(dest)], on_gpu)
+    assert dest.device.type == "cuda"
+    assert torch.equal(u8(dest).cpu(), u8(new))
+
+
+@cuda
+@pytest.mark.parametrize("kind", [XXH3, WSUM64])
+def test_on_a_gpu_chunk_checksums_match_the_hosts(kind: str) -> None:
+    tensors = {"a": bf16(5000, 12)}
+    layout = Layout.from_tensors(tensors, chunk_size=4096)
+    host = HeldVersion.publisher("t", "m", 1, tensors, layout)
+    gpu = HeldVersion.publisher("t", "m", 1, {"a": tensors["a"].cuda()}, layout)
+    for index in range(layout.num_chunks):
+        assert delta.chunk_checksum(gpu.flats, gpu.segments(index), kind) == (
+            delta.chunk_checksum(host.flats, host.segments(index), kind)
+        )
