@@ -11,7 +11,7 @@ import grpc
 from ros.cli.common import add_hub_flags, hub_stub, print_json, print_table, tenant_metadata
 from ros.errors import from_rpc_error
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
-from tensorhub.errors import InvalidArgument
+from tensorhub.errors import InvalidArgument, VersionNotFound
 from tensorhub.names import validate_name
 
 _STATES = {pb.PARTIAL: "PARTIAL", pb.COMPLETE: "COMPLETE"}
@@ -100,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
     model, version = parse_target(args.target)
     info = _inspect(args, model, version)
     holders = _holder_rows(info.holders)
+    parts = list(info.shards) or [info.manifest]  # a model-parallel version: one per shard
+    delta = _delta(args, info.version, parts)
     if args.query == "holders":
         if args.json:
             print_json(
@@ -107,28 +109,20 @@ def run(args: argparse.Namespace) -> int:
                     "model": model,
                     "version": info.version,
                     "holders": holders,
+                    "delta": delta,
                     "revision": info.revision,
                 }
             )
-        else:
-            sharded = any(h["shard"] is not None for h in holders)  # a model-parallel version
-            print_table(
-                ["HOLDER", *(["SHARD"] if sharded else []), "STATE", "ENDPOINT", "TOPOLOGY",
-                 "SESSION"],
-                [
-                    [
-                        h["name"],
-                        *([h["shard"]] if sharded else []),
-                        h["state"],
-                        ",".join(f"{k}={v}" for k, v in h["endpoints"].items()),
-                        ",".join(f"{k}={v}" for k, v in sorted(h["topology"].items())) or "-",
-                        h["session"],
-                    ]
-                    for h in holders
-                ],
-            )  # fmt: skip
+            return 0
+        _print_holders(holders)
+        if delta is not None:
+            print(f"\ndelta against {delta['base']}: served by the holders of "
+                  f"{delta['companion']}@{info.version}")  # fmt: skip
+            if delta["holders"] is None:
+                print("  (gone: readers behind read the version whole)")
+            else:
+                _print_holders(delta["holders"])
         return 0
-    parts = list(info.shards) or [info.manifest]  # a model-parallel version: one per shard
     data = {
         "model": model,
         "version": info.version,
@@ -142,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
         "chunk_size": parts[0].chunk_size,
         "holders": holders,
         "pins": list(info.pins),
+        "delta": delta,
         "revision": info.revision,
     }
     if args.json:
@@ -159,8 +154,65 @@ def run(args: argparse.Namespace) -> int:
         print(f"    {h['name']:<32} {h['state']:<8} {','.join(h['endpoints'].values())}{part}")
     if data["pins"]:
         print(f"  pinned by: {', '.join(data['pins'])}")
+    if delta is not None:
+        share = delta["encoded_bytes"] / data["bytes"] if data["bytes"] else 0.0
+        print(
+            f"  delta against {delta['base']} ({delta['encoding']}): {delta['encoded_chunks']} "
+            f"of {data['chunks']} chunks encoded, {_size(delta['encoded_bytes'])} "
+            f"({share:.1%} of the version)"
+        )
+        if delta["holders"] is None:
+            print(f"    served as {delta['companion']}@{info.version}: gone")
+        else:
+            print(f"    served as {delta['companion']}@{info.version} by "
+                  f"{len(delta['holders'])} holders")  # fmt: skip
+            for h in delta["holders"]:
+                part = "" if h["shard"] is None else f" shard {h['shard']}"
+                where = ",".join(h["endpoints"].values())
+                print(f"      {h['name']:<30} {h['state']:<8} {where}{part}")
     print(f"  as of {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}")
     return 0
+
+
+def _print_holders(holders: list[dict[str, Any]]) -> None:
+    sharded = any(h["shard"] is not None for h in holders)  # a model-parallel version
+    print_table(
+        ["HOLDER", *(["SHARD"] if sharded else []), "STATE", "ENDPOINT", "TOPOLOGY", "SESSION"],
+        [
+            [
+                h["name"],
+                *([h["shard"]] if sharded else []),
+                h["state"],
+                ",".join(f"{k}={v}" for k, v in h["endpoints"].items()),
+                ",".join(f"{k}={v}" for k, v in sorted(h["topology"].items())) or "-",
+                h["session"],
+            ]
+            for h in holders
+        ],
+    )
+
+
+def _delta(args: argparse.Namespace, version: int, parts: list[Any]) -> dict[str, Any] | None:
+    """The version's delta (over its shards) and the holders of its companion, which serve
+    the encoded chunks (None holders: the companion is gone); None: published whole."""
+    with_delta = [m.delta for m in parts if m.HasField("delta")]
+    if not with_delta:
+        return None
+    companion = with_delta[0].companion
+    try:
+        holders: list[dict[str, Any]] | None = _holder_rows(
+            _inspect(args, companion, version).holders
+        )
+    except VersionNotFound:
+        holders = None
+    return {
+        "base": with_delta[0].base,
+        "encoding": with_delta[0].encoding,
+        "companion": companion,
+        "encoded_chunks": sum(sum(1 for n in d.encoded_bytes if n) for d in with_delta),
+        "encoded_bytes": sum(sum(d.encoded_bytes) for d in with_delta),
+        "holders": holders,
+    }
 
 
 def _size(n: int) -> str:

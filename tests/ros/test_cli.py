@@ -139,3 +139,41 @@ def test_cli_tenant_delete(served: str) -> None:
     assert denied.returncode == 1
     assert "PermissionDenied" in denied.stderr
     assert tensorhub("tenant", "create", "team.x", *flags).returncode == 0
+
+
+@pytest.mark.timeout(120)
+def test_inspect_and_holders_show_a_delta_and_who_serves_it(served: str) -> None:
+    """Issue 22, item 3: a version published with a delta shows its base, what is encoded,
+    and the holders of its companion; a reader that applied it is among them."""
+    created = tensorhub(
+        "tenant", "create", "team-d", "--hub", served, "--admin-token", ADMIN, "--json"
+    )
+    token = json.loads(created.stdout)["token"]
+    env = {"TENSORHUB_HUB": served, "TENSORHUB_TENANT": "team-d", "TENSORHUB_TOKEN": token}
+    with (
+        ros.connect(served, tenant="team-d", token=token, name="trainer-0") as hub,
+        ros.connect(served, tenant="team-d", token=token, name="rollout-0") as reader,
+    ):
+        weights = make_model(3)
+        hub.publish("policy", 1, weights, chunk_size=4096, delta=True)
+        held = reader.fetch("policy", 1)
+        held.release()
+        weights["embed.weight"][0, :4] += 1  # one chunk changes
+        hub.publish("policy", 2, weights, chunk_size=4096, delta=True)
+        again = reader.fetch("policy", 2, into=held.tensors)
+        assert again.delta is not None
+        shown = json.loads(tensorhub("inspect", "policy@2", "--json", env=env).stdout)
+        delta = shown["delta"]
+        assert delta["base"] == 1
+        assert delta["companion"] == "policy.delta"
+        assert delta["encoded_chunks"] >= 1
+        assert 0 < delta["encoded_bytes"] < shown["bytes"]
+        assert {h["name"] for h in delta["holders"]} == {"trainer-0", "rollout-0"}
+        text = tensorhub("inspect", "policy@2", env=env).stdout
+        assert "delta against 1 (xor-shuffle-zstd1)" in text
+        assert "served as policy.delta@2 by 2 holders" in text
+        table = tensorhub("holders", "policy@2", env=env).stdout
+        assert "delta against 1: served by the holders of policy.delta@2" in table
+        assert (
+            json.loads(tensorhub("inspect", "policy@1", "--json", env=env).stdout)["delta"] is None
+        )
