@@ -332,3 +332,38 @@ def test_fetch_slices_in_another_layout_applies_deltas_to_its_kept_staging(
     third, got = read(2)  # no base kept any more: read whole
     assert got.deltas == {}
     assert torch.equal(third.view(torch.int16), full["w"].view(torch.int16))
+
+
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+@pytest.mark.timeout(90)
+def test_a_dead_or_frozen_delta_holder_fails_over_to_another_delta_holder(
+    fault: str,
+    hub_server: HubServer,
+    make_tenant: Callable[[str], str],
+) -> None:
+    """Two readers hold the delta, one a process that is killed or frozen: the next reader
+    still applies the delta, from the other (or reads whole what it cannot), exactly."""
+    token = make_tenant("team-a")
+    clients = [ros.connect(hub_server.address, tenant="team-a", token=token) for _ in range(3)]
+    trainer, other, reader = clients
+    try:
+        w = model(9)
+        trainer.publish("policy", 1, w, chunk_size=CHUNK, delta=True)
+        seen = {c: c.fetch("policy", 1) for c in (other, reader)}
+        for held in seen.values():
+            held.release()
+        w = step(w, 2)
+        pub = trainer.publish("policy", 2, w, chunk_size=CHUNK, delta=True)
+        with delta_holder(hub_server, token) as proc:
+            applied = other.fetch("policy", 2, into=seen[other].tensors)
+            assert applied.companion is not None
+            assert pub.companion is not None
+            pub.companion.release(force=True)  # the delta's holders: the process and `other`
+            proc.send_signal(getattr(signal, fault))
+            again = reader.fetch("policy", 2, into=seen[reader].tensors, timeout=30)
+        assert same(again.tensors, w)
+        assert again.delta is not None
+        assert again.delta.chunks > 0, again.delta
+    finally:
+        for c in clients:
+            c.close()
