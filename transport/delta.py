@@ -62,8 +62,12 @@ def _unshuffle(x: torch.Tensor) -> torch.Tensor:
 
 def encode(base: Sequence[torch.Tensor], new: Sequence[torch.Tensor]) -> bytes | None:
     """The encoding of chunk `new` against chunk `base` (each a chunk's segments, the same
-    lengths, on one device), or None when it would be over `WHOLE_RATIO` of the payload."""
+    lengths), or None when it would be over `WHOLE_RATIO` of the payload. It runs on `new`'s
+    device: a base on another (a host copy of a GPU version) is copied there first, one
+    chunk at a time."""
     old, now = payload(base), payload(new)
+    if old.device != now.device:  # a base copy kept on the host, a version on a GPU
+        old = old.to(now.device)
     if old.numel() != now.numel():
         raise IntegrityError(f"delta of chunks of {old.numel()} and {now.numel()} bytes")
     if now.numel() == 0:

@@ -360,6 +360,17 @@ class Hub:
         self._publisher.drop_bases(model)
         self._deltas.staged.drop(model)
 
+    def delta_memory(self) -> dict[str, int]:
+        """Bytes this client keeps now for delta versions: `base_copies` (its publishes'
+        base copies, `publish(delta=True)`), `staged` (`fetch_slices(delta=True)`'s kept
+        staging copies) and `held_deltas` (encoded chunks it serves, within
+        `delta_hold_bytes`). What the integrations report as the cost of deltas."""
+        return {
+            "base_copies": self._publisher.base_bytes(),
+            "staged": self._deltas.staged.nbytes(),
+            "held_deltas": self._deltas.held_bytes(),
+        }
+
     def latest(self, model: str, *, timeout: float | None = None) -> int:
         """The latest published version (0 if none); never older than what this client saw."""
         validate_name(model, "model")

@@ -130,6 +130,10 @@ class Publisher:
             self._bases.keep(model, index, held, manifest, base_copy)
         return publication
 
+    def base_bytes(self) -> int:
+        """Bytes of the base copies kept by `delta=True` now."""
+        return self._bases.nbytes()
+
     def drop_bases(self, model: str | None) -> None:
         """Free the base copies kept by `delta=True` (of `model`; None: all)."""
         self._bases.drop(model)
@@ -148,7 +152,12 @@ class Publisher:
         fails is logged and v is published whole (readers lose bytes saved, never data)."""
         _, model, version = held.key
         index = None if shard is None else shard[0]
-        encoded = self._bases.encode(model, index, held, manifest)
+        try:
+            encoded = self._bases.encode(model, index, held, manifest)
+        except (TensorHubError, RuntimeError) as exc:  # torch's errors are RuntimeErrors
+            log.warning("%s@%d was not encoded as a delta (%s): publishing it whole",
+                        model, version, exc)  # fmt: skip
+            return None
         if encoded is None:
             return None
         try:

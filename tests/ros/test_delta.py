@@ -80,6 +80,8 @@ def test_a_reader_applies_each_next_version_from_its_delta(connect: Callable[...
         assert held.delta.encoded_bytes < 0.2 * nbytes(w), held.delta
         # what crossed: the encoded chunks and the chunks sent whole, far less than the model
         assert held.stats.total_bytes < 0.5 * nbytes(w), held.stats
+    assert trainer.delta_memory()["base_copies"] == nbytes(w)  # one copy of the model
+    assert 0 < reader.delta_memory()["held_deltas"] < 0.2 * nbytes(w)
     # the reader that applied the delta serves it: its holder record is there
     holders = trainer.holders(companion_of("policy"), 4)
     assert reader.holder_name in {h.holder for h in holders}
@@ -328,7 +330,9 @@ def test_fetch_slices_in_another_layout_applies_deltas_to_its_kept_staging(
     assert torch.equal(second.view(torch.int16), full["w"].view(torch.int16))
     assert set(got.deltas) == {0, 1}
     assert all(d.chunks > 0 and d.base == 1 for d in got.deltas.values()), got.deltas
+    assert reader.delta_memory()["staged"] == 2 * rows * 128 * 2  # a copy of each shard
     reader.drop_bases()
+    assert reader.delta_memory()["staged"] == 0
     third, got = read(2)  # no base kept any more: read whole
     assert got.deltas == {}
     assert torch.equal(third.view(torch.int16), full["w"].view(torch.int16))

@@ -102,6 +102,16 @@ def test_on_a_gpu_the_encoding_is_the_hosts_and_applies_in_place() -> None:
 
 
 @cuda
+def test_a_host_base_encodes_a_gpu_version_on_the_gpu() -> None:
+    """`publish(delta=True, base_copy="host")` of tensors in GPU memory: the base chunk is
+    copied to the GPU, not the version to the host."""
+    base = bf16(1 << 20, 13)
+    new = nudged(base, 0.01, 14)
+    encoded = delta.encode([u8(base)], [u8(new.cuda())])
+    assert encoded == delta.encode([u8(base)], [u8(new)])
+
+
+@cuda
 @pytest.mark.parametrize("kind", [XXH3, WSUM64])
 def test_on_a_gpu_chunk_checksums_match_the_hosts(kind: str) -> None:
     tensors = {"a": bf16(5000, 12)}
