@@ -9,6 +9,14 @@ trainer serves only part of each step's copies (a table row shows how many MB ca
 the trainer and how many from peers). After every step the driver checks each rollout's
 bytes against the trainer's digest (sha256 over every tensor).
 
+Delta versions, on by default (`--no-delta` turns them off): the trainer keeps float32
+masters and publishes bf16 copies with `delta=True`, which costs it one more host copy of
+the published weights, and each next version is also published as its changes; a rollout
+whose tensors hold the version before reads only those (the table's "MB delta"; "MB moved"
+is everything that crossed the network: whole chunks from the trainer and peers, plus the
+delta). The stand-in step moves every master weight a little, which changes about 2 % of
+the bf16 words, as an RL step does.
+
 Mid-run (`--kill-at STEP`, after that step), one rollout actor is killed with `ray.kill`
 while it holds the latest version complete and serves it, and a new one is started on the
 same node: it catches up to the latest version, then follows the run like the others. The
@@ -109,6 +117,14 @@ def parser() -> argparse.ArgumentParser:
         default=120.0,
         help="seconds each step's publish, wait and fetch may take (default: 120)",
     )
+    ap.add_argument(
+        "--no-delta",
+        dest="delta",
+        action="store_false",
+        help="publish and fetch every version whole (default: the trainer publishes delta "
+        "versions, keeping one more host copy of the weights, and rollouts read only the "
+        "changes)",
+    )
     ap.add_argument("--json", metavar="PATH", help="write the run's summary there as JSON")
     return ap
 
@@ -125,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.model_mb <= 0 or args.step_timeout <= 0:
         ap.error("--model-mb and --step-timeout must be positive")
     hubs = [h.strip() for h in args.hub.split(",") if h.strip()]
-    cfg = Config(tuple(hubs), args.tenant, args.token, args.model, args.model_mb)
+    cfg = Config(tuple(hubs), args.tenant, args.token, args.model, args.model_mb, delta=args.delta)
     ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=True)
     try:
         summary = run(cfg, args.rollouts, args.steps, kill_at, args.step_timeout)

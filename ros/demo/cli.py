@@ -52,6 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         help="workers' session TTL in seconds: how soon a killed rollout's records "
         "vanish (default %(default)s)",
     )
+    parser.add_argument(
+        "--no-delta",
+        dest="delta",
+        action="store_false",
+        help="publish and fetch every version whole (default: the trainer publishes delta "
+        "versions, keeping one more host copy of the model, and rollouts read the changes)",
+    )
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the report here")
     parser.add_argument(
         "--plot", type=Path, metavar="FILE.png", help="draw stall and reward per step (matplotlib)"
@@ -65,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = DemoConfig(
         rollouts=args.rollouts, steps=args.steps, model_mb=args.model_mb, batch=args.batch,
         seed=args.seed, kill_at=args.kill_at, step_timeout=args.step_timeout,
-        session_ttl=args.session_ttl,
+        session_ttl=args.session_ttl, delta=args.delta,
     )  # fmt: skip
     # SIGTERM tears down like Ctrl-C does (workers, hub and etcd are stopped on the way out).
     signal.signal(signal.SIGTERM, _terminate)

@@ -30,6 +30,7 @@ class DemoConfig:
     kill_at: int = 0  # the step whose fetch one rollout is SIGKILLed in; 0 = never
     step_timeout: float = 120.0
     session_ttl: int = 5
+    delta: bool = True  # publish delta versions and apply them (--no-delta: all whole)
     hub: str = ""
     tenant: str = ""
     token: str = ""

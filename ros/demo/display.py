@@ -19,15 +19,17 @@ def short(name: str) -> str:
 
 
 def flows(step: Step) -> str:
-    """Who fetched from whom: `r0<T 40.0MB  r1<r0 24.0MB+T 16.0MB (lost r3)` — a lost
-    source is a holder that failed during this fetch (its chunks were re-planned)."""
+    """Who fetched from whom: `r0<T 40.0MB  r1<r0 24.0MB+T 16.0MB (lost r3)  r2<delta 0.90MB`:
+    a lost source is a holder that failed during this fetch (its chunks were re-planned); delta
+    is the encoded changes of a delta version (from the trainer or peers)."""
     parts = []
     for reader in sorted(step.fetches):
         fetch = step.fetches[reader]
         got = "+".join(
-            f"{short(s)} {n / MB:.1f}MB"
-            for s, n in sorted(fetch.sources.items(), key=lambda i: -i[1])
-        )
+            [f"{short(s)} {n / MB:.1f}MB"
+             for s, n in sorted(fetch.sources.items(), key=lambda i: -i[1])]
+            + ([f"delta {fetch.delta_bytes / MB:.2f}MB"] if fetch.delta_bytes else [])
+        )  # fmt: skip
         lost = ",".join(short(s) for s in sorted(fetch.failed_sources))
         parts.append(f"{short(reader)}<{got or '-'}" + (f" (lost {lost})" if lost else ""))
     return "  ".join(parts)
@@ -59,10 +61,10 @@ class Display:
 
     def step_done(self, step: Step, steps: int) -> None:
         ok = "bytes ok" if step.verified else "BYTES DIFFER"
-        moved = (step.from_trainer + step.from_peers) / MB
+        moved = step.moved / MB
         killed = f"  [{step.killed} SIGKILLed mid-fetch]" if step.killed else ""
         self.line(
-            f"step {step.step:>2}/{steps} v{step.version}  {flows(step)}  | {moved:.0f} MB in "
+            f"step {step.step:>2}/{steps} v{step.version}  {flows(step)}  | {moved:.1f} MB in "
             f"{step.rollout_stall_s:.2f}s ({step.throughput_mbs:.0f} MB/s)  "
             f"stall T {step.trainer_stall_s:.2f}s  reward {step.reward:.3f}  {ok}{killed}"
         )

@@ -21,7 +21,7 @@ from ros.client.watch import HubWatch
 from ros.demo.channel import Driver, Inbound
 from ros.demo.config import MODEL, TRAINER, DemoConfig, rollout_name
 from ros.demo.display import Display, short
-from ros.demo.report import Fetch, Report, Step
+from ros.demo.report import MB, Fetch, Report, Step
 from ros.hub.server import HubServer
 from ros.hub.tenants import TenantStore
 from tensorhub.errors import DeadlineExceeded, DemoFailed, TensorHubError
@@ -155,7 +155,7 @@ class DemoRun:
         if kind == "published":
             self.steps[version] = Step(
                 version, version, int(m["bytes"]), str(m["digest"]), float(m["t"]),
-                publish_s=float(m["publish_s"]),
+                publish_s=float(m["publish_s"]), delta_published=int(m["delta_bytes"]),
             )  # fmt: skip
             self.display.status(f"v{version}: published, waiting for one replica ...")
             for early_sender, early in self._early.pop(version, []):
@@ -173,9 +173,14 @@ class DemoRun:
                 stall_s=float(m["t"]) - step.t_publish,
                 verified=m["digest"] == step.digest,
                 failed_sources={str(k): str(v) for k, v in m["failed_sources"].items()},
+                delta_bytes=int(m["delta_bytes"]),
+                delta_chunks=int(m["delta_chunks"]),
             )
             got = "+".join(short(s) for s in m["sources"])
-            self.display.status(f"v{version}: {short(sender)} has it (from {got})")
+            how = f"delta {int(m['delta_bytes']) / MB:.2f} MB" if m["delta_bytes"] else ""
+            self.display.status(
+                f"v{version}: {short(sender)} has it (from {'+'.join(p for p in (got, how) if p)})"
+            )
             if sender == self.cfg.victim and version == self.cfg.kill_at:
                 self._kill(sender, version, 1.0)  # a one-chunk model cannot freeze mid-fetch
         elif kind == "fetch_failed" and step is not None:

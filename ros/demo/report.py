@@ -18,9 +18,17 @@ class Fetch:
 
     sources: dict[str, int]  # holder name -> payload bytes read from it
     fetch_s: float
-    stall_s: float  # publish returned -> this rollout had the new weights loaded
+    stall_s: float  # the trainer's publish began -> this rollout had the new weights loaded
     verified: bool  # its bytes hash to the trainer's digest of the same version
     failed_sources: dict[str, str] = field(default_factory=dict)
+    delta_bytes: int = 0  # encoded changes read (Held.delta.encoded_bytes; 0: read whole)
+    delta_chunks: int = 0  # chunks made from them
+
+    @property
+    def moved(self) -> int:
+        """Bytes that crossed the network for this fetch: the whole chunks read
+        (`Held.stats.total_bytes`, by source) plus the encoded changes."""
+        return sum(self.sources.values()) + self.delta_bytes
 
 
 @dataclass
@@ -33,6 +41,7 @@ class Step:
     digest: str
     t_publish: float
     publish_s: float = 0.0
+    delta_published: int = 0  # bytes of the encoded changes the trainer published (0: none)
     trainer_stall_s: float = 0.0
     fetches: dict[str, Fetch] = field(default_factory=dict)
     fetch_failures: dict[str, str] = field(default_factory=dict)
@@ -50,14 +59,24 @@ class Step:
         return sum(n for f in self.fetches.values() for s, n in f.sources.items() if s != TRAINER)
 
     @property
+    def from_deltas(self) -> int:
+        """Encoded changes the rollouts read (from the trainer and from each other)."""
+        return sum(f.delta_bytes for f in self.fetches.values())
+
+    @property
+    def moved(self) -> int:
+        """Everything that crossed the network to the rollouts this step: whole chunks
+        (from the trainer and from peers) plus encoded changes."""
+        return self.from_trainer + self.from_peers + self.from_deltas
+
+    @property
     def rollout_stall_s(self) -> float:
         return max((f.stall_s for f in self.fetches.values()), default=0.0)
 
     @property
     def throughput_mbs(self) -> float:
-        """All rollouts' bytes over the time from publish until the last one had them."""
-        moved = self.from_trainer + self.from_peers
-        return moved / MB / self.rollout_stall_s if self.rollout_stall_s > 0 else 0.0
+        """All rollouts' bytes moved over the time from publish until the last had them."""
+        return self.moved / MB / self.rollout_stall_s if self.rollout_stall_s > 0 else 0.0
 
     @property
     def reward(self) -> float:
@@ -69,8 +88,8 @@ class Step:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        for name in ("from_trainer", "from_peers", "rollout_stall_s", "throughput_mbs",
-                     "reward", "verified"):  # fmt: skip
+        for name in ("from_trainer", "from_peers", "from_deltas", "moved", "rollout_stall_s",
+                     "throughput_mbs", "reward", "verified"):  # fmt: skip
             out[name] = getattr(self, name)
         return out
 

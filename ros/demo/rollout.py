@@ -4,9 +4,13 @@ Per version: release the previous one (stop serving it from the policy's memory;
 complete holder of a retained version spills it to host memory and serves it from there),
 fetch the new one into the policy's own tensors (`into=`, no second copy), serve it to the
 other rollouts until the next version, sample actions for a batch of contexts and send them
-back with their rewards.
+back with their rewards. The policy's tensors hold the version before, so when the trainer
+published the new one with a delta only its changes are read (`Held.delta`), applied in
+place after a check of each base chunk, and verified.
 The rollout chosen by `--kill-a-rollout-at` freezes itself mid-fetch and tells the driver,
-which SIGKILLs it: a holder dying with a PARTIAL version, for real.
+which SIGKILLs it: a holder dying with a PARTIAL version, for real. That one fetch reads the
+version whole (`delta=False`): a delta fetch makes most chunks before the rounds whose
+progress the freeze waits for.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from ros.client.handles import Held
 from ros.client.orchestrator import Progress, ProgressCallback
 from ros.demo.channel import Link
 from ros.demo.config import MODEL, DemoConfig, rollout_name
-from ros.demo.policy import build_policy, contexts, digest, rewards, sample
+from ros.demo.policy import PUBLISHED, build_policy, contexts, digest, rewards, sample
 from ros.integrations.pytorch import fetch_module
 from tensorhub.errors import TensorHubError
 
@@ -58,7 +62,7 @@ def run_rollout(cfg: DemoConfig, index: int) -> int:
     torch.set_num_threads(1)
     name = rollout_name(index)
     link = Link(cfg.driver_port, name)
-    policy = build_policy(cfg.model_mb, cfg.seed, initialise=False)
+    policy = build_policy(cfg.model_mb, cfg.seed, initialise=False, dtype=PUBLISHED)
     hub = ros.connect(
         cfg.hub, tenant=cfg.tenant, token=cfg.token, name=name, session_ttl=cfg.session_ttl
     )
@@ -85,6 +89,7 @@ def run_rollout(cfg: DemoConfig, index: int) -> int:
                     held = fetch_module(
                         hub, MODEL, policy, version, timeout=cfg.step_timeout,
                         progress=freeze_mid_fetch(link, version) if victim else None,
+                        delta=cfg.delta and not victim,
                     )  # fmt: skip
                 except TensorHubError as exc:
                     link.send({"type": "fetch_failed", "version": version, "error": repr(exc)})
@@ -94,6 +99,8 @@ def run_rollout(cfg: DemoConfig, index: int) -> int:
                      "fetch_s": held.stats.duration, "sources": held.stats.bytes_per_source,
                      "failed_sources": held.stats.failed_sources,
                      "refetched": held.stats.refetched_bytes,
+                     "delta_bytes": held.delta.encoded_bytes if held.delta else 0,
+                     "delta_chunks": held.delta.chunks if held.delta else 0,
                      "digest": digest(policy.state_dict())}
                 )  # fmt: skip
                 seed = batch_seed(cfg, version, index)

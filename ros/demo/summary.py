@@ -28,13 +28,15 @@ def print_summary(report: Report, out: TextIO) -> None:
         [
             s.step, s.version, f"{s.trainer_stall_s:.3f}", f"{s.rollout_stall_s:.3f}",
             f"{s.from_trainer / MB:.1f}", f"{s.from_peers / MB:.1f}",
+            f"{s.from_deltas / MB:.2f}", f"{s.moved / MB:.2f}",
             f"{s.throughput_mbs:.0f}", f"{s.reward:.3f}",
             "yes" if s.verified else "NO", s.killed or "",
         ]
         for s in report.steps
     ]  # fmt: skip
     headers = ["step", "version", "trainer stall s", "rollout stall s", "MB from trainer",
-               "MB from peers", "MB/s", "reward", "bytes ok", "killed"]  # fmt: skip
+               "MB from peers", "MB of deltas", "MB moved", "MB/s", "reward", "bytes ok",
+               "killed"]  # fmt: skip
     print("", file=out)
     import contextlib
 
@@ -47,11 +49,15 @@ def print_summary(report: Report, out: TextIO) -> None:
         first, last = report.steps[0].reward, report.steps[-1].reward
         trend = "rising" if report.reward_rising else "NOT rising"
         print(f"reward {first:.3f} -> {last:.3f} ({trend})", file=out)
-    total = sum(s.from_trainer + s.from_peers for s in report.steps)
+    total = sum(s.moved for s in report.steps)
+    whole = sum(s.from_trainer + s.from_peers for s in report.steps)
+    deltas = sum(s.from_deltas for s in report.steps)
     peers = sum(s.from_peers for s in report.steps)
-    share = 100 * peers / total if total else 0.0
+    share = 100 * peers / whole if whole else 0.0
+    full = sum(s.bytes * len(s.fetches) for s in report.steps)  # every fetch read whole
     print(
-        f"moved {total / MB:.0f} MB in {len(report.steps)} steps, {share:.0f}% served by peers; "
+        f"moved {total / MB:.1f} MB in {len(report.steps)} steps ({deltas / MB:.1f} MB of it "
+        f"deltas; {full / MB:.0f} MB whole), {share:.0f}% of the whole chunks served by peers; "
         f"wall time {report.wall_s:.1f}s",
         file=out,
     )

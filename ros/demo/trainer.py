@@ -1,9 +1,13 @@
 """The demo's trainer process: REINFORCE on the bandit, one published version per step.
 
-Per step: publish the policy's own memory as version `step` (no copy), wait until one rollout
-holds it COMPLETE (the trainer stall), release it, wait for the rollouts' rewards on that
-version, then step the optimizer — which overwrites the memory in place, so it must come
-after the release (the mutability contract).
+The policy's float32 masters are trained with Adam; what is published is a bf16 copy of them
+(`published`, one host copy of the model, refreshed in place after each optimizer step), as
+an RL trainer publishes the weights its rollouts run. Per step: publish that copy (no further
+copy) with `delta=True` (unless `--no-delta`), so that the SDK also publishes the changes
+against the previous step and keeps a copy of this one for the next (one more host copy of
+the model); wait until one rollout holds it COMPLETE (the trainer stall), release it, wait for
+the rollouts' rewards on that version, then step the optimizer and refresh the copy — which
+overwrites its memory in place, so it must come after the release (the mutability contract).
 """
 
 from __future__ import annotations
@@ -17,16 +21,18 @@ import ros
 from ros.demo.channel import Link
 from ros.demo.config import MODEL, TRAINER, DemoConfig
 from ros.demo.policy import (
-    LEARNING_RATE,
     Policy,
     build_policy,
     chunk_size_for,
     contexts,
     digest,
+    optimizer_for,
+    published_copy,
+    refresh,
     reinforce_loss,
     rewards,
 )
-from ros.integrations.pytorch import publish_module
+from ros.integrations.pytorch import publish_state_dict
 
 
 def train_on(
@@ -46,10 +52,11 @@ def train_on(
 def run_trainer(cfg: DemoConfig) -> int:
     torch.set_num_threads(1)
     link = Link(cfg.driver_port, TRAINER)
-    policy = build_policy(cfg.model_mb, cfg.seed, initialise=True)
-    trainable = [p for p in policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.Adam(trainable, lr=LEARNING_RATE)
-    total = sum(t.numel() * t.element_size() for t in policy.state_dict().values())
+    policy = build_policy(cfg.model_mb, cfg.seed, initialise=True)  # the float32 masters
+    optimizer = optimizer_for(policy)
+    published = published_copy(policy)  # the bf16 copy the rollouts get
+    refresh(published, policy)
+    total = sum(t.numel() * t.element_size() for t in published.values())
     chunk = chunk_size_for(total)
     hub = ros.connect(
         cfg.hub, tenant=cfg.tenant, token=cfg.token, name=TRAINER, session_ttl=cfg.session_ttl
@@ -59,12 +66,19 @@ def run_trainer(cfg: DemoConfig) -> int:
         if link.receive(cfg.step_timeout, ("start", "stop"))["type"] != "start":
             return 0
         for version in range(1, cfg.steps + 1):
-            start = time.monotonic()
-            expected = digest(policy.state_dict())
-            pub = publish_module(hub, MODEL, version, policy, chunk_size=chunk)
+            expected = digest(published)
+            start, started = time.monotonic(), time.time()
+            pub = publish_state_dict(
+                hub, MODEL, version, published, chunk_size=chunk, delta=cfg.delta
+            )
+            companion = pub.companion
             link.send(
                 {"type": "published", "version": version, "digest": expected, "bytes": total,
-                 "t": time.time(), "publish_s": time.monotonic() - start}
+                 # from the start: a delta publish returns after its base copy is taken,
+                 # when rollouts may have read the version already
+                 "t": started, "publish_s": time.monotonic() - start,
+                 "delta_bytes": 0 if companion is None else sum(
+                     t.nbytes for t in companion.tensors.values())}
             )  # fmt: skip
             stalled = time.monotonic()
             pub.wait_replicated(1, timeout=cfg.step_timeout)
@@ -75,6 +89,7 @@ def run_trainer(cfg: DemoConfig) -> int:
             if batch["type"] != "batch":
                 return 1
             loss = train_on(policy, optimizer, batch["items"], cfg.batch)
+            refresh(published, policy)  # released above: its memory may change now
             link.send({"type": "trained", "version": version, "loss": loss})
         link.send({"type": "done"})
         return 0

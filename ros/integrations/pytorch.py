@@ -8,6 +8,15 @@ same storage, not just equal). A plain `hub.fetch` without a target gets the fir
 Non-contiguous tensors: the SDK publishes a contiguous copy (a snapshot, logged), and a
 non-contiguous fetch target is filled through a contiguous staging tensor that the returned
 `Held` serves, then copied into place.
+
+Delta versions, on by default here (in the bare SDK they are opt-in): the publish helpers
+pass `delta=True`, so the client keeps a copy of what it published (`base_copy`: "host"
+memory by default, or "device", the tensors' own), **one more copy of the model**, and
+publishes each next version of the same model also as its changes against that copy; the
+fetch helpers fill the same module or state dict each time, so a reader whose memory holds
+the version before reads only those changes (`Held.delta` says what moved), each chunk
+checked against the base before it is applied and verified after. `delta=False` on either
+side turns it off: no copy kept, every chunk read whole (docs/sdk.md, "Delta versions").
 """
 
 from __future__ import annotations
@@ -56,12 +65,22 @@ def publish_state_dict(
     chunk_size: int | None = None,
     timeout: float | None = None,
     shard: tuple[int, int] | None = None,
+    delta: bool = True,
+    base_copy: str = "host",
 ) -> Publication:
     """Publish `state` as `model@version`, tied tensors once; served from `state`'s memory
     (release the publication before changing it). A model-parallel rank passes
-    `shard=(rank, ranks)` with its own part of the state."""
+    `shard=(rank, ranks)` with its own part of the state.
+
+    `delta` (default True): also publish it as its changes against this client's previous
+    `delta=True` publish of the model (and shard), and keep a copy of it for the next one:
+    one more copy of the model, in `base_copy` memory ("host" or "device"). False: no copy
+    kept, no delta published (`Hub.publish`)."""
     unique, _ = dedupe_tied(state)
-    return hub.publish(model, version, unique, chunk_size=chunk_size, timeout=timeout, shard=shard)
+    return hub.publish(
+        model, version, unique, chunk_size=chunk_size, timeout=timeout, shard=shard,
+        delta=delta, base_copy=base_copy,
+    )  # fmt: skip
 
 
 def publish_module(
@@ -73,11 +92,14 @@ def publish_module(
     chunk_size: int | None = None,
     timeout: float | None = None,
     shard: tuple[int, int] | None = None,
+    delta: bool = True,
+    base_copy: str = "host",
 ) -> Publication:
-    """Publish a module's `state_dict()` (parameters and persistent buffers)."""
+    """Publish a module's `state_dict()` (parameters and persistent buffers); `delta` and
+    `base_copy` as `publish_state_dict`'s (on by default: one more copy of the model)."""
     return publish_state_dict(
         hub, model, version, module.state_dict(), chunk_size=chunk_size, timeout=timeout,
-        shard=shard,
+        shard=shard, delta=delta, base_copy=base_copy,
     )  # fmt: skip
 
 
@@ -90,6 +112,7 @@ def fetch_state_dict(
     timeout: float = DEFAULT_FETCH_TIMEOUT,
     shard: int | None = None,
     progress: ProgressCallback | None = None,
+    delta: bool = True,
 ) -> Held:
     """Fetch `model@version` in place into `into` (tied like the publisher's state).
 
@@ -97,6 +120,12 @@ def fetch_state_dict(
     written. The version is served to others until the returned `Held` is released; release
     it before the next fetch into the same memory. Of a model-parallel version, rank
     `shard`'s part (in the publisher's layout; see `Hub.fetch_slices` for another one).
+
+    Fetching into the same memory as this client's previous fetch of the model reads only
+    the changes when the version was published with a delta (`delta`, default True; no
+    memory of its own: the destination is the base). `Held.delta` says what it did;
+    `delta=False` reads every chunk whole. An `into` with a non-contiguous tensor is filled
+    through new staging memory each time, so it is always read whole.
     """
     unique, _ = dedupe_tied(into)
     staged = {name: t for name, t in unique.items() if not t.is_contiguous()}
@@ -104,7 +133,9 @@ def fetch_state_dict(
         name: torch.empty_like(t, memory_format=torch.contiguous_format) if name in staged else t
         for name, t in unique.items()
     }
-    held = hub.fetch(model, version, into=target, timeout=timeout, shard=shard, progress=progress)
+    held = hub.fetch(
+        model, version, into=target, timeout=timeout, shard=shard, progress=progress, delta=delta
+    )
     with torch.no_grad():
         for name, tensor in staged.items():
             tensor.copy_(held.tensors[name])
@@ -120,10 +151,12 @@ def fetch_module(
     timeout: float = DEFAULT_FETCH_TIMEOUT,
     shard: int | None = None,
     progress: ProgressCallback | None = None,
+    delta: bool = True,
 ) -> Held:
     """Fetch `model@version` in place into `module`'s own parameters and buffers
-    (`progress`: `Hub.fetch`'s)."""
+    (`progress`: `Hub.fetch`'s; `delta`: `fetch_state_dict`'s, the changes only when the
+    module holds the version before)."""
     return fetch_state_dict(
         hub, model, version, into=module.state_dict(), timeout=timeout, shard=shard,
-        progress=progress,
+        progress=progress, delta=delta,
     )  # fmt: skip

@@ -24,6 +24,14 @@ This backend replaces the broadcast group with the hub:
   `(name, tensor)` pairs: a fetch that fails yields nothing, so the engine never loads a mix
   of two versions. What it fetched stays served to the other rollouts until the next update.
 - Every wait has a deadline (`timeout`), and every failure is a named `tensorhub` error.
+- Delta versions (`delta`, on by default): rank 0 publishes with `delta=True`, keeping a copy
+  of what it published (`base_copy`: "host" memory by default) so that each next version is
+  also published as its changes, and each rollout fetches into the memory of the version it
+  held, so it reads only those changes (checked against the base chunk by chunk, verified
+  after, whole where a check fails). **Memory: one more host copy of the full model on actor
+  rank 0** (beside its staging copy), plus the encoded changes while they are served; the
+  rollouts need none (their own copy is the base). `delta=False` keeps no copy and reads
+  every version whole.
 
 In verl's config (engine kwargs reach the constructor; the module is imported on every worker
 before the backend is built):
@@ -98,7 +106,8 @@ class TensorHubCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl
 
     Built by verl with `bucket_size` (unused: the hub chunks versions itself) and, on actor
     workers, `is_master` (True on actor rank 0, the one publisher); every other argument comes
-    from `checkpoint_engine.engine_kwargs.tensorhub`. One hub client per engine (per worker
+    from `checkpoint_engine.engine_kwargs.tensorhub` (`delta=False` turns delta versions off:
+    no base copy on rank 0, whole fetches). One hub client per engine (per worker
     process), opened on first use and kept across updates so that what it holds stays served;
     `client`, when given (code that builds the engine itself, tests), is used instead and left
     open by `close()`.
@@ -121,12 +130,16 @@ class TensorHubCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl
         advertise: str | None = None,
         session_ttl: int = 10,
         spill_budget: int | None = None,
+        delta: bool = True,
+        base_copy: str = "host",
         client: Hub | None = None,
     ) -> None:
         self.bucket_size = bucket_size
         self.is_master = is_master
         self.model = model
         self.timeout = float(timeout)
+        self.delta = bool(delta)  # publish (rank 0) and apply (rollouts) delta versions
+        self.base_copy = base_copy  # where rank 0 keeps its copy for the next delta
         self._owned = client is None  # a client passed in is its owner's to close
         self._hub: Hub | None = client
         if client is None:
@@ -242,15 +255,18 @@ class TensorHubCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl
         self.publication = publication
         self.last_version = publication.version
         nbytes = sum(t.nbytes for t in tensors.values())
+        companion = publication.companion
+        encoded = 0 if companion is None else sum(t.nbytes for t in companion.tensors.values())
         log.info(
-            "published %s@%d (%d tensors, %.1f MiB, global step %s) in %.2fs",
-            self.model, publication.version, len(tensors), nbytes / 2**20, global_steps,
-            time.monotonic() - start,
+            "published %s@%d (%d tensors, %.1f MiB, its delta %.1f MiB, global step %s) in %.2fs",
+            self.model, publication.version, len(tensors), nbytes / 2**20, encoded / 2**20,
+            global_steps, time.monotonic() - start,
         )  # fmt: skip
         return {
             "tensorhub/version": float(publication.version),
             "tensorhub/send_s": time.monotonic() - start,
             "tensorhub/send_mb": nbytes / 2**20,
+            "tensorhub/delta_mb": encoded / 2**20,  # 0: no delta (the first, or delta=False)
         }
 
     async def receive_weights(
@@ -326,13 +342,18 @@ class TensorHubCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl
             remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise DeadlineExceeded(f"{self.model}@{version}: no time left to publish")
-        return hub.publish(self.model, version, tensors, timeout=remaining)
+        return hub.publish(
+            self.model, version, tensors, timeout=remaining, delta=self.delta,
+            base_copy=self.base_copy,
+        )  # fmt: skip
 
     # -- receiving ----------------------------------------------------------------------
 
     def _receive(self, version: int | None) -> Held:
         """Wait for `version` (without a topology: any version newer than the last one
-        received), free the previous one's memory and fetch into it, within the deadline."""
+        received), free the previous one's memory and fetch into it, within the deadline:
+        that memory holds the previous version, so a delta version moves only its changes
+        (`self.held.delta` says what they were)."""
         deadline = time.monotonic() + self.timeout
         hub = self.hub
         wanted = self._wait_for(hub, version, deadline)
@@ -342,12 +363,15 @@ class TensorHubCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl
         if remaining <= 0:
             raise DeadlineExceeded(f"{self.model}@{wanted}: no time left to fetch")
         try:
-            held = hub.fetch(self.model, wanted, into=staging, timeout=remaining)
+            held = hub.fetch(self.model, wanted, into=staging, timeout=remaining, delta=self.delta)
         except InvalidArgument:
             if staging is None:
                 raise
             log.info("%s@%d has a new layout: fetching into fresh memory", self.model, wanted)
-            held = hub.fetch(self.model, wanted, timeout=max(deadline - time.monotonic(), 0.1))
+            held = hub.fetch(
+                self.model, wanted, timeout=max(deadline - time.monotonic(), 0.1),
+                delta=self.delta,
+            )  # fmt: skip
         self.held = held
         self.last_version = held.version
         return held

@@ -14,9 +14,17 @@ that fails (no holder left, the deadline) raises its named error with the model 
 previous version, never half-updated. A model-parallel version (trainer ranks publishing
 shards with placements) is read whole with `fetch_slices`: vLLM's loaders take full
 checkpoint tensors and cut each worker's tensor-parallel part themselves. With `serve`, the
-checkpoint copy is kept and served to other rollouts until the next update (it costs one
-copy of the checkpoint in host memory, between updates too); without, it is released once
-loaded, and it costs that copy only during an update.
+checkpoint copy is kept and served to other rollouts until the next update.
+
+Delta versions (`delta`, on by default): the host copy of the version last loaded is kept,
+released (not served, unless `serve`), as the base of the next update, which is fetched
+into that same memory; when the trainer published the version with `delta=True`, the SDK
+then reads only its changes, checks each base chunk before applying and verifies after, and
+reads whole whatever fails a check. **Memory: one host copy of the checkpoint per worker
+between updates too** (with `serve` that copy is the one served: nothing more). With
+`delta=False` and without `serve`, the copy exists only during an update and every version is
+read whole. Versions read with `fetch_slices` (published as shards) are always read whole:
+the SDK has no deltas for `fetch_slices` yet, so no base is kept for them.
 
 `update_vllm(llm, version)` is the trainer-side driver of one update, and `reload_weights`
 the thin path for set-ups without a weight-transfer engine (one process only: tensors do not
@@ -31,9 +39,10 @@ from typing import Any, Protocol
 
 import torch
 
+from ros.client.delta_fetch import DeltaStats
 from ros.client.handles import Held
 from ros.client.hub import Hub
-from ros.client.manifest import placement_of
+from ros.client.manifest import layout_of, placement_of
 from ros.client.slices import Slice
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import InvalidArgument, RetentionViolation
@@ -60,39 +69,75 @@ class VersionReceiver:
 
     `receive(version)` returns the version and its `(name, tensor)` pairs once every byte is
     in; `loaded(version)` then releases the copy, or keeps it served until the next
-    `receive` with `serve`. Not thread-safe: one worker drives it, one update at a time.
+    `receive` with `serve`. With `delta` (default) the released copy's memory is kept and the
+    next version is fetched into it, so a version published as a delta moves only its
+    changes (module docstring: one host copy of the checkpoint kept between updates).
+    Not thread-safe: one worker drives it, one update at a time.
     """
 
     def __init__(
-        self, hub: Hub, model: str, *, serve: bool = False, timeout: float = DEFAULT_UPDATE_TIMEOUT
+        self,
+        hub: Hub,
+        model: str,
+        *,
+        serve: bool = False,
+        timeout: float = DEFAULT_UPDATE_TIMEOUT,
+        delta: bool = True,
     ) -> None:
         self.hub = hub
         self.model = model
         self.serve = serve
         self.timeout = timeout
+        self.delta = delta
         self.version = 0  # the version last loaded (0: none yet)
         self._held: Held | None = None  # the copy served (serve), or being loaded
         self._kept: list[Held] = []  # copies a release refused (past the spill budget)
+        self._base: dict[str, torch.Tensor] | None = None  # released memory to fetch into
+        self._base_version: int | None = None  # the version it holds (None: partly another)
         self.last_stats: FetchStats | None = None  # what the last fetch read, from whom
+        self.last_delta: DeltaStats | None = None  # what its delta did (None: read whole)
 
     @property
     def held_bytes(self) -> int:
-        """Bytes of checkpoint copies this receiver holds now (its memory cost)."""
-        return sum(t.numel() * t.element_size() for h in self._copies() for t in h.tensors.values())
+        """Bytes of checkpoint copies this receiver holds and serves now."""
+        return sum(_nbytes(h.tensors) for h in self._copies())
+
+    @property
+    def base_bytes(self) -> int:
+        """Bytes of the released copy kept as the next update's base (`delta`; 0 with
+        `serve`, whose served copy is the base)."""
+        return 0 if self._base is None else _nbytes(self._base)
 
     def receive(self, version: int | str = "latest") -> tuple[int, list[tuple[str, torch.Tensor]]]:
         """`version` (default: the latest) and all its tensors, fetched in full before this
         returns. Raises the fetch's named error (`VersionUnavailable`, `DeadlineExceeded`,
-        ...) with nothing changed but the previous copy released."""
+        ...) with nothing changed but the previous copy released (its memory, the base of
+        the next fetch, may hold part of this version then: the SDK checks every base chunk
+        before applying a delta to it)."""
         number = 0 if version == "latest" else int(version)
         self._release_previous()
         # the manifest (cached: the fetch below does not ask for it again) says its shape
         resolved = self.hub.resolve(self.model, number, timeout=self.timeout)
         number = int(resolved.version)
         if resolved.shard_count or resolved.shards:
+            self._base = None  # no deltas through fetch_slices: nothing to keep a base for
+            self.last_delta = None
             return number, self._receive_slices(number, list(resolved.shards))
-        self._held = self.hub.fetch(self.model, number, timeout=self.timeout)
+        into, self._base = self._base, None
+        if into is not None and not _fits(into, resolved.manifest):
+            log.info("%s@%d has another layout: fetching into new memory", self.model, number)
+            into = None
+        try:
+            self._held = self.hub.fetch(
+                self.model, number, into=into, timeout=self.timeout, delta=self.delta
+            )
+        except BaseException:
+            # still this worker's memory, for the next update; what it holds is checked
+            # chunk by chunk before a delta is applied to it
+            self._base, self._base_version = into, None
+            raise
         self.last_stats = self._held.stats
+        self.last_delta = self._held.delta
         return number, list(self._held.tensors.items())
 
     def loaded(self, version: int) -> None:
@@ -124,7 +169,9 @@ class VersionReceiver:
     def _release_previous(self) -> None:
         """Stop serving the copies held; one a release refuses (the last complete holder of
         a retained version, past the client's spill budget) keeps serving, and is tried
-        again at the next update."""
+        again at the next update. With `delta`, the memory of the copy just loaded, once
+        released, is kept as the next fetch's base."""
+        current = self._held
         previous = self._copies()
         self._held, self._kept = None, []
         for held in previous:
@@ -133,13 +180,39 @@ class VersionReceiver:
             except RetentionViolation as exc:
                 log.warning("%s@%d still served: %s", self.model, held.version, exc)
                 self._kept.append(held)
+                continue
+            if held is current and self.delta:
+                self._base, self._base_version = held.tensors, held.version
+
+    def loaded_copy(self) -> dict[str, torch.Tensor] | None:
+        """The host copy (checkpoint layout) of the version the model runs: the one served
+        (`serve`) or kept as the base (`delta`); None if neither is left. Read it, do not
+        change it."""
+        if self._held is not None and self._held.version == self.version:
+            return dict(self._held.tensors)
+        if self._base is not None and self._base_version == self.version:
+            return self._base
+        return None
 
     def close(self) -> None:
         """Stop serving (forced: the worker is going away) and close the hub connection."""
         for held in self._copies():
             held.release(force=True)
-        self._held, self._kept = None, []
+        self._held, self._kept, self._base, self._base_version = None, [], None, None
         self.hub.close()
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _fits(tensors: dict[str, torch.Tensor], manifest: pb.Manifest) -> bool:
+    """Whether `tensors` has the names, dtypes and shapes of `manifest`'s version."""
+    try:
+        layout_of(manifest).check_tensors(tensors)
+    except InvalidArgument:
+        return False
+    return True
 
 
 def update_vllm(

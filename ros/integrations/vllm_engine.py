@@ -21,6 +21,13 @@ on its own. One update is one version:
 - `finish_weight_update`: finalizes the layerwise reload (the model's kernels repack), and
   the fetched copy is released, or kept and served to other rollouts with `serve`.
 
+Delta versions (`"delta": True` in the init info, the default): the released copy's host
+memory is kept as the base of the next update, which is fetched into it, so a version the
+trainer published with `delta=True` moves only its changes. It costs one host copy of the
+checkpoint per worker between updates (none more with `serve`, whose served copy is the
+base); `"delta": False` frees it after each update and reads every version whole. Versions
+published as shards (read with `fetch_slices`) are read whole either way.
+
 vLLM is untyped where mypy runs (it is not installed there), so its base classes are Any.
 """
 
@@ -48,7 +55,8 @@ BACKEND = "tensorhub"
 @dataclass
 class TensorHubInitInfo(WeightTransferInitInfo):  # type: ignore[misc]  # vLLM's: Any here
     """What every worker needs to reach the hub: its address(es), the tenant and its token,
-    the model, this worker's topology labels, and whether to serve what it fetched."""
+    the model, this worker's topology labels, whether to serve what it fetched, and whether
+    to keep it as the next update's base (`delta`: one host copy of the checkpoint)."""
 
     hub: str | list[str]
     tenant: str
@@ -57,6 +65,7 @@ class TensorHubInitInfo(WeightTransferInitInfo):  # type: ignore[misc]  # vLLM's
     topology: dict[str, str] = field(default_factory=dict)
     timeout: float = DEFAULT_UPDATE_TIMEOUT
     serve: bool = False  # keep the fetched checkpoint copy and serve it until the next update
+    delta: bool = True  # keep that copy's memory (released) to fetch the next version into
     listen: str = "127.0.0.1:0"  # the worker's holder port (advertised to other readers)
     advertise: str | None = None
 
@@ -90,8 +99,9 @@ class TensorHubWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
             advertise=init_info.advertise,
         )  # fmt: skip
         self.receiver = VersionReceiver(
-            hub, init_info.model, serve=init_info.serve, timeout=init_info.timeout
-        )
+            hub, init_info.model, serve=init_info.serve, timeout=init_info.timeout,
+            delta=init_info.delta,
+        )  # fmt: skip
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: the model is left as it is until the version is here."""

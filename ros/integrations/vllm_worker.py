@@ -8,6 +8,7 @@ class when the `LLM` names it:
     llm = LLM(model=path, weight_transfer_config={"backend": "tensorhub"},
               worker_extension_cls=WORKER_EXTENSION)
     llm.collective_rpc(STATUS)   # one dict per worker
+    llm.collective_rpc(DIGEST)   # what each worker's model was last loaded from
 
 The answer is plain data (numbers, strings, dicts of them): vLLM hands a worker's result back
 to its client without type information unless insecure serialization is on, so a dataclass
@@ -18,14 +19,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from typing import Any
 
+import torch
+import xxhash
+
+from ros.integrations.vllm import VersionReceiver
 from ros.integrations.vllm_engine import TensorHubWeightTransferEngine
 from tensorhub.errors import EngineNotReady
 from transport.outcome import FetchStats
 
 WORKER_EXTENSION = f"{__name__}.TensorHubWorkerExtension"
-STATUS = "tensorhub_status"  # the method's name, for `collective_rpc`
+STATUS = "tensorhub_status"  # the methods' names, for `collective_rpc`
+DIGEST = "tensorhub_digest"
 
 
 class TensorHubWorkerExtension:
@@ -36,24 +43,56 @@ class TensorHubWorkerExtension:
 
     def tensorhub_status(self) -> dict[str, Any]:
         """This worker's TensorHub engine: the worker's process id (which process runs it),
-        the version its model runs, the bytes of checkpoint copies it holds (`serve`), and
-        what its last fetch read and from whom (`FetchStats` as a dict; None before one).
+        the version its model runs, the bytes of checkpoint copies it holds (`serve`) and of
+        the copy it keeps as the next update's base (`delta`), what its last fetch read and
+        from whom (`FetchStats` as a dict; None before one), and what that fetch's delta did
+        (`DeltaStats` as a dict; None when it read the version whole).
 
         `EngineNotReady` if the worker's weight-transfer engine is not TensorHub's."""
-        engine = getattr(self, "weight_transfer_engine", None)
-        if not isinstance(engine, TensorHubWeightTransferEngine):
-            raise EngineNotReady(
-                f"the worker's weight-transfer engine is {type(engine).__name__}, not "
-                "tensorhub: start the LLM with weight_transfer_config={'backend': 'tensorhub'}"
-            )
-        receiver = engine.receiver
+        receiver = _receiver(self)
         stats = None if receiver is None else receiver.last_stats
+        delta = None if receiver is None else receiver.last_delta
         return {
             "pid": os.getpid(),
-            "version": engine.version,
+            "version": 0 if receiver is None else receiver.version,
             "held_bytes": 0 if receiver is None else receiver.held_bytes,
+            "base_bytes": 0 if receiver is None else receiver.base_bytes,
             "last_fetch": None if stats is None else _plain(stats),
+            "last_delta": None if delta is None else dataclasses.asdict(delta),
         }
+
+    def tensorhub_digest(self) -> dict[str, Any]:
+        """The version this worker's model runs and an xxh3-64 over the names and bytes of
+        the host copy it was loaded from, in checkpoint order (None when no copy is left:
+        `serve` and `delta` both off), to compare with the trainer's `weights_digest`."""
+        receiver = _receiver(self)
+        if receiver is None:
+            return {"version": 0, "digest": None}
+        tensors = receiver.loaded_copy()
+        return {
+            "version": receiver.version,
+            "digest": None if tensors is None else weights_digest(tensors),
+        }
+
+
+def _receiver(worker: Any) -> VersionReceiver | None:
+    engine = getattr(worker, "weight_transfer_engine", None)
+    if not isinstance(engine, TensorHubWeightTransferEngine):
+        raise EngineNotReady(
+            f"the worker's weight-transfer engine is {type(engine).__name__}, not "
+            "tensorhub: start the LLM with weight_transfer_config={'backend': 'tensorhub'}"
+        )
+    return engine.receiver
+
+
+def weights_digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """xxh3-64 over every tensor's name and bytes, in the mapping's order (a trainer hashes
+    the dict it published, in the same order)."""
+    h = xxhash.xxh3_64()
+    for name, tensor in tensors.items():
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()
 
 
 def _plain(stats: FetchStats) -> dict[str, Any]:

@@ -27,6 +27,8 @@ def run_demo(tmp_path: Path, *flags: str) -> tuple[int, dict[str, Any], str]:
 
 @pytest.mark.timeout(180)
 def test_demo_verifies_bytes_and_records_rewards(tmp_path: Path) -> None:
+    """Deltas on (the default): step 1 moves the whole model to each rollout, each later
+    step only its changes, and the MB-moved column says so."""
     code, report, output = run_demo(tmp_path, "--rollouts", "2", "--steps", "3")
     assert code == 0, output
     assert report["ok"], output
@@ -35,12 +37,33 @@ def test_demo_verifies_bytes_and_records_rewards(tmp_path: Path) -> None:
     for step in report["steps"]:
         assert step["verified"]
         assert set(step["fetches"]) == {"rollout-0", "rollout-1"}
-        assert step["from_trainer"] + step["from_peers"] == 2 * step["bytes"]
-        assert step["from_trainer"] >= step["bytes"]  # someone read from the trainer first
         assert 0.0 <= step["reward"] <= 1.0
         assert step["trainer_stall_s"] > 0
+        assert step["moved"] == step["from_trainer"] + step["from_peers"] + step["from_deltas"]
+    first, *later = report["steps"]
+    assert first["from_trainer"] + first["from_peers"] == 2 * first["bytes"]  # no base yet
+    assert first["from_trainer"] >= first["bytes"]  # someone read from the trainer first
+    assert first["from_deltas"] == 0
+    assert first["delta_published"] == 0
+    for step in later:  # an RL-sized step of bf16 weights: a few % of the bytes change
+        assert step["delta_published"] > 0
+        assert all(f["delta_chunks"] > 0 for f in step["fetches"].values()), step
+        assert 0 < step["moved"] < 2 * step["bytes"] / 4, step
     assert "token" not in report["config"]
+    assert "MB moved" in output
     assert "identical bytes everywhere" in output
+
+
+@pytest.mark.timeout(180)
+def test_no_delta_moves_every_version_whole(tmp_path: Path) -> None:
+    code, report, output = run_demo(tmp_path, "--rollouts", "2", "--steps", "2", "--no-delta")
+    assert code == 0, output
+    assert report["all_verified"], output
+    assert report["config"]["delta"] is False
+    for step in report["steps"]:
+        assert step["delta_published"] == 0
+        assert step["from_deltas"] == 0
+        assert step["moved"] == step["from_trainer"] + step["from_peers"] == 2 * step["bytes"]
 
 
 @pytest.mark.timeout(180)

@@ -88,3 +88,31 @@ def test_a_rollout_on_the_same_gpu_reads_a_trainer_process_over_cuda_ipc(
         assert trainer.stdin is not None
         trainer.stdin.close()
         trainer.wait(timeout=30)
+
+
+def test_module_cuda_deltas_by_default(connect: Callable[..., ros.Hub]) -> None:
+    """The helpers' default (`delta=True`, the base copy in host memory) with the model on
+    the GPU: step 2 is published as a delta against a host copy of step 1, and a rollout
+    whose GPU module holds step 1 reads only the changes, ending on the trainer's bytes."""
+    trainer, rollout = connect(), connect()
+    torch.manual_seed(0)
+    source = nn.Linear(512, 1024).to(device="cuda", dtype=torch.bfloat16)
+    target = nn.Linear(512, 1024).to(device="cuda", dtype=torch.bfloat16)
+    pub = publish_module(trainer, "gpu-delta", 1, source, chunk_size=64 << 10)
+    held = fetch_module(rollout, "gpu-delta", target, 1, timeout=60)
+    pub.release()
+    held.release()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    with torch.no_grad():
+        for p in source.parameters():
+            mask = torch.rand(p.shape, generator=g, device="cuda") < 0.01
+            p.copy_(torch.where(mask, (p.float() * 1.01).to(p.dtype), p))
+    pub = publish_module(trainer, "gpu-delta", 2, source, chunk_size=64 << 10)
+    assert pub.companion is not None
+    held = fetch_module(rollout, "gpu-delta", target, 2, timeout=60)
+    assert held.delta is not None
+    assert held.delta.chunks > 0, held.delta
+    for name, tensor in source.state_dict().items():
+        assert torch.equal(target.state_dict()[name], tensor), name
+    pub.release(force=True)
+    held.release(force=True)

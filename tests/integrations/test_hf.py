@@ -53,3 +53,29 @@ def test_greedy_generation_matches_the_trainer(connect: Callable[..., ros.Hub], 
         assert replica.lm_head.weight.data_ptr() == replica.transformer.wte.weight.data_ptr()
     pub.release(force=True)
     held.release(force=True)
+
+
+def test_second_step_reads_only_the_changes(connect: Callable[..., ros.Hub]) -> None:
+    """Deltas are on by default: step 2, fetched into the model holding step 1, reads the
+    encoded changes only, and generates as the trainer's copy does."""
+    trainer, rollout = connect(), connect()
+    policy, replica = tiny("llama", 1), tiny("llama", 2)
+    full = sum(t.numel() * t.element_size() for t in policy.state_dict().values())
+    pub = publish_pretrained(trainer, "hf-delta", 1, policy)
+    held = fetch_pretrained(rollout, "hf-delta", replica, timeout=30)
+    pub.release()
+    held.release()
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in policy.parameters():  # an RL-sized step: 1 % of the elements change
+            p.copy_(torch.where(torch.rand(p.shape, generator=g) < 0.01, p * 1.01, p))
+    pub = publish_pretrained(trainer, "hf-delta", 2, policy)
+    held = fetch_pretrained(rollout, "hf-delta", replica, timeout=30)
+    assert held.delta is not None
+    assert held.delta.chunks > 0, held.delta
+    assert held.delta.encoded_bytes + held.stats.total_bytes < full, (held.delta, held.stats)
+    for name, tensor in policy.state_dict().items():
+        assert torch.equal(replica.state_dict()[name], tensor), name
+    assert torch.equal(greedy(replica), greedy(policy))
+    pub.release(force=True)
+    held.release(force=True)

@@ -122,3 +122,85 @@ def test_model_parallel_ranks_publish_and_fetch_their_own_modules(
     fetch_module(client, "pp", nn.Linear(8, 16), 1, timeout=30, shard=0)
     with pytest.raises(ros.AlreadyExists, match="one client each"):
         fetch_module(client, "pp", readers[1], 1, timeout=10, shard=1)
+
+
+# -- delta versions, on by default in the helpers -------------------------------------------
+
+
+class Bf16Policy(nn.Module):
+    """bf16 weights (what a trainer publishes from fp32 masters), 16 chunks of 64 KiB."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.body = nn.Linear(512, 1024).to(torch.bfloat16)
+
+
+def nudge(module: nn.Module, seed: int, share: float = 0.01) -> None:
+    """An RL-sized step: `share` of the elements change, a little."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            mask = torch.rand(p.shape, generator=g) < share
+            p.copy_(torch.where(mask, (p.float() * 1.01).to(p.dtype), p))
+
+
+def equal_bytes(a: nn.Module, b: nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(
+        torch.equal(sa[k].view(torch.int16), sb[k].view(torch.int16)) for k in sa
+    )
+
+
+DELTA_CHUNK = 64 << 10
+
+
+def test_helpers_publish_and_fetch_deltas_by_default(connect: Callable[..., ros.Hub]) -> None:
+    """Two steps: the second fetch into the same module reads the encoded changes only, and
+    the module ends with the trainer's exact bytes."""
+    trainer, reader = connect(), connect()
+    source, target = Bf16Policy(1), Bf16Policy(2)
+    full = sum(t.numel() * t.element_size() for t in source.state_dict().values())
+    first = publish_module(trainer, "d", 1, source, chunk_size=DELTA_CHUNK)
+    held = fetch_module(reader, "d", target, 1, timeout=30)
+    assert held.delta is None  # no base yet: read whole
+    assert held.stats.total_bytes == full
+    first.release()
+    held.release()
+    nudge(source, seed=2)
+    second = publish_module(trainer, "d", 2, source, chunk_size=DELTA_CHUNK)
+    assert second.companion is not None  # published as a delta against v1 too
+    held = fetch_module(reader, "d", target, 2, timeout=30)
+    assert equal_bytes(target, source)
+    assert held.delta is not None
+    assert held.delta.base == 1, held.delta
+    assert held.delta.chunks > 0, held.delta
+    assert held.delta.base_mismatch == 0, held.delta
+    moved = held.delta.encoded_bytes + held.stats.total_bytes
+    assert moved < full / 4, (held.delta, held.stats)
+    second.release(force=True)
+    held.release(force=True)
+
+
+@pytest.mark.parametrize("side", ["publisher", "reader"])
+def test_delta_false_reads_whole(connect: Callable[..., ros.Hub], side: str) -> None:
+    """The switch, on either side: the publisher keeps no copy and publishes no delta, or
+    the reader ignores the delta; either way the second step is read whole."""
+    trainer, reader = connect(), connect()
+    source, target = Bf16Policy(1), Bf16Policy(2)
+    full = sum(t.numel() * t.element_size() for t in source.state_dict().values())
+    publish_on = side != "publisher"
+    read_on = side != "reader"
+    first = publish_module(trainer, "d", 1, source, chunk_size=DELTA_CHUNK, delta=publish_on)
+    held = fetch_module(reader, "d", target, 1, timeout=30, delta=read_on)
+    first.release()
+    held.release()
+    nudge(source, seed=2)
+    second = publish_module(trainer, "d", 2, source, chunk_size=DELTA_CHUNK, delta=publish_on)
+    assert (second.companion is not None) == publish_on
+    held = fetch_module(reader, "d", target, 2, timeout=30, delta=read_on)
+    assert equal_bytes(target, source)
+    assert held.delta is None, held.delta
+    assert held.stats.total_bytes == full
+    second.release(force=True)
+    held.release(force=True)

@@ -1,9 +1,13 @@
 """The trainer and rollout actors' classes (`driver` makes them Ray actors).
 
-The trainer updates its weights in place, publishes each version from that memory, waits
-until `REPLICAS` rollouts hold it complete and releases it before the next update. A rollout
-waits for a version with a `versions_only` watch, releases the one it held, fetches the new
-one into its model's own tensors and serves it to the other rollouts until the next one.
+The trainer keeps float32 masters and publishes bfloat16 copies of them (what rollouts run),
+refreshed in place after every update, from that memory; it waits until `REPLICAS` rollouts
+hold each version complete and releases it before the next update. With `Config.delta` (the
+default) it publishes with `delta=True`: the SDK keeps one more host copy of the published
+weights and publishes each next version also as its changes. A rollout waits for a version
+with a `versions_only` watch, releases the one it held, fetches the new one into its model's
+own tensors (which hold the version before: with a delta, only the changes move) and serves
+it to the other rollouts until the next one.
 Each actor connects in `start`, not in `__init__`, so a refused token reaches the driver as
 the SDK's `PermissionDenied`.
 """
@@ -18,7 +22,7 @@ import torch
 
 import ros
 from consistency.watch import EventKind
-from ray_sync.model import build_model, digest
+from ray_sync.model import LEARNING_RATE, PUBLISHED, build_model, digest
 from ray_sync.reports import Config, RolloutReport, TrainerReport
 from tensorhub.errors import DeadlineExceeded, EngineNotReady
 
@@ -61,8 +65,9 @@ class Trainer:
     def __init__(self, cfg: Config) -> None:
         torch.set_num_threads(1)
         self.cfg = cfg
-        self.model = build_model(cfg.model_mb, seed=0)
-        self.state = self.model.state_dict()  # the parameters' own memory
+        self.model = build_model(cfg.model_mb, seed=0)  # the float32 masters
+        # what is published: bf16 copies of the masters, this memory every version
+        self.state = {n: t.detach().to(PUBLISHED) for n, t in self.model.state_dict().items()}
         self._hub: ros.Hub | None = None
 
     @property
@@ -78,17 +83,21 @@ class Trainer:
         return self.hub.latest(self.cfg.model) + 1
 
     def step(self, version: int, timeout: float) -> TrainerReport:
-        """A stand-in optimizer step in place, then publish it from this memory, wait for one
-        replica, release (leaving the `with`) so the next step may write these tensors."""
+        """A stand-in optimizer step on the masters, their bf16 copies refreshed in place,
+        then publish those from this memory, wait for one replica, release (leaving the
+        `with`) so the next step may write these tensors."""
         deadline = Deadline(timeout)
         generator = torch.Generator().manual_seed(version)
         with torch.no_grad():
-            for p in self.model.parameters():
-                p.add_(torch.randn(p.shape, generator=generator), alpha=1e-3)
+            for name, p in self.model.state_dict().items():
+                p.add_(torch.randn(p.shape, generator=generator), alpha=LEARNING_RATE)
+                self.state[name].copy_(p)
         sha = digest(self.state)
         left = deadline.left(f"publish {self.cfg.model}@{version}")
         start = time.monotonic()
-        pub = self.hub.publish(self.cfg.model, version, self.state, timeout=left)
+        pub = self.hub.publish(
+            self.cfg.model, version, self.state, timeout=left, delta=self.cfg.delta
+        )
         with pub:  # leaving it releases (no force: a replica holds it by then)
             pub.wait_replicated(REPLICAS, timeout=deadline.left(f"replicate @{version}"))
         return TrainerReport(version, sha, time.monotonic() - start, self.hub.topology.host)
@@ -105,7 +114,7 @@ class Rollout:
         torch.set_num_threads(1)
         self.cfg = cfg
         self.name = name
-        self.model = build_model(cfg.model_mb, seed=None)
+        self.model = build_model(cfg.model_mb, seed=None, dtype=PUBLISHED)
         self.state = self.model.state_dict()  # fetched into in place, every version
         self._hub: ros.Hub | None = None
         self.held: ros.Held | None = None
@@ -172,15 +181,18 @@ class Rollout:
     def _load(self, version: int | str, deadline: Deadline, start: float) -> RolloutReport:
         """Stop serving the previous version, then fetch into the same tensors. No `force`:
         if this rollout is the last complete holder of a version the hub still retains, the
-        release keeps it readable (copied once to host memory) instead of dropping it."""
+        release keeps it readable (copied once to host memory) instead of dropping it. The
+        tensors hold the version before, so a delta version moves only its changes."""
         what = f"load {self.cfg.model}@{version}"
         if self.held is not None:
             self.held.release(timeout=deadline.left(what))
             self.held = None
         self.held = self.hub.fetch(
-            self.cfg.model, version, into=self.state, timeout=deadline.left(what)
-        )
+            self.cfg.model, version, into=self.state, timeout=deadline.left(what),
+            delta=self.cfg.delta,
+        )  # fmt: skip
         stats = self.held.stats
+        delta = self.held.delta
         trainer = sum(b for s, b in stats.bytes_per_source.items() if s.startswith("ray-trainer"))
         return RolloutReport(
             name=self.name,
@@ -192,4 +204,6 @@ class Rollout:
             from_trainer=trainer,
             from_peers=stats.total_bytes - trainer,
             failed_sources=dict(stats.failed_sources),
+            delta_bytes=0 if delta is None else delta.encoded_bytes,
+            delta_chunks=0 if delta is None else delta.chunks,
         )

@@ -10,14 +10,21 @@ import torch
 
 MiB = 1 << 20
 LAYERS = 4  # the stand-in policy: LAYERS square Linear layers, sized by --model-mb
+PUBLISHED = torch.bfloat16  # what rollouts run and the trainer publishes (fp32 masters)
+LEARNING_RATE = 1e-6  # the stand-in step: about 2 % of the published bf16 words change
 
 
-def build_model(model_mb: float, seed: int | None) -> torch.nn.Module:
-    """The same architecture on every actor; only the trainer's initial weights matter."""
-    width = max(8, int(math.sqrt(model_mb * MiB / 4 / LAYERS)))
+def build_model(
+    model_mb: float, seed: int | None, dtype: torch.dtype = torch.float32
+) -> torch.nn.Module:
+    """The same architecture on every actor, `model_mb` MiB of weights in `PUBLISHED`; only
+    the trainer's initial weights matter. The trainer builds it in float32 (its masters),
+    the rollouts in `PUBLISHED`."""
+    width = max(8, int(math.sqrt(model_mb * MiB / PUBLISHED.itemsize / LAYERS)))
     if seed is not None:
         torch.manual_seed(seed)
-    return torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(LAYERS)))
+    layers = (torch.nn.Linear(width, width) for _ in range(LAYERS))
+    return torch.nn.Sequential(*layers).to(dtype)
 
 
 def digest(tensors: Mapping[str, torch.Tensor]) -> str:

@@ -14,6 +14,7 @@ class Config:
     model: str = "policy"
     model_mb: float = 8.0
     session_ttl: int = 10
+    delta: bool = True  # publish delta versions and apply them (False: every fetch whole)
 
 
 @dataclass(frozen=True)
@@ -32,9 +33,16 @@ class RolloutReport:
     digest: str
     seconds: float  # waiting for the version, then fetching it
     fetch_s: float
-    from_trainer: int  # bytes read from the trainer
-    from_peers: int  # bytes read from other rollouts
+    from_trainer: int  # bytes of chunks read whole from the trainer
+    from_peers: int  # bytes of chunks read whole from other rollouts
     failed_sources: dict[str, str] = field(default_factory=dict)
+    delta_bytes: int = 0  # bytes of encoded changes read (Held.delta.encoded_bytes)
+    delta_chunks: int = 0  # chunks made from them (0: the version was read whole)
+
+    @property
+    def moved(self) -> int:
+        """Bytes that crossed the network for this fetch: whole chunks plus the delta."""
+        return self.from_trainer + self.from_peers + self.delta_bytes
 
 
 @dataclass

@@ -16,7 +16,8 @@ def print_header(summary: Summary, tenant: str, rollouts: int) -> None:
     )
     print(
         f"{'step':<5} {'version':<8} {'trainer s':<10} {'fetch s max':<12} "
-        f"{'MB trainer':<11} {'MB peers':<9} {'rollouts':<9} bytes ok",
+        f"{'MB trainer':<11} {'MB peers':<9} {'MB delta':<9} {'MB moved':<9} {'rollouts':<9} "
+        "bytes ok",
         flush=True,
     )
 
@@ -25,10 +26,12 @@ def print_step(s: Step) -> None:
     reports = s.reports
     mb_trainer = sum(r.from_trainer for r in reports) / MiB
     mb_peers = sum(r.from_peers for r in reports) / MiB
+    mb_delta = sum(r.delta_bytes for r in reports) / MiB
+    mb_moved = sum(r.moved for r in reports) / MiB
     print(
         f"{s.step:<5} {s.version:<8} {s.trainer.seconds:<10.3f} "
         f"{max(r.fetch_s for r in reports):<12.3f} {mb_trainer:<11.1f} {mb_peers:<9.1f} "
-        f"{len(reports):<9} {'yes' if s.bytes_ok else 'NO'}",
+        f"{mb_delta:<9.2f} {mb_moved:<9.2f} {len(reports):<9} {'yes' if s.bytes_ok else 'NO'}",
         flush=True,
     )
     if s.killed and s.replacement:

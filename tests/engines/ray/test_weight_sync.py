@@ -6,6 +6,8 @@ each other, one of them is killed with ray.kill mid-run (holding the latest vers
 replaced by a new actor on its node, which catches up past the dead holder's record. Then
 it runs again on the same tenant, which must continue the model's versions instead of
 failing on the first run's (the bug of the first version of the example: VersionNotFound).
+The first run uses delta versions (the default: after the first step the rollouts read only
+the changes), the second `--no-delta` (every fetch reads the whole model).
 """
 
 from __future__ import annotations
@@ -33,29 +35,30 @@ RUN_TIMEOUT = 110  # one run of the example, including its actors' start
 
 
 def example(
-    address: str, hub: str, token: str, out: Path, rollouts: int = ROLLOUTS
+    address: str, hub: str, token: str, out: Path, rollouts: int = ROLLOUTS, *more: str
 ) -> subprocess.CompletedProcess[str]:
     env = {**example_env(), "TENSORHUB_TOKEN": token}  # the token off the command line
     return subprocess.run(
         [sys.executable, str(EXAMPLE), "--ray-address", address, "--hub", hub,
          "--tenant", TENANT, "--rollouts", str(rollouts), "--steps", str(STEPS),
          "--kill-at", str(KILL_AT), "--model-mb", str(MODEL_MB), "--step-timeout", "60",
-         "--json", str(out)],
+         "--json", str(out), *more],
         env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT, check=False,
     )  # fmt: skip
 
 
-def run_example(address: str, hub: str, token: str, out: Path) -> dict[str, Any]:
-    proc = example(address, hub, token, out)
+def run_example(address: str, hub: str, token: str, out: Path, *more: str) -> dict[str, Any]:
+    proc = example(address, hub, token, out, ROLLOUTS, *more)
     print(proc.stdout)  # the run's table, shown by pytest on failure (or with -s)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
     summary: dict[str, Any] = json.loads(out.read_text())
     return summary
 
 
-def check_run(summary: dict[str, Any], first: int) -> None:
+def check_run(summary: dict[str, Any], first: int, delta: bool) -> None:
     """One run's outcome: this run's versions, every step's bytes the trainer's, the killed
-    rollout replaced on its node and caught up, and every live rollout on the final bytes."""
+    rollout replaced on its node and caught up, every live rollout on the final bytes, and
+    what moved: with `delta`, the changes only after the first step; without, everything."""
     assert summary["ok"]
     assert summary["first_version"] == first
     assert summary["last_version"] == first + STEPS - 1
@@ -86,9 +89,22 @@ def check_run(summary: dict[str, Any], first: int) -> None:
     assert {r["version"] for r in final.values()} == {last["version"]}
     assert {r["digest"] for r in final.values()} == {last["digest"]}
     reports = [r for s in steps for r in s["rollouts"]]
-    moved = sum(r["from_trainer"] + r["from_peers"] for r in reports)
-    assert moved >= len(reports) * MODEL_MB * 2**20 * 0.99  # every fetch read the whole model
-    assert sum(r["from_peers"] for r in reports) > 0  # the rollouts served each other
+    assert sum(r["from_peers"] + r["delta_bytes"] for r in reports) > 0  # from the trainer
+    whole = MODEL_MB * 2**20 * 0.99  # the model (its width is rounded down)
+    first_step = [r["from_trainer"] + r["from_peers"] for r in steps[0]["rollouts"]]
+    assert all(n >= whole for n in first_step)  # no base yet: read whole
+    assert replacement["delta_chunks"] == 0  # a newcomer has no base either
+    later = [r for s in steps[1:] for r in s["rollouts"]]
+    moved = sum(r["from_trainer"] + r["from_peers"] + r["delta_bytes"] for r in later)
+    if not delta:
+        assert all(r["delta_chunks"] == 0 for r in reports)
+        assert all(r["delta_bytes"] == 0 for r in reports)
+        assert moved >= len(later) * whole  # every fetch read the whole model
+        return
+    for s in steps[1:]:  # each rollout's memory held the version before: the delta applies
+        assert any(r["delta_chunks"] > 0 for r in s["rollouts"]), s
+    # (a rollout whose delta could not be read, e.g. its only holder gone, reads whole)
+    assert moved < len(later) * whole / 4, later
 
 
 @pytest.mark.slow
@@ -101,9 +117,11 @@ def test_two_runs_on_one_tenant_with_a_rollout_killed_and_replaced(
 ) -> None:
     token = make_tenant(TENANT)
     first = run_example(ray_cluster, hub_server.address, token, tmp_path / "run1.json")
-    check_run(first, 1)
-    second = run_example(ray_cluster, hub_server.address, token, tmp_path / "run2.json")
-    check_run(second, STEPS + 1)  # continues after the first run's versions
+    check_run(first, 1, delta=True)
+    second = run_example(
+        ray_cluster, hub_server.address, token, tmp_path / "run2.json", "--no-delta"
+    )
+    check_run(second, STEPS + 1, delta=False)  # continues after the first run's versions
     assert second["steps"][-1]["trainer"]["digest"] != first["steps"][-1]["trainer"]["digest"]
     with ros.connect(hub_server.address, tenant=TENANT, token=token) as hub:
         assert hub.latest("policy") == 2 * STEPS
@@ -118,6 +136,7 @@ def test_help_documents_the_flags() -> None:
     assert proc.returncode == 0, proc.stderr
     flags = ["--hub", "--tenant", "--token", "--ray-address", "--rollouts", "--steps"]
     flags += ["--model-mb", "--kill-at", "--step-timeout", "--json", "TENSORHUB_TOKEN"]
+    flags += ["--no-delta"]
     for flag in flags:
         assert flag in proc.stdout, flag
 

@@ -180,6 +180,61 @@ def test_misuse_is_a_named_error(
         engine.close()
 
 
+# -- delta versions (on by default) ----------------------------------------------------------
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def test_the_second_update_moves_only_the_delta(engine_cls: type[Any], tenant: Tenant) -> None:
+    """By default rank 0 publishes each next version also as its changes, and the rollout,
+    fetching into the memory of the version before, reads only those: exact bytes, and far
+    fewer of them than the model."""
+    actor = engine_cls(bucket_size=1 << 20, is_master=True, **tenant.kwargs(timeout=30))
+    rollout = engine_cls(bucket_size=1 << 20, **tenant.kwargs(timeout=30))
+    model = tiny.build(tiny.SMALL, seed=0)
+    full = model_bytes(model)
+    try:
+        metrics, (first,) = update(engine_cls, [actor], [rollout], model)
+        assert metrics["tensorhub/delta_mb"] == 0  # nothing to encode against yet
+        assert rollout.held.delta is None
+        tiny.nudge(model, seed=1)
+        metrics, (got,) = update(engine_cls, [actor], [rollout], model)
+        assert tiny.digests(got) == tiny.digests(dict(tiny.per_tensor(model)))
+        assert all(got[n].data_ptr() == first[n].data_ptr() for n in got)  # same memory
+        delta = rollout.held.delta
+        assert delta is not None
+        assert delta.base == 1, delta
+        assert delta.chunks > 0, delta
+        assert delta.base_mismatch == 0, delta
+        assert delta.encoded_bytes + rollout.held.stats.total_bytes < full / 2, delta
+        assert 0 < metrics["tensorhub/delta_mb"] < full / 2**20 / 2
+    finally:
+        actor.close()
+        rollout.close()
+
+
+def test_delta_false_reads_whole(engine_cls: type[Any], tenant: Tenant) -> None:
+    """The switch: no copy kept on rank 0, no delta published, the update read whole."""
+    kwargs = tenant.kwargs(timeout=30, delta=False)
+    actor = engine_cls(bucket_size=1 << 20, is_master=True, **kwargs)
+    rollout = engine_cls(bucket_size=1 << 20, **kwargs)
+    model = tiny.build(tiny.SMALL, seed=0)
+    try:
+        update(engine_cls, [actor], [rollout], model)
+        tiny.nudge(model, seed=1)
+        metrics, (got,) = update(engine_cls, [actor], [rollout], model)
+        assert tiny.digests(got) == tiny.digests(dict(tiny.per_tensor(model)))
+        assert metrics["tensorhub/delta_mb"] == 0
+        assert actor.publication.companion is None
+        assert rollout.held.delta is None
+        assert rollout.held.stats.total_bytes == model_bytes(model)
+    finally:
+        actor.close()
+        rollout.close()
+
+
 # -- a holder dies mid-fetch ----------------------------------------------------------------
 
 

@@ -103,6 +103,8 @@ def test_manager_updates_rollouts_through_the_hub(
             assert trained[0] == trained[1]
             metrics = manager.update_weights(global_steps=step)
             assert metrics["tensorhub/version"] == step
+            # deltas by default: from the second step on, rank 0 also published the changes
+            assert (metrics["tensorhub/delta_mb"] > 0) == (step > 1), metrics
             for path in records:
                 last = json.loads(path.read_text().splitlines()[-1])
                 assert last["global_steps"] == step

@@ -38,6 +38,16 @@ def step(model: torch.nn.Module, seed: int) -> None:
             param.add_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.01)
 
 
+def nudge(model: torch.nn.Module, seed: int, share: float = 0.01) -> None:
+    """An RL-sized step: `share` of each parameter's elements change a little, the rest keep
+    their bytes (what a delta version is made for; `step` changes every element)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            mask = torch.rand(param.shape, generator=generator) < share
+            param.copy_(torch.where(mask, param * 1.01, param))
+
+
 def per_tensor(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """What verl's engines hand `send_weights`: a generator of (name, full tensor)."""
     for name, tensor in model.state_dict().items():
