@@ -301,7 +301,12 @@ class Hub:
         self, model: str, version: int, shard: int | None, timeout: float, hold: bool
     ) -> Companion:
         """Read a delta's encoded chunks (`{model}.delta`@version) whole: as their holder,
-        or unheld (for `fetch_slices`, whose reader holds nothing)."""
+        or unheld (for `fetch_slices`, whose reader holds nothing). One this client holds
+        already (it applied that delta before, into memory it still serves) is used as it
+        is: nothing crosses, and it stays with the handle that holds it."""
+        mine = self.holdings.get((self.holdings.tenant, model, version))
+        if mine is not None and mine.complete and not mine.released:
+            return Companion(mine.tensors, 0)
         if not hold:
             tensors, stats = fetching.fetch_unheld(
                 self._fetches, self.holdings.tenant, model, version, shard=shard, timeout=timeout

@@ -371,3 +371,28 @@ def test_a_dead_or_frozen_delta_holder_fails_over_to_another_delta_holder(
     finally:
         for c in clients:
             c.close()
+
+
+def test_a_double_buffered_reader_reuses_the_delta_it_already_holds(
+    connect: Callable[..., ros.Hub],
+) -> None:
+    """Buffer A holds 1; 2 is applied into a copy B (the reader then holds the delta 1->2);
+    3 into A with base=1 follows the chain 1->2->3 and uses the delta it holds for 1->2
+    instead of asking to hold it twice (found by the chaos workload: it read whole)."""
+    trainer, reader = connect(), connect()
+    w = model(11)
+    trainer.publish("policy", 1, w, chunk_size=CHUNK, delta=True)
+    a = reader.fetch("policy", 1)
+    w2 = step(w, 2)
+    w3 = step(w2, 3)
+    trainer.publish("policy", 2, w2, chunk_size=CHUNK, delta=True)
+    trainer.publish("policy", 3, w3, chunk_size=CHUNK, delta=True)
+    b = reader.fetch("policy", 2, into={k: t.clone() for k, t in a.tensors.items()}, base=1)
+    assert b.delta is not None
+    assert b.delta.chunks > 0
+    a.release()
+    again = reader.fetch("policy", 3, into=a.tensors, base=1)
+    assert same(again.tensors, w3)
+    assert again.delta is not None
+    assert again.delta.links == 2, again.delta
+    assert again.delta.chunks > 0, again.delta
