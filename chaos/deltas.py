@@ -14,7 +14,9 @@ Readers fetch in one of `READ_MODES` (`reader-i` takes mode i mod 3):
 
 - `in-place`: one buffer; release the version held, then fetch the next into the same
   memory, so the SDK knows the memory holds the version it fetched last (`BaseMemory`) and
-  applies the delta from it;
+  applies the delta from it. A quarter of these fetches first flip one byte of the
+  released memory (`scribbled` in the record), as an engine may write to memory it no
+  longer serves: the SDK must find that chunk is not the base's and read it whole;
 - `double-base`: two buffers, as before, and the fetch names the version the spare buffer
   last held completely (`base=b`): a chain of deltas when it is two or more versions behind.
   After a fetch into it failed, the buffer is partly overwritten and the reader still names

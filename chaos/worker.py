@@ -1,7 +1,9 @@
 """One client process of a chaos run: `python -m chaos.worker SPEC_JSON`.
 
-Roles: `publisher` (a trainer: publishes new versions with random content), `reader` (a
-rollout worker: fetches the latest version in place, double-buffered, and serves it),
+Roles: `publisher` (a trainer: publishes new versions, each a small change of its last,
+with `delta=True`), `reader` (a rollout worker: fetches the latest version in place, into
+the memory of its last fetch or double-buffered, applying deltas (`chaos.deltas`), and
+serves it),
 `watcher` (watches new versions), `poller` (calls `latest` in a loop), `intruder` (the
 other tenant, see `chaos.intruder`), and the model-parallel workload's `rank` and
 `shard-reader` (`chaos.shards`). Every call goes into the history (`chaos.history`)
