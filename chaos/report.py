@@ -56,8 +56,24 @@ def checked(result: RunResult) -> dict[str, int]:
             op.f == "probe" and op.value.get("result") == "refused" for op in ok
         ),
         **(_sharded(result) if result.config.ranks else {}),
-        **({f"{k} (1)": v for k, v in delta_counts(result.ops).items()} if _deltas(result) else {}),
+        **(_delta_checked(result) if _deltas(result) else {}),
     }
+
+
+def _delta_checked(result: RunResult) -> dict[str, int]:
+    """The delta reads' evidence (chaos.deltas), and how many ran while a fault was on."""
+    counts = {f"{k} (1)": v for k, v in delta_counts(result.ops).items()}
+    used = [op for op in result.ops if op.f == "fetch" and op.outcome == OK and applied(op)]
+    during = sum(
+        any(f.start <= op.end and f.end >= op.invoke for f in result.faults if not f.error)
+        for op in used
+    )
+    out = {}
+    for key, value in counts.items():
+        out[key] = value
+        if key.startswith("fetches that applied a delta"):
+            out["of those, while a fault was injected (1)"] = during
+    return out
 
 
 def _deltas(result: RunResult) -> bool:

@@ -12,7 +12,7 @@ from chaos.checker import Facts, check
 from chaos.deltas import Weights, delta_counts
 from chaos.history import OK, Op
 from chaos.report import checked, delta_warning, summary, to_json
-from chaos.runner import RunConfig, RunResult
+from chaos.runner import FaultRecord, RunConfig, RunResult
 from chaos.worker import CHUNK, SHAPES, digest
 from transport import delta as codec
 
@@ -37,8 +37,9 @@ def fetch(version: int, content: str, **delta: Any) -> Op:
     return op("reader-0#1", "fetch", version + 0.5, args, version=version, hash=content, **record)
 
 
-def result(ops: list[Op], **config: Any) -> RunResult:
-    return RunResult(RunConfig(**config), 0.0, 10.0, [], {}, ops, check(Facts(ops)), [], "/tmp")
+def result(ops: list[Op], faults: list[FaultRecord] | None = None, **config: Any) -> RunResult:
+    violations = check(Facts(ops))
+    return RunResult(RunConfig(**config), 0.0, 10.0, faults or [], {}, ops, violations, [], "/tmp")
 
 
 def test_each_version_is_a_small_change_worth_a_delta_and_all_are_told_apart() -> None:
@@ -96,9 +97,12 @@ def test_the_report_counts_delta_reads() -> None:
     assert counts["of those, a chain of 2 or more deltas"] == 1
     assert counts["fetches that found their memory not the base (chunks read whole)"] == 1
     assert counts["fetches whose delta was not used (read whole)"] == 1
-    run = result(ops)
+    kill = FaultRecord("kill-holder", "holder", "publisher-0", 2.4, 2.7)  # over fetch(2)
+    failed = FaultRecord("kill-hub", "global", "", 3.5, 3.6, "not injected")
+    run = result(ops, [kill, failed])
     assert run.violations == []
     assert checked(run)["fetches that applied a delta (1)"] == 2
+    assert checked(run)["of those, while a fault was injected (1)"] == 1
     assert "fetches that applied a delta (1): 2" in summary(run)
     assert delta_warning(run) == ""
     assert to_json(run)["warnings"] == []
