@@ -47,6 +47,13 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         help="shards per version of the model-parallel workload, one process each "
         f"(1..{runner.MAX_RANKS}; default %(default)s)",
     )
+    p.add_argument(
+        "--no-delta",
+        dest="delta",
+        action="store_false",
+        help="publish and read whole versions only (by default publishers publish with "
+        "delta=True and readers apply the deltas: docs/chaos.md)",
+    )
     p.add_argument("--json", type=Path, help="also write the full report (with history) here")
     p.add_argument("--keep", action="store_true", help="keep the work dir (histories, logs)")
     c = sub.add_parser("check", help="run the checker again over a saved --json report")
@@ -86,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     config = runner.for_workload(
         args.workload, args.ranks, duration=args.duration, seed=args.seed, faults=faults,
-        planted=args.planted_bug, keep=args.keep, progress=progress,
+        planted=args.planted_bug, keep=args.keep, progress=progress, delta=args.delta,
     )  # fmt: skip
     try:
         result = runner.run(config)

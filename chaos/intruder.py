@@ -7,6 +7,8 @@ holder; proves nothing either way). Probes, in turn:
 
 - hub: `latest`, `fetch` and `inspect` of the victim's model name with the intruder's own
   token — confined to its own prefix, they must see nothing;
+- each round of probes aims at the victim's model, then at its delta companion
+  (`{model}.delta`), in turn;
 - hub: a call with a forged token that claims the victim tenant;
 - holder ports (the victim's holders, whose addresses the run hands over as an attacker
   would scan for them): a GET for the victim's model with a read token the intruder minted
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from chaos.history import OK, error_name
 from ros.tokens import issue_read_token
+from tensorhub.delta_rules import companion_of
 from tensorhub.errors import InvalidArgument, PermissionDenied, TensorHubError, VersionNotFound
 from transport.wire import ErrorCode, FrameType, GetRequest, decode_error, encode_get, read_frame
 
@@ -32,9 +35,8 @@ if TYPE_CHECKING:
 PROBE_TIMEOUT = 5.0
 
 
-def _hub_probe(w: Worker, kind: str) -> dict[str, Any]:
+def _hub_probe(w: Worker, kind: str, victim: str) -> dict[str, Any]:
     hub = w.client
-    victim = w.spec["model"]
     try:
         if kind == "hub-latest":
             version = hub.latest(victim, timeout=PROBE_TIMEOUT)
@@ -67,9 +69,9 @@ def _forged_token_probe(w: Worker) -> dict[str, Any]:
         return {"result": "unknown", "detail": error_name(exc)}
 
 
-def _holder_probe(w: Worker, kind: str, target: str) -> dict[str, Any]:
+def _holder_probe(w: Worker, kind: str, target: str, model: str) -> dict[str, Any]:
     key = w.client.session.read_key  # the intruder's own tenant key
-    victim, model = w.spec["victim_tenant"], w.spec["model"]
+    victim = w.spec["victim_tenant"]
     version = w.rng.randrange(1, 64)
     tenant = victim if kind != "holder-own-tenant" else w.spec["tenant"]
     if kind == "holder-random-token":
@@ -107,22 +109,26 @@ PROBES = ("hub-latest", "hub-fetch", "hub-inspect", "hub-forged-token",
 
 
 def intruder(w: Worker) -> None:
-    """Probe until the end of the run; one probe at a time, recorded as a `probe` op."""
+    """Probe until the end of the run; one probe at a time, recorded as a `probe` op. Every
+    other round of probes aims at the victim model's delta companion (`{model}.delta`, the
+    encoded chunks of its delta versions), which its holders serve like any version."""
     w.connect()
     targets: list[str] = list(w.spec.get("targets", []))
+    models = (w.spec["model"], companion_of(w.spec["model"]))
     turn = 0
     while w.running():
         kind = PROBES[turn % len(PROBES)]
+        model = models[turn // len(PROBES) % len(models)]
         turn += 1
         target = w.rng.choice(targets) if targets else ""
         if kind.startswith("holder") and not target:
             continue
-        op = w.rec.invoke("probe", PROBE_TIMEOUT * 2, probe=kind, target=target)
+        op = w.rec.invoke("probe", PROBE_TIMEOUT * 2, probe=kind, target=target, model=model)
         if kind == "hub-forged-token":
             value = _forged_token_probe(w)
         elif kind.startswith("hub"):
-            value = _hub_probe(w, kind)
+            value = _hub_probe(w, kind, model)
         else:
-            value = _holder_probe(w, kind, target)
+            value = _holder_probe(w, kind, target, model)
         w.rec.complete(op, OK, **value)
         w.pause(0.1, 0.3)

@@ -14,6 +14,7 @@ from typing import Any
 
 from chaos.checker import INVARIANTS
 from chaos.checker_shards import seen_visible
+from chaos.deltas import applied, delta_counts
 from chaos.history import OK
 from chaos.runner import FaultRecord, RunResult
 
@@ -55,7 +56,42 @@ def checked(result: RunResult) -> dict[str, int]:
             op.f == "probe" and op.value.get("result") == "refused" for op in ok
         ),
         **(_sharded(result) if result.config.ranks else {}),
+        **(_delta_checked(result) if _deltas(result) else {}),
     }
+
+
+def _delta_checked(result: RunResult) -> dict[str, int]:
+    """The delta reads' evidence (chaos.deltas), and how many ran while a fault was on."""
+    counts = {f"{k} (1)": v for k, v in delta_counts(result.ops).items()}
+    used = [op for op in result.ops if op.f == "fetch" and op.outcome == OK and applied(op)]
+    during = sum(
+        any(f.start <= op.end and f.end >= op.invoke for f in result.faults if not f.error)
+        for op in used
+    )
+    out = {}
+    for key, value in counts.items():
+        out[key] = value
+        if key.startswith("fetches that applied a delta"):
+            out["of those, while a fault was injected (1)"] = during
+    return out
+
+
+def _deltas(result: RunResult) -> bool:
+    """Whether the run's whole-version workload published and read with deltas."""
+    return result.config.delta and bool(result.config.publishers and result.config.readers)
+
+
+def delta_warning(result: RunResult) -> str:
+    """A warning when a run meant to exercise deltas never applied one ("" otherwise): its
+    reads were all whole, so it proved nothing about delta reads."""
+    if not _deltas(result) or any(
+        op.f == "fetch" and op.outcome == OK and applied(op) for op in result.ops
+    ):
+        return ""
+    return (
+        "WARNING: no fetch applied a delta; every read of this run was whole, so it checked "
+        "nothing about delta reads"
+    )
 
 
 def _sharded(result: RunResult) -> dict[str, int]:
@@ -84,6 +120,11 @@ def summary(result: RunResult) -> str:
         f"chaos run: seed {c.seed}, {c.duration:.0f}s, "
         f"planted bug: {c.planted or 'none'}, work dir {result.workdir}",
         *(
+            ["delta versions: publishers publish with delta=True; readers apply them"]
+            if _deltas(result)
+            else []
+        ),
+        *(
             [f"model-parallel workload: {c.ranks} ranks, {c.shard_readers} shard readers"]
             if c.ranks
             else []
@@ -108,6 +149,9 @@ def summary(result: RunResult) -> str:
         lines += [f"  {i['client']}: {i['how']}" for i in restarts]
     lines += ["", "checked:"]
     lines += [f"  {k}: {v}" for k, v in checked(result).items()]
+    warning = delta_warning(result)
+    if warning:
+        lines += ["", warning]
     lines += ["", f"violations: {len(result.violations)}"]
     shown: Counter[str] = Counter()
     for v in result.violations:
@@ -133,6 +177,8 @@ def to_json(result: RunResult) -> dict[str, Any]:
         "skipped": result.skipped,
         "operations": op_counts(result),
         "checked": checked(result),
+        "delta": c.delta,
+        "warnings": [w for w in (delta_warning(result),) if w],
         "invariants": {str(k): v for k, v in INVARIANT_NAMES.items()},
         "violation_kinds": INVARIANTS,
         "violations": [v.to_json(result.start) for v in result.violations],

@@ -23,6 +23,7 @@ from typing import Any
 from chaos import failpoints
 from chaos.checker import Facts, FaultWindow, Violation, check
 from chaos.cluster import ChaosCluster, write_start_file
+from chaos.deltas import READ_MODES
 from chaos.history import Op, load_ops
 from chaos.netns import Namespace, unavailable_reason
 from chaos.planted import KNOWN as PLANTED_KNOWN
@@ -54,6 +55,7 @@ class RunConfig:
     ranks: int = 0  # the model-parallel workload (chaos.shards): shards per version, 0: none
     shard_readers: int = 2  # with ranks: readers of shards
     shard_fetches: int = 4  # shards each shard reader fetches of every version (at most ranks)
+    delta: bool = True  # publishers publish with delta=True, readers apply them (chaos.deltas)
 
 
 WORKLOADS = ("whole", "model-parallel", "mixed")
@@ -204,6 +206,10 @@ class _Run:
                 spec["tenant"], spec["victim_tenant"] = cluster.INTRUDER, cluster.TENANT
             if role != "intruder":  # its client is built with the bug's hooks
                 spec["planted"] = config.planted
+            if role in ("publisher", "reader"):
+                spec["delta"] = config.delta
+            if role == "reader":  # reader-i reads in mode i mod 3
+                spec["read_mode"] = READ_MODES[int(name.rsplit("-", 1)[1]) % len(READ_MODES)]
             self.workers.append(
                 WorkerProcess(name, role, spec, self.root, netns if in_ns else None)
             )

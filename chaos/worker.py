@@ -1,7 +1,9 @@
 """One client process of a chaos run: `python -m chaos.worker SPEC_JSON`.
 
-Roles: `publisher` (a trainer: publishes new versions with random content), `reader` (a
-rollout worker: fetches the latest version in place, double-buffered, and serves it),
+Roles: `publisher` (a trainer: publishes new versions, each a small change of its last,
+with `delta=True`), `reader` (a rollout worker: fetches the latest version in place, into
+the memory of its last fetch or double-buffered, applying deltas (`chaos.deltas`), and
+serves it),
 `watcher` (watches new versions), `poller` (calls `latest` in a loop), `intruder` (the
 other tenant, see `chaos.intruder`), and the model-parallel workload's `rank` and
 `shard-reader` (`chaos.shards`). Every call goes into the history (`chaos.history`)
@@ -31,6 +33,7 @@ import torch
 import xxhash
 
 import ros
+from chaos.deltas import Weights, delta_record
 from chaos.history import FAIL, INFO, OK, Recorder, error_name, write_outcome
 from chaos.holder_faults import Fault
 from chaos.planted import hooks_for
@@ -42,6 +45,7 @@ CHUNK = 64 * 1024
 SHAPES = {"w0": 256 * 1024, "w1": 256 * 1024, "w2": 384 * 1024, "bias": 1000}
 LATEST_TIMEOUT, FETCH_TIMEOUT, PUBLISH_TIMEOUT, RELEASE_TIMEOUT = 5.0, 20.0, 10.0, 10.0
 START_WAIT = 180.0
+SCRIBBLE = 0.25  # share of in-place fetches that find a byte of their memory changed
 
 
 def digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -129,37 +133,50 @@ class Worker:
 
 
 def publisher(w: Worker) -> None:
+    """Publish version after version, each a small change of the one before (`Weights`),
+    with `delta=True` unless the run says otherwise: each publish after one of this
+    process's own is then also published as a delta against it (`chaos.deltas`)."""
     hub = w.connect()
+    delta = bool(w.spec.get("delta", True))
     held: list[ros.Publication] = []
     version = (w.latest() or 0) + 1
-    gen = torch.Generator().manual_seed(w.rng.randrange(2**31))
+    weights = Weights(SHAPES, CHUNK, w.rng.randrange(2**31))
+    last = 0  # this process's last acknowledged publish: what its next delta encodes against
     while w.running():
-        tensors = {
-            name: torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
-            for name, n in SHAPES.items()
-        }
+        tensors = weights.next()
         op = w.rec.invoke(
-            "publish", PUBLISH_TIMEOUT, model=MODEL, version=version, hash=digest(tensors)
-        )
+            "publish", PUBLISH_TIMEOUT, model=MODEL, version=version, hash=digest(tensors),
+            delta=delta,
+        )  # fmt: skip
         try:
-            pub = hub.publish(MODEL, version, tensors, chunk_size=CHUNK, timeout=PUBLISH_TIMEOUT)
+            pub = hub.publish(
+                MODEL, version, tensors, chunk_size=CHUNK, timeout=PUBLISH_TIMEOUT, delta=delta
+            )
         except TensorHubError as exc:
             w.rec.complete(op, write_outcome(exc), error_name(exc))
             if isinstance(exc, StaleVersion):
                 version = max(version, (w.latest() or 0)) + 1
+                # The loser waits longer than the winner (0.2-0.7 s), so one publisher
+                # often wins several versions in a row and its deltas chain; were it
+                # quicker, the two would take turns, and no delta would lead from the
+                # version a reader holds (each encodes against its own last).
+                w.pause(0.3, 0.9)
             else:
                 version += 1  # it may have landed: never reuse the number
-            w.pause(0.1, 0.4)
+                w.pause(0.1, 0.4)
             continue
-        w.rec.complete(op, OK, version=version, revision=pub.revision)
+        base = last if pub.companion is not None else 0
+        w.rec.complete(op, OK, version=version, revision=pub.revision, delta_base=base)
         held.append(pub)
+        last = version
         version += 1
         while len(held) > 2:
             release(w, held.pop(0))
         w.pause(0.2, 0.7)
 
 
-def release(w: Worker, handle: ros.Publication | ros.Held) -> None:
+def release(w: Worker, handle: ros.Publication | ros.Held) -> bool:
+    """Release `handle` (its delta companion with it); whether its memory is free now."""
     shard = {} if handle.shard is None else {"shard": handle.shard}
     op = w.rec.invoke(
         "release", RELEASE_TIMEOUT, model=handle.model, version=handle.version, **shard
@@ -168,32 +185,70 @@ def release(w: Worker, handle: ros.Publication | ros.Held) -> None:
         handle.release(force=True, timeout=RELEASE_TIMEOUT)
     except TensorHubError as exc:
         w.rec.complete(op, INFO, error_name(exc))
-        return
+        return handle.released  # the version is let go even if its companion's release failed
     w.rec.complete(op, OK)
+    return True
 
 
 def reader(w: Worker) -> None:
+    """Follow `latest` and fetch each newer version, in the spec's read mode
+    (`chaos.deltas.READ_MODES`): into the memory of the previous fetch, or double-buffered
+    naming the version the spare buffer holds, or double-buffered reading whole."""
     hub = w.connect()
-    buffers = [allocate(), allocate()]
-    held: ros.Held | None = None
+    mode = str(w.spec.get("read_mode", "double"))
+    delta = bool(w.spec.get("delta", True)) and mode != "double"
+    buffers = [allocate()] if mode == "in-place" else [allocate(), allocate()]
+    holds: list[ros.Held | None] = [None] * len(buffers)  # what each buffer serves now
+    bases = [0] * len(buffers)  # the version each buffer last held completely
+    current: ros.Held | None = None  # the version this reader serves (one of `holds`)
     spare = 0
     while w.running():
         version = w.latest()
-        if not version or (held is not None and held.version >= version):
+        if not version or (current is not None and current.version >= version):
             w.pause(0.1, 0.3)
             continue
-        into = buffers[spare]
-        op = w.rec.invoke("fetch", FETCH_TIMEOUT, model=MODEL, version=version)
+        into = spare if len(buffers) == 2 else 0
+        previous = holds[into]
+        if previous is not None:  # in place: let the version go before writing over it
+            if not release(w, previous):
+                w.pause(0.1, 0.3)  # still served from this memory: try again later
+                continue
+            holds[into] = None
+            if previous is current:
+                current = None
+        base = bases[into] if mode == "double-base" and 0 < bases[into] < version else None
+        args: dict[str, Any] = {"mode": mode, **({"base": base} if base else {})}
+        if mode == "in-place" and delta and bases[into] and w.rng.random() < SCRIBBLE:
+            args["scribbled"] = scribble(buffers[into], w.rng)
+        op = w.rec.invoke("fetch", FETCH_TIMEOUT, model=MODEL, version=version, **args)
         try:
-            got = hub.fetch(MODEL, version, into=into, timeout=FETCH_TIMEOUT)
+            got = hub.fetch(
+                MODEL, version, into=buffers[into], timeout=FETCH_TIMEOUT, base=base, delta=delta
+            )
         except TensorHubError as exc:
+            # The buffer is partly overwritten now; `bases` still names what it held: a
+            # delta fetch into it must find the chunks that are not that version's.
             w.rec.complete(op, FAIL, error_name(exc))
             w.pause(0.1, 0.3)
             continue
-        w.rec.complete(op, OK, version=got.version, hash=digest(got.tensors))
-        if held is not None:
-            release(w, held)
-        held, spare = got, 1 - spare
+        w.rec.complete(
+            op, OK, version=got.version, hash=digest(got.tensors), **delta_record(got.delta)
+        )
+        holds[into], bases[into] = got, got.version
+        if len(buffers) == 2 and current is not None:
+            other = 1 - into
+            if release(w, current):
+                holds[other] = None
+        current, spare = got, 1 - into
+
+
+def scribble(tensors: dict[str, torch.Tensor], rng: random.Random) -> str:
+    """Flip one byte of memory this reader no longer serves (as its engine may, once the
+    version is released): a delta fetch into it must find that chunk is not the base's."""
+    name = rng.choice(sorted(tensors))
+    at = rng.randrange(tensors[name].numel())
+    tensors[name][at] ^= 0xFF
+    return f"{name}[{at}]"
 
 
 def watcher(w: Worker) -> None:

@@ -1,12 +1,14 @@
 """Real chaos runs (etcd cluster, hub processes, worker processes): the smoke run must end
-with zero violations, and with a bug planted the checker must report it."""
+with zero violations, having applied delta versions under its faults, and with a bug planted
+the checker must report it."""
 
 from __future__ import annotations
 
 import pytest
 
 from chaos import runner
-from chaos.report import summary
+from chaos.deltas import delta_counts
+from chaos.report import delta_warning, summary
 from chaos.runner import RunConfig, RunResult
 
 pytestmark = pytest.mark.slow
@@ -27,6 +29,14 @@ def test_smoke_run_with_every_available_fault_has_no_violation() -> None:
     assert sum(op.f == "fetch" for op in ok) > 20, report
     assert sum(op.f == "publish" for op in ok) > 20, report
     assert any(op.f == "probe" and op.value["result"] == "refused" for op in ok), report
+    # delta reads ran under the faults, and were checked byte for byte like the rest
+    deltas = delta_counts(result.ops)
+    assert delta_warning(result) == "", report
+    assert deltas["publishes with a delta"] > 10, report
+    assert deltas["fetches that applied a delta"] > 10, report
+    assert deltas["of those, a chain of 2 or more deltas"] > 0, report
+    assert deltas["fetches that found their memory not the base (chunks read whole)"] > 0, report
+    assert any(op.f == "probe" and op.args["model"] == "policy.delta" for op in ok), report
 
 
 @pytest.mark.timeout(100)
