@@ -448,13 +448,16 @@ class Hub:
         leaves the session to expire within its TTL), the keepalive thread at most 2 s, and a
         recovery in progress at most `RECOVERY_JOIN_TIMEOUT` (2 s; it is stopped first, and a
         session it opens after that is ended by it, never renewed); reads in flight from our
-        holder server get up to 5 s per held version.
+        holder server get up to 5 s per held version. The copies kept for delta versions
+        (`delta_memory()`) are freed.
         """
         if self._closed:
             return
         self._closed = True
         self.session.close()  # no recovery installs a lease after this
         self.holdings.drop_all(5.0)
+        self._publisher.drop_bases(None)  # delta versions' copies: freed with the client
+        self._deltas.staged.drop(None)
         self.session.revoke(CLOSE_SESSION_TIMEOUT)
         self._serving.stop()
         self._readers.close()

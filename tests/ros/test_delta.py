@@ -336,6 +336,10 @@ def test_fetch_slices_in_another_layout_applies_deltas_to_its_kept_staging(
     third, got = read(2)  # no base kept any more: read whole
     assert got.deltas == {}
     assert torch.equal(third.view(torch.int16), full["w"].view(torch.int16))
+    assert reader.delta_memory()["staged"] > 0  # kept again, for the next one
+    for c in (*ranks, reader):  # close() frees every copy
+        c.close()
+        assert c.delta_memory() == {"base_copies": 0, "staged": 0, "held_deltas": 0}
 
 
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
