@@ -21,10 +21,14 @@ released (not served, unless `serve`), as the base of the next update, which is 
 into that same memory; when the trainer published the version with `delta=True`, the SDK
 then reads only its changes, checks each base chunk before applying and verifies after, and
 reads whole whatever fails a check. **Memory: one host copy of the checkpoint per worker
-between updates too** (with `serve` that copy is the one served: nothing more). With
-`delta=False` and without `serve`, the copy exists only during an update and every version is
-read whole. Versions read with `fetch_slices` (published as shards) are always read whole:
-the SDK has no deltas for `fetch_slices` yet, so no base is kept for them.
+between updates too** (with `serve` that copy is the one served: nothing more). A version
+published as shards is read with `fetch_slices(delta=True)`: the SDK keeps its staging copy
+of each source shard (in host memory) as the base, and the checkpoint tensors handed to the
+model are new memory each update. **Memory then: one host copy of every source shard the
+worker reads, between updates too** (the checkpoint's bytes, plus each replicated tensor once
+more per extra shard), and none of the checkpoint. With `delta=False` and without `serve`,
+nothing is kept between updates and every version is read whole; turning `delta` off, or
+`close`, frees what was kept (the staging copies through `Hub.drop_bases`).
 
 `update_vllm(llm, version)` is the trainer-side driver of one update, and `reload_weights`
 the thin path for set-ups without a weight-transfer engine (one process only: tensors do not
@@ -71,7 +75,8 @@ class VersionReceiver:
     in; `loaded(version)` then releases the copy, or keeps it served until the next
     `receive` with `serve`. With `delta` (default) the released copy's memory is kept and the
     next version is fetched into it, so a version published as a delta moves only its
-    changes (module docstring: one host copy of the checkpoint kept between updates).
+    changes (module docstring: one host copy of the checkpoint kept between updates; for a
+    version published as shards, one host copy of every source shard, kept by the SDK).
     Not thread-safe: one worker drives it, one update at a time.
     """
 
@@ -88,12 +93,13 @@ class VersionReceiver:
         self.model = model
         self.serve = serve
         self.timeout = timeout
-        self.delta = delta
+        self._delta = delta
         self.version = 0  # the version last loaded (0: none yet)
         self._held: Held | None = None  # the copy served (serve), or being loaded
         self._kept: list[Held] = []  # copies a release refused (past the spill budget)
         self._base: dict[str, torch.Tensor] | None = None  # released memory to fetch into
         self._base_version: int | None = None  # the version it holds (None: partly another)
+        self._staged = False  # the hub may keep staging copies of shards for us (delta)
         self.last_stats: FetchStats | None = None  # what the last fetch read, from whom
         self.last_delta: DeltaStats | None = None  # what its delta did (None: read whole)
 
@@ -103,10 +109,26 @@ class VersionReceiver:
         return sum(_nbytes(h.tensors) for h in self._copies())
 
     @property
+    def delta(self) -> bool:
+        """Whether to keep the version loaded as the next update's base. Turning it off
+        frees what is kept (the released copy, and the SDK's staging copies of shards)."""
+        return self._delta
+
+    @delta.setter
+    def delta(self, on: bool) -> None:
+        self._delta = on
+        if not on:
+            self._base, self._base_version = None, None
+            self._drop_staged()
+
+    @property
     def base_bytes(self) -> int:
-        """Bytes of the released copy kept as the next update's base (`delta`; 0 with
-        `serve`, whose served copy is the base)."""
-        return 0 if self._base is None else _nbytes(self._base)
+        """Bytes kept as the next update's base (`delta`): the released copy of a whole
+        version (0 with `serve`, whose served copy is the base), plus the staging copies of
+        source shards the hub keeps for `fetch_slices(delta=True)` (`Hub.delta_memory`'s
+        `staged`: of every model, if this receiver's hub is shared)."""
+        kept = 0 if self._base is None else _nbytes(self._base)
+        return kept + (self.hub.delta_memory()["staged"] if self._staged else 0)
 
     def receive(self, version: int | str = "latest") -> tuple[int, list[tuple[str, torch.Tensor]]]:
         """`version` (default: the latest) and all its tensors, fetched in full before this
@@ -120,9 +142,10 @@ class VersionReceiver:
         resolved = self.hub.resolve(self.model, number, timeout=self.timeout)
         number = int(resolved.version)
         if resolved.shard_count or resolved.shards:
-            self._base = None  # no deltas through fetch_slices: nothing to keep a base for
-            self.last_delta = None
+            # the bases of a sharded version are the SDK's staging copies of its shards
+            self._base, self._base_version = None, None
             return number, self._receive_slices(number, list(resolved.shards))
+        self._drop_staged()  # staging copies of shards: no base for a whole version
         into, self._base = self._base, None
         if into is not None and not _fits(into, resolved.manifest):
             log.info("%s@%d has another layout: fetching into new memory", self.model, number)
@@ -149,8 +172,10 @@ class VersionReceiver:
     def _receive_slices(
         self, version: int, parts: list[pb.Manifest]
     ) -> list[tuple[str, torch.Tensor]]:
-        """A model-parallel version, read whole: each global tensor from its shards (a
-        reader of slices is no holder, so with `serve` nothing of it is served)."""
+        """A model-parallel version, each global tensor assembled from its shards (a
+        reader of slices is no holder, so with `serve` nothing of it is served). With
+        `delta`, the SDK applies each shard's delta to the staging copy of that shard it
+        kept from the update before, and keeps the new one."""
         whole: dict[str, torch.Tensor] = {}
         slices: dict[str, Slice] = {}
         for part in parts:
@@ -160,8 +185,23 @@ class VersionReceiver:
                 glob, _ = placement_of(entry)
                 whole[entry.name] = torch.empty(glob, dtype=torch_dtype(entry.dtype))
                 slices[entry.name] = Slice(whole[entry.name], (0,) * len(glob), glob)
-        self.hub.fetch_slices(self.model, version, slices=slices, timeout=self.timeout)
+        self._staged = self._staged or self.delta  # kept even if the fetch fails part-way
+        got = self.hub.fetch_slices(
+            self.model, version, slices=slices, timeout=self.timeout, delta=self.delta
+        )
+        self.last_stats = FetchStats(
+            bytes_per_source=dict(got.bytes_per_source), chunks=got.chunks,
+            failed_sources=dict(got.failed_sources), slow_sources=dict(got.slow_sources),
+        )  # fmt: skip
+        self.last_delta = _summed(got.deltas)
         return list(whole.items())
+
+    def _drop_staged(self) -> None:
+        """Free the staging copies of shards the hub keeps for this model (with the
+        publisher's base copies of it, should this hub publish the model too)."""
+        if self._staged:
+            self.hub.drop_bases(self.model)
+            self._staged = False
 
     def _copies(self) -> list[Held]:
         return [*self._kept, *([self._held] if self._held is not None else [])]
@@ -195,15 +235,36 @@ class VersionReceiver:
         return None
 
     def close(self) -> None:
-        """Stop serving (forced: the worker is going away) and close the hub connection."""
+        """Stop serving (forced: the worker is going away), free the bases kept, and close
+        the hub connection."""
         for held in self._copies():
             held.release(force=True)
         self._held, self._kept, self._base, self._base_version = None, [], None, None
+        self._drop_staged()
         self.hub.close()
 
 
 def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _summed(deltas: dict[int | None, DeltaStats]) -> DeltaStats | None:
+    """What the deltas of a `fetch_slices`'s source shards did, together (None: every
+    shard was read whole): counts and seconds added, the oldest base, the longest chain,
+    each shard's `fallback` named by its shard."""
+    if not deltas:
+        return None
+    every = list(deltas.values())
+    return DeltaStats(
+        base=min(d.base for d in every),
+        links=max(d.links for d in every),
+        chunks=sum(d.chunks for d in every),
+        encoded_bytes=sum(d.encoded_bytes for d in every),
+        whole_chunks=sum(d.whole_chunks for d in every),
+        base_mismatch=sum(d.base_mismatch for d in every),
+        seconds=sum(d.seconds for d in every),
+        fallback="; ".join(f"shard {s}: {d.fallback}" for s, d in deltas.items() if d.fallback),
+    )
 
 
 def _fits(tensors: dict[str, torch.Tensor], manifest: pb.Manifest) -> bool:

@@ -25,8 +25,10 @@ Delta versions (`"delta": True` in the init info, the default): the released cop
 memory is kept as the base of the next update, which is fetched into it, so a version the
 trainer published with `delta=True` moves only its changes. It costs one host copy of the
 checkpoint per worker between updates (none more with `serve`, whose served copy is the
-base); `"delta": False` frees it after each update and reads every version whole. Versions
-published as shards (read with `fetch_slices`) are read whole either way.
+base). A version published as shards is read with `fetch_slices(delta=True)`, whose staging
+copies the SDK keeps as the base instead: one host copy of every source shard per worker
+(no copy of the checkpoint then). `"delta": False` keeps nothing between updates and reads
+every version whole; re-initialising the engine, or its shutdown, frees what was kept.
 
 vLLM is untyped where mypy runs (it is not installed there), so its base classes are Any.
 """
@@ -56,7 +58,8 @@ BACKEND = "tensorhub"
 class TensorHubInitInfo(WeightTransferInitInfo):  # type: ignore[misc]  # vLLM's: Any here
     """What every worker needs to reach the hub: its address(es), the tenant and its token,
     the model, this worker's topology labels, whether to serve what it fetched, and whether
-    to keep it as the next update's base (`delta`: one host copy of the checkpoint)."""
+    to keep it as the next update's base (`delta`: one host copy of the checkpoint, or of
+    every source shard of a version published as shards)."""
 
     hub: str | list[str]
     tenant: str
@@ -135,6 +138,7 @@ class TensorHubWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
         self._loading = None
 
     def shutdown(self) -> None:
+        """Stop serving, free the bases kept (`delta`) and end the hub session."""
         if self.receiver is not None:
             self.receiver.close()
             self.receiver = None

@@ -44,9 +44,11 @@ class TensorHubWorkerExtension:
     def tensorhub_status(self) -> dict[str, Any]:
         """This worker's TensorHub engine: the worker's process id (which process runs it),
         the version its model runs, the bytes of checkpoint copies it holds (`serve`) and of
-        the copy it keeps as the next update's base (`delta`), what its last fetch read and
-        from whom (`FetchStats` as a dict; None before one), and what that fetch's delta did
-        (`DeltaStats` as a dict; None when it read the version whole).
+        what it keeps as the next update's base (`delta`: the checkpoint copy, or the SDK's
+        staging copies of the source shards of a version published as shards), what its last
+        fetch read and from whom (`FetchStats` as a dict; None before one), and what that
+        fetch's delta did (`DeltaStats` as a dict, summed over the source shards of a sharded
+        version; None when it read the version whole).
 
         `EngineNotReady` if the worker's weight-transfer engine is not TensorHub's."""
         receiver = _receiver(self)
@@ -64,7 +66,8 @@ class TensorHubWorkerExtension:
     def tensorhub_digest(self) -> dict[str, Any]:
         """The version this worker's model runs and an xxh3-64 over the names and bytes of
         the host copy it was loaded from, in checkpoint order (None when no copy is left:
-        `serve` and `delta` both off), to compare with the trainer's `weights_digest`."""
+        `serve` and `delta` both off, or a version read as shards, whose checkpoint tensors
+        are not kept), to compare with the trainer's `weights_digest`."""
         receiver = _receiver(self)
         if receiver is None:
             return {"version": 0, "digest": None}

@@ -24,24 +24,6 @@ def model_bytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def tp2_halves(tensors: dict[str, torch.Tensor], rank: int) -> tuple[dict, dict]:
-    """TP rank `rank` of 2: column-parallel weights split on dim 0, row-parallel on dim 1,
-    the rest whole (replicated): its tensors and their placements."""
-    own, placements = {}, {}
-    for name, t in tensors.items():
-        dim = 0 if any(k in name for k in ("q_proj", "k_proj", "v_proj", "gate", "up")) else None
-        if any(k in name for k in ("o_proj", "down")):
-            dim = 1
-        if dim is None or t.dim() != 2:
-            own[name] = t
-            continue
-        n = t.shape[dim] // 2
-        own[name] = t.narrow(dim, rank * n, n).contiguous()
-        offsets = (rank * n, 0) if dim == 0 else (0, rank * n)
-        placements[name] = (tuple(t.shape), offsets)
-    return own, placements
-
-
 @pytest.mark.timeout(300)
 def test_a_rollout_reads_from_a_vllm_rollout_and_tp2_shards_load_whole(
     hub_server: HubServer, make_tenant: Callable[[str], str], tmp_path: Path,
@@ -78,7 +60,7 @@ def test_a_rollout_reads_from_a_vllm_rollout_and_tp2_shards_load_whole(
         ranks = [ros.connect(hub_server.address, tenant=TENANT, token=token) for _ in range(2)]
         try:
             for rank, client in enumerate(ranks):
-                own, placements = tp2_halves(v2, rank)
+                own, placements = tiny.tp2_halves(v2, rank)
                 client.publish(MODEL, 2, own, shard=(rank, 2), placements=placements)
             update_vllm(llm, 2)
             assert tiny.vllm_greedy(llm) == tiny.hf_greedy(2) != tiny.hf_greedy(1)

@@ -32,6 +32,27 @@ def weights(version: int) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in model(version).state_dict().items()}
 
 
+def tp2_halves(
+    tensors: dict[str, torch.Tensor], rank: int
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """TP rank `rank` of 2: column-parallel weights split on dim 0, row-parallel on dim 1,
+    the rest whole (replicated): its tensors and their placements."""
+    own: dict[str, torch.Tensor] = {}
+    placements: dict[str, Any] = {}
+    for name, t in tensors.items():
+        dim = 0 if any(k in name for k in ("q_proj", "k_proj", "v_proj", "gate", "up")) else None
+        if any(k in name for k in ("o_proj", "down")):
+            dim = 1
+        if dim is None or t.dim() != 2:
+            own[name] = t
+            continue
+        n = t.shape[dim] // 2
+        own[name] = t.narrow(dim, rank * n, n).contiguous()
+        offsets = (rank * n, 0) if dim == 0 else (0, rank * n)
+        placements[name] = (tuple(t.shape), offsets)
+    return own, placements
+
+
 def save(version: int, where: Path) -> str:
     """Write version `version` as a Hugging Face checkpoint vLLM can start from."""
     model(version).save_pretrained(where)
