@@ -122,3 +122,15 @@ def test_on_a_gpu_chunk_checksums_match_the_hosts(kind: str) -> None:
         assert delta.chunk_checksum(gpu.flats, gpu.segments(index), kind) == (
             delta.chunk_checksum(host.flats, host.segments(index), kind)
         )
+
+
+def test_the_byte_planes_are_the_formats_whatever_the_way_computed() -> None:
+    """The fast planes (int16 casts) are byte for byte the format's definition (first
+    bytes of every 2-byte word, then second bytes), and undo exactly: an encoding made on
+    one machine applies on any other."""
+    x = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=torch.Generator())
+    reference = x.view(-1, 2).t().contiguous().view(-1)
+    assert torch.equal(delta._shuffle(x), reference)
+    assert torch.equal(delta._unshuffle(reference), x)
+    odd = x[:-1]
+    assert torch.equal(delta._unshuffle(delta._shuffle(odd)), odd)
