@@ -1,8 +1,9 @@
 """`tensorhub bench NAME|all`: benchmarks side by side with their baselines.
 
 `transport` is the existing loopback benchmark (`bench.transport.main`, its own flags);
-`fanout`, `elastic`, `crossdc`, `failover` and `metadata` run on emulated hosts (root
-needed); `gpu` is the GPU memory paths (`bench.gpu`, its own flags; needs a CUDA device);
+`fanout`, `elastic`, `crossdc`, `failover`, `metadata` and `delta` run on emulated hosts
+(root needed; `delta` trains a real transformer: it needs transformers, a dev extra); `gpu`
+is the GPU memory paths (`bench.gpu`, its own flags; needs a CUDA device);
 `sim` is the cluster-scale simulator (`bench.sim.cli`); `scale` is the scale
 envelope on loopback (`bench.scale.cli`, its own flags); `watches` is a hostile tenant's Watch
 streams on many model names (`bench.hostile`, its own flags); `revoke` is a deleted tenant's
@@ -22,7 +23,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from bench import crossdc, elastic, failover, fanout, metadata
+from bench import crossdc, delta, elastic, failover, fanout, metadata
 from bench.common import Options, add_options, add_transport, options
 from bench.emu.netns import NeedsRoot
 from bench.report import Result, emit
@@ -36,6 +37,7 @@ EMULATED: dict[str, Callable[[Options], Result]] = {
     "crossdc": crossdc.run,
     "failover": failover.run,
     "metadata": metadata.run,
+    "delta": delta.run,
 }
 TRANSPORT_BENCHES = ("fanout", "elastic", "failover")  # those that take `--transport`
 CROSSDC_MB = 16  # the inter-dc link is 5x slower: a smaller model keeps the run short
@@ -46,6 +48,12 @@ ALL_TRANSPORT = ["--size-mb", "256", "--repeat", "2"]
 ALL_SCALE = ["--parts", "clients,holders,manifest,history,shards",
              "--clients", "100,2000", "--history-steps", "3000", "--history-seconds", "120",
              "--history-sample-every", "250"]  # fmt: skip
+PLOTS = {  # the benchmarks that draw `--plot FILE.png`, and what
+    "fanout": "draw the time until every reader has the model against the number of readers, "
+    "for TensorHub and each baseline (matplotlib)",
+    "delta": "draw the wire bytes per step against the step, one line per learning rate "
+    "(matplotlib)",
+}
 NAMES = [*EMULATED, "transport", "sim", "scale", "gpu", "watches", "revoke", "history-fill", "all"]
 
 
@@ -56,24 +64,23 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
 
 def _parse(name: str, rest: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog=f"tensorhub bench {name}")
-    add_options(ap, CROSSDC_MB if name == "crossdc" else 32)
+    if name == "delta":
+        delta.add_arguments(ap)
+    else:
+        add_options(ap, CROSSDC_MB if name == "crossdc" else 32)
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON (- = stdout)")
     if name in TRANSPORT_BENCHES:
         add_transport(ap)
-    if name == "fanout":
-        ap.add_argument(
-            "--plot",
-            type=Path,
-            metavar="FILE.png",
-            help="draw the time until every reader has the model against the number of "
-            "readers, for TensorHub and each baseline (matplotlib)",
-        )
+    if name in PLOTS:
+        ap.add_argument("--plot", type=Path, metavar="FILE.png", help=PLOTS[name])
     return ap.parse_args(rest)
 
 
-def _one(name: str, opts: Options, plot_to: Path | None) -> Result:
-    """One emulated benchmark under a progress bar (fanout: one step per measurement), and
-    its plot when asked."""
+def _one(name: str, opts: Options, plot_to: Path | None, cfg: delta.Config | None) -> Result:
+    """One emulated benchmark under a progress bar (fanout, delta: one step per measurement),
+    and its plot when asked."""
+    if name == "delta":
+        return _delta(opts, plot_to, cfg or delta.Config())
     if name != "fanout":
         with Bar(1, f"bench {name}", unit="run") as bar:
             result = EMULATED[name](opts)
@@ -88,6 +95,20 @@ def _one(name: str, opts: Options, plot_to: Path | None) -> Result:
         result = fanout.run(opts, progress=step)
     if plot_to is not None:
         fanout.plot(result, plot_to)
+        print(f"plot written to {plot_to}", file=sys.stderr)
+    return result
+
+
+def _delta(opts: Options, plot_to: Path | None, cfg: delta.Config) -> Result:
+    with Bar(delta.steps(cfg), "bench delta", unit="run") as bar:
+
+        def step(what: str) -> None:
+            bar.write(what)
+            bar.advance(1)
+
+        result = delta.run(opts, cfg, progress=step)
+    if plot_to is not None and result.details:
+        delta.plot(result, plot_to)
         print(f"plot written to {plot_to}", file=sys.stderr)
     return result
 
@@ -147,8 +168,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"tensorhub bench {name}: {NeedsRoot.__doc__}", file=sys.stderr)
         return 2
     opts = options(opts_ns)
+    cfg = delta.config(opts_ns) if name == "delta" else None
     if name != "all":
-        emit([_one(name, opts, getattr(opts_ns, "plot", None))], opts_ns.json)
+        emit([_one(name, opts, getattr(opts_ns, "plot", None), cfg)], opts_ns.json)
         return 0
     results: list[Result] = []
     with Bar(len(EMULATED) + 2, "bench all", unit="benchmark") as bar:

@@ -10,19 +10,37 @@ Baseline: every reader pulls across the WAN from the trainer, which must serve u
 last one is done.
 Targets: WAN bytes per version <= 1.05x the model; baseline stall / TensorHub stall >= 5.
 (No netem here: the inter-dc link differs in rate only, with no added latency.)
+
+Delta versions: the trainer then trains the transformer of `bench delta` (69.3 MiB in bf16,
+`bench.emu.training.DEFAULT`, the same seeds) at lr 1e-6 for `DELTA_STEPS` steps itself,
+publishing version 1 (the initial weights) and every step with `delta=True`; the 8 readers
+fetch version 1 whole and each step into their previous tensors. The bytes the router sent
+into dc2 during each step (publish to the last reader done) over the model's bytes is the
+delta row (target <= 0.05). The versions are trained here rather than read from files a
+`bench delta` run recorded, so that `bench crossdc` stands alone (and `bench all` runs it
+first); they are the same versions, bit for bit (CPU training in one thread is deterministic
+for its seeds: the digests are in the details, `delta_digests`, to compare with `bench
+delta`'s lr 1e-6 steps). Without transformers (a dev extra) the row has no value.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from typing import Any
 
 from bench.common import MODEL, Options, span, verify
+from bench.emu import training
 from bench.emu.cluster import Cluster, settle
-from bench.emu.control import broadcast
+from bench.emu.control import Participant, broadcast
 from bench.report import Result
 
 READERS = 8
 WAN_SLOWER = 5.0
+DELTA_LR = 1e-6
+DELTA_STEPS = 3
+DELTA_MODEL = "delta-lr1e-06"
+DELTA_ROW = "TensorHub WAN bytes per step / model (delta, lr 1e-6)"
 
 
 def run(opts: Options) -> Result:
@@ -55,12 +73,15 @@ def run(opts: Options) -> Result:
         crossed_base = c.emu.wan_tx_bytes(2) - before
         verify(served["digest"], got, "pull-across readers")
         base = span(got)
+        settle()
+        deltas = _deltas(c, trainer, pool, opts.chunk)
     model_bytes = opts.nbytes
     res.add("TensorHub WAN bytes / model", crossed / model_bytes, "<= 1.05")
     res.add("pull-across stall / TensorHub stall", base / th_stall, ">= 5")
     res.add("pull-across WAN bytes / model", crossed_base / model_bytes)
     res.add("pull-across all done / TensorHub all done", base / th_done)
     res.add("TensorHub stall", th_stall, unit="s")
+    res.add(DELTA_ROW, deltas.get("wan_per_model"), "<= 0.05")
     res.details = {
         "saturation": sat.to_dict(),
         "wan_saturation": wsat.to_dict(),
@@ -71,6 +92,7 @@ def run(opts: Options) -> Result:
         "wan_bytes_tensorhub": crossed,
         "wan_bytes_pull_across": crossed_base,
         "model_bytes": model_bytes,
+        "delta": deltas,
     }
     if not (sat.saturated and wsat.saturated):
         res.withhold(
@@ -78,3 +100,35 @@ def run(opts: Options) -> Result:
         )
     res.seconds = time.monotonic() - started
     return res
+
+
+def _deltas(
+    c: Cluster, trainer: Participant, pool: list[Participant], chunk: int
+) -> dict[str, Any]:
+    """The delta phase (module docstring): WAN bytes per step over the model's bytes."""
+    if why := training.missing():
+        return {"not_run": why}
+    spec = training.DEFAULT
+    pub = trainer.call("train_init", 600, model=DELTA_MODEL, spec=spec.to_dict(), lr=DELTA_LR,
+                       chunk=chunk)  # fmt: skip
+    got = broadcast(pool, "fetch_into", 900, model=DELTA_MODEL, version=1)
+    verify(pub["digest"], got, "delta version 1")
+    digests, crossed, applied = [pub["digest"]], [], []
+    for version in range(2, DELTA_STEPS + 2):
+        settle()
+        before = c.emu.wan_tx_bytes(2)
+        pub = trainer.call("train_step", 600, model=DELTA_MODEL, version=version, chunk=chunk)
+        got = broadcast(pool, "fetch_into", 600, model=DELTA_MODEL, version=version)
+        crossed.append(c.emu.wan_tx_bytes(2) - before)
+        verify(pub["digest"], got, f"delta version {version}")
+        digests.append(pub["digest"])
+        applied.append(sum(1 for r in got if r.get("delta") and r["delta"]["chunks"]))
+    broadcast([trainer, *pool], "drop", 60)
+    return {
+        "wan_per_model": statistics.fmean(crossed) / spec.nbytes,
+        "wan_bytes_per_step": crossed,
+        "readers_that_applied_a_delta": applied,
+        "model_bytes": spec.nbytes,
+        "lr": DELTA_LR,
+        "delta_digests": digests,
+    }

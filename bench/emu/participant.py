@@ -3,7 +3,9 @@
 Reads JSON commands (`{"op": NAME, ...}`) from stdin and answers each with one JSON line
 on stdout (`{"error": ...}` on failure), until stdin closes. The TensorHub commands use the
 SDK exactly as a trainer or rollout worker would (`ros.connect` with this host's topology,
-its holder server bound to this host's address); `bench.emu.baseline_ops` has the rest.
+its holder server bound to this host's address); `bench.emu.baseline_ops` has the
+baselines, and `bench.emu.delta_ops` the commands of delta versions (a trainer that trains
+a real model, readers that fetch each version into the memory of the one before).
 
 Run by the harness as `ip netns exec NS python -m bench.emu.participant HOST_IP`.
 """
@@ -22,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import ros
 from bench.emu import baseline_ops
+from bench.emu.delta_ops import DeltaRole
 from bench.emu.model import digest, make_model
 from consistency.watch import EventKind
 from ros.client.handles import Held, Publication
@@ -173,6 +176,9 @@ def main() -> int:
             "ping",
         )
     }
+    deltas = DeltaRole(me._hub)
+    for name in ("train_init", "train_step", "publish_plain", "fetch_into", "drop"):
+        ops[name] = getattr(deltas, name)
     for name in ("plain_listen", "plain_recv", "serve", "tfetch", "gloo"):
         fn = getattr(baseline_ops, name)
         ops[name] = lambda _fn=fn, **kw: _fn(me.ip, **kw)
