@@ -3,7 +3,7 @@
 The plot is drawn from a result's details (what a run records, and what `--json` writes),
 so this needs no emulated hosts: a result with the shape `bench.fanout.run` makes is drawn,
 read back as an image, and its embedded series compared with the figures. `bench delta
---plot` does not exist yet: delta versions (its data) are a separate issue.
+--plot`'s is tested in tests/bench/test_delta_bench.py.
 """
 
 from __future__ import annotations
