@@ -44,7 +44,7 @@ from tensorhub.checksum_kinds import KINDS
 from tensorhub.delta_rules import ENCODINGS
 from tensorhub.errors import IntegrityError, TensorHubError
 from transport import delta as codec
-from transport.layout import Layout
+from transport.layout import Layout, TensorSpec
 from transport.store import HeldVersion
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,8 @@ FetchCompanion = Callable[[str, int, int | None, float, bool], Companion]
 """Read (model, version, shard, timeout, hold) whole: as a holder that serves it (`hold`),
 or unheld (a `fetch_slices` reader, which holds nothing)."""
 ResolveManifest = Callable[[str, int, int | None, Deadline], pb.Manifest]
+FindHeld = Callable[[str, int], HeldVersion | None]
+"""This client's holding of (model, version), if any: how a companion's read is followed."""
 """The manifest of (model, version, shard): how a chain's earlier links are found."""
 
 
@@ -144,8 +146,10 @@ class DeltaReader:
         fetch_companion: FetchCompanion,
         resolve: ResolveManifest,
         hold_bytes: int = DEFAULT_HOLD_BYTES,
+        find: FindHeld | None = None,
     ) -> None:
         self._fetch_companion = fetch_companion
+        self._find = find  # this client's holding of (model, version), as soon as it starts
         self._resolve = resolve
         self.hold_bytes = hold_bytes
         self.bases = BaseMemory()
@@ -266,6 +270,8 @@ class DeltaReader:
                 stats.base_mismatch += 1
         if not todo:
             raise _NoDelta(f"no chunk of the destination is exactly {links[0].manifest.delta.base}")
+        if len(links) == 1 and hold and self._find is not None:
+            return self._apply_streaming(links[0], shard, dest, todo, kind, stats, deadline, wanted)
         companions: list[Companion] = []
         try:
             for link in links:
@@ -305,30 +311,69 @@ class DeltaReader:
         """Apply every link to each chunk of `todo`, verifying as it goes; mark each chunk
         that ends as the version's present. The chunks that failed a check (left missing,
         their memory no longer the base: the rounds read them whole)."""
-        failed = []
-        final = links[-1].manifest
-        for index in todo:
-            parts = dest.chunk_parts(index)
+        return [
+            index
+            for index in todo
+            if not _apply_one(links, [read.tensors for read in companions], dest, index, kind)
+        ]
+
+    def _apply_streaming(
+        self,
+        link: _Link,
+        shard: int | None,
+        dest: HeldVersion,
+        todo: list[int],
+        kind: str,
+        stats: DeltaStats,
+        deadline: Deadline,
+        wanted: set[int],
+    ) -> Held | None:
+        """One link, read as its holder: apply each chunk as soon as its encoded bytes have
+        landed in the companion's memory, while the rest are still on the wire (the apply's
+        CPU then overlaps the transfer instead of following it). The companion's read runs
+        in a thread; its holding is found as soon as it starts (`find`). A read that fails
+        midway leaves what was applied (verified) and the rest to be read whole."""
+        companion = link.manifest.delta.companion
+        outcome: dict[str, Companion | TensorHubError] = {}
+        half = deadline.work((deadline.work_end - time.monotonic()) / 2)  # see _apply_links
+
+        def read() -> None:
             try:
-                for step, (link, read) in enumerate(zip(links, companions, strict=True)):
-                    blob = read.tensors[f"c{index}"]
-                    if codec.digest(blob.numpy().data) != link.manifest.delta.encoded_xxh3[index]:
-                        raise IntegrityError(f"encoded chunk {index} of {link.version}: digest")
-                    codec.apply(parts, blob.numpy().data)
-                    want = (
-                        links[step + 1].manifest.delta.base_checksum[index]
-                        if step + 1 < len(links)
-                        else final.chunk_xxh3[index]
-                    )
-                    got = codec.chunk_checksum(dest.flats, dest.segments(index), kind)
-                    if got != want:
-                        raise IntegrityError(f"chunk {index} of {link.version}: checksum")
-            except (IntegrityError, KeyError) as exc:
-                log.warning("delta chunk %d: %s; reading it whole", index, exc)
-                failed.append(index)
-                continue
-            dest.mark_present(index, final.chunk_xxh3[index] if kind == KINDS[0] else None)
-        return failed
+                outcome["read"] = self._fetch_companion(companion, link.version, shard, half, True)
+            except TensorHubError as exc:
+                outcome["error"] = exc
+
+        reader = threading.Thread(target=read, name=f"delta-{companion}", daemon=True)
+        reader.start()
+        end = time.monotonic() + half
+        assert self._find is not None
+        held = self._find(companion, link.version)
+        while held is None and reader.is_alive() and time.monotonic() < end:
+            time.sleep(0.002)
+            held = self._find(companion, link.version)
+        failed: list[int] = []
+        done = 0
+        if held is not None:
+            specs = {spec.name: spec for spec in held.layout.tensors}
+            for index in todo:
+                if not _landed(held, specs.get(f"c{index}"), end):
+                    break
+                done += 1
+                if not _apply_one([link], [held.tensors], dest, index, kind):
+                    failed.append(index)
+        reader.join(max(0.0, end - time.monotonic()) + 1.0)
+        got = outcome.get("read")
+        stats.links = 1
+        stats.chunks = done - len(failed)
+        stats.whole_chunks = len(_missing(dest, wanted))
+        if not isinstance(got, Companion):
+            why = outcome.get("error", "it did not end in time")
+            stats.fallback = f"{companion}@{link.version} could not be read ({why})"
+            return None
+        stats.encoded_bytes += got.nbytes
+        if failed:
+            stats.fallback = f"{len(failed)} chunks failed a check after applying: read whole"
+        return None if got.held is None else self._keep(got.held)
 
     def _keep(self, held: Held) -> Held | None:
         """Keep serving `held` if it fits in `hold_bytes` with what is kept already; else
@@ -391,6 +436,49 @@ class StagedBases:
         """Host and device memory the kept copies take (what `delta=True` costs)."""
         with self._lock:
             return sum(k.layout.total_bytes for k in self._kept.values())
+
+
+def _apply_one(
+    links: list[_Link],
+    blobs: list[Mapping[str, torch.Tensor]],
+    dest: HeldVersion,
+    index: int,
+    kind: str,
+) -> bool:
+    """Apply every link to chunk `index` of `dest`, checking each encoded chunk's digest and
+    each result's checksum (the next link's base, at the end the version's); mark it present
+    if all pass. False (logged; its memory no longer the base: read whole) if one fails."""
+    final = links[-1].manifest
+    parts = dest.chunk_parts(index)
+    try:
+        for step, (link, tensors) in enumerate(zip(links, blobs, strict=True)):
+            blob = tensors[f"c{index}"].numpy().data
+            if codec.digest(blob) != link.manifest.delta.encoded_xxh3[index]:
+                raise IntegrityError(f"encoded chunk {index} of {link.version}: digest")
+            codec.apply(parts, blob)
+            want = (
+                links[step + 1].manifest.delta.base_checksum[index]
+                if step + 1 < len(links)
+                else final.chunk_xxh3[index]
+            )
+            if codec.chunk_checksum(dest.flats, dest.segments(index), kind) != want:
+                raise IntegrityError(f"chunk {index} of {link.version}: checksum")
+    except (IntegrityError, KeyError) as exc:
+        log.warning("delta chunk %d: %s; reading it whole", index, exc)
+        return False
+    dest.mark_present(index, final.chunk_xxh3[index] if kind == KINDS[0] else None)
+    return True
+
+
+def _landed(held: HeldVersion, spec: TensorSpec | None, end: float) -> bool:
+    """Wait until every chunk of `held` that tensor `spec` lies in is present (False if the
+    read failed, was released, or `end` passed first)."""
+    if spec is None:
+        return False
+    size = held.layout.chunk_size
+    first, last = spec.offset // size, (spec.offset + max(spec.nbytes, 1) - 1) // size
+    chunks = range(first, last + 1)
+    return all(held.wait_present(c, max(0.0, end - time.monotonic())) for c in chunks)
 
 
 class _NoDelta(Exception):

@@ -152,7 +152,10 @@ class Hub:
             or (delta_hold_bytes < 0)
         ):
             raise InvalidArgument(f"delta_hold_bytes {delta_hold_bytes!r}: a byte count >= 0")
-        self._deltas = DeltaReader(self._fetch_companion, self._manifest, delta_hold_bytes)
+        self._deltas = DeltaReader(
+            self._fetch_companion, self._manifest, delta_hold_bytes,
+            find=lambda model, version: self.holdings.get((me.tenant, model, version)),
+        )  # fmt: skip
         self._closed = False
         try:
             self.session.open(
