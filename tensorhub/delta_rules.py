@@ -4,8 +4,9 @@ is `Manifest.delta` (ros/proto); docs/sdk.md, "Delta versions", says how they ar
 
 from __future__ import annotations
 
-ENCODING = "xor-shuffle-zstd1"  # XOR with the base, bytes split in planes, zstd level 1
-ENCODINGS = (ENCODING,)  # what readers can apply; a manifest naming another is refused
+ENCODING = "xor-adaptive-zstd1"  # each chunk: its changed words, or byte planes of the XOR
+PLANES = "xor-shuffle-zstd1"  # every chunk byte planes of the XOR (the first encoding)
+ENCODINGS = (ENCODING, PLANES)  # what readers can apply; a manifest naming another is refused
 WHOLE_RATIO = 0.8  # a chunk whose encoding is larger than this share of it goes whole
 SUFFIX = ".delta"  # `{model}.delta`@v serves the encoded chunks of `{model}`@v
 

@@ -1,18 +1,24 @@
 """Lossless chunk deltas: one version's chunk encoded against the same chunk of its base.
 
 An RL step changes about 1 % of a model's bf16 weights, and those it changes change in
-their low bits. A chunk is encoded as `xor-shuffle-zstd1`:
+their low bits. A chunk is encoded as `xor-adaptive-zstd1`: the XOR of the new payload with
+the base payload (torch, on the tensors' own device: unchanged bytes become zeros), then one
+of two forms, named by the encoding's first byte:
 
-1. XOR the new payload with the base payload (torch, on the tensors' own device): unchanged
-   bytes become zeros;
-2. byte-shuffle the XOR in 2-byte words (all first bytes, then all second bytes; torch, on
-   the device): the zeros of the high bytes of a bf16 word line up in one long run;
-3. compress with zstd at level 1 (on the host: the one copy that leaves a GPU is the XOR).
+- **changed words** (`WORDS`, when at most a quarter of the chunk's 2-byte words changed:
+  every step at lr 1e-6 and 1e-5 in `bench delta`): the positions of the words that
+  changed and their XOR, gap-coded, in byte planes, zstd level 1 (`transport.delta_words`).
+  Applying it touches only those words;
+- **byte planes** (`PLANES`, denser changes): the XOR in planes of 2-byte words (all first
+  bytes, then all second bytes: the zeros of the high bytes of a bf16 word line up in one
+  long run), zstd level 1. Applying it decodes and XORs every byte of the chunk.
 
 Applying reverses the steps and XORs the result into the base bytes in place. A chunk whose
-encoding is over `WHOLE_RATIO` of its payload is not encoded: it is sent whole. The
-alternatives measured (positions plus values, XOR with zlib or lz4, no shuffle) and why
-this one won are in docs/design-notes.md, "Delta versions".
+encoding is over `WHOLE_RATIO` of its payload is not encoded: it is sent whole. The first
+encoding, `xor-shuffle-zstd1` (every chunk byte planes, no kind byte), is still applied
+when a manifest names it. The alternatives measured (positions plus values, XOR with zlib
+or lz4, no planes, the two forms) and why these won are in docs/design-notes.md, "Delta
+versions".
 
 Chunks are lists of flat uint8 tensors (a chunk's segments, `HeldVersion.chunk_parts`):
 the padding between tensors is never read, written or sent.
@@ -28,15 +34,17 @@ import torch
 import xxhash
 import zstandard
 
-from tensorhub.delta_rules import ENCODING, ENCODINGS, WHOLE_RATIO
+from tensorhub.delta_rules import ENCODING, ENCODINGS, PLANES, WHOLE_RATIO
 from tensorhub.errors import IntegrityError
+from transport import delta_words
 from transport.checksums import WSUM64, wsum64_of_segments
 from transport.layout import Segment
 
-__all__ = ["ENCODING", "ENCODINGS", "WHOLE_RATIO", "apply", "chunk_checksum", "digest",
-           "encode", "payload"]  # fmt: skip
+__all__ = ["ENCODING", "ENCODINGS", "PLANES", "WHOLE_RATIO", "apply", "chunk_checksum",
+           "digest", "encode", "payload"]  # fmt: skip
 
 LEVEL = 1  # zstd level: 0.05-0.15 s per 53 MiB here, within 10 % of level 3's size
+WORDS, DENSE = b"\x01", b"\x00"  # an `xor-adaptive-zstd1` chunk's first byte: its form
 
 
 def payload(parts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -77,7 +85,7 @@ def _unshuffle(x: torch.Tensor) -> torch.Tensor:
 
 
 def encode(base: Sequence[torch.Tensor], new: Sequence[torch.Tensor]) -> bytes | None:
-    """The encoding of chunk `new` against chunk `base` (each a chunk's segments, the same
+    """The `ENCODING` of chunk `new` against chunk `base` (each a chunk's segments, the same
     lengths), or None when it would be over `WHOLE_RATIO` of the payload. It runs on `new`'s
     device: a base on another (a host copy of a GPU version) is copied there first, one
     chunk at a time."""
@@ -88,21 +96,50 @@ def encode(base: Sequence[torch.Tensor], new: Sequence[torch.Tensor]) -> bytes |
         raise IntegrityError(f"delta of chunks of {old.numel()} and {now.numel()} bytes")
     if now.numel() == 0:
         return None
-    x = _shuffle(torch.bitwise_xor(old, now))
-    host = x.cpu() if x.device.type != "cpu" else x
-    encoded = zstandard.ZstdCompressor(level=LEVEL).compress(host.numpy().data)
+    words = delta_words.changed(old, now) if now.numel() % 2 == 0 else None
+    if words is not None:
+        encoded = WORDS + delta_words.encode(now.numel() // 2, *words, level=LEVEL)
+    else:
+        encoded = DENSE + _planes(torch.bitwise_xor(old, now))
     if len(encoded) > WHOLE_RATIO * now.numel():
         return None
     return encoded
 
 
-def apply(dest: Sequence[torch.Tensor], encoded: bytes | memoryview) -> None:
+def _planes(x: torch.Tensor) -> bytes:
+    """The zstd frame of the byte planes of the XOR `x` (the one copy that leaves a GPU)."""
+    planes = _shuffle(x)
+    host = planes.cpu() if planes.device.type != "cpu" else planes
+    return zstandard.ZstdCompressor(level=LEVEL).compress(host.numpy().data)
+
+
+def apply(
+    dest: Sequence[torch.Tensor], encoded: bytes | memoryview, encoding: str = ENCODING
+) -> None:
     """XOR the decoded chunk into `dest` (the base chunk's segments) in place: afterwards
-    `dest` holds the new chunk. `IntegrityError` if `encoded` is not a frame of exactly the
-    chunk's size (nothing written then)."""
+    `dest` holds the new chunk. `encoding` is the manifest's. `IntegrityError` if `encoded`
+    is not an encoding of a chunk of exactly this size (nothing written then)."""
+    if encoding not in ENCODINGS:
+        raise IntegrityError(f"unknown delta encoding {encoding!r}")
+    view = memoryview(encoded)
+    if encoding == PLANES:
+        _apply_planes(dest, view)
+        return
+    size = sum(int(part.numel()) for part in dest)
+    form, body = bytes(view[:1]), view[1:]
+    if form == DENSE:
+        _apply_planes(dest, body)
+    elif form == WORDS and size % 2 == 0:
+        delta_words.apply(dest, *delta_words.decode(body, size // 2))
+    else:
+        raise IntegrityError(f"delta chunk of form {form!r} for a chunk of {size} bytes")
+
+
+def _apply_planes(dest: Sequence[torch.Tensor], encoded: memoryview) -> None:
+    """Apply the zstd frame of the XOR's byte planes (`_planes`) to `dest`."""
     size = sum(int(part.numel()) for part in dest)
     try:
-        raw = zstandard.ZstdDecompressor().decompress(bytes(encoded), max_output_size=size)
+        raw = zstandard.ZstdDecompressor().decompress(encoded, max_output_size=size)
     except zstandard.ZstdError as exc:
         raise IntegrityError(f"delta chunk does not decode: {exc}") from exc
     if len(raw) != size:

@@ -455,7 +455,7 @@ def _apply_one(
             blob = tensors[f"c{index}"].numpy().data
             if codec.digest(blob) != link.manifest.delta.encoded_xxh3[index]:
                 raise IntegrityError(f"encoded chunk {index} of {link.version}: digest")
-            codec.apply(parts, blob)
+            codec.apply(parts, blob, link.manifest.delta.encoding)
             want = (
                 links[step + 1].manifest.delta.base_checksum[index]
                 if step + 1 < len(links)

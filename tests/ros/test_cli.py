@@ -170,7 +170,7 @@ def test_inspect_and_holders_show_a_delta_and_who_serves_it(served: str) -> None
         assert 0 < delta["encoded_bytes"] < shown["bytes"]
         assert {h["name"] for h in delta["holders"]} == {"trainer-0", "rollout-0"}
         text = tensorhub("inspect", "policy@2", env=env).stdout
-        assert "delta against 1 (xor-shuffle-zstd1)" in text
+        assert "delta against 1 (xor-adaptive-zstd1)" in text
         assert "served as policy.delta@2 by 2 holders" in text
         table = tensorhub("holders", "policy@2", env=env).stdout
         assert "delta against 1: served by the holders of policy.delta@2" in table

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tensorhub.delta_rules import PLANES
 from tensorhub.errors import IntegrityError
-from transport import delta
+from transport import delta, delta_words
 from transport.checksums import WSUM64, XXH3
 from transport.layout import Layout
 from transport.store import HeldVersion
@@ -40,6 +41,92 @@ def test_a_sparse_change_encodes_small_and_applies_exactly() -> None:
     dest = base.clone()
     delta.apply([u8(dest)], encoded)
     assert torch.equal(u8(dest), u8(new))
+
+
+@pytest.mark.parametrize("share", [0.0, 0.001, 0.02, 0.2, 0.6])
+def test_each_density_takes_its_form_and_round_trips(share: float) -> None:
+    """Up to a quarter of the words changed: the changed words (applying touches only
+    them); more: byte planes of the XOR. Either applies exactly, in one segment or split
+    across segments at an odd byte (a word that straddles two tensors)."""
+    base = bf16(1 << 16, 21)
+    new = nudged(base, share, 22)
+    changed = int((base.view(torch.int16) != new.view(torch.int16)).sum())
+    encoded = delta.encode([u8(base)], [u8(new)])
+    assert encoded is not None
+    want = delta.WORDS if changed <= delta_words.MAX_SHARE * base.numel() else delta.DENSE
+    assert encoded[:1] == want
+    for cut in (None, 1001):
+        dest = base.clone()
+        parts = [u8(dest)] if cut is None else [u8(dest)[:cut], u8(dest)[cut:]]
+        delta.apply(parts, encoded)
+        assert torch.equal(dest, new)
+
+
+def test_the_changed_words_are_found_at_any_length_and_offset() -> None:
+    """The 8-byte block scan and the word scan (a length not a multiple of 8, a payload that
+    starts at an odd word) find the same words, whatever their place in a block."""
+    g = torch.Generator().manual_seed(23)
+    for length, start in ((4096, 0), (4094, 0), (4096, 2), (18, 6)):
+        old = torch.randint(0, 256, (length + start,), dtype=torch.uint8, generator=g)[start:]
+        new = old.clone()
+        at = torch.randperm(length // 2, generator=g)[: max(1, length // 64)]
+        new.view(torch.int16)[at] ^= 0x0101
+        found = delta_words.changed(old, new)
+        assert found is not None
+        idx, values = found
+        assert sorted(idx.tolist()) == sorted(at.tolist()) == idx.tolist()
+        assert (values.view("<u2").reshape(-1) == 0x0101).all()
+
+
+def test_the_first_encoding_still_applies() -> None:
+    """A manifest naming `xor-shuffle-zstd1` (every chunk byte planes, no form byte), as the
+    first publishers wrote it."""
+    base = bf16(1 << 16, 24)
+    new = nudged(base, 0.01, 25)
+    first = delta._planes(torch.bitwise_xor(u8(base), u8(new)))
+    dest = base.clone()
+    delta.apply([u8(dest)], first, PLANES)
+    assert torch.equal(dest, new)
+    with pytest.raises(IntegrityError, match="unknown delta encoding"):
+        delta.apply([u8(dest)], first, "xor-bogus")
+
+
+def test_a_changed_words_frame_that_lies_is_refused_before_writing() -> None:
+    """Counts past the chunk, positions out of order or past its end, another chunk
+    size, a short frame: `IntegrityError`, and the destination is untouched."""
+    import numpy as np
+    import zstandard
+
+    words = 512
+    base = bf16(words, 26)
+
+    def frame(total: int, gaps: list[int], count: int | None = None) -> bytes:
+        g = np.array(gaps, dtype="<i4")
+        body = np.concatenate([g.view(np.uint8).reshape(-1, 4).T.reshape(-1),
+                               np.ones(2 * len(gaps), dtype=np.uint8)])  # fmt: skip
+        n = len(gaps) if count is None else count
+        head = total.to_bytes(4, "little") + n.to_bytes(4, "little")
+        return delta.WORDS + head + zstandard.ZstdCompressor().compress(body.tobytes())
+
+    good = frame(words, [1, 5, 7])
+    dest = base.clone()
+    delta.apply([u8(dest)], good)
+    assert not torch.equal(dest, base)
+    bad = [
+        frame(words + 1, [1, 5, 7]),  # another chunk's size
+        frame(words, [1, 0, 7]),  # a repeated position
+        frame(words, [1, -3, 7]),  # backwards
+        frame(words, [1, 5, words]),  # past the end
+        frame(words, [1, 5, 7], count=4),  # a count the frame does not hold
+        frame(words, [1, 5, 7], count=words + 1),  # more words than the chunk has
+        delta.WORDS + b"\x01\x02",  # no header
+        b"\x07" + good[1:],  # an unknown form
+    ]
+    for lie in bad:
+        dest = base.clone()
+        with pytest.raises(IntegrityError):
+            delta.apply([u8(dest)], lie)
+        assert torch.equal(dest, base)
 
 
 def test_segments_and_odd_lengths_round_trip() -> None:

@@ -1,0 +1,135 @@
+"""The changed-words form of a chunk's delta: where the chunk's 2-byte words changed, and
+their XOR with the base, instead of the XOR of every word.
+
+An RL step at a small learning rate changes 1-3 % of a model's bf16 words. Byte planes of
+the full XOR (`transport.delta`'s dense form) compress well, but applying them decodes and
+XORs every byte of the chunk; this form lists only the words that changed, so applying it
+touches only those (about 3x less CPU per step here), and it is also smaller at such
+densities (the positions compress better than the runs of zero bytes between them:
+docs/design-notes.md, "Delta versions").
+
+Format, after the one-byte kind: the chunk's number of words and the count c of changed
+words (each a uint32, little-endian; a chunk is at most 1 GiB), then a zstd frame of 6c
+bytes:
+
+    the c gaps as int32 little-endian, in 4 byte planes (every first byte, then every
+    second, ...), then the c XOR words as their 2 raw bytes, in 2 byte planes;
+
+word k changed is at word position (gap_0 + ... + gap_k) - 1 (so every gap is >= 1 and
+positions strictly increase). The work on the tensors' device is the XOR, the search for
+changed words and the scatter; the small gap and value arrays are built and read on the
+host (numpy: per-chunk overhead matters more than bandwidth for arrays this small).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import zstandard
+
+from tensorhub.errors import IntegrityError
+
+MAX_SHARE = 0.25  # more changed words than this share of a chunk's: the dense form
+
+
+def changed(old: torch.Tensor, new: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
+    """The positions (int64) of the 2-byte words where chunk payloads `old` and `new` (an
+    even number of bytes each, on one device) differ, and their XOR ((c, 2) uint8), both
+    on the host; None when more than `MAX_SHARE` of the words differ."""
+    words = new.numel() // 2
+    limit = int(MAX_SHARE * words)
+    if new.device.type != "cpu":
+        w = torch.bitwise_xor(old, new).view(torch.int16)
+        if int(torch.count_nonzero(w)) > limit:
+            return None
+        idx = torch.nonzero(w).reshape(-1)
+        return idx.cpu().numpy(), w[idx].cpu().numpy().view(np.uint8).reshape(-1, 2)
+    a, b = old.numpy(), new.numpy()
+    a16, b16 = a.view(np.uint16), b.view(np.uint16)
+    if a.size % 8 == 0:  # 8-byte blocks first: 4x fewer elements to compare and scan
+        blocks = (a.view(np.uint64) != b.view(np.uint64)).nonzero()[0]
+        if blocks.size > limit:
+            return None
+        quads = a16.reshape(-1, 4)[blocks] ^ b16.reshape(-1, 4)[blocks]
+        at = (quads != 0).reshape(-1).nonzero()[0]
+        idx, values = blocks[at >> 2] * 4 + (at & 3), quads.reshape(-1)[at]
+    else:
+        idx = (a16 != b16).nonzero()[0]
+        values = a16[idx] ^ b16[idx]
+    if idx.size > limit:
+        return None
+    return idx, values.view(np.uint8).reshape(-1, 2)
+
+
+def encode(words: int, idx: np.ndarray, values: np.ndarray, level: int) -> bytes:
+    """`changed`'s result for a chunk of `words` words, in the format (module docstring)."""
+    count = int(idx.size)
+    gaps = np.empty(count, dtype="<i4")
+    if count:
+        gaps[0] = idx[0] + 1
+        np.subtract(idx[1:], idx[:-1], out=gaps[1:], casting="unsafe")
+    body = np.concatenate([
+        gaps.view(np.uint8).reshape(-1, 4).T.reshape(-1),
+        values.reshape(-1, 2).T.reshape(-1),
+    ])  # fmt: skip
+    head = words.to_bytes(4, "little") + count.to_bytes(4, "little")
+    return head + zstandard.ZstdCompressor(level=level).compress(body.data)
+
+
+def decode(encoded: bytes | memoryview, words: int) -> tuple[np.ndarray, np.ndarray]:
+    """The positions (int64, each below `words`, strictly increasing) and the XOR words
+    ((c,) uint16, raw byte order) of an encoding of a chunk of `words` words;
+    `IntegrityError` for anything else."""
+    view = memoryview(encoded)
+    if len(view) < 8:
+        raise IntegrityError("changed-words delta chunk: no header")
+    total, count = (int.from_bytes(view[at : at + 4], "little") for at in (0, 4))
+    if total != words:
+        raise IntegrityError(f"changed-words delta of a chunk of {total} words, not {words}")
+    if count > words:
+        raise IntegrityError(f"changed-words delta chunk: {count} words of {words}")
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(view[8:], max_output_size=6 * count)
+    except zstandard.ZstdError as exc:
+        raise IntegrityError(f"delta chunk does not decode: {exc}") from exc
+    if len(raw) != 6 * count:
+        raise IntegrityError(f"changed-words delta chunk: {len(raw)} bytes for {count} words")
+    body = np.frombuffer(raw, dtype=np.uint8)
+    gaps = body[: 4 * count].reshape(4, -1).T.copy().view("<i4").reshape(-1)
+    values = body[4 * count :].reshape(2, -1).T.copy().view(np.uint16).reshape(-1)
+    if count and int(gaps.min()) < 1:
+        raise IntegrityError("changed-words delta chunk: positions out of order")
+    positions = np.cumsum(gaps, dtype=np.int64) - 1
+    if count and int(positions[-1]) >= words:
+        raise IntegrityError(f"changed-words delta chunk: a position past word {words}")
+    return positions, values
+
+
+def apply(dest: Sequence[torch.Tensor], positions: np.ndarray, values: np.ndarray) -> None:
+    """XOR `values` into the words at `positions` of the chunk `dest` (its segments, in
+    place, on their device). A chunk of one host segment is changed where it is; any other
+    is joined, changed and copied back (a chunk that spans tensors, or device memory)."""
+    if not positions.size:
+        return
+    if len(dest) == 1 and dest[0].device.type == "cpu":
+        dest[0].numpy().view(np.uint16)[positions] ^= values
+        return
+    device = dest[0].device
+    joined = torch.cat(list(dest)) if len(dest) > 1 else dest[0].clone()
+    if device.type == "cpu":
+        joined.numpy().view(np.uint16)[positions] ^= values
+    else:
+        w = joined.view(torch.int16)
+        where = torch.from_numpy(positions).to(device)
+        with warnings.catch_warnings():  # values is read only: torch warns, nothing writes it
+            warnings.simplefilter("ignore", UserWarning)
+            xor = torch.from_numpy(values.view(np.int16)).to(device)
+        w[where] = w[where] ^ xor
+    at = 0
+    for part in dest:
+        n = int(part.numel())
+        part.copy_(joined[at : at + n])
+        at += n
