@@ -160,7 +160,23 @@ class Layout:
 
     def payload_bytes(self, index: int) -> int:
         """How many bytes chunk `index` carries on the wire."""
-        return sum(s.length for s in self.segments(index))
+        if not 0 <= index < self.num_chunks:
+            raise InvalidArgument(f"chunk {index} out of range (0..{self.num_chunks - 1})")
+        return self._payloads[index]
+
+    @cached_property
+    def _payloads(self) -> list[int]:
+        """Every chunk's payload size, in one pass over the tensors (a reader asks for each
+        chunk's several times; finding its segments each time was a fetch's hot spot)."""
+        sizes = [0] * self.num_chunks
+        size = self.chunk_size
+        for spec in self.tensors:
+            at, end = spec.offset, spec.offset + spec.nbytes
+            while at < end:
+                upto = min(end, (at // size + 1) * size)
+                sizes[at // size] += upto - at
+                at = upto
+        return sizes
 
     @cached_property
     def digest(self) -> int:
