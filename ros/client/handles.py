@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from types import TracebackType
@@ -26,6 +27,14 @@ if TYPE_CHECKING:
     from ros.client.watch import HubWatch
 
 log = logging.getLogger(__name__)
+
+
+def _release_into(handle: _Handle, timeout: float, failed: list[BaseException]) -> None:
+    """Release `handle` (forced); what it raises goes into `failed`."""
+    try:
+        handle.release(force=True, timeout=timeout)
+    except BaseException as exc:  # handed to the caller's thread, which raises it
+        failed.append(exc)
 
 
 class Owner(Protocol):
@@ -90,13 +99,33 @@ class _Handle:
         is changed), or, with `spill`, written to that safetensors file and served from it.
         `force=True` drops it instead.
         """
+        companion = self.companion  # bytes saved, never needed for a version's data
+        if companion is None or companion.released:
+            self._release_own(force, timeout, spill)
+            return
+        # the two releases are independent hub calls: made at once, the caller waits for one
+        # round trip, not two (an in-place delta update releases its version first)
+        failed: list[BaseException] = []
+        other = threading.Thread(
+            target=_release_into, args=(companion, timeout, failed),
+            name=f"release-{companion.model}@{companion.version}", daemon=True,
+        )  # fmt: skip
+        other.start()
+        try:
+            self._release_own(force, timeout, spill)
+        finally:
+            other.join()
+        if failed:
+            raise failed[0]
+
+    def _release_own(
+        self, force: bool, timeout: float, spill: str | os.PathLike[str] | None
+    ) -> None:
         if not self.released:
             self._releaser.release(
                 self.model, self.version, force=force, timeout=timeout, spill=spill
             )
             self.released = True
-        if self.companion is not None:  # bytes saved, never needed for a version's data
-            self.companion.release(force=True, timeout=timeout)
 
     def __enter__(self) -> _Handle:
         return self
