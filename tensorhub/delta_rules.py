@@ -9,6 +9,7 @@ PLANES = "xor-shuffle-zstd1"  # every chunk byte planes of the XOR (the first en
 ENCODINGS = (ENCODING, PLANES)  # what readers can apply; a manifest naming another is refused
 WHOLE_RATIO = 0.8  # a chunk whose encoding is larger than this share of it goes whole
 SUFFIX = ".delta"  # `{model}.delta`@v serves the encoded chunks of `{model}`@v
+TENSOR = "encoded"  # its one uint8 tensor: the encoded chunks back to back, in chunk order
 
 
 def companion_of(model: str) -> str:

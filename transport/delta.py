@@ -30,15 +30,16 @@ import sys
 import warnings
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import xxhash
 import zstandard
 
 from tensorhub.delta_rules import ENCODING, ENCODINGS, PLANES, WHOLE_RATIO
 from tensorhub.errors import IntegrityError
-from transport import delta_words
+from transport import delta_words, zstd_contexts
 from transport.checksums import WSUM64, wsum64_of_segments
-from transport.layout import Segment
+from transport.store import HeldVersion
 
 __all__ = ["ENCODING", "ENCODINGS", "PLANES", "WHOLE_RATIO", "apply", "chunk_checksum",
            "digest", "encode", "payload"]  # fmt: skip
@@ -84,11 +85,15 @@ def _unshuffle(x: torch.Tensor) -> torch.Tensor:
     return words.view(torch.uint8)
 
 
-def encode(base: Sequence[torch.Tensor], new: Sequence[torch.Tensor]) -> bytes | None:
+def encode(
+    base: Sequence[torch.Tensor], new: Sequence[torch.Tensor], *, advance: bool = False
+) -> bytes | None:
     """The `ENCODING` of chunk `new` against chunk `base` (each a chunk's segments, the same
     lengths), or None when it would be over `WHOLE_RATIO` of the payload. It runs on `new`'s
     device: a base on another (a host copy of a GPU version) is copied there first, one
-    chunk at a time."""
+    chunk at a time. `advance`: afterwards `base` holds `new`'s bytes, written where `base`
+    is (only the changed words, when they are few): a publisher's copy of what it
+    published, brought to the next version while both chunks are in the cache."""
     old, now = payload(base), payload(new)
     if old.device != now.device:  # a base copy kept on the host, a version on a GPU
         old = old.to(now.device)
@@ -98,19 +103,33 @@ def encode(base: Sequence[torch.Tensor], new: Sequence[torch.Tensor]) -> bytes |
         return None
     words = delta_words.changed(old, now) if now.numel() % 2 == 0 else None
     if words is not None:
-        encoded = WORDS + delta_words.encode(now.numel() // 2, *words, level=LEVEL)
+        idx, values = words
+        encoded = WORDS + delta_words.encode(now.numel() // 2, idx, values, level=LEVEL)
+        if advance:
+            delta_words.apply(base, idx, values.view(np.uint16).reshape(-1))
     else:
         encoded = DENSE + _planes(torch.bitwise_xor(old, now))
+        if advance:
+            _copy_into(base, now)
     if len(encoded) > WHOLE_RATIO * now.numel():
         return None
     return encoded
+
+
+def _copy_into(dest: Sequence[torch.Tensor], payload: torch.Tensor) -> None:
+    """Copy a chunk's payload into its segments `dest` (any devices)."""
+    at = 0
+    for part in dest:
+        n = int(part.numel())
+        part.copy_(payload[at : at + n])
+        at += n
 
 
 def _planes(x: torch.Tensor) -> bytes:
     """The zstd frame of the byte planes of the XOR `x` (the one copy that leaves a GPU)."""
     planes = _shuffle(x)
     host = planes.cpu() if planes.device.type != "cpu" else planes
-    return zstandard.ZstdCompressor(level=LEVEL).compress(host.numpy().data)
+    return zstd_contexts.compressor(LEVEL).compress(host.numpy().data)
 
 
 def apply(
@@ -139,7 +158,7 @@ def _apply_planes(dest: Sequence[torch.Tensor], encoded: memoryview) -> None:
     """Apply the zstd frame of the XOR's byte planes (`_planes`) to `dest`."""
     size = sum(int(part.numel()) for part in dest)
     try:
-        raw = zstandard.ZstdDecompressor().decompress(encoded, max_output_size=size)
+        raw = zstd_contexts.decompressor().decompress(encoded, max_output_size=size)
     except zstandard.ZstdError as exc:
         raise IntegrityError(f"delta chunk does not decode: {exc}") from exc
     if len(raw) != size:
@@ -161,13 +180,18 @@ def digest(encoded: bytes | memoryview) -> int:
     return int(xxhash.xxh3_64_intdigest(encoded))
 
 
-def chunk_checksum(flats: Sequence[torch.Tensor], segments: Sequence[Segment], kind: str) -> int:
-    """The checksum (of `kind`, as a manifest's) of the bytes a chunk's memory holds now,
-    whatever a store has cached: how a reader checks that its memory is exactly the base."""
+def chunk_checksum(held: HeldVersion, index: int, kind: str) -> int:
+    """The checksum (of `kind`, as a manifest's) of the bytes chunk `index` of `held` holds
+    now, whatever it has cached: how a reader checks that its memory is exactly the base,
+    and the result of applying. Host memory is hashed through `held`'s views of it (no
+    tensor per segment: a reader does this twice a chunk)."""
     if kind == WSUM64:
-        return wsum64_of_segments(flats, segments)
+        return wsum64_of_segments(held.flats, held.segments(index))
     h = xxhash.xxh3_64()
-    for s in segments:
-        part = flats[s.tensor][s.start : s.start + s.length]
-        h.update((part.cpu() if part.device.type != "cpu" else part).numpy().data)
+    if held.on_cuda:
+        for part in held.chunk_parts(index):
+            h.update(part.cpu().numpy().data)
+    else:
+        for view in held.source_views(index):
+            h.update(view)
     return int(h.intdigest())

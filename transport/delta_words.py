@@ -31,6 +31,7 @@ import torch
 import zstandard
 
 from tensorhub.errors import IntegrityError
+from transport import zstd_contexts
 
 MAX_SHARE = 0.25  # more changed words than this share of a chunk's: the dense form
 
@@ -76,7 +77,7 @@ def encode(words: int, idx: np.ndarray, values: np.ndarray, level: int) -> bytes
         values.reshape(-1, 2).T.reshape(-1),
     ])  # fmt: skip
     head = words.to_bytes(4, "little") + count.to_bytes(4, "little")
-    return head + zstandard.ZstdCompressor(level=level).compress(body.data)
+    return head + zstd_contexts.compressor(level).compress(body.data)
 
 
 def decode(encoded: bytes | memoryview, words: int) -> tuple[np.ndarray, np.ndarray]:
@@ -92,7 +93,7 @@ def decode(encoded: bytes | memoryview, words: int) -> tuple[np.ndarray, np.ndar
     if count > words:
         raise IntegrityError(f"changed-words delta chunk: {count} words of {words}")
     try:
-        raw = zstandard.ZstdDecompressor().decompress(view[8:], max_output_size=6 * count)
+        raw = zstd_contexts.decompressor().decompress(view[8:], max_output_size=6 * count)
     except zstandard.ZstdError as exc:
         raise IntegrityError(f"delta chunk does not decode: {exc}") from exc
     if len(raw) != 6 * count:

@@ -28,23 +28,23 @@ of its part) leaves the chunks not applied to the rounds: slower, never wrong.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ros.client.deadline import Deadline
 from ros.client.handles import Held
-from ros.client.manifest import layout_of
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.checksum_kinds import KINDS
-from tensorhub.delta_rules import ENCODINGS
+from tensorhub.delta_rules import ENCODINGS, TENSOR
 from tensorhub.errors import IntegrityError, TensorHubError
 from transport import delta as codec
-from transport.layout import Layout, TensorSpec
+from transport.layout import Layout
 from transport.store import HeldVersion
 
 log = logging.getLogger(__name__)
@@ -184,7 +184,9 @@ class DeltaReader:
         version = dest.key[2]
         try:
             wanted = set(range(len(manifest.chunk_xxh3)) if chunks is None else chunks)
-            links = self._chain(model, shard, version, manifest, base, deadline, wanted)
+            links = self._chain(
+                model, shard, version, dest.layout, manifest, base, deadline, wanted
+            )
             kept = self._apply_links(model, shard, links, dest, stats, deadline, wanted, hold)
         except _NoDelta as why:
             stats.fallback = str(why)
@@ -200,6 +202,7 @@ class DeltaReader:
         model: str,
         shard: int | None,
         version: int,
+        layout: Layout,
         manifest: pb.Manifest,
         base: int,
         deadline: Deadline,
@@ -235,9 +238,8 @@ class DeltaReader:
             raise _NoDelta(f"unknown checksum {manifest.checksum!r}")
         usable = self._usable(links, wanted)
         encoded = sum(link.manifest.delta.encoded_bytes[i] for link in links for i in usable)
-        layout = _layout(manifest)
-        whole = sum(layout[i] for i in wanted - usable)
-        if encoded + whole >= sum(layout[i] for i in wanted):
+        whole = sum(layout.payload_bytes(i) for i in wanted - usable)
+        if encoded + whole >= sum(layout.payload_bytes(i) for i in wanted):
             raise _NoDelta(
                 f"{len(links)} deltas ({encoded} bytes, and {whole} whole) move no fewer bytes "
                 "than the whole version"
@@ -260,18 +262,19 @@ class DeltaReader:
         wanted: set[int],
         hold: bool,
     ) -> Held | None:
+
         kind = links[-1].manifest.checksum or KINDS[0]
-        todo = []
-        for index in sorted(self._usable(links, wanted)):
-            have = codec.chunk_checksum(dest.flats, dest.segments(index), kind)
-            if have == links[0].manifest.delta.base_checksum[index]:
-                todo.append(index)
-            else:
-                stats.base_mismatch += 1
+        usable = sorted(self._usable(links, wanted))
+        is_base = _BaseCheck(dest, links[0].manifest.delta.base_checksum, kind, stats)
+        if len(links) == 1 and hold and self._find is not None and usable and is_base(usable[0]):
+            # the memory is the base where it starts: the rest is checked while the delta
+            # is on its way (a memory that is not the base at all reads whole at once)
+            return self._apply_streaming(
+                links[0], shard, dest, usable, is_base, kind, stats, deadline, wanted
+            )
+        todo = [index for index in usable if is_base(index)]
         if not todo:
             raise _NoDelta(f"no chunk of the destination is exactly {links[0].manifest.delta.base}")
-        if len(links) == 1 and hold and self._find is not None:
-            return self._apply_streaming(links[0], shard, dest, todo, kind, stats, deadline, wanted)
         companions: list[Companion] = []
         try:
             for link in links:
@@ -311,31 +314,33 @@ class DeltaReader:
         """Apply every link to each chunk of `todo`, verifying as it goes; mark each chunk
         that ends as the version's present. The chunks that failed a check (left missing,
         their memory no longer the base: the rounds read them whole)."""
-        return [
-            index
-            for index in todo
-            if not _apply_one(links, [read.tensors for read in companions], dest, index, kind)
-        ]
+        pairs = zip(links, companions, strict=True)
+        blobs = [_Encoded(link.manifest.delta, read.tensors) for link, read in pairs]
+        return [index for index in todo if not _apply_one(links, blobs, dest, index, kind)]
 
     def _apply_streaming(
         self,
         link: _Link,
         shard: int | None,
         dest: HeldVersion,
-        todo: list[int],
+        usable: list[int],
+        is_base: _BaseCheck,
         kind: str,
         stats: DeltaStats,
         deadline: Deadline,
         wanted: set[int],
     ) -> Held | None:
-        """One link, read as its holder: apply each chunk as soon as its encoded bytes have
-        landed in the companion's memory, while the rest are still on the wire (the apply's
-        CPU then overlaps the transfer instead of following it). The companion's read runs
-        in a thread; its holding is found as soon as it starts (`find`). A read that fails
-        midway leaves what was applied (verified) and the rest to be read whole."""
+        """One link, read as its holder: check which of the `usable` chunks of `dest` are
+        the base while the companion is being found and read, and apply each as soon as its
+        encoded bytes have landed in the companion's memory, while the rest are still on the
+        wire (the checks' and the apply's CPU then overlap the transfer instead of following
+        it). The companion's read runs in a thread; its holding is found as soon as it
+        starts (`find`). A read that fails midway leaves what was applied (verified) and the
+        rest to be read whole."""
         companion = link.manifest.delta.companion
         outcome: dict[str, Companion | TensorHubError] = {}
         half = deadline.work((deadline.work_end - time.monotonic()) / 2)  # see _apply_links
+        end = time.monotonic() + half
 
         def read() -> None:
             try:
@@ -345,7 +350,7 @@ class DeltaReader:
 
         reader = threading.Thread(target=read, name=f"delta-{companion}", daemon=True)
         reader.start()
-        end = time.monotonic() + half
+        todo = [index for index in usable if is_base(index)]
         assert self._find is not None
         held = self._find(companion, link.version)
         while held is None and reader.is_alive() and time.monotonic() < end:
@@ -354,12 +359,12 @@ class DeltaReader:
         failed: list[int] = []
         done = 0
         if held is not None:
-            specs = {spec.name: spec for spec in held.layout.tensors}
+            encoded = _Encoded(link.manifest.delta, held.tensors)
             for index in todo:
-                if not _landed(held, specs.get(f"c{index}"), end):
+                if not _landed(held, encoded.span(index), end):
                     break
                 done += 1
-                if not _apply_one([link], [held.tensors], dest, index, kind):
+                if not _apply_one([link], [encoded], dest, index, kind):
                     failed.append(index)
         reader.join(max(0.0, end - time.monotonic()) + 1.0)
         got = outcome.get("read")
@@ -438,9 +443,29 @@ class StagedBases:
             return sum(k.layout.total_bytes for k in self._kept.values())
 
 
+class _Encoded:
+    """A link's encoded chunks: its companion's one tensor (`delta_rules.TENSOR`), chunk i
+    at the sum of the encoded sizes before it."""
+
+    def __init__(self, section: pb.Delta, tensors: Mapping[str, torch.Tensor]) -> None:
+        self._data = tensors.get(TENSOR)
+        self._starts = list(itertools.accumulate(section.encoded_bytes, initial=0))
+
+    def span(self, index: int) -> tuple[int, int]:
+        """Where chunk `index`'s encoding lies in the companion's bytes: [start, stop)."""
+        return self._starts[index], self._starts[index + 1]
+
+    def of(self, index: int) -> memoryview:
+        """Chunk `index`'s encoding; `IntegrityError` if the companion does not hold it."""
+        start, stop = self.span(index)
+        if self._data is None or self._data.numel() < stop:
+            raise IntegrityError(f"the companion holds no bytes {start}..{stop}")
+        return self._data[start:stop].numpy().data
+
+
 def _apply_one(
     links: list[_Link],
-    blobs: list[Mapping[str, torch.Tensor]],
+    blobs: list[_Encoded],
     dest: HeldVersion,
     index: int,
     kind: str,
@@ -451,8 +476,8 @@ def _apply_one(
     final = links[-1].manifest
     parts = dest.chunk_parts(index)
     try:
-        for step, (link, tensors) in enumerate(zip(links, blobs, strict=True)):
-            blob = tensors[f"c{index}"].numpy().data
+        for step, (link, encoded) in enumerate(zip(links, blobs, strict=True)):
+            blob = encoded.of(index)
             if codec.digest(blob) != link.manifest.delta.encoded_xxh3[index]:
                 raise IntegrityError(f"encoded chunk {index} of {link.version}: digest")
             codec.apply(parts, blob, link.manifest.delta.encoding)
@@ -461,24 +486,46 @@ def _apply_one(
                 if step + 1 < len(links)
                 else final.chunk_xxh3[index]
             )
-            if codec.chunk_checksum(dest.flats, dest.segments(index), kind) != want:
+            if codec.chunk_checksum(dest, index, kind) != want:
                 raise IntegrityError(f"chunk {index} of {link.version}: checksum")
-    except (IntegrityError, KeyError) as exc:
+    except IntegrityError as exc:
         log.warning("delta chunk %d: %s; reading it whole", index, exc)
         return False
     dest.mark_present(index, final.chunk_xxh3[index] if kind == KINDS[0] else None)
     return True
 
 
-def _landed(held: HeldVersion, spec: TensorSpec | None, end: float) -> bool:
-    """Wait until every chunk of `held` that tensor `spec` lies in is present (False if the
-    read failed, was released, or `end` passed first)."""
-    if spec is None:
+def _landed(held: HeldVersion, span: tuple[int, int], end: float) -> bool:
+    """Wait until every chunk of `held` (a companion) that bytes [start, stop) of its one
+    tensor lie in is present (False if the read failed, was released, or `end` passed
+    first, or it has no such bytes)."""
+    spec = next((s for s in held.layout.tensors if s.name == TENSOR), None)
+    start, stop = span
+    if spec is None or spec.nbytes < stop:
         return False
     size = held.layout.chunk_size
-    first, last = spec.offset // size, (spec.offset + max(spec.nbytes, 1) - 1) // size
+    first, last = (spec.offset + start) // size, (spec.offset + max(stop, start + 1) - 1) // size
     chunks = range(first, last + 1)
     return all(held.wait_present(c, max(0.0, end - time.monotonic())) for c in chunks)
+
+
+class _BaseCheck:
+    """Whether chunk i of `dest` holds exactly the base (its checksum is the one the
+    version's manifest gives the base), each chunk checked once; a mismatch is counted in
+    `stats.base_mismatch`."""
+
+    def __init__(self, dest: HeldVersion, sums: Sequence[int], kind: str, stats: DeltaStats):
+        self._dest, self._sums, self._kind, self._stats = dest, sums, kind, stats
+        self._seen: dict[int, bool] = {}
+
+    def __call__(self, index: int) -> bool:
+        seen = self._seen.get(index)
+        if seen is None:
+            seen = codec.chunk_checksum(self._dest, index, self._kind) == self._sums[index]
+            self._seen[index] = seen
+            if not seen:
+                self._stats.base_mismatch += 1
+        return seen
 
 
 class _NoDelta(Exception):
@@ -491,9 +538,3 @@ def _missing(dest: HeldVersion, wanted: Collection[int] | None) -> list[int]:
 
 def _nbytes(held: Held) -> int:
     return sum(t.numel() * t.element_size() for t in held.tensors.values())
-
-
-def _layout(manifest: pb.Manifest) -> list[int]:
-    """Each chunk's payload size (what it costs to read whole)."""
-    layout = layout_of(manifest)
-    return [layout.payload_bytes(i) for i in range(layout.num_chunks)]

@@ -6,7 +6,8 @@ the host (default) or on their own device: memory for one more copy of the model
 The next `delta=True` publish of the same model (and shard) by this client, with the same
 layout, encodes every chunk against that copy (`transport.delta`), on the tensors' device.
 The encoded chunks become version v of the companion model `{model}.delta` (one uint8
-tensor "c{i}" per encoded chunk i), published just before v and served like any version;
+tensor, "encoded": the encoded chunks back to back in chunk order, chunk i after the
+sizes of those before it), published just before v and served like any version;
 v's manifest says which chunks are encoded, their sizes and digests, and the base's chunk
 checksums that a reader's memory must match before it applies one (docs/sdk.md).
 """
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
-from tensorhub.delta_rules import ENCODING, companion_of
+from tensorhub.delta_rules import ENCODING, TENSOR, companion_of
 from tensorhub.errors import InvalidArgument, OutOfMemory
 from transport import delta as codec
 from transport.store import HeldVersion
@@ -59,41 +60,61 @@ class BaseCopies:
     def __init__(self, tenant: str) -> None:
         self._tenant = tenant
         self._copies: dict[tuple[str, int | None], _Copy] = {}
+        # copies that an encode brought to the version it encoded, until that version's
+        # publish ends (`keep` records them, `forget` drops them)
+        self._advanced: dict[tuple[str, int | None], HeldVersion] = {}
         self._lock = threading.Lock()
 
     def nbytes(self) -> int:
         """Bytes of every copy kept now (what `delta=True` costs this client)."""
         with self._lock:
-            return sum(c.held.layout.total_bytes for c in self._copies.values())
+            copies = [c.held for c in self._copies.values()] + list(self._advanced.values())
+            return sum(held.layout.total_bytes for held in copies)
 
     def encode(
         self, model: str, shard: int | None, held: HeldVersion, manifest: pb.Manifest
     ) -> Encoded | None:
         """`held` (about to be published with `manifest`) encoded against the kept copy, or
-        None: no copy, another layout or checksum kind, or no chunk worth encoding."""
+        None: no copy, another layout or checksum kind, or no chunk worth encoding.
+
+        Each chunk of the copy is brought to `held`'s as it is encoded (the changed words
+        written, or the chunk copied: `codec.encode(advance=True)`), while both are in the
+        cache, instead of a copy of the whole model after the publish: `keep` then records
+        it, and a publish that fails drops it (`forget`; the next publish goes whole)."""
+        key = (model, shard)
         with self._lock:
-            base = self._copies.get((model, shard))
-        if (
-            base is None
-            or base.version >= held.key[2]
-            or base.held.layout != held.layout
-            or base.checksum != manifest.checksum
-        ):
-            return None
+            base = self._copies.get(key)
+            if (
+                base is None
+                or base.version >= held.key[2]
+                or base.held.layout != held.layout
+                or base.checksum != manifest.checksum
+            ):
+                return None
+            del self._copies[key]  # changed from here on: it is the base of nothing else
+        encoded = self._encode(model, base, held)  # raised: the copy, half brought, is dropped
+        with self._lock:
+            self._advanced[key] = base.held
+        return encoded
+
+    def _encode(self, model: str, base: _Copy, held: HeldVersion) -> Encoded | None:
         sizes: list[int] = []
         digests: list[int] = []
-        tensors: dict[str, torch.Tensor] = {}
+        blob = bytearray()
         for index in range(held.layout.num_chunks):
-            encoded = codec.encode(base.held.chunk_parts(index), held.chunk_parts(index))
+            encoded = codec.encode(
+                base.held.chunk_parts(index), held.chunk_parts(index), advance=True
+            )
             if encoded is None:
                 sizes.append(0)
                 digests.append(0)
                 continue
             sizes.append(len(encoded))
             digests.append(codec.digest(encoded))
-            tensors[f"c{index}"] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
-        if not tensors:
+            blob += encoded
+        if not blob:
             return None
+        tensors = {TENSOR: torch.frombuffer(blob, dtype=torch.uint8)}
         section = pb.Delta(
             base=base.version, encoding=ENCODING, encoded_bytes=sizes, encoded_xxh3=digests,
             base_checksum=base.sums, companion=companion_of(model),
@@ -108,16 +129,30 @@ class BaseCopies:
         manifest: pb.Manifest,
         where: str,
     ) -> None:
-        """Copy `held` (just published with `manifest`) for the next publish to encode
-        against, replacing the copy of the version before (its memory is reused when the
-        layout is the same). `OutOfMemory` if the copy does not fit."""
+        """Keep a copy of `held` (just published with `manifest`) for the next publish to
+        encode against, replacing the copy of the version before: the copy its encode
+        brought to `held` as it went, or else a copy made now (into the old copy's memory
+        when the layout is the same). `OutOfMemory` if the copy does not fit."""
         if where not in WHERE:
             raise InvalidArgument(f"base_copy {where!r}: one of {', '.join(WHERE)}")
         key = (model, shard)
         with self._lock:
+            advanced = self._advanced.pop(key, None)
             old = self._copies.pop(key, None)
+        if (
+            advanced is not None
+            and advanced.layout == held.layout
+            and _same_place(advanced, held, where)
+        ):
+            self._record(key, held.key[2], advanced, manifest)
+            return
+        advanced = None  # a copy elsewhere than asked now: freed
         try:
-            if old is not None and old.held.layout == held.layout and _same_place(old, held, where):
+            if (
+                old is not None
+                and old.held.layout == held.layout
+                and _same_place(old.held, held, where)
+            ):
                 tensors = old.held.tensors
                 for name, t in held.tensors.items():
                     tensors[name].copy_(t)
@@ -135,18 +170,31 @@ class BaseCopies:
         copy = HeldVersion.publisher(
             self._tenant, model, held.key[2], tensors, held.layout
         )  # fmt: skip
+        self._record(key, held.key[2], copy, manifest)
+
+    def _record(
+        self, key: tuple[str, int | None], version: int, copy: HeldVersion, manifest: pb.Manifest
+    ) -> None:
+        """`copy` holds `version`, just published with `manifest`: the next one's base.
+        (`copy.key` may name an earlier version: a copy only addresses chunks.)"""
         with self._lock:
-            self._copies[key] = _Copy(
-                held.key[2], copy, tuple(manifest.chunk_xxh3), manifest.checksum
-            )
+            self._copies[key] = _Copy(version, copy, tuple(manifest.chunk_xxh3), manifest.checksum)
+
+    def forget(self, model: str, shard: int | None) -> None:
+        """The publish whose encode brought the copy of (`model`, `shard`) to its version
+        failed: drop that copy (the next publish goes whole)."""
+        with self._lock:
+            self._advanced.pop((model, shard), None)
 
     def drop(self, model: str | None) -> None:
         """Free the copies of `model` (None: all): its next publish goes whole."""
         with self._lock:
-            for key in [k for k in self._copies if model is None or k[0] == model]:
-                del self._copies[key]
+            for kept in (self._copies, self._advanced):
+                for key in [k for k in kept if model is None or k[0] == model]:
+                    del kept[key]
 
 
-def _same_place(old: _Copy, held: HeldVersion, where: str) -> bool:
+def _same_place(copy: HeldVersion, held: HeldVersion, where: str) -> bool:
+    """Whether `copy` is where `base_copy=where` puts a copy of `held`."""
     want = "cpu" if where == "host" else next(iter(held.tensors.values())).device.type
-    return all(t.device.type == want for t in old.held.tensors.values())
+    return all(t.device.type == want for t in copy.tensors.values())

@@ -118,12 +118,16 @@ class Publisher:
         if metadata:
             manifest.metadata.update(metadata)
         index = None if shard is None else shard[0]
-        companion = self._publish_delta(held, manifest, shard, timeout) if delta else None
+        companion = None
         try:
+            if delta:
+                companion = self._publish_delta(held, manifest, shard, timeout)
             publication = self._publish(held, manifest, shard, timeout, start)
         except BaseException:
             if companion is not None:
                 companion.release(force=True)
+            if delta:  # its encode brought the base copy to this version: not published
+                self._bases.forget(model, index)
             raise
         publication.companion = companion
         if delta:

@@ -86,7 +86,7 @@ def test_publish_limits_are_exported_and_refusals_counted(
 def with_delta(raw: bytes, share: float = 0.02) -> tuple[pb.Manifest, pb.Manifest]:
     """The big manifest with a delta section encoding every chunk (the section's worst
     case: one size and two checksums per chunk), and its companion's manifest (one uint8
-    tensor "c{i}" per encoded chunk, `share` of a chunk each)."""
+    tensor, the encoded chunks back to back, `share` of a chunk each)."""
     manifest = pb.Manifest.FromString(raw)
     chunks, size = len(manifest.chunk_xxh3), int(share * manifest.chunk_size)
     manifest.delta.CopyFrom(
@@ -99,12 +99,9 @@ def with_delta(raw: bytes, share: float = 0.02) -> tuple[pb.Manifest, pb.Manifes
             companion=delta_rules.companion_of("big"),
         )
     )
-    companion = pb.Manifest(chunk_size=manifest.chunk_size)
-    offset = 0
-    for i in range(chunks):
-        companion.tensors.add(name=f"c{i}", dtype="uint8", shape=[size], offset=offset, nbytes=size)
-        offset += -(-size // 64) * 64
-    companion.total_bytes = offset - (-(-size // 64) * 64) + size
+    companion = pb.Manifest(chunk_size=manifest.chunk_size, total_bytes=size * chunks)
+    companion.tensors.add(name=delta_rules.TENSOR, dtype="uint8", shape=[size * chunks],
+                          offset=0, nbytes=size * chunks)  # fmt: skip
     count = -(-companion.total_bytes // companion.chunk_size)
     companion.chunk_xxh3.extend(range(1, count + 1))
     return manifest, companion

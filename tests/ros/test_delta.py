@@ -24,7 +24,7 @@ import torch
 import ros
 from ros.hub.server import HubServer
 from tensorhub.delta_rules import companion_of
-from tensorhub.errors import InvalidArgument
+from tensorhub.errors import InvalidArgument, InvalidManifest
 
 CHUNK = 64 << 10  # small chunks: many of them in a small model
 TTL = 3  # the killed process's session: its records outlive it by at most this
@@ -113,6 +113,34 @@ def test_the_hub_and_the_sdk_keep_the_companion_name_reserved(
 ) -> None:
     with pytest.raises(InvalidArgument, match="reserved"):
         connect().publish(companion_of("policy"), 1, model(1))
+
+
+def test_a_publish_that_fails_after_its_encode_leaves_no_base_copy(
+    connect: Callable[..., ros.Hub],
+) -> None:
+    """The encode of v brings the base copy to v as it goes; when v's publish then fails,
+    that copy is dropped (it holds what was never published), and the next publish goes
+    whole, then deltas resume against it."""
+    trainer, reader = connect(), connect()
+    w = model(12)
+    trainer.publish("policy", 1, w, chunk_size=CHUNK, delta=True)
+    w2 = step(w, 13)
+    with pytest.raises(InvalidManifest):  # refused after the encode: v's own metadata
+        trainer.publish("policy", 2, w2, chunk_size=CHUNK, delta=True, metadata={"": "x"})
+    assert trainer.delta_memory()["base_copies"] == 0
+    assert trainer.holders(companion_of("policy"), 2) == []  # its companion released
+    w3 = step(w2, 14)
+    assert trainer.publish("policy", 3, w3, chunk_size=CHUNK, delta=True).companion is None
+    held = reader.fetch("policy", 3)
+    assert same(held.tensors, w3)
+    w4 = step(w3, 15)
+    assert trainer.publish("policy", 4, w4, chunk_size=CHUNK, delta=True).companion is not None
+    tensors = held.tensors
+    held.release()
+    held = reader.fetch("policy", 4, into=tensors)
+    assert held.delta is not None
+    assert held.delta.chunks > 0, held.delta
+    assert same(held.tensors, w4)
 
 
 def test_delta_false_and_a_publisher_without_base_copy_read_whole(

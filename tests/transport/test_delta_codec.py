@@ -78,6 +78,21 @@ def test_the_changed_words_are_found_at_any_length_and_offset() -> None:
         assert (values.view("<u2").reshape(-1) == 0x0101).all()
 
 
+@pytest.mark.parametrize("share", [0.01, 0.6, 1.0])
+def test_advance_brings_the_base_to_the_new_chunk_whatever_its_form(share: float) -> None:
+    """`encode(advance=True)`, as a publisher's base copy is kept: the changed words
+    written (sparse), the chunk copied (dense, or sent whole), in one segment or across
+    two at an odd byte; the encoding is the one `advance=False` makes."""
+    base = bf16(1 << 15, 27)
+    new = nudged(base, share, 28) if share < 1 else bf16(1 << 15, 29)
+    plain = delta.encode([u8(base)], [u8(new)])
+    for cut in (None, 777):
+        copy = base.clone()
+        parts = [u8(copy)] if cut is None else [u8(copy)[:cut], u8(copy)[cut:]]
+        assert delta.encode(parts, [u8(new)], advance=True) == plain
+        assert torch.equal(copy, new)
+
+
 def test_the_first_encoding_still_applies() -> None:
     """A manifest naming `xor-shuffle-zstd1` (every chunk byte planes, no form byte), as the
     first publishers wrote it."""
@@ -171,7 +186,7 @@ def test_chunk_checksum_is_the_manifests(kind: str) -> None:
     held = HeldVersion.publisher("t", "m", 1, tensors, layout)
     for index in range(layout.num_chunks):
         want = held.checksum(index) if kind == XXH3 else held.wsum64(index)
-        assert delta.chunk_checksum(held.flats, held.segments(index), kind) == want
+        assert delta.chunk_checksum(held, index, kind) == want
 
 
 @cuda
@@ -206,9 +221,7 @@ def test_on_a_gpu_chunk_checksums_match_the_hosts(kind: str) -> None:
     host = HeldVersion.publisher("t", "m", 1, tensors, layout)
     gpu = HeldVersion.publisher("t", "m", 1, {"a": tensors["a"].cuda()}, layout)
     for index in range(layout.num_chunks):
-        assert delta.chunk_checksum(gpu.flats, gpu.segments(index), kind) == (
-            delta.chunk_checksum(host.flats, host.segments(index), kind)
-        )
+        assert delta.chunk_checksum(gpu, index, kind) == delta.chunk_checksum(host, index, kind)
 
 
 def test_the_byte_planes_are_the_formats_whatever_the_way_computed() -> None:
