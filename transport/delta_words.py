@@ -33,7 +33,7 @@ import zstandard
 from tensorhub.errors import IntegrityError
 from transport import zstd_contexts
 
-MAX_SHARE = 0.25  # more changed words than this share of a chunk's: the dense form
+MAX_SHARE = 0.125  # more changed words than this share of a chunk's: the dense form
 
 
 def changed(old: torch.Tensor, new: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
@@ -51,9 +51,11 @@ def changed(old: torch.Tensor, new: torch.Tensor) -> tuple[np.ndarray, np.ndarra
     a, b = old.numpy(), new.numpy()
     a16, b16 = a.view(np.uint16), b.view(np.uint16)
     if a.size % 8 == 0:  # 8-byte blocks first: 4x fewer elements to compare and scan
-        blocks = (a.view(np.uint64) != b.view(np.uint64)).nonzero()[0]
-        if blocks.size > limit:
-            return None
+        differ = a.view(np.uint64) != b.view(np.uint64)
+        count = np.count_nonzero(differ)  # at most the words that differ, at least a 4th
+        if count > limit or (4 * count > limit and np.count_nonzero(a16 != b16) > limit):
+            return None  # dense: known without listing the blocks
+        blocks = differ.nonzero()[0]
         quads = a16.reshape(-1, 4)[blocks] ^ b16.reshape(-1, 4)[blocks]
         at = (quads != 0).reshape(-1).nonzero()[0]
         idx, values = blocks[at >> 2] * 4 + (at & 3), quads.reshape(-1)[at]
