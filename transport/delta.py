@@ -5,8 +5,8 @@ their low bits. A chunk is encoded as `xor-adaptive-zstd1`: the XOR of the new p
 the base payload (torch, on the tensors' own device: unchanged bytes become zeros), then one
 of two forms, named by the encoding's first byte:
 
-- **changed words** (`WORDS`, when at most a quarter of the chunk's 2-byte words changed:
-  every step at lr 1e-6 and 1e-5 in `bench delta`): the positions of the words that
+- **changed words** (`WORDS`, when at most an eighth of the chunk's 2-byte words changed:
+  every step at lr 1e-6 in `bench delta`): the positions of the words that
   changed and their XOR, gap-coded, in byte planes, zstd level 1 (`transport.delta_words`).
   Applying it touches only those words;
 - **byte planes** (`PLANES`, denser changes): the XOR in planes of 2-byte words (all first
@@ -110,19 +110,10 @@ def encode(
     else:
         encoded = DENSE + _planes(torch.bitwise_xor(old, now))
         if advance:
-            _copy_into(base, now)
+            delta_words.copy_into(base, now)
     if len(encoded) > WHOLE_RATIO * now.numel():
         return None
     return encoded
-
-
-def _copy_into(dest: Sequence[torch.Tensor], payload: torch.Tensor) -> None:
-    """Copy a chunk's payload into its segments `dest` (any devices)."""
-    at = 0
-    for part in dest:
-        n = int(part.numel())
-        part.copy_(payload[at : at + n])
-        at += n
 
 
 def _planes(x: torch.Tensor) -> bytes:

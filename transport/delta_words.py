@@ -23,7 +23,6 @@ host (numpy: per-chunk overhead matters more than bandwidth for arrays this smal
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -130,12 +129,15 @@ def apply(dest: Sequence[torch.Tensor], positions: np.ndarray, values: np.ndarra
     else:
         w = joined.view(torch.int16)
         where = torch.from_numpy(positions).to(device)
-        with warnings.catch_warnings():  # values is read only: torch warns, nothing writes it
-            warnings.simplefilter("ignore", UserWarning)
-            xor = torch.from_numpy(values.view(np.int16)).to(device)
+        xor = torch.from_numpy(values.view(np.int16)).to(device)
         w[where] = w[where] ^ xor
+    copy_into(dest, joined)
+
+
+def copy_into(dest: Sequence[torch.Tensor], payload: torch.Tensor) -> None:
+    """Copy a chunk's payload into its segments `dest` (any devices)."""
     at = 0
     for part in dest:
         n = int(part.numel())
-        part.copy_(joined[at : at + n])
+        part.copy_(payload[at : at + n])
         at += n

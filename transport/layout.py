@@ -144,8 +144,7 @@ class Layout:
 
     def segments(self, index: int) -> list[Segment]:
         """The tensor bytes inside chunk `index`, in address order (padding excluded)."""
-        if not 0 <= index < self.num_chunks:
-            raise InvalidArgument(f"chunk {index} out of range (0..{self.num_chunks - 1})")
+        self._check_index(index)
         lo = index * self.chunk_size
         hi = min(lo + self.chunk_size, self.total_bytes)
         out: list[Segment] = []
@@ -158,10 +157,13 @@ class Layout:
             i += 1
         return out
 
-    def payload_bytes(self, index: int) -> int:
-        """How many bytes chunk `index` carries on the wire."""
+    def _check_index(self, index: int) -> None:
         if not 0 <= index < self.num_chunks:
             raise InvalidArgument(f"chunk {index} out of range (0..{self.num_chunks - 1})")
+
+    def payload_bytes(self, index: int) -> int:
+        """How many bytes chunk `index` carries on the wire."""
+        self._check_index(index)
         return self._payloads[index]
 
     @cached_property

@@ -262,7 +262,6 @@ class DeltaReader:
         wanted: set[int],
         hold: bool,
     ) -> Held | None:
-
         kind = links[-1].manifest.checksum or KINDS[0]
         usable = sorted(self._usable(links, wanted))
         is_base = _BaseCheck(dest, links[0].manifest.delta.base_checksum, kind, stats)
