@@ -270,8 +270,9 @@ def test_holder_stopped_mid_read_never_hangs(
 ) -> None:
     """The holder freezes once it said `go` to the second of four 64 MiB READs. Over cma
     that READ still completes, verified (process_vm_readv reads a stopped process); over
-    TCP the holder's progress thread serves READs, so it stays in progress. Either way the
-    next `begin` is never answered, and the deadline ends the read: it never hangs."""
+    TCP the holder's progress thread serves READs, so it stays in progress (only chunks
+    already in the kernel's socket buffers may land). Either way the next `begin` is never
+    answered, and the deadline ends the read: it never hangs."""
     holder = spawn(mib=256, on_begin="stop", nth_begin=2)
     outcomes, dest, _, took = read_all(reader, holder, 256, deadline=4)
     assert took < 4 + 2, f"read of a stopped holder took {took:.1f}s, deadline 4s"
@@ -282,7 +283,9 @@ def test_holder_stopped_mid_read_never_hangs(
     assert all(isinstance(o.error, DeadlineExceeded) for o in failed), failed[:1]
     batch = 64  # 1 MiB chunks per 64 MiB READ
     if ucx["UCX_TLS"] == "tcp":
-        assert len(done) == batch, "only the READ before the freeze completes over TCP"
+        # the first READ completes; of the second, at most what the kernel's socket buffers
+        # held when the holder froze (4 of its 64 chunks seen once), never all of it
+        assert batch <= len(done) < 2 * batch, "a READ completed over TCP from a frozen holder"
     else:
         assert len(done) >= 2 * batch, "the READ in flight at the freeze did not complete"
 
