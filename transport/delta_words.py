@@ -23,6 +23,7 @@ host (numpy: per-chunk overhead matters more than bandwidth for arrays this smal
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -105,14 +106,34 @@ def decode(encoded: bytes | memoryview, words: int) -> tuple[np.ndarray, np.ndar
     if len(raw) != 6 * count:
         raise IntegrityError(f"changed-words delta chunk: {len(raw)} bytes for {count} words")
     body = np.frombuffer(raw, dtype=np.uint8)
-    gaps = body[: 4 * count].reshape(4, -1).T.copy().view("<i4").reshape(-1)
-    values = body[4 * count :].reshape(2, -1).T.copy().view(np.uint16).reshape(-1)
+    gaps = _from_planes(body[: 4 * count], 4).view("<i4")
+    values = _from_planes(body[4 * count :], 2).view(np.uint16)
     if count and int(gaps.min()) < 1:
         raise IntegrityError("changed-words delta chunk: positions out of order")
     positions = np.cumsum(gaps, dtype=np.int64) - 1
     if count and int(positions[-1]) >= words:
         raise IntegrityError(f"changed-words delta chunk: a position past word {words}")
     return positions, values
+
+
+_LITTLE = sys.byteorder == "little"
+_UINT: dict[int, type[np.unsignedinteger]] = {2: np.uint16, 4: np.uint32}
+
+
+def _from_planes(planes: np.ndarray, width: int) -> np.ndarray:
+    """`planes` (uint8: every item's first byte, then every second byte, ...; items of
+    `width` bytes) as the items' bytes, item after item. On a little-endian host, built as
+    integers from the planes, shifted and ORed (a transposing copy to a few-byte inner
+    axis is several times slower: 14 of the 27 ms a step of decoding bench delta's
+    model); elsewhere, that copy."""
+    count = planes.size // width
+    if not _LITTLE or width not in _UINT:
+        return planes.reshape(width, count).T.copy().reshape(-1)
+    items = planes[(width - 1) * count :].astype(_UINT[width])
+    for k in range(width - 2, -1, -1):
+        items <<= 8
+        items |= planes[k * count : (k + 1) * count]
+    return items.view(np.uint8)
 
 
 def apply(dest: Sequence[torch.Tensor], positions: np.ndarray, values: np.ndarray) -> None:

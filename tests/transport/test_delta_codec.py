@@ -234,3 +234,15 @@ def test_the_byte_planes_are_the_formats_whatever_the_way_computed() -> None:
     assert torch.equal(delta._unshuffle(reference), x)
     odd = x[:-1]
     assert torch.equal(delta._unshuffle(delta._shuffle(odd)), odd)
+
+
+@pytest.mark.parametrize("width", [2, 4, 3])
+def test_changed_words_planes_undo_as_the_format_defines(width: int) -> None:
+    """The changed-words decoder rebuilds the gaps (4 planes) and the XOR words (2 planes)
+    from their byte planes with integer shifts; that is byte for byte the transposing copy
+    the format defines (width 3 takes the copy itself), at any count, zero included."""
+    g = torch.Generator().manual_seed(width)
+    for count in (0, 1, 7, 4099):
+        items = torch.randint(0, 256, (count, width), dtype=torch.uint8, generator=g).numpy()
+        planes = items.T.reshape(-1)
+        assert (delta_words._from_planes(planes, width) == items.reshape(-1)).all()
