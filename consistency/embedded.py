@@ -31,6 +31,7 @@ HTTP; it carries raft between members, not client reads.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -40,6 +41,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -57,12 +59,27 @@ from consistency.credentials import EtcdCredentials
 from consistency.etcdbin import find_etcd_binary
 from tensorhub.errors import DeadlineExceeded, EtcdStartError, InvalidArgument, TensorHubError
 
+_handed: collections.deque[int] = collections.deque(maxlen=1024)  # ports given out lately
+_handed_lock = threading.Lock()
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the caller retries if it is taken in between)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A port that was free a moment ago and that this process was not handed lately (the
+    kernel can give a port just released to the next bind: CI once saw one etcd member get
+    the same port for its client and peer URLs). Another process can still take it in
+    between: `EtcdCluster.start` retries a start that lost its ports that way."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        with _handed_lock:
+            if port not in _handed:
+                _handed.append(port)
+                return port
+    raise OSError(f"no free port on {host} that this process was not handed lately")
+
+
+START_ATTEMPTS = 3  # starts of a new cluster whose ports were taken meanwhile
 
 
 @dataclass
@@ -138,12 +155,22 @@ class EtcdCluster:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> EtcdCluster:
-        """Start every member and wait (bounded) until each reports healthy."""
-        for member in self.members:
-            self._spawn(member, initial_state="new")
-        deadline = time.monotonic() + self._start_timeout
-        for member in self.members:
-            self._wait_healthy(member, deadline)
+        """Start every member and wait (bounded) until each reports healthy. A member that
+        could not bind its ports (another process took one after `free_port` found it
+        free) fails the start; then the cluster is started again from nothing on new ports,
+        at most `START_ATTEMPTS` times in all, each within `start_timeout`."""
+        for attempt in range(1, START_ATTEMPTS + 1):
+            deadline = time.monotonic() + self._start_timeout
+            for member in self.members:
+                self._spawn(member, initial_state="new")
+            try:
+                for member in self.members:
+                    self._wait_healthy(member, deadline)
+                break
+            except EtcdStartError:
+                if attempt == START_ATTEMPTS or not self._lost_a_port():
+                    raise
+                self._start_afresh()
         if self.credentials is not None:
             try:
                 self._enable_auth(max(deadline - time.monotonic(), 5.0))
@@ -241,6 +268,21 @@ class EtcdCluster:
         raise DeadlineExceeded(f"no etcd leader elected within {timeout:.1f}s")
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _lost_a_port(self) -> bool:
+        """Whether a member's log says it could not bind a port."""
+        return any("address already in use" in _tail(m.data_dir / "etcd.log") for m in self.members)
+
+    def _start_afresh(self) -> None:
+        """Stop every member, drop their data, and give each new ports (a cluster that never
+        started: nothing of it is kept)."""
+        for member in self.members:
+            if member.process is not None and member.process.poll() is None:
+                member.process.terminate()
+        for member in self.members:
+            self._terminate(member)
+            shutil.rmtree(member.data_dir, ignore_errors=True)
+            member.client_port, member.peer_port = free_port(), free_port()
 
     def _spawn(self, member: Member, initial_state: str) -> None:
         member.data_dir.mkdir(parents=True, exist_ok=True)
