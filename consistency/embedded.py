@@ -180,16 +180,8 @@ class EtcdCluster:
         return self
 
     def stop(self) -> None:
-        """Stop every member (SIGTERM, then SIGKILL after 5 s) and remove the data dir we made.
-
-        All members get SIGTERM at once: a member stopping alone can wait for peers that
-        are about to go too.
-        """
-        for member in self.members:
-            if member.process is not None and member.process.poll() is None:
-                member.process.terminate()
-        for member in self.members:
-            self._terminate(member)
+        """Stop every member (`_terminate_all`) and remove the data dir we made."""
+        self._terminate_all()
         if self._own_root:
             shutil.rmtree(self.root, ignore_errors=True)
 
@@ -269,6 +261,15 @@ class EtcdCluster:
 
     # -- internals ---------------------------------------------------------------------------
 
+    def _terminate_all(self) -> None:
+        """SIGTERM to every member at once (a member stopping alone can wait for peers that
+        are about to go too), then each waited for (SIGKILL after 5 s)."""
+        for member in self.members:
+            if member.process is not None and member.process.poll() is None:
+                member.process.terminate()
+        for member in self.members:
+            self._terminate(member)
+
     def _lost_a_port(self) -> bool:
         """Whether a member's log says it could not bind a port."""
         return any("address already in use" in _tail(m.data_dir / "etcd.log") for m in self.members)
@@ -276,11 +277,8 @@ class EtcdCluster:
     def _start_afresh(self) -> None:
         """Stop every member, drop their data, and give each new ports (a cluster that never
         started: nothing of it is kept)."""
+        self._terminate_all()
         for member in self.members:
-            if member.process is not None and member.process.poll() is None:
-                member.process.terminate()
-        for member in self.members:
-            self._terminate(member)
             shutil.rmtree(member.data_dir, ignore_errors=True)
             member.client_port, member.peer_port = free_port(), free_port()
 

@@ -51,7 +51,8 @@ def changed(old: torch.Tensor, new: torch.Tensor) -> tuple[np.ndarray, np.ndarra
     a, b = old.numpy(), new.numpy()
     a16, b16 = a.view(np.uint16), b.view(np.uint16)
     if a.size % 8 == 0:  # 8-byte blocks first: 4x fewer elements to compare and scan
-        differ = a.view(np.uint64) != b.view(np.uint64)
+        a64, b64 = a.view(np.uint64), b.view(np.uint64)
+        differ = a64 != b64
         # blocks that differ: from a quarter of the words that differ to all of them, so
         # a dense chunk is known before any word is listed (counted exactly only when the
         # blocks cannot tell)
@@ -61,7 +62,7 @@ def changed(old: torch.Tensor, new: torch.Tensor) -> tuple[np.ndarray, np.ndarra
         blocks = differ.nonzero()[0]
         # the XOR of the blocks that differ, gathered as whole 8-byte blocks (a gather of
         # 4-word rows costs twice as much), then its words that are not zero
-        quads = (a.view(np.uint64)[blocks] ^ b.view(np.uint64)[blocks]).view(np.uint16)
+        quads = (a64[blocks] ^ b64[blocks]).view(np.uint16)
         at = quads.nonzero()[0]
         idx, values = blocks[at >> 2] * 4 + (at & 3), quads[at]
     else:
