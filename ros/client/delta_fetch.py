@@ -24,26 +24,29 @@ fetch of the model). Then, chunk by chunk:
 
 Anything that stops the delta (no companion holder left, a companion retired, the deadline
 of its part) leaves the chunks not applied to the rounds: slower, never wrong.
+
+This module plans (the chain, which chunks) and reads the companions; one chunk's apply and
+checks are `ros.client.delta_chunks`, and what memory holds which base `ros.client.delta_bases`.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from ros.client.deadline import Deadline
+from ros.client.delta_bases import BaseMemory, StagedBases
+from ros.client.delta_chunks import BaseCheck, Encoded, Link, apply_one, landed
 from ros.client.handles import Held
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.checksum_kinds import KINDS
-from tensorhub.delta_rules import ENCODINGS, TENSOR
-from tensorhub.errors import IntegrityError, TensorHubError
-from transport import delta as codec
+from tensorhub.delta_rules import ENCODINGS
+from tensorhub.errors import TensorHubError
 from transport.layout import Layout
 from transport.store import HeldVersion
 
@@ -71,9 +74,9 @@ FetchCompanion = Callable[[str, int, int | None, float, bool], Companion]
 """Read (model, version, shard, timeout, hold) whole: as a holder that serves it (`hold`),
 or unheld (a `fetch_slices` reader, which holds nothing)."""
 ResolveManifest = Callable[[str, int, int | None, Deadline], pb.Manifest]
+"""The manifest of (model, version, shard): how a chain's earlier links are found."""
 FindHeld = Callable[[str, int], HeldVersion | None]
 """This client's holding of (model, version), if any: how a companion's read is followed."""
-"""The manifest of (model, version, shard): how a chain's earlier links are found."""
 
 
 @dataclass
@@ -89,45 +92,9 @@ class DeltaStats:
     seconds: float = 0.0  # the delta's part of the fetch: plan, read, apply, verify
     fallback: str = ""  # why the delta was not used, or was used only in part
 
-
-@dataclass(frozen=True)
-class _Link:
-    version: int  # the version this link makes
-    manifest: pb.Manifest  # its manifest (with the delta section against the link before)
-
-
-class BaseMemory:
-    """Which version the memory of each of this client's fetches holds, by the identity of
-    that memory (each tensor's data pointer and size): so that a fetch into the same tensors
-    knows its base without the caller saying it. Only a hint: the base is checked chunk by
-    chunk against checksums before anything is applied. Thread-safe."""
-
-    def __init__(self) -> None:
-        self._seen: dict[tuple[str, int | None], tuple[int, tuple[object, ...]]] = {}
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def _identity(tensors: Mapping[str, torch.Tensor]) -> tuple[object, ...]:
-        return tuple(
-            (name, t.device.type, t.data_ptr(), t.numel() * t.element_size())
-            for name, t in sorted(tensors.items())
-        )
-
-    def remember(
-        self, model: str, shard: int | None, version: int, tensors: Mapping[str, torch.Tensor]
-    ) -> None:
-        with self._lock:
-            self._seen[(model, shard)] = (version, self._identity(tensors))
-
-    def version_in(
-        self, model: str, shard: int | None, tensors: Mapping[str, torch.Tensor]
-    ) -> int | None:
-        """The version this client last fetched into exactly these tensors, if it did."""
-        with self._lock:
-            seen = self._seen.get((model, shard))
-        if seen is None or seen[1] != self._identity(tensors):
-            return None
-        return seen[0]
+    def count_mismatch(self) -> None:
+        """One more chunk whose destination bytes were not exactly the base's."""
+        self.base_mismatch += 1
 
 
 @dataclass
@@ -207,12 +174,12 @@ class DeltaReader:
         base: int,
         deadline: Deadline,
         wanted: set[int],
-    ) -> list[_Link]:
+    ) -> list[Link]:
         """The links from `base` to `version`, oldest first; `_NoDelta` if there is none or
         it would move as many bytes as the whole version."""
         if base >= version:
             raise _NoDelta(f"the destination holds {base}, not an earlier version")
-        links = [_Link(version, manifest)]
+        links = [Link(version, manifest)]
         while links[-1].manifest.delta.base != base:
             head = links[-1]
             if not head.manifest.HasField("delta"):
@@ -221,7 +188,7 @@ class DeltaReader:
                 raise _NoDelta(f"no chain of at most {MAX_CHAIN} deltas leads from {base}")
             earlier = head.manifest.delta.base
             try:
-                links.append(_Link(earlier, self._resolve(model, earlier, shard, deadline)))
+                links.append(Link(earlier, self._resolve(model, earlier, shard, deadline)))
             except TensorHubError as exc:
                 raise _NoDelta(f"{earlier}, a link of the chain, is gone ({exc})") from exc
         links.reverse()
@@ -247,7 +214,7 @@ class DeltaReader:
         return links
 
     @staticmethod
-    def _usable(links: list[_Link], wanted: set[int]) -> set[int]:
+    def _usable(links: list[Link], wanted: set[int]) -> set[int]:
         """The wanted chunks every link encodes (one sent whole by any link is read whole)."""
         return {i for i in wanted if all(k.manifest.delta.encoded_bytes[i] for k in links)}
 
@@ -255,7 +222,7 @@ class DeltaReader:
         self,
         model: str,
         shard: int | None,
-        links: list[_Link],
+        links: list[Link],
         dest: HeldVersion,
         stats: DeltaStats,
         deadline: Deadline,
@@ -264,7 +231,8 @@ class DeltaReader:
     ) -> Held | None:
         kind = links[-1].manifest.checksum or KINDS[0]
         usable = sorted(self._usable(links, wanted))
-        is_base = _BaseCheck(dest, links[0].manifest.delta.base_checksum, kind, stats)
+        sums = links[0].manifest.delta.base_checksum
+        is_base = BaseCheck(dest, sums, kind, stats.count_mismatch)
         if len(links) == 1 and hold and self._find is not None and usable and is_base(usable[0]):
             # the memory is the base where it starts: the rest is checked while the delta
             # is on its way (a memory that is not the base at all reads whole at once)
@@ -304,7 +272,7 @@ class DeltaReader:
 
     def _apply_chunks(
         self,
-        links: list[_Link],
+        links: list[Link],
         companions: list[Companion],
         dest: HeldVersion,
         todo: list[int],
@@ -314,16 +282,16 @@ class DeltaReader:
         that ends as the version's present. The chunks that failed a check (left missing,
         their memory no longer the base: the rounds read them whole)."""
         pairs = zip(links, companions, strict=True)
-        blobs = [_Encoded(link.manifest.delta, read.tensors) for link, read in pairs]
-        return [index for index in todo if not _apply_one(links, blobs, dest, index, kind)]
+        blobs = [Encoded(link.manifest.delta, read.tensors) for link, read in pairs]
+        return [index for index in todo if not apply_one(links, blobs, dest, index, kind)]
 
     def _apply_streaming(
         self,
-        link: _Link,
+        link: Link,
         shard: int | None,
         dest: HeldVersion,
         usable: list[int],
-        is_base: _BaseCheck,
+        is_base: BaseCheck,
         kind: str,
         stats: DeltaStats,
         deadline: Deadline,
@@ -358,12 +326,12 @@ class DeltaReader:
         failed: list[int] = []
         done = 0
         if held is not None:
-            encoded = _Encoded(link.manifest.delta, held.tensors)
+            encoded = Encoded(link.manifest.delta, held.tensors)
             for index in todo:
-                if not _landed(held, encoded.span(index), end):
+                if not landed(held, encoded.span(index), end):
                     break
                 done += 1
-                if not _apply_one([link], [encoded], dest, index, kind):
+                if not apply_one([link], [encoded], dest, index, kind):
                     failed.append(index)
         reader.join(max(0.0, end - time.monotonic()) + 1.0)
         got = outcome.get("read")
@@ -389,142 +357,6 @@ class DeltaReader:
                 return held
         held.release(force=True)
         return None
-
-
-@dataclass
-class Staged:
-    """A `fetch_slices` staging copy kept as the base of the next one (`delta=True`): the
-    version it holds, its layout, its tensors, which chunks are filled, and the companion
-    its delta came with (served until the copy is replaced or dropped)."""
-
-    version: int
-    layout: Layout
-    tensors: dict[str, torch.Tensor]
-    filled: frozenset[int]
-    companion: Held | None = None
-
-    def drop(self) -> None:
-        if self.companion is not None:
-            self.companion.release(force=True)
-
-
-class StagedBases:
-    """Per (model, source shard): the staging copy a `fetch_slices(delta=True)` left. A
-    fetch takes it (so two at once never share one) and puts back what it ends with.
-    Thread-safe."""
-
-    def __init__(self) -> None:
-        self._kept: dict[tuple[str, int | None], Staged] = {}
-        self._lock = threading.Lock()
-
-    def take(self, model: str, shard: int | None) -> Staged | None:
-        with self._lock:
-            return self._kept.pop((model, shard), None)
-
-    def put(self, model: str, shard: int | None, staged: Staged) -> None:
-        with self._lock:
-            old = self._kept.pop((model, shard), None)
-            self._kept[(model, shard)] = staged
-        if old is not None and old.companion is not staged.companion:
-            old.drop()
-
-    def drop(self, model: str | None) -> None:
-        """Free the copies of `model` (None: all) and release their companions."""
-        with self._lock:
-            gone = [k for k in self._kept if model is None or k[0] == model]
-            dropped = [self._kept.pop(k) for k in gone]
-        for staged in dropped:
-            staged.drop()
-
-    def nbytes(self) -> int:
-        """Host and device memory the kept copies take (what `delta=True` costs)."""
-        with self._lock:
-            return sum(k.layout.total_bytes for k in self._kept.values())
-
-
-class _Encoded:
-    """A link's encoded chunks: its companion's one tensor (`delta_rules.TENSOR`), chunk i
-    at the sum of the encoded sizes before it."""
-
-    def __init__(self, section: pb.Delta, tensors: Mapping[str, torch.Tensor]) -> None:
-        self._data = tensors.get(TENSOR)
-        self._starts = list(itertools.accumulate(section.encoded_bytes, initial=0))
-
-    def span(self, index: int) -> tuple[int, int]:
-        """Where chunk `index`'s encoding lies in the companion's bytes: [start, stop)."""
-        return self._starts[index], self._starts[index + 1]
-
-    def of(self, index: int) -> memoryview:
-        """Chunk `index`'s encoding; `IntegrityError` if the companion does not hold it."""
-        start, stop = self.span(index)
-        if self._data is None or self._data.numel() < stop:
-            raise IntegrityError(f"the companion holds no bytes {start}..{stop}")
-        return self._data[start:stop].numpy().data
-
-
-def _apply_one(
-    links: list[_Link],
-    blobs: list[_Encoded],
-    dest: HeldVersion,
-    index: int,
-    kind: str,
-) -> bool:
-    """Apply every link to chunk `index` of `dest`, checking each encoded chunk's digest and
-    each result's checksum (the next link's base, at the end the version's); mark it present
-    if all pass. False (logged; its memory no longer the base: read whole) if one fails."""
-    final = links[-1].manifest
-    parts = dest.chunk_parts(index)
-    try:
-        for step, (link, encoded) in enumerate(zip(links, blobs, strict=True)):
-            blob = encoded.of(index)
-            if codec.digest(blob) != link.manifest.delta.encoded_xxh3[index]:
-                raise IntegrityError(f"encoded chunk {index} of {link.version}: digest")
-            codec.apply(parts, blob, link.manifest.delta.encoding)
-            want = (
-                links[step + 1].manifest.delta.base_checksum[index]
-                if step + 1 < len(links)
-                else final.chunk_xxh3[index]
-            )
-            if codec.chunk_checksum(dest, index, kind) != want:
-                raise IntegrityError(f"chunk {index} of {link.version}: checksum")
-    except IntegrityError as exc:
-        log.warning("delta chunk %d: %s; reading it whole", index, exc)
-        return False
-    dest.mark_present(index, final.chunk_xxh3[index] if kind == KINDS[0] else None)
-    return True
-
-
-def _landed(held: HeldVersion, span: tuple[int, int], end: float) -> bool:
-    """Wait until every chunk of `held` (a companion) that bytes [start, stop) of its one
-    tensor lie in is present (False if the read failed, was released, or `end` passed
-    first, or it has no such bytes)."""
-    spec = next((s for s in held.layout.tensors if s.name == TENSOR), None)
-    start, stop = span
-    if spec is None or spec.nbytes < stop:
-        return False
-    size = held.layout.chunk_size
-    first, last = (spec.offset + start) // size, (spec.offset + max(stop, start + 1) - 1) // size
-    chunks = range(first, last + 1)
-    return all(held.wait_present(c, max(0.0, end - time.monotonic())) for c in chunks)
-
-
-class _BaseCheck:
-    """Whether chunk i of `dest` holds exactly the base (its checksum is the one the
-    version's manifest gives the base), each chunk checked once; a mismatch is counted in
-    `stats.base_mismatch`."""
-
-    def __init__(self, dest: HeldVersion, sums: Sequence[int], kind: str, stats: DeltaStats):
-        self._dest, self._sums, self._kind, self._stats = dest, sums, kind, stats
-        self._seen: dict[int, bool] = {}
-
-    def __call__(self, index: int) -> bool:
-        seen = self._seen.get(index)
-        if seen is None:
-            seen = codec.chunk_checksum(self._dest, index, self._kind) == self._sums[index]
-            self._seen[index] = seen
-            if not seen:
-                self._stats.base_mismatch += 1
-        return seen
 
 
 class _NoDelta(Exception):

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ros.client.deadline import Deadline
-from ros.client.delta_fetch import DeltaReader, DeltaStats, Staged
+from ros.client.delta_bases import Staged
+from ros.client.delta_fetch import DeltaReader, DeltaStats
 from ros.client.fetching import DEFAULT_FETCH_TIMEOUT
 from ros.client.identity import Identity
 from ros.client.manifest import layout_of, placement_of
