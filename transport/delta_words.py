@@ -139,23 +139,29 @@ def _from_planes(planes: np.ndarray, width: int) -> np.ndarray:
 
 def apply(dest: Sequence[torch.Tensor], positions: np.ndarray, values: np.ndarray) -> None:
     """XOR `values` into the words at `positions` of the chunk `dest` (its segments, in
-    place, on their device). A chunk of one host segment is changed where it is; any other
-    is joined, changed and copied back (a chunk that spans tensors, or device memory)."""
+    place, on their device). A chunk of one segment is changed where it is; one that spans
+    tensors is joined, changed and copied back."""
     if not positions.size:
         return
-    if len(dest) == 1 and dest[0].device.type == "cpu":
-        dest[0].numpy().view(np.uint16)[positions] ^= values
-        return
-    device = dest[0].device
-    joined = torch.cat(list(dest)) if len(dest) > 1 else dest[0].clone()
-    if device.type == "cpu":
-        joined.numpy().view(np.uint16)[positions] ^= values
+    # numpy changes a host chunk where it is; an int16 view of a device one needs it aligned
+    one = len(dest) == 1 and (dest[0].device.type == "cpu" or dest[0].data_ptr() % 2 == 0)
+    chunk = dest[0] if one else torch.cat(list(dest))
+    if chunk.device.type == "cpu":
+        chunk.numpy().view(np.uint16)[positions] ^= values
     else:
-        w = joined.view(torch.int16)
-        where = torch.from_numpy(positions).to(device)
-        xor = torch.from_numpy(values.view(np.int16)).to(device)
-        w[where] = w[where] ^ xor
-    copy_into(dest, joined)
+        xor_words(chunk, positions, values)
+    if not one:
+        copy_into(dest, chunk)
+
+
+def xor_words(chunk: torch.Tensor, positions: np.ndarray, values: np.ndarray) -> None:
+    """XOR `values` into the 2-byte words at `positions` of `chunk` (flat uint8, 2-byte
+    aligned) with torch operations on its own device: how a chunk in device memory is
+    changed (the positions and words, a few KiB, go to the device; the chunk stays)."""
+    words = chunk.view(torch.int16)
+    where = torch.from_numpy(positions).to(chunk.device)
+    xor = torch.from_numpy(values.view(np.int16)).to(chunk.device)
+    words[where] = words[where] ^ xor
 
 
 def copy_into(dest: Sequence[torch.Tensor], payload: torch.Tensor) -> None:

@@ -5,6 +5,7 @@ skipped here with the reason."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -155,6 +156,26 @@ def test_segments_and_odd_lengths_round_trip() -> None:
     delta.apply(dest, encoded)
     assert torch.equal(dest[0], a2)
     assert torch.equal(dest[1], u8(b2))
+
+
+def test_the_device_scatter_changes_the_words_the_host_scatter_does() -> None:
+    """`xor_words` (torch operations: what a chunk in device memory takes) run here on host
+    tensors gives the bytes the numpy scatter gives, and a one-segment host chunk at an odd
+    address is still changed in place."""
+    base = bf16(4099, 21)
+    new = nudged(base, 0.02, 22)
+    found = delta_words.changed(u8(base), u8(new))
+    assert found is not None
+    positions, values = found
+    words = values.view(np.uint16).reshape(-1)
+    by_torch = u8(base.clone())
+    delta_words.xor_words(by_torch, positions, words)
+    assert torch.equal(by_torch, u8(new))
+    raw = torch.zeros(u8(base).numel() + 1, dtype=torch.uint8)
+    odd = raw[1:]
+    odd.copy_(u8(base))
+    delta_words.apply([odd], positions, words)
+    assert torch.equal(raw[1:], u8(new))
 
 
 def test_a_dense_change_goes_whole() -> None:
