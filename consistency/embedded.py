@@ -158,19 +158,24 @@ class EtcdCluster:
         """Start every member and wait (bounded) until each reports healthy. A member that
         could not bind its ports (another process took one after `free_port` found it
         free) fails the start; then the cluster is started again from nothing on new ports,
-        at most `START_ATTEMPTS` times in all, each within `start_timeout`."""
+        at most `START_ATTEMPTS` times in all, each within `start_timeout`. A start that
+        fails for good stops the members it spawned (their logs stay: the error names them)."""
         for attempt in range(1, START_ATTEMPTS + 1):
             deadline = time.monotonic() + self._start_timeout
-            for member in self.members:
-                self._spawn(member, initial_state="new")
             try:
+                for member in self.members:
+                    self._spawn(member, initial_state="new")
                 for member in self.members:
                     self._wait_healthy(member, deadline)
                 break
             except EtcdStartError:
                 if attempt == START_ATTEMPTS or not self._lost_a_port():
+                    self._terminate_all()
                     raise
                 self._start_afresh()
+            except BaseException:
+                self._terminate_all()
+                raise
         if self.credentials is not None:
             try:
                 self._enable_auth(max(deadline - time.monotonic(), 5.0))

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from consistency import EtcdCluster
 from consistency.embedded import free_port
+from tensorhub.errors import EtcdStartError
 
 
 def test_free_port_hands_out_distinct_ports() -> None:
@@ -32,3 +35,15 @@ def test_a_port_taken_before_the_start_is_replaced() -> None:
                 kv, _ = etcd.get("/ports/check")
                 assert kv is not None
                 assert kv.value == b"ok"
+
+
+def test_a_start_that_fails_for_good_leaves_no_member_running() -> None:
+    """A member that is not healthy in time (a start deadline no etcd can meet) fails the
+    start with the error naming its log, and no process of the cluster is left running."""
+    cluster = EtcdCluster(size=3, start_timeout=0.001)
+    with pytest.raises(EtcdStartError):
+        cluster.start()
+    try:
+        assert all(not member.alive for member in cluster.members)
+    finally:
+        cluster.stop()
