@@ -21,6 +21,7 @@ from consistency.deletion import delete_model
 from tensorhub.errors import (
     InvalidArgument,
     LeaseLost,
+    PermissionDenied,
     RetentionViolation,
     VersionNotFound,
     VersionRetired,
@@ -154,6 +155,38 @@ def test_unretained_versions_release_freely(
         assert 1 not in versions.retained("t", "m")
         holders.release("t", "m", 1, "trainer")
         assert holders.list("t", "m", 1)[0] == []
+
+
+def test_a_forced_release_is_one_transaction_and_still_checks_the_session(
+    etcd: Etcd, holders: HolderRegistry, published: Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forced release of the caller's own record (an in-place update releasing what it is
+    about to overwrite) deletes the record and its pin in one etcd transaction, no read
+    first; a record of another session is still refused, and none at all is no error."""
+    calls: list[str] = []
+    for name in ("txn", "range"):
+        real = getattr(holders.etcd, name)
+
+        def counted(*args: object, _name: str = name, _real: object = real, **kw: object) -> object:
+            calls.append(_name)
+            return _real(*args, **kw)  # type: ignore[operator]
+
+        monkeypatch.setattr(holders.etcd, name, counted)
+    pin = holders.keys.pin("t", "m", 1, "reader")
+    with Session(etcd, ttl=5) as reader, Session(etcd, ttl=5) as stranger:
+        holders.register("t", "m", 1, rec(reader, "reader"))  # PARTIAL: it pins v1
+        assert etcd.get(pin)[0] is not None
+        calls.clear()
+        holders.release("t", "m", 1, "reader", force=True, session=reader.id)
+        assert calls == ["txn"]
+        assert [h.holder for h in holders.list("t", "m", 1)[0]] == ["trainer"]
+        assert etcd.get(pin)[0] is None
+        holders.register("t", "m", 1, rec(reader, "reader"))
+        with pytest.raises(PermissionDenied):
+            holders.release("t", "m", 1, "reader", force=True, session=stranger.id)
+        assert "reader" in [h.holder for h in holders.list("t", "m", 1)[0]]
+        holders.release("t", "m", 1, "reader", force=True, session=reader.id)
+        assert holders.release("t", "m", 1, "reader", force=True, session=reader.id) > 0
 
 
 @pytest.mark.timeout(30)
