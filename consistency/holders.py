@@ -144,6 +144,10 @@ class HolderRegistry:
         lease, so the session it stays under is the one its registration checked.
         """
         key = self.keys.holder(tenant, model, version, record.holder)
+        if record.complete and self._complete_at_once(
+            key, record, fence, tenant, model, version, timeout
+        ):
+            return
         current, _ = self.etcd.get(key, timeout=timeout)
         if current is not None and current.create_revision == fence:
             held = HolderRecord.decode(current.value).shard
@@ -171,6 +175,33 @@ class HolderRegistry:
             raise LeaseLost(
                 f"holder {record.holder} of {model}@{version} lost its record (lease expired?)"
             )
+
+    def _complete_at_once(
+        self,
+        key: str,
+        record: HolderRecord,
+        fence: int,
+        tenant: str,
+        model: str,
+        version: int,
+        timeout: float | None,
+    ) -> bool:
+        """PARTIAL -> COMPLETE in one transaction, no read first, when the record is exactly
+        the PARTIAL one the holder registered (its value compared in the transaction, so
+        its shard cannot have changed): every fetch ends this way. False when it is not so
+        (or it is gone): `update_state`'s read-then-write path says what happened."""
+        partial = record.with_state(HolderState.PARTIAL).encode()
+        pin = self.keys.pin(tenant, model, version, record.holder)
+        result = self.etcd.txn(
+            [
+                ops.create(key, "==", fence),
+                ops.lease(key, "==", record.session),
+                ops.value(key, "==", partial),
+            ],
+            [ops.put(key, record.encode(), lease=record.session), ops.delete(pin)],
+            timeout=timeout,
+        )
+        return result.succeeded
 
     def list(
         self, tenant: str, model: str, version: int, *, timeout: float | None = None

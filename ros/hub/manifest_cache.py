@@ -53,6 +53,18 @@ class ManifestCache:
         self._parts.put(key, (manifest, len(raw)))
         return manifest
 
+    def seed(
+        self, key: VersionKey, header: ManifestHeader, manifest: pb.Manifest, size: int
+    ) -> None:
+        """Keep a whole version's header and parsed manifest as this replica just published
+        them (`manifest`, `size` serialized bytes; kept as given: never change it): the
+        readers that resolve a new version, all at once, find it here instead of each
+        reading it from etcd. A header that is not the manifest key's (a publish retried
+        after its first attempt landed) is replaced by the first caller that knows the
+        key's create revision (`forget`), as any cached header of an earlier incarnation."""
+        self._headers.put(key, header)
+        self._parts.put((*key, None), (manifest, size))
+
     def forget(self, key: VersionKey, shard_count: int) -> None:
         """Drop a version's header and its manifests (of its `shard_count` shards, or whole):
         the version was deleted and published again under the same number."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -109,11 +110,19 @@ class VersionRPCs:
         check_manifest(  # every rule, before any write
             request.manifest, _what(request), model=request.model, version=request.version
         )
-        return self.hub.versions(tenant).publish(
+        published = self.hub.versions(tenant).publish(
             tenant.name, model, version, manifest, holder, timeout=timeout,
             admit_model=admit, charge=charge, serial=model_serial(tenant.name, model),
             session_key=self.hub.keys.session(tenant.name, holder.session),
         )  # fmt: skip
+        # what its readers' Resolves ask next: the header and manifest as stored (`stage`)
+        parsed = pb.Manifest()
+        parsed.CopyFrom(request.manifest)
+        header = ManifestHeader(
+            published.revision, len(manifest), hashlib.sha256(manifest).digest()
+        )
+        self.hub.manifest_cache.seed((tenant.name, model, version), header, parsed, len(manifest))
+        return published
 
     def _stage_shard(
         self, request: pb.PublishRequest, call: CallContext

@@ -157,12 +157,26 @@ def test_unretained_versions_release_freely(
         assert holders.list("t", "m", 1)[0] == []
 
 
-def test_a_forced_release_is_one_transaction_and_still_checks_the_session(
+def test_a_partial_record_turns_complete_in_one_transaction(
     etcd: Etcd, holders: HolderRegistry, published: Session, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A forced release of the caller's own record (an in-place update releasing what it is
-    about to overwrite) deletes the record and its pin in one etcd transaction, no read
-    first; a record of another session is still refused, and none at all is no error."""
+    """PARTIAL -> COMPLETE of the record exactly as registered (how every fetch ends) is
+    one etcd transaction with no read first, and drops the PARTIAL record's pin."""
+    calls = _count_calls(holders, monkeypatch)
+    pin = holders.keys.pin("t", "m", 1, "reader")
+    with Session(etcd, ttl=5) as reader:
+        record = rec(reader, "reader")
+        fence = holders.register("t", "m", 1, record)
+        calls.clear()
+        holders.update_state("t", "m", 1, record.with_state(HolderState.COMPLETE), fence)
+        assert calls == ["txn"]
+        listed, _ = holders.list("t", "m", 1)
+        assert next(h for h in listed if h.holder == "reader").complete
+        assert etcd.get(pin)[0] is None
+
+
+def _count_calls(holders: HolderRegistry, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The etcd calls `holders` makes from now on (the real client's, counted by name)."""
     calls: list[str] = []
     for name in ("txn", "range"):
         real = getattr(holders.etcd, name)
@@ -172,6 +186,16 @@ def test_a_forced_release_is_one_transaction_and_still_checks_the_session(
             return _real(*args, **kw)  # type: ignore[operator]
 
         monkeypatch.setattr(holders.etcd, name, counted)
+    return calls
+
+
+def test_a_forced_release_is_one_transaction_and_still_checks_the_session(
+    etcd: Etcd, holders: HolderRegistry, published: Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forced release of the caller's own record (an in-place update releasing what it is
+    about to overwrite) deletes the record and its pin in one etcd transaction, no read
+    first; a record of another session is still refused, and none at all is no error."""
+    calls = _count_calls(holders, monkeypatch)
     pin = holders.keys.pin("t", "m", 1, "reader")
     with Session(etcd, ttl=5) as reader, Session(etcd, ttl=5) as stranger:
         holders.register("t", "m", 1, rec(reader, "reader"))  # PARTIAL: it pins v1
