@@ -70,9 +70,10 @@ class Companion:
             self.held.release(force=True)
 
 
-FetchCompanion = Callable[[str, int, int | None, float, bool], Companion]
-"""Read (model, version, shard, timeout, hold) whole: as a holder that serves it (`hold`),
-or unheld (a `fetch_slices` reader, which holds nothing)."""
+FetchCompanion = Callable[[str, int, int | None, float, bool, pb.ResolveResponse | None], Companion]
+"""Read (model, version, shard, timeout, hold, resolved) whole: as a holder that serves it
+(`hold`), or unheld (a `fetch_slices` reader, which holds nothing); `resolved`, when not
+None, is its Resolve, answered with its version's (no second call)."""
 ResolveManifest = Callable[[str, int, int | None, Deadline], pb.Manifest]
 """The manifest of (model, version, shard): how a chain's earlier links are found."""
 FindHeld = Callable[[str, int], HeldVersion | None]
@@ -140,12 +141,14 @@ class DeltaReader:
         deadline: Deadline,
         chunks: Collection[int] | None = None,
         hold: bool = True,
+        companion: pb.ResolveResponse | None = None,
     ) -> Applied:
         """Make what chunks it can of `dest` (memory holding `base`) into `manifest`'s
         version from deltas, marking each present (module docstring); the rest is left
         missing for the fetch's rounds. `chunks`: only these are wanted (`fetch_slices`),
-        None: all; `hold`: read the companions as their holder (else unheld, kept nowhere).
-        Never raises for a delta that cannot be used: the reason is in the stats."""
+        None: all; `hold`: read the companions as their holder (else unheld, kept nowhere);
+        `companion`: the Resolve of this version's companion, if the hub answered it with
+        the version's. Never raises for a delta that cannot be used: the reason is in the stats."""
         start = time.monotonic()
         stats = DeltaStats(base=base)
         version = dest.key[2]
@@ -154,7 +157,7 @@ class DeltaReader:
             links = self._chain(
                 model, shard, version, dest.layout, manifest, base, deadline, wanted
             )
-            kept = self._apply_links(model, shard, links, dest, stats, deadline, wanted, hold)
+            kept = self._apply_links(shard, links, dest, stats, deadline, wanted, hold, companion)
         except _NoDelta as why:
             stats.fallback = str(why)
             stats.whole_chunks = len(_missing(dest, chunks))
@@ -220,7 +223,6 @@ class DeltaReader:
 
     def _apply_links(
         self,
-        model: str,
         shard: int | None,
         links: list[Link],
         dest: HeldVersion,
@@ -228,6 +230,7 @@ class DeltaReader:
         deadline: Deadline,
         wanted: set[int],
         hold: bool,
+        resolved: pb.ResolveResponse | None,
     ) -> Held | None:
         kind = links[-1].manifest.checksum or KINDS[0]
         usable = sorted(self._usable(links, wanted))
@@ -237,7 +240,7 @@ class DeltaReader:
             # the memory is the base where it starts: the rest is checked while the delta
             # is on its way (a memory that is not the base at all reads whole at once)
             return self._apply_streaming(
-                links[0], shard, dest, usable, is_base, kind, stats, deadline, wanted
+                links[0], shard, dest, usable, is_base, kind, stats, deadline, wanted, resolved
             )
         todo = [index for index in usable if is_base(index)]
         if not todo:
@@ -250,7 +253,8 @@ class DeltaReader:
                     # at most half of what is left: the rest reads whole what the delta
                     # could not give, should its holders be dead or frozen
                     half = deadline.work((deadline.work_end - time.monotonic()) / 2)
-                    read = self._fetch_companion(companion, link.version, shard, half, hold)
+                    pre = resolved if link is links[-1] else None  # only v's came with v's
+                    read = self._fetch_companion(companion, link.version, shard, half, hold, pre)
                 except TensorHubError as exc:
                     raise _NoDelta(f"{companion}@{link.version} could not be read ({exc})") from exc
                 companions.append(read)
@@ -296,6 +300,7 @@ class DeltaReader:
         stats: DeltaStats,
         deadline: Deadline,
         wanted: set[int],
+        resolved: pb.ResolveResponse | None,
     ) -> Held | None:
         """One link, read as its holder: check which of the `usable` chunks of `dest` are
         the base while the companion is being found and read, and apply each as soon as its
@@ -311,7 +316,9 @@ class DeltaReader:
 
         def read() -> None:
             try:
-                outcome["read"] = self._fetch_companion(companion, link.version, shard, half, True)
+                outcome["read"] = self._fetch_companion(
+                    companion, link.version, shard, half, True, resolved
+                )
             except TensorHubError as exc:
                 outcome["error"] = exc
 

@@ -40,12 +40,15 @@ def fetch(
     progress: ProgressCallback | None = None,
     deltas: DeltaReader | None = None,
     base: int | None = None,
+    resolved: pb.ResolveResponse | None = None,
 ) -> Held:
     """`Hub.fetch` (its docstring is the contract): check the arguments, resolve, build the
     destination (`into`'s own memory, or new tensors, never memory `holdings` still serves),
     apply what deltas it can when `deltas` is given and the destination holds an earlier
-    version (`base`, or the one `deltas` knows `into` holds), and let `runs` fill in the
-    rest; `handles` makes the `Held` it returns."""
+    version (`base`, or the one `deltas` knows `into` holds; the companion of the deltas is
+    resolved with the version), and let `runs` fill in the rest; `handles` makes the `Held`
+    it returns. `resolved`: a Resolve of exactly this version and shard answered just now
+    (a companion's, with its version's), used instead of resolving again."""
     if base is not None:
         validate_version(base)
     validate_name(model, "model")
@@ -53,7 +56,11 @@ def fetch(
     check_shard_arg(shard)
     start = time.monotonic()
     deadline = Deadline.after(timeout, f"fetch {model}@{version}")
-    resolved = runs.resolve(model, number, shard, deadline)
+    if deltas is not None and into is not None and base is None:
+        base = deltas.bases.version_in(model, shard, into)
+    with_companion = deltas is not None and into is not None and base is not None
+    if resolved is None or not number or int(resolved.version) != number:
+        resolved = runs.resolve(model, number, shard, deadline, companion=with_companion)
     version = int(resolved.version)
     manifest = manifest_of_shard(model, version, resolved, shard)
     layout = layout_of(manifest)
@@ -65,11 +72,9 @@ def fetch(
         tensors = layout.allocate()
     held = HeldVersion.reader(holdings.tenant, model, version, layout, tensors)
     applied = None
-    if deltas is not None and into is not None and manifest.HasField("delta"):
-        if base is None:
-            base = deltas.bases.version_in(model, shard, into)
-        if base is not None:
-            applied = deltas.apply(model, shard, manifest, held, base, deadline)
+    if deltas is not None and into is not None and manifest.HasField("delta") and base is not None:
+        companion = resolved.companion if resolved.HasField("companion") else None
+        applied = deltas.apply(model, shard, manifest, held, base, deadline, companion=companion)
     target = Target(model, version, shard, held, manifest)
     try:
         stats = runs.run(target, resolved, deadline, rate_floor=rate_floor, progress=progress)

@@ -301,7 +301,13 @@ class Hub:
         )  # fmt: skip
 
     def _fetch_companion(
-        self, model: str, version: int, shard: int | None, timeout: float, hold: bool
+        self,
+        model: str,
+        version: int,
+        shard: int | None,
+        timeout: float,
+        hold: bool,
+        resolved: pb.ResolveResponse | None,
     ) -> Companion:
         """Read a delta's encoded chunks (`{model}.delta`@version) whole: as their holder,
         or unheld (for `fetch_slices`, whose reader holds nothing). One this client holds
@@ -317,7 +323,7 @@ class Hub:
             return Companion(tensors, stats.total_bytes)
         held = fetching.fetch(
             self._fetches, self.holdings, self._handles, model, version, timeout=timeout,
-            shard=shard,
+            shard=shard, resolved=resolved,
         )  # fmt: skip
         return Companion(held.tensors, held.stats.total_bytes, held)
 

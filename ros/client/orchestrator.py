@@ -187,12 +187,20 @@ class Orchestrator:
         self._busy = busy
 
     def resolve(
-        self, model: str, version: int, shard: int | None, deadline: Deadline
+        self,
+        model: str,
+        version: int,
+        shard: int | None,
+        deadline: Deadline,
+        *,
+        companion: bool = False,
     ) -> pb.ResolveResponse:
-        """Resolve model@version (0: latest), with its manifest (of shard `shard`)."""
+        """Resolve model@version (0: latest), with its manifest (of shard `shard`), and with
+        `companion` its delta's companion too (`answer.companion`, when it has one)."""
         return self._reads.resolve(
-            model, version, shard=shard, timeout=deadline.work(self._me.timeout)
-        )
+            model, version, shard=shard, timeout=deadline.work(self._me.timeout),
+            companion=companion,
+        )  # fmt: skip
 
     def holders(
         self, model: str, version: int, shard: int | None, deadline: Deadline

@@ -92,6 +92,7 @@ class FreshReads:
         fence: int = 0,
         timeout: float | None = None,
         manifest: bool = True,
+        companion: bool = False,
     ) -> pb.ResolveResponse:
         """Resolve `model@version` (0: latest) for this client: its topology, fence and
         name (never among the candidates), fresh.
@@ -99,13 +100,15 @@ class FreshReads:
         The manifest is asked for only when `manifest` and not cached (by model, version,
         shard: it never changes); the answer then always carries it, from the hub or from
         the cache (checked against the hub's digest: a mismatch asks once more in full).
+        `companion`: the hub also resolves the delta's companion, when the version has one
+        (`answer.companion`, its manifest checked and cached like any).
         """
         cached = self.manifests.get((model, version, shard)) if version else None
         omit = cached is not None or not manifest
         request = pb.ResolveRequest(
             model=model, version=version, shard=shard, omit_manifest=omit,
             topology=self._topology, fence=fence, holder=self._holder_name,
-            min_revision=self.floor.value,
+            min_revision=self.floor.value, with_companion=companion,
         )  # fmt: skip
         answer: pb.ResolveResponse = self.fresh(
             lambda t: self._rpc("Resolve", request, t), lambda r: int(r.revision), timeout
@@ -117,6 +120,7 @@ class FreshReads:
             cached = self.manifests.get(key)
             if cached is not None and cached.digest == bytes(answer.manifest_digest):
                 cached.fill(answer)
+                self._companion(answer, shard)
                 return answer
             # evicted meanwhile, or not what the hub has: ask once more, with the manifest
             self.manifests.pop(key)
@@ -126,4 +130,17 @@ class FreshReads:
             )
         check_received(answer, f"{model}@{answer.version}")  # before any use, or caching
         self.manifests.put(key, CachedManifest.of(answer))
+        self._companion(answer, shard)
         return answer
+
+    def _companion(self, answer: pb.ResolveResponse, shard: int | None) -> None:
+        """Check and cache the companion's manifest that a Resolve answered with its
+        version's, if it did (`InvalidManifest` before any use, as for any manifest)."""
+        if not answer.HasField("companion"):
+            return
+        name, version = answer.manifest.delta.companion, int(answer.version)
+        if not name:  # a companion of no delta: nothing to use it for
+            answer.ClearField("companion")
+            return
+        check_received(answer.companion, f"{name}@{version}")
+        self.manifests.put((name, version, shard), CachedManifest.of(answer.companion))

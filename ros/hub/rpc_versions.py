@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -31,11 +32,13 @@ from ros.manifest_check import check_manifest, check_topology
 from ros.metrics import HUB_PUBLISH_LIMIT, HUB_PUBLISHES_REFUSED, HUB_WATCHES
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.tokens import issue_read_token
-from tensorhub.errors import InvalidArgument, VersionNotFound
+from tensorhub.errors import InvalidArgument, TensorHubError, VersionNotFound
 from tensorhub.names import validate_name, validate_version
 
 DEFAULT_PAGE_SIZE = 500  # holders per Inspect page when the caller names no size
 MAX_PAGE_SIZE = 5000  # the most holders one Inspect page lists
+
+log = logging.getLogger(__name__)
 
 
 class VersionRPCs:
@@ -198,7 +201,8 @@ class VersionRPCs:
         """At most `MAX_CANDIDATES` holders of `model@version` for the caller (nearest
         first, its pipeline predecessor among them), a read token and, unless the caller
         has it (`omit_manifest`), the manifest: O(K log N) from this replica's holder index,
-        at least as fresh as `min_revision` (docs/hub.md, "Resolve")."""
+        at least as fresh as `min_revision` (docs/hub.md, "Resolve"). `with_companion`: the
+        same answer for the delta's companion too, when the version has one."""
         tenant = context.tenant()
         timeout = self.hub.timeout(context)
         model = validate_name(request.model, "model")
@@ -210,10 +214,32 @@ class VersionRPCs:
             version, moved = self._latest_kv(tenant, model, timeout)
             floor = max(floor, moved)  # the index must have seen that version appear
         validate_version(version)
+        response, header = self._answer(
+            tenant, model, version, shard, request, floor, request.fence, timeout
+        )
+        if not request.omit_manifest:
+            self._put_manifests(response, tenant, model, version, header, shard, timeout)
+        if request.with_companion and (shard is not None or not header.shard_count):
+            self._put_companion(response, tenant, model, version, header, shard, request, timeout)
+        return response
+
+    def _answer(
+        self,
+        tenant: Tenant,
+        model: str,
+        version: int,
+        shard: int | None,
+        request: pb.ResolveRequest,
+        floor: int,
+        fence: int,
+        timeout: float,
+    ) -> tuple[pb.ResolveResponse, ManifestHeader]:
+        """A Resolve's answer for `model@version` (of `shard`) without its manifest, and the
+        version's header."""
         found = self.hub.holder_index.candidates(
             tenant.name, model, version, shard,
             min_revision=floor, timeout=timeout, topology=dict(request.topology),
-            fence=request.fence, exclude=request.holder,
+            fence=fence, exclude=request.holder,
         )  # fmt: skip
         header = self._header(tenant, model, version, timeout, found.published)
         _check_shard(model, version, shard, header.shard_count)
@@ -236,9 +262,39 @@ class VersionRPCs:
             manifest_digest=_digest(header, shard),
             manifest_omitted=request.omit_manifest,
         )  # fmt: skip
-        if not request.omit_manifest:
-            self._put_manifests(response, tenant, model, version, header, shard, timeout)
-        return response
+        return response, header
+
+    def _put_companion(
+        self,
+        response: pb.ResolveResponse,
+        tenant: Tenant,
+        model: str,
+        version: int,
+        header: ManifestHeader,
+        shard: int | None,
+        request: pb.ResolveRequest,
+        timeout: float,
+    ) -> None:
+        """The Resolve of the companion of `model@version` (of `shard`), manifest included,
+        into `response.companion`: a reader applying the delta reads the companion next, and
+        this spares it a call. Nothing when the version has no delta, or its companion is
+        gone (the reader then resolves it itself, and is told why)."""
+        section = self._manifest(tenant, model, version, shard, timeout).delta
+        if not section.companion:
+            return
+        companion = section.companion
+        try:
+            answer, part = self._answer(
+                tenant, companion, version, shard, pb.ResolveRequest(
+                    topology=request.topology, holder=request.holder
+                ), response.revision, 0, timeout,
+            )  # fmt: skip
+            self._put_manifests(answer, tenant, companion, version, part, shard, timeout)
+        except TensorHubError as exc:
+            log.info("resolve %s@%d: its companion %s is not there (%s)",
+                     model, version, companion, exc)  # fmt: skip
+            return
+        response.companion.CopyFrom(answer)
 
     @unary
     def ListModels(
@@ -362,19 +418,22 @@ class VersionRPCs:
     ) -> None:
         """The manifest asked for: the whole version's, shard `shard`'s, or (a model-parallel
         version, no shard asked) one per shard; each read from etcd once per replica."""
-        versions = self.hub.versions(tenant)
-
-        def part(index: int | None) -> pb.Manifest:
-            return self.hub.manifest_cache.manifest(
-                (tenant.name, model, version, index),
-                lambda: versions.manifest(tenant.name, model, version, index, timeout=timeout),
-            )
-
         if header.shard_count and shard is None:
             for index in range(header.shard_count):
-                response.shards.append(part(index))
+                response.shards.append(self._manifest(tenant, model, version, index, timeout))
         else:
-            response.manifest.CopyFrom(part(shard))
+            response.manifest.CopyFrom(self._manifest(tenant, model, version, shard, timeout))
+
+    def _manifest(
+        self, tenant: Tenant, model: str, version: int, part: int | None, timeout: float
+    ) -> pb.Manifest:
+        """The manifest of `model@version` (of shard `part`), from this replica's cache or read
+        once from etcd; shared: never change it."""
+        versions = self.hub.versions(tenant)
+        return self.hub.manifest_cache.manifest(
+            (tenant.name, model, version, part),
+            lambda: versions.manifest(tenant.name, model, version, part, timeout=timeout),
+        )
 
 
 HUB_PUBLISH_LIMIT.labels("manifest_bytes").set(MAX_MANIFEST_BYTES)

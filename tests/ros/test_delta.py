@@ -20,8 +20,10 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 import ros
+from ros.client.deadline import Deadline
 from ros.hub.server import HubServer
 from tensorhub.delta_rules import companion_of
 from tensorhub.errors import InvalidArgument, InvalidManifest
@@ -88,6 +90,46 @@ def test_a_reader_applies_each_next_version_from_its_delta(connect: Callable[...
     # released with the version: nothing of the delta is served after
     held.release()
     assert reader.holder_name not in {h.holder for h in trainer.holders(companion_of("policy"), 4)}
+
+
+def _resolves() -> float:
+    """Resolve calls this process's hubs have answered so far."""
+    return (
+        REGISTRY.get_sample_value(
+            "tensorhub_hub_requests_total", {"method": "Resolve", "code": "OK"}
+        )
+        or 0.0
+    )
+
+
+def test_the_companion_is_resolved_with_its_version(connect: Callable[..., ros.Hub]) -> None:
+    """A reader applying a delta asks the hub once: the Resolve of v answers its companion
+    too (holders, token and manifest, as a Resolve of the companion would), and the
+    companion's read uses that answer instead of resolving again."""
+    trainer, reader = connect(), connect()
+    w = model(7)
+    trainer.publish("policy", 1, w, chunk_size=CHUNK, delta=True)
+    held = reader.fetch("policy", 1)
+    w = step(w, 2)
+    trainer.publish("policy", 2, w, chunk_size=CHUNK, delta=True)
+    tensors = held.tensors
+    held.release()
+    before = _resolves()
+    held = reader.fetch("policy", 2, into=tensors)
+    assert _resolves() - before == 1
+    assert held.delta is not None
+    assert held.delta.chunks > 0, held.delta
+    assert same(held.tensors, w)
+    # the answer is what a Resolve of the companion itself gives
+    runs = trainer._fetches
+    deadline = Deadline.after(30, "test")
+    both = runs.resolve("policy", 2, None, deadline, companion=True)
+    alone = runs.resolve(companion_of("policy"), 2, None, deadline)
+    assert both.HasField("companion")
+    assert both.companion.manifest == alone.manifest
+    assert both.companion.manifest_digest == alone.manifest_digest
+    assert {h.name for h in both.companion.holders} == {h.name for h in alone.holders}
+    assert not runs.resolve("policy", 1, None, deadline, companion=True).HasField("companion")
 
 
 def test_a_reader_several_versions_behind_applies_the_chain(

@@ -242,7 +242,7 @@ class WatchEvent(_message.Message):
     def __init__(self, kind: _Optional[_Union[WatchEvent.Kind, str]] = ..., version: _Optional[int] = ..., revision: _Optional[int] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., holder_name: _Optional[str] = ..., holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., holder_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ResolveRequest(_message.Message):
-    __slots__ = ("model", "version", "shard", "omit_manifest", "topology", "fence", "holder", "min_revision")
+    __slots__ = ("model", "version", "shard", "omit_manifest", "topology", "fence", "holder", "min_revision", "with_companion")
     class TopologyEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +258,7 @@ class ResolveRequest(_message.Message):
     FENCE_FIELD_NUMBER: _ClassVar[int]
     HOLDER_FIELD_NUMBER: _ClassVar[int]
     MIN_REVISION_FIELD_NUMBER: _ClassVar[int]
+    WITH_COMPANION_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     shard: int
@@ -266,10 +267,11 @@ class ResolveRequest(_message.Message):
     fence: int
     holder: str
     min_revision: int
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., shard: _Optional[int] = ..., omit_manifest: _Optional[bool] = ..., topology: _Optional[_Mapping[str, str]] = ..., fence: _Optional[int] = ..., holder: _Optional[str] = ..., min_revision: _Optional[int] = ...) -> None: ...
+    with_companion: bool
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., shard: _Optional[int] = ..., omit_manifest: _Optional[bool] = ..., topology: _Optional[_Mapping[str, str]] = ..., fence: _Optional[int] = ..., holder: _Optional[str] = ..., min_revision: _Optional[int] = ..., with_companion: _Optional[bool] = ...) -> None: ...
 
 class ResolveResponse(_message.Message):
-    __slots__ = ("version", "manifest", "holders", "read_token", "token_expiry_unix", "revision", "shards", "shard_count", "total_holders", "manifest_digest", "manifest_omitted")
+    __slots__ = ("version", "manifest", "holders", "read_token", "token_expiry_unix", "revision", "shards", "shard_count", "total_holders", "manifest_digest", "manifest_omitted", "companion")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     HOLDERS_FIELD_NUMBER: _ClassVar[int]
@@ -281,6 +283,7 @@ class ResolveResponse(_message.Message):
     TOTAL_HOLDERS_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_OMITTED_FIELD_NUMBER: _ClassVar[int]
+    COMPANION_FIELD_NUMBER: _ClassVar[int]
     version: int
     manifest: Manifest
     holders: _containers.RepeatedCompositeFieldContainer[Holder]
@@ -292,7 +295,8 @@ class ResolveResponse(_message.Message):
     total_holders: int
     manifest_digest: bytes
     manifest_omitted: bool
-    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., read_token: _Optional[bytes] = ..., token_expiry_unix: _Optional[int] = ..., revision: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[Manifest, _Mapping]]] = ..., shard_count: _Optional[int] = ..., total_holders: _Optional[int] = ..., manifest_digest: _Optional[bytes] = ..., manifest_omitted: _Optional[bool] = ...) -> None: ...
+    companion: ResolveResponse
+    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., read_token: _Optional[bytes] = ..., token_expiry_unix: _Optional[int] = ..., revision: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[Manifest, _Mapping]]] = ..., shard_count: _Optional[int] = ..., total_holders: _Optional[int] = ..., manifest_digest: _Optional[bytes] = ..., manifest_omitted: _Optional[bool] = ..., companion: _Optional[_Union[ResolveResponse, _Mapping]] = ...) -> None: ...
 
 class RegisterHolderRequest(_message.Message):
     __slots__ = ("model", "version", "holder")
