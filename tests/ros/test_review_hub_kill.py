@@ -236,16 +236,17 @@ def test_a_shard_whose_outcome_unknown_is_settled_by_latest_is_still_served(
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(
     ("step", "mode", "nth"),
-    [("register", "drop", 1), ("register", "apply", 1), ("complete", "apply", 3)],
+    [("register", "drop", 1), ("register", "apply", 1), ("complete", "apply", 2)],
 )
 def test_kill_9_of_the_replica_in_the_middle_of_a_fetch(
     world: World, step: str, mode: str, nth: int
 ) -> None:
     """The reader's RegisterHolder (PARTIAL, its 1st request naming its record) or
-    UpdateHolder (COMPLETE: a read then the transaction, its 3rd) is stopped or applied
-    with its reply lost, and the replica carrying it is SIGKILLed. Proves: the fetch still
-    returns within its timeout, through the other replica, with the publisher's bytes; the
-    reader's record is COMPLETE under its own session, and no pin of it is left."""
+    UpdateHolder (COMPLETE: one transaction that compares the PARTIAL record, its 2nd) is
+    stopped or applied with its reply lost, and the replica carrying it is SIGKILLed.
+    Proves: the fetch still returns within its timeout, through the other replica, with the
+    publisher's bytes; the reader's record is COMPLETE under its own session, and no pin of
+    it is left."""
     publisher = world.client(session_ttl=10)
     reader = world.client(session_ttl=10)
     try:
