@@ -1,4 +1,9 @@
-"""Regenerate the Python code for the hub's protos (`make proto`; a test checks it is current).
+"""Regenerate the Python code for the hub's protos (`make proto`).
+
+`make proto` runs this file with the pinned generator of scripts/proto-lock.txt
+(`.venv-proto`), since the generator's versions become the floors of the generated code;
+CI regenerates and compares, and tests/ros/test_service.py checks the committed descriptor
+against the .proto with whatever protoc the dev environment has.
 
 Protos are compiled with the repository root as the include path, so each registers in
 protobuf's descriptor pool under `ros/proto/tensorhub/v1/...`, a name that can never clash
@@ -19,7 +24,7 @@ def protos() -> list[Path]:
     return sorted(PROTO_DIR.glob("*.proto"))
 
 
-def generate(out_dir: Path = ROOT) -> None:
+def generate(out_dir: Path = ROOT, python: str = sys.executable) -> None:
     """Run grpc_tools.protoc for every proto, writing *_pb2.py, *_pb2.pyi, *_pb2_grpc.py.
 
     The compiler runs in a process of its own (`python -m grpc_tools.protoc`), never imported
@@ -28,7 +33,7 @@ def generate(out_dir: Path = ROOT) -> None:
     grpcio-tools), and the test suite, which checks the generated code, loads NIXL."""
     for proto in protos():
         args = [
-            sys.executable, "-m", "grpc_tools.protoc",
+            python, "-m", "grpc_tools.protoc",
             f"-I{ROOT}",
             f"--python_out={out_dir}",
             f"--pyi_out={out_dir}",
