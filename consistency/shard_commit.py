@@ -94,12 +94,15 @@ class Budget(Protocol):
     """The tenant's budget for a batch (`consistency.usage.TenantBudget`): the key it keeps
     the usage in (read with the batch's opening read, so charging costs no round trip of
     its own), and how many of the batch's `sizes`, in order, fit the usage as read, with
-    the compare and put that charge them and the refusal for the rest."""
+    the compare and put that charge them and the refusal for the rest. `arrived`: how many
+    shards of the version earlier batches committed (the counter as read, compared in the
+    batch's transaction), so the batch's shards are its arrivals `arrived`, `arrived` + 1,
+    ... (what `consistency.usage.shard_tokens` charges by)."""
 
     key: str
 
     def charge(
-        self, sizes: Sequence[int], usage: ops.KV | None
+        self, sizes: Sequence[int], usage: ops.KV | None, arrived: int
     ) -> tuple[int, list[ops.Cmp], list[ops.Op], QuotaExceeded | None]: ...
 
 
@@ -429,7 +432,7 @@ class ShardCommitter:
             puts += bump
         if self._budget is not None:
             admitted, guard, charge, refusal = self._budget.charge(
-                [e.size for e in writing], state.usage
+                [e.size for e in writing], state.usage, state.arrived
             )
             for entry in writing[admitted:]:
                 outcomes[id(entry)] = refusal or QuotaExceeded("tenant budget")
@@ -486,6 +489,14 @@ def _same_shard(record: ops.KV, entry: ShardEntry) -> bool:
         and written.part.size == mine.size
         and written.part.digest == mine.digest
     )
+
+
+def arrivals(etcd: Etcd, keys: Keys, tenant: str, model: str, version: int, timeout: float) -> int:
+    """How many shards of `model@version` have committed so far (one read of its
+    counter): what a shard checked against the budget before its batch expects to arrive
+    after. Only an estimate: the batch's own charge, on the counter it compares, decides."""
+    kv, _ = etcd.get(keys.shard_arrivals(tenant, model, version), timeout=timeout)
+    return _counter(kv.value if kv is not None else None)[1]
 
 
 def _counter(raw: bytes | None) -> tuple[int, int]:

@@ -8,8 +8,13 @@ therefore has one usage key (`Keys.quota_fence(tenant, "usage")`) holding
   tenant's versions that etcd holds now: charged by the publish that writes them, released by
   the transaction that deletes them (retention, model deletion);
 - `tokens` and `at`: a token bucket of publishes, refilled at `publishes_per_minute / 60`
-  per second up to `publishes_per_minute`. A whole version's publish takes one token, each
-  of a model-parallel version's N shards takes 1/N;
+  per second up to `publishes_per_minute`. A whole version's publish takes one token; a
+  model-parallel version of N shards takes ceil(N / `SHARDS_PER_TOKEN`) in all, one for each
+  shard whose arrival (0, 1, 2, ... in the order its version's batches count them) is a
+  multiple of `SHARDS_PER_TOKEN` (`shard_tokens`). So a version costs the same whether its
+  shards come one call per rank or all in one call, and a caller that publishes one shard
+  of each of many versions pays a token for each: a shard's share of its version is never
+  less than 1 / `SHARDS_PER_TOKEN` of a publish, whatever shard count it claims;
 - `history`: a bucket of the bytes the tenant's publishes may write into etcd's history
   (`history_cost`: a paged manifest is written twice, plus its records), refilled at
   `history_bytes` per `history_period` (the compactor's interval) up to `history_bytes`.
@@ -57,6 +62,7 @@ from tensorhub.errors import QuotaExceeded
 from tensorhub.lru import SizedLru
 
 RECORD_BYTES = 1024  # charged per version header or shard record beside its manifest bytes
+SHARDS_PER_TOKEN = 8  # K: a version of N shards takes ceil(N / K) publish-rate tokens
 DEFAULT_HISTORY_PERIOD = 300.0  # the compactor's default interval (consistency.compactor)
 Guard = tuple[list[ops.Cmp], list[ops.Op]]
 
@@ -84,6 +90,23 @@ class Usage:
             float(data["at"]),
             float(data.get("history", -1.0)),  # a usage written before the history budget
         )
+
+
+def shard_tokens(first: int, count: int) -> int:
+    """The publish-rate tokens taken by `count` shards of one version arriving as its
+    shards number `first` .. `first + count - 1` (arrival order, from 0): one per arrival
+    that is a multiple of `SHARDS_PER_TOKEN`. A version of N shards takes `shard_tokens(0,
+    N)` = ceil(N / `SHARDS_PER_TOKEN`) however its arrivals are split between calls or
+    batches (one rank per call, or a group call of all of them), since the ranges they
+    cover add up to 0 .. N - 1."""
+    if count <= 0:
+        return 0
+    return _multiples_below(first + count) - _multiples_below(first)
+
+
+def _multiples_below(n: int) -> int:
+    """How many of 0 .. n - 1 are multiples of `SHARDS_PER_TOKEN`: ceil(n / K)."""
+    return -(-n // SHARDS_PER_TOKEN)
 
 
 def history_cost(nbytes: int, inline: int) -> int:
@@ -179,20 +202,29 @@ class TenantBudget:
         return compares, puts
 
     def charge_many(
-        self, sizes: Sequence[int], timeout: float, publishes: float = 1.0
+        self, sizes: Sequence[int], timeout: float, publishes: float | Sequence[float] = 1.0
     ) -> tuple[int, list[ops.Cmp], list[ops.Op], QuotaExceeded | None]:
-        """Charge a batch of publishes (`sizes`: each one's manifest bytes, `publishes`
-        tokens each) in one compare and put, after one read: how many of them, in order,
-        fit; the compare and put that charge those; and the refusal for the rest (None if
-        all fit). Call again (a fresh read) after the transaction fails."""
+        """Charge a batch of publishes (`sizes`: each one's manifest bytes; `publishes`:
+        the tokens each takes, the same for all or one per entry) in one compare and put,
+        after one read: how many of them, in order, fit; the compare and put that charge
+        those; and the refusal for the rest (None if all fit). Call again (a fresh read)
+        after the transaction fails."""
         kv, _ = self._etcd.get(self.key, timeout=timeout)
         return self.charge_read(sizes, kv, publishes)
 
     def charge_read(
-        self, sizes: Sequence[int], kv: ops.KV | None, publishes: float = 1.0
+        self,
+        sizes: Sequence[int],
+        kv: ops.KV | None,
+        publishes: float | Sequence[float] = 1.0,
     ) -> tuple[int, list[ops.Cmp], list[ops.Op], QuotaExceeded | None]:
         """`charge_many` against the usage key as the caller read it (`kv`; None: it does
         not exist), with no read of its own (`consistency.shard_commit.Budget`)."""
+        costs = (
+            [float(publishes)] * len(sizes)
+            if isinstance(publishes, int | float)
+            else [float(p) for p in publishes]
+        )
         usage = Usage.decode(kv.value) if kv is not None else Usage()
         now = self._clock()
         elapsed = max(0.0, now - usage.at)
@@ -204,7 +236,7 @@ class TenantBudget:
         held = usage.held
         admitted = 0
         refusal: QuotaExceeded | None = None
-        for nbytes in sizes:
+        for nbytes, cost in zip(sizes, costs, strict=True):
             written = history_cost(nbytes, self._inline)
             if written > history + 1e-6:
                 refusal = QuotaExceeded(
@@ -220,14 +252,14 @@ class TenantBudget:
                     f"would pass its quota of {self._max_bytes} (max_etcd_bytes)"
                 )
                 break
-            if tokens < publishes - 1e-9:
+            if tokens < cost - 1e-9:
                 refusal = QuotaExceeded(
                     f"tenant {self._tenant} publishes faster than its quota of {self._rate} "
                     "per minute (max_publishes_per_minute): retry later"
                 )
                 break
             held += charged
-            tokens -= publishes
+            tokens -= cost
             history -= written
             admitted += 1
         if not admitted:

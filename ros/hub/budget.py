@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from consistency import Etcd, Keys, ops
 from consistency.manifests import INLINE_BYTES, SHARD_INLINE_BYTES
 from consistency.publishing import Charge
-from consistency.usage import Guard, TenantBudget, UsageCache
+from consistency.usage import Guard, TenantBudget, UsageCache, shard_tokens
 from ros.hub.tenants import Tenant
 from ros.metrics import HUB_PUBLISHES_REFUSED
 from tensorhub.errors import QuotaExceeded
@@ -68,15 +68,19 @@ def publish_charge(
     timeout: float,
     history_period: float,
     cache: UsageCache | None = None,
+    arrived: int = 0,
 ) -> Charge:
-    """Check that a publish of a `size`-byte manifest (one shard of `shard_count`, or a
-    whole version with 0) fits the tenant's budget now, else `QuotaExceeded` with nothing
-    written; returns the charge its transaction adds (it checks again, race-free).
-    `history_period`: the compactor's interval, over which the history budget refills;
-    `cache`: the replica's usage cache (`consistency.usage.UsageCache`): the check and the
-    charge read the usage key only when it holds no copy, or after a failed transaction."""
+    """Check that a publish of a `size`-byte manifest (a whole version with `shard_count`
+    0; else one shard of `shard_count`, arriving after `arrived` others of its version, so
+    taking `shard_tokens(arrived, 1)` tokens) fits the tenant's budget now, else
+    `QuotaExceeded` with nothing written; returns the charge its transaction adds (it
+    checks again, race-free). `history_period`: the compactor's interval, over which the
+    history budget refills; `cache`: the replica's usage cache
+    (`consistency.usage.UsageCache`): the check and the charge read the usage key only when
+    it holds no copy, or after a failed transaction."""
     budget = _budget(etcd, keys, tenant, history_period, bool(shard_count), cache)
-    charge = _Counted(budget.charge_for(size, 1.0 / shard_count if shard_count else 1.0))
+    tokens = float(shard_tokens(arrived, 1)) if shard_count else 1.0
+    charge = _Counted(budget.charge_for(size, tokens))
     charge(timeout)
     return charge
 
@@ -100,20 +104,20 @@ class _Counted:
 
 class BatchBudget:
     """The charge of a batch of one version's shards (`consistency.shard_commit.Budget`):
-    one compare and put for the batch, each shard 1/`shard_count` of a publish, against
-    the usage the batch read."""
+    one compare and put for the batch, against the usage the batch read. The batch's
+    shards arrive as its version's shards number `arrived` on, in batch order, and take
+    the publish-rate tokens `consistency.usage.shard_tokens` gives each arrival: a version
+    of N shards takes ceil(N / `SHARDS_PER_TOKEN`) however they are batched."""
 
-    def __init__(
-        self, etcd: Etcd, keys: Keys, tenant: Tenant, shard_count: int, history_period: float
-    ) -> None:
+    def __init__(self, etcd: Etcd, keys: Keys, tenant: Tenant, history_period: float) -> None:
         self._budget = _budget(etcd, keys, tenant, history_period, True)
-        self._publishes = 1.0 / shard_count
         self.key = self._budget.key
 
     def charge(
-        self, sizes: Sequence[int], usage: ops.KV | None
+        self, sizes: Sequence[int], usage: ops.KV | None, arrived: int
     ) -> tuple[int, list[ops.Cmp], list[ops.Op], QuotaExceeded | None]:
-        admitted, compares, puts, refusal = self._budget.charge_read(sizes, usage, self._publishes)
+        tokens = [float(shard_tokens(arrived + i, 1)) for i in range(len(sizes))]
+        admitted, compares, puts, refusal = self._budget.charge_read(sizes, usage, tokens)
         if refusal is not None:
             HUB_PUBLISHES_REFUSED.labels("etcd_budget").inc(len(sizes) - admitted)
         return admitted, compares, puts, refusal

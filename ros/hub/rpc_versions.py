@@ -21,6 +21,7 @@ from consistency.manifests import (
 )
 from consistency.publishing import Admit, Published
 from consistency.quota import CountedCreate
+from consistency.shard_commit import arrivals
 from ros.hub.budget import model_serial, publish_charge
 from ros.hub.call import AioContext, CallContext
 from ros.hub.convert import holder_from_pb, holder_to_pb
@@ -138,10 +139,11 @@ class VersionRPCs:
         tenant, timeout, model, version, manifest, holder, admit = self._publish_checks(
             request, call, session=paged
         )
-        if paged:
+        if paged:  # the tokens its arrival takes, as far as the version's counter says now
+            arrived = arrivals(self.hub.etcd, self.hub.keys, tenant.name, model, version, timeout)
             publish_charge(
                 self.hub.etcd, self.hub.keys, tenant, len(manifest), request.shard_count, timeout,
-                self.hub.history_period,
+                self.hub.history_period, arrived=arrived,
             )  # fmt: skip
         check_manifest(  # every rule, before any write
             request.manifest, _what(request), model=request.model, version=request.version

@@ -59,9 +59,7 @@ class ShardBatches:
         first = jobs[0]
         committer = first.registry.shard_committer(
             tenant, model, version, admit_model=first.admit_model,
-            budget=BatchBudget(
-                self._etcd, self._keys, first.tenant, first.entry.count, self._history_period
-            ),
+            budget=BatchBudget(self._etcd, self._keys, first.tenant, self._history_period),
         )  # fmt: skip
         return committer.commit([job.entry for job in jobs])
 

@@ -173,7 +173,7 @@ def test_the_budget_admits_a_batch_prefix(etcd: Etcd, versions: VersionRegistry)
     class Quarter:
         key = tenant_budget.key
 
-        def charge(self, sizes, usage):  # type: ignore[no-untyped-def]
+        def charge(self, sizes, usage, arrived):  # type: ignore[no-untyped-def]
             return tenant_budget.charge_read(sizes, usage, 0.25)
 
     with Session(etcd, ttl=10) as session:
