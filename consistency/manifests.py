@@ -84,6 +84,8 @@ class ManifestHeader:
     (`shard_count` > 0) `size` is the sum over shards, `digest` the SHA-256 of the shards'
     digests in order, and `shards` holds each shard's own header (`manifest(shard=i)`
     reads one). `published_revision` is the etcd revision at which the version became visible.
+    `session`: the session that published a whole version (0: not recorded, or
+    model-parallel: each of `shards` names its own).
     """
 
     published_revision: int
@@ -92,6 +94,14 @@ class ManifestHeader:
     shard_count: int = 0
     shards: tuple[PartHeader, ...] = ()
     whole: PartHeader | None = field(default=None, repr=False)
+    session: int = 0
+
+    def publisher(self, shard: int | None) -> int:
+        """The session that published the whole version (`shard` None) or shard `shard`
+        of it; 0 if not recorded, or if there is no such part."""
+        if shard is None:
+            return 0 if self.shard_count else self.session
+        return self.shards[shard].session if 0 <= shard < len(self.shards) else 0
 
 
 @dataclass(frozen=True)
@@ -330,7 +340,9 @@ class ManifestStore:
         kv = top[0]
         head = PartHeader.decode(kv.value)
         if not head.shards:
-            return ManifestHeader(kv.create_revision, head.size, head.digest, whole=head)
+            return ManifestHeader(
+                kv.create_revision, head.size, head.digest, whole=head, session=head.session
+            )
         if len(records) != head.shards or any(r.count != head.shards for r in records):
             raise VersionNotFound(f"{model}@{version} has inconsistent shard records")
         parts = tuple(r.part for r in sorted(records, key=lambda r: r.index))

@@ -99,6 +99,9 @@ class PartHeader:
     `size` bytes with SHA-256 `digest`, stored either `inline` (small manifests: no pages)
     or in `pages` pages written by publish attempt `writer` (`consistency.manifests`).
     The header of a model-parallel version itself holds no manifest, only `shards`.
+    `session`: the session that published this part (0: not recorded); the hub accepts a
+    delta companion of a version only from the session that published its base
+    (`ros.hub.companions`).
     """
 
     size: int
@@ -107,10 +110,11 @@ class PartHeader:
     writer: str = ""
     inline: bytes = b""
     shards: int = 0
+    session: int = 0
 
     def fields(self) -> dict[str, Any]:
         """The JSON part of the encoding (the inline bytes follow it raw)."""
-        return {
+        data: dict[str, Any] = {
             "format": HEADER_FORMAT,
             "size": self.size,
             "sha256": self.digest.hex(),
@@ -118,6 +122,9 @@ class PartHeader:
             "writer": self.writer,
             "shards": self.shards,
         }
+        if self.session:  # absent when not recorded: such a header encodes as it always has
+            data["session"] = self.session
+        return data
 
     def encode(self) -> bytes:
         """One JSON line, then the inline manifest bytes as they are (no hex, no base64)."""
@@ -147,6 +154,7 @@ class PartHeader:
                 writer=str(data["writer"]),
                 inline=inline,
                 shards=int(data.get("shards", 0)),
+                session=int(data.get("session", 0)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgument(f"malformed manifest header: {exc}") from exc

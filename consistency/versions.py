@@ -216,7 +216,8 @@ class VersionRegistry:
         )  # fmt: skip
         return self._publisher.publish_staged(
             tenant, model, version, holder, staged, self.keys.manifest(tenant, model, version),
-            staged.header.encode(), [ops.put(self.keys.latest(tenant, model), str(version))], [],
+            replace(staged.header, session=holder.session).encode(),
+            [ops.put(self.keys.latest(tenant, model), str(version))], [],
             deadline, admit_model, charge=charge, serial=serial, session_key=session_key,
         )  # fmt: skip
 
@@ -281,7 +282,8 @@ class VersionRegistry:
         staged = self.manifests.stage(
             tenant, model, version, index, manifest, holder.session, timeout=timeout
         )
-        record = ShardRecord(index, count, holder.holder, staged.header).encode()
+        part = replace(staged.header, session=holder.session)
+        record = ShardRecord(index, count, holder.holder, part).encode()
         return ShardEntry(
             index, count, holder, staged, record, len(manifest), deadline, session_key
         )

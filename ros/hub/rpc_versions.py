@@ -24,6 +24,7 @@ from consistency.quota import CountedCreate
 from consistency.shard_commit import arrivals
 from ros.hub.budget import model_serial, publish_charge
 from ros.hub.call import AioContext, CallContext
+from ros.hub.companions import check_companion
 from ros.hub.convert import holder_from_pb, holder_to_pb
 from ros.hub.rpc import streaming, unary, unary_async
 from ros.hub.shard_publish import ShardJob
@@ -33,6 +34,7 @@ from ros.manifest_check import check_manifest, check_topology
 from ros.metrics import HUB_PUBLISH_LIMIT, HUB_PUBLISHES_REFUSED, HUB_WATCHES
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.tokens import issue_read_token
+from tensorhub.delta_rules import is_companion
 from tensorhub.errors import InvalidArgument, TensorHubError, VersionNotFound
 from tensorhub.names import validate_name, validate_version
 
@@ -58,9 +60,12 @@ class VersionRPCs:
                 self._publish_whole, request, call, deadline_of=call
             )
         else:
-            if request.manifest.ByteSize() <= SHARD_INLINE_BYTES:
+            if request.manifest.ByteSize() <= SHARD_INLINE_BYTES and not is_companion(
+                request.model
+            ):
                 # Nothing to read or write before the batch: checked here, on the loop,
                 # without a trip through the worker pool (a burst is thousands of these).
+                # A companion's shard may read its base's header: in a worker.
                 model, version, job = self._stage_shard(request, call)
             else:
                 model, version, job = await self.hub.blocking(
@@ -83,6 +88,9 @@ class VersionRPCs:
         model = validate_name(request.model, "model")
         version = validate_version(request.version)
         _check_publish_limits(request)  # bounds first: a limit answers before any work
+        check_companion(  # a reserved name: only a delta publish's own companion
+            request, lambda base_model, base: self._header(tenant, base_model, base, timeout)
+        )
         manifest = request.manifest.SerializeToString()
         holder = holder_from_pb(request.holder, default_state=HolderState.COMPLETE)
         if session:
@@ -123,8 +131,9 @@ class VersionRPCs:
         parsed = pb.Manifest()
         parsed.CopyFrom(request.manifest)
         header = ManifestHeader(
-            published.revision, len(manifest), hashlib.sha256(manifest).digest()
-        )
+            published.revision, len(manifest), hashlib.sha256(manifest).digest(),
+            session=holder.session,
+        )  # fmt: skip
         self.hub.manifest_cache.seed((tenant.name, model, version), header, parsed, len(manifest))
         return published
 
