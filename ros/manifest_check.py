@@ -10,8 +10,9 @@ manifest), restated here without torch so that the hub, which never imports torc
 very same checks; `tests/ros/test_manifest_check.py` holds the two to each other.
 
 Also here, as they bound what a client may make the hub write: manifest metadata
-(`check_metadata`) and a holder's topology labels (`check_topology`). Every bound is a
-module constant, documented in docs/hub.md ("Validation") and docs/security.md.
+(`check_metadata`, which also holds the files a version carries for `tensorhub fetch` to
+the allow-list `CARRIED_FILES`) and a holder's topology labels (`check_topology`). Every
+bound is a module constant, documented in docs/hub.md ("Validation") and docs/security.md.
 Every refusal is `InvalidManifest` (an `InvalidArgument`): nothing was written.
 """
 
@@ -33,11 +34,27 @@ MAX_CHUNK = 1 << 30
 
 MAX_VERSION_BYTES = 1 << 50  # 1 PiB: a version's flat space (whole, or one shard's)
 MAX_TENSOR_NAME_BYTES = 1024  # a tensor name, UTF-8
+# The key of a safetensors header's own metadata: no file can hold a tensor of this name, so
+# a version with one could be fetched but never loaded from disk.
+RESERVED_TENSOR_NAMES = frozenset({"__metadata__"})
 MAX_DIMS = 64  # dimensions of one tensor (torch's own limit is 64 too)
 
 MAX_METADATA_ENTRIES = 64  # manifest metadata: entries
 MAX_METADATA_KEY_BYTES = 256  # one key, UTF-8
 MAX_METADATA_BYTES = 64 << 10  # every key and value together, UTF-8
+
+# A metadata entry `tensorhub.file:NAME` carries the file NAME for `tensorhub fetch` to
+# write beside the weights (`ros.cli.carry`). NAME must be one of these, in this order of
+# priority: the files that make a directory loadable by `from_pretrained` without code of
+# the publisher's. Weights, indexes, `tensorhub.json`, paths and anything else are refused,
+# so no publisher can make a fetch write a file of its choosing.
+CARRIED_FILE_KEY = "tensorhub.file:"
+CARRIED_FILES = (
+    "config.json", "generation_config.json", "tokenizer_config.json",
+    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+    "chat_template.json", "preprocessor_config.json", "tokenizer.json", "tokenizer.model",
+    "vocab.json", "vocab.txt", "merges.txt", "spiece.model", "sentencepiece.bpe.model",
+)  # fmt: skip
 
 MAX_TOPOLOGY_LABELS = 16  # labels of one holder (dc, rack, host and a few more)
 MAX_LABEL_KEY_BYTES = 63
@@ -155,13 +172,28 @@ def _check_delta(manifest: pb.Manifest, model: str | None, version: int | None) 
         )
 
 
-def _check_entry(entry: pb.TensorEntry, names: set[str]) -> None:
-    """One tensor entry on its own: name, dtype, shape, nbytes, offset, placement."""
-    name = entry.name
-    if not name or len(name.encode()) > MAX_TENSOR_NAME_BYTES:
+def check_tensor_name(name: str) -> None:
+    """`InvalidManifest` for a tensor name no reader can use: empty, over
+    `MAX_TENSOR_NAME_BYTES` of UTF-8 (or not encodable), or in `RESERVED_TENSOR_NAMES`."""
+    try:
+        size = len(name.encode())
+    except UnicodeEncodeError:
+        raise InvalidManifest(f"tensor name {name[:40]!r} is not valid UTF-8") from None
+    if not name or size > MAX_TENSOR_NAME_BYTES:
         raise InvalidManifest(
             f"tensor name {name[:40]!r} must be 1 to {MAX_TENSOR_NAME_BYTES} bytes"
         )
+    if name in RESERVED_TENSOR_NAMES:
+        raise InvalidManifest(
+            f"tensor name {name!r} is reserved: a safetensors header keeps its own metadata "
+            "under it, so no file could hold the tensor"
+        )
+
+
+def _check_entry(entry: pb.TensorEntry, names: set[str]) -> None:
+    """One tensor entry on its own: name, dtype, shape, nbytes, offset, placement."""
+    name = entry.name
+    check_tensor_name(name)
     if name in names:
         raise InvalidManifest(f"duplicate tensor name {name!r}")
     names.add(name)
@@ -210,7 +242,8 @@ def _check_placement(
 
 def check_metadata(metadata: Mapping[str, str], what: str = "manifest metadata") -> None:
     """`InvalidManifest` past `MAX_METADATA_ENTRIES` entries, a key over
-    `MAX_METADATA_KEY_BYTES` or `MAX_METADATA_BYTES` of keys and values together."""
+    `MAX_METADATA_KEY_BYTES` or `MAX_METADATA_BYTES` of keys and values together, or a
+    carried file (`CARRIED_FILE_KEY` + NAME) whose NAME is not in `CARRIED_FILES`."""
     if len(metadata) > MAX_METADATA_ENTRIES:
         raise InvalidManifest(
             f"{what} has {len(metadata)} entries (at most {MAX_METADATA_ENTRIES})"
@@ -221,6 +254,11 @@ def check_metadata(metadata: Mapping[str, str], what: str = "manifest metadata")
         if not key or key_bytes > MAX_METADATA_KEY_BYTES:
             raise InvalidManifest(
                 f"{what} key {key[:40]!r} must be 1 to {MAX_METADATA_KEY_BYTES} bytes"
+            )
+        if key.startswith(CARRIED_FILE_KEY) and key[len(CARRIED_FILE_KEY) :] not in CARRIED_FILES:
+            raise InvalidManifest(
+                f"{what} key {key[:80]!r}: a version carries only the files "
+                f"{', '.join(CARRIED_FILES)}"
             )
         total += key_bytes + len(value.encode())
         if total > MAX_METADATA_BYTES:

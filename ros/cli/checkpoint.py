@@ -10,18 +10,29 @@ PATH may be
 
 Every tensor is a view of a file mapping, so publishing a checkpoint costs page cache, not
 a copy of the model. A directory's `config.json`, generation config and tokenizer files
-(`CARRIED`) are read too, for `ros.cli.carry` to put in the manifest.
+(`CARRIED`, the allow-list of `ros.manifest_check`) are read too, for `ros.cli.carry` to put
+in the manifest; each is sized first (`stat`), and one over `MAX_CARRIED_FILE_BYTES` is left
+behind unread (no file that size fits the manifest's 64 KiB).
+
+A checkpoint is read as it lies, so its files must lie in it: every file read from a
+directory (weights, index, carried files) must resolve, links followed, to a path inside
+the directory; a link out of it is refused, as it would publish a file of this machine to
+every reader. The one exception is a Hugging Face cache snapshot
+(`models--ORG--NAME/snapshots/REVISION/`), whose files are links into the same repository's
+`blobs/`: those are accepted.
 
 Everything here runs before the command connects: a missing path, a file of another format,
-a broken header or index is an `InvalidArgument` that names the path, and nothing has reached
-the hub.
+a broken or oversized header or index, a link out of the directory, a tensor name no
+manifest may hold is an `InvalidArgument` (`InvalidManifest` for the name) that names the
+path, and nothing has reached the hub.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import os
 import pickle
+import stat
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -29,20 +40,25 @@ from pathlib import Path
 
 import torch
 
-from ros.cli.safetensors_io import looks_like_safetensors, map_file
-from tensorhub.errors import InvalidArgument
+from ros.cli.safetensors_io import MAX_TENSORS, looks_like_safetensors, map_file
+from ros.cli.untrusted_json import Limits, load
+from ros.manifest_check import CARRIED_FILES, check_tensor_name
+from tensorhub.errors import InvalidArgument, InvalidManifest
 
 log = logging.getLogger(__name__)
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-# The files that make a directory loadable without the weights' own code: in this order of
-# priority (what does not fit the manifest's metadata is left behind from the end).
-CARRIED = (
-    "config.json", "generation_config.json", "tokenizer_config.json",
-    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
-    "chat_template.json", "preprocessor_config.json", "tokenizer.json", "tokenizer.model",
-    "vocab.json", "vocab.txt", "merges.txt", "spiece.model", "sentencepiece.bpe.model",
+# The files that make a directory loadable without the weights' own code, in this order of
+# priority (what does not fit the manifest's metadata is left behind from the end): the
+# allow-list the hub and every fetcher hold carried files to.
+CARRIED = CARRIED_FILES
+MAX_CARRIED_FILE_BYTES = 1 << 20  # larger ones cannot fit 64 KiB compressed: not read
+MAX_INDEX_BYTES = 64 << 20
+# An index maps each tensor to its file (2 values each), beside a little metadata.
+_INDEX_LIMITS = Limits(
+    max_bytes=MAX_INDEX_BYTES, max_depth=4, max_members=MAX_TENSORS + 1024,
+    max_values=2 * MAX_TENSORS + 4096,
 )  # fmt: skip
 _ZIP = b"PK\x03\x04"
 _PICKLE = b"\x80"
@@ -58,6 +74,7 @@ class Checkpoint:
     files: list[Path]
     tensors: dict[str, torch.Tensor]
     carried: dict[str, bytes] = field(default_factory=dict)
+    too_big: dict[str, int] = field(default_factory=dict)  # left behind unread: name -> size
 
     @property
     def nbytes(self) -> int:
@@ -69,14 +86,66 @@ def open_checkpoint(path: Path, *, carry: bool = True) -> Checkpoint:
     if not path.exists():
         raise InvalidArgument(f"{path}: no such file or directory")
     if path.is_dir():
-        found = _open_directory(path)
+        within = Within.of(path)
+        found = _open_directory(path, within)
         if carry:
-            found.carried = _carried(path)
+            found.carried, found.too_big = _carried(path, within)
     else:
         found = _open_file(path)
     if not found.tensors:
         raise InvalidArgument(f"{path}: holds no tensors: nothing to publish")
+    if len(found.tensors) > MAX_TENSORS:
+        raise InvalidArgument(f"{path}: {len(found.tensors)} tensors (at most {MAX_TENSORS})")
+    for name in found.tensors:
+        try:
+            check_tensor_name(name)
+        except InvalidManifest as exc:
+            raise InvalidManifest(f"{path}: {exc}") from None
     return found
+
+
+@dataclass(frozen=True)
+class Within:
+    """Where the files of a checkpoint directory may lead, links followed: inside the
+    directory, and for a Hugging Face cache snapshot (`models--*/snapshots/REVISION/`, or a
+    folder in one) also to a file of that repository's `blobs/`, where the cache keeps the
+    bytes its snapshots link to (`../../blobs/HASH`)."""
+
+    directory: Path  # resolved
+    blobs: Path | None  # a real directory (no link); None unless the directory is in a snapshot
+
+    @classmethod
+    def of(cls, path: Path) -> Within:
+        directory = path.resolve()
+        for folder in (directory, *directory.parents):
+            snapshots = folder.parent
+            if snapshots.name == "snapshots" and snapshots.parent.name.startswith("models--"):
+                # blobs/'s parents are real (`directory` is resolved); a blobs/ that is
+                # itself a link could lead anywhere, and then grants nothing
+                blobs = snapshots.parent / "blobs"
+                real = blobs.is_dir() and not blobs.is_symlink()
+                return cls(directory, blobs if real else None)
+        return cls(directory, None)
+
+    def resolve(self, file: Path) -> Path:
+        """`file` (a path in the directory) with its links followed; `InvalidArgument` if
+        they lead out of the checkpoint."""
+        if "\0" in str(file):
+            raise InvalidArgument(f"{str(file)!r}: a file name with a NUL byte")
+        try:
+            real = file.resolve()
+        except (OSError, RuntimeError) as exc:  # a loop of links, a name too long
+            raise InvalidArgument(f"{file}: cannot follow its links: {exc}") from None
+        if self.directory in real.parents:
+            return real
+        if self.blobs is not None and real.parent == self.blobs:
+            return real
+        where = f"{self.directory}" + ("" if self.blobs is None else f" or {self.blobs}")
+        raise InvalidArgument(
+            f"{file} leads to {real}, outside the checkpoint ({where}): refused, as it "
+            "would publish a file from outside the checkpoint to every reader; copy the "
+            "file into the directory"
+        )
 
 
 def _open_file(path: Path) -> Checkpoint:
@@ -145,12 +214,14 @@ def _nested_hint(loaded: Mapping[object, object]) -> str:
     return ""
 
 
-def _open_directory(path: Path) -> Checkpoint:
+def _open_directory(path: Path, within: Within) -> Checkpoint:
     index = path / INDEX
-    if index.exists():
-        files = _indexed_files(index)
-    elif (path / SINGLE).exists():
-        files = [path / SINGLE]
+    weight_map: dict[str, str] | None = None
+    if index.exists() or index.is_symlink():
+        weight_map = _load_index(index, within)
+        files = _indexed_files(index, weight_map, within)
+    elif (path / SINGLE).exists() or (path / SINGLE).is_symlink():
+        files = [within.resolve(path / SINGLE)]
     else:
         found = sorted(path.glob("*.safetensors"))
         if len(found) != 1:
@@ -160,24 +231,34 @@ def _open_directory(path: Path) -> Checkpoint:
                 f"{path}: no {INDEX}, no {SINGLE}, and {len(found)} *.safetensors files: "
                 f"not a save_pretrained directory{hint}"
             )
-        files = found
+        files = [within.resolve(found[0])]
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
-        _, mapped = map_file(file)
+        _, mapped = map_file(file, MAX_TENSORS - len(tensors))
         for name, tensor in mapped.items():
             if name in tensors:
                 raise InvalidArgument(f"{path}: tensor {name!r} is in two files")
             tensors[name] = tensor
-    if index.exists():
-        _check_index(index, files, tensors)
+    if weight_map is not None:
+        _check_index(index, weight_map, tensors)
     return Checkpoint(path, "save_pretrained", files, tensors)
 
 
-def _load_index(index: Path) -> dict[str, str]:
+def _load_index(index: Path, within: Within) -> dict[str, str]:
+    """The index's weight_map, its size bounded before it is read (`MAX_INDEX_BYTES`) and
+    its JSON before it is parsed (`_INDEX_LIMITS`)."""
+    real = within.resolve(index)
     try:
-        parsed = json.loads(index.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        size = real.stat().st_size
+        if size > MAX_INDEX_BYTES:
+            raise InvalidArgument(
+                f"{index}: {size} bytes, not an index (at most {MAX_INDEX_BYTES})"
+            )
+        with open(real, "rb") as f:
+            raw = f.read(MAX_INDEX_BYTES + 1)
+    except OSError as exc:
         raise InvalidArgument(f"{index}: not a readable index: {exc}") from None
+    parsed = load(raw, f"{index}: not a readable index", _INDEX_LIMITS)
     weight_map = parsed.get("weight_map") if isinstance(parsed, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
@@ -186,20 +267,22 @@ def _load_index(index: Path) -> dict[str, str]:
     return weight_map
 
 
-def _indexed_files(index: Path) -> list[Path]:
+def _indexed_files(index: Path, weight_map: Mapping[str, str], within: Within) -> list[Path]:
     files = []
-    for name in dict.fromkeys(_load_index(index).values()):  # in order, once each
-        file = (index.parent / name).resolve()
-        if index.parent.resolve() not in file.parents:
-            raise InvalidArgument(f"{index}: names {name!r}, outside its directory")
+    for name in dict.fromkeys(weight_map.values()):  # in order, once each
+        if not name or "\0" in name or os.path.isabs(name):
+            raise InvalidArgument(f"{index}: names {name!r:.80}, not a file of its directory")
+        file = within.resolve(index.parent / name)
         if not file.is_file():
             raise InvalidArgument(f"{index}: names {name!r}, which does not exist")
         files.append(file)
     return files
 
 
-def _check_index(index: Path, files: list[Path], tensors: Mapping[str, torch.Tensor]) -> None:
-    named = set(_load_index(index))
+def _check_index(
+    index: Path, weight_map: Mapping[str, str], tensors: Mapping[str, torch.Tensor]
+) -> None:
+    named = set(weight_map)
     if named != tensors.keys():
         missing = sorted(named - tensors.keys())[:3]
         extra = sorted(tensors.keys() - named)[:3]
@@ -209,13 +292,32 @@ def _check_index(index: Path, files: list[Path], tensors: Mapping[str, torch.Ten
         )
 
 
-def _carried(path: Path) -> dict[str, bytes]:
+def _carried(path: Path, within: Within) -> tuple[dict[str, bytes], dict[str, int]]:
+    """The `CARRIED` files of the directory (name -> bytes), and those over
+    `MAX_CARRIED_FILE_BYTES` (name -> size), sized by `stat` and not read. A file that is
+    not a regular file (a directory, a FIFO, a device) is no carried file: skipped."""
     carried: dict[str, bytes] = {}
+    too_big: dict[str, int] = {}
     for name in CARRIED:
         file = path / name
-        if file.is_file():
-            try:
-                carried[name] = file.read_bytes()
-            except OSError as exc:
-                raise InvalidArgument(f"{file}: cannot read it: {exc.strerror or exc}") from None
-    return carried
+        if not (file.exists() or file.is_symlink()):
+            continue
+        real = within.resolve(file)
+        try:
+            st = real.stat()
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            if st.st_size > MAX_CARRIED_FILE_BYTES:
+                too_big[name] = st.st_size
+                continue
+            with open(real, "rb") as f:
+                data = f.read(MAX_CARRIED_FILE_BYTES + 1)  # the file may have grown
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise InvalidArgument(f"{file}: cannot read it: {exc.strerror or exc}") from None
+        if len(data) > MAX_CARRIED_FILE_BYTES:
+            too_big[name] = len(data)
+        else:
+            carried[name] = data
+    return carried, too_big

@@ -34,8 +34,9 @@ from ros.cli.query import parse_target
 from ros.cli.rss import Memory, memory, mib
 from ros.cli.serving import Interrupts, Readers, drain, say_stderr, stop, wait_interrupted
 from ros.client.hub import Hub
+from ros.manifest_check import check_manifest
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
-from tensorhub.errors import InvalidArgument
+from tensorhub.errors import InvalidArgument, InvalidManifest
 
 DESCRIPTION = """\
 Fetch MODEL@V (or MODEL@latest) into DIR as save_pretrained writes a model: safetensors
@@ -159,6 +160,9 @@ def _run(
         info = hub.inspect(model, number, timeout=min(args.timeout, until.left()))
         version = int(info.version)
         parts = list(info.shards) or [info.manifest]
+        for index, part in enumerate(parts):  # Inspect's answer is not checked by the SDK
+            shard = f"shard {index} of " if info.shards else ""
+            check_manifest(part, f"manifest of {shard}{model}@{version}")
         if args.serve and info.shards:
             raise InvalidArgument(
                 f"{model}@{version} is model-parallel: it is written whole, and a reader of "
@@ -167,6 +171,7 @@ def _run(
             )
         files = plan_files(global_tensors(parts), max_shard)
         carried = _carried(parts)
+        _check_own(files, carried, f"{model}@{version}")
         total = sum(s.nbytes for f in files for s in f.specs)
         output.check_space(sum(f.nbytes for f in files) + sum(map(len, carried.files.values())))
         with Bar(total, f"fetch {model}@{version}") as bar:
@@ -216,6 +221,15 @@ def _carried(parts: Sequence[pb.Manifest]) -> Carried:
     for name in merged.files:
         merged.left.pop(name, None)
     return merged
+
+
+def _check_own(files: Sequence[OutFile], carried: Carried, what: str) -> None:
+    """`InvalidManifest` before any byte is fetched if a carried file has the name of one
+    the fetch writes itself (a weights file, the index, `tensorhub.json`). `decode` takes
+    only allow-listed names, none of which is one of those: this holds it where it matters."""
+    own = {f.name for f in files} | {INDEX, RECORD}
+    if clash := sorted(own & carried.files.keys()):
+        raise InvalidManifest(f"{what} carries {clash}: files a fetch writes itself")
 
 
 def _finish(

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ros.cli.carry import LEFT_KEY, encode, publish_carrying
-from ros.cli.checkpoint import Checkpoint, open_checkpoint
+from ros.cli.checkpoint import MAX_CARRIED_FILE_BYTES, Checkpoint, open_checkpoint
 from ros.cli.common import print_json
 from ros.cli.connect import add_client_flags, check_credentials, connect
 from ros.cli.progress import Bar
@@ -48,8 +48,11 @@ PATH is one of:
     torch.load(weights_only=True, mmap=True): no pickled code runs.
 Tensors are memory-mapped, never copied: the files' pages are what readers are served
 from. From a directory, config.json, generation_config.json and the tokenizer files travel
-in the manifest's metadata (at most 64 KiB in all, compressed; what does not fit is named
-and left behind), so that `tensorhub fetch` writes a directory from_pretrained can load.
+in the manifest's metadata (at most 64 KiB in all, compressed; what does not fit, or is
+over 1 MiB and so is not even read, is named and left behind), so that `tensorhub fetch`
+writes a directory from_pretrained can load. Every file read from a directory must lie in
+it: a link out of it is refused, except a Hugging Face cache snapshot's links into its
+repository's blobs/.
 
 Ctrl-C (or SIGTERM) stops serving: the first waits for the readers fetching from this
 process at that moment to finish, and says so; a second stops at once. --until-replicated N
@@ -175,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     ckpt = open_checkpoint(args.path, carry=not args.no_files)
     placements = load_placements(args.placements, ckpt)
-    metadata, carried = encode(ckpt.carried)
+    metadata, carried = encode(ckpt.carried, ckpt.too_big)
     with connect(args) as hub:
         pub = publish_carrying(
             hub, model, version, ckpt.tensors, metadata, shard=shard, placements=placements
@@ -261,9 +264,10 @@ def _say_published(
             file=out,
         )
     for name, size in sorted(summary["left_behind"].items()):
-        print(
-            f"  left behind: {name} ({size} bytes; the manifest's metadata holds at most "
-            f"{MAX_METADATA_BYTES} bytes; `{LEFT_KEY}` names it)",
-            file=out,
+        why = (
+            f"over the {MAX_CARRIED_FILE_BYTES} bytes a carried file may be: not read"
+            if name in ckpt.too_big
+            else f"the manifest's metadata holds at most {MAX_METADATA_BYTES} bytes"
         )
+        print(f"  left behind: {name} ({size} bytes; {why}; `{LEFT_KEY}` names it)", file=out)
     out.flush()

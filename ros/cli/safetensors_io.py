@@ -8,12 +8,16 @@ as the pieces arrive: `header_bytes` lays out the header first, and the caller a
 data in the order the header gives.
 
 Every refusal is `InvalidArgument` naming the file and what is wrong with it, raised before
-anything reaches the hub. The layout rules are the format's: an 8-byte little-endian header
-length, a JSON header (`__metadata__` of strings, then name -> dtype, shape, data_offsets),
-data that the offsets cover exactly, in order, without holes. Files written here put the
-tensors of larger elements first (each tensor then starts on a multiple of its element size,
-so any reader may view it in place), pad the header with spaces to a multiple of 8, and say
-`"format": "pt"`, which `transformers` asks for.
+anything reaches the hub. A header is someone else's JSON: its size, nesting, keys and
+values are bounded before it is parsed (`ros.cli.untrusted_json`), so that it can name at
+most the tensors the checkpoint has left of `MAX_TENSORS`; its integers have at most 20
+digits, a shape at most `MAX_DIMS` dimensions. The layout rules are the format's: an
+8-byte little-endian header length, a JSON header (`__metadata__` of strings, then
+name -> dtype, shape, data_offsets), data that the offsets cover exactly, in order, without
+holes. Files written here put the tensors of larger elements first (each tensor then
+starts on a multiple of its element size, so any reader may view it in place), pad the
+header with spaces to a multiple of 8, and say `"format": "pt"`, which `transformers` asks
+for; they never name a tensor `__metadata__` (the manifest check refuses that name).
 """
 
 from __future__ import annotations
@@ -28,9 +32,13 @@ from pathlib import Path
 
 import torch
 
+from ros.cli.untrusted_json import Limits, load
+from ros.manifest_check import MAX_DIMS, RESERVED_TENSOR_NAMES
 from tensorhub.errors import InvalidArgument
 
 MAX_HEADER_BYTES = 100 << 20  # the reference implementation's own limit
+MAX_TENSORS = 1 << 18  # tensors in one checkpoint, all its files together
+MAX_METADATA_KEYS = 1024  # entries of one header's __metadata__ (beyond its tensors' keys)
 _ALIGN = 8
 
 # safetensors dtype name <-> torch dtype (the names the format defines that torch has)
@@ -82,9 +90,23 @@ def looks_like_safetensors(head: bytes) -> bool:
     return 2 <= size <= MAX_HEADER_BYTES and head[8:9] == b"{"
 
 
-def read_header(path: Path) -> Header:
+def header_limits(tensors: int) -> Limits:
+    """The bounds of a header naming at most `tensors` tensors: a tensor's entry has 4 keys
+    (its name, dtype, shape, data_offsets) and 10 values plus one a dimension (32 a tensor
+    leave room for 22 dimensions on average); `__metadata__` may add `MAX_METADATA_KEYS`
+    strings. Depth 3: the header, an entry, its shape."""
+    return Limits(
+        max_bytes=MAX_HEADER_BYTES,
+        max_depth=3,
+        max_members=4 * tensors + MAX_METADATA_KEYS + 1,
+        max_values=32 * tensors + 2 * MAX_METADATA_KEYS + 2,
+    )
+
+
+def read_header(path: Path, max_tensors: int = MAX_TENSORS) -> Header:
     """Parse and check `path`'s header against the file's size (`InvalidArgument` if it is
-    not a safetensors file, or a broken one)."""
+    not a safetensors file, or a broken one, or one that names more than `max_tensors`
+    tensors: refused, with every other bound of `header_limits`, before it is parsed)."""
     try:
         with open(path, "rb") as f:
             prefix = f.read(8)
@@ -99,12 +121,14 @@ def read_header(path: Path) -> Header:
             raw = f.read(length)
     except OSError as exc:
         raise InvalidArgument(f"{path}: cannot read it: {exc.strerror or exc}") from None
-    try:
-        parsed = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidArgument(f"{path}: not a safetensors file (header: {exc})") from None
+    parsed = load(raw, f"{path}: bad safetensors header", header_limits(max_tensors))
     if not isinstance(parsed, dict):
         raise InvalidArgument(f"{path}: not a safetensors file (the header is no JSON object)")
+    if len(parsed) - ("__metadata__" in parsed) > max_tensors:
+        raise InvalidArgument(
+            f"{path}: names {len(parsed)} tensors, more than the checkpoint's {max_tensors} "
+            f"left of {MAX_TENSORS}"
+        )
     header = _entries(path, parsed, 8 + length)
     if header.data_start + header.data_bytes != size:
         raise InvalidArgument(
@@ -123,14 +147,18 @@ def _entries(path: Path, parsed: dict[str, object], data_start: int) -> Header:
         if not isinstance(spec, dict):
             raise InvalidArgument(f"{path}: tensor {name!r}: no dtype/shape/data_offsets")
         dtype, shape, offsets = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
-        if dtype not in DTYPES:
-            raise InvalidArgument(f"{path}: tensor {name!r}: unknown dtype {dtype!r}")
-        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-            raise InvalidArgument(f"{path}: tensor {name!r}: bad shape {shape!r}")
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise InvalidArgument(f"{path}: tensor {name!r}: unknown dtype {dtype!r:.40}")
+        if not (
+            isinstance(shape, list)
+            and len(shape) <= MAX_DIMS
+            and all(type(d) is int and d >= 0 for d in shape)
+        ):
+            raise InvalidArgument(f"{path}: tensor {name!r}: bad shape {shape!r:.80}")
         if not (
             isinstance(offsets, list)
             and len(offsets) == 2
-            and all(isinstance(o, int) for o in offsets)
+            and all(type(o) is int for o in offsets)
             and 0 <= offsets[0] <= offsets[1]
         ):
             raise InvalidArgument(f"{path}: tensor {name!r}: bad data_offsets {offsets!r}")
@@ -155,11 +183,12 @@ def _entries(path: Path, parsed: dict[str, object], data_start: int) -> Header:
     return Header(data_start, tuple(entries), dict(metadata))
 
 
-def map_file(path: Path) -> tuple[Header, dict[str, torch.Tensor]]:
+def map_file(path: Path, max_tensors: int = MAX_TENSORS) -> tuple[Header, dict[str, torch.Tensor]]:
     """The tensors of `path` as views of a private, copy-on-write mapping of it (nothing is
     read until used; pages stay in the page cache). A tensor not aligned to its element size
-    (which files written by others may have) is copied, alone."""
-    header = read_header(path)
+    (which files written by others may have) is copied, alone. `max_tensors` as
+    `read_header`'s."""
+    header = read_header(path, max_tensors)
     tensors: dict[str, torch.Tensor] = {}
     if header.data_bytes == 0:
         return header, {e.name: torch.empty(e.shape, dtype=e.dtype) for e in header.entries}
@@ -208,6 +237,8 @@ def header_bytes(specs: Sequence[Spec], metadata: Mapping[str, str] | None = Non
     header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
     at = 0
     for s in specs:
+        if s.name in RESERVED_TENSOR_NAMES:
+            raise InvalidArgument(f"tensor {s.name!r}: a name safetensors reserves")
         if s.dtype not in NAMES:
             raise InvalidArgument(f"tensor {s.name!r}: dtype {s.dtype} has no safetensors name")
         header[s.name] = {"dtype": NAMES[s.dtype], "shape": list(s.shape),

@@ -89,7 +89,7 @@ _W = b'{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}'
     [
         (b"hello world, no weights here", "neither a safetensors file nor a torch state dict"),
         (struct.pack("<Q", 40) + b'{"w": {"dtype": "F32"}}', "not a safetensors file"),
-        (struct.pack("<Q", 6) + b'{"w": ', "not a safetensors file \\(header: "),
+        (struct.pack("<Q", 6) + b'{"w": ', "bad safetensors header: not JSON: "),
         (_W, "neither a safetensors file"),  # no length prefix
         (struct.pack("<Q", len(_W)) + _W + b"\0" * 8, "covers 16 data bytes, the file has 8"),
         (
