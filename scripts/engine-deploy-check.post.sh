@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# After the deploy-check extra (scripts/engine-venv.sh deploy-check VENV): the one tool of
+# After the deploy-check extra (scripts/venv.sh deploy-check VENV): the one tool of
 # tests/engines/deploy_check that is not a Python package, systemd-analyze (for `verify` of
 # deploy/systemd). Debian ships it in the systemd package; installing it starts nothing in a
 # container. Without root or apt the systemd test skips and says why.

@@ -49,6 +49,7 @@ FOREIGN_FLAGS = {
     "--ipc": "docker run",
     "--ulimit": "docker run",
     "--strict": "mypy",
+    "--resolution": "uv pip install",
 }
 # Flags the docs name to say that they do not exist (security.md: no password on a command line).
 ABSENT_FLAGS = {"--etcd-password"}

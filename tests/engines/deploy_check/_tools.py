@@ -1,7 +1,7 @@
 """What the deploy checks share: where deploy/ is, its files parsed, and the validators.
 
 Every validator runs as a real subprocess over the real files in deploy/. The tools come from
-the environment running the tests (.venv-deploy-check, built by `scripts/engine-venv.sh
+the environment running the tests (.venv-deploy-check, built by `scripts/venv.sh
 deploy-check`); a test whose tool is missing there is skipped with the reason.
 """
 
