@@ -1,4 +1,5 @@
-"""The history checker: the six invariants of DESIGN.md §4, proved or refuted from a history.
+"""The history checker: the six invariants of docs/design.md ("Invariants"), proved or
+refuted from a history.
 
 Each check returns `Violation`s that name the operations proving them. Unknown outcomes
 (`info`) are treated as "may or may not have happened": a write of unknown outcome may

@@ -32,7 +32,8 @@ from tensorhub.errors import (
     VersionNotFound,
 )
 
-# Errors that prove a write did not happen (DESIGN.md §5, "Outcomes"); any other error of a
+# Errors that prove a write did not happen (docs/design.md, "Errors and outcomes"); any other
+# error of a
 # write leaves its outcome unknown.
 DEFINITE_WRITE_ERRORS: tuple[type[Exception], ...] = (
     StaleVersion,

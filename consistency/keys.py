@@ -1,4 +1,5 @@
-"""The etcd key schema (DESIGN.md §2): every key TensorHub writes is built here, nowhere else.
+"""The etcd key schema (docs/design.md, "Keys in etcd"): every key TensorHub writes is built
+here, nowhere else.
 
 ```
 {p}/t/{tenant}/m/{model}/latest

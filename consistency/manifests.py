@@ -56,7 +56,7 @@ MAX_MANIFEST_PAGES = 48  # page compares + re-puts in one transaction (etcd: 128
 MAX_MANIFEST_BYTES = MAX_MANIFEST_PAGES * PAGE_BYTES  # 48 MiB, under the hub's 64 MiB messages
 INLINE_BYTES = 64 << 10  # a whole version's manifest up to this stays in its header
 SHARD_INLINE_BYTES = 1 << 10  # per shard: 4,096 shard records stay a small range read
-MAX_SHARDS = 4096  # DESIGN.md §8
+MAX_SHARDS = 4096  # docs/design.md, "Scale envelope"
 
 
 def check_manifest_size(size: int, what: str = "manifest") -> None:

@@ -1,4 +1,5 @@
-"""The one exception tree of TensorHub (DESIGN.md §5), and its registry of gRPC codes.
+"""The one exception tree of TensorHub (docs/design.md, "Errors and outcomes"), and its
+registry of gRPC codes.
 
 Every error a caller can see derives from `TensorHubError`, and every such class is defined
 here. Each one is registered where it is defined, with the gRPC status code the hub answers

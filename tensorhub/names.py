@@ -1,6 +1,7 @@
 """Strict validation of the names that become parts of etcd keys and wire frames.
 
-One pattern for tenants, models and holders (DESIGN.md §2), so no name can contain `/`,
+One pattern for tenants, models and holders (docs/design.md, "Keys in etcd"), so no name can
+contain `/`,
 `..` or anything else that would reach into another tenant's key prefix.
 """
 

@@ -1,4 +1,5 @@
-"""Topology labels of a process and the distance between two of them (DESIGN.md §3)."""
+"""Topology labels of a process and the distance between two of them (docs/design.md,
+"Fetch and the data plane")."""
 
 from __future__ import annotations
 

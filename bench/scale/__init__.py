@@ -1,4 +1,4 @@
-"""`tensorhub bench scale`: the scale envelope of DESIGN.md §8, measured on one machine.
+"""`tensorhub bench scale`: the scale envelope of docs/design.md, measured on one machine.
 
 Parts (each its own etcd and hub process, all on loopback, every wait bounded):
 

@@ -3,7 +3,8 @@
 Prints each figure with its target and verdict (the table every benchmark prints). Ratios
 are taken within one run: the clients part measures its ceiling server at each N with the
 same client processes, just before the hub at that N. Targets apply at the largest
-N of the run (2,000 by default: DESIGN.md §8 asks for 2,000 clients on one replica).
+N of the run (2,000 by default: docs/design.md's scale envelope asks for 2,000 clients on one
+replica).
 The shards part's bursts are ratios to a one-shard publish in the same World, the herd's to
 the ceiling server with the same clients in the same run. Every etcd runs with
 `--max-txn-ops` and `--max-request-bytes` stated (etcd's defaults unless given), and the

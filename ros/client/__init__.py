@@ -1,1 +1,1 @@
-"""The client SDK: `ros.connect(...)` returns a `Hub` (see DESIGN.md §6)."""
+"""The client SDK: `ros.connect(...)` returns a `Hub` (see docs/sdk.md)."""

@@ -42,7 +42,7 @@ def fetch(
     base: int | None = None,
     resolved: pb.ResolveResponse | None = None,
 ) -> Held:
-    """`Hub.fetch` (its docstring is the contract): check the arguments, resolve, build the
+    """`Hub.fetch` (its docstring says what a caller gets): check the arguments, resolve, build the
     destination (`into`'s own memory, or new tensors, never memory `holdings` still serves),
     apply what deltas it can when `deltas` is given and the destination holds an earlier
     version (`base`, or the one `deltas` knows `into` holds; the companion of the deltas is

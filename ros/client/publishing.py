@@ -99,7 +99,7 @@ class Publisher:
         delta: bool = False,
         base_copy: str = "host",
     ) -> Publication:
-        """`Hub.publish` (its docstring is the contract)."""
+        """`Hub.publish` (its docstring says what a caller gets)."""
         if placements and shard is None:
             raise InvalidArgument("placements describe a model-parallel shard: pass shard too")
         if shard is not None and not (isinstance(shard, tuple) and len(shard) == 2):

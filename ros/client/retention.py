@@ -1,5 +1,5 @@
 """Retention without `force`: what `release()` does when this client is the last complete
-holder of a retained version (DESIGN.md §3, Retention; docs/design-notes.md, "Retention
+holder of a retained version (docs/design.md, "Retention"; docs/design-notes.md, "Retention
 without force").
 
 The hub refuses such a release (`RetentionViolation`). Instead of failing, or dropping the

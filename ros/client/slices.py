@@ -1,4 +1,5 @@
-"""Reading a model-parallel version in another layout (resharding, DESIGN.md §7.4).
+"""Reading a model-parallel version in another layout (resharding: docs/design.md,
+"Model-parallel versions").
 
 Trainer ranks publish their shards with placements (the block of each global tensor a rank
 holds). A reader in another layout — TP 8 → TP 32, or TP 2 → one whole model — names the
@@ -102,7 +103,7 @@ def fetch_slices(
     progress: ProgressCallback | None = None,
     deltas: DeltaReader | None = None,
 ) -> SliceFetch:
-    """`Hub.fetch_slices` (its docstring is the contract): plan which chunks of which source
+    """`Hub.fetch_slices` (its docstring says what a caller gets): plan which chunks of which source
     shard each slice needs, pin the version, run one non-holder `Target` per source shard
     through `runs`, and copy the intersections into place. With `deltas`, each source
     shard's staging copy is kept as the base of the next call, which applies the deltas

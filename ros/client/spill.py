@@ -1,6 +1,6 @@
 """Spill a held version to a safetensors file and keep serving it from the file.
 
-DESIGN.md §3 (Retention): the last complete holder of a retained version may not release it
+docs/design.md, "Retention": the last complete holder of a retained version may not release it
 silently. With a spill target it need not: the tensors are written once to a safetensors
 file, the file is memory-mapped, and the holder serves the version from the mapping (the page
 cache) instead of from the caller's memory, which is then free to be overwritten. The file

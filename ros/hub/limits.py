@@ -1,7 +1,8 @@
 """Explicit limits on the streams one hub replica serves, enforced before any work is done.
 
 A KeepAlive or Watch stream costs the replica memory (a coroutine, a queue), not a thread, so
-a replica holds thousands of them (DESIGN §8: 2,000 clients, each a session keepalive and a
+a replica holds thousands of them (docs/design.md, "Scale envelope": 2,000 clients, each a
+session keepalive and a
 versions-only watch, on 2 cores). The limits keep that memory bounded and keep one tenant
 from taking every slot: past a limit a new stream fails at once with `Overloaded`
 (RESOURCE_EXHAUSTED) naming the limit, and the SDK backs off with jitter and retries.
@@ -39,7 +40,8 @@ DEFAULT_WORKERS = 16
 
 @dataclass(frozen=True)
 class Limits:
-    """The sizes a replica enforces (defaults sized for DESIGN §8 with room to spare)."""
+    """The sizes a replica enforces (defaults sized for docs/design.md's scale envelope, with room to
+    spare)."""
 
     max_streams: int = DEFAULT_MAX_STREAMS
     max_streams_per_tenant: int = DEFAULT_MAX_STREAMS_PER_TENANT

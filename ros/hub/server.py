@@ -1,7 +1,8 @@
 """Run the hub: a `grpc.aio` server with the TensorHub service, health checking and reflection.
 
 A replica must hold thousands of clients, each a session keepalive (a bidi stream) and a
-versions-only watch (a server stream): DESIGN §8 asks for 2,000 on 2 cores. On gRPC's
+versions-only watch (a server stream): docs/design.md's scale envelope asks for 2,000 on 2
+cores. On gRPC's
 synchronous server every open stream would pin a pool thread. So the server runs on its own
 asyncio event loop in one dedicated thread: streams are coroutines (memory, not threads),
 unary handler bodies run in one bounded worker pool (`ros.hub.rpc.unary`), session renewals

@@ -1,7 +1,7 @@
 """Failover on a real 3-member etcd cluster: the consistency core keeps its promises when the
 leader (or the member a client is talking to) is killed.
 
-- Nothing acknowledged is lost (DESIGN.md §4.4): every publish that returned is visible
+- Nothing acknowledged is lost (invariant 4, docs/design.md): every publish that returned is visible
   afterwards; a publish that failed with an unknown outcome may have happened or not, and
   nothing appears that was never attempted. The publisher keeps going on the new leader.
 - A `ModelWatch` whose member dies resumes elsewhere and delivers exactly the events a clean
@@ -269,7 +269,8 @@ def test_session_survives_a_leader_kill(healthy: EtcdCluster, keys: Keys) -> Non
 def test_without_quorum_calls_fail_with_named_errors_in_time(
     healthy: EtcdCluster, keys: Keys
 ) -> None:
-    """No hangs, no anonymous errors (DESIGN.md §4.5, §5): with two of three members dead,
+    """No hangs, no anonymous errors (invariant 5 and "Errors and outcomes",
+    docs/design.md): with two of three members dead,
     reads and writes end by their deadline with a named error, and a write's is an outcome
     error. etcd 3.4 reports a deadline that ran out inside the server as UNKNOWN "context
     deadline exceeded" about half the time; that must read as a deadline too. And a retry's

@@ -1,4 +1,4 @@
-"""Manifests at DESIGN.md §8's envelope, against a real etcd at its default limits.
+"""Manifests at the scale envelope (docs/design.md), against a real etcd at its default limits.
 
 100,000 tensors / 300,000 chunks (about 11 MB) and 4,096 shards must publish and read back
 with etcd's default `--max-request-bytes` (1.5 MiB) and `--max-txn-ops` (128), which the

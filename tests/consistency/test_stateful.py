@@ -1,7 +1,7 @@
 """The version and holder registries against a plain in-memory model (Hypothesis stateful).
 
-Every step runs against a real etcd and against `_Model`, a few dicts that say what DESIGN.md
-§3 promises: publish moves `latest` only upwards (a stale publish raises `StaleVersion` and
+Every step runs against a real etcd and against `_Model`, a few dicts that say what
+docs/design.md promises: publish moves `latest` only upwards (a stale publish raises `StaleVersion` and
 writes nothing), two racing publishers of one version get exactly one winner, holders are
 fenced by their record's create revision, a retained version's last complete holder cannot
 leave silently, a lease's end removes its holder records and pins, and retention keeps the
@@ -126,7 +126,7 @@ class _Model:
             del self.pins[pin]
 
     def release_blocked(self, key: HolderKey) -> bool:
-        """The last-complete-holder rule for a retained version (DESIGN.md §3, Retention)."""
+        """The last-complete-holder rule for a retained version (docs/design.md, "Retention")."""
         mine = self.holders[key]
         version = key[0]
         others = [

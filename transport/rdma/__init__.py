@@ -1,4 +1,5 @@
-"""RDMA data plane: one-sided reads of a holder's tensors with pyverbs (DESIGN.md §3).
+"""RDMA data plane: one-sided reads of a holder's tensors with pyverbs (docs/design.md,
+"The mutability contract").
 
 Protocol, one RC connection per (reader, holder):
 

@@ -1,4 +1,4 @@
-"""The epoch word that guards one-sided reads (DESIGN.md §3, Mutability contract).
+"""The epoch word that guards one-sided reads (docs/design.md, "The mutability contract").
 
 A holder cannot see RDMA readers, so it cannot wait for them before overwriting. Instead it
 keeps an 8-byte epoch next to the weights: it bumps the epoch to an odd value before it
