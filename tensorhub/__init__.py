@@ -1,7 +1,8 @@
 """Shared leaf of TensorHub: the one exception tree and the name rules.
 
 `consistency` and `transport` must not import each other, yet their errors belong to one
-tree rooted at `TensorHubError` (docs/design.md, "Errors and outcomes"); this package is the leaf both depend on.
+tree rooted at `TensorHubError` (docs/design.md, "Errors and outcomes"); this package is the
+leaf both depend on.
 """
 
 from tensorhub.errors import (

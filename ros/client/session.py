@@ -4,7 +4,8 @@ loss, and the read keys its holder server checks tokens with (the model is etcd'
 
 A lost lease (no renewal before its TTL ran out, or a call answered `SessionExpired`) stops
 the holder server from serving at once (`verify` refuses); the client then needs a new lease
-and every held version re-registered under it (docs/design.md, "Sessions and leases"). One recovery thread at a time,
+and every held version re-registered under it (docs/design.md, "Sessions and leases"). One
+recovery thread at a time,
 started by a loss, tries `OpenSession` and then the re-registration of every held version
 (`Holdings.reregister`) on `RECOVERY_POLICY` (full-jitter backoff, no deadline) until both
 are done or the client closes. A version the hub refuses for good is skipped (logged) and

@@ -40,8 +40,8 @@ DEFAULT_WORKERS = 16
 
 @dataclass(frozen=True)
 class Limits:
-    """The sizes a replica enforces (defaults sized for docs/design.md's scale envelope, with room to
-    spare)."""
+    """The sizes a replica enforces (defaults sized for docs/design.md's scale envelope,
+    with room to spare)."""
 
     max_streams: int = DEFAULT_MAX_STREAMS
     max_streams_per_tenant: int = DEFAULT_MAX_STREAMS_PER_TENANT

@@ -452,7 +452,8 @@ HUB_PUBLISH_LIMIT.labels("shards").set(MAX_SHARDS)
 
 
 def _check_publish_limits(request: pb.PublishRequest) -> None:
-    """The scale envelope's bounds (docs/design.md), before any work: `InvalidArgument` past `MAX_SHARDS`,
+    """The scale envelope's bounds (docs/design.md), before any work: `InvalidArgument` past
+    `MAX_SHARDS`,
     `ManifestTooLarge` past `MAX_MANIFEST_BYTES` (counted in the refusal metric by limit)."""
     limit = "shards"
     try:

@@ -1,7 +1,8 @@
 """The version and holder registries against a plain in-memory model (Hypothesis stateful).
 
 Every step runs against a real etcd and against `_Model`, a few dicts that say what
-docs/design.md promises: publish moves `latest` only upwards (a stale publish raises `StaleVersion` and
+docs/design.md promises: publish moves `latest` only upwards (a stale publish raises
+`StaleVersion` and
 writes nothing), two racing publishers of one version get exactly one winner, holders are
 fenced by their record's create revision, a retained version's last complete holder cannot
 leave silently, a lease's end removes its holder records and pins, and retention keeps the

@@ -1,5 +1,6 @@
 """A client whose session is lost stops serving and re-registers what it holds under a new
-session (docs/design.md, "Sessions and leases"), one version at a time: a version that vanished meanwhile does not
+session (docs/design.md, "Sessions and leases"), one version at a time: a version that
+vanished meanwhile does not
 keep the others unregistered."""
 
 from __future__ import annotations
