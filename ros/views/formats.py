@@ -11,15 +11,15 @@ and their scales, and back.
 Torch operations only, on the weight's own device, so a GPU runs this same code and gets the
 same bits: every step is exact or one correctly rounded fp32 operation (a true division,
 never a multiplication by a rounded reciprocal; powers of two are built from their bits).
-Rows are quantized a chunk of about `CHUNK_ELEMENTS` elements at a time: beyond its input,
-quantizing holds its output (one byte an element, plus the scales) and a few fp32 copies of
-one chunk, whatever the weight's size.
+A weight is quantized a chunk of rows at a time (about `CHUNK_ELEMENTS` elements on a CPU,
+`CHUNK_ELEMENTS_GPU` on a GPU), copied into one fp32 buffer and scaled there in place: beyond
+its input, quantizing holds its output (one byte an element, plus the scales) and that
+buffer, whatever the weight's size.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.nn import functional
 
 from tensorhub.errors import InvalidArgument
 
@@ -31,12 +31,18 @@ MX_BLOCK = 32  # mxfp8: a block is MX_BLOCK consecutive elements of one row
 MX_EMAX_ELEM = 8  # mxfp8: the exponent of e4m3's largest normal (448 = 1.75 x 2^8)
 E8M0_BIAS = 127  # mxfp8: a scale byte b stands for 2^(b - 127)
 MX_MIN_EXP = -127  # mxfp8: the smallest shared exponent an e8m0 byte holds (byte 0)
-CHUNK_ELEMENTS = 1 << 20  # elements quantized at once (the temporaries are a few x 4 bytes each)
+CHUNK_ELEMENTS = 1 << 18  # elements quantized at once on a CPU: a 1 MiB fp32 buffer
+CHUNK_ELEMENTS_GPU = 1 << 24  # on a GPU, where a kernel launch costs more than 64 MiB does
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # each exact in fp32
 
 
+def default_chunk(device: torch.device) -> int:
+    """Elements per chunk on `device` (module docstring)."""
+    return CHUNK_ELEMENTS if device.type == "cpu" else CHUNK_ELEMENTS_GPU
+
+
 def quantize_fp8_block128(
-    w: torch.Tensor, *, name: str = "weight", chunk_elements: int = CHUNK_ELEMENTS
+    w: torch.Tensor, *, name: str = "weight", chunk_elements: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`w` (rows x cols) as e4m3 `q` of the same shape and fp32 `scale_inv` of
     ceil(rows/128) x ceil(cols/128), on `w`'s device; `w ~ q * scale_inv` blockwise.
@@ -52,19 +58,17 @@ def quantize_fp8_block128(
     # A tensor divisor, not a Python number: CUDA turns a division by a scalar into a
     # multiplication by its rounded reciprocal, which can differ in the last bit.
     e4m3_max = torch.tensor(E4M3_MAX, dtype=torch.float32, device=w.device)
-    step = _rows_per_chunk(cols, BLOCK, chunk_elements)
+    step = _rows_per_chunk(cols, BLOCK, chunk_elements or default_chunk(w.device))
+    chunk = _Chunk(w, step, BLOCK, BLOCK)
     for r0 in range(0, rows, step):
-        r1 = min(r0 + step, rows)
-        x = _fp32(w[r0:r1])
-        padded = _pad(x, BLOCK, BLOCK)
-        nb_r, nb_c = padded.shape[0] // BLOCK, padded.shape[1] // BLOCK
-        blocks = padded.view(nb_r, BLOCK, nb_c, BLOCK)
-        amax = blocks.abs().amax(dim=(1, 3))
-        _refuse_non_finite(amax, x, name, r0)
+        x, n = chunk.load(r0)
+        blocks = x.view(x.shape[0] // BLOCK, BLOCK, x.shape[1] // BLOCK, BLOCK)
+        amax = _amax(blocks, (1, 3))
+        _refuse_non_finite(amax, w, name, r0, n)
         s = amax.clamp(min=AMAX_FLOOR) / e4m3_max
-        y = (blocks / s[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX)
-        q[r0:r1] = y.view(padded.shape)[: r1 - r0, :cols].to(E4M3)
-        scale_inv[r0 // BLOCK : r0 // BLOCK + nb_r] = s
+        torch.div(blocks, s[:, None, :, None], out=blocks).clamp_(-E4M3_MAX, E4M3_MAX)
+        q[r0 : r0 + n].copy_(x[:n, :cols])  # the one rounding, to e4m3
+        scale_inv[r0 // BLOCK : r0 // BLOCK + s.shape[0]] = s
     return q, scale_inv
 
 
@@ -73,7 +77,7 @@ def dequantize_fp8_block128(
     scale_inv: torch.Tensor,
     *,
     dtype: torch.dtype = torch.float32,
-    chunk_elements: int = CHUNK_ELEMENTS,
+    chunk_elements: int | None = None,
 ) -> torch.Tensor:
     """x' = fl32(q * s) for each element and its block's s, cast to `dtype` (DeepSeek-V3's
     `weight_dequant`). `InvalidArgument` if `q` is not 2-D e4m3 or `scale_inv` is not the
@@ -86,7 +90,7 @@ def dequantize_fp8_block128(
             f"fp8-block128 weight has float32 {list(want)}"
         )
     out = torch.empty((rows, cols), dtype=dtype, device=q.device)
-    step = _rows_per_chunk(cols, BLOCK, chunk_elements)
+    step = _rows_per_chunk(cols, BLOCK, chunk_elements or default_chunk(q.device))
     for r0 in range(0, rows, step):
         r1 = min(r0 + step, rows)
         s = scale_inv[r0 // BLOCK : _ceil(r1, BLOCK)]
@@ -96,7 +100,7 @@ def dequantize_fp8_block128(
 
 
 def quantize_mxfp8(
-    w: torch.Tensor, *, name: str = "weight", chunk_elements: int = CHUNK_ELEMENTS
+    w: torch.Tensor, *, name: str = "weight", chunk_elements: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`w` (rows x cols) as e4m3 `q` of the same shape and uint8 e8m0 `scale` of
     rows x ceil(cols/32), on `w`'s device; `w ~ q * 2^(scale - 127)` per 32 elements.
@@ -109,18 +113,17 @@ def quantize_mxfp8(
     nb = _ceil(cols, MX_BLOCK)
     q = torch.empty((rows, cols), dtype=E4M3, device=w.device)
     scale = torch.empty((rows, nb), dtype=torch.uint8, device=w.device)
-    step = _rows_per_chunk(cols, 1, chunk_elements)
+    step = _rows_per_chunk(cols, 1, chunk_elements or default_chunk(w.device))
+    chunk = _Chunk(w, step, 1, MX_BLOCK)
     for r0 in range(0, rows, step):
-        r1 = min(r0 + step, rows)
-        x = _fp32(w[r0:r1])
-        padded = _pad(x, 1, MX_BLOCK)
-        blocks = padded.view(r1 - r0, nb, MX_BLOCK)
-        amax = blocks.abs().amax(dim=2)
-        _refuse_non_finite(amax, x, name, r0)
+        x, n = chunk.load(r0)
+        blocks = x.view(n, nb, MX_BLOCK)
+        amax = _amax(blocks, (2,))
+        _refuse_non_finite(amax, w, name, r0, n)
         shared = shared_exponent(amax)
-        y = (blocks * pow2(-shared)[..., None]).clamp_(-E4M3_MAX, E4M3_MAX)
-        q[r0:r1] = y.view(padded.shape)[:, :cols].to(E4M3)
-        scale[r0:r1] = (shared + E8M0_BIAS).to(torch.uint8)
+        blocks.mul_(pow2(-shared)[..., None]).clamp_(-E4M3_MAX, E4M3_MAX)
+        q[r0 : r0 + n].copy_(x[:, :cols])  # the one rounding, to e4m3
+        scale[r0 : r0 + n] = (shared + E8M0_BIAS).to(torch.uint8)
     return q, scale
 
 
@@ -129,7 +132,7 @@ def dequantize_mxfp8(
     scale: torch.Tensor,
     *,
     dtype: torch.dtype = torch.float32,
-    chunk_elements: int = CHUNK_ELEMENTS,
+    chunk_elements: int | None = None,
 ) -> torch.Tensor:
     """x' = q * 2^(scale - 127), exact in fp32 (byte 0, 2^-127, included), cast to `dtype`.
     `scale` is uint8 or torch.float8_e8m0fnu (the same bytes). `InvalidArgument` if `q` is
@@ -146,7 +149,7 @@ def dequantize_mxfp8(
     if bool((scale == 255).any()):
         raise InvalidArgument("scale holds 255, e8m0's NaN: the block it scales is not a number")
     out = torch.empty((rows, cols), dtype=dtype, device=q.device)
-    step = _rows_per_chunk(cols, 1, chunk_elements)
+    step = _rows_per_chunk(cols, 1, chunk_elements or default_chunk(q.device))
     for r0 in range(0, rows, step):
         r1 = min(r0 + step, rows)
         b = scale[r0:r1].to(torch.int32)
@@ -172,6 +175,36 @@ def pow2(k: torch.Tensor) -> torch.Tensor:
     return ((k.to(torch.int32) + 127) << 23).view(torch.float32)
 
 
+class _Chunk:
+    """One fp32 buffer of `step` rows of a weight, zero-padded to whole blocks, which each
+    chunk is copied into (exactly: bf16, fp16 and fp32 are all fp32 values) and scaled in
+    place: a weight's quantization allocates it once."""
+
+    def __init__(self, w: torch.Tensor, step: int, row_block: int, col_block: int) -> None:
+        self.w = w
+        self.step = step
+        self.row_block = row_block
+        rows = min(step, _ceil(w.shape[0], row_block) * row_block)
+        cols = _ceil(w.shape[1], col_block) * col_block
+        self.buf = torch.empty((rows, cols), dtype=torch.float32, device=w.device)
+
+    def load(self, r0: int) -> tuple[torch.Tensor, int]:
+        """Rows [r0, r0 + step) of the weight in whole blocks of rows, the padding zero;
+        and how many of them are the weight's."""
+        part = self.w[r0 : r0 + self.step]
+        n, cols = int(part.shape[0]), int(part.shape[1])
+        x = self.buf[: _ceil(n, self.row_block) * self.row_block]
+        x[:n, :cols].copy_(part)
+        x[n:].zero_()
+        x[:n, cols:].zero_()
+        return x, n
+
+
+def _amax(blocks: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """max |x| over `dims` as max(max x, -min x): no |x| copy; a NaN propagates."""
+    return torch.maximum(blocks.amax(dim=dims), blocks.amin(dim=dims).neg())
+
+
 def _check(w: torch.Tensor, name: str) -> tuple[int, int]:
     if not isinstance(w, torch.Tensor):
         raise InvalidArgument(f"{name}: a tensor to quantize, not {type(w).__name__}")
@@ -191,26 +224,16 @@ def _check_quantized(q: torch.Tensor, name: str) -> tuple[int, int]:
     return int(q.shape[0]), int(q.shape[1])
 
 
-def _refuse_non_finite(amax: torch.Tensor, x: torch.Tensor, name: str, r0: int) -> None:
+def _refuse_non_finite(amax: torch.Tensor, w: torch.Tensor, name: str, r0: int, n: int) -> None:
     """NaN and infinities have no e4m3 code a scale can give them (an infinite amax would
     make every scale of its block infinite): refuse, naming the first such element."""
     if bool(torch.isfinite(amax).all()):
         return
-    bad = (~torch.isfinite(x)).nonzero()[0]
-    r, c = int(bad[0]), int(bad[1])
+    part = w[r0 : r0 + n]
+    r, c = (int(i) for i in (~torch.isfinite(part)).nonzero()[0])
     raise InvalidArgument(
-        f"{name}[{r0 + r}, {c}] is {float(x[r, c])}: a view quantizes finite weights only"
+        f"{name}[{r0 + r}, {c}] is {float(part[r, c])}: a view quantizes finite weights only"
     )
-
-
-def _fp32(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.float32, memory_format=torch.contiguous_format)
-
-
-def _pad(x: torch.Tensor, row_block: int, col_block: int) -> torch.Tensor:
-    """`x` with zero rows and columns added up to whole blocks (no copy when whole)."""
-    pr, pc = -x.shape[0] % row_block, -x.shape[1] % col_block
-    return functional.pad(x, (0, pc, 0, pr)) if pr or pc else x
 
 
 def _rows_per_chunk(cols: int, granule: int, budget: int) -> int:

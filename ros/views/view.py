@@ -28,7 +28,6 @@ import torch
 from ros.manifest_check import check_metadata
 from ros.views.config import quantization_config
 from ros.views.formats import (
-    CHUNK_ELEMENTS,
     dequantize_fp8_block128,
     dequantize_mxfp8,
     quantize_fp8_block128,
@@ -76,7 +75,7 @@ def make_view(
     fmt: str,
     *,
     linear: frozenset[str] = LINEAR_MODULES,
-    chunk_elements: int = CHUNK_ELEMENTS,
+    chunk_elements: int | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The view of `state_dict` in format `fmt` (module docstring), quantized on each
     tensor's own device. `InvalidArgument` for an unknown format, a weight that holds a NaN
