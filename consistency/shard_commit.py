@@ -178,6 +178,7 @@ class ShardCommitter:
         self._arrived = keys.shard_arrivals(tenant, model, version)
         self._latest = keys.latest(tenant, model)
         self._found: set[int] = set()  # entries whose earlier write a read found (per commit)
+        self.arrived = 0  # the version's shards counted, as this committer last read or wrote
 
     # -- keys ------------------------------------------------------------------------------
 
@@ -288,6 +289,7 @@ class ShardCommitter:
             for entry in writing:
                 entry.ambiguous = True
         if result.succeeded:
+            self.arrived = max(self.arrived, state.arrived + len(writing))
             for entry in writing:
                 outcomes[id(entry)] = Published(self.version, result.revision, visible)
             if visible and self._on_visible is not None:
@@ -320,6 +322,7 @@ class ShardCommitter:
         usage = found.pop() if self._budget is not None else None
         latest, arrived = found[0], found[1]
         count, so_far = _counter(arrived.value if arrived is not None else None)
+        self.arrived = max(self.arrived, so_far)
         records = {e.index: kv for e, kv in zip(pending, found[2::2], strict=True) if kv}
         holders = {e.index: kv for e, kv in zip(pending, found[3::2], strict=True) if kv}
         return _Read(

@@ -70,6 +70,17 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "--ranks", type=int, default=1024, help="ranks of the barrier case (a session each)"
     )
     ap.add_argument(
+        "--sequential",
+        type=int,
+        default=4096,
+        help="shards of the sequential case (one client, one after another)",
+    )
+    ap.add_argument(
+        "--shard-cases",
+        default="ranks,inflight,sequential",
+        help="cases of the shards part (default %(default)s)",
+    )
+    ap.add_argument(
         "--shard-timeout", type=float, default=600.0, help="deadline of one shard's Publish (s)"
     )
     ap.add_argument(
@@ -281,6 +292,9 @@ def _fill_shards(res: Result, data: dict[str, Any]) -> None:
     notes = []
     for c in data["cases"]:
         x = f"x{c.get('replicas')}"
+        if c.get("case") == "sequential":
+            notes += _fill_sequential(res, c, x, data.get("sequential_target", 1.5))
+            continue
         base = c.get("one_shard_ms")
         seconds = c.get("seconds")
         ratio = None if seconds is None or not base else seconds * 1000 / base
@@ -316,6 +330,33 @@ def _fill_shards(res: Result, data: dict[str, Any]) -> None:
             notes.append(f"{what}: {why}")
     if notes:
         res.note = "; ".join(str(n) for n in notes)[:300]
+
+
+def _fill_sequential(res: Result, c: dict[str, Any], x: str, target: float) -> list[str]:
+    """The sequential case's rows: each shard's Publish against the one-shard versions
+    published alone among them; its failure, if any, as a note."""
+    what = f"{c.get('shards')} shards one after another, {c.get('sessions')} sessions, {x}"
+    if c.get("failed"):
+        res.add(f"{what}: ok", 0.0, ">= 1")
+        return [f"{what}: {c['failed']}"]
+    base = c.get("single_ms_median")
+    for stat in ("median", "mean", "p95"):
+        ms = c.get(f"shard_ms_{stat}")
+        ratio = None if ms is None or not base else ms / base
+        res.add(f"{what}: a shard's publish, {stat} / one-shard version's median", ratio,
+                f"<= {target:g}" if stat == "median" else "")  # fmt: skip
+        res.add(f"{what}: a shard's publish, {stat}", ms, unit="ms")
+    res.add(f"{what}: one-shard versions published among them, median", base, unit="ms")
+    start = c.get("one_shard_ms")
+    median = c.get("shard_ms_median")
+    res.add(f"{what}: a shard's publish, median / the one-shard publish at the run's start",
+            None if median is None or not start else median / start)  # fmt: skip
+    res.add(f"{what}: transactions that committed its shards", c.get("transactions"))
+    res.add(f"{what}: etcd revisions of the run, the one-shard versions' included",
+            c.get("etcd_writes"))  # fmt: skip
+    res.add(f"{what}: every shard in {c.get('seconds') or 0:.1f}s, the last one visible",
+            1.0 if c.get("ok") else 0.0, ">= 1")  # fmt: skip
+    return []
 
 
 def _fill_herd(res: Result, data: dict[str, Any]) -> None:
@@ -487,9 +528,14 @@ def _herd(args: argparse.Namespace) -> dict[str, Any]:
 def _shards(args: argparse.Namespace) -> dict[str, Any]:
     from bench.scale import shards
 
+    cases = tuple(c for c in args.shard_cases.split(",") if c)
+    unknown = set(cases) - set(shards.CASES)
+    if unknown:
+        raise SystemExit(f"unknown shard cases: {', '.join(sorted(unknown))}")
     return shards.run(
-        args.shards, args.ranks, args.inflight, _replicas(args), workers=args.workers,
-        timeout=args.shard_timeout, tree=args.hub_tree, limits=_etcd_limits(args), log=_log,
+        args.shards, args.ranks, args.inflight, _replicas(args), sequential=args.sequential,
+        cases=cases, workers=args.workers, timeout=args.shard_timeout, tree=args.hub_tree,
+        limits=_etcd_limits(args), log=_log,
     )  # fmt: skip
 
 
@@ -545,6 +591,7 @@ def results(args: argparse.Namespace) -> list[Result]:
         ),
         "shards": (
             f"{cmd}shards --shards {args.shards} --inflight {args.inflight} --ranks {args.ranks}"
+            f" --sequential {args.sequential} --shard-cases {args.shard_cases}"
             f" --replicas {args.replicas}{limits}{tree}",
             lambda: _shards(args),
             _fill_shards,

@@ -17,7 +17,15 @@ one-tensor manifest: the median of a few):
   last shard goes alone and must report visible, with Latest 1 after it. Time until visible:
   from the start of the burst to the last shard's reply.
 
-Both report `etcd_writes`: the revisions etcd used between the barrier and the last reply
+- sequential: N shards (4,096) from one client, one after another (each sent when the one
+  before it has replied), under a few sessions (4), as a pipeline-parallel trainer's stages
+  arrive apart. Every 32nd shard is followed by a one-shard (unsharded) version published
+  alone, so the baseline shares the run's load and noise. Figures: each shard's Publish
+  latency (median, mean, p95) against those one-shard versions' median (target: each shard
+  at most 1.5x), the transactions that committed its shards (one each: nothing batches one
+  shard at a time), the last shard's reply visible, Latest 0 before it and 1 after.
+
+All report `etcd_writes`: the revisions etcd used between the barrier and the last reply
 (every session was opened before). Every shard is a raw PublishRequest (shard_index,
 shard_count) of a tiny inline manifest and its rank's holder record; the ranks are spread
 over `Fleet` worker processes so no one client process serializes them.
@@ -59,6 +67,8 @@ SESSION_TTL = 300  # the ranks' sessions outlive the slowest burst without a Kee
 OPEN_CONCURRENCY = 16  # OpenSession calls in flight per worker while the ranks get ready
 CHANNEL_OPTIONS = [*OPTIONS, ("grpc.use_local_subchannel_pool", 1)]  # a connection each
 BARRIER_SECONDS = 1.0
+CASES = ("ranks", "inflight", "sequential")
+SEQUENTIAL_TARGET = 1.5  # a sequential shard's publish, at most this many one-shard versions
 
 
 def revision_target(shards: int, limits: EtcdLimits) -> int:
@@ -377,6 +387,105 @@ def inflight_case(
     return out
 
 
+SEQUENTIAL_SESSIONS = 4
+SINGLE_EVERY = 32  # sequential shards between two one-shard versions published alone
+
+
+async def _sessions(addresses: list[str], token: str, count: int) -> list[int]:
+    """`count` sessions, session j opened on replica j mod R."""
+    hubs = [Hub(a, token) for a in addresses]
+    try:
+        return [await hubs[j % len(hubs)].session(SESSION_TTL) for j in range(count)]
+    finally:
+        for hub in hubs:
+            await hub.close()
+
+
+async def _sequential(
+    addresses: list[str], token: str, count: int, opened: list[int], timeout: float
+) -> dict[str, Any]:
+    """The sequential case's publishes (one client, raw gRPC): shard i to replica i mod R
+    under session i mod S, one after another, and the interleaved one-shard versions of
+    model `sequential-single` (versions 1, 2, ...) on the first replica."""
+    sessions = len(opened)
+    hubs = [Hub(a, token) for a in addresses]
+    try:
+        shard_ms: list[float] = []
+        single_ms: list[float] = []
+        last: pb.PublishResponse | None = None
+        visible_early = 0
+        latest_before = 0
+        revisions: set[int] = set()  # the transactions that committed the version's shards
+        for i in range(count):
+            if i == count - 1:
+                latest_before = int(
+                    (await hubs[0].call("Latest", pb.LatestRequest(model="sequential"))).version
+                )
+            request = _request("sequential", i, count, opened[i % sessions])
+            t0 = time.monotonic()
+            reply = await hubs[i % len(hubs)].call("Publish", request, timeout)
+            shard_ms.append((time.monotonic() - t0) * 1000)
+            revisions.add(int(reply.revision))
+            if i == count - 1:
+                last = reply
+            elif reply.visible:
+                visible_early += 1
+            if i % SINGLE_EVERY == SINGLE_EVERY - 1:
+                single = pb.PublishRequest(
+                    model="sequential-single", version=len(single_ms) + 1,
+                    manifest=tiny_manifest(), holder=holder("single", opened[0], complete=True),
+                )  # fmt: skip
+                t0 = time.monotonic()
+                await hubs[0].call("Publish", single, timeout)
+                single_ms.append((time.monotonic() - t0) * 1000)
+        latest_after = int(
+            (await hubs[0].call("Latest", pb.LatestRequest(model="sequential"))).version
+        )
+        return {
+            "shard_ms": shard_ms, "single_ms": single_ms, "visible_early": visible_early,
+            "last_visible": bool(last is not None and last.visible),
+            "latest_before": latest_before, "latest_after": latest_after,
+            "transactions": len(revisions),
+        }  # fmt: skip
+    finally:
+        for hub in hubs:
+            await hub.close()
+
+
+def sequential_case(world: World, count: int, sessions: int, timeout: float) -> dict[str, Any]:
+    """N shards one after another from one client; see the module docstring."""
+    out: dict[str, Any] = {
+        "case": "sequential", "shards": count, "sessions": sessions, "replicas": len(world.hubs),
+    }  # fmt: skip
+    opened = asyncio.run(_sessions(world.addresses, world.token, sessions))
+    rev0 = world.status()["revision"]
+    t0 = time.monotonic()
+    try:
+        got = asyncio.run(_sequential(world.addresses, world.token, count, opened, timeout))
+    except grpc.aio.AioRpcError as exc:
+        out.update(ok=False, failed=first_error([exc]))
+        return out
+    out["seconds"] = time.monotonic() - t0
+    # every revision of the run (the one-shard versions and their retention's included)
+    out["etcd_writes"] = world.status()["revision"] - rev0
+    shard_ms = sorted(got.pop("shard_ms"))
+    single_ms = got.pop("single_ms")
+    out.update(got)
+    out["shard_ms_median"] = statistics.median(shard_ms)
+    out["shard_ms_mean"] = statistics.fmean(shard_ms)
+    out["shard_ms_p95"] = shard_ms[min(len(shard_ms) - 1, int(0.95 * len(shard_ms)))]
+    out["single_ms_median"] = statistics.median(single_ms) if single_ms else None
+    out["published"] = count
+    out["failures"] = {}
+    out["ok"] = bool(
+        out["last_visible"]
+        and out["visible_early"] == 0
+        and out["latest_before"] == 0
+        and out["latest_after"] == 1
+    )
+    return out
+
+
 def ceiling_inflight(
     fleet: Fleet, count: int, inflight: int, replicas: int, timeout: float
 ) -> float | None:
@@ -419,6 +528,8 @@ def run(
     inflight: int = 256,
     replicas: tuple[int, ...] = (1, 2),
     *,
+    sequential: int = 4096,
+    cases: tuple[str, ...] = CASES,
     workers: int = 4,
     singles: int = 5,
     timeout: float = 600.0,
@@ -426,14 +537,15 @@ def run(
     limits: EtcdLimits | None = None,
     log: Log = lambda _: None,
 ) -> dict[str, Any]:
-    """Both cases at each replica count, each World its own etcd and hubs; a case that
-    breaks is reported with why, and the others still run."""
+    """The `cases` (of `CASES`) at each replica count, each World its own etcd and hubs; a
+    case that breaks is reported with why, and the others still run."""
     limits = limits or EtcdLimits()
     out: dict[str, Any] = {
         "limits": {"max_txn_ops": limits.max_txn_ops,
                    "max_request_bytes": limits.max_request_bytes},
         "ops_per_shard": OPS_PER_SHARD,
         "revision_target": revision_target(shards, limits),
+        "sequential_target": SEQUENTIAL_TARGET,
         "cases": [],
     }  # fmt: skip
     log(f"  etcd at {limits.describe()}; one shard writes {OPS_PER_SHARD} operations")
@@ -446,13 +558,15 @@ def run(
                 out.setdefault("one_shard_ms", {})[str(r)] = base
                 log(f"  x{r}: one shard (unsharded) publish: median {base:.1f} ms of "
                     f"{', '.join(f'{x:.1f}' for x in single)}")  # fmt: skip
-                for name in ("ranks", "inflight"):
+                for name in cases:
                     t0 = time.monotonic()
                     try:
                         if name == "ranks":
                             res = ranks_case(world, fleet, ranks, timeout)
-                        else:
+                        elif name == "inflight":
                             res = inflight_case(world, fleet, shards, inflight, timeout)
+                        else:
+                            res = sequential_case(world, sequential, SEQUENTIAL_SESSIONS, timeout)
                     except WorkerLost as exc:
                         res = {"case": name, "replicas": r, "failed": str(exc), "ok": False}
                         fleet.close()
@@ -464,6 +578,8 @@ def run(
                     res["wall_s"] = time.monotonic() - t0
                     log(summary(res))
                     out["cases"].append(res)
+            if "inflight" not in cases:
+                continue
             ceiling = ceiling_inflight(fleet, shards, inflight, r, timeout)
             out.setdefault("ceiling_s", {})[str(r)] = ceiling
             if ceiling is not None:
@@ -476,11 +592,20 @@ def run(
 
 def summary(r: dict[str, Any]) -> str:
     """One human line per case."""
-    what = (
-        f"{r.get('shards')} ranks, a session each"
-        if r.get("case") == "ranks"
-        else f"{r.get('shards')} shards, {r.get('inflight')} in flight"
-    )
+    if r.get("case") == "sequential" and "failed" not in r:
+        return (
+            f"  {r.get('shards')} shards one after another x{r['replicas']}: per shard median "
+            f"{r['shard_ms_median']:.1f} ms, mean {r['shard_ms_mean']:.1f}, p95 "
+            f"{r['shard_ms_p95']:.1f}; one-shard versions among them median "
+            f"{r['single_ms_median'] or 0:.1f} ms; {r['seconds']:.1f}s in all, transactions "
+            f"{r.get('transactions')} (etcd revisions {r.get('etcd_writes')} with the one-shard "
+            f"versions), last visible {r.get('last_visible')}, Latest "
+            f"{r.get('latest_before')}->{r.get('latest_after')}, ok {r.get('ok')}"
+        )
+    what = {
+        "ranks": f"{r.get('shards')} ranks, a session each",
+        "sequential": f"{r.get('shards')} shards one after another",
+    }.get(str(r.get("case")), f"{r.get('shards')} shards, {r.get('inflight')} in flight")
     if "failed" in r:
         return f"  {what} x{r.get('replicas')}: FAILED {r['failed']}"
     seconds = r.get("seconds")

@@ -6,10 +6,15 @@ shard counter, the tenant's session fence). Committed one by one they either que
 each other's compares, O(N) transactions for N writes and O(N^2) work. Like a database's
 group commit, a `GroupCommit` keeps one transaction in flight per key: a write that arrives
 while one is in flight waits, and the next transaction takes every write waiting by then
-(as many as `take` lets into one etcd transaction). A batch that is not full may first wait
-a few milliseconds for more writes of its key (`linger`, like a database's commit delay),
-when more are expected: the shards of a version still to come. A lone write commits at once,
-as before.
+(as many as `take` lets into one etcd transaction). A write that finds nothing in flight
+for its key commits at once: nothing tells that another is coming, so a lone write, or one of
+writes that arrive one after another, never waits. Only a batch that gathered while a
+transaction ran, two writes or more (so writes arrive faster than one per transaction), may
+wait a little longer to fill (`linger`, like a database's commit delay) when more are
+expected: the shards of a version still to come. It stops waiting when the batch is full,
+when `linger` says nothing more is expected (the version's last shard is here), when no write
+has arrived for as long as the transaction before it took (the burst has stopped), or at
+`linger`'s cap.
 
 Everything here runs on the replica's event loop (no locks): a waiting write is a future,
 not a thread, so thousands can wait while the transactions themselves run in the worker
@@ -45,8 +50,12 @@ class _Waiting(Generic[E, R]):
 @dataclass
 class _Queue(Generic[E, R]):
     waiting: list[_Waiting[E, R]] = field(default_factory=list)
-    busy: bool = False
+    busy: bool = False  # a transaction in flight, or a batch lingering
     lingering: asyncio.TimerHandle | None = None  # a short wait for more, before a batch
+    started: float = 0.0  # loop time the transaction in flight started
+    took: float = 0.0  # seconds the last transaction took: how long a lull ends a linger
+    arrived: float = 0.0  # loop time of the last submission
+    until: float = 0.0  # loop time a linger ends in any case (its cap)
 
 
 MAX_KEYS_COUNTED = 4096  # keys whose submissions are counted (for `linger`), remembered
@@ -66,13 +75,13 @@ class GroupCommit(Generic[K, E, R]):
         abandon: Callable[[K, list[E]], None] | None = None,
         *,
         kind: str = "",
-        linger: Callable[[list[E], int], float] | None = None,
+        linger: Callable[[K, list[E], int], float] | None = None,
     ) -> None:
-        """`linger(waiting, submitted)`: how long a batch that is not full yet should wait
-        for more writes of its key (0: go now), given the entries waiting and how many were
-        submitted for the key on this replica so far. Under a burst, a short wait fills
-        each transaction (fewer revisions, less etcd and hub work); a write nobody else will
-        join should not wait."""
+        """`linger(key, waiting, submitted)`: the most a batch that gathered while a transaction
+        ran should wait for more writes of its key (0: go now), given the entries waiting
+        and how many were submitted for the key on this replica so far. Under a burst, a
+        short wait fills each transaction (fewer revisions, less etcd and hub work); it is
+        asked again at every arrival, and a lull as long as the last transaction ends it."""
         self._executor = executor
         self._linger = linger
         self._submitted: SizedLru[K, int] = SizedLru(MAX_KEYS_COUNTED, lambda _: 1)
@@ -83,6 +92,7 @@ class GroupCommit(Generic[K, E, R]):
         self._queues: dict[K, _Queue[E, R]] = {}
         self.batches = 0  # transactions started (for tests and metrics)
         self.largest = 0  # the most entries one batch took
+        self.lingered = 0  # batches that waited for more writes before they started
 
     def waiting(self, key: K) -> int:
         """Entries of `key` waiting for a batch now (the in-flight one not counted)."""
@@ -95,39 +105,51 @@ class GroupCommit(Generic[K, E, R]):
         future: asyncio.Future[R] = loop.create_future()
         queue = self._queues.setdefault(key, _Queue())
         queue.waiting.append(_Waiting(entry, future))
+        queue.arrived = loop.time()
         self._submitted.put(key, (self._submitted.get(key) or 0) + 1)
         if not queue.busy:
-            self._next(key, queue, loop)
+            self._next(key, queue, loop)  # nothing in flight: nothing to wait for
         elif queue.lingering is not None and not self._wait_for(key, queue):
-            queue.lingering.cancel()  # full now: no need to wait for the rest
-            self._next(key, queue, loop, lingered=True)
+            queue.lingering.cancel()  # full now, or nothing more expected: go
+            self._next(key, queue, loop)
         return await future
 
     def _wait_for(self, key: K, queue: _Queue[E, R]) -> float:
         if self._linger is None:
             return 0.0
         live = [w.entry for w in queue.waiting if not w.future.done()]
-        return self._linger(live, self._submitted.get(key) or 0) if live else 0.0
+        return self._linger(key, live, self._submitted.get(key) or 0) if live else 0.0
 
-    def _next(
-        self,
-        key: K,
-        queue: _Queue[E, R],
-        loop: asyncio.AbstractEventLoop,
-        *,
-        lingered: bool = False,
-    ) -> None:
-        """Start the next batch of `key` (after a short wait for more, if `linger` asks for
-        one and it has not waited yet), or retire its queue if nothing live is waiting."""
+    def _after_commit(self, key: K, queue: _Queue[E, R], loop: asyncio.AbstractEventLoop) -> None:
+        """The next batch after a transaction: at once, unless two writes or more gathered
+        while it ran and `linger` expects more (then a linger, `_lull`)."""
+        queue.took = loop.time() - queue.started
+        live = sum(1 for w in queue.waiting if not w.future.done())
+        cap = self._wait_for(key, queue) if live >= 2 else 0.0
+        if cap <= 0:
+            self._next(key, queue, loop)
+            return
+        queue.until = loop.time() + cap
+        self.lingered += 1
+        self._lull(key, queue, loop)
+
+    def _lull(self, key: K, queue: _Queue[E, R], loop: asyncio.AbstractEventLoop) -> None:
+        """Linger until no write has arrived for as long as the last transaction took, or
+        until the cap; arrivals meanwhile only move the check (no timer each)."""
         queue.lingering = None
-        if not lingered:
-            delay = self._wait_for(key, queue)
-            if delay > 0:
-                queue.busy = True
-                queue.lingering = loop.call_later(
-                    delay, lambda: self._next(key, queue, loop, lingered=True)
-                )
-                return
+        now = loop.time()
+        quiet_at = queue.arrived + queue.took
+        if now >= queue.until or now >= quiet_at:
+            self._next(key, queue, loop)
+            return
+        queue.busy = True
+        queue.lingering = loop.call_at(
+            min(quiet_at, queue.until), lambda: self._lull(key, queue, loop)
+        )
+
+    def _next(self, key: K, queue: _Queue[E, R], loop: asyncio.AbstractEventLoop) -> None:
+        """Start the next batch of `key`, or retire its queue if nothing live is waiting."""
+        queue.lingering = None
         gone = [w.entry for w in queue.waiting if w.future.done()]
         live = [w for w in queue.waiting if not w.future.done()]
         if gone and self._abandon is not None:
@@ -143,6 +165,7 @@ class GroupCommit(Generic[K, E, R]):
                 self._queues.pop(key, None)
             return
         queue.busy = True
+        queue.started = loop.time()
         self.batches += 1
         self.largest = max(self.largest, len(batch))
         self._sizes.observe(len(batch))
@@ -169,4 +192,4 @@ class GroupCommit(Generic[K, E, R]):
                 waiting.future.set_exception(outcome)
             else:
                 waiting.future.set_result(outcome)
-        self._next(key, queue, loop)
+        self._after_commit(key, queue, loop)

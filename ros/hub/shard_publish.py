@@ -18,9 +18,10 @@ from consistency import Etcd, Keys, VersionRegistry
 from consistency.publishing import Admit, Published
 from consistency.shard_commit import FIXED_OPS, MAX_BATCH, MAX_TXN_OPS, ShardEntry, take
 from ros.hub.budget import BatchBudget
-from ros.hub.group_commit import GroupCommit
+from ros.hub.group_commit import MAX_KEYS_COUNTED, GroupCommit
 from ros.hub.tenants import Tenant
 from tensorhub.errors import TensorHubError
+from tensorhub.lru import SizedLru
 
 Key = tuple[str, str, int]  # tenant, model, version
 
@@ -44,8 +45,11 @@ class ShardBatches:
         self._etcd = etcd
         self._keys = keys
         self._history_period = history_period
+        # shards of each version counted in etcd as this replica's last batch of it read or
+        # wrote the counter (other replicas' batches included): what a linger still expects
+        self._counted: SizedLru[Key, int] = SizedLru(MAX_KEYS_COUNTED, lambda _: 1)
         self.group: GroupCommit[Key, ShardJob, Published] = GroupCommit(
-            executor, self._commit, _take, self._abandon, kind="shards", linger=_linger
+            executor, self._commit, _take, self._abandon, kind="shards", linger=self._linger
         )
 
     async def publish(self, model: str, version: int, job: ShardJob) -> Published:
@@ -61,7 +65,17 @@ class ShardBatches:
             tenant, model, version, admit_model=first.admit_model,
             budget=BatchBudget(self._etcd, self._keys, first.tenant, self._history_period),
         )  # fmt: skip
-        return committer.commit([job.entry for job in jobs])
+        try:
+            return committer.commit([job.entry for job in jobs])
+        finally:
+            self._counted.put(key, max(self._counted.get(key) or 0, committer.arrived))
+
+    def _linger(self, key: Key, jobs: list[ShardJob], submitted: int) -> float:
+        """`_linger`, also going at once when the shards counted in etcd (as last read
+        here) and those waiting make the version whole."""
+        if (self._counted.get(key) or 0) + len(jobs) >= jobs[0].entry.count:
+            return 0.0
+        return _linger(jobs, submitted)
 
     def _abandon(self, key: Key, jobs: list[ShardJob]) -> None:
         """Pages of shards whose callers left before their batch: deleted, best effort
@@ -78,12 +92,14 @@ def _expired(entry: ShardEntry) -> ShardEntry:
     return entry
 
 
-LINGER = 0.05  # seconds a batch with room left waits for more shards of its version
+LINGER = 0.05  # the most a batch with room left waits for more shards of its version
 
 
 def _linger(jobs: list[ShardJob], submitted: int) -> float:
-    """Wait `LINGER` for more shards while the batch has room for another and this replica
-    has seen fewer shards of the version than it has (more may still come); else go now."""
+    """Wait up to `LINGER` for more shards while the batch has room for another and this
+    replica has seen fewer shards of the version than it has (more may still come); else go
+    now: the batch that carries the version's last shard never waits. `GroupCommit` asks
+    only of a batch that gathered while a transaction ran, and ends the wait at a lull."""
     entries = [job.entry for job in jobs]
     if submitted >= entries[0].count or len(take(list(entries))) < len(entries):
         return 0.0  # every shard is here, or the waiting ones fill more than a batch

@@ -119,7 +119,7 @@ def test_a_burst_of_shards_commits_in_full_batches_and_shows_once(
         ]
         results = asyncio.ensure_future(gather(calls))
         await asyncio.to_thread(failpoint.reached.wait, 30)
-        held_shards.append(len(failpoint.keys))  # the first batch (it lingered for more)
+        held_shards.append(len(failpoint.keys))  # the first batch (what had arrived by then)
         await asyncio.to_thread(
             wait_until,
             "the burst is queued",
