@@ -5,7 +5,8 @@
 (root needed; `delta` trains a real transformer: it needs transformers, a dev extra); `gpu`
 is the GPU memory paths (`bench.gpu`, its own flags; needs a CUDA device);
 `sim` is the cluster-scale simulator (`bench.sim.cli`); `scale` is the scale
-envelope on loopback (`bench.scale.cli`, its own flags); `watches` is a hostile tenant's Watch
+envelope on loopback (`bench.scale.cli`, its own flags); `views` is what quantizing a view
+costs its publisher (`bench.views`, its own flags); `watches` is a hostile tenant's Watch
 streams on many model names (`bench.hostile`, its own flags); `revoke` is a deleted tenant's
 token against two replicas and `history-fill` two tenants inside their budgets against etcd's
 quota (`bench.review_revoke`, `bench.review_fill`: issue 25's items 1 and 3, their own flags);
@@ -54,7 +55,18 @@ PLOTS = {  # the benchmarks that draw `--plot FILE.png`, and what
     "delta": "draw the wire bytes per step against the step, one line per learning rate "
     "(matplotlib)",
 }
-NAMES = [*EMULATED, "transport", "sim", "scale", "gpu", "watches", "revoke", "history-fill", "all"]
+NAMES = [
+    *EMULATED,
+    "transport",
+    "sim",
+    "scale",
+    "gpu",
+    "views",
+    "watches",
+    "revoke",
+    "history-fill",
+    "all",
+]
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
@@ -150,6 +162,10 @@ def run(args: argparse.Namespace) -> int:
         from bench.scale import cli as scale_cli
 
         return scale_cli.main(rest)
+    if name == "views":  # what quantizing a view costs its publisher (bench.views)
+        from bench import views
+
+        return views.main(rest)
     if name == "watches":  # a hostile tenant's Watch streams on many names (bench.hostile)
         from bench import hostile
 

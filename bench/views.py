@@ -1,4 +1,4 @@
-"""`python -m bench.views`: what a view costs its publisher (issue 36, item 5).
+"""`tensorhub bench views`: what quantizing a view costs its publisher.
 
 The model is the one `bench delta` trains (`bench.emu.training.DEFAULT`: a Llama of
 36.3 M parameters, 69.3 MiB in bf16; `--tiny` for tests of the harness), its weights as a
@@ -13,7 +13,7 @@ publisher holds them (bf16). In one run:
   (`VmHWM`, reset through `/proc/self/clear_refs` before each run) above its resident set
   before, on a GPU `torch.cuda.max_memory_allocated` above the allocation before.
 
-Figures per format, against issue 36's targets: quantize time / one transfer (<= 0.5) and
+Figures per format, against the targets of docs/views.md: quantize time / one transfer (<= 0.5) and
 peak added memory / model bytes (<= 0.5). `--threads N` sets torch's CPU threads (the
 default is torch's own choice; the CPUs here are shared, so the load average is in the
 details).
@@ -48,7 +48,7 @@ _STATUS = Path("/proc/self/status")
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m bench.views", description="the cost of a view")
+    ap = argparse.ArgumentParser(prog="tensorhub bench views", description="the cost of a view")
     ap.add_argument("--rate-mbit", type=float, default=200.0, help="the link (Mbit/s)")
     ap.add_argument("--repeat", type=int, default=5, help="quantizations per format (median)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's)")
