@@ -221,7 +221,9 @@ class Hub:
         publish, never before every shard is there. `placements` maps a tensor name to
         (global shape, offsets): the block of the global tensor this rank holds (tensors
         without one are whole, e.g. replicated). With them, readers in another layout read
-        their own blocks with `fetch_slices`.
+        their own blocks with `fetch_slices`. A state dict of DTensors (FSDP2, tensor
+        parallelism) says both itself: pass it as it is, on every rank, without `shard` or
+        `placements` (`ros.client.dtensors`; a rank that owns no block publishes nothing).
 
         `checksum` is the algorithm of the per-chunk checksums in the manifest
         (`transport.checksums`): `"xxh3-64"`, or `"wsum64"`, computed where the tensors are

@@ -17,6 +17,7 @@ import torch
 from consistency.floor import RevisionFloor
 from consistency.retry import RetryPolicy
 from ros.client.delta_publish import WHERE, BaseCopies
+from ros.client.dtensors import for_publish
 from ros.client.handles import Handles, Publication
 from ros.client.holdings import Holdings
 from ros.client.identity import Identity
@@ -100,6 +101,13 @@ class Publisher:
         base_copy: str = "host",
     ) -> Publication:
         """`Hub.publish` (its docstring says what a caller gets)."""
+        derived = for_publish(tensors, shard, placements)  # a state dict of DTensors
+        if derived is not None:
+            if derived.shard is None:  # this rank publishes no block (a replica): no shard
+                empty = self._handles.publication(model, version, {}, 0, False, None)
+                empty.released = True  # it holds nothing to release
+                return empty
+            tensors, shard, placements = derived.tensors, derived.shard, derived.placements
         if placements and shard is None:
             raise InvalidArgument("placements describe a model-parallel shard: pass shard too")
         if shard is not None and not (isinstance(shard, tuple) and len(shard) == 2):
