@@ -37,7 +37,7 @@ from chaos.deltas import Weights, delta_record
 from chaos.history import FAIL, INFO, OK, Recorder, error_name, write_outcome
 from chaos.holder_faults import Fault
 from chaos.planted import hooks_for
-from consistency.watch import EventKind
+from consistency.events import EventKind
 from tensorhub.errors import InvalidArgument, StaleVersion, TensorHubError
 
 MODEL = "policy"

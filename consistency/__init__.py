@@ -7,6 +7,7 @@ error tree; never on `transport` or `ros`.
 from consistency.compactor import Compactor, CompactorStatus
 from consistency.embedded import EtcdCluster
 from consistency.etcd import Etcd
+from consistency.events import EventKind, WatchEvent
 from consistency.floor import RevisionFloor
 from consistency.holders import HolderRegistry
 from consistency.keys import DEFAULT_PREFIX, Keys
@@ -15,7 +16,7 @@ from consistency.publishing import Published
 from consistency.records import HolderRecord, HolderState, ShardRecord
 from consistency.session import Session
 from consistency.versions import VersionInfo, VersionRegistry
-from consistency.watch import EventKind, KeyWatch, ModelWatch, WatchEvent
+from consistency.watch import KeyWatch
 
 __all__ = [
     "DEFAULT_PREFIX",
@@ -30,7 +31,6 @@ __all__ = [
     "KeyWatch",
     "Keys",
     "ManifestHeader",
-    "ModelWatch",
     "Published",
     "RevisionFloor",
     "Session",

@@ -11,7 +11,7 @@ its NOSPACE alarm and refuses every write. `Compactor` keeps history bounded:
 - **Safe revision, a sliding window.** At every check (`poll`, a fraction of `interval`) the
   leader notes the current revision, and compacts to the newest revision it noted at least
   one interval earlier. A watch that lags less than one interval never meets a compacted
-  revision; an older one re-lists (`KeyWatch`'s RESYNC) and resumes. Kept history is always
+  revision; an older one re-lists (a watch's `Resync`) and resumes. Kept history is always
   between one interval and one interval plus one poll, so the database stays flat instead of
   swinging between one and two intervals of history.
 - **Defragment when it pays.** Compaction frees pages inside etcd's file; only a defragment

@@ -481,7 +481,7 @@ class Etcd:
         self.call(lambda m, t: m.maintenance.Alarm(request, timeout=t), timeout=timeout)
 
     def watch_stream(self, requests: Iterator[Any]) -> tuple[_Endpoint, Any]:
-        """Open a raw watch stream on the current member (used by `consistency.watch`)."""
+        """Open a raw watch stream on the current member (used by `consistency.watch_mux`)."""
         member = self.member()
         return member, member.watch.Watch(requests)
 

@@ -3,7 +3,7 @@
 Every retry loop of TensorHub is a `RetryPolicy` (tenacity's own stop and wait objects
 underneath, the model being kazoo's `KazooRetry`: tries, backoff, jitter, deadline, and a
 sleep and a clock that tests replace): `Etcd.call` and `Etcd.call_member` (each etcd
-request), `KeyWatch` and `HubWatch` (reopening a broken stream, through `StreamPump._pump`),
+request), `WatchMux` and `HubWatch` (reopening a broken stream, through `StreamPump._pump`),
 the SDK's fresh reads (`ros.client.reads.FreshReads.fresh`: an answer older than the
 revision floor), its other unary calls (`ros.client.rpc.UNARY_POLICY`), `OpenSession` at
 connect (`ros.client.session.OPEN_POLICY`), the session's recovery after a loss

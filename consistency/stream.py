@@ -1,9 +1,9 @@
 """A gRPC stream pumped into a queue by a background thread: the shape of every watch.
 
 The pump thread (`_run`, written by the subclass) opens calls, registers each with
-`_attach` so it can be cancelled, and `_put`s items; a failure meant for the consumer is put
-as an exception and raised from `get`. Consumers call `get(timeout)` or iterate, and `close()`
-cancels the live call and joins the thread.
+`_attach` so it can be cancelled, and `_put`s items into its `Inbox`; a failure meant for the
+consumer is put as an exception and raised from `get`. Consumers call `get(timeout)` or
+iterate, and `close()` cancels the live call and joins the thread.
 
 `_pump` is the reconnect loop of every watch, on a `consistency.retry.RetryPolicy`: a stream
 that ended, broke after delivering something, or was broken by `force_reconnect` is reopened
@@ -24,11 +24,43 @@ from typing import Any, Generic, Self, TypeVar
 from consistency.retry import RetryPolicy
 from tensorhub.errors import StreamClosed
 
-__all__ = ["StreamPump"]
+__all__ = ["Inbox", "StreamPump"]
 
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
+
+
+class Inbox(Generic[T]):
+    """What a watch hands its consumer: its items in order, and a failure (an exception
+    put) raised by `get`. Once `closed` is set and nothing is left, `get` raises
+    `StreamClosed`."""
+
+    def __init__(self, closed: threading.Event) -> None:
+        self._queue: queue.Queue[T | BaseException] = queue.Queue()
+        self._closed = closed
+
+    def put(self, item: T | BaseException) -> None:
+        self._queue.put(item)
+
+    def get(self, timeout: float) -> T | None:
+        """The next item, or None if none arrives within `timeout` seconds."""
+        if self._closed.is_set() and self._queue.empty():
+            raise StreamClosed("stream closed")
+        try:
+            item = self._queue.get(timeout=max(timeout, 0.0))
+        except queue.Empty:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def __iter__(self) -> Iterator[T]:
+        """Blocks between items; ends when the stream is closed."""
+        while not self._closed.is_set():
+            item = self.get(0.5)
+            if item is not None:
+                yield item
 
 
 class StreamPump(ABC, Generic[T]):
@@ -38,8 +70,8 @@ class StreamPump(ABC, Generic[T]):
         self.reconnects = 0  # how often the stream was reopened
         self._delivered = 0  # items put so far: a stream that delivered some worked
         self._forced = False  # the live call was broken by force_reconnect, not by a failure
-        self._queue: queue.Queue[T | BaseException] = queue.Queue()
         self._closed = threading.Event()
+        self._inbox: Inbox[T] = Inbox(self._closed)
         self._call: Any = None
         self._call_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -118,28 +150,17 @@ class StreamPump(ABC, Generic[T]):
 
     def _put(self, item: T | BaseException) -> None:
         self._delivered += 1
-        self._queue.put(item)
+        self._inbox.put(item)
 
     # -- consumer side ---------------------------------------------------------------------
 
     def get(self, timeout: float) -> T | None:
         """The next item, or None if none arrives within `timeout` seconds."""
-        if self._closed.is_set() and self._queue.empty():
-            raise StreamClosed("stream closed")
-        try:
-            item = self._queue.get(timeout=max(timeout, 0.0))
-        except queue.Empty:
-            return None
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        return self._inbox.get(timeout)
 
     def __iter__(self) -> Iterator[T]:
         """Blocks between items; ends when the stream is closed."""
-        while not self._closed.is_set():
-            item = self.get(0.5)
-            if item is not None:
-                yield item
+        return iter(self._inbox)
 
     def force_reconnect(self) -> None:
         """Break the live call (as a server failure would); the pump resumes by itself."""

@@ -1,9 +1,11 @@
-"""Many etcd watches on ONE etcd Watch stream, pumped by one thread, whatever their number.
+"""Many etcd watches on ONE etcd Watch stream, pumped by one thread, whatever their number:
+the one etcd watch implementation of TensorHub (`consistency.watch.KeyWatch` is a blocking
+queue over a mux of its own).
 
-A `KeyWatch` holds a gRPC stream, a thread reading it and gRPC's thread feeding its request
-side: fine for the few watches a process keeps, but one per watched model would let a tenant
-make a hub start three threads per model name it asks about (2,000 names: 1,436 threads,
-170 % CPU, every tenant slowed). etcd's Watch RPC is a bidirectional stream that carries
+A stream, a thread reading it and gRPC's thread feeding its request side per watch is fine
+for the few watches a process keeps, but one per watched model would let a tenant make a hub
+start three threads per model name it asks about (2,000 names: 1,436 threads, 170 % CPU,
+every tenant slowed). etcd's Watch RPC is a bidirectional stream that carries
 any number of watchers, each created by a `WatchCreateRequest` and named by the `watch_id`
 of its `created` response. `WatchMux` keeps one such stream per owner and multiplexes every
 watch of that owner over it: adding or cancelling a watch is one request queued on the
@@ -13,7 +15,7 @@ a compaction. The stream's responses name no request, so a `created` response is
 the oldest create still waiting for one: etcd answers the creates of one stream in the order
 it received them (its v3 client relies on the same).
 
-Each watch keeps `KeyWatch`'s guarantees:
+Each watch keeps these guarantees:
 
 - **Explicit start.** A watch starts at an explicit revision (never 0, which etcd reads as
   "now" and would skip history).
@@ -57,6 +59,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -71,7 +74,6 @@ from consistency.etcd_errors import translate
 from consistency.ops import KV
 from consistency.retry import is_retryable
 from consistency.stream import StreamPump
-from consistency.watch import RawEvent, Resync
 from tensorhub.errors import InvalidArgument, TensorHubError, Unavailable
 
 log = logging.getLogger(__name__)
@@ -86,9 +88,40 @@ _AUTH_REFUSALS = ("permission denied", "invalid auth token", "auth store is old"
 # survives a fresh stream is the watch's own, and ends that watch.
 _AUTH_REOPEN_EVERY = 60.0
 # A progress notification this soon (seconds) after a watch was created from a revision etcd
-# has passed is dropped (see the module docstring); the bound `consistency.watch` uses.
+# has passed is dropped (see the module docstring).
 UNSYNCED_GRACE = 0.25
 _NO_WATCH = -1  # the watch_id of etcd's progress notification, which names no watch
+
+
+@dataclass(frozen=True)
+class RawEvent:
+    """One etcd change: a put (with the new KV) or a delete (KV holds only key and revision)."""
+
+    deleted: bool
+    kv: KV
+
+    @property
+    def revision(self) -> int:
+        return self.kv.mod_revision
+
+
+@dataclass(frozen=True)
+class Resync:
+    """After a compaction: the full state of the watched range at `revision`."""
+
+    revision: int
+    kvs: list[KV] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Every event of a watched range up to `revision` has been delivered (the items of a
+    `KeyWatch` made with `progress`). `notified`: it came from an etcd progress notification
+    (not after the events of a response); see `UNSYNCED_GRACE` for why a careful consumer
+    confirms one with the next."""
+
+    revision: int
+    notified: bool = False
 
 
 class _State(Enum):
@@ -101,7 +134,17 @@ class _State(Enum):
 
 Deliver = Callable[[Sequence[RawEvent | Resync]], None]
 Fail = Callable[[TensorHubError], None]
-Progress = Callable[[int], None]
+OnProgress = Callable[[int], None]
+
+
+def check_start(start_revision: int) -> None:
+    """`InvalidArgument` unless `start_revision` is explicit (positive): 0 would mean "now"
+    to etcd and lose every event before it."""
+    if start_revision <= 0:
+        raise InvalidArgument(
+            f"start_revision must be explicit and positive, got {start_revision} "
+            "(0 would mean 'now' to etcd and lose events)"
+        )
 
 
 class MuxWatch:
@@ -111,11 +154,7 @@ class MuxWatch:
     def __init__(
         self, key: str, prefix: bool, start_revision: int, deliver: Deliver, fail: Fail
     ) -> None:
-        if start_revision <= 0:
-            raise InvalidArgument(
-                f"start_revision must be explicit and positive, got {start_revision} "
-                "(0 would mean 'now' to etcd and lose events)"
-            )
+        check_start(start_revision)
         self.key = key
         self.prefix = prefix
         self.next_revision = start_revision  # revision after the last item delivered
@@ -146,7 +185,7 @@ class WatchMux(StreamPump[None]):
     `on_progress`, also etcd's progress notifications for them (see the module docstring)."""
 
     def __init__(
-        self, etcd: Etcd, name: str = "watch-mux", *, on_progress: Progress | None = None
+        self, etcd: Etcd, name: str = "watch-mux", *, on_progress: OnProgress | None = None
     ) -> None:
         super().__init__(name)
         self._etcd = etcd
@@ -234,8 +273,9 @@ class WatchMux(StreamPump[None]):
     # -- the pump --------------------------------------------------------------------------
 
     def _run(self) -> None:
-        """Reopen the stream whenever it breaks, on the etcd client's `RetryPolicy` (as
-        `KeyWatch` does); a failure not retried ends every watch (`_put`)."""
+        """Reopen the stream whenever it breaks, on the etcd client's `RetryPolicy`
+        (`Etcd.policy`: its sleep is what tests replace); a failure not retried ends every
+        watch (`_put`)."""
         self._pump(self._etcd.policy, self._stream_once, _named)
 
     def _put(self, item: BaseException | None) -> None:

@@ -26,7 +26,7 @@ import ros
 from bench.emu import baseline_ops
 from bench.emu.delta_ops import DeltaRole
 from bench.emu.model import digest, make_model
-from consistency.watch import EventKind
+from consistency.events import EventKind
 from ros.client.handles import Held, Publication
 from ros.client.watch import HubWatch
 from tensorhub.errors import EngineNotReady

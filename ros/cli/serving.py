@@ -29,7 +29,7 @@ from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any
 
-from consistency.watch import EventKind
+from consistency.events import EventKind
 from ros.cli.progress import Bar
 from ros.client.handles import Held, Publication
 from ros.client.hub import Hub

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from consistency.watch import EventKind
+from consistency.events import EventKind
 from ros.metrics import SDK_TRAINER_STALL
 from tensorhub.errors import DeadlineExceeded
 from transport.reader import FetchStats

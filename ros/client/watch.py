@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import grpc
 
+from consistency.events import EventKind, WatchEvent
 from consistency.floor import RevisionFloor
 from consistency.records import HolderRecord, HolderState
 from consistency.retry import DEFAULT_POLICY, RetryPolicy
 from consistency.stream import StreamPump
-from consistency.watch import EventKind, WatchEvent
 from ros.client.backoff import is_overloaded
 from ros.errors import from_rpc_error
 from ros.proto.tensorhub.v1 import hub_pb2 as pb

@@ -16,7 +16,7 @@ from typing import Any
 
 import ros
 from consistency import EtcdCluster
-from consistency.watch import EventKind
+from consistency.events import EventKind
 from ros.client.watch import HubWatch
 from ros.demo.channel import Driver, Inbound
 from ros.demo.config import MODEL, TRAINER, DemoConfig, rollout_name

@@ -22,7 +22,7 @@ import time
 import torch
 
 import ros
-from consistency.watch import EventKind
+from consistency.events import EventKind
 from ros.client.handles import Held
 from ros.client.orchestrator import Progress, ProgressCallback
 from ros.demo.channel import Link

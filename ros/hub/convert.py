@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from consistency.events import EventKind, WatchEvent
 from consistency.records import HolderRecord, HolderState
-from consistency.watch import EventKind, WatchEvent
 from ros.manifest_check import check_topology
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.endpoints import validate_endpoints

@@ -14,7 +14,7 @@ on the event loop with one `loop.call_soon_threadsafe` per batch. So a tenant th
 2,000 names (published or not) costs 2,000 etcd watchers on that stream and no thread;
 opening or cancelling one is a request queued on the stream, never a blocking call, so a
 flood of cancels stalls nobody. The mux reconnects, resumes each watch after its last event,
-and re-lists a compacted one, exactly as a watch of its own would (`consistency.watch`).
+and re-lists a compacted one (`consistency.watch_mux`).
 
 Watch streams are coroutines on the hub's event loop (`ros.hub.server`). A subscriber's
 backlog is bounded (`MAX_BACKLOG`): one that falls that far behind is cut off with
@@ -33,8 +33,9 @@ from collections import deque
 from collections.abc import Sequence
 
 from consistency import Etcd, Keys
-from consistency.watch import ModelEvents, RawEvent, Resync, WatchEvent
-from consistency.watch_mux import MuxWatch
+from consistency.events import WatchEvent
+from consistency.watch import ModelEvents
+from consistency.watch_mux import MuxWatch, RawEvent, Resync
 from ros.hub.convert import event_to_pb
 from ros.hub.limits import Limits, StreamLimits
 from ros.hub.model_feed import Feed, ModelFeeds

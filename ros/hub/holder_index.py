@@ -32,7 +32,7 @@ from consistency import Etcd, Keys
 from consistency.ops import KV
 from consistency.records import HolderRecord
 from consistency.retry import CAS_POLICY, LostRace
-from consistency.watch import Progress, RawEvent, Resync
+from consistency.watch_mux import Progress, RawEvent, Resync
 from ros.hub.candidates import MAX_CANDIDATES, HolderSet, select_candidates
 from ros.hub.model_feed import Feed, ModelFeeds
 from ros.metrics import HUB_INDEXED_MODELS, HUB_RESOLVE_READS

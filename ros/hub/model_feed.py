@@ -35,8 +35,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from consistency import Etcd
-from consistency.watch import RawEvent, Resync
-from consistency.watch_mux import MuxWatch, WatchMux
+from consistency.watch_mux import MuxWatch, RawEvent, Resync, WatchMux
 from tensorhub.errors import TensorHubError, Unavailable
 
 log = logging.getLogger(__name__)

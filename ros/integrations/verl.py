@@ -60,7 +60,7 @@ import torch
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 
 import ros
-from consistency.watch import EventKind
+from consistency.events import EventKind
 from ros.client.handles import Held, Publication
 from ros.client.hub import Hub
 from tensorhub.errors import (

@@ -4,8 +4,9 @@ leader (or the member a client is talking to) is killed.
 - Nothing acknowledged is lost (invariant 4, docs/design.md): every publish that returned is visible
   afterwards; a publish that failed with an unknown outcome may have happened or not, and
   nothing appears that was never attempted. The publisher keeps going on the new leader.
-- A `ModelWatch` whose member dies resumes elsewhere and delivers exactly the events a clean
-  watch from the same revision delivers: none lost, none repeated, in revision order.
+- A model's watch (read as the hub's fan-out reads it) whose member dies resumes elsewhere
+  and delivers exactly the events a clean watch from the same revision delivers: none lost,
+  none repeated, in revision order.
 - A session's lease outlives a leader kill: renewals fail over to the surviving members.
 """
 
@@ -25,12 +26,12 @@ from consistency import (
     EventKind,
     HolderRecord,
     Keys,
-    ModelWatch,
     Session,
     VersionRegistry,
     WatchEvent,
 )
 from tensorhub.errors import DeadlineExceeded, OutcomeUnknown, Unavailable
+from tests.consistency.watching import WatchedModel
 from tests.waiting import wait_until
 
 TENANT = "t"
@@ -175,7 +176,7 @@ def _check_nothing_acknowledged_was_lost(
     assert len(set(revisions)) == len(revisions)
 
 
-def _drain(watch: ModelWatch, until_revision: int, timeout: float = WAIT) -> list[WatchEvent]:
+def _drain(watch: WatchedModel, until_revision: int, timeout: float = WAIT) -> list[WatchEvent]:
     """Events up to and including `until_revision`, then whatever else arrives at once."""
     events: list[WatchEvent] = []
     deadline = time.monotonic() + timeout
@@ -205,7 +206,7 @@ def test_watch_survives_the_death_of_its_member(healthy: EtcdCluster, keys: Keys
         record = HolderRecord("trainer", {"tcp": "127.0.0.1:9"}, session=session.id)
         _, start = versions.latest(TENANT, MODEL)
         # The watch's own client starts on the leader, so its stream is on the member we kill.
-        with ModelWatch(watch_etcd, keys, TENANT, MODEL, start_revision=start + 1) as watch:
+        with WatchedModel(watch_etcd, keys, TENANT, MODEL, start_revision=start + 1) as watch:
             published: list[int] = []
             end = 0  # commit revision of the last publish
 
@@ -226,10 +227,10 @@ def test_watch_survives_the_death_of_its_member(healthy: EtcdCluster, keys: Keys
             cluster.restart(leader, timeout=WAIT)
             publish_some(5)
             events = [first, *_drain(watch, end)]
-            assert watch._raw.reconnects >= 1, "the watch never lost its stream"
+            assert watch.raw.reconnects >= 1, "the watch never lost its stream"
 
         # Exactly once, in revision order: the same events a clean watch from `start` sees.
-        with ModelWatch(etcd, keys, TENANT, MODEL, start_revision=start + 1) as clean:
+        with WatchedModel(etcd, keys, TENANT, MODEL, start_revision=start + 1) as clean:
             reference = _drain(clean, end)
     assert events == reference
     revisions = [e.revision for e in events]

@@ -13,7 +13,6 @@ from consistency import (
     HolderRecord,
     HolderRegistry,
     HolderState,
-    ModelWatch,
     Session,
     VersionRegistry,
 )
@@ -26,6 +25,7 @@ from tensorhub.errors import (
     VersionNotFound,
     VersionRetired,
 )
+from tests.consistency.watching import WatchedModel
 
 
 def rec(session: Session, name: str, state: HolderState = HolderState.PARTIAL) -> HolderRecord:
@@ -220,7 +220,7 @@ def test_lease_expiry_removes_a_dead_holder_and_the_watch_reports_it(
     dead = Session(etcd, ttl=1)
     holders.register("t", "m", 1, rec(dead, "doomed"))
     _, revision = holders.list("t", "m", 1)
-    with ModelWatch(etcd, versions.keys, "t", "m", start_revision=revision + 1) as watch:
+    with WatchedModel(etcd, versions.keys, "t", "m", start_revision=revision + 1) as watch:
         dead.orphan()  # the process "dies": no more renewals
         start = time.monotonic()
         event = watch.get(timeout=1 + 2)

@@ -13,14 +13,13 @@ from consistency import (
     EventKind,
     HolderRecord,
     KeyWatch,
-    ModelWatch,
     Session,
     VersionRegistry,
 )
 from consistency.retry import RetryPolicy
 from consistency.watch import RawEvent, Resync
 from tensorhub.errors import DeadlineExceeded, InvalidArgument
-from tests.consistency.watching import wait_for_version
+from tests.consistency.watching import WatchedModel, wait_for_version
 
 
 def rec(session: Session) -> HolderRecord:
@@ -37,7 +36,7 @@ def test_history_is_replayed_from_the_start_revision(etcd: Etcd, versions: Versi
         _, start = versions.latest("t", "m")
         for v in (1, 2, 3):
             versions.publish("t", "m", v, b"x", rec(s))
-        with ModelWatch(etcd, versions.keys, "t", "m", start_revision=start + 1) as watch:
+        with WatchedModel(etcd, versions.keys, "t", "m", start_revision=start + 1) as watch:
             seen = []
             while len(seen) < 3:
                 event = watch.get(timeout=5)
@@ -113,7 +112,7 @@ def test_model_watch_resync_carries_holders(etcd: Etcd, versions: VersionRegistr
         versions.publish("t", "m", 1, b"x", rec(s))
         p = versions.publish("t", "m", 2, b"x", rec(s))
         etcd.compact(p.revision)
-        with ModelWatch(etcd, versions.keys, "t", "m", start_revision=start + 1) as watch:
+        with WatchedModel(etcd, versions.keys, "t", "m", start_revision=start + 1) as watch:
             event = watch.get(timeout=5)
         assert event is not None
         assert event.kind is EventKind.RESYNC

@@ -1,12 +1,14 @@
-"""Waiting in a test until a version is visible in etcd: watched from a revision, never polled."""
+"""Watching in tests: waiting until a version is visible in etcd (watched from a revision, never
+polled), and a model's events as the hub's fan-out reads them (`WatchedModel`)."""
 
 from __future__ import annotations
 
 import time
 
 from consistency.etcd import Etcd
+from consistency.events import WatchEvent
 from consistency.keys import Keys
-from consistency.watch import KeyWatch, RawEvent, Resync
+from consistency.watch import KeyWatch, ModelEvents, RawEvent, Resync
 from tensorhub.errors import DeadlineExceeded
 
 
@@ -36,3 +38,35 @@ def wait_for_version(
                 isinstance(event, RawEvent) and not event.deleted and int(event.kv.value) >= version
             ):
                 return event.revision
+
+
+class WatchedModel:
+    """A model's events read as the hub's fan-out reads them: the model's prefix watched over
+    a `WatchMux` (through `KeyWatch`), each etcd item translated by `ModelEvents`."""
+
+    def __init__(
+        self, etcd: Etcd, keys: Keys, tenant: str, model: str, *, start_revision: int
+    ) -> None:
+        self.events = ModelEvents(keys, tenant, model)
+        self.raw = KeyWatch(etcd, self.events.prefix, prefix=True, start_revision=start_revision)
+        self._pending: list[WatchEvent] = []
+
+    def get(self, timeout: float) -> WatchEvent | None:
+        """The next model event, or None if none arrives within `timeout`."""
+        deadline = time.monotonic() + timeout
+        while not self._pending:
+            item = self.raw.get(max(deadline - time.monotonic(), 0.0))
+            if item is None:
+                return None
+            if isinstance(item, RawEvent | Resync):
+                self._pending.extend(self.events.translate(item))
+        return self._pending.pop(0)
+
+    def close(self) -> None:
+        self.raw.close()
+
+    def __enter__(self) -> WatchedModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

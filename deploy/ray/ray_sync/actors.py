@@ -21,7 +21,7 @@ import ray
 import torch
 
 import ros
-from consistency.watch import EventKind
+from consistency.events import EventKind
 from ray_sync.model import LEARNING_RATE, PUBLISHED, build_model, digest
 from ray_sync.reports import Config, RolloutReport, TrainerReport
 from tensorhub.errors import DeadlineExceeded, EngineNotReady

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import ros
-from consistency.watch import EventKind
+from consistency.events import EventKind
 from tests.engines.verl import tiny
 from tests.engines.verl.conftest import Tenant
 
