@@ -284,7 +284,7 @@ def run(args: argparse.Namespace) -> Result:
 
 
 def steps_table(result: Result) -> str:
-    """The steps as a Markdown table (what docs/benchmarks.md shows)."""
+    """The steps as a Markdown table, one row per step."""
     out = ["| step | outcome | after the delete | shows |", "|---|---|---|---|"]
     for row in result.details.get("steps", []):
         out.append(f"| {row['step']} | {row['outcome']} | +{row['at_s']:.3f} s | "

@@ -1,6 +1,6 @@
 """The issue-25 review benches (`tensorhub bench revoke`, `tensorhub bench history-fill`),
 briefly, against this checkout's hub: each meets its targets (real etcd, real hub
-processes). Their before figures, against the hub at 35d0b56, are in docs/benchmarks.md."""
+processes). Their before figures, against the hub at 35d0b56, are in CHANGELOG.md."""
 
 from __future__ import annotations
 
