@@ -24,13 +24,14 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
 from etcd3 import etcdrpc
 
 from consistency.etcd import Etcd
+from consistency.reopen import Broken, keep_open
 from tensorhub.errors import DeadlineExceeded, InvalidArgument, Unavailable
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class LeaseKeeper:
         self._call: Any = None
         self._generation = 0
         self._reader: threading.Thread | None = None
+        self._answered = 0  # responses read: a stream that got some worked
         self.reconnects = 0
 
     # -- caller side -----------------------------------------------------------------------
@@ -115,43 +117,52 @@ class LeaseKeeper:
 
     def _run(self) -> None:
         """Open the stream, read its responses, and reopen it on another member when it
-        breaks, until closed."""
-        policy = self._etcd.policy  # the reconnect waits: its backoff, its (injectable) sleep
-        failures = 0  # streams broken in a row without an answer
-        while not self._closed.is_set():
-            member = self._etcd.member()
-            with self._lock:
-                if self._closed.is_set():
-                    return
-                self._generation += 1
-                generation = self._generation
-                resend = list(self._pending)
-                now = time.monotonic()
-                for entry in self._pending.values():
-                    entry.sent_at = now
-            call = member.lease.LeaseKeepAlive(self._requests(generation, resend))
-            with self._lock:
-                self._call = call
-            try:
-                for response in call:
-                    self._answer(int(response.ID), int(response.TTL))
-                    failures = 0
-            except grpc.RpcError as exc:
-                if self._closed.is_set():
-                    return
-                if exc.code() != grpc.StatusCode.CANCELLED:
-                    log.info("lease keepalive stream to %s broke (%s)", member.target, exc.code())
-                self._etcd.mark_failed(member)
-            finally:
-                with self._lock:
-                    if self._call is call:
-                        self._call = None
+        breaks or ends, until closed: the one reopen loop (`consistency.reopen.keep_open`),
+        waiting the etcd client's backoff (`Etcd.policy`, and its injectable sleep) after
+        each break, counted from the last answer."""
+        keep_open(
+            self._stream,
+            policy=replace(self._etcd.policy, retry_on=_broken, tries=None),  # until closed
+            stopped=self._closed.is_set,
+            wait=self._closed.wait,
+            progress=lambda: self._answered,
+        )
+
+    def _stream(self) -> None:
+        """One stream to the current member, read to its end; `Broken` when it broke or
+        ended (the member is marked failed), unless the keeper closed meanwhile."""
+        member = self._etcd.member()
+        with self._lock:
             if self._closed.is_set():
                 return
-            self.reconnects += 1
-            self._expire(time.monotonic())
-            failures += 1
-            (policy.sleep or self._closed.wait)(policy.delay(failures))
+            self._generation += 1
+            generation = self._generation
+            resend = list(self._pending)
+            now = time.monotonic()
+            for entry in self._pending.values():
+                entry.sent_at = now
+        call = member.lease.LeaseKeepAlive(self._requests(generation, resend))
+        with self._lock:
+            self._call = call
+        try:
+            for response in call:
+                self._answer(int(response.ID), int(response.TTL))
+                self._answered += 1
+        except grpc.RpcError as exc:
+            if self._closed.is_set():
+                return
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                log.info("lease keepalive stream to %s broke (%s)", member.target, exc.code())
+            self._etcd.mark_failed(member)
+        finally:
+            with self._lock:
+                if self._call is call:
+                    self._call = None
+        if self._closed.is_set():
+            return
+        self.reconnects += 1
+        self._expire(time.monotonic())
+        raise Broken(f"the lease keepalive stream to {member.target} ended")
 
     def _requests(self, generation: int, resend: list[int]) -> Iterator[Any]:
         """The request side of stream `generation`: first every unanswered lease, then each
@@ -214,6 +225,12 @@ class LeaseKeeper:
         log.info("lease keepalive stream stalled for %.1fs; reconnecting", self._stall)
         if call is not None:
             call.cancel()  # the reader sees CANCELLED, marks the member failed, reconnects
+
+
+def _broken(exc: BaseException) -> bool:
+    """What the keeper reopens after: its stream broke or ended (`Broken`); anything else
+    ends its thread."""
+    return isinstance(exc, Broken)
 
 
 def _fail(future: Future[int], exc: BaseException) -> None:

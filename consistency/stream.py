@@ -5,11 +5,11 @@ The pump thread (`_run`, written by the subclass) opens calls, registers each wi
 consumer is put as an exception and raised from `get`. Consumers call `get(timeout)` or
 iterate, and `close()` cancels the live call and joins the thread.
 
-`_pump` is the reconnect loop of every watch, on a `consistency.retry.RetryPolicy`: a stream
-that ended, broke after delivering something, or was broken by `force_reconnect` is reopened
-at once; one that broke before delivering anything is reopened after the policy's backoff
-(the resumable conditions of its table); anything else ends the pump and is raised to the
-consumer.
+`_pump` runs a watch's streams in the one reopen loop (`consistency.reopen.keep_open`), on a
+`consistency.retry.RetryPolicy`: a stream that ended, broke after delivering something, or
+was broken by `force_reconnect` is reopened at once; one that broke before delivering
+anything is reopened after the policy's backoff (the resumable conditions of its table);
+anything else ends the pump and is raised to the consumer.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, Self, TypeVar
 
+from consistency.reopen import keep_open
 from consistency.retry import RetryPolicy
 from tensorhub.errors import StreamClosed
 
@@ -94,46 +95,43 @@ class StreamPump(ABC, Generic[T]):
         """Run `once()` (open one stream and read it to its end) until closed, reopening it
         as the module docstring says; a failure not retried is put as `failed(exc)`."""
         opened = False
-        while not self._closed.is_set():
-            retrying = policy.retrying(
-                None,
-                resumable=True,
-                stop=self._closed.is_set,
-                sleep=self._closed.wait,  # close() ends a backoff at once
-                before_sleep=self._backing_off,
-            )
+
+        def stream() -> None:
+            nonlocal opened
+            if opened:
+                self.reconnects += 1
+            opened = True
+            self._forced = False  # set only while a call is attached: by this stream's end
             try:
-                for attempt in retrying:
-                    with attempt:
-                        if opened:
-                            self.reconnects += 1
-                        opened = True
-                        self._once(policy, once)
+                once()
             except BaseException as exc:
-                if not self._closed.is_set():
-                    self._put(failed(exc))
-                return
-
-    def _once(self, policy: RetryPolicy, once: Callable[[], None]) -> None:
-        """One stream; a retryable break after it worked (or a forced one) returns, so the
-        pump reopens at once and its backoff starts over."""
-        delivered = self._delivered
-        self._forced = False  # set only while a call is attached: by this stream's end
-        try:
-            once()
-        except BaseException as exc:
-            forced, self._forced = self._forced, False
-            if self._closed.is_set() or not policy.retryable(exc, resumable=True):
+                forced, self._forced = self._forced, False
+                if forced and policy.retryable(exc, resumable=True):
+                    self._reopening(exc, 0.0)
+                    return  # broken on purpose: reopened at once, as a stream that ended
                 raise
-            if forced or self._delivered > delivered:
-                log.info("%s: stream broke (%s); reopening", self._thread.name, _why(exc))
-                return
-            raise
 
-    def _backing_off(self, exc: BaseException, seconds: float) -> None:
-        log.info(
-            "%s: stream failed (%s); reopening in %.2fs", self._thread.name, _why(exc), seconds
-        )
+        try:
+            keep_open(
+                stream,
+                policy=policy,
+                stopped=self._closed.is_set,
+                wait=self._closed.wait,  # close() ends a backoff at once
+                progress=lambda: self._delivered,
+                at_once_after_progress=True,
+                on_reopen=self._reopening,
+            )
+        except BaseException as exc:
+            if not self._closed.is_set():
+                self._put(failed(exc))
+
+    def _reopening(self, exc: BaseException, seconds: float) -> None:
+        if seconds:
+            log.info(
+                "%s: stream failed (%s); reopening in %.2fs", self._thread.name, _why(exc), seconds
+            )
+        else:
+            log.info("%s: stream broke (%s); reopening", self._thread.name, _why(exc))
 
     def _attach(self, call: Any) -> bool:
         """Make `call` the live one (cancelled by `close`); False if closed meanwhile."""

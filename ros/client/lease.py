@@ -25,6 +25,7 @@ from typing import Any
 
 import grpc
 
+from consistency.reopen import Broken, keep_open
 from consistency.retry import DEFAULT_POLICY, RetryPolicy
 from ros.client.backoff import is_overloaded
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
@@ -35,13 +36,9 @@ from tensorhub.errors import Overloaded
 log = logging.getLogger(__name__)
 
 
-class _Broken(Exception):
-    """A KeepAlive stream broke or ended; the lease's policy reopens it."""
-
-
 def _reopen(exc: BaseException) -> bool:
     """What a lease's keepalive loop retries: a broken stream, or an `Overloaded` refusal."""
-    return isinstance(exc, (_Broken, Overloaded))
+    return isinstance(exc, (Broken, Overloaded))
 
 
 class Lease:
@@ -97,39 +94,31 @@ class Lease:
                 return
 
     def _run(self) -> None:
-        """Keep a KeepAlive stream open until the lease is stopped or lost. Each outage (the
-        breaks since the last renewal) is one loop of the client's `RetryPolicy`: a stream
-        that broke after renewing is the first failure of a new loop, so the backoff starts
-        over after every renewal; one refused as `Overloaded` waits on the slower schedule."""
-        # until the lease is stopped or lost (no tries limit); `_wait` does the sleeping
-        policy = replace(self._policy, sleep=None, retry_on=_reopen, tries=None)
-        pending: BaseException | None = None  # the break that began this outage
-        while not self._stop.is_set() and not self.lost.is_set():
+        """Keep a KeepAlive stream open until the lease is stopped or lost, in the one
+        reopen loop (`consistency.reopen.keep_open`) on the client's `RetryPolicy`. Each
+        outage (the breaks since the last renewal) is one backoff schedule: a stream that
+        broke after renewing is the first failure of a new one, so the backoff starts over
+        after every renewal; one refused as `Overloaded` waits on the slower schedule; no
+        wait is longer than half of what is left of the lease (a renewal must get through
+        before it runs out), and its sleep, when the policy sets one, replaces the stop
+        wait."""
+        keep_open(
+            self._stream,
+            policy=replace(self._policy, retry_on=_reopen, tries=None),  # until stopped or lost
+            stopped=self._over,
+            wait=self._stop.wait,
+            progress=lambda: self.renewals,
+            until=lambda: self._expires_at,
+            on_reopen=self._reopening,
+        )
+        if not self._stop.is_set() and time.monotonic() >= self._expires_at:
+            self._lose("no renewal before the TTL ran out")
 
-            def attempt() -> BaseException | None:
-                nonlocal pending
-                if pending is not None:
-                    first, pending = pending, None
-                    raise first
-                return self._stream()
-
-            try:
-                pending = policy.retrying(
-                    None, stop=self._over, sleep=self._wait, before_sleep=self._reopening
-                )(attempt)
-            except (_Broken, Overloaded):  # stopped, lost, or the TTL ran out meanwhile
-                pending = None
-            if pending is None:
-                if not self._stop.is_set() and time.monotonic() >= self._expires_at:
-                    self._lose("no renewal before the TTL ran out")
-                return
-
-    def _stream(self) -> BaseException | None:
-        """One KeepAlive stream, read until it ends. None: the lease is stopped or lost. An
-        error returned: the stream broke after renewing (a new outage begins). An error
-        raised: it broke before any renewal (another failure of this outage)."""
+    def _stream(self) -> None:
+        """One KeepAlive stream, read until it ends. Returns when the lease is stopped or
+        lost; raises how the stream ended otherwise (`Broken`, or `Overloaded` when it was
+        refused)."""
         stream_stop = threading.Event()
-        renewed = False
         failure: BaseException
         try:
             self.streams_opened += 1
@@ -138,10 +127,9 @@ class Lease:
             if self._stop.is_set():
                 call.cancel()
             for response in call:
-                renewed = True
                 if response.ttl_seconds <= 0:
                     self._lose("lease expired")
-                    return None
+                    return
                 self._expires_at = time.monotonic() + response.ttl_seconds
                 if response.read_keys:
                     self.read_keys = read_keys_of(response.read_keys)
@@ -150,40 +138,25 @@ class Lease:
                 self.renewals += 1
                 if self._stop.is_set():
                     call.cancel()
-                    return None
-            failure = _Broken("the hub ended the keepalive stream")
+                    return
+            failure = Broken("the hub ended the keepalive stream")
         except grpc.RpcError as exc:
             if is_overloaded(exc):
                 failure = Overloaded("hub overloaded: the KeepAlive stream was refused")
             else:
-                failure = _Broken(f"keepalive stream broke ({exc})")
+                failure = Broken(f"keepalive stream broke ({exc})")
         finally:
             stream_stop.set()
         if self._over():
-            return None
-        if renewed:
-            return failure
+            return
         raise failure
 
     def _over(self) -> bool:
         """Whether to stop reopening: stopped, lost, or past the lease's TTL."""
         return self._stop.is_set() or self.lost.is_set() or time.monotonic() >= self._expires_at
 
-    def _wait(self, seconds: float) -> None:
-        """The policy's wait, never past half of what is left of the lease (a renewal must
-        get through before it runs out); cut short by stop()."""
-        seconds = self._clamp(seconds)
-        if self._policy.sleep is not None:
-            self._policy.sleep(seconds)
-        else:
-            self._stop.wait(seconds)
-
-    def _clamp(self, seconds: float) -> float:
-        left = self._expires_at - time.monotonic()
-        return max(min(seconds, left / 2), 0.01)
-
     def _reopening(self, exc: BaseException, seconds: float) -> None:
-        log.info("session %x: %s; reopening in %.2fs", self.id, exc, self._clamp(seconds))
+        log.info("session %x: %s; reopening in %.2fs", self.id, exc, seconds)
 
     def expire(self, why: str) -> None:
         """Declare the session lost now (the hub said so); idempotent."""
