@@ -14,18 +14,15 @@ records are gone, so no reader is sent to them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from etcd3 import etcdrpc
 
 from consistency import ops, usage
 from consistency.etcd import Etcd, TxnResult
 from consistency.keys import Keys
-from consistency.retry import CAS_POLICY, LostRace
+from consistency.retry import USAGE_RACES, LostRace
 from tensorhub.errors import Unavailable, VersionNotFound
-
-MAX_USAGE_RACES = 8  # publishes of the same tenant changing its usage key meanwhile
-_USAGE_RACES = replace(CAS_POLICY, tries=MAX_USAGE_RACES)
 
 
 @dataclass(frozen=True)
@@ -70,7 +67,7 @@ def delete_model(
             raise LostRace(f"the usage of tenant {tenant} changed during the delete")
         return result
 
-    result = _USAGE_RACES.compare_and_set(
+    result = USAGE_RACES.compare_and_set(
         attempt,
         None,  # each call has its own timeout; the races are bounded by count
         lambda: Unavailable(f"deleting model {model}: the tenant's etcd usage kept changing"),

@@ -14,7 +14,9 @@ keepalive streams (`ros.client.lease`, `consistency.keepalive`: `delay`), and th
 compare-and-set loops of `consistency.holders`, `consistency.publishing`,
 `consistency.deletion`, `consistency.versions`, `ros.hub.rpc_sessions` and
 `ros.hub.holder_index` (`RetryPolicy.compare_and_set`). gRPC's own `retryPolicy` is not
-used: one layer per call (docs/design-notes.md, "One retry layer").
+used: one layer per call (docs/design-notes.md, "One retry layer"). Every named policy is
+defined once, at the end of this module; a loop with a predicate of its own (`retry_on` over
+a module's private error) keeps its policy next to that predicate.
 
 **What is retried** (`is_retryable`): a failure after which another try, on another etcd
 member or hub replica or a moment later, may succeed, and repeats nothing harmful.
@@ -60,7 +62,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import grpc
@@ -332,7 +334,46 @@ class _StopWhen(stop_base):
         return self._stopped()
 
 
+# -- the named policies: every module-level policy of the etcd layer, the hub and the SDK --
+
 DEFAULT_POLICY = RetryPolicy()
-# Lost compare-and-set races: the other writer is done by now, so the first retry comes
-# soon; the jitter spreads a crowd of writers of one key.
+"""An etcd client's and the SDK's default (`Etcd.policy`, `ros.connect(retry=)`): 50 ms
+doubling to 1 s, full jitter, until the call's deadline."""
+
 CAS_POLICY = RetryPolicy(initial=0.005, maximum=0.2)
+"""Lost compare-and-set races: the other writer is done by now, so the first retry comes
+soon; the jitter spreads a crowd of writers of one key."""
+
+USAGE_RACES = replace(CAS_POLICY, tries=8)
+"""A tenant's usage key changed under a write that also charges it (a version collected,
+a model deleted): publishes of the same tenant move it meanwhile; 8 tries."""
+
+COMPACTION_RACES = replace(CAS_POLICY, tries=3)
+"""Loading a model's holder index (`ros.hub.holder_index`): the compactor may pass the
+revision it read meanwhile; 3 tries."""
+
+UNARY_POLICY = RetryPolicy(
+    initial=0.05, maximum=1.0, tries=5, retry_on=lambda e: isinstance(e, Unavailable)
+)
+"""The one retry of a plain hub call (`ros.client.rpc`): an idempotent method refused as
+`Unavailable` (the replica died, the channel moves to the next) is sent again, up to 5 tries,
+50 ms doubling to 1 s (full jitter), all within the call's own deadline. Calls that run
+inside a loop of their own (fresh reads, session recovery, publish) use `HubRpc.once`
+instead: never two layers."""
+
+OPEN_POLICY = RetryPolicy(tries=9, retry_on=lambda e: isinstance(e, (Overloaded, Unavailable)))
+"""OpenSession at connect (`ros.client.session`): a replica at its limit (`Overloaded`, on
+the policy's slower schedule) or unreachable (`Unavailable`) is asked again, 9 tries within
+the client's timeout."""
+
+RECOVERY_POLICY = RetryPolicy(initial=0.1, maximum=2.0, retry_on=lambda e: isinstance(e, Exception))
+"""The session's recovery after a loss (`ros.client.session`): every failure is worth
+another try (the hub may come back, a quota may free up, a replica may stop lagging); the
+backoff grows to 2 s and stays there, until the client closes."""
+
+RENEWAL_WAIT = 1.0
+"""Seconds between a read token's renewal attempts after one failed (`ros.client.read_token`)."""
+
+RENEWAL_POLICY = RetryPolicy(initial=RENEWAL_WAIT, maximum=RENEWAL_WAIT, jitter=lambda high: high)
+"""The wait after a failed read-token renewal: `RENEWAL_WAIT`, every time (each is one
+Resolve)."""

@@ -30,12 +30,10 @@ from consistency.manifests import (
 )
 from consistency.publishing import DEFAULT_TIMEOUT, Admit, Charge, Published, Publisher
 from consistency.records import HolderRecord, HolderState, PartHeader, ShardRecord
-from consistency.retry import CAS_POLICY, LostRace
+from consistency.retry import USAGE_RACES, LostRace
 from consistency.shard_commit import Budget, ShardCommitter, ShardEntry
 from tensorhub.errors import InvalidArgument, TensorHubError
 from tensorhub.names import validate_name, validate_version
-
-_USAGE_RACES = replace(CAS_POLICY, tries=8)  # collecting a version: usage changes meanwhile
 
 __all__ = ["DEFAULT_RETAIN", "VersionInfo", "VersionRegistry"]
 
@@ -359,7 +357,7 @@ class VersionRegistry:
 
         # A usage key that keeps changing: kept for now, the next publish collects again.
         try:
-            return _USAGE_RACES.compare_and_set(attempt, None, lambda: LostRace("usage busy"))
+            return USAGE_RACES.compare_and_set(attempt, None, lambda: LostRace("usage busy"))
         except LostRace:
             return False
 

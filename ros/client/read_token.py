@@ -22,15 +22,13 @@ import threading
 import time
 from collections.abc import Callable
 
-from consistency.retry import RetryPolicy
+from consistency.retry import RENEWAL_POLICY, RENEWAL_WAIT, RetryPolicy
 from tensorhub.errors import TensorHubError
 
 log = logging.getLogger(__name__)
 
 RENEW_MARGIN = 60.0  # seconds before expiry a token is renewed (at most half its life)
-RETRY_AFTER = 1.0  # seconds between attempts when a renewal failed
-RENEWAL_POLICY = RetryPolicy(initial=RETRY_AFTER, maximum=RETRY_AFTER, jitter=lambda high: high)
-"""The wait after a failed renewal: `RETRY_AFTER`, every time (each is one Resolve)."""
+RETRY_AFTER = RENEWAL_WAIT  # seconds between attempts when a renewal failed
 
 Renew = Callable[[], tuple[bytes, int]]
 """Obtain a fresh token and its expiry (unix seconds): a Resolve with omit_manifest."""

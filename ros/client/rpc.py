@@ -16,10 +16,10 @@ from typing import Any, Literal, Protocol, overload
 
 import grpc
 
-from consistency.retry import RetryPolicy
+from consistency.retry import UNARY_POLICY, RetryPolicy
 from ros.errors import from_rpc_error
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
-from tensorhub.errors import SessionExpired, Unavailable
+from tensorhub.errors import SessionExpired
 
 
 class Rpc(Protocol):
@@ -129,14 +129,6 @@ IDEMPOTENT = frozenset({
     "OpenSession", "CloseSession", "Latest", "Resolve", "RegisterHolder", "UpdateHolder",
     "ReleaseHolder", "Pin", "Unpin", "ListModels", "Inspect",
 })  # fmt: skip
-
-UNARY_POLICY = RetryPolicy(
-    initial=0.05, maximum=1.0, tries=5, retry_on=lambda e: isinstance(e, Unavailable)
-)
-"""The one retry of a plain hub call: an idempotent method refused as `Unavailable` (the
-replica died, the channel moves to the next) is sent again, up to 5 tries, 50 ms doubling to
-1 s (full jitter), all within the call's own deadline. Calls that run inside a loop of their
-own (fresh reads, session recovery, publish) use `HubRpc.once` instead: never two layers."""
 
 
 class HubRpc:

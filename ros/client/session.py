@@ -23,24 +23,18 @@ import logging
 import threading
 from collections.abc import Callable
 
-from consistency.retry import RetryPolicy
+from consistency.retry import OPEN_POLICY, RECOVERY_POLICY, RetryPolicy
 from ros.client.holdings import Holdings, Register
 from ros.client.lease import Lease, read_keys_of
 from ros.client.rpc import Rpc
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
 from ros.tokens import ReadKey, ReadTokenVerifier
-from tensorhub.errors import InternalError, Overloaded, TensorHubError, Unavailable
+from tensorhub.errors import InternalError, TensorHubError
 from transport.store import Key
 
 log = logging.getLogger(__name__)
 
-# Every failure of a recovery is worth another try: the hub may come back, a quota may free
-# up, a replica may stop lagging. The backoff grows to `maximum` and stays there.
-RECOVERY_POLICY = RetryPolicy(initial=0.1, maximum=2.0, retry_on=lambda e: isinstance(e, Exception))
-# OpenSession at connect: a replica at its limit (`Overloaded`, on the policy's slower
-# schedule) or unreachable (`Unavailable`) is asked again, 9 tries within the client's timeout.
-OPEN_POLICY = RetryPolicy(tries=9, retry_on=lambda e: isinstance(e, (Overloaded, Unavailable)))
 RECOVERY_JOIN_TIMEOUT = 2.0  # the most close() waits for a recovery to stop (s)
 DISPOSE_TIMEOUT = 1.0  # CloseSession of a lease opened after close() (s)
 

@@ -26,12 +26,12 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from consistency import Etcd, Keys
 from consistency.ops import KV
 from consistency.records import HolderRecord
-from consistency.retry import CAS_POLICY, LostRace
+from consistency.retry import COMPACTION_RACES, LostRace
 from consistency.watch_mux import Progress, RawEvent, Resync
 from ros.hub.candidates import MAX_CANDIDATES, HolderSet, select_candidates
 from ros.hub.model_feed import Feed, ModelFeeds
@@ -48,7 +48,6 @@ log = logging.getLogger(__name__)
 
 MAX_MODELS = 256  # models indexed per replica (each: one etcd watch, shared; no thread)
 IDLE_SECONDS = 300.0  # an index unused this long is dropped (its watch closed)
-_COMPACTION_RACES = replace(CAS_POLICY, tries=3)  # loading an index: the compactor meanwhile
 FRESH_WAIT = 1.0  # how long a query waits for the index to reach its revision floor
 
 
@@ -262,7 +261,7 @@ class ModelIndex:
                 self._versions = versions
             return revision
 
-        return _COMPACTION_RACES.compare_and_set(
+        return COMPACTION_RACES.compare_and_set(
             attempt,
             None,  # each read has the client's timeout; the races are bounded by count
             lambda: Unavailable(f"could not index {model}: its history is being compacted"),
