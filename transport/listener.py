@@ -1,13 +1,16 @@
-"""The one accept loop of every holder backend's port: the TCP data port
+"""The one accept loop and lifecycle of every holder backend's port: the TCP data port
 (`transport.server`) and the control channels of RDMA, same-host CUDA IPC and NIXL (each a
-`ControlServer`: the store it serves from, the verifier every request passes, its limits).
+`ControlServer`: the store it serves from, the verifier every request passes, its limits,
+and the one way a control request is read).
 
-One thread accepts; each admitted connection gets a thread of its own running the
-subclass's `serve`. Admission is `transport.admission`'s: at most `max_connections`, at
-most `per_peer` from one address; at either bound an unauthenticated connection is evicted
-(`evict`) to admit a newcomer, and only when none is left is the newcomer refused with the
-subclass's BUSY message (`busy`); a request that is not whole within `frame_timeout` is
-cut. `stop_listening` cuts every connection, so no thread waits on a peer past it.
+`start` binds and starts the accept thread (a backend that prepares more extends it), `stop`
+stops it, and a port is a context manager over both. One thread accepts; each admitted
+connection gets a thread of its own running the subclass's `serve`. Admission is
+`transport.admission`'s: at most `max_connections`, at most `per_peer` from one address; at
+either bound an unauthenticated connection is evicted (`evict`) to admit a newcomer, and only
+when none is left is the newcomer refused with the subclass's BUSY message (`busy`); a
+request that is not whole within `frame_timeout` is cut. `stop` cuts every connection, so no
+thread waits on a peer past it.
 """
 
 from __future__ import annotations
@@ -17,16 +20,21 @@ import contextlib
 import logging
 import socket
 import threading
-from typing import TYPE_CHECKING, TypedDict, Unpack
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Self, TypedDict, TypeVar, Unpack
 
 from tensorhub.errors import TransportError
 from transport.admission import Admission, Conn
+from transport.frames import framed, recv_message, send_message
+from transport.wire import ErrorCode
 
 if TYPE_CHECKING:
     from transport.store import HolderStore
     from transport.verifier import Verifier
 
 log = logging.getLogger(__name__)
+
+R = TypeVar("R")
 
 IO_TIMEOUT = 10.0
 MAX_CONNECTIONS = 128  # as the TCP data port (transport.server)
@@ -43,9 +51,9 @@ def shut(sock: socket.socket) -> None:
 
 
 class Listener(abc.ABC):
-    """Accepts connections on `host:port` (0: a free port, bound by `start_listening`) and
-    serves each one in a thread. Subclasses implement `serve` and `busy`; `evict` and
-    `tick` have defaults."""
+    """Accepts connections on `host:port` (0: a free port, bound by `start`) and serves
+    each one in a thread. Subclasses implement `serve` and `busy`; `evict` and `tick` have
+    defaults, and `start`/`stop` are extended by a backend with more to set up or drop."""
 
     name = "listener"
 
@@ -69,22 +77,24 @@ class Listener(abc.ABC):
 
     @property
     def address(self) -> tuple[str, int]:
-        """Where this port listens (`TransportError` before `start_listening`)."""
+        """Where this port listens (`TransportError` before `start`)."""
         if self._sock is None:
             raise TransportError(f"{self.name} is not started")
         host, port = self._sock.getsockname()[:2]
         return str(host), int(port)
 
-    def start_listening(self) -> None:
-        """Bind and start the accept thread."""
+    def start(self) -> Self:
+        """Bind and start the accept thread; idempotence is the caller's
+        (`ros.client.serving.Serving.start`)."""
         sock = socket.create_server(self._bind, backlog=128)
         # the loop wakes at least this often: it notices a stop and late frames
         sock.settimeout(min(0.5, self.admission.frame_timeout / 4))
         self._sock = sock
         self._thread = threading.Thread(target=self._accept, name=self.name, daemon=True)
         self._thread.start()
+        return self
 
-    def stop_listening(self) -> None:
+    def stop(self) -> None:
         """Stop accepting, cut every open connection, and wait briefly for the loop."""
         self.stopping.set()
         if self._sock is not None:
@@ -93,6 +103,12 @@ class Listener(abc.ABC):
             shut(sock)
         if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout=2.0)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     @abc.abstractmethod
     def serve(self, record: Conn) -> None:
@@ -167,7 +183,8 @@ class ControlServer(Listener):
     """The control port of a holder backend that hands out access to held memory (RDMA,
     CUDA IPC, NIXL): it serves from `store`, and each request passes `verifier`
     (`transport.verifier.lookup`) before anything is shared. Subclasses speak their own
-    hand-shake in `serve`."""
+    hand-shake in `serve`, after reading its request with `request`, and encode their own
+    refusals (`refusal`, which also makes the BUSY answer)."""
 
     def __init__(
         self,
@@ -180,3 +197,29 @@ class ControlServer(Listener):
         super().__init__(host, port, **limits)
         self._store, self._verifier = store, verifier
         self._lock = threading.Lock()  # the subclass's own state
+
+    @abc.abstractmethod
+    def refusal(self, code: ErrorCode, message: str) -> bytes:
+        """This backend's encoded refusal (unframed) with `code` and `message`."""
+
+    def busy(self, why: str) -> bytes:
+        return framed(self.refusal(ErrorCode.BUSY, why))
+
+    def refuse(self, conn: socket.socket, code: ErrorCode, message: str) -> None:
+        """Send this backend's refusal on `conn`."""
+        send_message(conn, self.refusal(code, message))
+
+    def request(self, record: Conn, decode: Callable[[bytes], R], max_bytes: int) -> R | None:
+        """The one request a control connection opens with (at most `max_bytes`), decoded by
+        `decode`; None after answering BAD_FRAME when it is not whole within `IO_TIMEOUT`
+        or does not decode. A whole request lifts the frame deadline (`answering`)."""
+        conn = record.sock
+        try:
+            conn.settimeout(IO_TIMEOUT)
+            request = decode(recv_message(conn, max_bytes))
+        except (TransportError, OSError) as exc:
+            with contextlib.suppress(OSError):
+                self.refuse(conn, ErrorCode.BAD_FRAME, str(exc))
+            return None
+        self.admission.answering(record)
+        return request

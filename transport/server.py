@@ -137,20 +137,6 @@ class HolderServer(Listener):
         self._on_served = on_served  # called with each chunk's payload bytes (metrics)
         self._max_wait = max_chunk_wait
 
-    def start(self) -> HolderServer:
-        self.start_listening()
-        return self
-
-    def stop(self) -> None:
-        """Stop accepting, cut every open connection, and wait briefly for the threads."""
-        self.stop_listening()
-
-    def __enter__(self) -> HolderServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
     def register(self, held: HeldVersion) -> None:
         """Nothing to do: chunks are sent from the tensors' memory where it is."""
 

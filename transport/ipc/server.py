@@ -18,7 +18,6 @@ running drops it (`HeldVersion.epoch`, the RDMA seqlock's rule).
 
 from __future__ import annotations
 
-import contextlib
 import socket
 from collections.abc import Callable
 from typing import Unpack
@@ -26,7 +25,7 @@ from typing import Unpack
 from tensorhub.errors import IpcIneligible, TransportError, VersionUnavailable
 from transport.admission import Conn
 from transport.backend import TransportKind
-from transport.frames import framed, recv_message, send_message
+from transport.frames import recv_message, send_message
 from transport.ipc.cuda import Export, export, probe_sum
 from transport.ipc.protocol import (
     MAX_GRANT_BYTES,
@@ -37,7 +36,7 @@ from transport.ipc.protocol import (
     Report,
     encode_refusal,
 )
-from transport.listener import IO_TIMEOUT, ControlServer, PortLimits
+from transport.listener import ControlServer, PortLimits
 from transport.store import HeldVersion, HolderStore
 from transport.verifier import Refused, Verifier, lookup
 from transport.wire import ErrorCode
@@ -73,20 +72,6 @@ class IpcControlServer(ControlServer):
         self._probes: dict[int, tuple[HeldVersion, int]] = {}
         self.leases = 0
 
-    def start(self) -> IpcControlServer:
-        self.start_listening()
-        return self
-
-    def stop(self) -> None:
-        """Stop accepting and end every lease (their readers' next reports fail)."""
-        self.stop_listening()
-
-    def __enter__(self) -> IpcControlServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
     def register(self, held: HeldVersion) -> None:
         """Nothing yet: `held`'s GPU memory is exported per lease, to a reader whose token
         passed (`serve`)."""
@@ -95,8 +80,8 @@ class IpcControlServer(ControlServer):
         """Forget `held`'s probe sum (its leases ended with the release)."""
         self.tick()
 
-    def busy(self, why: str) -> bytes:
-        return framed(encode_refusal(ErrorCode.BUSY, why))
+    def refusal(self, code: ErrorCode, message: str) -> bytes:
+        return encode_refusal(code, message)
 
     def tick(self) -> None:
         """Forget the probes of released versions."""
@@ -105,18 +90,13 @@ class IpcControlServer(ControlServer):
                 del self._probes[key]
 
     def serve(self, record: Conn) -> None:
-        conn = record.sock
-        conn.settimeout(IO_TIMEOUT)
-        try:
-            req = IpcRequest.decode(recv_message(conn, MAX_REQUEST_BYTES))
-        except (TransportError, OSError) as exc:
-            with contextlib.suppress(OSError):
-                send_message(conn, encode_refusal(ErrorCode.BAD_FRAME, str(exc)))
+        req = self.request(record, IpcRequest.decode, MAX_REQUEST_BYTES)
+        if req is None:
             return
-        self.admission.answering(record)  # a whole request: no deadline meanwhile
+        conn = record.sock
         found = self._check(req)
         if not isinstance(found, HeldVersion):
-            send_message(conn, encode_refusal(found.code, found.message))
+            self.refuse(conn, found.code, found.message)
             return
         self.admission.authenticated(record)  # a valid token: never evicted from here on
         try:
@@ -124,12 +104,12 @@ class IpcControlServer(ControlServer):
                 try:
                     granted = self._exporter(found, self._probe(found))
                 except IpcIneligible as exc:
-                    send_message(conn, encode_refusal(ErrorCode.NOT_READY, f"{exc}: read over tcp"))
+                    self.refuse(conn, ErrorCode.NOT_READY, f"{exc}: read over tcp")
                     return
                 encoded = granted.grant.encode()
                 if len(encoded) > MAX_GRANT_BYTES:  # a reader would refuse to parse it
                     why = f"a grant of {len(granted.grant.storages)} storages is too large"
-                    send_message(conn, encode_refusal(ErrorCode.NOT_READY, f"{why}: read over tcp"))
+                    self.refuse(conn, ErrorCode.NOT_READY, f"{why}: read over tcp")
                     return
                 with self._lock:
                     self.leases += 1
@@ -141,9 +121,9 @@ class IpcControlServer(ControlServer):
                         self.leases -= 1
                 del granted  # the lease is over: the event it named may go
         except VersionUnavailable as exc:
-            send_message(conn, encode_refusal(ErrorCode.RELEASED, str(exc)))
+            self.refuse(conn, ErrorCode.RELEASED, str(exc))
         except TransportError as exc:
-            send_message(conn, encode_refusal(ErrorCode.BAD_REQUEST, str(exc)))
+            self.refuse(conn, ErrorCode.BAD_REQUEST, str(exc))
 
     def _check(self, req: IpcRequest) -> Refused | HeldVersion:
         key = (req.tenant, req.model, req.version)

@@ -32,13 +32,13 @@ import select
 import socket
 import uuid
 from dataclasses import dataclass
-from typing import Any, Unpack
+from typing import Any, Self, Unpack
 
 from tensorhub.errors import TransportError, VersionUnavailable
 from transport.admission import Conn
 from transport.backend import TransportKind
-from transport.frames import framed, recv_message, send_message
-from transport.listener import IO_TIMEOUT, ControlServer, PortLimits
+from transport.frames import recv_message, send_message
+from transport.listener import ControlServer, PortLimits
 from transport.nixl.loader import load
 from transport.nixl.progress import Pump
 from transport.nixl.protocol import (
@@ -121,17 +121,16 @@ class NixlHolder(ControlServer):
         """How many agents releases have retired (each disconnected its readers)."""
         return self._retired
 
-    def start(self) -> NixlHolder:
+    def start(self) -> Self:
         """Listen, with the agent made now rather than in the first reader's time."""
         with self._lock:
             if self._agent is None:
                 self._agent = new_agent("holder")
-        self.start_listening()
-        return self
+        return super().start()
 
     def stop(self) -> None:
         """Stop accepting, cut every channel, deregister every version."""
-        self.stop_listening()
+        super().stop()
         self._pump.stop()
         with self._lock:
             regs, self._regs = list(self._regs.values()), {}
@@ -155,8 +154,8 @@ class NixlHolder(ControlServer):
         gave up on one)."""
         self.tick()
 
-    def busy(self, why: str) -> bytes:
-        return framed(encode_refusal(ErrorCode.BUSY, why))
+    def refusal(self, code: ErrorCode, message: str) -> bytes:
+        return encode_refusal(code, message)
 
     def tick(self) -> None:
         """Deregister released versions once their release has returned (or given up) and
@@ -187,27 +186,22 @@ class NixlHolder(ControlServer):
     # -- one reader's channel ------------------------------------------------------------
 
     def serve(self, record: Conn) -> None:
-        conn = record.sock
-        try:
-            conn.settimeout(IO_TIMEOUT)
-            req = decode_request(recv_message(conn, MAX_REQUEST_BYTES))
-        except (TransportError, OSError) as exc:
-            with contextlib.suppress(OSError):
-                send_message(conn, encode_refusal(ErrorCode.BAD_FRAME, str(exc)))
+        req = self.request(record, decode_request, MAX_REQUEST_BYTES)
+        if req is None:
             return
-        self.admission.answering(record)  # a whole request: no frame deadline meanwhile
+        conn = record.sock
         found = self._check(req)
         if isinstance(found, Refused):
-            send_message(conn, encode_refusal(found.code, found.message))
+            self.refuse(conn, found.code, found.message)
             return
         self.admission.authenticated(record)  # a valid token: never evicted from here on
         try:
             reg = self._register(found)
         except VersionUnavailable as exc:
-            send_message(conn, encode_refusal(ErrorCode.RELEASED, str(exc)))
+            self.refuse(conn, ErrorCode.RELEASED, str(exc))
             return
         except TransportError as exc:
-            send_message(conn, encode_refusal(ErrorCode.BAD_REQUEST, str(exc)))
+            self.refuse(conn, ErrorCode.BAD_REQUEST, str(exc))
             return
         send_message(conn, encode_offer(self._offer(reg)))
         self._session(conn, reg)
@@ -261,7 +255,7 @@ class NixlHolder(ControlServer):
                 if held.released and batch is None:
                     message = f"{held.key} is released on this holder"
                     with contextlib.suppress(OSError):
-                        send_message(conn, encode_refusal(ErrorCode.RELEASED, message))
+                        self.refuse(conn, ErrorCode.RELEASED, message)
                     return
                 if held.released and held.epoch & 1:
                     return  # the release gave up waiting for this batch
@@ -304,13 +298,13 @@ class NixlHolder(ControlServer):
             refused = found if isinstance(found, Refused) else None
             code = refused.code if refused else ErrorCode.RELEASED
             message = refused.message if refused else f"{held.key} is no longer held here"
-            send_message(conn, encode_refusal(code, message))
+            self.refuse(conn, code, message)
             return None
         batch = contextlib.ExitStack()
         try:
             batch.enter_context(reg.held.reading())
         except VersionUnavailable as exc:
-            send_message(conn, encode_refusal(ErrorCode.RELEASED, str(exc)))
+            self.refuse(conn, ErrorCode.RELEASED, str(exc))
             return None
         with self._lock:
             reg.batches += 1

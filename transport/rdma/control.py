@@ -20,7 +20,6 @@ gone: the mutability contract holds for one-sided reads too.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import select
 import socket
@@ -31,8 +30,8 @@ from typing import Any, Unpack
 from tensorhub.errors import TransportError, VersionUnavailable
 from transport.admission import Conn
 from transport.backend import TransportKind
-from transport.frames import decode_json, framed, recv_message, send_message
-from transport.listener import IO_TIMEOUT, ControlServer, PortLimits
+from transport.frames import decode_json, send_message
+from transport.listener import ControlServer, PortLimits
 from transport.rdma.descriptor import (
     FORMAT,
     MAX_ENCODED_BYTES,
@@ -139,13 +138,9 @@ class RdmaControlServer(ControlServer):
         self._device: Any = None
         self._exporters: dict[int, tuple[HeldVersion, Any, int]] = {}  # id -> (held, exp, readers)
 
-    def start(self) -> RdmaControlServer:
-        self.start_listening()
-        return self
-
     def stop(self) -> None:
         """Stop accepting, close every exporter (destroying its readers' queue pairs)."""
-        self.stop_listening()
+        super().stop()
         with self._lock:
             exporters, self._exporters = self._exporters, {}
             device, self._device = self._device, None
@@ -163,8 +158,8 @@ class RdmaControlServer(ControlServer):
         them, or gave up: then the next tick closes it after they leave)."""
         self.tick()
 
-    def busy(self, why: str) -> bytes:
-        return framed(encode_refusal(ErrorCode.BUSY, why))
+    def refusal(self, code: ErrorCode, message: str) -> bytes:
+        return encode_refusal(code, message)
 
     def tick(self) -> None:
         """Close the exporters of released versions that no reader uses any more."""
@@ -175,16 +170,9 @@ class RdmaControlServer(ControlServer):
             exporter.close()
 
     def serve(self, record: Conn) -> None:
-        conn = record.sock
-        try:
-            conn.settimeout(IO_TIMEOUT)
-            req = decode_request(recv_message(conn, MAX_REQUEST_BYTES))
-        except (TransportError, OSError) as exc:
-            with contextlib.suppress(OSError):
-                send_message(conn, encode_refusal(ErrorCode.BAD_FRAME, str(exc)))
-            return
-        self.admission.answering(record)  # a whole request: no deadline meanwhile
-        self._answer(conn, req, record)
+        req = self.request(record, decode_request, MAX_REQUEST_BYTES)
+        if req is not None:
+            self._answer(record.sock, req, record)
 
     def _refuse(self, req: RdmaRequest) -> Refused | HeldVersion:
         key = (req.tenant, req.model, req.version)
@@ -198,7 +186,7 @@ class RdmaControlServer(ControlServer):
     def _answer(self, conn: socket.socket, req: RdmaRequest, record: Conn) -> None:
         found = self._refuse(req)
         if not isinstance(found, HeldVersion):
-            send_message(conn, encode_refusal(found.code, found.message))
+            self.refuse(conn, found.code, found.message)
             return
         self.admission.authenticated(record)  # a valid token: never evicted from here on
         held = found
@@ -215,9 +203,9 @@ class RdmaControlServer(ControlServer):
                 finally:
                     self._leave(held)
         except VersionUnavailable as exc:
-            send_message(conn, encode_refusal(ErrorCode.RELEASED, str(exc)))
+            self.refuse(conn, ErrorCode.RELEASED, str(exc))
         except TransportError as exc:  # no device, overwriting, a verbs failure
-            send_message(conn, encode_refusal(ErrorCode.BAD_REQUEST, str(exc)))
+            self.refuse(conn, ErrorCode.BAD_REQUEST, str(exc))
 
     def _enter(self, held: HeldVersion) -> Any:
         with self._lock:
