@@ -110,3 +110,11 @@ def from_rpc_error(exc: grpc.RpcError, method: str | None = None) -> TensorHubEr
         # A read changed nothing: no outcome is unknown, the hub (or a proxy) failed.
         return InternalError(f"{method} was answered {code.name}: {details}")
     return _rebuild(cls, details, _fields(raw_fields) if raw_fields else {})
+
+
+def from_outcome(name: str, message: str, fields: str) -> TensorHubError:
+    """The TensorHubError one item of an answer names (a `ShardOutcome` of PublishShards:
+    its class name, message and fields, as `error_metadata` writes them for a call),
+    rebuilt as `from_rpc_error` rebuilds a call's."""
+    cls = _CLASSES.get(name) or TensorHubError
+    return _rebuild(cls, message, _fields(fields) if fields else {})

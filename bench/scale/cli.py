@@ -76,8 +76,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="shards of the sequential case (one client, one after another)",
     )
     ap.add_argument(
+        "--group-tensors",
+        type=int,
+        default=200,
+        help="tensors in each shard's manifest in the group cases (a transformer layer's)",
+    )
+    ap.add_argument(
         "--shard-cases",
-        default="ranks,inflight,sequential",
+        default="ranks,inflight,sequential,group-shards,group-ranks",
         help="cases of the shards part (default %(default)s)",
     )
     ap.add_argument(
@@ -295,6 +301,9 @@ def _fill_shards(res: Result, data: dict[str, Any]) -> None:
         if c.get("case") == "sequential":
             notes += _fill_sequential(res, c, x, data.get("sequential_target", 1.5))
             continue
+        if str(c.get("case")).startswith("group-"):
+            notes += _fill_group(res, c, x, data["revision_target_of"])
+            continue
         base = c.get("one_shard_ms")
         seconds = c.get("seconds")
         ratio = None if seconds is None or not base else seconds * 1000 / base
@@ -357,6 +366,29 @@ def _fill_sequential(res: Result, c: dict[str, Any], x: str, target: float) -> l
     res.add(f"{what}: every shard in {c.get('seconds') or 0:.1f}s, the last one visible",
             1.0 if c.get("ok") else 0.0, ">= 1")  # fmt: skip
     return []
+
+
+def _fill_group(res: Result, c: dict[str, Any], x: str, targets: dict[str, int]) -> list[str]:
+    """A group case's rows: one PublishShards call of N shards against a one-shard publish
+    (1,024 ranks <= 60x, 4,096 shards <= 150x), in shards per second, and its revisions."""
+    ranks = c.get("case") == "group-ranks"
+    n = c.get("shards")
+    what = (f"{n} {'ranks (a session each)' if ranks else 'shards'} in one group call, "
+            f"{c.get('tensors')} tensors a shard, {x}")  # fmt: skip
+    if c.get("failed"):
+        res.add(f"{what}: ok", 0.0, ">= 1")
+        return [f"{what}: {c['failed']}"]
+    base, seconds = c.get("one_shard_ms"), c.get("seconds")
+    ratio = None if seconds is None or not base else seconds * 1000 / base
+    res.add(f"{what}: visible / one shard", ratio, "<= 60" if ranks else "<= 150")
+    res.add(f"{what}: visible after", seconds, unit="s")
+    res.add(f"{what}: shards per second", c.get("shards_per_second"), unit="shards/s")
+    res.add(f"{what}: a shard's manifest", c.get("manifest_bytes"), unit="B")
+    res.add(f"{what}: etcd revisions for the version", c.get("etcd_writes"),
+            f"<= {targets.get(str(n), 0)}")  # fmt: skip
+    res.add(f"{what}: every shard committed, Latest 0->1, visible from one transaction",
+            1.0 if c.get("ok") else 0.0, ">= 1")  # fmt: skip
+    return [f"{what}: {c['first_error']}"] if c.get("first_error") else []
 
 
 def _fill_herd(res: Result, data: dict[str, Any]) -> None:
@@ -534,8 +566,8 @@ def _shards(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"unknown shard cases: {', '.join(sorted(unknown))}")
     return shards.run(
         args.shards, args.ranks, args.inflight, _replicas(args), sequential=args.sequential,
-        cases=cases, workers=args.workers, timeout=args.shard_timeout, tree=args.hub_tree,
-        limits=_etcd_limits(args), log=_log,
+        group_tensors=args.group_tensors, cases=cases, workers=args.workers,
+        timeout=args.shard_timeout, tree=args.hub_tree, limits=_etcd_limits(args), log=_log,
     )  # fmt: skip
 
 
@@ -591,7 +623,8 @@ def results(args: argparse.Namespace) -> list[Result]:
         ),
         "shards": (
             f"{cmd}shards --shards {args.shards} --inflight {args.inflight} --ranks {args.ranks}"
-            f" --sequential {args.sequential} --shard-cases {args.shard_cases}"
+            f" --sequential {args.sequential} --group-tensors {args.group_tensors}"
+            f" --shard-cases {args.shard_cases}"
             f" --replicas {args.replicas}{limits}{tree}",
             lambda: _shards(args),
             _fill_shards,

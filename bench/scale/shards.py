@@ -25,6 +25,9 @@ one-tensor manifest: the median of a few):
   at most 1.5x), the transactions that committed its shards (one each: nothing batches one
   shard at a time), the last shard's reply visible, Latest 0 before it and 1 after.
 
+- group-shards and group-ranks: the shards of one version in one PublishShards call, each
+  with a 200-tensor manifest (`bench.scale.group`).
+
 All report `etcd_writes`: the revisions etcd used between the barrier and the last reply
 (every session was opened before). Every shard is a raw PublishRequest (shard_index,
 shard_count) of a tiny inline manifest and its rank's holder record; the ranks are spread
@@ -45,6 +48,7 @@ from typing import Any
 
 import grpc
 
+from bench.scale import group
 from bench.scale.clients import Fleet, WorkerLost, serve_pipe
 from bench.scale.procs import ServerStartError, ceiling_server
 from bench.scale.rpc import OPTIONS, Hub, first_error, holder, tiny_manifest
@@ -67,7 +71,7 @@ SESSION_TTL = 300  # the ranks' sessions outlive the slowest burst without a Kee
 OPEN_CONCURRENCY = 16  # OpenSession calls in flight per worker while the ranks get ready
 CHANNEL_OPTIONS = [*OPTIONS, ("grpc.use_local_subchannel_pool", 1)]  # a connection each
 BARRIER_SECONDS = 1.0
-CASES = ("ranks", "inflight", "sequential")
+CASES = ("ranks", "inflight", "sequential", "group-shards", "group-ranks")
 SEQUENTIAL_TARGET = 1.5  # a sequential shard's publish, at most this many one-shard versions
 
 
@@ -529,6 +533,7 @@ def run(
     replicas: tuple[int, ...] = (1, 2),
     *,
     sequential: int = 4096,
+    group_tensors: int = 200,
     cases: tuple[str, ...] = CASES,
     workers: int = 4,
     singles: int = 5,
@@ -545,6 +550,7 @@ def run(
                    "max_request_bytes": limits.max_request_bytes},
         "ops_per_shard": OPS_PER_SHARD,
         "revision_target": revision_target(shards, limits),
+        "revision_target_of": {str(n): revision_target(n, limits) for n in (shards, ranks)},
         "sequential_target": SEQUENTIAL_TARGET,
         "cases": [],
     }  # fmt: skip
@@ -552,7 +558,8 @@ def run(
     fleet = Fleet(workers, target=rank_worker, prober=False)
     try:
         for r in replicas:
-            with World(max_sessions=ranks + 64, replicas=r, tree=tree, limits=limits) as world:
+            sessions = ranks * (2 if "group-ranks" in cases else 1) + 128
+            with World(max_sessions=sessions, replicas=r, tree=tree, limits=limits) as world:
                 single = asyncio.run(_one_shard(world.address, world.token, singles))
                 base = statistics.median(single)
                 out.setdefault("one_shard_ms", {})[str(r)] = base
@@ -565,8 +572,11 @@ def run(
                             res = ranks_case(world, fleet, ranks, timeout)
                         elif name == "inflight":
                             res = inflight_case(world, fleet, shards, inflight, timeout)
-                        else:
+                        elif name == "sequential":
                             res = sequential_case(world, sequential, SEQUENTIAL_SESSIONS, timeout)
+                        else:
+                            n = ranks if name == "group-ranks" else shards
+                            res = group.group_case(world, name, n, group_tensors, timeout)
                     except WorkerLost as exc:
                         res = {"case": name, "replicas": r, "failed": str(exc), "ok": False}
                         fleet.close()
@@ -592,6 +602,8 @@ def run(
 
 def summary(r: dict[str, Any]) -> str:
     """One human line per case."""
+    if str(r.get("case")).startswith("group-"):
+        return group.summary(r)
     if r.get("case") == "sequential" and "failed" not in r:
         return (
             f"  {r.get('shards')} shards one after another x{r['replicas']}: per shard median "

@@ -33,6 +33,7 @@ from ros.client.channel import open_channel, parse_address
 from ros.client.deadline import Deadline
 from ros.client.delta_fetch import DEFAULT_HOLD_BYTES, Companion, DeltaReader
 from ros.client.fetching import DEFAULT_FETCH_TIMEOUT
+from ros.client.group_publish import ProcessGroup
 from ros.client.handles import Handles, Held, Publication
 from ros.client.holdings import Holdings
 from ros.client.hooks import PRODUCTION, ClientHooks
@@ -209,6 +210,7 @@ class Hub:
         metadata: Mapping[str, str] | None = None,
         delta: bool = False,
         base_copy: str = "host",
+        group: ProcessGroup | None = None,
     ) -> Publication:
         """Publish `version` of `model`, served from these tensors' own memory.
 
@@ -224,6 +226,12 @@ class Hub:
         their own blocks with `fetch_slices`. A state dict of DTensors (FSDP2, tensor
         parallelism) says both itself: pass it as it is, on every rank, without `shard` or
         `placements` (`ros.client.dtensors`; a rank that owns no block publishes nothing).
+
+        `group` (a `torch.distributed` process group; every rank of it calls publish for the
+        same version): the ranks' shards go to the hub in one call, sent by the group's first
+        rank after a gather of their requests over the group, instead of one call per rank.
+        Each rank still serves its own memory under its own session, and gets its own
+        shard's outcome (`ros.client.group_publish`).
 
         `checksum` is the algorithm of the per-chunk checksums in the manifest
         (`transport.checksums`): `"xxh3-64"`, or `"wsum64"`, computed where the tensors are
@@ -249,7 +257,7 @@ class Hub:
         return self._publisher.publish(
             model, version, tensors, chunk_size=chunk_size, timeout=timeout, shard=shard,
             placements=placements, checksum=checksum, metadata=metadata, delta=delta,
-            base_copy=base_copy,
+            base_copy=base_copy, group=group,
         )  # fmt: skip
 
     def fetch(

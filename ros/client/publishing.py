@@ -18,6 +18,7 @@ from consistency.floor import RevisionFloor
 from consistency.retry import RetryPolicy
 from ros.client.delta_publish import WHERE, BaseCopies
 from ros.client.dtensors import for_publish
+from ros.client.group_publish import ProcessGroup, Send, publish_in_group
 from ros.client.handles import Handles, Publication
 from ros.client.holdings import Holdings
 from ros.client.identity import Identity
@@ -99,8 +100,17 @@ class Publisher:
         metadata: Mapping[str, str] | None = None,
         delta: bool = False,
         base_copy: str = "host",
+        group: ProcessGroup | None = None,
+        send: Send | None = None,
     ) -> Publication:
-        """`Hub.publish` (its docstring says what a caller gets)."""
+        """`Hub.publish` (its docstring says what a caller gets). `send`: this rank's
+        Publish through its group's one call (`ros.client.group_publish`)."""
+        if group is not None:
+            return publish_in_group(group, self._rpc, lambda send: self.publish(
+                model, version, tensors, chunk_size=chunk_size, timeout=timeout, shard=shard,
+                placements=placements, checksum=checksum, metadata=metadata, delta=delta,
+                base_copy=base_copy, send=send,
+            ))  # fmt: skip
         derived = for_publish(tensors, shard, placements)  # a state dict of DTensors
         if derived is not None:
             if derived.shard is None:  # this rank publishes no block (a replica): no shard
@@ -130,7 +140,7 @@ class Publisher:
         try:
             if delta:
                 companion = self._publish_delta(held, manifest, shard, timeout)
-            publication = self._publish(held, manifest, shard, timeout, start)
+            publication = self._publish(held, manifest, shard, timeout, start, send)
         except BaseException:
             if companion is not None:
                 companion.release(force=True)
@@ -195,9 +205,10 @@ class Publisher:
         shard: tuple[int, int] | None,
         timeout: float | None,
         start: float,
+        send: Send | None = None,
     ) -> Publication:
         """Publish `held` with `manifest`: the hub's checks here first, then the holding,
-        the Publish call and its handle."""
+        the Publish call (or `send`) and its handle."""
         _, model, version = held.key
         # the hub's own rules, so a manifest it would refuse fails here with its message
         what = "manifest" if shard is None else f"manifest of shard {shard[0]}"
@@ -219,7 +230,9 @@ class Publisher:
         if shard is not None:
             request.shard_index, request.shard_count = shard
         try:
-            response = self._publish_rpc(request, timeout)
+            response = (
+                self._publish_rpc(request, timeout) if send is None else send(request, timeout)
+            )
         except OutcomeUnknown:
             # It may have landed: its holder record would then name this client, so keep
             # serving the tensors (until it publishes again, or closes); a landed shard of a

@@ -11,7 +11,7 @@ retry layer").
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, Protocol, overload
 
 import grpc
@@ -45,6 +45,14 @@ class Rpc(Protocol):
     def __call__(
         self, method: Literal["Publish"], request: pb.PublishRequest, timeout: float | None = None
     ) -> pb.PublishResponse: ...
+
+    @overload
+    def __call__(
+        self,
+        method: Literal["PublishShards"],
+        request: Iterator[pb.PublishRequest],
+        timeout: float | None = None,
+    ) -> pb.PublishShardsResponse: ...
 
     @overload
     def __call__(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from etcd3 import etcdrpc
@@ -27,6 +27,7 @@ from ros.hub.call import AioContext, CallContext
 from ros.hub.companions import check_companion
 from ros.hub.convert import holder_from_pb, holder_to_pb
 from ros.hub.rpc import streaming, unary, unary_async
+from ros.hub.shard_group import publish_shards
 from ros.hub.shard_publish import ShardJob
 from ros.hub.state import HubState
 from ros.hub.tenants import Tenant
@@ -60,21 +61,31 @@ class VersionRPCs:
                 self._publish_whole, request, call, deadline_of=call
             )
         else:
-            if request.manifest.ByteSize() <= SHARD_INLINE_BYTES and not is_companion(
-                request.model
-            ):
-                # Nothing to read or write before the batch: checked here, on the loop,
-                # without a trip through the worker pool (a burst is thousands of these).
-                # A companion's shard may read its base's header: in a worker.
-                model, version, job = self._stage_shard(request, call)
-            else:
-                model, version, job = await self.hub.blocking(
-                    self._stage_shard, request, call, deadline_of=call
-                )
-            published = await self.hub.shard_batches.publish(model, version, job)
+            published = await self._publish_shard(request, call)
         return pb.PublishResponse(
             version=published.version, revision=published.revision, visible=published.visible
         )
+
+    @unary_async
+    async def PublishShards(
+        self, requests: AsyncIterator[pb.PublishRequest], call: CallContext
+    ) -> pb.PublishShardsResponse:
+        """The shards of one version a process group gathered, in one call: each committed
+        as its own `Publish` would be (`ros.hub.shard_group`)."""
+        return await publish_shards(requests, lambda request: self._publish_shard(request, call))
+
+    async def _publish_shard(self, request: pb.PublishRequest, call: CallContext) -> Published:
+        """One shard: checked and staged, then committed in its version's next batch."""
+        if request.manifest.ByteSize() <= SHARD_INLINE_BYTES and not is_companion(request.model):
+            # Nothing to read or write before the batch: checked here, on the loop,
+            # without a trip through the worker pool (a burst is thousands of these).
+            # A companion's shard may read its base's header: in a worker.
+            model, version, job = self._stage_shard(request, call)
+        else:
+            model, version, job = await self.hub.blocking(
+                self._stage_shard, request, call, deadline_of=call
+            )
+        return await self.hub.shard_batches.publish(model, version, job)
 
     def _publish_checks(
         self, request: pb.PublishRequest, call: CallContext, *, session: bool

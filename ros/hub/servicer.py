@@ -94,6 +94,11 @@ class HubServicer(hub_pb2_grpc.TensorHubServicer):
     async def Publish(self, request: pb.PublishRequest, context: AioContext) -> pb.PublishResponse:
         return await self.version_rpcs.Publish(request, context)
 
+    async def PublishShards(
+        self, requests: AsyncIterator[pb.PublishRequest], context: AioContext
+    ) -> pb.PublishShardsResponse:
+        return await self.version_rpcs.PublishShards(requests, context)
+
     async def Latest(self, request: pb.LatestRequest, context: AioContext) -> pb.LatestResponse:
         return await self.version_rpcs.Latest(request, context)
 

@@ -51,8 +51,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # Every method of the service that is not a read (ros.errors.READ_METHODS) is a write: a new
 # method must be added to one list or the other.
 WRITE_METHODS = frozenset({
-    "OpenSession", "KeepAlive", "CloseSession", "Publish", "RegisterHolder", "UpdateHolder",
-    "ReleaseHolder", "Pin", "Unpin", "DeleteModel", "CreateTenant", "DeleteTenant",
+    "OpenSession", "KeepAlive", "CloseSession", "Publish", "PublishShards", "RegisterHolder",
+    "UpdateHolder", "ReleaseHolder", "Pin", "Unpin", "DeleteModel", "CreateTenant",
+    "DeleteTenant",
 })  # fmt: skip
 PACKAGES = ("consistency", "transport", "ros", "tensorhub")
 

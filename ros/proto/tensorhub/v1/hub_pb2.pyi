@@ -185,7 +185,31 @@ class PublishResponse(_message.Message):
     version: int
     revision: int
     visible: bool
-    def __init__(self, version: _Optional[int] = ..., revision: _Optional[int] = ..., visible: _Optional[bool] = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., revision: _Optional[int] = ..., visible: bool = ...) -> None: ...
+
+class ShardOutcome(_message.Message):
+    __slots__ = ("shard_index", "revision", "visible", "error", "message", "fields")
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    VISIBLE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
+    shard_index: int
+    revision: int
+    visible: bool
+    error: str
+    message: str
+    fields: str
+    def __init__(self, shard_index: _Optional[int] = ..., revision: _Optional[int] = ..., visible: bool = ..., error: _Optional[str] = ..., message: _Optional[str] = ..., fields: _Optional[str] = ...) -> None: ...
+
+class PublishShardsResponse(_message.Message):
+    __slots__ = ("version", "outcomes")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    outcomes: _containers.RepeatedCompositeFieldContainer[ShardOutcome]
+    def __init__(self, version: _Optional[int] = ..., outcomes: _Optional[_Iterable[_Union[ShardOutcome, _Mapping]]] = ...) -> None: ...
 
 class LatestRequest(_message.Message):
     __slots__ = ("model",)
@@ -209,7 +233,7 @@ class WatchRequest(_message.Message):
     model: str
     start_revision: int
     versions_only: bool
-    def __init__(self, model: _Optional[str] = ..., start_revision: _Optional[int] = ..., versions_only: _Optional[bool] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., start_revision: _Optional[int] = ..., versions_only: bool = ...) -> None: ...
 
 class WatchEvent(_message.Message):
     __slots__ = ("kind", "version", "revision", "holder", "holder_name", "holders", "holder_versions")
@@ -268,7 +292,7 @@ class ResolveRequest(_message.Message):
     holder: str
     min_revision: int
     with_companion: bool
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., shard: _Optional[int] = ..., omit_manifest: _Optional[bool] = ..., topology: _Optional[_Mapping[str, str]] = ..., fence: _Optional[int] = ..., holder: _Optional[str] = ..., min_revision: _Optional[int] = ..., with_companion: _Optional[bool] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., shard: _Optional[int] = ..., omit_manifest: bool = ..., topology: _Optional[_Mapping[str, str]] = ..., fence: _Optional[int] = ..., holder: _Optional[str] = ..., min_revision: _Optional[int] = ..., with_companion: bool = ...) -> None: ...
 
 class ResolveResponse(_message.Message):
     __slots__ = ("version", "manifest", "holders", "read_token", "token_expiry_unix", "revision", "shards", "shard_count", "total_holders", "manifest_digest", "manifest_omitted", "companion")
@@ -296,7 +320,7 @@ class ResolveResponse(_message.Message):
     manifest_digest: bytes
     manifest_omitted: bool
     companion: ResolveResponse
-    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., read_token: _Optional[bytes] = ..., token_expiry_unix: _Optional[int] = ..., revision: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[Manifest, _Mapping]]] = ..., shard_count: _Optional[int] = ..., total_holders: _Optional[int] = ..., manifest_digest: _Optional[bytes] = ..., manifest_omitted: _Optional[bool] = ..., companion: _Optional[_Union[ResolveResponse, _Mapping]] = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., read_token: _Optional[bytes] = ..., token_expiry_unix: _Optional[int] = ..., revision: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[Manifest, _Mapping]]] = ..., shard_count: _Optional[int] = ..., total_holders: _Optional[int] = ..., manifest_digest: _Optional[bytes] = ..., manifest_omitted: bool = ..., companion: _Optional[_Union[ResolveResponse, _Mapping]] = ...) -> None: ...
 
 class RegisterHolderRequest(_message.Message):
     __slots__ = ("model", "version", "holder")
@@ -348,7 +372,7 @@ class ReleaseHolderRequest(_message.Message):
     holder: str
     force: bool
     session_id: int
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., holder: _Optional[str] = ..., force: _Optional[bool] = ..., session_id: _Optional[int] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., holder: _Optional[str] = ..., force: bool = ..., session_id: _Optional[int] = ...) -> None: ...
 
 class ReleaseHolderResponse(_message.Message):
     __slots__ = ("revision",)
@@ -426,7 +450,7 @@ class InspectRequest(_message.Message):
     page_size: int
     page_token: str
     omit_manifest: bool
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., omit_manifest: _Optional[bool] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., omit_manifest: bool = ...) -> None: ...
 
 class InspectResponse(_message.Message):
     __slots__ = ("version", "latest", "manifest", "holders", "pins", "published_revision", "revision", "retained", "shards", "next_page_token", "total_holders", "shard_count")
@@ -454,7 +478,7 @@ class InspectResponse(_message.Message):
     next_page_token: str
     total_holders: int
     shard_count: int
-    def __init__(self, version: _Optional[int] = ..., latest: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., pins: _Optional[_Iterable[str]] = ..., published_revision: _Optional[int] = ..., revision: _Optional[int] = ..., retained: _Optional[bool] = ..., shards: _Optional[_Iterable[_Union[Manifest, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., total_holders: _Optional[int] = ..., shard_count: _Optional[int] = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., latest: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., pins: _Optional[_Iterable[str]] = ..., published_revision: _Optional[int] = ..., revision: _Optional[int] = ..., retained: bool = ..., shards: _Optional[_Iterable[_Union[Manifest, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., total_holders: _Optional[int] = ..., shard_count: _Optional[int] = ...) -> None: ...
 
 class Quotas(_message.Message):
     __slots__ = ("max_models", "max_retained_versions", "max_sessions", "max_etcd_bytes", "max_publishes_per_minute", "max_history_bytes")

@@ -5,7 +5,7 @@ import warnings
 
 from ros.proto.tensorhub.v1 import hub_pb2 as ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.72.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in ros/proto/tensorhub/v1/hub_pb2_grpc.py depends on'
+        + f' but the generated code in ros/proto/tensorhub/v1/hub_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class TensorHubStub:
+class TensorHubStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -53,6 +53,11 @@ class TensorHubStub:
                 '/tensorhub.v1.TensorHub/Publish',
                 request_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.PublishRequest.SerializeToString,
                 response_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.PublishResponse.FromString,
+                _registered_method=True)
+        self.PublishShards = channel.stream_unary(
+                '/tensorhub.v1.TensorHub/PublishShards',
+                request_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.PublishRequest.SerializeToString,
+                response_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.PublishShardsResponse.FromString,
                 _registered_method=True)
         self.Latest = channel.unary_unary(
                 '/tensorhub.v1.TensorHub/Latest',
@@ -121,7 +126,7 @@ class TensorHubStub:
                 _registered_method=True)
 
 
-class TensorHubServicer:
+class TensorHubServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def OpenSession(self, request, context):
@@ -143,6 +148,12 @@ class TensorHubServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Publish(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PublishShards(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -250,6 +261,11 @@ def add_TensorHubServicer_to_server(servicer, server):
                     request_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.PublishRequest.FromString,
                     response_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.PublishResponse.SerializeToString,
             ),
+            'PublishShards': grpc.stream_unary_rpc_method_handler(
+                    servicer.PublishShards,
+                    request_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.PublishRequest.FromString,
+                    response_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.PublishShardsResponse.SerializeToString,
+            ),
             'Latest': grpc.unary_unary_rpc_method_handler(
                     servicer.Latest,
                     request_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.LatestRequest.FromString,
@@ -323,7 +339,7 @@ def add_TensorHubServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class TensorHub:
+class TensorHub(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
@@ -424,6 +440,33 @@ class TensorHub:
             '/tensorhub.v1.TensorHub/Publish',
             ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.PublishRequest.SerializeToString,
             ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.PublishResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishShards(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/tensorhub.v1.TensorHub/PublishShards',
+            ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.PublishRequest.SerializeToString,
+            ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.PublishShardsResponse.FromString,
             options,
             channel_credentials,
             insecure,

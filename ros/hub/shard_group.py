@@ -1,0 +1,111 @@
+"""PublishShards: a process group's shards of one version in one call.
+
+A trainer's ranks gather their shards' PublishRequests over their own process group, and one
+rank streams them all to the hub in one `PublishShards` call (a client stream: no message
+bound on how many, nor on their manifests together). The hub treats each shard exactly as
+its own `Publish` (`publish_shard`): checked and staged as it arrives, then committed in the
+version's group commits (`ros.hub.shard_publish`) with every other shard of the version
+waiting on the replica, so N shards cost about N / 61 transactions and the version becomes
+visible with the last one, atomically. Each shard keeps its own holder record under its own
+rank's session (the rank serves its own memory, and its record dies with its lease), its own
+outcome (a refused shard is refused alone, with its named error, and the version stays
+invisible), its retry-safety (a shard sent again is recognized as its earlier write), and
+the tenant's quotas (the batches charge the publish rate by arrival: N shards take
+`consistency.usage.shard_tokens(0, N)` however they arrive).
+
+The answer lists one `ShardOutcome` per shard, in the order sent. A call is refused whole
+(`InvalidArgument`) when it carries no shard, when its first message has no shard count, or
+when it carries more messages than its version has shards (at most `MAX_SHARDS`): a stream
+is bounded by the count its first shard states. The shards it carried before that were
+committed or withdrawn as those of a Publish whose caller left; sent again, they are
+recognized. A shard of another model, version or shard count than the first is refused
+alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from consistency.manifests import MAX_SHARDS
+from consistency.publishing import Published
+from ros.errors import ERROR_METADATA_KEY, FIELDS_METADATA_KEY, error_metadata
+from ros.hub.call import internal
+from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from tensorhub.errors import InvalidArgument, TensorHubError
+
+
+async def publish_shards(
+    requests: AsyncIterator[pb.PublishRequest],
+    publish_shard: Callable[[pb.PublishRequest], Awaitable[Published]],
+) -> pb.PublishShardsResponse:
+    """Publish every shard of the stream (module docstring); one outcome each, in order.
+    Each shard is submitted as it arrives, so the first batches commit while the rest
+    still streams in. If the call ends early (cancelled, refused), the shards not yet
+    committed are withdrawn as a Publish whose caller left is."""
+    pending: list[asyncio.Future[Published]] = []
+    indices: list[int] = []
+    first: tuple[str, int, int] | None = None
+    try:
+        async for request in requests:
+            this = (request.model, request.version, request.shard_count)
+            if first is None:
+                if not request.shard_count:
+                    raise InvalidArgument("PublishShards carries shards: set shard_count")
+                first = this
+            if len(pending) >= min(first[2], MAX_SHARDS):
+                raise InvalidArgument(
+                    f"PublishShards carries at most one message per shard of its version "
+                    f"({min(first[2], MAX_SHARDS)} here)"
+                )
+            indices.append(request.shard_index)
+            if this != first:
+                pending.append(_refused(_mismatch(first, this)))
+            else:
+                pending.append(asyncio.ensure_future(publish_shard(request)))
+        if not pending:
+            raise InvalidArgument("PublishShards carried no shard")
+        outcomes = await asyncio.gather(*pending, return_exceptions=True)
+    finally:
+        for future in pending:
+            future.cancel()  # no-op for those done
+    version = first[1] if first is not None else 0
+    return pb.PublishShardsResponse(
+        version=version,
+        outcomes=[_outcome(i, o) for i, o in zip(indices, outcomes, strict=True)],
+    )
+
+
+def _mismatch(first: tuple[str, int, int], this: tuple[str, int, int]) -> InvalidArgument:
+    return InvalidArgument(
+        f"PublishShards carries shards of one version ({first[0]}@{first[1]}, {first[2]} "
+        f"shards); this one is of {this[0]}@{this[1]}, {this[2]} shards"
+    )
+
+
+def _refused(error: TensorHubError) -> asyncio.Future[Published]:
+    future: asyncio.Future[Published] = asyncio.get_running_loop().create_future()
+    future.set_exception(error)
+    return future
+
+
+def _outcome(index: int, outcome: Published | BaseException) -> pb.ShardOutcome:
+    """One shard's outcome: its commit, or its error as its own Publish would name it."""
+    if isinstance(outcome, Published):
+        return pb.ShardOutcome(
+            shard_index=index, revision=outcome.revision, visible=outcome.visible
+        )
+    if isinstance(outcome, asyncio.CancelledError):
+        raise outcome
+    error = (
+        outcome
+        if isinstance(outcome, TensorHubError)
+        else internal("PublishShards", outcome if isinstance(outcome, Exception) else Exception())
+    )
+    metadata = dict(error_metadata(error))
+    return pb.ShardOutcome(
+        shard_index=index,
+        error=metadata[ERROR_METADATA_KEY],
+        message=str(error),
+        fields=metadata.get(FIELDS_METADATA_KEY, ""),
+    )

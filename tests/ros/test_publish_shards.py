@@ -1,0 +1,177 @@
+"""PublishShards: a process group's shards of one version in one call (issue 35, item 3), by
+raw gRPC against a real hub and etcd. Each shard must be treated as its own Publish: the
+version visible atomically with the last, a bad shard refused alone with its named error and
+nothing partial visible, a retried call idempotent, the publish-rate quota charged
+`shard_tokens(0, N)`, and each holder record under its own rank's session, so a rank whose
+session dies stops being offered while the others stay."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import grpc
+import pytest
+
+from consistency.usage import SHARDS_PER_TOKEN, shard_tokens
+from ros.errors import from_outcome, from_rpc_error
+from ros.hub.server import HubServer
+from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from tensorhub.errors import (
+    InvalidArgument,
+    InvalidManifest,
+    QuotaExceeded,
+    SessionExpired,
+    TensorHubError,
+)
+from tests.ros.test_hostile_publishers import Metadata, raw_client, shard, shard_written, tenant
+
+
+def publish_shards(
+    stub: object, requests: Sequence[pb.PublishRequest], metadata: Metadata
+) -> pb.PublishShardsResponse:
+    return stub.PublishShards(iter(requests), metadata=metadata, timeout=30)  # type: ignore[attr-defined,no-any-return]
+
+
+def errors(answer: pb.PublishShardsResponse) -> list[TensorHubError | None]:
+    return [
+        from_outcome(o.error, o.message, o.fields) if o.error else None for o in answer.outcomes
+    ]
+
+
+def latest(stub: object, metadata: Metadata, model: str = "mp") -> int:
+    return int(stub.Latest(pb.LatestRequest(model=model), metadata=metadata, timeout=10).version)  # type: ignore[attr-defined]
+
+
+def sessions(stub: object, metadata: Metadata, count: int) -> list[int]:
+    return [
+        int(stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=30), metadata=metadata).session_id)  # type: ignore[attr-defined]
+        for _ in range(count)
+    ]
+
+
+def test_a_group_of_shards_in_one_call_commits_in_batches_and_shows_once(
+    hub_server: HubServer,
+) -> None:
+    """150 ranks, each its own session, in one call: every shard committed, one batch of
+    them (the last) says visible, in about 150 / 61 transactions; each holder record is
+    under its own rank's lease."""
+    count = 150
+    token = tenant(hub_server, "group")
+    with raw_client(hub_server, token) as (stub, metadata, _):
+        ranks = sessions(stub, metadata, count)
+        answer = publish_shards(
+            stub, [shard("mp", 1, i, count, ranks[i]) for i in range(count)], metadata
+        )
+        assert latest(stub, metadata) == 1
+    assert errors(answer) == [None] * count
+    assert [o.shard_index for o in answer.outcomes] == list(range(count))
+    visible = {o.revision for o in answer.outcomes if o.visible}
+    assert len(visible) == 1
+    assert visible == {max(o.revision for o in answer.outcomes)}
+    keys = hub_server.keys
+    written = hub_server.etcd.range(keys.shards("group", "mp", 1), prefix=True).kvs
+    assert len({kv.mod_revision for kv in written}) <= math.ceil(count / 61) + 2
+    holders = hub_server.etcd.range(keys.holders("group", "mp", 1), prefix=True).kvs
+    assert sorted(kv.lease for kv in holders) == sorted(ranks)
+
+
+def test_a_bad_shard_is_refused_alone_and_nothing_partial_is_visible(
+    hub_server: HubServer,
+) -> None:
+    count = 8
+    token = tenant(hub_server, "bad-shard")
+    with raw_client(hub_server, token) as (stub, metadata, session):
+        requests = [shard("mp", 1, i, count, session) for i in range(count)]
+        requests[3].manifest.tensors[0].nbytes = 17  # not 4 float32s: an invalid manifest
+        requests[5].shard_count = count + 1  # another version's count
+        answer = publish_shards(stub, requests, metadata)
+        found = errors(answer)
+        assert isinstance(found[3], InvalidManifest), found
+        assert isinstance(found[5], InvalidArgument), found
+        assert [f for i, f in enumerate(found) if i not in (3, 5)] == [None] * (count - 2)
+        assert not any(o.visible for o in answer.outcomes)
+        assert latest(stub, metadata) == 0  # 6 of 8 shards: nothing visible
+        assert not shard_written(hub_server, "bad-shard", "mp", 1, 3)
+        # the two fixed, sent again with the six already there: idempotent, now whole
+        retry = [shard("mp", 1, i, count, session) for i in range(count)]
+        again = publish_shards(stub, retry, metadata)
+        assert errors(again) == [None] * count
+        assert latest(stub, metadata) == 1
+        once_more = publish_shards(stub, retry, metadata)  # a retry after success
+        assert errors(once_more) == [None] * count
+        assert {o.revision for o in once_more.outcomes} <= {o.revision for o in again.outcomes}
+
+
+@pytest.mark.timeout(60)
+def test_a_group_call_of_n_shards_takes_shard_tokens_0_n(hub_server: HubServer) -> None:
+    """A publish-rate quota of 2 a minute pays for one group call of 2·K shards
+    (`shard_tokens(0, 2K)` = 2): it lands whole, and the next version's shard is refused.
+    A call of 2·K + 1 shards needs 3: its last arrival is refused with `QuotaExceeded`."""
+    rate = 2
+    count = rate * SHARDS_PER_TOKEN
+    assert shard_tokens(0, count) == rate
+    token = tenant(hub_server, "group-rate", max_publishes_per_minute=rate)
+    with raw_client(hub_server, token) as (stub, metadata, session):
+        answer = publish_shards(
+            stub, [shard("mp", 1, i, count, session) for i in range(count)], metadata
+        )
+        assert errors(answer) == [None] * count
+        assert latest(stub, metadata) == 1
+        answer = publish_shards(stub, [shard("mp", 2, 0, count, session)], metadata)
+        refused = errors(answer)[0]
+        assert isinstance(refused, QuotaExceeded), refused
+    token = tenant(hub_server, "group-over", max_publishes_per_minute=rate)
+    with raw_client(hub_server, token) as (stub, metadata, session):
+        answer = publish_shards(
+            stub, [shard("mp", 1, i, count + 1, session) for i in range(count + 1)], metadata
+        )
+        refusals = [e for e in errors(answer) if e is not None]
+        assert len(refusals) == 1, refusals
+        assert isinstance(refusals[0], QuotaExceeded)
+
+
+def test_each_rank_lives_and_dies_with_its_own_session(hub_server: HubServer) -> None:
+    """A rank whose session died before the call is refused alone (`SessionExpired`); one
+    that dies after it is no longer offered: its holder record goes with its lease, the
+    other ranks' stay."""
+    count = 4
+    token = tenant(hub_server, "ranks-die")
+    with raw_client(hub_server, token) as (stub, metadata, _):
+        ranks = sessions(stub, metadata, count + 1)
+        hub_server.etcd.lease_revoke(ranks[count])  # died before the call
+        requests = [shard("mp", 1, i, count, ranks[i]) for i in range(count)]
+        dead = shard("mp", 1, 1, count, ranks[count])
+        answer = publish_shards(stub, [*requests[:1], dead], metadata)
+        found = errors(answer)
+        assert found[0] is None
+        assert isinstance(found[1], SessionExpired), found
+        answer = publish_shards(stub, requests, metadata)
+        assert errors(answer) == [None] * count
+        assert latest(stub, metadata) == 1
+        hub_server.etcd.lease_revoke(ranks[2])  # rank 2 dies: its lease ends
+        for index in range(count):
+            resolved = stub.Resolve(  # type: ignore[attr-defined]
+                pb.ResolveRequest(model="mp", version=1, shard=index, omit_manifest=True),
+                metadata=metadata,
+                timeout=10,
+            )
+            names = [h.name for h in resolved.holders]
+            assert names == ([] if index == 2 else [f"rank-{index:05d}"]), (index, names)
+
+
+def test_a_call_past_its_versions_shard_count_is_refused_whole(hub_server: HubServer) -> None:
+    """A stream is bounded by the shard count its first shard states: a fourth message for a
+    version of 3 shards, or a first message with no count, or none at all, refuse the call."""
+    token = tenant(hub_server, "too-many")
+    with raw_client(hub_server, token) as (stub, metadata, session):
+        calls = [
+            [shard("mp", 1, i % 3, 3, session) for i in range(4)],
+            [pb.PublishRequest(model="mp", version=1)],
+            [],
+        ]
+        for requests in calls:
+            with pytest.raises(grpc.RpcError) as refused:
+                publish_shards(stub, requests, metadata)
+            error = from_rpc_error(refused.value, "PublishShards")
+            assert isinstance(error, InvalidArgument), (len(requests), error)
