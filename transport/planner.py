@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from transport.backend import TransportKind
+from transport.kinds import TransportKind
 from transport.topology import Topology, distance
 
 

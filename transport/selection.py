@@ -3,8 +3,8 @@
 A holder record advertises one endpoint per transport it serves (`tensorhub.endpoints`).
 A reader tries them in preference order, NIXL → RDMA → same-host CUDA IPC → TCP, and takes
 the first that both sides can use (NIXL only where the client enabled it:
-`transport.backend.enabled_transports`). RDMA reads into host memory and IPC copies into GPU memory,
-so for one destination at most one of them is in the running. Each kind it passes over
+`transport.registry.enabled_transports`). RDMA reads into host memory and IPC copies into
+GPU memory, so for one destination at most one of them is in the running. Each kind it passes over
 leaves its reason in `Route.fallback`, so a fetch that runs over TCP although the holder
 offered RDMA says so (log and `FetchStats.fallbacks`); a holder with no kind this reader
 can use raises `NoUsableTransport` with every reason, and the SDK skips it.
@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 
 from tensorhub.endpoints import parse_endpoint
 from tensorhub.errors import InvalidArgument, NoUsableTransport
-from transport.backend import TransportKind, available_transports
+from transport.kinds import TransportKind
+from transport.registry import available_transports
 
 if TYPE_CHECKING:
     from transport.ipc.fingerprint import Verdicts

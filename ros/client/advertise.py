@@ -7,7 +7,7 @@ the `rdma` endpoint. Queue-pair numbers, GIDs and keys are exchanged on that cha
 reader, never written into the record (tensorhub/endpoints.py). Same-host CUDA IPC
 likewise when this process has a CUDA device (`ipc_unavailable_reason()` is empty): an
 `IpcControlServer`, advertised as `ipc`; it grants leases only on versions held in GPU
-memory. NIXL when the client enabled it (`transports=`, `transport.backend.enabled_transports`):
+memory. NIXL when the client enabled it (`transports=`, `transport.registry.enabled_transports`):
 a `NixlHolder`, advertised as `nixl`; it offers COMPLETE host-memory versions. A client with
 TLS serves none of them: their control channels (and one-sided reads)
 are not encrypted, and a holder that requires TLS must not serve bytes without it. Readers

@@ -17,7 +17,8 @@ from bench.common import MODEL, LinksBypassed, MiB, Options, add_reads, options,
 from bench.emu.cluster import ON_LINKS, Cluster, links_between, participant_env
 from bench.emu.control import broadcast
 from bench.emu.netns import Emulation
-from transport.backend import TransportKind, unavailable_reason
+from transport.kinds import TransportKind
+from transport.registry import unavailable_reason
 
 root = pytest.mark.skipif(os.geteuid() != 0, reason="emulated hosts need root (netns, tc)")
 

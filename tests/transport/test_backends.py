@@ -21,16 +21,18 @@ import pytest
 from ros.client.serving import Serving
 from tensorhub.errors import DeadlineExceeded, InternalError
 from tests.transport._model import MODEL, TENANT, make_model
-from transport.backend import HolderBackend, ReaderBackend, TransportKind, enabled_transports
+from transport.backend import HolderBackend, ReaderBackend, TransportKind
 from transport.ipc.channel import IpcTransport
 from transport.ipc.server import IpcControlServer
 from transport.layout import Layout
 from transport.nixl.loader import unavailable_reason as nixl_unavailable
 from transport.rdma.channel import RdmaTransport
 from transport.rdma.control import RdmaControlServer
+from transport.registry import enabled_transports
 from transport.server import HolderServer, allow_all, send_chunk
 from transport.store import HeldVersion, HolderStore
-from transport.transports import ReaderBackends, TcpTransport
+from transport.tcp import TcpTransport
+from transport.transports import ReaderBackends
 
 
 def _held(version: int = 1) -> HeldVersion:

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tensorhub.errors import InvalidArgument
-from transport.backend import TransportKind, available_transports
+from transport.kinds import TransportKind
 from transport.layout import ALIGN, Layout
 from transport.planner import (
     Candidate,
@@ -21,6 +21,7 @@ from transport.planner import (
     plan,
     rank,
 )
+from transport.registry import available_transports
 from transport.topology import Topology, distance
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool]

@@ -24,8 +24,8 @@ from transport.reader import fetch
 from transport.server import HolderServer, allow_all, send_chunk
 from transport.staging import StagingBuffer
 from transport.store import HeldVersion, HolderStore
+from transport.tcp import TcpChannel
 from transport.topology import Topology
-from transport.transports import TcpChannel
 from transport.wire import ChunkHeader
 
 # -- HeldVersion through a staging -----------------------------------------------------------

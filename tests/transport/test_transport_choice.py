@@ -1,4 +1,4 @@
-"""Which transports a client uses (`transport.backend.enabled_transports`) and which one a
+"""Which transports a client uses (`transport.registry.enabled_transports`) and which one a
 reader picks per holder (`transport.selection.choose`) once NIXL is among them: NIXL is
 used only when named, preferred when both sides have it, and passed over, with the reason,
 for a PARTIAL holder, a TLS reader or a destination in device memory. No NIXL is needed:
@@ -12,9 +12,10 @@ import pytest
 
 from tensorhub.endpoints import validate_endpoints
 from tensorhub.errors import InvalidArgument, NoUsableTransport
-from transport.backend import ENV, TransportKind, available_transports, enabled_transports
+from transport.kinds import TransportKind
 from transport.nixl.loader import unavailable_reason as nixl_unavailable
 from transport.rdma import rdma_available
+from transport.registry import ENV, available_transports, enabled_transports
 from transport.selection import choose
 
 HOLDER = {"tcp": "10.0.0.1:9000", "nixl": "10.0.0.1:9001"}

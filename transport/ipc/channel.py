@@ -61,7 +61,7 @@ from transport.outcome import ChunkOutcome, ChunkStatus
 from transport.planner import Source
 from transport.rdma.seqlock import epoch_ok
 from transport.staging import StagingBuffer
-from transport.transports import TcpChannel
+from transport.tcp import TcpChannel
 from transport.verification import DeviceBytes
 from transport.wire import ErrorCode, Refusal
 
