@@ -71,7 +71,3 @@ class ManifestCache:
         self._headers.pop(key)
         for part in [None, *range(shard_count)]:
             self._parts.pop((*key, part))
-
-    @property
-    def bytes_used(self) -> int:
-        return self._parts.used
