@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -355,20 +355,16 @@ def release_model(etcd: Etcd, keys: Keys, tenant: str, model: str, timeout: floa
     listing = etcdrpc.RangeRequest(key=ops.b(versions), range_end=ops.prefix_end(versions))
     result = etcd.txn([], [etcdrpc.RequestOp(request_range=listing), ops.get(key)], timeout=timeout)
     listed, held = (r.response_range.kvs for r in result.responses)
-    charged = 0
-    for kv in listed:
-        _, kind, _ = keys.parse_version_key(tenant, model, bytes(kv.key).decode())
-        charged += _charge(kind, bytes(kv.value))
-    return _released(key, held, charged)
+    return _released(key, held, versions_charge(keys, tenant, model, listed))
 
 
-def model_charge(etcd: Etcd, keys: Keys, tenant: str, model: str, timeout: float | None) -> int:
-    """What every version of `model` was charged (one range read of its version keys)."""
-    result = etcd.range(keys.versions(tenant, model), prefix=True, timeout=timeout)
+def versions_charge(keys: Keys, tenant: str, model: str, kvs: Iterable[Any]) -> int:
+    """What the version keys `kvs` of `model` (as read, each with `key` and `value`) were
+    charged: its whole versions' headers and its shard records."""
     total = 0
-    for kv in result.kvs:
-        _, kind, _ = keys.parse_version_key(tenant, model, kv.key.decode())
-        total += _charge(kind, kv.value)
+    for kv in kvs:
+        _, kind, _ = keys.parse_version_key(tenant, model, bytes(kv.key).decode())
+        total += _charge(kind, bytes(kv.value))
     return total
 
 

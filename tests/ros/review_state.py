@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from consistency import Etcd, Keys, ops
 from consistency.records import HolderRecord, PartHeader, ShardRecord
-from consistency.usage import Usage, model_charge
+from consistency.usage import Usage, versions_charge
 from consistency.versions import VersionRegistry
 
 
@@ -168,6 +168,13 @@ def usage_held(etcd: Etcd, keys: Keys, tenant: str) -> int:
     """The bytes the tenant's usage key charges now (0 without one)."""
     kv, _ = etcd.get(keys.quota_fence(tenant, "usage"))
     return Usage.decode(kv.value).held if kv is not None else 0
+
+
+def model_charge(etcd: Etcd, keys: Keys, tenant: str, model: str, timeout: float | None) -> int:
+    """What every version of `model` was charged, as the delete that releases the model
+    counts it (`consistency.usage.versions_charge` over one range read of its version keys)."""
+    result = etcd.range(keys.versions(tenant, model), prefix=True, timeout=timeout)
+    return versions_charge(keys, tenant, model, result.kvs)
 
 
 def charged_by_keys(etcd: Etcd, keys: Keys, tenant: str) -> int:

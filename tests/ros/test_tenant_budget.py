@@ -15,7 +15,7 @@ import torch
 from etcd3 import etcdrpc
 
 import ros
-from consistency import Etcd, EtcdCluster, Keys, usage
+from consistency import Etcd, EtcdCluster, Keys
 from consistency.usage import Usage
 from ros.errors import from_rpc_error
 from ros.hub.server import HubServer
@@ -24,6 +24,7 @@ from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
 from tensorhub.errors import QuotaExceeded, StorageFull
 from tests.ros.conftest import ADMIN
+from tests.ros.review_state import model_charge
 from tests.waiting import wait_until
 
 TENSORS = 20_000  # one float each: a manifest of ~0.8 MB, paged in etcd
@@ -164,9 +165,7 @@ def test_each_replica_s_cached_usage_stays_exact_across_replicas(
                 # fails, and the usage read again refuses
                 one.publish("m7", 1, {"w": torch.ones(8)})
             assert one.latest("m7") == 0
-            charged = sum(
-                usage.model_charge(etcd, keys, "team-x", f"m{i}", 5.0) for i in range(1, 7)
-            )
+            charged = sum(model_charge(etcd, keys, "team-x", f"m{i}", 5.0) for i in range(1, 7))
             assert _usage(etcd, keys, "team-x").held == charged == 6 * small
     finally:
         second.stop(grace=0.2)
