@@ -56,10 +56,6 @@ class VersionInfo:
     retained: bool = True
     published_revision: int = 0
 
-    @property
-    def complete_holders(self) -> list[HolderRecord]:
-        return [h for h in self.holders if h.complete]
-
 
 class VersionRegistry:
     """Versions of models, per tenant, in etcd."""

@@ -66,7 +66,7 @@ def test_a_batch_is_one_transaction_and_the_last_makes_the_version_visible(
         info = versions.describe("t", "mp", 1)
         assert [s.index for s in info.shards] == list(range(count))
         assert [s.manifest for s in info.shards] == [f"part{i}".encode() for i in range(count)]
-        assert len(info.complete_holders) == count
+        assert len([h for h in info.holders if h.complete]) == count
 
 
 def test_take_respects_etcds_operation_limit_and_one_entry_per_index(
