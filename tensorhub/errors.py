@@ -323,6 +323,15 @@ class TornRead(IntegrityError):
     """
 
 
+@_code("DATA_LOSS")
+class DeltaRefused(IntegrityError):
+    """A delta's bytes are not what the version's manifest says they must be, and are not
+    used: an encoded chunk whose zstd frame declares another size than its chunk must decode
+    to (or none), or a companion (`{model}.delta`@v) of another size than the encoded sizes
+    v's manifest states. Found before anything is decoded or downloaded; the chunks are read
+    whole (ros/client/delta_fetch.py)."""
+
+
 @_code("UNAVAILABLE")
 class HolderBusy(TransportError):
     """A holder answered BUSY: its data port is at its connection bounds with readers that

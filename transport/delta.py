@@ -33,7 +33,6 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 import xxhash
-import zstandard
 
 from tensorhub.delta_rules import ENCODING, ENCODINGS, PLANES, WHOLE_RATIO
 from tensorhub.errors import IntegrityError
@@ -128,7 +127,11 @@ def apply(
 ) -> None:
     """XOR the decoded chunk into `dest` (the base chunk's segments) in place: afterwards
     `dest` holds the new chunk. `encoding` is the manifest's. `IntegrityError` if `encoded`
-    is not an encoding of a chunk of exactly this size (nothing written then)."""
+    is not an encoding of a chunk of exactly this size (nothing written then); its
+    `DeltaRefused` for a zstd frame that declares another size than its form must decode
+    to, or none, found before anything is decoded: whatever a frame says, applying it
+    allocates no more than the chunk's size (and a changed-words frame at most 3/4 of it;
+    `zstd_contexts.decompress_exact`)."""
     if encoding not in ENCODINGS:
         raise IntegrityError(f"unknown delta encoding {encoding!r}")
     view = memoryview(encoded)
@@ -148,12 +151,7 @@ def apply(
 def _apply_planes(dest: Sequence[torch.Tensor], encoded: memoryview) -> None:
     """Apply the zstd frame of the XOR's byte planes (`_planes`) to `dest`."""
     size = sum(int(part.numel()) for part in dest)
-    try:
-        raw = zstd_contexts.decompressor().decompress(encoded, max_output_size=size)
-    except zstandard.ZstdError as exc:
-        raise IntegrityError(f"delta chunk does not decode: {exc}") from exc
-    if len(raw) != size:
-        raise IntegrityError(f"delta chunk decodes to {len(raw)} bytes, the chunk has {size}")
+    raw = zstd_contexts.decompress_exact(encoded, size)  # the header's size is checked first
     device = dest[0].device if dest else torch.device("cpu")
     with warnings.catch_warnings():  # read only: torch warns of a buffer it cannot write
         warnings.simplefilter("ignore", UserWarning)

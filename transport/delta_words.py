@@ -28,12 +28,14 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-import zstandard
 
-from tensorhub.errors import IntegrityError
+from tensorhub.errors import DeltaRefused, IntegrityError
 from transport import zstd_contexts
 
 MAX_SHARE = 0.125  # more changed words than this share of a chunk's: the dense form
+# the most a reader decodes: the share the first publishers of this form used (a quarter),
+# so a frame lists at most 6 x words / 4 bytes, 3/4 of the chunk, whatever it declares
+READ_SHARE = 0.25
 
 
 def changed(old: torch.Tensor, new: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
@@ -91,21 +93,18 @@ def encode(words: int, idx: np.ndarray, values: np.ndarray, level: int) -> bytes
 def decode(encoded: bytes | memoryview, words: int) -> tuple[np.ndarray, np.ndarray]:
     """The positions (int64, each below `words`, strictly increasing) and the XOR words
     ((c,) uint16, raw byte order) of an encoding of a chunk of `words` words;
-    `IntegrityError` for anything else."""
+    `IntegrityError` for anything else (`DeltaRefused`, before decoding, for a frame that
+    does not declare the 6c bytes its count c says, or more than `READ_SHARE` of the
+    words)."""
     view = memoryview(encoded)
     if len(view) < 8:
         raise IntegrityError("changed-words delta chunk: no header")
     total, count = (int.from_bytes(view[at : at + 4], "little") for at in (0, 4))
     if total != words:
         raise IntegrityError(f"changed-words delta of a chunk of {total} words, not {words}")
-    if count > words:
-        raise IntegrityError(f"changed-words delta chunk: {count} words of {words}")
-    try:
-        raw = zstd_contexts.decompressor().decompress(view[8:], max_output_size=6 * count)
-    except zstandard.ZstdError as exc:
-        raise IntegrityError(f"delta chunk does not decode: {exc}") from exc
-    if len(raw) != 6 * count:
-        raise IntegrityError(f"changed-words delta chunk: {len(raw)} bytes for {count} words")
+    if count > READ_SHARE * words:
+        raise DeltaRefused(f"changed-words delta chunk: {count} words of {words}")
+    raw = zstd_contexts.decompress_exact(view[8:], 6 * count, "changed-words delta chunk")
     body = np.frombuffer(raw, dtype=np.uint8)
     gaps = _from_planes(body[: 4 * count], 4).view("<i4")
     values = _from_planes(body[4 * count :], 2).view(np.uint16)

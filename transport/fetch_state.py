@@ -55,13 +55,15 @@ class FetchState:
         stats: FetchStats | None = None,
         on_chunk: Callable[[int, int], None] | None = None,
         checksum: str = XXH3,
+        digests: Sequence[int] | None = None,
     ) -> None:
         self.tenant, self.model, self.version = tenant, model, version
         self.rate_floor = rate_floor
         self.checks = checks
-        # the manifest's checksums, by their algorithm (transport.checksums): every backend
-        # checks each chunk against them before committing it (transport.verification)
-        self.verify = ChunkVerifier(expected, kind_of(checksum), checks)
+        # the manifest's checksums, by their algorithm (transport.checksums), and under a
+        # linear one the xxh3-64 its delta section records: every backend checks each chunk
+        # against them before committing it (transport.verification)
+        self.verify = ChunkVerifier(expected, kind_of(checksum), checks, digests)
         self.tls = tls.client_context() if tls is not None else None
         self.dest, self.layout = dest, dest.layout
         self._tokens: TokenSource = token if callable(token) else (lambda: token)

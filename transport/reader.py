@@ -242,6 +242,7 @@ def read_round(
     checksum: str = XXH3,
     busy: BusyRetry | None = None,
     readers: ReaderBackends | None = None,
+    digests: Sequence[int] | None = None,
 ) -> Round:
     """One round: read the chunks of `chunks` (default: every chunk) that `dest` misses, of
     tenant/model@version, from `sources`, before `deadline` (a time.monotonic() value), and
@@ -259,7 +260,8 @@ def read_round(
     `busy` is how a holder that answers BUSY is asked again within `deadline` (the SDK's
     retry policy); None: a BUSY holder is suspected like any other failure. `readers` are
     the caller's reader backends (a client's own); None: the round builds its own and
-    closes them when it ends."""
+    closes them when it ends. `digests`: under a linear `checksum` (wsum64), the xxh3-64 of
+    every chunk that the manifest's delta section records (`result_xxh3`), checked too."""
     validate_name(tenant, "tenant")
     validate_name(model, "model")
     validate_version(version)
@@ -267,6 +269,8 @@ def read_round(
         raise InvalidArgument("dest does not hold this tenant/model/version/layout")
     if expected is not None and len(expected) != layout.num_chunks:
         raise InvalidArgument(f"{len(expected)} expected checksums for {layout.num_chunks} chunks")
+    if digests is not None and len(digests) != layout.num_chunks:
+        raise InvalidArgument(f"{len(digests)} chunk digests for {layout.num_chunks} chunks")
     if parallel < 1 or stall_timeout <= 0 or rate_floor < 0:
         raise InvalidArgument("parallel must be >= 1, stall_timeout > 0 and rate_floor >= 0")
     if chunks is not None and any(not 0 <= c < layout.num_chunks for c in chunks):
@@ -274,7 +278,7 @@ def read_round(
     wanted = None if chunks is None else set(chunks)
     f = FetchState(
         tenant, model, version, dest, token, deadline, stall_timeout, expected, tls,
-        rate_floor, checks, stats, on_chunk, checksum,
+        rate_floor, checks, stats, on_chunk, checksum, digests,
     )  # fmt: skip
     missing = [c for c in dest.missing() if wanted is None or c in wanted]
     usable = _routed(f.stats, sources)
@@ -327,6 +331,7 @@ class RoundOptions(TypedDict, total=False):
     checksum: str
     busy: BusyRetry | None
     readers: ReaderBackends | None
+    digests: Sequence[int] | None
 
 
 def fetch(

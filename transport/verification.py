@@ -3,7 +3,8 @@ reader backend runs before it commits a chunk (TCP, RDMA, same-host CUDA IPC).
 
 A chunk passes when its bytes hash to what the holder claimed (`claimed`, the xxh3 of its
 CHUNK header over TCP; a one-sided read has no claim) and to what the publisher's manifest
-says (`expected`, by the manifest's algorithm: xxh3-64 or wsum64). The bytes are where the
+says (`expected`, by the manifest's algorithm: xxh3-64 or wsum64; a wsum64 version with a
+delta also to the xxh3-64 its delta section records, `digests`). The bytes are where the
 backend put them (`ChunkBytes`): host memory (`HostBytes`: received views, or a host
 staging buffer) or device memory (`DeviceBytes`: wsum64 on the GPU, xxh3 after a copy to
 the host). A chunk that fails is not committed; the caller counts it discarded
@@ -72,19 +73,35 @@ class DeviceBytes:
 
 class ChunkVerifier:
     """The checks of one fetch: `expected` (the manifest's checksums, by `algorithm`; None:
-    no manifest), under `checks` (`transport.checks.STRICT` but in chaos runs)."""
+    no manifest), under `checks` (`transport.checks.STRICT` but in chaos runs). `digests`,
+    given with a linear `algorithm` (wsum64) when the manifest records them (a delta
+    version's `result_xxh3`), is the xxh3-64 of every chunk, checked too: what a delta
+    reader's result is checked against, so that whole and delta readers accept the same
+    bytes (docs/security.md, "Delta readers against a publisher of their tenant")."""
 
-    def __init__(self, expected: Sequence[int] | None, algorithm: str, checks: ChunkChecks) -> None:
+    def __init__(
+        self,
+        expected: Sequence[int] | None,
+        algorithm: str,
+        checks: ChunkChecks,
+        digests: Sequence[int] | None = None,
+    ) -> None:
         self.expected, self.algorithm, self.checks = expected, algorithm, checks
+        self.digests = digests if algorithm == WSUM64 else None
 
     def published(self, index: int, got: ChunkBytes, claimed: int | None = None) -> bool:
-        """Whether chunk `index` is what the manifest says: its wsum64, or its xxh3 (the
-        holder's `claimed` one when given, already checked against the bytes). True without
-        a manifest to check against."""
+        """Whether chunk `index` is what the manifest says: its wsum64 (and its xxh3 when
+        `digests` are given), or its xxh3 (the holder's `claimed` one when given, already
+        checked against the bytes). True without a manifest to check against."""
         if self.expected is None or not self.checks.manifest:
             return True
         if self.algorithm == WSUM64:
-            return got.wsum64() == self.expected[index]
+            if got.wsum64() != self.expected[index]:
+                return False
+            if self.digests is None:
+                return True
+            # over TCP the xxh3 is the claimed one, computed on the way in: no extra pass
+            return (claimed if claimed is not None else got.xxh3()) == self.digests[index]
         return (claimed if claimed is not None else got.xxh3()) == self.expected[index]
 
     def check(

@@ -15,15 +15,20 @@ fetch of the model). Then, chunk by chunk:
 3. **Read the encoded chunks** by fetching each link's companion version
    (`{model}.delta`@u) like any version: this client becomes one of its holders, so the
    sources of a delta multiply as readers apply it. The companions are kept and served
-   within `hold_bytes` (host memory, over all models), and released with the version.
+   within `hold_bytes` (host memory, over all models), and released with the version. A
+   companion whose manifest is not exactly the size that u's manifest gives its encoded
+   chunks is not read at all (`DeltaRefused`, before a byte of it moves).
 4. **Apply and verify**: each encoded chunk's digest is checked, it is XORed into T in
-   place on T's device (`transport.delta`), and the result must have the checksum of the
-   next link's base, and at the end v's own; only then is the chunk marked present, so
-   this client serves it. A chunk that fails any check is read whole by the rounds that
-   follow, which read exactly the chunks still missing.
+   place on T's device (`transport.delta`, which refuses a zstd frame that declares another
+   size than its chunk's before decoding it), and the result must have the checksum of the
+   next link's base, and at the end v's own (under a linear checksum, wsum64, also the
+   xxh3-64 v's delta section records for it); only then is the chunk marked present, so
+   this client serves it. A chunk that fails any check, or raises anything, is read whole
+   by the rounds that follow, which read exactly the chunks still missing.
 
-Anything that stops the delta (no companion holder left, a companion retired, the deadline
-of its part) leaves the chunks not applied to the rounds: slower, never wrong.
+Anything that stops the delta (no companion holder left, a companion retired or of the
+wrong size, the deadline of its part, anything a delta made raise) leaves the chunks not
+applied to the rounds: slower, never wrong.
 
 This module plans (the chain, which chunks) and reads the companions; one chunk's apply and
 checks are `ros.client.delta_chunks`, and what memory holds which base `ros.client.delta_bases`.
@@ -41,10 +46,17 @@ import torch
 
 from ros.client.deadline import Deadline
 from ros.client.delta_bases import BaseMemory, StagedBases
-from ros.client.delta_chunks import BaseCheck, Encoded, Link, apply_one, landed
+from ros.client.delta_chunks import (
+    BaseCheck,
+    Encoded,
+    Link,
+    apply_one,
+    companion_bytes,
+    landed,
+)
 from ros.client.handles import Held
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
-from tensorhub.checksum_kinds import KINDS
+from tensorhub.checksum_kinds import KINDS, LINEAR
 from tensorhub.delta_rules import ENCODINGS
 from tensorhub.errors import TensorHubError
 from transport.layout import Layout
@@ -70,10 +82,14 @@ class Companion:
             self.held.release(force=True)
 
 
-FetchCompanion = Callable[[str, int, int | None, float, bool, pb.ResolveResponse | None], Companion]
-"""Read (model, version, shard, timeout, hold, resolved) whole: as a holder that serves it
-(`hold`), or unheld (a `fetch_slices` reader, which holds nothing); `resolved`, when not
-None, is its Resolve, answered with its version's (no second call)."""
+FetchCompanion = Callable[
+    [str, int, int | None, float, bool, pb.ResolveResponse | None, int], Companion
+]
+"""Read (model, version, shard, timeout, hold, resolved, nbytes) whole: as a holder that
+serves it (`hold`), or unheld (a `fetch_slices` reader, which holds nothing); `resolved`, when
+not None, is its Resolve, answered with its version's (no second call). `nbytes` is the size
+its version's manifest gives it: a companion of another size is refused before any of it is
+read (`delta_chunks.check_companion`, raising `DeltaRefused`)."""
 ResolveManifest = Callable[[str, int, int | None, Deadline], pb.Manifest]
 """The manifest of (model, version, shard): how a chain's earlier links are found."""
 FindHeld = Callable[[str, int], HeldVersion | None]
@@ -162,6 +178,11 @@ class DeltaReader:
             stats.fallback = str(why)
             stats.whole_chunks = len(_missing(dest, chunks))
             kept = None
+        except Exception as exc:  # what a hostile delta made raise: the rounds read it whole
+            log.warning("fetch %s@%d: delta from %d failed", model, version, base, exc_info=True)
+            stats.fallback = f"the delta failed ({type(exc).__name__}: {exc}): read whole"
+            stats.whole_chunks = len(_missing(dest, chunks))
+            kept = None
         stats.seconds = time.monotonic() - start
         if stats.fallback:
             log.info("fetch %s@%d: delta from %d: %s", model, version, base, stats.fallback)
@@ -206,6 +227,13 @@ class DeltaReader:
                 raise _NoDelta(f"{link.version} is laid out otherwise")
         if manifest.checksum not in ("", *KINDS):
             raise _NoDelta(f"unknown checksum {manifest.checksum!r}")
+        if manifest.checksum in LINEAR and len(manifest.delta.result_xxh3) != len(
+            manifest.chunk_xxh3
+        ):
+            raise _NoDelta(
+                f"{version} is checksummed with {manifest.checksum}, which is linear, and its "
+                "delta records no xxh3-64 of each chunk it makes"
+            )
         usable = self._usable(links, wanted)
         encoded = sum(link.manifest.delta.encoded_bytes[i] for link in links for i in usable)
         whole = sum(layout.payload_bytes(i) for i in wanted - usable)
@@ -254,7 +282,10 @@ class DeltaReader:
                     # could not give, should its holders be dead or frozen
                     half = deadline.work((deadline.work_end - time.monotonic()) / 2)
                     pre = resolved if link is links[-1] else None  # only v's came with v's
-                    read = self._fetch_companion(companion, link.version, shard, half, hold, pre)
+                    size = companion_bytes(link.manifest.delta)
+                    read = self._fetch_companion(
+                        companion, link.version, shard, half, hold, pre, size
+                    )
                 except TensorHubError as exc:
                     raise _NoDelta(f"{companion}@{link.version} could not be read ({exc})") from exc
                 companions.append(read)
@@ -310,16 +341,18 @@ class DeltaReader:
         starts (`find`). A read that fails midway leaves what was applied (verified) and the
         rest to be read whole."""
         companion = link.manifest.delta.companion
-        outcome: dict[str, Companion | TensorHubError] = {}
+        outcome: dict[str, Companion | Exception] = {}
         half = deadline.work((deadline.work_end - time.monotonic()) / 2)  # see _apply_links
         end = time.monotonic() + half
+
+        size = companion_bytes(link.manifest.delta)
 
         def read() -> None:
             try:
                 outcome["read"] = self._fetch_companion(
-                    companion, link.version, shard, half, True, resolved
+                    companion, link.version, shard, half, True, resolved, size
                 )
-            except TensorHubError as exc:
+            except Exception as exc:  # a TensorHubError, or anything else: not read
                 outcome["error"] = exc
 
         reader = threading.Thread(target=read, name=f"delta-{companion}", daemon=True)

@@ -9,7 +9,10 @@ The encoded chunks become version v of the companion model `{model}.delta` (one 
 tensor, "encoded": the encoded chunks back to back in chunk order, chunk i after the
 sizes of those before it), published just before v and served like any version;
 v's manifest says which chunks are encoded, their sizes and digests, and the base's chunk
-checksums that a reader's memory must match before it applies one (docs/sdk.md).
+checksums that a reader's memory must match before it applies one (docs/sdk.md); when v's
+checksum is linear (wsum64), also the xxh3-64 of each of v's chunks, which every reader
+checks (`result_xxh3`: a weighted sum alone would let a publisher give delta readers other
+bytes than whole readers, docs/security.md).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from tensorhub.checksum_kinds import LINEAR, XXH3
 from tensorhub.delta_rules import ENCODING, TENSOR, companion_of
 from tensorhub.errors import InvalidArgument, OutOfMemory
 from transport import delta as codec
@@ -100,11 +104,16 @@ class BaseCopies:
     def _encode(self, model: str, base: _Copy, held: HeldVersion) -> Encoded | None:
         sizes: list[int] = []
         digests: list[int] = []
+        # under a linear checksum, the xxh3-64 of every chunk of `held` too: what each
+        # reader, delta or whole, checks its chunk against (docs/security.md, "Delta versions")
+        results: list[int] | None = [] if base.checksum in LINEAR else None
         blob = bytearray()
         for index in range(held.layout.num_chunks):
             encoded = codec.encode(
                 base.held.chunk_parts(index), held.chunk_parts(index), advance=True
             )
+            if results is not None:
+                results.append(_result_digest(base.held, held, index))
             if encoded is None:
                 sizes.append(0)
                 digests.append(0)
@@ -117,7 +126,7 @@ class BaseCopies:
         tensors = {TENSOR: torch.frombuffer(blob, dtype=torch.uint8)}
         section = pb.Delta(
             base=base.version, encoding=ENCODING, encoded_bytes=sizes, encoded_xxh3=digests,
-            base_checksum=base.sums, companion=companion_of(model),
+            base_checksum=base.sums, companion=companion_of(model), result_xxh3=results,
         )  # fmt: skip
         return Encoded(section, tensors)
 
@@ -192,6 +201,19 @@ class BaseCopies:
             for kept in (self._copies, self._advanced):
                 for key in [k for k in kept if model is None or k[0] == model]:
                     del kept[key]
+
+
+def _result_digest(copy: HeldVersion, held: HeldVersion, index: int) -> int:
+    """xxh3-64 of chunk `index` of `held`, just encoded: over `held`'s host memory (cached
+    there: what its holder sends in each CHUNK header), else over the base copy that the
+    encode has just brought to the same bytes (host memory by default, still in cache), and
+    given to `held`'s cache, so that its holder does not hash the chunk again; a copy on
+    the GPU too is copied to the host a chunk at a time."""
+    if not held.on_cuda:
+        return held.checksum(index)
+    digest = codec.chunk_checksum(copy, index, XXH3)
+    held.mark_present(index, digest)  # present already: this records its xxh3
+    return digest
 
 
 def _same_place(copy: HeldVersion, held: HeldVersion, where: str) -> bool:

@@ -5,7 +5,7 @@ steps after the Resolve (register, rounds, failover, COMPLETE) are the orchestra
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -41,6 +41,7 @@ def fetch(
     deltas: DeltaReader | None = None,
     base: int | None = None,
     resolved: pb.ResolveResponse | None = None,
+    expect: Callable[[pb.Manifest], None] | None = None,
 ) -> Held:
     """`Hub.fetch` (its docstring says what a caller gets): check the arguments, resolve, build the
     destination (`into`'s own memory, or new tensors, never memory `holdings` still serves),
@@ -48,7 +49,9 @@ def fetch(
     version (`base`, or the one `deltas` knows `into` holds; the companion of the deltas is
     resolved with the version), and let `runs` fill in the rest; `handles` makes the `Held`
     it returns. `resolved`: a Resolve of exactly this version and shard answered just now
-    (a companion's, with its version's), used instead of resolving again."""
+    (a companion's, with its version's), used instead of resolving again. `expect` is
+    shown the manifest before anything is allocated or read, and may refuse it by raising
+    (a companion of another size than its version states: `delta_chunks.check_companion`)."""
     if base is not None:
         validate_version(base)
     validate_name(model, "model")
@@ -63,6 +66,8 @@ def fetch(
         resolved = runs.resolve(model, number, shard, deadline, companion=with_companion)
     version = int(resolved.version)
     manifest = manifest_of_shard(model, version, resolved, shard)
+    if expect is not None:
+        expect(manifest)
     layout = layout_of(manifest)
     if into is not None:
         layout.check_tensors(into)
@@ -101,13 +106,17 @@ def fetch_unheld(
     *,
     shard: int | None,
     timeout: float,
+    expect: Callable[[pb.Manifest], None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], FetchStats]:
     """Read `model@version` (shard `shard`) whole into new tensors as no holder: nothing is
     registered or served, and nothing pins it (a version retired meanwhile fails the read).
-    How a `fetch_slices` reader, which holds nothing, reads a delta's encoded chunks."""
+    How a `fetch_slices` reader, which holds nothing, reads a delta's encoded chunks.
+    `expect` is `fetch`'s."""
     deadline = Deadline.after(timeout, f"read {model}@{version}")
     resolved = runs.resolve(model, version, shard, deadline)
     manifest = manifest_of_shard(model, version, resolved, shard)
+    if expect is not None:
+        expect(manifest)
     layout = layout_of(manifest)
     tensors = layout.allocate()
     dest = HeldVersion.reader(tenant, model, version, layout, tensors)

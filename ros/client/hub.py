@@ -31,6 +31,7 @@ from ros.client import fetching
 from ros.client import slices as reshard
 from ros.client.channel import open_channel, parse_address
 from ros.client.deadline import Deadline
+from ros.client.delta_chunks import check_companion
 from ros.client.delta_fetch import DEFAULT_HOLD_BYTES, Companion, DeltaReader
 from ros.client.fetching import DEFAULT_FETCH_TIMEOUT
 from ros.client.group_publish import ProcessGroup
@@ -54,7 +55,7 @@ from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
 from tensorhub.delta_rules import SUFFIX, is_companion
 from tensorhub.endpoints import format_endpoint
-from tensorhub.errors import InvalidArgument
+from tensorhub.errors import DeltaRefused, InvalidArgument
 from tensorhub.names import validate_name
 from transport.backend import TransportKind, enabled_transports
 from transport.pace import DEFAULT_RATE_FLOOR
@@ -318,22 +319,33 @@ class Hub:
         timeout: float,
         hold: bool,
         resolved: pb.ResolveResponse | None,
+        nbytes: int,
     ) -> Companion:
         """Read a delta's encoded chunks (`{model}.delta`@version) whole: as their holder,
         or unheld (for `fetch_slices`, whose reader holds nothing). One this client holds
         already (it applied that delta before, into memory it still serves) is used as it
-        is: nothing crosses, and it stays with the handle that holds it."""
+        is: nothing crosses, and it stays with the handle that holds it. `DeltaRefused`,
+        before any of it is read, when its manifest is not `nbytes` of encoded chunks (what
+        its version's manifest says it is)."""
+        what = f"{model}@{version}"
         mine = self.holdings.get((self.holdings.tenant, model, version))
         if mine is not None and mine.complete and not mine.released:
+            if sum(t.numel() * t.element_size() for t in mine.tensors.values()) != nbytes:
+                raise DeltaRefused(f"{what} held here is not the {nbytes} bytes its version's is")
             return Companion(mine.tensors, 0)
+
+        def expect(manifest: pb.Manifest) -> None:
+            check_companion(manifest, nbytes, what)
+
         if not hold:
             tensors, stats = fetching.fetch_unheld(
-                self._fetches, self.holdings.tenant, model, version, shard=shard, timeout=timeout
-            )
+                self._fetches, self.holdings.tenant, model, version, shard=shard,
+                timeout=timeout, expect=expect,
+            )  # fmt: skip
             return Companion(tensors, stats.total_bytes)
         held = fetching.fetch(
             self._fetches, self.holdings, self._handles, model, version, timeout=timeout,
-            shard=shard, resolved=resolved,
+            shard=shard, resolved=resolved, expect=expect,
         )  # fmt: skip
         return Companion(held.tensors, held.stats.total_bytes, held)
 

@@ -49,6 +49,7 @@ from ros.client.reads import FreshReads
 from ros.client.records import HolderRecords
 from ros.client.serving import Serving
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from tensorhub.checksum_kinds import LINEAR
 from tensorhub.errors import (
     DeadlineExceeded,
     HolderBusy,
@@ -123,6 +124,16 @@ class Target:
     def wanted(self) -> list[int]:
         every = range(self.dest.layout.num_chunks)
         return list(every) if self.chunks is None else sorted(set(self.chunks))
+
+
+def result_digests(manifest: pb.Manifest) -> list[int] | None:
+    """The xxh3-64 of every chunk that the delta section of a version under a linear
+    checksum (wsum64) records, which whole readers check as delta readers do (None when it
+    records none: a version without a delta, or under xxh3-64, whose checksums are those)."""
+    digests = manifest.delta.result_xxh3
+    if manifest.checksum not in LINEAR or len(digests) != len(manifest.chunk_xxh3):
+        return None
+    return list(digests)
 
 
 def holder_shard(holder: pb.Holder) -> int | None:
@@ -270,6 +281,7 @@ class Orchestrator:
         suspects: dict[str, BaseException] = {}  # every holder given up on, in any round
         skipped: dict[str, str] = {}  # holders whose endpoints we cannot use: why
         wanted = target.wanted()
+        digests = result_digests(target.manifest)
 
         def one_round() -> None:
             nonlocal candidates
@@ -286,7 +298,7 @@ class Orchestrator:
                 token=tokens, deadline=deadline.work_end, me=me.topology, chunks=wanted,
                 expected=list(target.manifest.chunk_xxh3), tls=me.tls, rate_floor=rate_floor,
                 stats=stats, on_chunk=counter, checksum=target.manifest.checksum,
-                busy=self._busy, readers=self._readers,
+                busy=self._busy, readers=self._readers, digests=digests,
             )  # fmt: skip
             suspects.update(result.failures)
             if result.done:

@@ -92,20 +92,22 @@ class Manifest(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., chunk_size: _Optional[int] = ..., chunk_xxh3: _Optional[_Iterable[int]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., checksum: _Optional[str] = ..., delta: _Optional[_Union[Delta, _Mapping]] = ...) -> None: ...
 
 class Delta(_message.Message):
-    __slots__ = ("base", "encoding", "encoded_bytes", "encoded_xxh3", "base_checksum", "companion")
+    __slots__ = ("base", "encoding", "encoded_bytes", "encoded_xxh3", "base_checksum", "companion", "result_xxh3")
     BASE_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     ENCODED_BYTES_FIELD_NUMBER: _ClassVar[int]
     ENCODED_XXH3_FIELD_NUMBER: _ClassVar[int]
     BASE_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     COMPANION_FIELD_NUMBER: _ClassVar[int]
+    RESULT_XXH3_FIELD_NUMBER: _ClassVar[int]
     base: int
     encoding: str
     encoded_bytes: _containers.RepeatedScalarFieldContainer[int]
     encoded_xxh3: _containers.RepeatedScalarFieldContainer[int]
     base_checksum: _containers.RepeatedScalarFieldContainer[int]
     companion: str
-    def __init__(self, base: _Optional[int] = ..., encoding: _Optional[str] = ..., encoded_bytes: _Optional[_Iterable[int]] = ..., encoded_xxh3: _Optional[_Iterable[int]] = ..., base_checksum: _Optional[_Iterable[int]] = ..., companion: _Optional[str] = ...) -> None: ...
+    result_xxh3: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, base: _Optional[int] = ..., encoding: _Optional[str] = ..., encoded_bytes: _Optional[_Iterable[int]] = ..., encoded_xxh3: _Optional[_Iterable[int]] = ..., base_checksum: _Optional[_Iterable[int]] = ..., companion: _Optional[str] = ..., result_xxh3: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReadKey(_message.Message):
     __slots__ = ("id", "key")
