@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
-from tensorhub.checksum_kinds import KINDS
+from tensorhub.checksum_kinds import KINDS, LINEAR
 from tensorhub.delta_rules import ENCODINGS as DELTA_ENCODINGS
 from tensorhub.delta_rules import WHOLE_RATIO, companion_of
 from tensorhub.errors import InvalidArgument, InvalidManifest
@@ -137,7 +137,8 @@ def _check_manifest(manifest: pb.Manifest) -> None:
 def _check_delta(manifest: pb.Manifest, model: str | None, version: int | None) -> None:
     """A delta section every reader can use: a base before this version, a known encoding,
     one size, digest and base checksum per chunk, each size at most `WHOLE_RATIO` of a chunk
-    (a larger one goes whole, size 0), and the companion model that serves them."""
+    (a larger one goes whole, size 0), under a linear checksum one xxh3-64 of each result
+    chunk (`result_xxh3`; none otherwise), and the companion model that serves them."""
     delta = manifest.delta
     if not 1 <= delta.base <= MAX_VERSION or (version is not None and delta.base >= version):
         raise InvalidManifest(
@@ -154,6 +155,15 @@ def _check_delta(manifest: pb.Manifest, model: str | None, version: int | None) 
             f"delta lists {counts[0]} sizes, {counts[1]} digests and {counts[2]} base "
             f"checksums for {chunks} chunks"
         )
+    results = len(delta.result_xxh3)
+    if manifest.checksum in LINEAR and results != chunks:
+        raise InvalidManifest(
+            f"a delta of a {manifest.checksum} version lists the xxh3-64 of every chunk it "
+            f"makes (a linear checksum alone cannot tell two results apart): {results} for "
+            f"{chunks} chunks"
+        )
+    if manifest.checksum not in LINEAR and results:
+        raise InvalidManifest("result digests belong to the delta of a wsum64 version only")
     bound = int(WHOLE_RATIO * manifest.chunk_size)
     for index, size in enumerate(delta.encoded_bytes):
         if not 0 <= size <= bound:

@@ -128,6 +128,13 @@ def _break_delta(m: pb.Manifest, case: str) -> None:
         d.encoded_bytes[0], d.encoded_xxh3[0] = 0, 0
     elif case == "delta companion of another model":
         d.companion = "other.delta"
+    elif case == "delta of a wsum64 version without result digests":
+        m.checksum = "wsum64"
+    elif case == "delta of a wsum64 version with too few result digests":
+        m.checksum = "wsum64"
+        d.result_xxh3[:] = [1]
+    elif case == "delta result digests under a non-linear checksum":
+        d.result_xxh3[:] = [1, 2]
     else:
         raise AssertionError(case)
 
@@ -142,7 +149,9 @@ CASES = [
     "delta unknown encoding", "delta sizes count", "delta digests count",
     "delta base checksums count", "delta size over the whole ratio", "delta negative size",
     "delta whole chunk with a digest", "delta encodes nothing",
-    "delta companion of another model",
+    "delta companion of another model", "delta of a wsum64 version without result digests",
+    "delta of a wsum64 version with too few result digests",
+    "delta result digests under a non-linear checksum",
 ]  # fmt: skip
 
 
@@ -151,6 +160,9 @@ def test_a_valid_manifest_passes() -> None:
     check_manifest(good(total=8192 + 100, chunk=4096))  # padding after the last tensor
     with_delta = good()
     with_delta.delta.CopyFrom(good_delta(with_delta))
+    check_manifest(with_delta, model="policy", version=2)
+    with_delta.checksum = "wsum64"
+    with_delta.delta.result_xxh3[:] = [7, 8]
     check_manifest(with_delta, model="policy", version=2)
 
 
