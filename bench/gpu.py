@@ -35,6 +35,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from bench.open_verifier import allow_all
 from bench.report import Result, table
 from ros.client.manifest import manifest_of
 from transport.backend import TransportKind
@@ -44,7 +45,7 @@ from transport.layout import Layout
 from transport.outcome import FetchStats
 from transport.planner import Source
 from transport.reader import fetch
-from transport.server import HolderServer, allow_all
+from transport.server import HolderServer
 from transport.store import HeldVersion, HolderStore
 from transport.topology import Topology
 

@@ -46,11 +46,12 @@ from multiprocessing.connection import Connection
 import torch
 
 from bench.iperf import Iperf3
+from bench.open_verifier import allow_all
 from bench.report import Result, table
 from bench.transport_nixl import Nixl
 from transport.layout import Layout
 from transport.reader import DEFAULT_PARALLEL, Source, fetch
-from transport.server import HolderServer, allow_all
+from transport.server import HolderServer
 from transport.store import HeldVersion, HolderStore
 from transport.topology import Topology
 

@@ -39,6 +39,7 @@ from types import TracebackType
 
 import torch
 
+from bench.open_verifier import allow_all
 from tensorhub.errors import IntegrityError, TransportError
 from transport.fetch_state import FetchState
 from transport.layout import Layout
@@ -47,7 +48,6 @@ from transport.nixl.loader import unavailable_reason
 from transport.nixl.reader import NixlReader
 from transport.outcome import ChunkStatus
 from transport.planner import Source
-from transport.server import allow_all
 from transport.store import HeldVersion, HolderStore
 
 Model = Callable[[int], dict[str, torch.Tensor]]

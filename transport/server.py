@@ -67,11 +67,6 @@ def cuda_staging(held: HeldVersion) -> StagingBuffer | None:
     return StagingBuffer.for_tensors(held.layout.chunk_size, held.tensors.values())
 
 
-def allow_all(tenant: str, model: str, version: int, token: bytes) -> bool:
-    """A verifier that accepts every token: for tests and single-user development only."""
-    return True
-
-
 class ChunkSender(Protocol):
     """How the server puts one chunk on the wire: the CHUNK frame for `header` (with
     FLAG_COMPLETE when `complete`), then the payload `views`. Production uses

@@ -20,10 +20,11 @@ import torch
 import torch.distributed as dist
 
 from bench.emu.model import digest, flat, make_model, model_layout
+from bench.open_verifier import allow_all
 from transport.backend import TransportKind
 from transport.layout import Layout
 from transport.reader import DEFAULT_RATE_FLOOR, Source, fetch
-from transport.server import HolderServer, allow_all
+from transport.server import HolderServer
 from transport.store import HeldVersion, HolderStore
 from transport.topology import Topology
 from transport.transports import ReaderBackends

@@ -14,9 +14,10 @@ import torch
 
 from chaos.holder_faults import Fault
 from tests.transport._model import MODEL, TENANT
+from tests.transport.open_verifier import allow_all
 from transport.layout import Layout
 from transport.planner import Source
-from transport.server import HolderServer, allow_all, send_chunk
+from transport.server import HolderServer, send_chunk
 from transport.store import HeldVersion, HolderStore
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,8 +13,9 @@ import threading
 
 from chaos.holder_faults import Fault
 from tests.transport._model import MODEL, TENANT, make_model
+from tests.transport.open_verifier import allow_all
 from transport.layout import Layout
-from transport.server import HolderServer, allow_all, send_chunk
+from transport.server import HolderServer, send_chunk
 from transport.store import HeldVersion, HolderStore
 
 

@@ -21,6 +21,7 @@ import pytest
 from ros.client.serving import Serving
 from tensorhub.errors import DeadlineExceeded, InternalError
 from tests.transport._model import MODEL, TENANT, make_model
+from tests.transport.open_verifier import allow_all
 from transport.backend import HolderBackend, ReaderBackend, TransportKind
 from transport.ipc.channel import IpcTransport
 from transport.ipc.server import IpcControlServer
@@ -29,7 +30,7 @@ from transport.nixl.loader import unavailable_reason as nixl_unavailable
 from transport.rdma.channel import RdmaTransport
 from transport.rdma.control import RdmaControlServer
 from transport.registry import enabled_transports
-from transport.server import HolderServer, allow_all, send_chunk
+from transport.server import HolderServer, send_chunk
 from transport.store import HeldVersion, HolderStore
 from transport.tcp import TcpTransport
 from transport.transports import ReaderBackends

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from tests.transport._model import MODEL, TENANT, make_model
+from tests.transport.open_verifier import allow_all
 from transport.checksums import WSUM64, wsum64, wsum64_reference
 from transport.layout import Layout
 from transport.reader import Source, fetch
-from transport.server import HolderServer, allow_all
+from transport.server import HolderServer
 from transport.store import HeldVersion, HolderStore
 from transport.topology import Topology
 

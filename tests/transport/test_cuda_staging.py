@@ -17,11 +17,12 @@ import torch
 
 from tensorhub.errors import TensorHubError
 from tests.transport._model import MODEL, TENANT, make_model
+from tests.transport.open_verifier import allow_all
 from transport.copies import CudaCopies
 from transport.layout import Layout
 from transport.pipeline import ScatterBehind
 from transport.reader import Source, fetch
-from transport.server import ChunkSender, HolderServer, allow_all, send_chunk
+from transport.server import ChunkSender, HolderServer, send_chunk
 from transport.staging import StagingBuffer
 from transport.store import HeldVersion, HolderStore
 from transport.topology import Topology

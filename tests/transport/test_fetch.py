@@ -17,9 +17,10 @@ from tensorhub.errors import (
 )
 from tests.transport._model import MODEL, TENANT, make_model
 from tests.transport.conftest import StartHolder
+from tests.transport.open_verifier import allow_all
 from transport.layout import Layout
 from transport.reader import FetchStats, Source, fetch, read_round
-from transport.server import HolderServer, allow_all
+from transport.server import HolderServer
 from transport.store import HeldVersion, HolderStore
 from transport.topology import Topology
 

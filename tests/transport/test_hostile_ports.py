@@ -42,12 +42,13 @@ from tests.ros.helpers import digest, make_model
 from tests.ros.test_tls import make_pki
 from tests.transport._model import MODEL, TENANT
 from tests.transport._model import make_model as make_tiny_model
+from tests.transport.open_verifier import allow_all
 from tests.waiting import wait_until
 from transport.layout import Layout
 from transport.netio import arm, recv_views
 from transport.pace import Pace
 from transport.reader import Source, fetch
-from transport.server import PER_PEER, HolderServer, allow_all
+from transport.server import PER_PEER, HolderServer
 from transport.store import HeldVersion, HolderStore
 from transport.topology import Topology
 from transport.wire import (

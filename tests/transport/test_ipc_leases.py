@@ -20,6 +20,7 @@ import torch
 
 from tensorhub.errors import DeadlineExceeded
 from tests.transport._model import MODEL, TENANT, make_model
+from tests.transport.open_verifier import allow_all
 from transport.backend import TransportKind
 from transport.frames import recv_message, send_message
 from transport.ipc.cuda import Export
@@ -41,7 +42,7 @@ from transport.outcome import FetchStats
 from transport.planner import Source
 from transport.rdma.seqlock import epoch_ok
 from transport.reader import read_round
-from transport.server import HolderServer, allow_all
+from transport.server import HolderServer
 from transport.store import HeldVersion, HolderStore
 from transport.topology import Topology
 from transport.transports import ReaderBackends

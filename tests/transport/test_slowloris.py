@@ -25,9 +25,10 @@ from tensorhub.errors import TransportError
 from tests.ros.test_tls import make_pki
 from tests.transport._model import MODEL, TENANT, make_model
 from tests.transport._sockets import WAIT, closed_by_peer, trickle
+from tests.transport.open_verifier import allow_all
 from transport.layout import Layout
 from transport.reader import Source, fetch
-from transport.server import HolderServer, allow_all
+from transport.server import HolderServer
 from transport.store import HeldVersion, HolderStore
 from transport.topology import Topology
 from transport.wire import (

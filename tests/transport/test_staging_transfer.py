@@ -16,12 +16,13 @@ import torch
 
 from tests.transport._later_copies import LaterCopies
 from tests.transport._model import MODEL, TENANT, make_model
+from tests.transport.open_verifier import allow_all
 from transport.fetch_state import FetchState
 from transport.layout import Layout
 from transport.outcome import ChunkOutcome, ChunkStatus
 from transport.planner import Source
 from transport.reader import fetch
-from transport.server import HolderServer, allow_all, send_chunk
+from transport.server import HolderServer, send_chunk
 from transport.staging import StagingBuffer
 from transport.store import HeldVersion, HolderStore
 from transport.tcp import TcpChannel

@@ -27,6 +27,7 @@ from tensorhub.errors import (
 from tests.transport._model import MODEL, TENANT, make_model
 from tests.transport._sockets import closed_by_peer
 from tests.transport.conftest import StartHolder
+from tests.transport.open_verifier import allow_all
 from transport.backend import TransportKind
 from transport.fetch_state import FetchState
 from transport.frames import recv_message, send_message
@@ -45,7 +46,6 @@ from transport.rdma.control import (
 )
 from transport.reader import fetch
 from transport.selection import choose
-from transport.server import allow_all
 from transport.store import HeldVersion, HolderStore
 from transport.topology import Topology
 from transport.transports import ReaderBackends

@@ -23,10 +23,11 @@ import torch
 from chaos.holder_faults import Fault
 from tests.transport._model import MODEL, TENANT, make_model
 from tests.transport.conftest import ROOT, StartHolder
+from tests.transport.open_verifier import allow_all
 from transport.layout import Layout
 from transport.pace import DEFAULT_RATE_FLOOR
 from transport.reader import FetchStats, Source, fetch
-from transport.server import HolderServer, allow_all
+from transport.server import HolderServer
 from transport.store import HeldVersion, HolderStore
 from transport.topology import Topology
 

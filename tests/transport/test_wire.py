@@ -12,9 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.transport._model import MODEL, TENANT, make_model
+from tests.transport.open_verifier import allow_all
 from transport.layout import Layout
 from transport.reader import Source, fetch
-from transport.server import HolderServer, allow_all
+from transport.server import HolderServer
 from transport.store import HeldVersion, HolderStore
 from transport.topology import Topology
 from transport.wire import (
