@@ -215,38 +215,6 @@ class VersionRegistry:
             deadline, admit_model, charge=charge, serial=serial, session_key=session_key,
         )  # fmt: skip
 
-    def publish_shard(
-        self,
-        tenant: str,
-        model: str,
-        version: int,
-        index: int,
-        count: int,
-        manifest: bytes,
-        holder: HolderRecord,
-        *,
-        timeout: float = DEFAULT_TIMEOUT,
-        admit_model: Admit | None = None,
-        budget: Budget | None = None,
-    ) -> Published:
-        """Publish one rank's shard of a model-parallel version, alone (a batch of one:
-        `consistency.shard_commit`, which the hub uses to commit concurrent ranks together).
-
-        The transaction writes the shard record, the rank's holder record and the shard's
-        manifest pages, and counts the shard in the version's counter; the one that counts
-        the last shard moves `latest` (`Published.visible`). A rank that names another shard
-        count than the ranks before it gets `InvalidArgument` and writes nothing; a shard
-        index already published by another holder gets `AlreadyExists`.
-        """
-        entry = self.stage_shard(tenant, model, version, index, count, manifest, holder,
-                                 timeout=timeout)  # fmt: skip
-        outcome = self.shard_committer(
-            tenant, model, version, admit_model=admit_model, budget=budget
-        ).commit([entry])[0]
-        if isinstance(outcome, TensorHubError):
-            raise outcome
-        return outcome
-
     def stage_shard(
         self,
         tenant: str,

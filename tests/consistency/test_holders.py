@@ -25,6 +25,7 @@ from tensorhub.errors import (
     VersionNotFound,
     VersionRetired,
 )
+from tests.consistency.shards import publish_shard
 from tests.consistency.watching import WatchedModel
 
 
@@ -237,7 +238,7 @@ def test_holders_of_a_model_parallel_version_name_their_shard(
 ) -> None:
     ranks = [Session(etcd, ttl=5) for _ in range(2)]
     for i, session in enumerate(ranks):
-        versions.publish_shard("t", "mp", 1, i, 2, f"part{i}".encode(), rec(session, f"rank{i}"))
+        publish_shard(versions, "t", "mp", 1, i, 2, f"part{i}".encode(), rec(session, f"rank{i}"))
     listed, _ = holders.list("t", "mp", 1)
     assert {h.holder: h.shard for h in listed} == {"rank0": 0, "rank1": 1}  # set by publish
     with Session(etcd, ttl=5) as reader:

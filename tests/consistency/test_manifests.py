@@ -46,6 +46,7 @@ from tensorhub.errors import (
     StaleVersion,
     Unavailable,
 )
+from tests.consistency.shards import publish_shard
 from tests.waiting import wait_until
 
 
@@ -198,10 +199,10 @@ def test_limits_are_refused_before_anything_is_written(
     with pytest.raises(ManifestTooLarge, match=f"{len(too_big)} bytes; the limit is"):
         versions.publish("t", "huge", 1, too_big, rec(session.id))
     with pytest.raises(ManifestTooLarge, match=str(MAX_MANIFEST_BYTES)):
-        versions.publish_shard("t", "huge", 1, 0, 2, too_big, rec(session.id))
+        publish_shard(versions, "t", "huge", 1, 0, 2, too_big, rec(session.id))
     for count in (0, MAX_SHARDS + 1):
         with pytest.raises(InvalidArgument, match=f"1 to {MAX_SHARDS} shards"):
-            versions.publish_shard("t", "huge", 1, 0, count, b"p", rec(session.id))
+            publish_shard(versions, "t", "huge", 1, 0, count, b"p", rec(session.id))
     assert _everything(etcd, versions.keys) == []
 
 
@@ -213,7 +214,7 @@ def _publish_shards(
 
     def one(i: int) -> bool:
         holder = rec(session_id, f"rank{i}")
-        published = versions.publish_shard("t", model, 1, i, count, part(i), holder, timeout=60)
+        published = publish_shard(versions, "t", model, 1, i, count, part(i), holder, timeout=60)
         return published.visible
 
     with ThreadPoolExecutor(8) as pool:
@@ -247,12 +248,12 @@ def test_a_version_missing_one_shard_stays_invisible(
 ) -> None:
     count = 200  # more shards than one transaction could compare (the old design's limit)
     for i in range(1, count):
-        assert not versions.publish_shard(
-            "t", "gap", 1, i, count, b"p", rec(session.id, f"r{i}")
+        assert not publish_shard(
+            versions, "t", "gap", 1, i, count, b"p", rec(session.id, f"r{i}")
         ).visible
     assert versions.latest("t", "gap")[0] == 0
     assert versions.versions("t", "gap") == []
-    last = versions.publish_shard("t", "gap", 1, 0, count, b"p", rec(session.id, "r0"))
+    last = publish_shard(versions, "t", "gap", 1, 0, count, b"p", rec(session.id, "r0"))
     assert last.visible
     assert versions.latest("t", "gap")[0] == 1
 
@@ -267,8 +268,16 @@ def test_a_shard_at_the_size_limit_fits_one_transaction_with_the_quota_fence(
     )
     manifest = bytes(range(256)) * (MAX_MANIFEST_BYTES // 256)
     assert len(manifest) == MAX_MANIFEST_BYTES
-    published = versions.publish_shard(
-        "t", "max", 1, 0, 1, manifest, rec(session.id), admit_model=lambda t: quota.admit(t, "max")
+    published = publish_shard(
+        versions,
+        "t",
+        "max",
+        1,
+        0,
+        1,
+        manifest,
+        rec(session.id),
+        admit_model=lambda t: quota.admit(t, "max"),
     )
     assert published.visible
     assert versions.header("t", "max", 1).shards[0].pages == MAX_MANIFEST_PAGES
@@ -343,12 +352,12 @@ def test_a_publish_under_a_dead_session_writes_nothing(
 def test_a_rank_naming_another_shard_count_is_refused_and_writes_nothing(
     etcd: Etcd, versions: VersionRegistry, session: Session
 ) -> None:
-    versions.publish_shard("t", "mix", 1, 0, 2, b"p" * 2048, rec(session.id, "r0"))
+    publish_shard(versions, "t", "mix", 1, 0, 2, b"p" * 2048, rec(session.id, "r0"))
     before = _everything(etcd, versions.keys)
     with pytest.raises(InvalidArgument, match="say 2"):
-        versions.publish_shard("t", "mix", 1, 1, 3, b"q" * 2048, rec(session.id, "r1"))
+        publish_shard(versions, "t", "mix", 1, 1, 3, b"q" * 2048, rec(session.id, "r1"))
     assert _everything(etcd, versions.keys) == before  # its pages too
-    assert versions.publish_shard("t", "mix", 1, 1, 2, b"q", rec(session.id, "r1")).visible
+    assert publish_shard(versions, "t", "mix", 1, 1, 2, b"q", rec(session.id, "r1")).visible
 
 
 def test_versions_written_before_headers_still_read(

@@ -20,6 +20,7 @@ from tensorhub.errors import (
     SessionExpired,
     StaleVersion,
 )
+from tests.consistency.shards import publish_shard
 
 
 def rec(session: int, name: str) -> HolderRecord:
@@ -113,11 +114,11 @@ def test_a_dead_session_in_a_batch_fails_alone_and_leaves_nothing(
         assert etcd.count(keys.manifest_part("t", "dead", 1, index)) == 0  # nothing orphaned
     # A new session publishes the two missing shards and makes the version visible.
     with Session(etcd, ttl=10) as again:
-        assert not versions.publish_shard(
-            "t", "dead", 1, 3, count, b"p3", rec(again.id, "rank3")
+        assert not publish_shard(
+            versions, "t", "dead", 1, 3, count, b"p3", rec(again.id, "rank3")
         ).visible
-        assert versions.publish_shard(
-            "t", "dead", 1, 4, count, b"p4", rec(again.id, "rank4")
+        assert publish_shard(
+            versions, "t", "dead", 1, 4, count, b"p4", rec(again.id, "rank4")
         ).visible
         assert latest(versions, "dead") == 1
     live.close()
@@ -125,7 +126,7 @@ def test_a_dead_session_in_a_batch_fails_alone_and_leaves_nothing(
 
 def test_failures_in_a_batch_are_each_entrys_own(etcd: Etcd, versions: VersionRegistry) -> None:
     with Session(etcd, ttl=10) as session:
-        versions.publish_shard("t", "mix", 1, 0, 4, b"p0", rec(session.id, "rank0"))
+        publish_shard(versions, "t", "mix", 1, 0, 4, b"p0", rec(session.id, "rank0"))
         batch = [
             stage(versions, "mix", 1, 4, session.id),
             stage(versions, "mix", 2, 5, session.id),  # another shard count
@@ -140,12 +141,12 @@ def test_failures_in_a_batch_are_each_entrys_own(etcd: Etcd, versions: VersionRe
         assert not isinstance(outcomes[0], Exception)
         assert not isinstance(outcomes[3], Exception)
         assert latest(versions, "mix") == 0  # shard 2 is still missing
-        last = versions.publish_shard("t", "mix", 1, 2, 4, b"p2", rec(session.id, "rank2"))
+        last = publish_shard(versions, "t", "mix", 1, 2, 4, b"p2", rec(session.id, "rank2"))
         assert last.visible
         assert latest(versions, "mix") == 1
         # A newer version makes what is left of this one stale.
         with pytest.raises(StaleVersion):
-            versions.publish_shard("t", "mix", 1, 9, 10, b"x", rec(session.id, "late"))
+            publish_shard(versions, "t", "mix", 1, 9, 10, b"x", rec(session.id, "late"))
 
 
 def test_a_retried_shard_is_idempotent(etcd: Etcd, versions: VersionRegistry) -> None:
@@ -153,13 +154,13 @@ def test_a_retried_shard_is_idempotent(etcd: Etcd, versions: VersionRegistry) ->
     first write's revision, and the second attempt's pages are deleted."""
     paged = b"r" * (PAGE_BYTES + 1)
     with Session(etcd, ttl=10) as session:
-        first = versions.publish_shard("t", "retry", 1, 0, 2, paged, rec(session.id, "rank0"))
-        again = versions.publish_shard("t", "retry", 1, 0, 2, paged, rec(session.id, "rank0"))
+        first = publish_shard(versions, "t", "retry", 1, 0, 2, paged, rec(session.id, "rank0"))
+        again = publish_shard(versions, "t", "retry", 1, 0, 2, paged, rec(session.id, "rank0"))
         assert again.revision == first.revision
         assert not again.visible
         part = versions.keys.manifest_part("t", "retry", 1, 0)
         assert etcd.count(part) == 2  # the first write's two pages; the retry's are gone
-        assert versions.publish_shard("t", "retry", 1, 1, 2, b"p1", rec(session.id, "r1")).visible
+        assert publish_shard(versions, "t", "retry", 1, 1, 2, b"p1", rec(session.id, "r1")).visible
         assert versions.manifest("t", "retry", 1, 0) == paged
 
 
@@ -203,19 +204,19 @@ def test_a_restarted_rank_holds_the_shard_its_dead_predecessor_committed(
     same shard with other bytes is still refused."""
     paged = b"q" * (PAGE_BYTES + 3)
     dead = Session(etcd, ttl=10)
-    versions.publish_shard("t", "again", 1, 0, 2, paged, rec(dead.id, "rank0"))
+    publish_shard(versions, "t", "again", 1, 0, 2, paged, rec(dead.id, "rank0"))
     dead.close()  # killed: its holder record goes with its lease
     keys = versions.keys
     assert etcd.get(keys.holder("t", "again", 1, "rank0"))[0] is None
     with Session(etcd, ttl=10) as restarted:
-        again = versions.publish_shard("t", "again", 1, 0, 2, paged, rec(restarted.id, "rank0"))
+        again = publish_shard(versions, "t", "again", 1, 0, 2, paged, rec(restarted.id, "rank0"))
         assert not again.visible
         holder, _ = etcd.get(keys.holder("t", "again", 1, "rank0"))
         assert holder is not None
         assert holder.lease == restarted.id
         assert etcd.count(keys.manifest_part("t", "again", 1, 0)) == 2  # its new pages: gone
         with pytest.raises(AlreadyExists):
-            versions.publish_shard("t", "again", 1, 0, 2, b"other", rec(restarted.id, "rank0"))
-        last = versions.publish_shard("t", "again", 1, 1, 2, b"p1", rec(restarted.id, "rank1"))
+            publish_shard(versions, "t", "again", 1, 0, 2, b"other", rec(restarted.id, "rank0"))
+        last = publish_shard(versions, "t", "again", 1, 1, 2, b"p1", rec(restarted.id, "rank1"))
         assert last.visible  # counted once: the second shard completes it
         assert versions.manifest("t", "again", 1, 0) == paged

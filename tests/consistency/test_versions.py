@@ -9,6 +9,7 @@ import pytest
 
 from consistency import Etcd, HolderRecord, HolderRegistry, Session, VersionRegistry
 from tensorhub.errors import InvalidArgument, StaleVersion, VersionNotFound
+from tests.consistency.shards import publish_shard
 
 
 @pytest.fixture
@@ -94,16 +95,13 @@ def test_model_parallel_latest_moves_with_the_last_shard(
     sessions = [Session(etcd, ttl=5) for _ in range(4)]
     results = []
     for index in (2, 0, 3):
-        results.append(
-            versions.publish_shard(
-                "t", "mp", 1, index, 4, f"part{index}".encode(), rec(sessions[index], f"r{index}")
-            )
-        )
+        part, holder = f"part{index}".encode(), rec(sessions[index], f"r{index}")
+        results.append(publish_shard(versions, "t", "mp", 1, index, 4, part, holder))
         assert versions.latest("t", "mp")[0] == 0, "latest moved before every shard landed"
         with pytest.raises(VersionNotFound):
             versions.describe("t", "mp", 1)
     assert not any(r.visible for r in results)
-    last = versions.publish_shard("t", "mp", 1, 1, 4, b"part1", rec(sessions[1], "r1"))
+    last = publish_shard(versions, "t", "mp", 1, 1, 4, b"part1", rec(sessions[1], "r1"))
     assert last.visible
     assert versions.latest("t", "mp")[0] == 1
     info = versions.describe("t", "mp", 1)
@@ -120,7 +118,7 @@ def test_model_parallel_concurrent_ranks(versions: VersionRegistry, etcd: Etcd) 
 
     def rank(i: int) -> None:
         barrier.wait()
-        p = versions.publish_shard("t", "mpc", 1, i, 4, b"p", rec(sessions[i], f"r{i}"))
+        p = publish_shard(versions, "t", "mpc", 1, i, 4, b"p", rec(sessions[i], f"r{i}"))
         visible.append(p.visible)
 
     threads = [threading.Thread(target=rank, args=(i,)) for i in range(4)]
@@ -136,7 +134,7 @@ def test_model_parallel_concurrent_ranks(versions: VersionRegistry, etcd: Etcd) 
 
 def test_shard_index_out_of_range(versions: VersionRegistry, session: Session) -> None:
     with pytest.raises(InvalidArgument):
-        versions.publish_shard("t", "m", 1, 4, 4, b"x", rec(session))
+        publish_shard(versions, "t", "m", 1, 4, 4, b"x", rec(session))
 
 
 def test_retention_keeps_the_newest_n(versions: VersionRegistry, session: Session) -> None:
