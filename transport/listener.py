@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Self, TypedDict, TypeVar, Unpack
 from tensorhub.errors import TransportError
 from transport.admission import Admission, Conn
 from transport.frames import framed, recv_message, send_message
+from transport.store import HeldVersion, Key
+from transport.verifier import Refused, lookup
 from transport.wire import ErrorCode
 
 if TYPE_CHECKING:
@@ -183,8 +185,9 @@ class ControlServer(Listener):
     """The control port of a holder backend that hands out access to held memory (RDMA,
     CUDA IPC, NIXL): it serves from `store`, and each request passes `verifier`
     (`transport.verifier.lookup`) before anything is shared. Subclasses speak their own
-    hand-shake in `serve`, after reading its request with `request`, and encode their own
-    refusals (`refusal`, which also makes the BUSY answer)."""
+    hand-shake in `serve`, after reading its request with `request` and the version it names
+    with `offered`, and encode their own refusals (`refusal`, which also makes the BUSY
+    answer)."""
 
     def __init__(
         self,
@@ -223,3 +226,21 @@ class ControlServer(Listener):
             return None
         self.admission.answering(record)
         return request
+
+    def offered(
+        self, record: Conn, key: Key, token: bytes, digest: int, *, on_cuda: str = ""
+    ) -> HeldVersion | None:
+        """The version `key` names, if `token` passes (`transport.verifier.lookup`) and this
+        backend offers it: COMPLETE here and, when `on_cuda` says why not, in host memory
+        (else NOT_READY: read it over tcp). None once the refusal is sent. An accepted token
+        authenticates the connection: it is never evicted from then on."""
+        found = lookup(self._store, self._verifier, key, token, digest)
+        if isinstance(found, HeldVersion) and (not found.complete or (on_cuda and found.on_cuda)):
+            why = "PARTIAL here" if not found.complete else on_cuda
+            message = f"{key[1]}@{key[2]} is {why}: read over tcp"
+            found = Refused(ErrorCode.NOT_READY, message, token_ok=True)
+        if isinstance(found, Refused):
+            self.refuse(record.sock, found.code, found.message)
+            return None
+        self.admission.authenticated(record)
+        return found

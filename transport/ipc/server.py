@@ -38,7 +38,7 @@ from transport.ipc.protocol import (
 )
 from transport.listener import ControlServer, PortLimits
 from transport.store import HeldVersion, HolderStore
-from transport.verifier import Refused, Verifier, lookup
+from transport.verifier import Verifier
 from transport.wire import ErrorCode
 
 LEASE_IDLE = 30.0  # the longest a reader may take between reports before its lease ends
@@ -93,12 +93,11 @@ class IpcControlServer(ControlServer):
         req = self.request(record, IpcRequest.decode, MAX_REQUEST_BYTES)
         if req is None:
             return
-        conn = record.sock
-        found = self._check(req)
-        if not isinstance(found, HeldVersion):
-            self.refuse(conn, found.code, found.message)
+        key = (req.tenant, req.model, req.version)
+        found = self.offered(record, key, req.token, req.layout_digest)
+        if found is None:
             return
-        self.admission.authenticated(record)  # a valid token: never evicted from here on
+        conn = record.sock
         try:
             with found.reading():  # counted until the lease ends: release waits for it
                 try:
@@ -124,14 +123,6 @@ class IpcControlServer(ControlServer):
             self.refuse(conn, ErrorCode.RELEASED, str(exc))
         except TransportError as exc:
             self.refuse(conn, ErrorCode.BAD_REQUEST, str(exc))
-
-    def _check(self, req: IpcRequest) -> Refused | HeldVersion:
-        key = (req.tenant, req.model, req.version)
-        found = lookup(self._store, self._verifier, key, req.token, req.layout_digest)
-        if isinstance(found, HeldVersion) and not found.complete:
-            why = f"{req.model}@{req.version} is PARTIAL here: read over tcp"
-            return Refused(ErrorCode.NOT_READY, why, token_ok=True)
-        return found
 
     def _probe(self, held: HeldVersion) -> int:
         """wsum64 of chunk 0 of `held`, computed once per held version."""

@@ -47,7 +47,6 @@ from transport.nixl.protocol import (
     GO,
     MAX_REQUEST_BYTES,
     NixlOffer,
-    NixlRequest,
     decode_op,
     decode_request,
     encode_offer,
@@ -189,12 +188,12 @@ class NixlHolder(ControlServer):
         req = self.request(record, decode_request, MAX_REQUEST_BYTES)
         if req is None:
             return
-        conn = record.sock
-        found = self._check(req)
-        if isinstance(found, Refused):
-            self.refuse(conn, found.code, found.message)
+        key = (req.tenant, req.model, req.version)
+        on_cuda = "in GPU memory (not served yet)"
+        found = self.offered(record, key, req.token, req.layout_digest, on_cuda=on_cuda)
+        if found is None:
             return
-        self.admission.authenticated(record)  # a valid token: never evicted from here on
+        conn = record.sock
         try:
             reg = self._register(found)
         except VersionUnavailable as exc:
@@ -205,17 +204,6 @@ class NixlHolder(ControlServer):
             return
         send_message(conn, encode_offer(self._offer(reg)))
         self._session(conn, reg)
-
-    def _check(self, req: NixlRequest) -> HeldVersion | Refused:
-        """The version `req` names if its token is accepted (`transport.verifier.lookup`)
-        and it can be offered."""
-        key = (req.tenant, req.model, req.version)
-        held = lookup(self._store, self._verifier, key, req.token, req.layout_digest)
-        if isinstance(held, HeldVersion) and (not held.complete or held.on_cuda):
-            why = "PARTIAL here" if not held.complete else "in GPU memory (not served yet)"
-            message = f"{req.model}@{req.version} is {why}: read over tcp"
-            return Refused(ErrorCode.NOT_READY, message, token_ok=True)
-        return held
 
     def _register(self, held: HeldVersion) -> _Registration:
         with self._lock:

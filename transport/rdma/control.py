@@ -41,7 +41,7 @@ from transport.rdma.descriptor import (
     encode_descriptor,
 )
 from transport.store import HeldVersion, HolderStore
-from transport.verifier import Refused, Verifier, lookup
+from transport.verifier import Verifier
 from transport.wire import ErrorCode, Refusal
 
 MAX_REQUEST_BYTES = 64 * 1024
@@ -174,22 +174,12 @@ class RdmaControlServer(ControlServer):
         if req is not None:
             self._answer(record.sock, req, record)
 
-    def _refuse(self, req: RdmaRequest) -> Refused | HeldVersion:
-        key = (req.tenant, req.model, req.version)
-        held = lookup(self._store, self._verifier, key, req.token, req.layout_digest)
-        if isinstance(held, HeldVersion) and (not held.complete or held.on_cuda):
-            why = "PARTIAL here" if not held.complete else "on CUDA (RDMA serves CPU memory)"
-            message = f"{req.model}@{req.version} is {why}: read over tcp"
-            return Refused(ErrorCode.NOT_READY, message, token_ok=True)
-        return held
-
     def _answer(self, conn: socket.socket, req: RdmaRequest, record: Conn) -> None:
-        found = self._refuse(req)
-        if not isinstance(found, HeldVersion):
-            self.refuse(conn, found.code, found.message)
+        key = (req.tenant, req.model, req.version)
+        on_cuda = "on CUDA (RDMA serves CPU memory)"
+        held = self.offered(record, key, req.token, req.layout_digest, on_cuda=on_cuda)
+        if held is None:
             return
-        self.admission.authenticated(record)  # a valid token: never evicted from here on
-        held = found
         try:
             with held.reading():  # counted until this reader's queue pair is gone
                 exporter = self._enter(held)
