@@ -4,9 +4,10 @@ Depends only on etcd (through python3-etcd3's generated stubs) and the shared `t
 error tree; never on `transport` or `ros`.
 
 The names below are imported when first used (PEP 562), not with the package: the SDK
-imports `consistency.retry`, `consistency.floor` and `consistency.events`, none of which
-needs the etcd client or the embedded etcd launcher, and a package that loaded them all
-would make every `import ros` load both.
+imports a few of its modules (`retry`, `reopen`, `stream`, `floor`, `records`, `events`),
+none of which needs the etcd client or the embedded etcd launcher, and a package that
+loaded every registry would make every `import ros` load both
+(tests/ros/test_sdk_imports.py).
 """
 
 from __future__ import annotations
