@@ -3,20 +3,20 @@
 Every retry loop of TensorHub is a `RetryPolicy` (tenacity's own stop and wait objects
 underneath, the model being kazoo's `KazooRetry`: tries, backoff, jitter, deadline, and a
 sleep and a clock that tests replace): `Etcd.call` and `Etcd.call_member` (each etcd
-request), `WatchMux` and `HubWatch` (reopening a broken stream, through `StreamPump._pump`),
-the SDK's fresh reads (`ros.client.reads.FreshReads.fresh`: an answer older than the
-revision floor), its other unary calls (`ros.client.rpc.UNARY_POLICY`), `OpenSession` at
-connect (`ros.client.session.OPEN_POLICY`), the session's recovery after a loss
-(`OpenSession` and re-registration, `ros.client.session.RECOVERY_POLICY`: every failure,
-until closed), the resend of a `Publish` read back as absent
-(`ros.client.publishing.PUBLISH_RESEND`), the waits of the SDK's and the hub's lease
-keepalive streams (`ros.client.lease`, `consistency.keepalive`: `delay`), and the
-compare-and-set loops of `consistency.holders`, `consistency.publishing`,
-`consistency.deletion`, `consistency.versions`, `ros.hub.rpc_sessions` and
-`ros.hub.holder_index` (`RetryPolicy.compare_and_set`). gRPC's own `retryPolicy` is not
-used: one layer per call (docs/design-notes.md, "One retry layer"). Every named policy is
-defined once, at the end of this module; a loop with a predicate of its own (`retry_on` over
-a module's private error) keeps its policy next to that predicate.
+request), every long-lived stream (`consistency.reopen.keep_open`: the watches `WatchMux`
+and `HubWatch`, and the SDK's and the hub's lease keepalives, `ros.client.lease` and
+`consistency.keepalive`), the SDK's fresh reads (`ros.client.reads.FreshReads.fresh`: an
+answer older than the revision floor), its other unary calls (`ros.client.rpc.UNARY_POLICY`),
+`OpenSession` at connect (`ros.client.session.OPEN_POLICY`), the session's recovery after a
+loss (`OpenSession` and re-registration, `ros.client.session.RECOVERY_POLICY`: every
+failure, until closed), the resend of a `Publish` read back as absent
+(`ros.client.publishing.PUBLISH_RESEND`), and the compare-and-set loops of
+`consistency.holders`, `consistency.publishing`, `consistency.deletion`,
+`consistency.versions`, `ros.hub.rpc_sessions` and `ros.hub.holder_index`
+(`RetryPolicy.compare_and_set`). gRPC's own `retryPolicy` is not used: one layer per call
+(docs/design-notes.md, "One retry layer"). Every named policy is defined once, at the end of
+this module; a loop with a predicate of its own (`retry_on` over a module's private error)
+keeps its policy next to that predicate.
 
 **What is retried** (`is_retryable`): a failure after which another try, on another etcd
 member or hub replica or a moment later, may succeed, and repeats nothing harmful.
@@ -167,8 +167,8 @@ class RetryPolicy:
 
     def delay(self, attempt: int, exc: BaseException | None = None) -> float:
         """The wait after try `attempt` (1 for the first) failed with `exc`, not clamped:
-        what the loop's tenacity wait answers, for loops that wait on their own (the
-        keepalive stream's reopening, the read token's renewal)."""
+        what the loop's tenacity wait answers, for loops that wait on their own (a stream's
+        reopening, `consistency.reopen`; the read token's renewal)."""
         state = tenacity.RetryCallState(tenacity.Retrying(), None, (), {})
         state.attempt_number = attempt
         return self._backoff(exc)(state)
