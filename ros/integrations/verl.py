@@ -14,24 +14,39 @@ This backend replaces the broadcast group with the hub:
   version, `latest() + 1`, so versions stay monotonic across restarts of a run on one tenant;
   `build_topology` hands that version to every worker, so each rollout fetches exactly the
   version this update publishes (never the previous one, if it looked before the publish).
-- `send_weights` on rank 0 copies the `(name, tensor)` stream into contiguous host tensors it
-  owns (the stream's tensors are transient: FSDP gathers each one and frees it), and publishes
-  them as one version; the other actor ranks only walk the stream (producing it is collective
-  over the actor group). Memory: one host copy of the full model on rank 0, reused from one
+- `send_weights` on every actor rank, with verl's FSDP2 actor (`shards`, on by default):
+  each rank publishes its own shard of the FSDP state, the DTensors verl's training engine
+  holds, as its shard of the version (`ros.integrations.verl_ranks`), and the ranks' shards
+  reach the hub in one call per version over the actor ranks' process group (`group`, on
+  by default; off: one call per rank). verl hands `send_weights` a generator that
+  all-gathers each tensor as it is walked; `ros.integrations.verl_shards` hooks verl's FSDP
+  engine so that the generator also carries the DTensor state dict behind it, and the
+  generator is closed unwalked: nothing is gathered, to rank 0 or anywhere. **Memory on
+  each actor rank: a host copy of its own shard** (the parameters are live: the next
+  optimizer step changes them, while the version must stay as published), reused from one
   version to the next once the previous publication is released.
-- `receive_weights` waits for the version (a `versions_only` watch, deadline-bound), releases
-  the previous version it held, fetches the new one into that same memory and only then yields
-  `(name, tensor)` pairs: a fetch that fails yields nothing, so the engine never loads a mix
-  of two versions. What it fetched stays served to the other rollouts until the next update.
+- Any other stream (verl's Megatron engine, LoRA, QAT, `shards=False`): actor rank 0 copies
+  the `(name, tensor)` stream into contiguous host tensors it owns (the stream's tensors are
+  transient: FSDP gathers each one and frees it), and publishes them as one version; the
+  other actor ranks only walk the stream (producing it is collective over the actor group).
+  Memory: one host copy of the full model on rank 0.
+- `receive_weights` waits for the version (a `versions_only` watch, deadline-bound), then
+  reads it into the memory of the version before and only then yields `(name, tensor)`
+  pairs: a fetch that fails yields nothing, so the engine never loads a mix of two versions.
+  A version of shards is read by `fetch_slices`, each global tensor whole from the shards
+  that hold its blocks (the rollout is no holder of it: the actor ranks serve it); a whole
+  version is fetched, and stays served to the other rollouts until the next update.
 - Every wait has a deadline (`timeout`), and every failure is a named `tensorhub` error.
-- Delta versions (`delta`, on by default): rank 0 publishes with `delta=True`, keeping a copy
-  of what it published (`base_copy`: "host" memory by default) so that each next version is
-  also published as its changes, and each rollout fetches into the memory of the version it
-  held, so it reads only those changes (checked against the base chunk by chunk, verified
-  after, whole where a check fails). **Memory: one more host copy of the full model on actor
-  rank 0** (beside its staging copy), plus the encoded changes while they are served; the
-  rollouts need none (their own copy is the base). `delta=False` keeps no copy and reads
-  every version whole.
+- Delta versions (`delta`, on by default): the publishing ranks publish with `delta=True`,
+  keeping a copy of what they published (`base_copy`: "host" memory by default) so that
+  each next version is also published as its changes, shard by shard, and each rollout
+  reads only those changes (checked against the base chunk by chunk, verified after, whole
+  where a check fails). **Memory: one more host copy of what the rank published**: its own
+  shard on each actor rank (the full model on rank 0 for a gathered stream), plus the
+  encoded changes while they are served. A rollout of a whole version needs none (its own
+  copy is the base); one of a version of shards keeps a staging copy of each source shard
+  as the base of the next read (`fetch_slices(delta=True)`: one more copy of the model).
+  `delta=False` keeps no copy and reads every version whole.
 
 In verl's config (engine kwargs reach the constructor; the module is imported on every worker
 before the backend is built):
@@ -40,6 +55,12 @@ before the backend is built):
     actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=ros.integrations.verl
     +actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.tensorhub.hub=10.0.0.1:7600
     +actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.tensorhub.model=policy
+
+`shards=False` (`...engine_kwargs.tensorhub.shards=false`) turns the per-rank publish off,
+and `group=False` sends one hub call per actor rank instead of one per version. The hook
+into verl's FSDP engine is checked against verl's version when an actor's engine is built
+(`ros.integrations.verl_shards.VERL_VERSIONS`): another verl fails there, loudly, until it
+is checked or `shards=False` is passed.
 
 `hub`, `tenant` and `token` default to `TENSORHUB_HUB`, `TENSORHUB_TENANT` and
 `TENSORHUB_TOKEN` in the workers' environment (keep the token out of the config).
@@ -57,17 +78,25 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Seq
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 
 import ros
 from consistency.events import EventKind
 from ros.client.handles import Held, Publication
 from ros.client.hub import Hub
+from ros.client.manifest import placement_of
+from ros.client.slices import Slice, SliceFetch
+from ros.integrations import verl_shards
+from ros.integrations.verl_ranks import RankPublish, publish_shard
+from ros.integrations.verl_shards import ShardedParams
+from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import (
     DeadlineExceeded,
     InvalidArgument,
     RetentionViolation,
 )
+from transport.layout import torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -105,12 +134,13 @@ class TensorHubCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl
     """verl checkpoint engine that moves each weight update through TensorHub.
 
     Built by verl with `bucket_size` (unused: the hub chunks versions itself) and, on actor
-    workers, `is_master` (True on actor rank 0, the one publisher); every other argument comes
-    from `checkpoint_engine.engine_kwargs.tensorhub` (`delta=False` turns delta versions off:
-    no base copy on rank 0, whole fetches). One hub client per engine (per worker
-    process), opened on first use and kept across updates so that what it holds stays served;
-    `client`, when given (code that builds the engine itself, tests), is used instead and left
-    open by `close()`.
+    workers, `is_master` (True on actor rank 0, which picks each version; given at all: an
+    actor); every other argument comes from `checkpoint_engine.engine_kwargs.tensorhub`
+    (`delta=False` turns delta versions off: no base copies, whole fetches; `shards` and
+    `group`: the module docstring). One hub client per engine (per worker process), opened
+    on first use and kept across updates so that what it holds stays served; `client`, when
+    given (code that builds the engine itself, tests), is used instead and left open by
+    `close()`.
     """
 
     wire_format = "named_tensors"
@@ -118,7 +148,7 @@ class TensorHubCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl
     def __init__(
         self,
         bucket_size: int = 0,
-        is_master: bool = False,
+        is_master: bool | None = None,
         *,
         hub: str | Sequence[str] | None = None,
         tenant: str | None = None,
@@ -132,10 +162,16 @@ class TensorHubCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl
         spill_budget: int | None = None,
         delta: bool = True,
         base_copy: str = "host",
+        shards: bool = True,
+        group: bool = True,
         client: Hub | None = None,
     ) -> None:
         self.bucket_size = bucket_size
-        self.is_master = is_master
+        self.is_master = bool(is_master)
+        self.shards = bool(shards)  # every actor rank publishes its own shard (FSDP2)
+        self.group = bool(group)  # ... in one hub call per version over the actor ranks
+        if self.shards and is_master is not None:  # an actor: hook verl's FSDP engine
+            verl_shards.install()
         self.model = model
         self.timeout = float(timeout)
         self.delta = bool(delta)  # publish (rank 0) and apply (rollouts) delta versions
@@ -166,6 +202,8 @@ class TensorHubCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl
         # because releasing them would have dropped a retained version (retried each update)
         self.publication: Publication | None = None
         self.held: Held | None = None
+        self.sliced: dict[str, torch.Tensor] | None = None  # a version of shards, read whole
+        self.read: SliceFetch | None = None  # what reading it took (`SliceFetch.deltas`)
         self._kept: list[Publication | Held] = []
         self.last_version = 0
 
@@ -227,7 +265,7 @@ class TensorHubCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl
         if role not in (ACTOR, ROLLOUT):
             raise InvalidArgument(f"tensorhub checkpoint engine: unknown role {role!r}")
         self.role, self.rank, self.version = role, int(rank), int(version)
-        if role == ROLLOUT or self.is_master:
+        if role == ROLLOUT or self.is_master or self.shards:
             _ = self.hub
 
     def finalize(self) -> None:
@@ -238,10 +276,14 @@ class TensorHubCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl
     async def send_weights(
         self, weights: Weights, global_steps: int | None = None
     ) -> dict[str, float]:
-        """Publish the stream as this update's version (actor rank 0), or walk it (other
-        actor ranks). Returns verl's per-sync metrics, merged into the trainer's."""
+        """Publish this rank's shard of the version (every actor rank, from verl's FSDP2
+        engine: `ShardedParams`), or publish the stream as this update's version (actor rank
+        0; the other actor ranks walk it). Returns verl's per-sync metrics, merged into the
+        trainer's: actor rank 0's (its own shard's, for a version of shards)."""
         if self.role == ROLLOUT:
             raise InvalidArgument("tensorhub checkpoint engine: a rollout worker cannot send")
+        if self.shards and isinstance(weights, ShardedParams):
+            return await self._send_shard(weights, global_steps)
         if not self.is_master:
             async for _ in _items(weights):
                 pass
@@ -277,14 +319,14 @@ class TensorHubCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl
         until the next update: read them, do not change them."""
         if self.role == ACTOR or self.is_master:
             raise InvalidArgument("tensorhub checkpoint engine: an actor worker cannot receive")
-        held = await asyncio.to_thread(self._receive, self.version)
-        for name, tensor in held.tensors.items():
+        tensors = await asyncio.to_thread(self._receive, self.version)
+        for name, tensor in tensors.items():
             yield name, tensor
 
     def close(self) -> None:
         """Stop serving everything (forced: the worker is going away) and close the client."""
         handles = [*self._kept, self.publication, self.held]
-        self._kept, self.publication, self.held = [], None, None
+        self._kept, self.publication, self.held, self.sliced = [], None, None, None
         try:
             for handle in handles:
                 if handle is not None and not handle.released:
@@ -296,6 +338,42 @@ class TensorHubCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl
                 hub.close()
 
     # -- sending ------------------------------------------------------------------------
+
+    async def _send_shard(
+        self, weights: ShardedParams, global_steps: int | None
+    ) -> dict[str, float]:
+        """Every actor rank: publish its own shard of the DTensor state dict behind verl's
+        stream, which is closed unwalked (nothing gathered)."""
+        start = time.monotonic()
+        deadline = start + self.timeout
+        state = weights.state()
+        weights.close()
+        reuse = await asyncio.to_thread(self._free_publication)
+        group = dist.group.WORLD if self.group else None
+        done: RankPublish = await asyncio.to_thread(
+            publish_shard, self.hub, self.model, self.version, state, reuse, group=group,
+            delta=self.delta, base_copy=self.base_copy, deadline=deadline,
+        )  # fmt: skip
+        self.publication = done.publication
+        self.last_version = done.version
+        companion = None if done.publication is None else done.publication.companion
+        encoded = 0 if companion is None else sum(t.nbytes for t in companion.tensors.values())
+        seconds = time.monotonic() - start
+        log.info(
+            "published shard %s of %s@%d (%.1f MiB, its delta %.1f MiB, base copies %.1f MiB, "
+            "global step %s) in %.2fs", done.shard, self.model, done.version,
+            done.staged_bytes / 2**20, encoded / 2**20, done.base_bytes / 2**20, global_steps,
+            seconds,
+        )  # fmt: skip
+        if not self.is_master:
+            return {}  # verl merges the ranks' metrics: rank 0's stand for the update
+        return {
+            "tensorhub/version": float(done.version),
+            "tensorhub/send_s": seconds,
+            "tensorhub/send_mb": done.staged_bytes / 2**20,  # this rank's shard
+            "tensorhub/delta_mb": encoded / 2**20,
+            "tensorhub/shards": float(0 if done.shard is None else done.shard[1]),
+        }
 
     def _free_publication(self) -> dict[str, torch.Tensor]:
         """Release the previous publication and return its memory for reuse ({} if it has
@@ -349,16 +427,27 @@ class TensorHubCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl
 
     # -- receiving ----------------------------------------------------------------------
 
-    def _receive(self, version: int | None) -> Held:
+    def _receive(self, version: int | None) -> dict[str, torch.Tensor]:
         """Wait for `version` (without a topology: any version newer than the last one
-        received), free the previous one's memory and fetch into it, within the deadline:
+        received), free the previous one's memory and read into it, within the deadline:
         that memory holds the previous version, so a delta version moves only its changes
-        (`self.held.delta` says what they were)."""
+        (`self.held.delta` says what they were, for a whole version)."""
         deadline = time.monotonic() + self.timeout
         hub = self.hub
         wanted = self._wait_for(hub, version, deadline)
         self._retry_kept()
         staging = self._free_held()
+        if staging is None and self.sliced is not None:
+            staging = self.sliced
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise DeadlineExceeded(f"{self.model}@{wanted}: no time left to fetch")
+        resolved = hub.resolve(self.model, wanted, timeout=remaining)
+        if resolved.shards:
+            self.sliced = self._read_sliced(hub, wanted, resolved, staging or {}, deadline)
+            self.last_version = wanted
+            return self.sliced
+        self.sliced = None
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise DeadlineExceeded(f"{self.model}@{wanted}: no time left to fetch")
@@ -374,7 +463,38 @@ class TensorHubCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl
             )  # fmt: skip
         self.held = held
         self.last_version = held.version
-        return held
+        return held.tensors
+
+    def _read_sliced(
+        self,
+        hub: Hub,
+        version: int,
+        resolved: pb.ResolveResponse,
+        reuse: Mapping[str, torch.Tensor],
+        deadline: float,
+    ) -> dict[str, torch.Tensor]:
+        """Read every global tensor of a version of shards whole (`fetch_slices`), into
+        `reuse`'s memory where name, shape and dtype match (the version before: its delta
+        then moves only the changes)."""
+        wanted: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        for manifest in resolved.shards:
+            for entry in manifest.tensors:
+                glob, _ = placement_of(entry)
+                wanted[entry.name] = (glob, torch_dtype(entry.dtype))
+        tensors: dict[str, torch.Tensor] = {}
+        for name, (shape, dtype) in wanted.items():
+            target = reuse.get(name)
+            if target is None or tuple(target.shape) != shape or target.dtype != dtype:
+                target = torch.empty(shape, dtype=dtype)
+            tensors[name] = target
+        slices = {n: Slice(t, [0] * t.dim(), list(t.shape)) for n, t in tensors.items()}
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise DeadlineExceeded(f"{self.model}@{version}: no time left to fetch")
+        self.read = hub.fetch_slices(
+            self.model, version, slices=slices, timeout=remaining, delta=self.delta
+        )
+        return tensors
 
     def _wait_for(self, hub: Hub, version: int | None, deadline: float) -> int:
         """Block until `version` (or, if None, one newer than the last received) is
