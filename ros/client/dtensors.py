@@ -27,8 +27,10 @@ part of the tensor is not one block), a local tensor whose shape is not the deri
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -36,10 +38,17 @@ import torch.distributed as dist
 from ros.client.manifest import Placements
 from tensorhub.errors import InvalidArgument
 
-try:  # public since torch 2.5
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-except ImportError:  # pragma: no cover - the floor (2.7) has them
-    DTensor = None  # type: ignore[assignment,misc]
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+
+def _dtensor() -> type[DTensor] | None:
+    """DTensor's class if `torch.distributed.tensor` is loaded, else None: no tensor is a
+    DTensor before that module is imported, and importing it costs every publisher a second
+    or more (16 ranks starting at once on 2 cores: about 8 s before the first publish)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else cast("type[DTensor]", module.DTensor)
+
 
 Order = Sequence[tuple[int, Sequence[int]]]  # (tensor dim, the mesh dims splitting it, in turn)
 
@@ -57,7 +66,8 @@ class RankShard:
 
 def has_dtensors(tensors: Mapping[str, object]) -> bool:
     """Whether any value is a DTensor (then `rank_shard` derives the publish)."""
-    return DTensor is not None and any(isinstance(t, DTensor) for t in tensors.values())
+    dtensor = _dtensor()
+    return dtensor is not None and any(isinstance(t, dtensor) for t in tensors.values())
 
 
 def chunk(size: int, parts: int, index: int) -> tuple[int, int]:
@@ -97,7 +107,9 @@ class _Spec:
 
 def _spec(name: str, tensor: torch.Tensor, everyone: torch.Tensor) -> _Spec:
     """The `_Spec` of a DTensor (or of a plain tensor: whole, replicated over `everyone`)."""
-    if DTensor is None or not isinstance(tensor, DTensor):
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(tensor, DTensor):
         return _Spec(tuple(tensor.shape), everyone, (), (0,))
     mesh = tensor.device_mesh
     split: dict[int, list[int]] = {}
@@ -151,6 +163,8 @@ def _unravel(flat: int, shape: Sequence[int]) -> tuple[int, ...]:
 def rank_shard(tensors: Mapping[str, torch.Tensor], rank: int | None = None) -> RankShard:
     """What rank `rank` (default: this process's global rank) publishes of a state dict
     with DTensors (module docstring): its local tensors, their placements, its shard."""
+    from torch.distributed.tensor import DTensor
+
     if rank is None:
         if not dist.is_initialized():
             raise InvalidArgument("DTensors need torch.distributed initialized on this rank")
