@@ -41,10 +41,18 @@ def test_shards_bursts_smoke() -> None:
     shard and not before, every revision is counted."""
     from bench.scale import shards
 
-    out = shards.run(shards=8, ranks=6, inflight=4, replicas=(2,), workers=2, singles=2)
-    assert [(c["case"], c["replicas"]) for c in out["cases"]] == [("ranks", 2), ("inflight", 2)]
+    out = shards.run(
+        shards=8, ranks=6, inflight=4, replicas=(2,), workers=2, singles=2, sequential=8,
+        group_tensors=4,
+    )  # fmt: skip
+    assert [(c["case"], c["replicas"]) for c in out["cases"]] == [
+        (case, 2) for case in shards.CASES
+    ]
+    assert set(shards.CASES) == {"ranks", "inflight", "sequential", "group-shards", "group-ranks"}
     for case in out["cases"]:
         assert case["ok"], case
+        if case["case"] not in ("ranks", "inflight"):
+            continue  # the sequential and group cases: timed and counted by their own keys
         assert case["seconds"] > 0
         assert case["etcd_writes"] >= 1
         assert case["visible_replies"] >= 1
