@@ -33,9 +33,14 @@ This backend replaces the broadcast group with the hub:
 - `receive_weights` waits for the version (a `versions_only` watch, deadline-bound), then
   reads it into the memory of the version before and only then yields `(name, tensor)`
   pairs: a fetch that fails yields nothing, so the engine never loads a mix of two versions.
-  A version of shards is read by `fetch_slices`, each global tensor whole from the shards
-  that hold its blocks (the rollout is no holder of it: the actor ranks serve it); a whole
-  version is fetched, and stays served to the other rollouts until the next update.
+  A version of shards is read into whole tensors (`ros.integrations.verl_read`): with
+  FSDP2's shards (runs of whole rows), rollout `r` fetches shard `r mod N` as its holder
+  straight into the rows it holds and reads the others' rows with `fetch_slices`; any other
+  layout is read by `fetch_slices` alone. What a rollout holds (a whole version, or its
+  shard) stays served to the other rollouts until the next update. **With fewer rollouts
+  than actor ranks**, a shard that no rollout holds has only its rank as holder: the hub
+  retains the version before (2 by default), so the rank's release of it spills a host
+  copy of its shard (`ros.client.retention`), one more shard on that rank.
 - Every wait has a deadline (`timeout`), and every failure is a named `tensorhub` error.
 - Delta versions (`delta`, on by default): the publishing ranks publish with `delta=True`,
   keeping a copy of what they published (`base_copy`: "host" memory by default) so that
@@ -43,9 +48,9 @@ This backend replaces the broadcast group with the hub:
   reads only those changes (checked against the base chunk by chunk, verified after, whole
   where a check fails). **Memory: one more host copy of what the rank published**: its own
   shard on each actor rank (the full model on rank 0 for a gathered stream), plus the
-  encoded changes while they are served. A rollout of a whole version needs none (its own
-  copy is the base); one of a version of shards keeps a staging copy of each source shard
-  as the base of the next read (`fetch_slices(delta=True)`: one more copy of the model).
+  encoded changes while they are served. A rollout needs none for what it holds (its own
+  copy is the base); for what it reads by `fetch_slices` the SDK keeps a staging copy of
+  each source shard as the base of the next read (up to one more copy of the model).
   `delta=False` keeps no copy and reads every version whole.
 
 In verl's config (engine kwargs reach the constructor; the module is imported on every worker
@@ -85,18 +90,15 @@ import ros
 from consistency.events import EventKind
 from ros.client.handles import Held, Publication
 from ros.client.hub import Hub
-from ros.client.manifest import placement_of
-from ros.client.slices import Slice, SliceFetch
 from ros.integrations import verl_shards
 from ros.integrations.verl_ranks import RankPublish, publish_shard
+from ros.integrations.verl_read import ShardsRead, read_shards
 from ros.integrations.verl_shards import ShardedParams
-from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import (
     DeadlineExceeded,
     InvalidArgument,
     RetentionViolation,
 )
-from transport.layout import torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -202,8 +204,7 @@ class TensorHubCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl
         # because releasing them would have dropped a retained version (retried each update)
         self.publication: Publication | None = None
         self.held: Held | None = None
-        self.sliced: dict[str, torch.Tensor] | None = None  # a version of shards, read whole
-        self.read: SliceFetch | None = None  # what reading it took (`SliceFetch.deltas`)
+        self.shards_read: ShardsRead | None = None  # a version of shards, read whole
         self._kept: list[Publication | Held] = []
         self.last_version = 0
 
@@ -325,8 +326,9 @@ class TensorHubCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl
 
     def close(self) -> None:
         """Stop serving everything (forced: the worker is going away) and close the client."""
-        handles = [*self._kept, self.publication, self.held]
-        self._kept, self.publication, self.held, self.sliced = [], None, None, None
+        read = self.shards_read
+        handles = [*self._kept, self.publication, self.held, *(read.held if read else [])]
+        self._kept, self.publication, self.held, self.shards_read = [], None, None, None
         try:
             for handle in handles:
                 if handle is not None and not handle.released:
@@ -431,23 +433,24 @@ class TensorHubCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl
         """Wait for `version` (without a topology: any version newer than the last one
         received), free the previous one's memory and read into it, within the deadline:
         that memory holds the previous version, so a delta version moves only its changes
-        (`self.held.delta` says what they were, for a whole version)."""
+        (`Held.delta` says what they were: `self.held`, or each of `self.shards_read.held`)."""
         deadline = time.monotonic() + self.timeout
         hub = self.hub
         wanted = self._wait_for(hub, version, deadline)
         self._retry_kept()
         staging = self._free_held()
-        if staging is None and self.sliced is not None:
-            staging = self.sliced
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise DeadlineExceeded(f"{self.model}@{wanted}: no time left to fetch")
         resolved = hub.resolve(self.model, wanted, timeout=remaining)
         if resolved.shards:
-            self.sliced = self._read_sliced(hub, wanted, resolved, staging or {}, deadline)
+            self.shards_read = read_shards(
+                hub, self.model, wanted, resolved, staging or {}, rank=self.rank or 0,
+                base=self.last_version if staging else None, delta=self.delta,
+                deadline=deadline,
+            )  # fmt: skip
             self.last_version = wanted
-            return self.sliced
-        self.sliced = None
+            return self.shards_read.tensors
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise DeadlineExceeded(f"{self.model}@{wanted}: no time left to fetch")
@@ -464,37 +467,6 @@ class TensorHubCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl
         self.held = held
         self.last_version = held.version
         return held.tensors
-
-    def _read_sliced(
-        self,
-        hub: Hub,
-        version: int,
-        resolved: pb.ResolveResponse,
-        reuse: Mapping[str, torch.Tensor],
-        deadline: float,
-    ) -> dict[str, torch.Tensor]:
-        """Read every global tensor of a version of shards whole (`fetch_slices`), into
-        `reuse`'s memory where name, shape and dtype match (the version before: its delta
-        then moves only the changes)."""
-        wanted: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-        for manifest in resolved.shards:
-            for entry in manifest.tensors:
-                glob, _ = placement_of(entry)
-                wanted[entry.name] = (glob, torch_dtype(entry.dtype))
-        tensors: dict[str, torch.Tensor] = {}
-        for name, (shape, dtype) in wanted.items():
-            target = reuse.get(name)
-            if target is None or tuple(target.shape) != shape or target.dtype != dtype:
-                target = torch.empty(shape, dtype=dtype)
-            tensors[name] = target
-        slices = {n: Slice(t, [0] * t.dim(), list(t.shape)) for n, t in tensors.items()}
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise DeadlineExceeded(f"{self.model}@{version}: no time left to fetch")
-        self.read = hub.fetch_slices(
-            self.model, version, slices=slices, timeout=remaining, delta=self.delta
-        )
-        return tensors
 
     def _wait_for(self, hub: Hub, version: int | None, deadline: float) -> int:
         """Block until `version` (or, if None, one newer than the last received) is
@@ -528,17 +500,24 @@ class TensorHubCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl
         return found
 
     def _free_held(self) -> dict[str, torch.Tensor] | None:
-        """Release the previously fetched version; its memory, or None if it stays served."""
+        """Release the version read before (whole, or its shards); its memory, or None if
+        any of it stays served."""
         previous, self.held = self.held, None
-        if previous is None:
+        read, self.shards_read = self.shards_read, None
+        handles = [previous] if previous is not None else (read.held if read else [])
+        kept = False
+        for handle in handles:
+            try:
+                handle.release()
+            except RetentionViolation:
+                log.warning("%r stays served (retained, no spill budget): fresh memory", handle)
+                self._kept.append(handle)
+                kept = True
+        if kept:
             return None
-        try:
-            previous.release()
-        except RetentionViolation:
-            log.warning("%r stays served (retained, no spill budget): fresh memory", previous)
-            self._kept.append(previous)
-            return None
-        return previous.tensors
+        if previous is not None:
+            return previous.tensors
+        return None if read is None else read.tensors
 
     def _retry_kept(self) -> None:
         still: list[Publication | Held] = []

@@ -2,11 +2,12 @@
 engine code, feeding the `tensorhub` checkpoint engine (tests/engines/verl/test_shards.py,
 and the memory figures of `python -m tests.engines.verl.memory`).
 
-usage: python -m tests.engines.verl.fsdp_rank_proc HUB TENANT TOKEN MODEL SIZE
+usage: python -m tests.engines.verl.fsdp_rank_proc HUB TENANT TOKEN MODEL SIZE [TIMEOUT]
 with torch.distributed's environment (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`);
-SIZE names a config of `SIZES`. Every rank joins a gloo group, builds the same transformers
-Llama from a config (seeded, nothing downloaded) and shards it with FSDP2 (`fully_shard` on
-each decoder layer and on the model, a 1-D CPU mesh). Then one JSON command a line on stdin,
+SIZE names a config of `SIZES`, TIMEOUT the seconds of one update (default 60). Every rank
+joins a gloo group, builds the same transformers Llama from a config (seeded, nothing
+downloaded) and shards it with FSDP2 (`fully_shard` on each decoder layer and on the model,
+a 1-D CPU mesh). Then one JSON command a line on stdin,
 one JSON answer a line on stdout, every rank in step:
 
 - `{"op": "update", "step": S, "shards": bool, "group": bool}`: one weight update as verl
@@ -15,9 +16,10 @@ one JSON answer a line on stdout, every rank in step:
   `ActorRolloutRefWorker.update_weights`, which asks the FSDP engine for
   `get_per_tensor_param()` and awaits `send_weights` on it; `finalize` last. Answers what
   the rank published, what it gathered (`full_tensor` calls), its memory, and its metrics.
-- `{"op": "step", "seed": N}`: an RL-sized optimizer step on each rank's own shard (1 % of
-  the elements change); rank 0 answers the digests of the full state dict after it
-  (`get_model_state_dict(full_state_dict=True)`, a gather made for the test's check only).
+- `{"op": "step", "seed": N, "check": bool}`: an RL-sized optimizer step on each rank's own
+  shard (1 % of the elements change); with `check` (the default), rank 0 answers the
+  digests of the full state dict after it (`get_model_state_dict(full_state_dict=True)`, a
+  gather made for the test's check only; the memory figures run without it).
 
 What is real: torch's FSDP2 and gloo, transformers' Llama, verl 0.9.1's
 `ActorRolloutRefWorker.update_weights` and `FSDPEngine.get_per_tensor_param` (as hooked by
@@ -88,7 +90,9 @@ def digest(tensor: torch.Tensor) -> str:
 
 
 class Rank:
-    def __init__(self, hub: str, tenant: str, token: str, model: str, size: str) -> None:
+    def __init__(
+        self, hub: str, tenant: str, token: str, model: str, size: str, timeout: float
+    ) -> None:
         import verl.workers.engine.fsdp.transformer_impl as fsdp_impl
         from verl.checkpoint_engine import CheckpointEngineRegistry
         from verl.utils.import_utils import import_external_libs
@@ -112,7 +116,7 @@ class Rank:
         engine.model_config = SimpleNamespace(lora={}, hf_config=self.model.config)
         # the checkpoint engine, built as ActorRolloutRefWorker.init_model builds it
         import_external_libs("ros.integrations.verl")
-        kwargs = {"hub": hub, "tenant": tenant, "token": token, "model": model, "timeout": 60}
+        kwargs = {"hub": hub, "tenant": tenant, "token": token, "model": model, "timeout": timeout}
         self.engine = CheckpointEngineRegistry.new(
             "tensorhub", is_master=self.rank == 0, bucket_size=1 << 20, **kwargs
         )
@@ -168,19 +172,22 @@ class Rank:
             "shard_bytes": self.shard_bytes(),
             "model_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
             "base_bytes": engine.hub.delta_memory()["base_copies"],
+            "spills": engine.hub.spills.spills,  # host copies made to release a version
             "gathers": self.gathers,
             "rss_growth": after["VmRSS"] - before["VmRSS"],
             "peak_growth": after["VmHWM"] - before["VmRSS"],
             "metrics": metrics,
         }
 
-    def step(self, seed: int) -> dict[str, Any]:
+    def step(self, seed: int, check: bool = True) -> dict[str, Any]:
         generator = torch.Generator().manual_seed(seed * 1000 + self.rank)
         with torch.no_grad():
             for param in self.model.parameters():
                 local = param.to_local() if isinstance(param, DTensor) else param
                 mask = torch.rand(local.shape, generator=generator) < 0.01
                 local.copy_(torch.where(mask, local * 1.01, local))
+        if not check:
+            return {"rank": self.rank}
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
         if self.rank != 0:
             return {"rank": self.rank}
@@ -189,10 +196,12 @@ class Rank:
 
 def main() -> int:
     hub, tenant, token, model, size = sys.argv[1:6]
+    timeout = float(sys.argv[6]) if len(sys.argv) > 6 else 60.0
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    limit = timedelta(seconds=max(timeout, 60.0))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=limit)
     try:
-        me = Rank(hub, tenant, token, model, size)
+        me = Rank(hub, tenant, token, model, size, timeout)
         print(json.dumps({"ready": rank}), flush=True)
         for line in sys.stdin:
             command = json.loads(line)

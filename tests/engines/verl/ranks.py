@@ -28,13 +28,20 @@ class ActorRanks:
     """`world` rank processes of `size` (`fsdp_rank_proc.SIZES`), publishing `model`."""
 
     def __init__(
-        self, hub: str, tenant: str, token: str, model: str, size: str, world: int
+        self,
+        hub: str,
+        tenant: str,
+        token: str,
+        model: str,
+        size: str,
+        world: int,
+        timeout: float = 60.0,
     ) -> None:
         env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(_port()), "OMP_NUM_THREADS": "1",
                "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}  # fmt: skip
         argv = [sys.executable, "-W", "ignore", "-m", "tests.engines.verl.fsdp_rank_proc",
-                hub, tenant, token, model, size]  # fmt: skip
+                hub, tenant, token, model, size, str(timeout)]  # fmt: skip
         self.procs = [
             subprocess.Popen(
                 argv,
