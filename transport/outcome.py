@@ -74,9 +74,11 @@ class ChunkOutcome:
 
 @dataclass
 class FetchStats:
-    """What one fetch moved, for tests and metrics. Bytes are payload bytes."""
+    """What one fetch moved, for tests and metrics. Bytes are payload bytes: whole chunks
+    and, on a delta fetch, the encoded changes (`encoded_bytes` of them), by holder id."""
 
     bytes_per_source: dict[str, int] = field(default_factory=dict)
+    encoded_bytes: int = 0  # of the bytes above: a delta's encoded chunks (its companions)
     refetched_bytes: int = 0  # bytes of chunks received again after a failed attempt
     discarded_bytes: int = 0  # bytes received in failed attempts (partial or rejected)
     chunks: int = 0  # chunks received by this fetch

@@ -40,7 +40,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -71,11 +71,13 @@ DEFAULT_HOLD_BYTES = 1 << 30  # host memory a client keeps encoded chunks in to 
 @dataclass(frozen=True)
 class Companion:
     """A companion version read whole: its tensors (the encoded chunks), the bytes that
-    crossed, and its `Held` when this client holds and serves it (None: read unheld)."""
+    crossed, its `Held` when this client holds and serves it (None: read unheld), and the
+    bytes each holder sent of it."""
 
     tensors: Mapping[str, torch.Tensor]
     nbytes: int
     held: Held | None = None
+    sources: Mapping[str, int] = field(default_factory=dict)
 
     def release(self) -> None:
         if self.held is not None:
@@ -104,6 +106,8 @@ class DeltaStats:
     links: int = 0  # deltas applied one after the other (more than 1: a chain)
     chunks: int = 0  # chunks made from deltas
     encoded_bytes: int = 0  # bytes of the companions read (what crossed the network)
+    # of those, by holder id (the fetch's `FetchStats.bytes_per_source` counts them too)
+    bytes_per_source: dict[str, int] = field(default_factory=dict)
     whole_chunks: int = 0  # chunks left to be read whole (not encoded, or failed a check)
     base_mismatch: int = 0  # of those: the destination's bytes were not exactly the base's
     seconds: float = 0.0  # the delta's part of the fetch: plan, read, apply, verify
@@ -112,6 +116,12 @@ class DeltaStats:
     def count_mismatch(self) -> None:
         """One more chunk whose destination bytes were not exactly the base's."""
         self.base_mismatch += 1
+
+    def count(self, read: Companion) -> None:
+        """A companion read: its bytes, and who sent them."""
+        self.encoded_bytes += read.nbytes
+        for source, nbytes in read.sources.items():
+            self.bytes_per_source[source] = self.bytes_per_source.get(source, 0) + nbytes
 
 
 @dataclass
@@ -289,7 +299,7 @@ class DeltaReader:
                 except TensorHubError as exc:
                     raise _NoDelta(f"{companion}@{link.version} could not be read ({exc})") from exc
                 companions.append(read)
-                stats.encoded_bytes += read.nbytes
+                stats.count(read)
             failed = self._apply_chunks(links, companions, dest, todo, kind)
         except BaseException:
             for read in companions:
@@ -382,7 +392,7 @@ class DeltaReader:
             why = outcome.get("error", "it did not end in time")
             stats.fallback = f"{companion}@{link.version} could not be read ({why})"
             return None
-        stats.encoded_bytes += got.nbytes
+        stats.count(got)
         if failed:
             stats.fallback = f"{len(failed)} chunks failed a check after applying: read whole"
         return None if got.held is None else self._keep(got.held)

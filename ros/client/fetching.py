@@ -87,8 +87,12 @@ def fetch(
         if applied is not None and applied.keep is not None:
             applied.keep.release(force=True)
         raise
-    for source, nbytes in stats.bytes_per_source.items():
+    for source, nbytes in stats.bytes_per_source.items():  # the companions count their own
         SDK_BYTES_FETCHED.labels(source).inc(nbytes)
+    if applied is not None:  # one account of the fetch: the encoded bytes and who sent them
+        stats.encoded_bytes += applied.stats.encoded_bytes
+        for source, nbytes in applied.stats.bytes_per_source.items():
+            stats.bytes_per_source[source] = stats.bytes_per_source.get(source, 0) + nbytes
     SDK_FETCH_SECONDS.observe(time.monotonic() - start)
     out = handles.held(model, version, tensors, stats, shard)
     if applied is not None:

@@ -342,12 +342,14 @@ class Hub:
                 self._fetches, self.holdings.tenant, model, version, shard=shard,
                 timeout=timeout, expect=expect,
             )  # fmt: skip
-            return Companion(tensors, stats.total_bytes)
+            return Companion(tensors, stats.total_bytes, sources=dict(stats.bytes_per_source))
         held = fetching.fetch(
             self._fetches, self.holdings, self._handles, model, version, timeout=timeout,
             shard=shard, resolved=resolved, expect=expect,
         )  # fmt: skip
-        return Companion(held.tensors, held.stats.total_bytes, held)
+        return Companion(
+            held.tensors, held.stats.total_bytes, held, dict(held.stats.bytes_per_source)
+        )
 
     def _manifest(
         self, model: str, version: int, shard: int | None, deadline: Deadline

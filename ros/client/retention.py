@@ -257,4 +257,8 @@ def check_copy(held: HeldVersion, copy: HeldVersion, what: str) -> None:
     copy.precompute_checksums()
     for index in range(held.layout.num_chunks):
         if copy.checksum(index) != held.checksum(index, staging):
-            raise IntegrityError(f"{what}: chunk {index} differs")
+            raise IntegrityError(
+                f"{what}: chunk {index} differs from the version's checksum: the memory it "
+                "was served from changed while held (keep the tensors unchanged until "
+                "release())"
+            )

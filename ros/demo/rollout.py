@@ -96,7 +96,7 @@ def run_rollout(cfg: DemoConfig, index: int) -> int:
                     continue
                 link.send(
                     {"type": "fetched", "version": version, "t_seen": seen, "t": time.time(),
-                     "fetch_s": held.stats.duration, "sources": held.stats.bytes_per_source,
+                     "fetch_s": held.stats.duration, "sources": _whole(held),
                      "failed_sources": held.stats.failed_sources,
                      "refetched": held.stats.refetched_bytes,
                      "delta_bytes": held.delta.encoded_bytes if held.delta else 0,
@@ -114,3 +114,11 @@ def run_rollout(cfg: DemoConfig, index: int) -> int:
     finally:
         hub.close()  # stops serving everything held (spills too); the session's records go
         link.close()
+
+
+def _whole(held: ros.Held) -> dict[str, int]:
+    """The bytes of whole chunks each holder sent (`Held.stats` counts the encoded changes
+    too; the report shows those apart, as `delta_bytes`)."""
+    encoded = held.delta.bytes_per_source if held.delta else {}
+    whole = {s: n - encoded.get(s, 0) for s, n in held.stats.bytes_per_source.items()}
+    return {s: n for s, n in whole.items() if n}

@@ -80,8 +80,14 @@ def test_a_reader_applies_each_next_version_from_its_delta(connect: Callable[...
         assert held.delta.chunks > 0, held.delta
         assert held.delta.base_mismatch == 0, held.delta
         assert held.delta.encoded_bytes < 0.2 * nbytes(w), held.delta
-        # what crossed: the encoded chunks and the chunks sent whole, far less than the model
+        # what crossed: the encoded chunks and the chunks sent whole, far less than the model,
+        # in one account (Held.stats): the encoded bytes are counted, by who sent them
         assert held.stats.total_bytes < 0.5 * nbytes(w), held.stats
+        assert held.stats.encoded_bytes == held.delta.encoded_bytes > 0, held.stats
+        assert held.stats.total_bytes >= held.stats.encoded_bytes, held.stats
+        assert sum(held.delta.bytes_per_source.values()) == held.delta.encoded_bytes
+        for source, sent in held.delta.bytes_per_source.items():
+            assert held.stats.bytes_per_source[source] >= sent, held.stats
     assert trainer.delta_memory()["base_copies"] == nbytes(w)  # one copy of the model
     assert 0 < reader.delta_memory()["held_deltas"] < 0.2 * nbytes(w)
     # the reader that applied the delta serves it: its holder record is there
