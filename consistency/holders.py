@@ -9,6 +9,7 @@ recreated by a newer incarnation) cannot overwrite the newer record.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from consistency import ops
 from consistency.etcd import Etcd
@@ -49,6 +50,23 @@ def _not_yours(what: str, model: str, version: int, session: int) -> str:
         f"{what} of {model}@{version} belongs to another session, not {session:x}: "
         "a session releases only what it registered or pinned"
     )
+
+
+@dataclass(frozen=True)
+class HolderPage:
+    """One page of a version's holders (`HolderRegistry.page`), read at `revision`.
+
+    `next_after`: the last holder's name when more follow (pass it as `after` for the next
+    page), else empty; `total`: how many holders the version has in all; `published_revision`:
+    the create revision of the version's manifest key (a version deleted and published again
+    has another)."""
+
+    holders: list[HolderRecord]
+    next_after: str
+    total: int
+    pins: list[str]
+    published_revision: int
+    revision: int
 
 
 class HolderRegistry:
@@ -213,6 +231,46 @@ class HolderRegistry:
         return [
             HolderRecord.decode(kv.value, kv.create_revision) for kv in result.kvs
         ], result.revision
+
+    def page(
+        self,
+        tenant: str,
+        model: str,
+        version: int,
+        *,
+        after: str = "",
+        size: int,
+        timeout: float | None = None,
+    ) -> HolderPage:
+        """One page of a published version's holders, by name: at most `size` of those whose
+        name sorts after `after` (empty: from the first), with the count of them all, the
+        version's pins and the create revision of its manifest key, read in one read-only
+        transaction (one revision). `VersionNotFound` if the version is not published (or
+        no longer retained)."""
+        holders = self.keys.holders(tenant, model, version)
+        pins = self.keys.pins(tenant, model, version)
+        result = self.etcd.txn(
+            [],
+            [
+                ops.get(self.keys.manifest(tenant, model, version)),
+                ops.page(holders, after, size + 1),  # one more: is there a next page?
+                ops.get(holders, prefix=True, count_only=True),
+                ops.get(pins, prefix=True, keys_only=True),
+            ],
+            timeout=timeout,
+        )
+        top, listed, counted, pinned = (r.response_range for r in result.responses)
+        if not top.kvs:
+            raise VersionNotFound(f"{model}@{version} is not published (or no longer retained)")
+        records = [HolderRecord.decode(kv.value, kv.create_revision) for kv in listed.kvs]
+        return HolderPage(
+            holders=records[:size],
+            next_after=records[size - 1].holder if len(records) > size else "",
+            total=int(counted.count),
+            pins=[bytes(kv.key).decode().rsplit("/", 1)[1] for kv in pinned.kvs],
+            published_revision=int(top.kvs[0].create_revision),
+            revision=int(result.revision),
+        )
 
     def release(
         self,

@@ -149,11 +149,22 @@ def delete(key: str | bytes, *, prefix: bool = False) -> Op:
     return etcdrpc.RequestOp(request_delete_range=req)
 
 
-def get(key: str | bytes, *, prefix: bool = False, count_only: bool = False) -> Op:
-    """Read a key or a prefix inside a transaction (`count_only`: just how many keys)."""
-    req = etcdrpc.RangeRequest(key=b(key), count_only=count_only)
+def get(
+    key: str | bytes, *, prefix: bool = False, count_only: bool = False, keys_only: bool = False
+) -> Op:
+    """Read a key or a prefix inside a transaction (`count_only`: just how many keys;
+    `keys_only`: the keys without their values)."""
+    req = etcdrpc.RangeRequest(key=b(key), count_only=count_only, keys_only=keys_only)
     if prefix:
         req.range_end = prefix_end(key)
+    return etcdrpc.RequestOp(request_range=req)
+
+
+def page(prefix: str, after: str, limit: int) -> Op:
+    """Read, inside a transaction, at most `limit` keys under `prefix`, in key order, from
+    the first that sorts after `prefix + after` (`after` empty: from the first key)."""
+    start = f"{prefix}{after}\0" if after else prefix
+    req = etcdrpc.RangeRequest(key=b(start), range_end=prefix_end(prefix), limit=limit)
     return etcdrpc.RequestOp(request_range=req)
 
 

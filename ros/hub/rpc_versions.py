@@ -8,9 +8,7 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from etcd3 import etcdrpc
-
-from consistency import HolderRecord, HolderState, ops
+from consistency import HolderRecord, HolderState
 from consistency.manifests import (
     MAX_MANIFEST_BYTES,
     MAX_SHARDS,
@@ -361,40 +359,21 @@ class VersionRPCs:
             raise VersionNotFound(f"{model} has no published version")
         validate_version(version)
         header = self._header(tenant, model, version, timeout)
-        keys = self.hub.keys
-        holders = keys.holders(tenant.name, model, version)
-        end = ops.prefix_end(holders)
-        start = f"{holders}{after}\0" if after else holders
-        page = etcdrpc.RangeRequest(key=ops.b(start), range_end=end, limit=size + 1)
-        count = etcdrpc.RangeRequest(key=ops.b(holders), range_end=end, count_only=True)
-        pins = keys.pins(tenant.name, model, version)
-        result = self.hub.etcd.txn(
-            [],
-            [
-                ops.get(keys.manifest(tenant.name, model, version)),
-                etcdrpc.RequestOp(request_range=page),
-                etcdrpc.RequestOp(request_range=count),
-                etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(
-                    key=ops.b(pins), range_end=ops.prefix_end(pins), keys_only=True)),
-            ],
-            timeout=timeout,
-        )  # fmt: skip
-        top, listed, counted, pinned = (r.response_range for r in result.responses)
-        if not top.kvs:
-            raise VersionNotFound(f"{model}@{version} is not published (or no longer retained)")
-        if header.published_revision != top.kvs[0].create_revision:  # deleted, published again
-            header = self._header(tenant, model, version, timeout, top.kvs[0].create_revision)
-        records = [HolderRecord.decode(kv.value, kv.create_revision) for kv in listed.kvs]
+        page = self.hub.holders(tenant).page(
+            tenant.name, model, version, after=after, size=size, timeout=timeout
+        )
+        if header.published_revision != page.published_revision:  # deleted, published again
+            header = self._header(tenant, model, version, timeout, page.published_revision)
         response = pb.InspectResponse(
             version=version,
             latest=latest,
-            holders=[holder_to_pb(h) for h in records[:size]],
-            pins=[bytes(kv.key).decode().rsplit("/", 1)[1] for kv in pinned.kvs],
+            holders=[holder_to_pb(h) for h in page.holders],
+            pins=page.pins,
             published_revision=header.published_revision,
-            revision=result.revision,
+            revision=page.revision,
             retained=version in versions.retained(tenant.name, model, timeout=timeout),
-            next_page_token=records[size - 1].holder if len(records) > size else "",
-            total_holders=int(counted.count),
+            next_page_token=page.next_after,
+            total_holders=page.total,
             shard_count=header.shard_count,
         )
         if not request.omit_manifest:
