@@ -7,11 +7,9 @@ is the GPU memory paths (`bench.gpu`, its own flags; needs a CUDA device);
 `sim` is the cluster-scale simulator (`bench.sim.cli`); `scale` is the scale
 envelope on loopback (`bench.scale.cli`, its own flags); `views` is what quantizing a view
 costs its publisher (`bench.views`, its own flags); `watches` is a hostile tenant's Watch
-streams on many model names (`bench.hostile`, its own flags); `revoke` is a deleted tenant's
-token against two replicas and `history-fill` two tenants inside their budgets against etcd's
-quota (`bench.review_revoke`, `bench.review_fill`: issue 25's items 1 and 3, their own flags);
-`all` runs every emulated benchmark,
-a shortened `transport` and a shortened `scale` in sequence and writes one JSON report.
+streams on many model names (`bench.hostile`, its own flags); `all` runs every emulated
+benchmark, a shortened `transport` and a shortened `scale` in sequence and writes one JSON
+report.
 `fanout`, `elastic` and `failover` take `--transport {tcp,nixl}` (default tcp; `all` runs
 them over TCP). Human table by default; `--json PATH` writes the figures (`-` for stdout).
 """
@@ -63,8 +61,6 @@ NAMES = [
     "gpu",
     "views",
     "watches",
-    "revoke",
-    "history-fill",
     "all",
 ]
 
@@ -170,14 +166,6 @@ def run(args: argparse.Namespace) -> int:
         from bench import hostile
 
         return hostile.main(rest)
-    if name == "revoke":  # a deleted tenant's token on two replicas (bench.review_revoke)
-        from bench import review_revoke
-
-        return review_revoke.main(rest)
-    if name == "history-fill":  # tenants inside their budgets filling etcd (bench.review_fill)
-        from bench import review_fill
-
-        return review_fill.main(rest)
     opts_ns = _parse(name, rest)
     _check_plot(getattr(opts_ns, "plot", None))
     if os.geteuid() != 0:

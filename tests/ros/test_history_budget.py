@@ -11,6 +11,8 @@ refused. Now each publish also spends its history cost from a bucket that refill
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -135,3 +137,49 @@ def test_tenant_create_says_when_the_budgets_do_not_fit_etcd(quota_hub: HubServe
     over = stub.CreateTenant(pb.CreateTenantRequest(name="b"), metadata=admin)  # defaults
     assert "--etcd-quota-bytes" in over.warning
     assert str(QUOTA) in over.warning
+
+
+def test_tenants_given_only_a_live_budget_get_as_much_history_while_publishing_at_once(
+    quota_hub: HubServer,
+) -> None:
+    """Tenants created through `CreateTenant` with only `max_etcd_bytes` (the history budget
+    left to its default, which follows it): A rewrites 4 MiB manifests as fast as the hub
+    answers while B publishes beside it. A is refused after a 24 MiB bucket's worth, not
+    the 256 MiB default's, so etcd never fills, and every one of B's publishes lands."""
+    stub = hub_pb2_grpc.TensorHubStub(
+        grpc.insecure_channel(quota_hub.address, [("grpc.max_send_message_length", 64 << 20)])
+    )  # type: ignore[no-untyped-call]
+    admin = (("authorization", "Bearer admin"),)
+    only_live = pb.Quotas(max_etcd_bytes=LIVE)
+    tokens = [
+        stub.CreateTenant(pb.CreateTenantRequest(name=name, quotas=only_live), metadata=admin,
+                          timeout=10).token
+        for name in ("flood", "steady")
+    ]  # fmt: skip
+    flood, steady = (
+        stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=120),
+                         metadata=(("authorization", f"Bearer {token}"),), timeout=10).session_id
+        for token in tokens
+    )  # fmt: skip
+    big, small = manifest(4 << 20), manifest(4 << 10)
+    stop = threading.Event()
+    flooded: list[str] = []
+
+    def flood_loop() -> None:  # until B is done and A was refused; at most 40 publishes
+        while len(flooded) < 40 and not (stop.is_set() and "QuotaExceeded" in flooded):
+            flooded.append(publish(stub, tokens[0], flood, "big", len(flooded) + 1, big))
+
+    thread = threading.Thread(target=flood_loop, daemon=True)
+    thread.start()
+    others = []
+    for version in range(1, 9):
+        others.append(publish(stub, tokens[1], steady, "small", version, small))
+        time.sleep(0.1)
+    stop.set()
+    thread.join(60)
+    assert not thread.is_alive()
+    assert set(others) == {""}, others
+    landed = flooded.count("")
+    assert 1 <= landed <= LIVE // history_cost(big.ByteSize(), 64 << 10) + 1, flooded
+    assert set(flooded) == {"", "QuotaExceeded"}, flooded
+    assert not [a for a in quota_hub.etcd.alarms() if a.kind == "NOSPACE"]
