@@ -4,9 +4,8 @@ how a refusal is answered on the wire.
 The caller is authenticated once per call. `ros.hub.guard.CallGuard` does it at call start
 (before any request message is read) and hands the result to the handler through
 `GUARDED_CALLER`, a context variable of the call's task; `CallContext.of` picks it up, so the
-handler body reads `call.tenant()` or `call.admin()` and never authenticates again. A servicer
-served without the guard (some tests do) authenticates in its handler wrapper instead, with
-the same `ros.hub.state.HubState.identify`.
+handler body reads `call.tenant()` or `call.admin()` and never authenticates again. A call
+the guard did not authenticate has no caller: `tenant()` and `admin()` refuse it.
 """
 
 from __future__ import annotations
@@ -63,7 +62,7 @@ class CallContext:
     ) -> None:
         self.metadata = tuple(metadata)
         self.deadline = deadline  # time.monotonic() at which the caller gives up; None: never
-        self.caller = caller  # None until authenticated (`HubState.identify`)
+        self.caller = caller  # None unless the guard authenticated the call
 
     @classmethod
     def of(cls, context: AioContext) -> CallContext:

@@ -11,7 +11,10 @@ message is read and before any handler, worker or stream slot is involved:
   `PermissionDenied` (the class name in the `tensorhub-error` trailing metadata, like every
   hub error). A known token is answered from the tenant cache on the event loop; an unknown
   one costs one etcd read in the worker pool. This is the call's one authentication: the
-  caller found (a tenant, or the admin) is handed to the handler (`ros.hub.call`).
+  caller found (a tenant, or the admin) is handed to the handler (`ros.hub.call`). When etcd
+  could not tell (unreachable), the guard tries once more in the call's own task, under the
+  call's deadline, once the first request message is in, and answers the error if that
+  fails too; no handler authenticates.
 - **A first-message deadline.** Every method (health checks and reflection included) must
   receive its first request message within `first_message_seconds` (default
   `DEFAULT_FIRST_MESSAGE_SECONDS`, `tensorhub serve --first-message-timeout`); otherwise the
@@ -111,14 +114,15 @@ class CallGuard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 return refused
             caller = found
             key, limit = bearer(call) or "", self._max_pending
+        again = self._known if method.startswith(self._guarded) and caller is None else None
         guarded: grpc.RpcMethodHandler[Any, Any] = _first_message_within(
-            handler, self._first, _Pending(self._pending, key, limit), caller
+            handler, self._first, _Pending(self._pending, key, limit), caller, _Again(again, name)
         )
         return guarded
 
     async def _caller(self, call: CallContext) -> Caller | PermissionDenied | Overloaded | None:
         """The call's caller; or why its token is refused; or None if it could not be told
-        (etcd unreachable: the handler tries again and answers the error)."""
+        (etcd unreachable: `_Again` tries again in the call's task and answers the error)."""
         token = bearer(call)
         if not token:
             HUB_CALLS_REFUSED.labels("no_token").inc()
@@ -174,6 +178,26 @@ async def _first(
         raise  # not reached: abort raises
 
 
+class _Again:
+    """The second try at a guarded call's caller, when the first could not tell (`known` is
+    None when there is nothing to try again: the caller is known, or the method is not
+    guarded). `method` names the call in the error answered."""
+
+    def __init__(self, known: TokenCheck | None, method: str) -> None:
+        self._known = known
+        self._method = method
+
+    async def caller(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """Authenticate the call (its deadline: the call's) and hand the caller to its
+        handler through `GUARDED_CALLER`; answer the error if that fails too."""
+        if self._known is None:
+            return
+        try:
+            GUARDED_CALLER.set(await self._known(CallContext.of(context)))
+        except TensorHubError as exc:
+            await abort(context, self._method, exc)
+
+
 class _Pending:
     """One call's place among those of its token (`key`) awaiting a first message."""
 
@@ -214,11 +238,13 @@ def _first_message_within(
     seconds: float,
     pending: _Pending,
     caller: Caller | None,
+    again: _Again,
 ) -> Any:
     """`handler` as a request-streaming handler that waits at most `seconds` for the first
     request message before it calls the original (same serializers, same response style:
     a coroutine that writes, or an async generator), counted in `pending` while it waits.
-    The original runs with `caller` in `GUARDED_CALLER` (in the call's own task)."""
+    The original runs with `caller` in `GUARDED_CALLER` (in the call's own task), or the one
+    `again` finds once the first message is in."""
     kinds: list[Any] = [
         handler.unary_unary,
         handler.unary_stream,
@@ -238,10 +264,11 @@ def _first_message_within(
             got, first = await _first(stream, seconds, context)
         finally:
             pending.leave()
+        if not streaming_in and not got:
+            await abort(context, "first_message", InvalidArgument("no request message"))
+        await again.caller(context)
         if streaming_in:
             return _chain(first, stream) if got else stream
-        if not got:
-            await abort(context, "first_message", InvalidArgument("no request message"))
         return first
 
     if handler.response_streaming and inspect.isasyncgenfunction(inner):

@@ -67,15 +67,14 @@ def unary_async(
 def _answered(
     name: str, body: Callable[[S, Req, CallContext], Coroutine[Any, Any, Resp]]
 ) -> Callable[[S, Req, AioContext], Coroutine[Any, Any, Resp]]:
-    """The aio handler around `body`: authentication (unless the guard did it), timing,
+    """The aio handler around `body`, with the caller the guard authenticated: timing,
     status metrics, error mapping."""
 
     async def wrapper(self: S, request: Req, context: AioContext) -> Resp:
         start = time.monotonic()
         error: TensorHubError
         try:
-            call = await self.hub.identify(CallContext.of(context))
-            response = await body(self, request, call)
+            response = await body(self, request, CallContext.of(context))
         except StorageFull as exc:  # etcd's NOSPACE: tell health now, not at the next check
             self.hub.on_storage_full()
             error = exc
@@ -99,7 +98,7 @@ def streaming(
     """Wrap a streaming handler (an async generator) with the same error mapping. The
     handler is closed as soon as its stream ends (cancelled, or the client went away), so
     its `finally` blocks give back stream slots at once, not when it is garbage-collected.
-    The handler authenticates with `HubState.identify(CallContext.of(context))`."""
+    The handler reads its caller, which the guard authenticated, from `CallContext.of(context)`."""
 
     @functools.wraps(fn)
     async def wrapper(self: S, request: Req, context: AioContext) -> AsyncGenerator[Resp, None]:

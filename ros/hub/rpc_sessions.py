@@ -85,7 +85,7 @@ class SessionRPCs:
         costs no thread and no etcd stream of its own. The first renewal of each session id
         checks that it is one of the caller's sessions; each answer that finds the lease alive
         carries the tenant's current read keys (`ros.tokens`)."""
-        tenant = (await self.hub.identify(CallContext.of(context))).tenant()
+        tenant = CallContext.of(context).tenant()
         owned: set[int] = set()
         with self.hub.streams.stream("keepalive", tenant.name):
             HUB_SESSIONS.inc()

@@ -190,7 +190,7 @@ class VersionRPCs:
         queue on the event loop; no thread waits for this stream. It holds a stream slot of
         its tenant and counts toward the distinct models its tenant watches on this replica
         (`ros.hub.limits`: `Overloaded` past either, before any etcd watch is made)."""
-        tenant = (await self.hub.identify(CallContext.of(context))).tenant()
+        tenant = CallContext.of(context).tenant()
         model = validate_name(request.model, "model")
         if request.start_revision <= 0:
             raise InvalidArgument("start_revision must be explicit and positive")

@@ -33,7 +33,7 @@ from consistency import Etcd, Keys
 from consistency.compactor import DEFAULT_INTERVAL as DEFAULT_COMPACT_INTERVAL
 from consistency.compactor import Compactor
 from consistency.credentials import EtcdCredentials
-from ros.hub.guard import DEFAULT_FIRST_MESSAGE_SECONDS, CallGuard
+from ros.hub.guard import DEFAULT_FIRST_MESSAGE_SECONDS, DEFAULT_MAX_PENDING, CallGuard
 from ros.hub.limits import (
     DEFAULT_MAX_PRIVATE_WATCHES,
     DEFAULT_MAX_PRIVATE_WATCHES_PER_TENANT,
@@ -63,6 +63,20 @@ MAX_QUEUED_UNARY = 4096  # unary calls admitted beyond the stream limit (gRPC's 
 # connection from taking the replica's whole call budget. A client past it queues, not fails.
 DEFAULT_MAX_STREAMS_PER_CONNECTION = 4096
 T = TypeVar("T")
+
+
+def call_guard(
+    servicer: HubServicer,
+    first_message_seconds: float = DEFAULT_FIRST_MESSAGE_SECONDS,
+    *,
+    max_pending: int = DEFAULT_MAX_PENDING,
+) -> CallGuard:
+    """The guard every server of `servicer` runs behind (`HubServer` does): it authenticates
+    each TensorHub call once, at call start, and hands the caller to the handler, which
+    refuses a call it was not handed (`ros.hub.guard`)."""
+    return CallGuard(
+        f"/{SERVICE_NAME}/", servicer.hub.caller, first_message_seconds, max_pending=max_pending
+    )
 
 
 class HubServer:
@@ -177,8 +191,8 @@ class HubServer:
 
     async def _build(self, listen: str, credentials: grpc.ServerCredentials | None) -> int:
         """Create the aio server on the loop (it binds to the running loop) and its port."""
-        guard = CallGuard(
-            f"/{SERVICE_NAME}/", self.servicer.hub.caller, self._first_message_seconds,
+        guard = call_guard(
+            self.servicer, self._first_message_seconds,
             max_pending=self.limits.max_streams_per_tenant,
         )  # fmt: skip
         self._server = grpc.aio.server(

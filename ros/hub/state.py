@@ -199,20 +199,14 @@ class HubState:
         return as_named(call, self.tenants.authenticate(token))
 
     async def caller(self, call: CallContext) -> Caller:
-        """The call's caller: the one already found (by the guard), else authenticated now,
-        from memory on the loop when it can (thousands of streams opening at once do not
-        queue behind unary calls for a worker), else with one etcd read in a worker."""
-        if call.caller is not None:
-            return call.caller
+        """The call's caller, for the call guard (`ros.hub.guard.CallGuard`, which hands it
+        to the handler): from memory on the loop when it can (thousands of streams opening
+        at once do not queue behind unary calls for a worker), else with one etcd read in a
+        worker."""
         known = self.known(call)
         if known is not None:
             return known
         return await self.blocking(self.authenticate, call, deadline_of=call)
-
-    async def identify(self, call: CallContext) -> CallContext:
-        """`call`, its caller found (`caller`)."""
-        call.caller = await self.caller(call)
-        return call
 
     # -- the tenant's registries -----------------------------------------------------------
 

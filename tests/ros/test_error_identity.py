@@ -33,6 +33,7 @@ from ros.errors import (
 )
 from ros.hub.call import AioContext, CallContext
 from ros.hub.rpc import streaming, unary
+from ros.hub.server import call_guard
 from ros.hub.servicer import HubServicer
 from ros.hub.tenants import TenantStore
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
@@ -186,7 +187,7 @@ class _Broken(HubServicer):
 async def _serve(etcd: Etcd, keys: Keys) -> tuple[grpc.aio.Server, _Broken, int]:
     servicer = _Broken(etcd, keys, admin_token=ADMIN)
     servicer.start()
-    server = grpc.aio.server()
+    server = grpc.aio.server(interceptors=[call_guard(servicer)])
     hub_pb2_grpc.add_TensorHubServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

@@ -28,7 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import ros
 from consistency import Etcd, EtcdCluster, Keys
 from ros.errors import ERROR_METADATA_KEY, from_rpc_error
-from ros.hub.server import SERVICE_NAME, HubServer
+from ros.hub.server import SERVICE_NAME, HubServer, call_guard
 from ros.hub.servicer import HubServicer
 from ros.hub.tenants import Quotas, TenantStore
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
@@ -208,7 +208,7 @@ def test_connect_past_grpcs_own_call_limit_is_overloaded_not_a_quota(
     servicer = HubServicer(etcd, keys, admin_token=ADMIN).start()
 
     async def serve() -> tuple[grpc.aio.Server, int, grpc.aio.Channel, list[Any]]:
-        server = grpc.aio.server(maximum_concurrent_rpcs=2)
+        server = grpc.aio.server(interceptors=[call_guard(servicer)], maximum_concurrent_rpcs=2)
         hub_pb2_grpc.add_TensorHubServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()

@@ -3,13 +3,17 @@ handler, which does not look the token up again."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from collections.abc import Callable, Iterator
 
 import grpc
+import grpc.aio
 import pytest
 
+from consistency import Etcd, EtcdCluster, Keys
 from ros.hub.server import HubServer
+from ros.hub.servicer import HubServicer
 from ros.hub.state import HubState
 from ros.hub.tenants import Tenant, TenantStore
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
@@ -82,3 +86,39 @@ def test_the_admin_is_told_apart_once_and_refused_tenant_calls(
             stub.DeleteTenant(pb.DeleteTenantRequest(name="by-admin"), metadata=tenant)
         assert not_admin.value.code() == grpc.StatusCode.PERMISSION_DENIED
         assert "needs the admin token" in (not_admin.value.details() or "")
+
+
+@pytest.mark.timeout(60)
+def test_a_servicer_served_without_the_guard_refuses_every_call(
+    etcd_cluster: EtcdCluster, keys: Keys
+) -> None:
+    """No handler authenticates: a call the guard did not authenticate has no caller, so a
+    servicer served without the guard refuses a valid token's call, and the admin's."""
+
+    async def main() -> None:
+        etcd = Etcd(etcd_cluster.endpoints)
+        servicer = HubServicer(etcd, keys, admin_token=ADMIN).start()
+        server = grpc.aio.server()
+        hub_pb2_grpc.add_TensorHubServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        token = TenantStore(etcd, keys).create("unguarded")
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        stub = hub_pb2_grpc.TensorHubStub(channel)  # type: ignore[no-untyped-call]
+        try:
+            for bearer, call in (
+                (token, stub.Latest(pb.LatestRequest(model="m"), timeout=10, metadata=(
+                    ("authorization", f"Bearer {token}"),))),
+                (ADMIN, stub.CreateTenant(pb.CreateTenantRequest(name="x"), timeout=10,
+                    metadata=(("authorization", f"Bearer {ADMIN}"),))),
+            ):  # fmt: skip
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await call
+                assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, bearer
+        finally:
+            await channel.close(None)
+            await server.stop(0)
+            servicer.close()
+            etcd.close()
+
+    asyncio.run(main())

@@ -27,7 +27,7 @@ from consistency import Etcd, EtcdCluster, Keys
 from ros.errors import ERROR_METADATA_KEY, from_rpc_error
 from ros.hub.call import CallContext
 from ros.hub.rpc import unary
-from ros.hub.server import HubServer
+from ros.hub.server import HubServer, call_guard
 from ros.hub.servicer import HubServicer
 from ros.hub.tenants import TenantStore
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
@@ -303,7 +303,7 @@ def test_an_unexpected_failure_answers_internal_with_its_name(
     async def main() -> None:
         etcd = Etcd(etcd_cluster.endpoints)
         servicer = _Failing(etcd, keys, admin_token=ADMIN).start()
-        server = grpc.aio.server()
+        server = grpc.aio.server(interceptors=[call_guard(servicer)])
         hub_pb2_grpc.add_TensorHubServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
