@@ -14,8 +14,10 @@ unexpected exception is logged and answered INTERNAL), and answers with the etcd
 read or wrote at. The hub keeps no state of its own beyond caches: any replica can serve any
 call.
 
-The wrappers apply to methods of any object with a `hub` (`ros.hub.state.HubState`): the
-handler groups and the servicer.
+The wrappers apply to methods of any object with a `hub` that runs calls (`Runs`; the
+replica's `ros.hub.state.HubState` is one): the handler groups and the servicer. A group may
+declare its `hub` as a narrower protocol that adds only what its handlers use
+(`ros.hub.rpc_tenants.TenantHub`).
 """
 
 from __future__ import annotations
@@ -26,16 +28,27 @@ from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Any, Protocol, TypeVar
 
 from ros.hub.call import AioContext, CallContext, abort, internal
-from ros.hub.state import HubState
 from ros.metrics import HUB_LATENCY, HUB_REQUESTS
 from tensorhub.errors import StorageFull, TensorHubError
 
+T = TypeVar("T")
+
+
+class Runs(Protocol):
+    """What the wrappers need of a replica: its worker pool and its NOSPACE signal."""
+
+    on_storage_full: Callable[[], None]
+
+    async def blocking(
+        self, fn: Callable[..., T], *args: Any, deadline_of: CallContext | None = None
+    ) -> T: ...
+
 
 class Served(Protocol):
-    """What the wrappers need of a handler's owner: the replica's shared state."""
+    """What the wrappers need of a handler's owner: a replica that runs its calls."""
 
     @property
-    def hub(self) -> HubState: ...
+    def hub(self) -> Runs: ...
 
 
 S = TypeVar("S", bound=Served)

@@ -1,23 +1,37 @@
-"""Tenant handlers (the admin's): `CreateTenant` and `DeleteTenant`."""
+"""Tenant handlers (the admin's): `CreateTenant` and `DeleteTenant`.
+
+They depend on `TenantHub`, the part of the replica they use (the tenant store, the call
+timeout, the two etcd budgets), not on the whole `ros.hub.state.HubState`, which provides it.
+"""
 
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 from ros.hub.call import CallContext
-from ros.hub.rpc import unary
-from ros.hub.state import HubState
-from ros.hub.tenants import Quotas
+from ros.hub.rpc import Runs, unary
+from ros.hub.tenants import Quotas, TenantStore
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.names import validate_name
 
 log = logging.getLogger(__name__)
 
 
+class TenantHub(Runs, Protocol):
+    """What the tenant handlers use of a replica, besides running calls (`Runs`)."""
+
+    tenants: TenantStore
+    etcd_quota_bytes: int  # etcd's --quota-backend-bytes, against which tenants' budgets add up
+    history_period: float  # seconds over which each tenant's etcd history budget refills
+
+    def timeout(self, context: CallContext) -> float: ...
+
+
 class TenantRPCs:
     """Tenant handlers: create and delete tenants, with the admin token."""
 
-    def __init__(self, hub: HubState) -> None:
+    def __init__(self, hub: TenantHub) -> None:
         self.hub = hub
 
     @unary
