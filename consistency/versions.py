@@ -89,6 +89,14 @@ class VersionRegistry:
         state = self._publisher.read_latest(tenant, model, timeout)
         return state.version, state.revision
 
+    def latest_moved(
+        self, tenant: str, model: str, *, timeout: float | None = None
+    ) -> tuple[int, int]:
+        """(latest version or 0 if none, the revision `latest` was moved at). A linearizable
+        read: a reader that asks the holder index for that version waits for that revision."""
+        state = self._publisher.read_latest(tenant, model, timeout)
+        return state.version, state.mod_revision
+
     def versions(self, tenant: str, model: str, *, timeout: float | None = None) -> list[int]:
         """Published (complete) versions of a model, oldest first."""
         found, _ = self._scan(tenant, model, timeout)

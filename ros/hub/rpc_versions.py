@@ -382,10 +382,10 @@ class VersionRPCs:
 
     def _latest_kv(self, tenant: Tenant, model: str, timeout: float) -> tuple[int, int]:
         """(latest version, the revision `latest` was moved at): one linearizable get."""
-        kv, _ = self.hub.etcd.get(self.hub.keys.latest(tenant.name, model), timeout=timeout)
-        if kv is None:
+        latest, moved = self.hub.versions(tenant).latest_moved(tenant.name, model, timeout=timeout)
+        if latest == 0:
             raise VersionNotFound(f"{model} has no published version")
-        return int(kv.value), kv.mod_revision
+        return latest, moved
 
     def _header(
         self, tenant: Tenant, model: str, version: int, timeout: float, published: int = 0
