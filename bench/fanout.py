@@ -13,6 +13,12 @@ Per N, in one run on the same emulated hosts:
 Targets: TensorHub T(8)/T(1) <= 1.3; trainer stall <= 1.2x one plain-socket transfer of
 the model on one link, for every N.
 
+Then a trainer of `fanout_ranks.RANKS` ranks (processes on the trainer's host, one gloo
+group) publishes the model as one shard per rank, step after step, through the group path
+(one PublishShards call per version) and through one Publish call per rank, alternately:
+the trainer's stall per step in each (`bench.fanout_ranks`), its medians reported and every
+step's in `details["trainer_ranks"]`.
+
 `--transport nixl`: the clients read COMPLETE holders over NIXL (UCX over TCP on each host's
 veth; the first reader reads the trainer so, the readers behind it, PARTIAL when planned,
 over TCP), and the parameter-server readers pull from a bare NIXL holder on the trainer.
@@ -35,6 +41,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from bench import fanout_ranks
 from bench.common import MODEL, Options, add_reads, reads, span, transport_figures, verify
 from bench.emu.cluster import Cluster, Links, settle
 from bench.emu.control import Participant, broadcast, gather
@@ -50,8 +57,9 @@ SERIES = {  # the plot's lines: label -> key of `Result.details`
 
 
 def steps(readers: tuple[int, ...] = READERS) -> int:
-    """How many measurements a run makes (for a progress bar): each pattern at each N."""
-    return len(SERIES) * len(readers)
+    """How many measurements a run makes (for a progress bar): each pattern at each N, and
+    the trainer ranks' stall in each mode."""
+    return len(SERIES) * len(readers) + len(fanout_ranks.MODES)
 
 
 def run(
@@ -114,6 +122,7 @@ def run(
             gl[n] = span(got)
             done(f"gloo N={n}: {gl[n]:.2f}s")
             settle()
+        ranks = fanout_ranks.measure(c, opts, progress=done)
     lo, hi = min(readers), most
     res.add(f"TensorHub T({hi})/T({lo})", th[hi] / th[lo], "<= 1.3")
     res.add("TensorHub max stall / one transfer", max(stall.values()) / one, "<= 1.2")
@@ -123,6 +132,11 @@ def run(
     res.add(f"gloo T({hi}) / TensorHub T({hi})", gl[hi] / th[hi])
     res.add(f"param-server stall({hi}) / TensorHub stall({hi})", ps[hi] / stall[hi])
     res.add("one transfer (plain socket)", one, unit="s")
+    r, median = ranks["ranks"], ranks["median_s"]
+    res.add(f"trainer stall per step, {r} ranks, group publish", median["group"], unit="s")
+    res.add(f"trainer stall per step, {r} ranks, one call per rank", median["per_rank"], unit="s")
+    res.add(f"stall per step, one call per rank / group ({r} ranks)",
+            median["per_rank"] / median["group"])  # fmt: skip
     total: dict[str, int] = {}
     for counted in used.values():
         total = add_reads(total, counted)
@@ -139,6 +153,7 @@ def run(
         "ucx": ucx,
         "tensorhub_reads": used,
         "nixl_warmup": warmup,
+        "trainer_ranks": ranks,
         "links": {k: {n: m.to_dict() for n, m in v.items()} for k, v in links.items()},
     }
     if not sat.saturated:
