@@ -1,12 +1,13 @@
 """Host memory of each verl actor rank per weight update, per-rank shards against the
-gathered stream (issue 35, item 2): `python -m tests.engines.verl.memory [--world 2]`.
+gathered stream (issue 35, item 2):
+`python -m tests.engines.verl.memory [--world 2] [--updates 8] [--modes gathered,shards]`.
 
 Two actor ranks (tests/engines/verl/fsdp_rank_proc.py: real FSDP2 over gloo on CPU, verl's
 own `update_weights` and FSDP engine code, the `tensorhub` backend, a real etcd and hub
 started here) on a Llama of about 450 MB in fp32 (`SIZES["memory"]`), and two rollout
 engines here that read each version as verl's rollout workers do (`receive_weights`);
-three updates (each after an RL-sized step, so the second and third are published with
-their deltas), in two runs of fresh processes:
+eight updates by default (each after an RL-sized step, so the later ones are published
+with their deltas), in a run of fresh processes per mode:
 
 - `gathered` (`shards=False`): verl's generator is walked, every tensor all-gathered, and
   rank 0 copies the stream into host tensors and publishes the whole model, keeping a base
@@ -19,8 +20,11 @@ memory before it (`/proc/self/status` VmHWM, reset before the update through
 `/proc/self/clear_refs`), `kept` the resident growth that stays after it; `served` and
 `base` are what the rank's publication serves and what the SDK keeps as its delta base,
 counted exactly, and `spills` the host copies the rank's SDK made to release a version the
-hub still retained. The bound is the issue's: its own shard, plus its delta base (its
-shard), plus 64 MiB. Prints a table and the figures as JSON.
+hub still retained. Per rank over the whole run: `highest`, the peak resident memory of any
+update over the resident memory before the first (the kept growth of the updates before it
+plus its peak), and `end`, the growth kept after the last. The bound is the issue's: its
+own shard, plus its delta base (its shard), plus 64 MiB. Prints the tables and the figures
+as JSON.
 """
 
 from __future__ import annotations
@@ -57,8 +61,10 @@ def receive(engines: list[Any], version: int) -> None:
         engine.finalize()
 
 
-def run(hub: HubServer, token: str, mode: str, world: int) -> list[list[dict[str, Any]]]:
-    """Three updates in fresh rank processes, read by `world` rollouts; each update's
+def run(
+    hub: HubServer, token: str, mode: str, world: int, updates: int
+) -> list[list[dict[str, Any]]]:
+    """`updates` updates in fresh rank processes, read by `world` rollouts; each update's
     answers, by rank."""
     from verl.checkpoint_engine import CheckpointEngineRegistry
     from verl.utils.import_utils import import_external_libs
@@ -74,7 +80,7 @@ def run(hub: HubServer, token: str, mode: str, world: int) -> list[list[dict[str
     try:
         ranks.collect(300)
         out = []
-        for step in (1, 2, 3):
+        for step in range(1, updates + 1):
             ranks.all("step", 120, seed=step, check=False)
             out.append(ranks.all("update", 600, step=step, shards=mode == "shards", group=True))
             receive(rollouts, step)
@@ -88,6 +94,8 @@ def run(hub: HubServer, token: str, mode: str, world: int) -> list[list[dict[str
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--updates", type=int, default=8)
+    ap.add_argument("--modes", default="gathered,shards")
     args = ap.parse_args()
     figures: dict[str, Any] = {}
     with EtcdCluster(size=1) as etcd:
@@ -95,8 +103,8 @@ def main() -> int:
         hub = HubServer(etcd.endpoints, admin_token="admin", keys=keys).start()
         try:
             token = TenantStore(hub.etcd, hub.keys).create("mem")
-            for mode in ("gathered", "shards"):
-                figures[mode] = run(hub, token, mode, args.world)
+            for mode in args.modes.split(","):
+                figures[mode] = run(hub, token, mode, args.world, args.updates)
         finally:
             hub.stop(grace=0.2)
     print(f"{'mode':9} {'upd':>3} {'rank':>4} {'model':>7} {'shard':>7} {'served':>7} "
@@ -110,6 +118,17 @@ def main() -> int:
                       f"{a['base_bytes'] / MiB:7.1f} {a['peak_growth'] / MiB:7.1f} "
                       f"{a['rss_growth'] / MiB:7.1f} {bound / MiB:7.1f} "
                       f"{a['spills']:>6}")  # fmt: skip
+    print(f"\n{'mode':9} {'rank':>4} {'highest':>8} {'end':>8} {'bound':>8}  (MiB, over the run)")
+    for mode, updates in figures.items():
+        for rank in range(args.world):
+            kept, highest = 0, 0
+            for answers in updates:
+                a = answers[rank]
+                highest = max(highest, kept + a["peak_growth"])
+                kept += a["rss_growth"]
+            bound = 2 * updates[0][rank]["shard_bytes"] + SLACK
+            print(f"{mode:9} {rank:>4} {highest / MiB:8.1f} {kept / MiB:8.1f} "
+                  f"{bound / MiB:8.1f}")  # fmt: skip
     print(json.dumps(figures))
     return 0
 
