@@ -120,6 +120,11 @@ class VersionRegistry:
         names = {kv.key.decode()[len(base) :].split("/", 1)[0] for kv in result.kvs}
         return sorted(n for n in names if n)
 
+    def revision(self, tenant: str, *, timeout: float | None = None) -> int:
+        """etcd's revision now, from one linearizable read of a key of `tenant`'s: what a
+        listing that read nothing else answers at."""
+        return self.etcd.get(self.keys.tenant(tenant), timeout=timeout)[1]
+
     def describe(
         self, tenant: str, model: str, version: int, *, timeout: float | None = None
     ) -> VersionInfo:

@@ -335,9 +335,7 @@ class VersionRPCs:
             )
             response.revision = max(response.revision, revision)
         if not response.revision:
-            response.revision = self.hub.etcd.get(
-                self.hub.keys.tenant(tenant.name), timeout=timeout
-            )[1]
+            response.revision = versions.revision(tenant.name, timeout=timeout)
         return response
 
     @unary
