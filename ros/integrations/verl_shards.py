@@ -100,9 +100,10 @@ def install() -> None:
     """Wrap verl's `FSDPEngine.get_per_tensor_param` (module docstring), once per process.
     `InvalidArgument` for a verl the hook was not checked against."""
     import verl
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 
     check_version(str(getattr(verl, "__version__", "unknown")))
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
     with _lock:
         original = getattr(FSDPEngine, "get_per_tensor_param", None)
         if original is None or not callable(original):

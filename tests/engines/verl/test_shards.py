@@ -106,6 +106,25 @@ def test_the_hooked_stream_is_verls_own_until_the_backend_takes_the_state() -> N
     assert ran == []  # never started: not one tensor produced
 
 
+def test_the_hook_wraps_verls_method_once_and_only_fsdp2_engines_give_shards() -> None:
+    """Installing twice leaves one wrapper around verl's own method; an engine whose module
+    is no FSDP2 module (FSDP1, a plain module) is not offered as shards, so its stream
+    goes through as verl made it."""
+    from types import SimpleNamespace
+
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
+    from ros.integrations import verl_shards
+
+    verl_shards.install()
+    verl_shards.install()
+    hooked = FSDPEngine.get_per_tensor_param
+    assert getattr(hooked, verl_shards.MARK)
+    assert not getattr(hooked.__wrapped__, verl_shards.MARK, False)  # verl's, wrapped once
+    assert not verl_shards._plain(SimpleNamespace(module=torch.nn.Linear(2, 2)))
+    assert not verl_shards._plain(SimpleNamespace())
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_every_actor_rank_publishes_its_own_fsdp2_shard(
