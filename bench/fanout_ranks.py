@@ -20,7 +20,6 @@ step to step, so neither always runs on a hub the other has just warmed.
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import statistics
@@ -28,13 +27,13 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from bench.common import Options
+from bench.emu import commands
 from bench.emu.control import Participant, broadcast, gather
 from bench.emu.netns import Emulation, Host
 
@@ -184,16 +183,7 @@ def main() -> int:
     me = Rank(sys.argv[1])
     ops: dict[str, Callable[..., Any]] = {"init": me.init, "publish": me.publish,
                                           "latest": me.latest, "release": me.release}  # fmt: skip
-    print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        op = cmd.pop("op")
-        try:
-            answer = ops[op](**cmd)
-        except Exception as exc:  # reported to the orchestrator, which fails the run
-            answer = {"error": f"{op}: {type(exc).__name__}: {exc}"}
-            traceback.print_exc(file=sys.stderr)
-        print(json.dumps(answer), flush=True)
+    commands.serve(ops)
     if me.hub is not None:
         me.hub.close()
     return 0

@@ -12,18 +12,16 @@ Run by the harness as `ip netns exec NS python -m bench.emu.participant HOST_IP`
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import ros
-from bench.emu import baseline_ops
+from bench.emu import baseline_ops, commands
 from bench.emu.delta_ops import DeltaRole
 from bench.emu.model import digest, make_model
 from consistency.events import EventKind
@@ -182,16 +180,7 @@ def main() -> int:
     for name in ("plain_listen", "plain_recv", "serve", "tfetch", "gloo"):
         fn = getattr(baseline_ops, name)
         ops[name] = lambda _fn=fn, **kw: _fn(me.ip, **kw)
-    print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        op = cmd.pop("op")
-        try:
-            answer = ops[op](**cmd)
-        except Exception as exc:  # reported to the orchestrator, which fails the run
-            answer = {"error": f"{op}: {type(exc).__name__}: {exc}"}
-            traceback.print_exc(file=sys.stderr)
-        print(json.dumps(answer), flush=True)
+    commands.serve(ops)
     if me.hub is not None:
         me.hub.close()
     return 0
