@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from chaos.checker import Facts, Violation
+from chaos.facts import Facts, Violation
 from chaos.history import FAIL, OK, Op
 
 # What a reader gets when the system gave up on a version. `IntegrityError` is included: by

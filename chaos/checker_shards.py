@@ -15,7 +15,7 @@ visible only with all n: the hub moves `latest` with the last rank's publish.
   for that version (an acknowledged publish; else one of unknown outcome), or it is another
   shard than the one asked for.
 - `stale-read` (invariant 2): `latest` older than a shard publish that made its version
-  visible and was acknowledged before the read began (`chaos.checker.stale_reads`).
+  visible and was acknowledged before the read began (`chaos.facts.stale_reads`).
 - `shard-retry` (invariant 4): a rank sent a shard again — the same version, index and
   bytes, after a publish of it that may have landed (one of unknown outcome, one
   acknowledged, or one cut short by the rank's death) — and the retry was refused with
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from chaos.checker import Facts, Violation, stale_reads
+from chaos.facts import Facts, Violation, stale_reads
 from chaos.history import FAIL, INFO, MP_MODEL, OK, Op
 
 # Errors that only a visible version with missing shard records can cause (consistency/

@@ -69,7 +69,7 @@ class WorkerProcess:
     def spawn(self) -> None:
         self.gen += 1
         spec = {**self.spec, "name": self.name, "gen": self.gen, "role": self.role}
-        argv = [sys.executable, "-m", "chaos.worker", json.dumps(spec)]
+        argv = [sys.executable, "-m", "chaos.roles", json.dumps(spec)]
         if self.netns is not None:
             argv = self.netns.prefix() + argv
         env = {**os.environ, **self.env}

@@ -1,4 +1,4 @@
-"""One client process of a chaos run: `python -m chaos.worker SPEC_JSON`.
+"""One client process of a chaos run (started as `python -m chaos.roles SPEC_JSON`).
 
 Roles: `publisher` (a trainer: publishes new versions, each a small change of its last,
 with `delta=True`), `reader` (a rollout worker: fetches the latest version in place, into
@@ -19,7 +19,6 @@ ends it after the current operation.
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import sys
@@ -317,43 +316,3 @@ def _faults(w: Worker) -> None:
     signal.signal(signal.SIGUSR1, lambda *_: set_corrupt(True))
     signal.signal(signal.SIGUSR2, lambda *_: set_corrupt(False))
     signal.signal(signal.SIGTERM, lambda *_: w.stopping.set())
-
-
-def main(argv: list[str]) -> int:
-    spec = json.loads(argv[0])
-    w = Worker(spec)
-    roles: dict[str, Callable[[Worker], None]] = {
-        "publisher": publisher, "reader": reader, "watcher": watcher, "poller": poller,
-    }  # fmt: skip
-    if spec["role"] == "intruder":
-        from chaos.intruder import intruder
-
-        roles["intruder"] = intruder
-    if spec["role"] in ("rank", "shard-reader"):
-        from chaos.shards import rank, shard_reader
-
-        roles.update({"rank": rank, "shard-reader": shard_reader})
-    try:
-        roles[spec["role"]](w)
-    except TensorHubError as exc:  # e.g. the hub never came back before the end
-        print(f"{w.name}: {error_name(exc)}", file=sys.stderr)
-    finally:
-        if w.hub is not None:
-            w.hub.close()
-        w.rec.close()
-    return 0
-
-
-def _exit(code: int) -> None:
-    """Leave at once, without the interpreter's finalization: its last garbage collection
-    over torch's objects costs a second or two of CPU per process, which a run's 18 or more
-    workers ending together on two cores turned into 10-15 s between the run's end and its
-    check. Everything worth keeping is written by then (the history is flushed per line and
-    closed, the hub connection closed)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-if __name__ == "__main__":
-    _exit(main(sys.argv[1:]))
