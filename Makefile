@@ -38,7 +38,7 @@ $(PROTO_VENV)/.installed: scripts/proto-lock.txt
 	touch $@
 
 proto: $(PROTO_VENV)/.installed
-	$(PROTO_VENV)/bin/python ros/proto/generate.py
+	$(PROTO_VENV)/bin/python scripts/generate_proto.py
 
 # The committed generated code is byte for byte what the pinned generator writes.
 check-proto: proto

@@ -14,8 +14,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from ros.hub.server import SERVICE_NAME, HubServer
-from ros.proto.generate import PROTO_DIR, ROOT, protos
 from ros.proto.tensorhub.v1 import hub_pb2
+from tests.script_modules import load
+
+_GENERATE = load("generate_proto")  # scripts/generate_proto.py
+PROTO_DIR, ROOT, protos = _GENERATE.PROTO_DIR, _GENERATE.ROOT, _GENERATE.protos
 
 
 def _compiled(proto: Path, tmp_path: Path) -> descriptor_pb2.FileDescriptorProto:

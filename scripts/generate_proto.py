@@ -1,4 +1,5 @@
-"""Regenerate the Python code for the hub's protos (`make proto`).
+"""Regenerate the Python code for the hub's protos (`make proto`): a tool of the
+repository, not shipped in the wheel.
 
 `make proto` runs this file with the pinned generator of scripts/proto-lock.txt
 (`.venv-proto`), since the generator's versions become the floors of the generated code;
@@ -16,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 PROTO_DIR = ROOT / "ros" / "proto" / "tensorhub" / "v1"
 
 
