@@ -1,6 +1,7 @@
 """A tenant's etcd budget at Publish: refuse before any write, then charge in the publish's
 own transaction (`consistency.usage`: live manifest bytes and publishes per minute, from the
-tenant's `Quotas`); for a batch of shards, once per batch."""
+tenant's `Quotas`); for a batch of shards, once per batch. `Budgets` is what the version
+handlers receive: the budget and the models quota of a publish, over the replica's etcd."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ from collections.abc import Sequence
 
 from consistency import Etcd, Keys, ops
 from consistency.manifests import INLINE_BYTES, SHARD_INLINE_BYTES
-from consistency.publishing import Charge
+from consistency.publishing import Admit, Charge
+from consistency.quota import CountedCreate
+from consistency.shard_commit import arrivals
 from consistency.usage import Guard, TenantBudget, UsageCache, shard_tokens
+from consistency.versions import VersionRegistry
 from ros.hub.tenants import Tenant
 from ros.metrics import HUB_PUBLISHES_REFUSED
 from tensorhub.errors import QuotaExceeded
@@ -83,6 +87,51 @@ def publish_charge(
     charge = _Counted(budget.charge_for(size, tokens))
     charge(timeout)
     return charge
+
+
+class Budgets:
+    """A replica's checks of a publish against its tenant's quotas, before any write: the
+    etcd budget (`publish_charge`) and the models quota's admission (`CountedCreate`).
+    `history_period`: the compactor's interval; `cache`: the replica's usage cache."""
+
+    def __init__(self, etcd: Etcd, keys: Keys, history_period: float, cache: UsageCache) -> None:
+        self._etcd = etcd
+        self._keys = keys
+        self._history_period = history_period
+        self._cache = cache
+
+    def whole(self, tenant: Tenant, size: int, timeout: float) -> Charge:
+        """`publish_charge` of a whole version, against the replica's cached usage."""
+        return publish_charge(
+            self._etcd, self._keys, tenant, size, 0, timeout, self._history_period, self._cache
+        )
+
+    def shard(
+        self, tenant: Tenant, model: str, version: int, size: int, shard_count: int, timeout: float
+    ) -> Charge:
+        """`publish_charge` of one shard, arriving after those of its version committed so
+        far (one read of the version's counter)."""
+        arrived = arrivals(self._etcd, self._keys, tenant.name, model, version, timeout)
+        return publish_charge(
+            self._etcd, self._keys, tenant, size, shard_count, timeout, self._history_period,
+            arrived=arrived,
+        )  # fmt: skip
+
+    def admission(self, tenant: Tenant, versions: VersionRegistry, model: str) -> Admit:
+        """The models quota's admission of a publish of `model`: what its transaction
+        compares and writes so that a new model counts against `max_models`."""
+        quota = CountedCreate(
+            self._etcd,
+            self._keys.quota_fence(tenant.name, "models"),
+            tenant.quotas.max_models,
+            lambda t: versions.models(tenant.name, timeout=t),
+            f"models of tenant {tenant.name}",
+        )
+
+        def admit(remaining: float) -> tuple[list[ops.Cmp], list[ops.Op]]:
+            return quota.admit(remaining, model)
+
+        return admit
 
 
 class _Counted:

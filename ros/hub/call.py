@@ -26,6 +26,7 @@ from tensorhub.errors import InternalError, PermissionDenied, TensorHubError
 
 log = logging.getLogger(__name__)
 
+MAX_CALL_SECONDS = 30.0  # the most any hub call may take, whatever the caller's deadline
 TENANT_METADATA_KEY = "tensorhub-tenant"  # the tenant a client names (checked against its token)
 AioContext = grpc.aio.ServicerContext[Any, Any]
 

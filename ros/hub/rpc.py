@@ -15,9 +15,10 @@ read or wrote at. The hub keeps no state of its own beyond caches: any replica c
 call.
 
 The wrappers apply to methods of any object with a `hub` that runs calls (`Runs`; the
-replica's `ros.hub.state.HubState` is one): the handler groups and the servicer. A group may
-declare its `hub` as a narrower protocol that adds only what its handlers use
-(`ros.hub.rpc_tenants.TenantHub`).
+replica's `ros.hub.state.HubState` is one): the handler groups and the servicer. Each group
+declares its `hub` as a protocol that adds to `Runs` only what its handlers use
+(`SessionHub`, `VersionHub`, `HolderHub`, `ModelHub`, `TenantHub`; docs/design-notes.md,
+"What each handler group receives").
 """
 
 from __future__ import annotations

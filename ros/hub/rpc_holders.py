@@ -1,20 +1,47 @@
-"""Holder handlers: register, update (fenced), release and pins."""
+"""Holder handlers: register, update (fenced), release and pins.
+
+They depend on `HolderHub`, the part of the replica they use, not on the whole
+`ros.hub.state.HubState`, which provides it.
+"""
 
 from __future__ import annotations
 
+from typing import Protocol
+
+from consistency import HolderRegistry, VersionRegistry
+from consistency.sessions import SessionRecords
 from ros.hub.call import CallContext
 from ros.hub.convert import holder_from_pb, holder_to_pb
-from ros.hub.rpc import unary
-from ros.hub.state import HubState
+from ros.hub.holder_index import HolderIndex
+from ros.hub.manifest_cache import ManifestCache
+from ros.hub.rpc import Runs, unary
+from ros.hub.tenants import Tenant
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import InvalidArgument
 from tensorhub.names import validate_name, validate_version
 
 
+class HolderHub(Runs, Protocol):
+    """What the holder handlers use of a replica, besides running calls (`Runs`): the
+    tenant's registries, the session records (a registration or pin names its session),
+    the manifest cache (a version's header) and the holder index (a registration's
+    candidates)."""
+
+    sessions: SessionRecords
+    manifest_cache: ManifestCache
+    holder_index: HolderIndex
+
+    def timeout(self, context: CallContext) -> float: ...
+
+    def versions(self, tenant: Tenant) -> VersionRegistry: ...
+
+    def holders(self, tenant: Tenant) -> HolderRegistry: ...
+
+
 class HolderRPCs:
     """Holder handlers: register, update (fenced), release and pins."""
 
-    def __init__(self, hub: HubState) -> None:
+    def __init__(self, hub: HolderHub) -> None:
         self.hub = hub
 
     @unary
@@ -34,7 +61,7 @@ class HolderRPCs:
         )
         fence = self.hub.holders(tenant).register(
             tenant.name, model, version, holder, timeout=timeout,
-            session_key=self.hub.keys.session(tenant.name, holder.session),
+            session_key=self.hub.sessions.key(tenant.name, holder.session),
             header=(header.published_revision, header.shard_count),
         )  # fmt: skip
         response = pb.RegisterHolderResponse(fence=fence, revision=fence)
@@ -82,7 +109,7 @@ class HolderRPCs:
     def Pin(self, request: pb.PinRequest, context: CallContext) -> pb.PinResponse:
         tenant = context.tenant()
         timeout = self.hub.timeout(context)
-        self.hub.own_session(tenant, request.session_id, timeout)
+        self.hub.sessions.own(tenant.name, request.session_id, timeout)
         # Pins keep versions past retention: at most the retained-versions quota of them.
         revision = self.hub.holders(tenant).pin(
             tenant.name, validate_name(request.model, "model"), validate_version(request.version),

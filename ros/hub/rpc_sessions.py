@@ -1,4 +1,9 @@
-"""Session handlers: a session is an etcd lease, kept alive over a stream any replica serves."""
+"""Session handlers: a session is an etcd lease, kept alive over a stream any replica serves.
+
+They depend on `SessionHub`, the part of the replica they use, not on the whole
+`ros.hub.state.HubState`, which provides it; the leases and session marks are asked of
+`consistency.sessions.SessionRecords`, the shared keepalive stream and the batched marks.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +11,21 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 from consistency import Session
-from ros.hub.call import AioContext, CallContext
-from ros.hub.rpc import streaming, unary, unary_async
-from ros.hub.session_marks import MarkJob
-from ros.hub.state import MAX_CALL_SECONDS, HubState
-from ros.hub.tenants import Tenant
+from consistency.keepalive import LeaseKeeper
+from consistency.sessions import SessionRecords
+from ros.hub.call import MAX_CALL_SECONDS, AioContext, CallContext
+from ros.hub.limits import StreamLimits
+from ros.hub.rpc import Runs, streaming, unary, unary_async
+from ros.hub.session_marks import MarkJob, SessionMarks
+from ros.hub.tenants import Tenant, TenantStore
 from ros.metrics import HUB_SESSIONS, HUB_SESSIONS_OPENED
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import InvalidArgument, TensorHubError
+from tensorhub.lru import SizedLru
 
 log = logging.getLogger(__name__)
 
@@ -23,10 +33,27 @@ MAX_SESSION_TTL = 300
 RENEW_SECONDS = 10.0  # deadline of one renewal on the shared etcd keepalive stream
 
 
+class SessionHub(Runs, Protocol):
+    """What the session handlers use of a replica, besides running calls (`Runs`): the
+    session records, the batched session marks, the shared keepalive stream, the sessions
+    this replica opened (their owner known without a read), the tenants' read keys, the
+    stream limits, and the worker pool a refused session's revocation runs on."""
+
+    sessions: SessionRecords
+    session_marks: SessionMarks
+    leases: LeaseKeeper
+    opened_sessions: SizedLru[int, str]
+    tenants: TenantStore
+    streams: StreamLimits
+    workers: ThreadPoolExecutor
+
+    def timeout(self, context: CallContext) -> float: ...
+
+
 class SessionRPCs:
     """Session handlers: a session is an etcd lease, kept alive over a stream any replica serves."""
 
-    def __init__(self, hub: HubState) -> None:
+    def __init__(self, hub: SessionHub) -> None:
         self.hub = hub
 
     @unary_async
@@ -63,7 +90,7 @@ class SessionRPCs:
 
     def _grant(self, ttl: int) -> Session:
         """A lease of `ttl` seconds that nothing renews yet (its owner will, by KeepAlive)."""
-        return Session(self.hub.etcd, ttl=ttl, keepalive=False)
+        return self.hub.sessions.grant(ttl)
 
     def _read_keys_pb(self, tenant: Tenant) -> list[pb.ReadKey]:
         """The tenant's read keys a holder accepts now, for a live session of the tenant
@@ -72,7 +99,7 @@ class SessionRPCs:
 
     def _revoke_quietly(self, session_id: int) -> None:
         try:
-            self.hub.etcd.lease_revoke(session_id, timeout=5.0)
+            self.hub.sessions.revoke(session_id, timeout=5.0)
         except TensorHubError as exc:  # it expires within its TTL anyway
             log.info("could not revoke refused session %x: %s", session_id, exc)
 
@@ -94,8 +121,9 @@ class SessionRPCs:
                     if request.session_id not in owned:
                         if self.hub.opened_sessions.get(request.session_id) != tenant.name:
                             await self.hub.blocking(
-                                self.hub.own_session, tenant, request.session_id, MAX_CALL_SECONDS
-                            )
+                                self.hub.sessions.own, tenant.name, request.session_id,
+                                MAX_CALL_SECONDS,
+                            )  # fmt: skip
                         owned.add(request.session_id)
                     ttl = await asyncio.wrap_future(
                         self.hub.leases.renew(request.session_id, RENEW_SECONDS)
@@ -113,6 +141,6 @@ class SessionRPCs:
     ) -> pb.CloseSessionResponse:
         tenant = context.tenant()
         timeout = self.hub.timeout(context)
-        self.hub.own_session(tenant, request.session_id, timeout)
-        self.hub.etcd.lease_revoke(request.session_id, timeout=timeout)
+        self.hub.sessions.own(tenant.name, request.session_id, timeout)
+        self.hub.sessions.revoke(request.session_id, timeout=timeout)
         return pb.CloseSessionResponse()

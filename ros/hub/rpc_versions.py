@@ -1,4 +1,9 @@
-"""Version handlers: publish, latest, watch, resolve (with a read token), list, inspect."""
+"""Version handlers: publish, latest, watch, resolve (with a read token), list, inspect.
+
+They depend on `VersionHub`, the part of the replica they use, not on the whole
+`ros.hub.state.HubState`, which provides it; every etcd request they make goes through a
+registry of `consistency` or through `Budgets` (`ros.hub.budget`).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,9 @@ import asyncio
 import hashlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any
+from typing import Protocol
 
-from consistency import HolderRecord, HolderState
+from consistency import HolderRecord, HolderRegistry, HolderState, VersionRegistry
 from consistency.manifests import (
     MAX_MANIFEST_BYTES,
     MAX_SHARDS,
@@ -18,17 +23,19 @@ from consistency.manifests import (
     check_shard_count,
 )
 from consistency.publishing import Admit, Published
-from consistency.quota import CountedCreate
-from consistency.shard_commit import arrivals
-from ros.hub.budget import model_serial, publish_charge
+from consistency.sessions import SessionRecords
+from ros.hub.budget import Budgets, model_serial
 from ros.hub.call import AioContext, CallContext
 from ros.hub.companions import check_companion
 from ros.hub.convert import holder_from_pb, holder_to_pb
-from ros.hub.rpc import streaming, unary, unary_async
+from ros.hub.fanout import WatchFanout
+from ros.hub.holder_index import HolderIndex
+from ros.hub.limits import StreamLimits
+from ros.hub.manifest_cache import ManifestCache
+from ros.hub.rpc import Runs, streaming, unary, unary_async
 from ros.hub.shard_group import publish_shards
-from ros.hub.shard_publish import ShardJob
-from ros.hub.state import HubState
-from ros.hub.tenants import Tenant
+from ros.hub.shard_publish import ShardBatches, ShardJob
+from ros.hub.tenants import Tenant, TenantStore
 from ros.manifest_check import check_manifest, check_topology
 from ros.metrics import HUB_PUBLISH_LIMIT, HUB_PUBLISHES_REFUSED, HUB_WATCHES
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
@@ -43,10 +50,32 @@ MAX_PAGE_SIZE = 5000  # the most holders one Inspect page lists
 log = logging.getLogger(__name__)
 
 
+class VersionHub(Runs, Protocol):
+    """What the version handlers use of a replica, besides running calls (`Runs`): the
+    tenant's registries, the quota checks of a publish, sessions (a publish names one),
+    the caches and shared watches that answer reads, and the read keys of Resolve."""
+
+    budgets: Budgets
+    sessions: SessionRecords
+    shard_batches: ShardBatches
+    manifest_cache: ManifestCache
+    holder_index: HolderIndex
+    fanout: WatchFanout
+    streams: StreamLimits
+    tenants: TenantStore
+    read_token_ttl: float
+
+    def timeout(self, context: CallContext) -> float: ...
+
+    def versions(self, tenant: Tenant) -> VersionRegistry: ...
+
+    def holders(self, tenant: Tenant) -> HolderRegistry: ...
+
+
 class VersionRPCs:
     """Version handlers: publish, latest, watch, resolve (with a read token), list, inspect."""
 
-    def __init__(self, hub: HubState) -> None:
+    def __init__(self, hub: VersionHub) -> None:
         self.hub = hub
 
     @unary_async
@@ -103,19 +132,8 @@ class VersionRPCs:
         manifest = request.manifest.SerializeToString()
         holder = holder_from_pb(request.holder, default_state=HolderState.COMPLETE)
         if session:
-            self.hub.own_session(tenant, holder.session, timeout)
-        versions = self.hub.versions(tenant)
-        quota = CountedCreate(
-            self.hub.etcd,
-            self.hub.keys.quota_fence(tenant.name, "models"),
-            tenant.quotas.max_models,
-            lambda t: versions.models(tenant.name, timeout=t),
-            f"models of tenant {tenant.name}",
-        )
-
-        def admit(remaining: float) -> tuple[list[Any], list[Any]]:
-            return quota.admit(remaining, model)
-
+            self.hub.sessions.own(tenant.name, holder.session, timeout)
+        admit = self.hub.budgets.admission(tenant, self.hub.versions(tenant), model)
         return tenant, timeout, model, version, manifest, holder, admit
 
     def _publish_whole(self, request: pb.PublishRequest, call: CallContext) -> Published:
@@ -124,17 +142,15 @@ class VersionRPCs:
         tenant, timeout, model, version, manifest, holder, admit = self._publish_checks(
             request, call, session=False
         )
-        charge = publish_charge(  # the etcd budget: refused here, before any write
-            self.hub.etcd, self.hub.keys, tenant, len(manifest), 0, timeout,
-            self.hub.history_period, self.hub.usage_cache,
-        )  # fmt: skip
+        # the etcd budget: refused here, before any write
+        charge = self.hub.budgets.whole(tenant, len(manifest), timeout)
         check_manifest(  # every rule, before any write
             request.manifest, _what(request), model=request.model, version=request.version
         )
         published = self.hub.versions(tenant).publish(
             tenant.name, model, version, manifest, holder, timeout=timeout,
             admit_model=admit, charge=charge, serial=model_serial(tenant.name, model),
-            session_key=self.hub.keys.session(tenant.name, holder.session),
+            session_key=self.hub.sessions.key(tenant.name, holder.session),
         )  # fmt: skip
         # what its readers' Resolves ask next: the header and manifest as stored (`stage`)
         parsed = pb.Manifest()
@@ -158,18 +174,16 @@ class VersionRPCs:
             request, call, session=paged
         )
         if paged:  # the tokens its arrival takes, as far as the version's counter says now
-            arrived = arrivals(self.hub.etcd, self.hub.keys, tenant.name, model, version, timeout)
-            publish_charge(
-                self.hub.etcd, self.hub.keys, tenant, len(manifest), request.shard_count, timeout,
-                self.hub.history_period, arrived=arrived,
-            )  # fmt: skip
+            self.hub.budgets.shard(
+                tenant, model, version, len(manifest), request.shard_count, timeout
+            )
         check_manifest(  # every rule, before any write
             request.manifest, _what(request), model=request.model, version=request.version
         )
         versions = self.hub.versions(tenant)
         entry = versions.stage_shard(
             tenant.name, model, version, request.shard_index, request.shard_count, manifest,
-            holder, timeout=timeout, session_key=self.hub.keys.session(tenant.name, holder.session),
+            holder, timeout=timeout, session_key=self.hub.sessions.key(tenant.name, holder.session),
         )  # fmt: skip
         return model, version, ShardJob(tenant, versions, admit, entry)
 

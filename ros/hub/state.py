@@ -19,8 +19,10 @@ from typing import Any, TypeVar
 
 from consistency import Etcd, HolderRegistry, Keys, VersionRegistry
 from consistency.keepalive import LeaseKeeper
+from consistency.sessions import SessionRecords
 from consistency.usage import DEFAULT_HISTORY_PERIOD, UsageCache
-from ros.hub.call import ADMIN, CallContext, Caller, as_named, bearer, same
+from ros.hub.budget import Budgets
+from ros.hub.call import ADMIN, MAX_CALL_SECONDS, CallContext, Caller, as_named, bearer, same
 from ros.hub.fanout import WatchFanout
 from ros.hub.holder_index import HolderIndex
 from ros.hub.limits import Limits, StreamLimits
@@ -34,11 +36,9 @@ from tensorhub.errors import (
     DeadlineExceeded,
     InvalidArgument,
     PermissionDenied,
-    SessionExpired,
 )
 from tensorhub.lru import SizedLru
 
-MAX_CALL_SECONDS = 30.0
 DEFAULT_ETCD_QUOTA_BYTES = 2 << 30  # etcd's own default --quota-backend-bytes
 MAX_OPENED_SESSIONS = 65_536  # session ids remembered per replica (see `opened_sessions`)
 MAX_REGISTRIES = 4096  # tenants whose registries are kept built (one each)
@@ -96,10 +96,12 @@ class HubState:
         self.fanout = WatchFanout(etcd, keys, self.streams, self.feeds)
         self.holder_index = HolderIndex(etcd, keys, feeds=self.feeds)
         self.leases = LeaseKeeper(etcd)
+        self.sessions = SessionRecords(etcd, keys)
         self.manifest_cache = ManifestCache()
         # The usage keys as this replica last read or wrote them: a publish charges its
         # tenant's budget against them with no read (`consistency.usage.UsageCache`).
         self.usage_cache = UsageCache()
+        self.budgets = Budgets(etcd, keys, self.history_period, self.usage_cache)
         # Shard publishes of one version waiting at once commit in one transaction; so do
         # the session marks of one tenant opening at once (a herd of clients). Their
         # transactions run on threads of their own, never queued behind the calls whose
@@ -240,21 +242,6 @@ class HubState:
         tenant's record is the one it authenticated against (deleted: `PermissionDenied`)."""
         fence = self.tenants.fence(tenant)
         return self.etcd if fence is None else self.etcd.fenced(fence)
-
-    def own_session(self, tenant: Tenant, session_id: int, timeout: float) -> None:
-        """Refuse to attach records to a lease that is not one of this tenant's live sessions.
-
-        A session that is not this tenant's is answered exactly as a missing one:
-        `SessionExpired` (a `LeaseLost`), with the same message, after the same one etcd
-        read, so that a tenant cannot find other tenants' live session ids by scanning; to
-        the caller's own SDK both mean the same thing: that id is no session of its own,
-        open a new one.
-        """
-        kv, _ = self.etcd.get(self.keys.session(tenant.name, session_id), timeout=timeout)
-        if kv is None:
-            raise SessionExpired(
-                f"session {session_id:x} has expired or was revoked: open a new one"
-            )
 
 
 @dataclass(frozen=True)

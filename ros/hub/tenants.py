@@ -9,9 +9,7 @@ and created again under the same name accepts nothing of the old one's.
 
 from __future__ import annotations
 
-import contextlib
 import hmac
-import json
 import logging
 import secrets
 import threading
@@ -19,10 +17,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from consistency import ops
 from consistency.etcd import Etcd, Fence
 from consistency.keys import Keys
-from consistency.watch import KeyWatch, RawEvent, Resync
+from consistency.tenant_records import TenantRecords
 from ros.metrics import HUB_TENANT_RECORD_READS, HUB_UNKNOWN_TOKENS_REFUSED
 from ros.tokens import (
     READ_KEY_PERIOD,
@@ -104,11 +101,12 @@ class Tenant:
 
 
 class TenantStore:
-    """Tenant records in etcd, with a short cache so authentication is not an etcd read per call."""
+    """Tenant records in etcd, with a short cache so authentication is not an etcd read per call.
+
+    Every etcd request, and the decoding of the records, is `consistency.tenant_records`'s."""
 
     def __init__(self, etcd: Etcd, keys: Keys, *, read_key_period: float = READ_KEY_PERIOD):
-        self._etcd = etcd
-        self._keys = keys
+        self._records_db = TenantRecords(etcd, keys)
         self._lock = threading.Lock()
         self._cache: dict[str, tuple[float, Tenant]] = {}  # valid tokens only
         # Tenant records by name (real tenants only: bounded by what the admin created),
@@ -131,9 +129,7 @@ class TenantStore:
             "epoch": epoch,
             "quotas": asdict(quotas or Quotas()),
         }
-        key = self._keys.tenant_record(name)
-        result = self._etcd.txn([ops.absent(key)], [ops.put(key, json.dumps(record))])
-        if not result.succeeded:
+        if not self._records_db.create(name, record):
             raise AlreadyExists(f"tenant {name!r} already exists")
         # A name probed just before it existed is not refused from memory here; another
         # replica that probed it refuses it for at most `_MISSING_SECONDS` more.
@@ -173,15 +169,15 @@ class TenantStore:
             return hit
         name = tenant_of(token)
         try:
-            key = self._keys.tenant_record(name)
+            self._records_db.check_name(name)
         except InvalidArgument as exc:
             raise PermissionDenied("unknown tenant token") from exc
-        record = self._lookup(name, key)
+        record = self._lookup(name)
         if record is None:
             raise PermissionDenied("unknown tenant token")
         return self._check(token, name, record)
 
-    def _lookup(self, name: str, key: str) -> dict[str, Any] | None:
+    def _lookup(self, name: str) -> dict[str, Any] | None:
         """Read one tenant's record, once for all callers asking for it at the same time;
         names never seen take one of `MAX_UNKNOWN_LOOKUPS` places (else `Overloaded`)."""
         with self._lock:
@@ -205,7 +201,7 @@ class TenantStore:
                 raise pending.error
             return pending.record
         try:
-            pending.record = self._read_record(name, key)
+            pending.record = self._read_record(name)
             return pending.record
         except TensorHubError as exc:
             pending.error = exc
@@ -217,16 +213,15 @@ class TenantStore:
                 self._unknown.release()
             pending.done.set()
 
-    def _read_record(self, name: str, key: str) -> dict[str, Any] | None:
-        """Read a tenant record from etcd into the caches (None: there is no such tenant)."""
+    def _read_record(self, name: str) -> dict[str, Any] | None:
+        """Read a tenant record from etcd into the caches (None: there is no such tenant);
+        its `created` is the fence of its writes (`Tenant.created`)."""
         HUB_TENANT_RECORD_READS.inc()
-        kv, _ = self._etcd.get(key, timeout=_LOOKUP_SECONDS)
-        if kv is None:
+        record = self._records_db.read(name)
+        if record is None:
             self._records.pop(name, None)
             self._missing.put(name, time.monotonic() + _MISSING_SECONDS)
             return None
-        record: dict[str, Any] = json.loads(kv.value)
-        record["created"] = kv.create_revision  # the fence of its writes (`Tenant.created`)
         self._records[name] = _Record(record, time.monotonic() + _CACHE_SECONDS)
         self._missing.pop(name)
         return record
@@ -246,13 +241,7 @@ class TenantStore:
     def hub_secret(self) -> bytes:
         """The replicas' shared secret: read if present, else created (create-if-absent)."""
         if self._secret is None:
-            key = self._keys.hub_secret()
-            candidate = secrets.token_bytes(32)
-            result = self._etcd.txn([ops.absent(key)], [ops.put(key, candidate)], [ops.get(key)])
-            if result.succeeded:
-                self._secret = candidate
-            else:
-                self._secret = bytes(result.responses[0].response_range.kvs[0].value)
+            self._secret = self._records_db.secret(secrets.token_bytes(32))
         return self._secret
 
     def overcommit(self, quota_bytes: int, period: float, timeout: float) -> str:
@@ -263,16 +252,15 @@ class TenantStore:
         and a poll), write up to twice `max_history_bytes` of history (a full bucket, then
         one interval's refill). What etcd keeps besides (holder, session and pin records,
         bounded by the session quota) is left out, so the sum must leave room for them."""
-        listed = self._etcd.range(self._keys.tenants(), prefix=True, timeout=timeout)
+        listed = self._records_db.quotas(timeout)
         total = 0
-        for kv in listed.kvs:
-            quotas = dict(json.loads(kv.value).get("quotas", {}))
+        for quotas in listed:
             live = int(quotas.get("max_etcd_bytes", Quotas.max_etcd_bytes))
             total += live + 2 * int(quotas.get("max_history_bytes", live))
         if total <= quota_bytes:
             return ""
         return (
-            f"the {len(listed.kvs)} tenants' etcd budgets add up to {total} bytes (live bytes "
+            f"the {len(listed)} tenants' etcd budgets add up to {total} bytes (live bytes "
             f"plus twice the history each may write per {period:g} s compaction interval), "
             f"more than etcd's quota of {quota_bytes} bytes (--etcd-quota-bytes): together "
             "they can fill etcd (NOSPACE refuses every tenant's writes). Lower "
@@ -292,7 +280,7 @@ class TenantStore:
             self.forget(name)
             return PermissionDenied(f"tenant {name!r} was deleted: its token is no longer valid")
 
-        return Fence(self._keys.tenant_record(name), tenant.created, refusal)
+        return self._records_db.fence(name, tenant.created, refusal)
 
     def forget(self, name: str) -> None:
         """Drop everything remembered about tenant `name`: its record, its tokens, and that
@@ -322,23 +310,12 @@ class TenantStore:
         tenant records tells them (`watch`), within the authentication cache's 5 s at most.
         `TenantNotFound` if there is none.
         """
-        record = self._keys.tenant_record(name)
-        sessions = self._keys.sessions(name)
-        result = self._etcd.txn(
-            [ops.exists(record)],
-            [
-                ops.get(sessions, prefix=True),  # first: the state before this transaction
-                ops.delete(record),
-                ops.delete(self._keys.tenant(name), prefix=True),
-            ],
-            timeout=timeout,
-        )
-        if not result.succeeded:
+        deleted = self._records_db.delete(name, timeout)
+        if deleted is None:
             raise TenantNotFound(f"no tenant {name!r}")
         self.forget(name)
-        for kv in result.responses[0].response_range.kvs:  # bounded by the session quota
-            self._etcd.lease_revoke(int(kv.lease), timeout=timeout)
-        return result.revision
+        self._records_db.revoke(deleted.leases, timeout)
+        return deleted.revision
 
     def watch(self, stop: threading.Event) -> None:
         """Keep this replica's caches true to the tenant records until `stop`: a change to
@@ -346,30 +323,15 @@ class TenantStore:
         it at once, and a gap in the watch (a compaction, a reconnect) drops everything.
         Runs in the caller's thread (the hub starts one); a failure drops every cache, then
         the watch starts again from the present after a second."""
-        base = self._keys.tenants()
         while not stop.is_set():
             try:
-                self._follow(base, stop)
+                self._records_db.follow(stop, self.forget, self.forget_all)
             except Exception as exc:  # whatever broke, caches must not outlive it
                 self.forget_all()
                 if stop.is_set():
                     return
                 log.warning("watch of the tenant records failed (%s); caches dropped", exc)
                 stop.wait(1.0)
-
-    def _follow(self, base: str, stop: threading.Event) -> None:
-        """One watch of the tenant records, from the present, until `stop` or a failure."""
-        _, revision = self._etcd.get(base, timeout=_LOOKUP_SECONDS)
-        self.forget_all()  # whatever changed before this watch began
-        with contextlib.closing(
-            KeyWatch(self._etcd, base, prefix=True, start_revision=revision + 1)
-        ) as watch:
-            while not stop.is_set():
-                item = watch.get(0.5)
-                if isinstance(item, RawEvent):
-                    self.forget(item.kv.key.decode()[len(base) :])
-                elif isinstance(item, Resync):
-                    self.forget_all()
 
     def _read_keys(self) -> ReadKeySchedule:
         if self._schedule is None:
