@@ -29,20 +29,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from consistency import Etcd, Keys
+from consistency.holder_view import MANIFEST, ModelHolders, ModelRead
 from consistency.ops import KV
 from consistency.records import HolderRecord
-from consistency.retry import COMPACTION_RACES, LostRace
 from consistency.watch_mux import Progress, RawEvent, Resync
 from ros.hub.candidates import MAX_CANDIDATES, HolderSet, select_candidates
 from ros.hub.model_feed import Feed, ModelFeeds
 from ros.metrics import HUB_INDEXED_MODELS, HUB_RESOLVE_READS
-from tensorhub.errors import (
-    InvalidArgument,
-    RevisionCompacted,
-    TensorHubError,
-    Unavailable,
-    VersionNotFound,
-)
+from tensorhub.errors import InvalidArgument, TensorHubError, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +88,9 @@ class ModelIndex:
     """The live holders of one model's versions, current at `revision`, fed by the model's
     feed (`ros.hub.model_feed`). Constructing it does no I/O: `open` reads and attaches."""
 
-    def __init__(self, keys: Keys, tenant: str, model: str) -> None:
-        self.tenant, self.model = tenant, model
-        self._keys = keys
+    def __init__(self, records: ModelHolders) -> None:
+        self.tenant, self.model = records.tenant, records.model
+        self._records = records
         self._cond = threading.Condition()
         self._versions: dict[int, _Version] = {}
         self._notified = 0  # the last progress notification, confirmed by the next
@@ -108,14 +102,14 @@ class ModelIndex:
         self._feeds: ModelFeeds | None = None
         self._feed: Feed | None = None
 
-    def open(self, etcd: Etcd, feeds: ModelFeeds) -> ModelIndex:
+    def open(self, feeds: ModelFeeds) -> ModelIndex:
         """Read the model, attach to its feed, and meet: the index is read at the revision
         the feed has delivered through (read again at that revision if the feed was ahead
         of the first read), and every item after it is applied. Returns self."""
-        loaded = self._load(etcd, 0)
+        loaded = self._load(0)
         with self._cond:
             self._loading = []
-        prefix = self._keys.model(self.tenant, self.model)
+        prefix = self._records.prefix
         feed = feeds.join(self.tenant, self.model, prefix, self, loaded + 1, exact=False)
         assert feed is not None  # only an exact join is refused
         self._feeds, self._feed = feeds, feed
@@ -125,7 +119,7 @@ class ModelIndex:
             if through > loaded:  # the feed was ahead of the read: read again where it is
                 with self._cond:
                     self._versions.clear()
-                loaded = self._load(etcd, through)
+                loaded = self._load(through)
         except BaseException:
             self.close()
             raise
@@ -223,49 +217,19 @@ class ModelIndex:
             self._apply(item)
             self.revision = max(self.revision, item.revision)
 
-    def _load(self, etcd: Etcd, at: int) -> int:
-        """One keys-only range read of the model's versions (at revision `at`; 0: now), then
-        each version's holder records at that same revision; returns the revision."""
-        keys, tenant, model = self._keys, self.tenant, self.model
-
-        def attempt() -> int:
-            listing = etcd.range(
-                keys.versions(tenant, model), prefix=True, keys_only=True, revision=at
-            )
-            versions: dict[int, _Version] = {}
-
-            def version(number: int) -> _Version:
-                return versions.setdefault(number, _Version())
-
-            with_holders: set[int] = set()
-            for kv in listing.kvs:
-                parsed = self._parse(kv.key.decode())
-                if parsed is None:
-                    continue
-                number, kind, _ = parsed
-                if kind == "manifest":
-                    version(number).published = kv.create_revision
-                elif kind == "h":
-                    with_holders.add(number)
-            revision = at or listing.revision
-            try:
-                for number in sorted(with_holders):
-                    result = etcd.range(
-                        keys.holders(tenant, model, number), prefix=True, revision=revision
-                    )
-                    for kv in result.kvs:
-                        version(number).put(HolderRecord.decode(kv.value, kv.create_revision))
-            except RevisionCompacted as exc:  # compacted between the two reads: list again
-                raise LostRace(f"{model}'s history was compacted while it was read") from exc
-            with self._cond:
-                self._versions = versions
-            return revision
-
-        return COMPACTION_RACES.compare_and_set(
-            attempt,
-            None,  # each read has the client's timeout; the races are bounded by count
-            lambda: Unavailable(f"could not index {model}: its history is being compacted"),
-        )
+    def _load(self, at: int) -> int:
+        """The model read at revision `at` (0: now; `ModelHolders.read`) as the index's
+        versions; returns the revision it was read at."""
+        read: ModelRead = self._records.read(at)
+        versions: dict[int, _Version] = {}
+        for number, published in read.published.items():
+            versions.setdefault(number, _Version()).published = published
+        for number, records in read.holders.items():
+            for record in records:
+                versions.setdefault(number, _Version()).put(record)
+        with self._cond:
+            self._versions = versions
+        return read.revision
 
     def _apply(self, item: RawEvent | Resync | Progress) -> None:
         if isinstance(item, Progress):
@@ -283,30 +247,22 @@ class ModelIndex:
         self._event(item.deleted, item.kv)
 
     def _event(self, deleted: bool, kv: KV) -> None:
-        parsed = self._parse(kv.key.decode())
-        if parsed is None:
-            return
-        version, kind, name = parsed
-        if kind not in ("manifest", "h"):
-            return
-        state = self._version(version)
-        if kind == "manifest":
-            state.published = 0 if deleted else kv.create_revision
-        elif deleted:
-            state.remove(name)
-        else:
-            try:
-                state.put(HolderRecord.decode(kv.value, kv.create_revision))
-            except InvalidArgument as exc:
-                log.warning("skipping malformed holder record %s: %s", kv.key.decode(), exc)
-        if state.empty:
-            del self._versions[version]
-
-    def _parse(self, key: str) -> tuple[int, str, str] | None:
         try:
-            return self._keys.parse_version_key(self.tenant, self.model, key)
-        except InvalidArgument:
-            return None  # `latest`, or a key of no interest here
+            change = self._records.change(kv, deleted)
+        except InvalidArgument as exc:
+            log.warning("skipping malformed holder record %s: %s", kv.key.decode(), exc)
+            return
+        if change is None:
+            return
+        state = self._version(change.version)
+        if change.kind == MANIFEST:
+            state.published = change.published
+        elif change.record is None:
+            state.remove(change.name)
+        else:
+            state.put(change.record)
+        if state.empty:
+            del self._versions[change.version]
 
     def _version(self, version: int) -> _Version:
         state = self._versions.get(version)
@@ -387,20 +343,13 @@ class HolderIndex:
         exclude: str,
     ) -> Lookup:
         """The fallback: the version's holder records read from etcd (O(N), rare)."""
-        keys = self._keys
-        manifest = self._etcd.range(keys.manifest(tenant, model, version), keys_only=True,
-                                    timeout=timeout)  # fmt: skip
-        if not manifest.kvs:
-            raise VersionNotFound(f"{model}@{version} is not published (or no longer retained)")
-        result = self._etcd.range(keys.holders(tenant, model, version), prefix=True,
-                                  timeout=timeout)  # fmt: skip
+        read = ModelHolders(self._etcd, self._keys, tenant, model).read_version(version, timeout)
         state = _Version()
-        for kv in result.kvs:
-            state.put(HolderRecord.decode(kv.value, kv.create_revision))
+        for record in read.records:
+            state.put(record)
         holders = state.parts.get(part) or HolderSet()
         chosen = select_candidates(holders, topology, fence, exclude)
-        published = manifest.kvs[0].create_revision
-        return Lookup(published, chosen, len(holders), result.revision, len(result.kvs))
+        return Lookup(read.published, chosen, len(holders), read.revision, len(read.records))
 
     def _get(self, tenant: str, model: str) -> ModelIndex:
         key = (tenant, model)
@@ -418,7 +367,8 @@ class HolderIndex:
             old.close()
         if index is not None:
             return index
-        created = ModelIndex(self._keys, tenant, model).open(self._etcd, self._feeds)  # no lock
+        records = ModelHolders(self._etcd, self._keys, tenant, model)
+        created = ModelIndex(records).open(self._feeds)  # no lock
         with self._lock:
             current = self._models.get(key)
             if self._closed or (current is not None and current.failed is None):

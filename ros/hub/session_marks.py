@@ -22,9 +22,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
-from consistency import Etcd, Keys, ops
-from consistency.quota import CountedCreate
+from consistency import Etcd
 from consistency.retry import CAS_POLICY, LostRace
+from consistency.sessions import SessionRecords
 from consistency.shard_commit import MAX_TXN_OPS
 from ros.hub.group_commit import GroupCommit
 from ros.hub.tenants import Tenant
@@ -52,13 +52,13 @@ class SessionMarks:
     """Group commit of session marks, one batch in flight per tenant (module docstring)."""
 
     def __init__(
-        self, etcd: Etcd, keys: Keys, executor: Executor, etcd_for: Callable[[Tenant], Etcd]
+        self, records: SessionRecords, executor: Executor, etcd_for: Callable[[Tenant], Etcd]
     ) -> None:
-        """`etcd_for(tenant)`: the connection a batch of `tenant`'s marks is written with
+        """`records`: the sessions in etcd (every request a batch makes);
+        `etcd_for(tenant)`: the connection a batch of `tenant`'s marks is written with
         (the hub's fences each write on the tenant's record)."""
-        self._etcd = etcd
+        self._records = records
         self._etcd_for = etcd_for
-        self._keys = keys
         self.group: GroupCommit[str, MarkJob, int] = GroupCommit(
             executor, self._commit, _take, kind="sessions"
         )
@@ -69,15 +69,7 @@ class SessionMarks:
 
     def _commit(self, tenant: str, jobs: list[MarkJob]) -> Sequence[int | TensorHubError]:
         """One batch (run in a worker), retried on a lost race with another replica."""
-        sessions = self._keys.sessions(tenant)
-        quota = CountedCreate(
-            self._etcd,
-            self._keys.quota_fence(tenant, "sessions"),
-            jobs[0].tenant.quotas.max_sessions,
-            # a count, not the keys: at thousands of sessions a listing per batch is O(N)
-            lambda t: self._etcd.count(sessions, timeout=t),
-            f"sessions of tenant {tenant}",
-        )
+        quota = self._records.quota(tenant, jobs[0].tenant.quotas.max_sessions)
         outcomes: dict[int, int | TensorHubError] = {}
         pending = list(jobs)
         writer = self._etcd_for(jobs[0].tenant)
@@ -100,20 +92,18 @@ class SessionMarks:
             pending[:] = marking
             if not marking:
                 return
-            marks = [
-                ops.put(self._keys.session(tenant, j.session), b"", lease=j.session)
-                for j in marking
-            ]
             try:
-                result = writer.txn(guard, [*marks, *bump], timeout=remaining)
+                revision = self._records.mark(
+                    writer, tenant, [j.session for j in marking], guard, bump, remaining
+                )
             except LeaseNotFound:
                 self._dead(marking, outcomes)
                 pending[:] = [j for j in pending if id(j) not in outcomes]
                 raise LostRace("a session of the batch had expired") from None
-            if not result.succeeded:  # another replica's batch marked meanwhile
+            if revision is None:  # another replica's batch marked meanwhile
                 raise LostRace(f"the sessions fence of tenant {tenant} moved")
             for job in marking:
-                outcomes[id(job)] = result.revision
+                outcomes[id(job)] = revision
             pending.clear()
 
         deadline = max(j.deadline for j in jobs)
@@ -132,7 +122,7 @@ class SessionMarks:
         """Which of the batch's leases etcd no longer knows: their opens fail."""
         for job in jobs:
             try:
-                alive = self._etcd.lease_ttl(job.session, timeout=2.0) >= 0
+                alive = self._records.alive(job.session, timeout=2.0)
             except TensorHubError:
                 continue  # unknown: the next attempt tells
             if not alive:

@@ -110,7 +110,7 @@ class HubState:
             max_workers=self.limits.workers, thread_name_prefix="hub-commit"
         )
         self.shard_batches = ShardBatches(etcd, keys, self.committers, self.history_period)
-        self.session_marks = SessionMarks(etcd, keys, self.committers, self.etcd_for)
+        self.session_marks = SessionMarks(self.sessions, self.committers, self.etcd_for)
         # Sessions this replica opened, by id: their tenant is known without an etcd read
         # (a lease never changes tenant), so their first renewal costs no worker. Bounded.
         self.opened_sessions: SizedLru[int, str] = SizedLru(MAX_OPENED_SESSIONS, lambda _: 1)
