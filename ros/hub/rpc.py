@@ -28,7 +28,9 @@ import time
 from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Any, Protocol, TypeVar
 
+from consistency import HolderRegistry, VersionRegistry
 from ros.hub.call import AioContext, CallContext, abort, internal
+from ros.hub.tenants import Tenant
 from ros.metrics import HUB_LATENCY, HUB_REQUESTS
 from tensorhub.errors import StorageFull, TensorHubError
 
@@ -43,6 +45,17 @@ class Runs(Protocol):
     async def blocking(
         self, fn: Callable[..., T], *args: Any, deadline_of: CallContext | None = None
     ) -> T: ...
+
+
+class Registries(Runs, Protocol):
+    """A replica that runs calls, times them and gives each tenant's registries: what the
+    version and holder handlers (`VersionHub`, `HolderHub`) both build on."""
+
+    def timeout(self, context: CallContext) -> float: ...
+
+    def versions(self, tenant: Tenant) -> VersionRegistry: ...
+
+    def holders(self, tenant: Tenant) -> HolderRegistry: ...
 
 
 class Served(Protocol):

@@ -8,34 +8,26 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from consistency import HolderRegistry, VersionRegistry
 from consistency.sessions import SessionRecords
 from ros.hub.call import CallContext
 from ros.hub.convert import holder_from_pb, holder_to_pb
 from ros.hub.holder_index import HolderIndex
 from ros.hub.manifest_cache import ManifestCache
-from ros.hub.rpc import Runs, unary
-from ros.hub.tenants import Tenant
+from ros.hub.rpc import Registries, unary
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import InvalidArgument
 from tensorhub.names import validate_name, validate_version
 
 
-class HolderHub(Runs, Protocol):
-    """What the holder handlers use of a replica, besides running calls (`Runs`): the
-    tenant's registries, the session records (a registration or pin names its session),
-    the manifest cache (a version's header) and the holder index (a registration's
-    candidates)."""
+class HolderHub(Registries, Protocol):
+    """What the holder handlers use of a replica besides `Registries` (running calls, their
+    timeout, the tenant's registries): the session records (a registration or pin names
+    its session), the manifest cache (a version's header) and the holder index (a
+    registration's candidates)."""
 
     sessions: SessionRecords
     manifest_cache: ManifestCache
     holder_index: HolderIndex
-
-    def timeout(self, context: CallContext) -> float: ...
-
-    def versions(self, tenant: Tenant) -> VersionRegistry: ...
-
-    def holders(self, tenant: Tenant) -> HolderRegistry: ...
 
 
 class HolderRPCs:

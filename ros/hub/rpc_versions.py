@@ -13,7 +13,7 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Protocol
 
-from consistency import HolderRecord, HolderRegistry, HolderState, VersionRegistry
+from consistency import HolderRecord, HolderState
 from consistency.manifests import (
     MAX_MANIFEST_BYTES,
     MAX_SHARDS,
@@ -32,7 +32,7 @@ from ros.hub.fanout import WatchFanout
 from ros.hub.holder_index import HolderIndex
 from ros.hub.limits import StreamLimits
 from ros.hub.manifest_cache import ManifestCache
-from ros.hub.rpc import Runs, streaming, unary, unary_async
+from ros.hub.rpc import Registries, streaming, unary, unary_async
 from ros.hub.shard_group import publish_shards
 from ros.hub.shard_publish import ShardBatches, ShardJob
 from ros.hub.tenants import Tenant, TenantStore
@@ -50,10 +50,11 @@ MAX_PAGE_SIZE = 5000  # the most holders one Inspect page lists
 log = logging.getLogger(__name__)
 
 
-class VersionHub(Runs, Protocol):
-    """What the version handlers use of a replica, besides running calls (`Runs`): the
-    tenant's registries, the quota checks of a publish, sessions (a publish names one),
-    the caches and shared watches that answer reads, and the read keys of Resolve."""
+class VersionHub(Registries, Protocol):
+    """What the version handlers use of a replica besides `Registries` (running calls, their
+    timeout, the tenant's registries): the quota checks of a publish, sessions (a publish
+    names one), the caches and shared watches that answer reads, and the read keys of
+    Resolve."""
 
     budgets: Budgets
     sessions: SessionRecords
@@ -64,12 +65,6 @@ class VersionHub(Runs, Protocol):
     streams: StreamLimits
     tenants: TenantStore
     read_token_ttl: float
-
-    def timeout(self, context: CallContext) -> float: ...
-
-    def versions(self, tenant: Tenant) -> VersionRegistry: ...
-
-    def holders(self, tenant: Tenant) -> HolderRegistry: ...
 
 
 class VersionRPCs:
