@@ -19,9 +19,10 @@ chunks back to the plan, waits the loop's backoff and asks it again, until the d
 A round never asks the control plane anything and never retries: it ends when every wanted
 chunk is present, when no source is left, or at the deadline, and says which holders failed
 and why (`Round`). Who else to ask, and whether to try again, is the SDK's fetch
-orchestrator's decision (ros/client/orchestrator.py). `fetch` is one round that raises the
-round's most telling error when chunks are still missing: what tools and tests that read
-from holders they name use.
+orchestrator's decision (ros/client/orchestrator.py); what error a failed round ends with is
+`Round.raise_unless_done`'s. `fetch` is one round and that check: a read from holders the
+caller names, with no hub: the benchmarks of the data plane itself (`tensorhub bench
+transport`, `bench failover`, `bench gpu`), and the transport's tests.
 """
 
 from __future__ import annotations
@@ -109,6 +110,20 @@ class Round:
     @property
     def done(self) -> bool:
         return not self.missing
+
+    def raise_unless_done(self, what: str, deadline: float) -> None:
+        """Nothing when every wanted chunk arrived; else the round's most telling error:
+        `DeadlineExceeded` when `deadline` (time.monotonic()) has passed, else
+        `final_error` of the holders given up on (`IntegrityError` when the only bytes on
+        offer were bad, `PermissionDenied` when every holder refused the token,
+        `VersionUnavailable` when no holder is left)."""
+        if self.done:
+            return
+        if time.monotonic() >= deadline:
+            raise DeadlineExceeded(
+                f"{what}: deadline passed with {len(self.missing)} chunks missing"
+            )
+        raise final_error(self.failures, what)
 
 
 def _pull(
@@ -358,12 +373,6 @@ def fetch(
         tenant, model, version, layout, dest, sources, token=token, deadline=deadline, me=me,
         stats=stats, **options,
     )  # fmt: skip
-    what = f"fetch {model}@{version}"
-    if not result.done:
-        if time.monotonic() >= deadline:
-            raise DeadlineExceeded(
-                f"{what}: deadline passed with {len(result.missing)} chunks missing"
-            )
-        raise final_error(result.failures, what)
+    result.raise_unless_done(f"fetch {model}@{version}", deadline)
     stats.duration = time.monotonic() - start
     return stats
