@@ -69,6 +69,7 @@ MAX_TXN_OPS = 128  # etcd's default --max-txn-ops, which we never ask an operato
 FIXED_OPS = 5  # per batch: the counter, the usage, the model fence, `latest`, the header
 MAX_BATCH = (MAX_TXN_OPS - 3) // 2  # the opening read: 2 gets per shard, 3 for the batch
 PACK_BYTES = manifest_packs.PACK_BYTES  # a batch's packed manifests, at most
+FULL_BATCH = (MAX_TXN_OPS - FIXED_OPS - 1) // 2  # shards of a batch with a pack (61), at most
 
 
 @dataclass

@@ -71,25 +71,29 @@ class VersionRPCs:
         """The shards of one version a process group gathered, in one call: each committed
         as its own `Publish` would be (`ros.hub.shard_group`)."""
         return await publish_shards(
-            requests, lambda request: self._publish_shard(request, call, group=True)
+            requests,
+            lambda request: self._staged_shard(request, call, group=True),
+            self.hub.shard_batches.publish_all,
         )
 
-    async def _publish_shard(
+    async def _publish_shard(self, request: pb.PublishRequest, call: CallContext) -> Published:
+        """One shard: checked and staged, then committed in its version's next batch."""
+        model, version, job = await self._staged_shard(request, call)
+        return await self.hub.shard_batches.publish(model, version, job)
+
+    async def _staged_shard(
         self, request: pb.PublishRequest, call: CallContext, *, group: bool = False
-    ) -> Published:
-        """One shard: checked and staged, then committed in its version's next batch (of a
-        `group` call, its manifest in the batch's pack: `consistency.manifest_packs`)."""
-        size = request.manifest.ByteSize()
-        if not written_before_batch(size, group) and not is_companion(request.model):
+    ) -> tuple[str, int, ShardJob]:
+        """One shard checked and staged (of a `group` call, its manifest ready for its
+        batch's pack: `consistency.manifest_packs`)."""
+        if not written_before_batch(request.manifest.ByteSize(), group) and not is_companion(
+            request.model
+        ):
             # Nothing to read or write before the batch: checked here, on the loop,
             # without a trip through the worker pool (a burst is thousands of these).
             # A companion's shard may read its base's header: in a worker.
-            model, version, job = self._stage_shard(request, call, group)
-        else:
-            model, version, job = await self.hub.blocking(
-                self._stage_shard, request, call, group, deadline_of=call
-            )
-        return await self.hub.shard_batches.publish(model, version, job)
+            return self._stage_shard(request, call, group)
+        return await self.hub.blocking(self._stage_shard, request, call, group, deadline_of=call)
 
     def _publish_checks(
         self, request: pb.PublishRequest, call: CallContext, *, session: bool
