@@ -19,6 +19,10 @@ raise). So a manifest of more than `INLINE_BYTES` is cut into pages of at most `
 3. `read` fetches header and pages in one read-only transaction (one snapshot, one round
    trip) and checks the size and digest before returning a byte.
 
+A group publish's shard manifests (`PublishShards`) are not paged: each goes, compressed, in
+the pack its batch writes in its own transaction (`consistency.manifest_packs`); `read` and
+`load` find a shard's manifest there when its record names a pack.
+
 Bounds, checked before anything is written: `MAX_MANIFEST_BYTES` (48 pages of 1 MiB, under
 the hub's 64 MiB message limit) and `MAX_SHARDS`. The largest transaction is a shard's publish
 of a model's first version: 4 + 48 compares; 4 puts, the quota fence, 48 page re-puts and a

@@ -15,7 +15,8 @@ One batch is one transaction:
   completes the version is exactly one), each shard's record absent, each paged manifest's
   pages still present, plus the model quota's fence and the tenant's usage (`Budget`);
 - puts: each shard's record and its holder record (under the rank's session lease), each
-  paged manifest's pages detached from the lease, the counter (`{"count": n, "arrived": k}`),
+  paged manifest's pages detached from the lease, the pack of the batch's packed manifests
+  (a group publish's: `consistency.manifest_packs`), the counter (`{"count": n, "arrived": k}`),
   the usage and the fence; and, in the batch that brings `arrived` to `n`, `latest` and the
   version's header `{"shards": n}`. So the version becomes visible exactly once, atomically,
   with its last shard, and `Latest` never shows a partial version.

@@ -2,10 +2,12 @@
 
 A trainer's ranks gather their shards' PublishRequests over their own process group, and one
 rank streams them all to the hub in one `PublishShards` call (a client stream: no message
-bound on how many, nor on their manifests together). The hub treats each shard exactly as
-its own `Publish` (`publish_shard`): checked and staged as it arrives, then committed in the
-version's group commits (`ros.hub.shard_publish`) with every other shard of the version
-waiting on the replica, so N shards cost about N / 61 transactions and the version becomes
+bound on how many, nor on their manifests together). The hub treats each shard as its own
+`Publish`: checked and staged as it arrives (a manifest over `SHARD_INLINE_BYTES`, up to
+`SHARD_PACK_BYTES`, compressed for its batch's pack, `consistency.manifest_packs`, instead
+of paged before the batch), then handed to the version's group commits
+(`ros.hub.shard_publish`) `CHUNK` (61, a full batch) at a time, so N shards cost
+ceil(N / 61) transactions, whatever else the replica is doing, and the version becomes
 visible with the last one, atomically. Each shard keeps its own holder record under its own
 rank's session (the rank serves its own memory, and its record dies with its lease), its own
 outcome (a refused shard is refused alone, with its named error, and the version stays
