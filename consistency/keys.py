@@ -8,6 +8,7 @@ here, nowhere else.
 {p}/t/{tenant}/m/{model}/v/{version:020d}/h/{holder}
 {p}/t/{tenant}/m/{model}/v/{version:020d}/pin/{id}
 {p}/t/{tenant}/mp/{model}/{version:020d}/{part}/{writer}/{page:06d}   (manifest pages)
+{p}/t/{tenant}/mp/{model}/{version:020d}/pack/{pack}   (a batch's shard manifests, compressed)
 {p}/t/{tenant}/mp/{model}/{version:020d}/arrived       (shard counter: count, arrived)
 {p}/t/{tenant}/s/{session:x}                           (marks a lease as the tenant's)
 {p}/t/{tenant}/quota/{what}                            (fence of a counted create: models, sessions)
@@ -22,7 +23,9 @@ prefix. Versions are zero-padded so that key order is version order.
 Manifest pages (`consistency.manifests`) live under `mp/`, outside the model's prefix `m/{model}/`
 that watches cover, so megabytes of pages never flow through a watch; `part` is `whole` or
 the shard index (`{i:06d}`), `writer` a random id per publish attempt, so racing publishers of
-one version never write the same page key. Retention deletes `mp/{model}/{version}/` in the
+one version never write the same page key. A pack (`consistency.manifest_packs`) holds the
+manifests of one shard batch's shards, written in that batch's transaction under a random id.
+Retention deletes `mp/{model}/{version}/` in the
 same transaction as `v/{version}/`.
 """
 
@@ -150,6 +153,10 @@ class Keys:
         """One publish attempt's pages of a part (`writer`: its random id)."""
         part_prefix = self.manifest_part(tenant, model, version, part)
         return f"{part_prefix}{validate_name(writer, 'writer')}/"
+
+    def manifest_pack(self, tenant: str, model: str, version: int, pack: str) -> str:
+        """One shard batch's pack of manifests (`pack`: its random id)."""
+        return f"{self.manifest_pages(tenant, model, version)}pack/{validate_name(pack, 'pack')}"
 
     def shard_arrivals(self, tenant: str, model: str, version: int) -> str:
         """The version's shard counter, `{"count": n, "arrived": k}`: put once by every

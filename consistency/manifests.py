@@ -19,6 +19,10 @@ raise). So a manifest of more than `INLINE_BYTES` is cut into pages of at most `
 3. `read` fetches header and pages in one read-only transaction (one snapshot, one round
    trip) and checks the size and digest before returning a byte.
 
+A group publish's shard manifests (`PublishShards`) are not paged: each goes, compressed, in
+the pack its batch writes in its own transaction (`consistency.manifest_packs`); `read` and
+`load` find a shard's manifest there when its record names a pack.
+
 Bounds, checked before anything is written: `MAX_MANIFEST_BYTES` (48 pages of 1 MiB, under
 the hub's 64 MiB message limit) and `MAX_SHARDS`. The largest transaction is a shard's publish
 of a model's first version: 4 + 48 compares; 4 puts, the quota fence, 48 page re-puts and a
@@ -34,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from consistency import ops
+from consistency import manifest_packs, ops
 from consistency.etcd import Etcd, TxnResult
 from consistency.keys import Keys
 from consistency.ops import KV
@@ -57,6 +61,16 @@ MAX_MANIFEST_BYTES = MAX_MANIFEST_PAGES * PAGE_BYTES  # 48 MiB, under the hub's 
 INLINE_BYTES = 64 << 10  # a whole version's manifest up to this stays in its header
 SHARD_INLINE_BYTES = 1 << 10  # per shard: 4,096 shard records stay a small range read
 MAX_SHARDS = 4096  # docs/design.md, "Scale envelope"
+
+
+def written_before_batch(size: int, packed: bool) -> bool:
+    """Whether a shard manifest of `size` bytes is written (paged) before its batch: one
+    larger than `SHARD_INLINE_BYTES`, unless `packed` (a group publish's) and small enough
+    for its batch's pack (`consistency.manifest_packs`). Only such a publish writes anything
+    before its batch, so only it checks its session and budget first."""
+    if packed and manifest_packs.packable(size, SHARD_INLINE_BYTES):
+        return False
+    return size > SHARD_INLINE_BYTES
 
 
 def check_manifest_size(size: int, what: str = "manifest") -> None:
@@ -279,7 +293,14 @@ class ManifestStore:
         if not records:
             raise VersionNotFound(f"{model}@{version} has no record of shard {shard}")
         part = ShardRecord.decode(records[0].value).part
-        return self.assemble(part, pages, prefix, f"shard {shard} of {model}@{version}")
+        what = f"shard {shard} of {model}@{version}"
+        if part.pack:  # a pack is written once, with the record: a second read finds it
+            key = keys.manifest_pack(tenant, model, version, part.pack)
+            packs = self.etcd.range(key, timeout=timeout).kvs
+            if not packs:
+                raise VersionNotFound(f"{model}@{version} is no longer retained")
+            return manifest_packs.unpack(part, packs[0].value, what)
+        return self.assemble(part, pages, prefix, what)
 
     def load(
         self,
@@ -294,18 +315,25 @@ class ManifestStore:
         """The bytes of several parts of one version as of `revision` (one range read, and
         only if some part is paged): for `describe`, which read the headers at `revision`."""
         pages: list[KV] = []
-        if any(p.pages for p in parts.values()):
+        if any(p.pages or p.pack for p in parts.values()):
             pages = self.etcd.range(
                 self.keys.manifest_pages(tenant, model, version),
                 prefix=True,
                 revision=revision,
                 timeout=timeout,
             ).kvs
+        packs = {kv.key: kv.value for kv in pages}  # a pack is found by its exact key
         result: dict[int | None, bytes] = {}
         for part, header in parts.items():
             prefix = self.keys.manifest_part(tenant, model, version, part)
             what = f"{model}@{version}" if part is None else f"shard {part} of {model}@{version}"
-            result[part] = self.assemble(header, pages, prefix, what)
+            if header.pack:
+                key = ops.b(self.keys.manifest_pack(tenant, model, version, header.pack))
+                if key not in packs:
+                    raise IntegrityError(f"the manifest of {what} has no pack")
+                result[part] = manifest_packs.unpack(header, packs[key], what)
+            else:
+                result[part] = self.assemble(header, pages, prefix, what)
         return result
 
     @staticmethod

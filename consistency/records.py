@@ -96,8 +96,10 @@ HEADER_FORMAT = 1  # the `format` of a manifest header; a reader refuses any oth
 class PartHeader:
     """Where one manifest (a whole version's, or one shard's) is, and how to check it.
 
-    `size` bytes with SHA-256 `digest`, stored either `inline` (small manifests: no pages)
-    or in `pages` pages written by publish attempt `writer` (`consistency.manifests`).
+    `size` bytes with SHA-256 `digest`, stored either `inline` (small manifests: no pages),
+    in `pages` pages written by publish attempt `writer` (`consistency.manifests`), or, a
+    shard of a group publish, compressed in `pack` (the id of the pack its batch wrote) at
+    `offset`, `stored` bytes long (`consistency.manifest_packs`).
     The header of a model-parallel version itself holds no manifest, only `shards`.
     `session`: the session that published this part (0: not recorded); the hub accepts a
     delta companion of a version only from the session that published its base
@@ -111,6 +113,9 @@ class PartHeader:
     inline: bytes = b""
     shards: int = 0
     session: int = 0
+    pack: str = ""
+    offset: int = 0
+    stored: int = 0
 
     def fields(self) -> dict[str, Any]:
         """The JSON part of the encoding (the inline bytes follow it raw)."""
@@ -124,6 +129,8 @@ class PartHeader:
         }
         if self.session:  # absent when not recorded: such a header encodes as it always has
             data["session"] = self.session
+        if self.pack:  # absent unless packed, as above
+            data.update(pack=self.pack, offset=self.offset, stored=self.stored)
         return data
 
     def encode(self) -> bytes:
@@ -155,11 +162,18 @@ class PartHeader:
                 inline=inline,
                 shards=int(data.get("shards", 0)),
                 session=int(data.get("session", 0)),
+                pack=str(data.get("pack", "")),
+                offset=int(data.get("offset", 0)),
+                stored=int(data.get("stored", 0)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgument(f"malformed manifest header: {exc}") from exc
         if header.pages and inline:
             raise InvalidArgument("malformed manifest header: both pages and inline bytes")
+        if header.pack and (header.pages or inline or header.offset < 0 or header.stored <= 0):
+            raise InvalidArgument(
+                "malformed manifest header: a pack with pages, inline bytes or no stored bytes"
+            )
         return header
 
 

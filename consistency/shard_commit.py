@@ -15,7 +15,8 @@ One batch is one transaction:
   completes the version is exactly one), each shard's record absent, each paged manifest's
   pages still present, plus the model quota's fence and the tenant's usage (`Budget`);
 - puts: each shard's record and its holder record (under the rank's session lease), each
-  paged manifest's pages detached from the lease, the counter (`{"count": n, "arrived": k}`),
+  paged manifest's pages detached from the lease, the pack of the batch's packed manifests
+  (a group publish's: `consistency.manifest_packs`), the counter (`{"count": n, "arrived": k}`),
   the usage and the fence; and, in the batch that brings `arrived` to `n`, `latest` and the
   version's header `{"shards": n}`. So the version becomes visible exactly once, atomically,
   with its last shard, and `Latest` never shows a partial version.
@@ -38,12 +39,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import secrets
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from consistency import ops
+from consistency import manifest_packs, ops
 from consistency.etcd import Etcd
 from consistency.keys import Keys
 from consistency.manifests import ManifestStore, Staged
@@ -67,6 +69,8 @@ from tensorhub.errors import (
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops, which we never ask an operator to raise
 FIXED_OPS = 5  # per batch: the counter, the usage, the model fence, `latest`, the header
 MAX_BATCH = (MAX_TXN_OPS - 3) // 2  # the opening read: 2 gets per shard, 3 for the batch
+PACK_BYTES = manifest_packs.PACK_BYTES  # a batch's packed manifests, at most
+FULL_BATCH = (MAX_TXN_OPS - FIXED_OPS - 1) // 2  # shards of a batch with a pack (61), at most
 
 
 @dataclass
@@ -83,10 +87,12 @@ class ShardEntry:
     deadline: float
     session_key: str = ""  # the session's mark that must exist (a hub: the tenant's own)
     ambiguous: bool = field(default=False, compare=False)
+    packed: bytes = field(default=b"", repr=False)  # its manifest for the batch's pack
 
     @property
     def ops(self) -> int:
-        """The operations this shard adds to a batch's largest list (its puts)."""
+        """The operations this shard adds to a batch's largest list (its puts; the pack
+        its manifest goes in is the batch's one more)."""
         return 2 + self.staged.header.pages
 
 
@@ -110,22 +116,27 @@ Outcome = Published | TensorHubError
 
 
 def take(queue: list[ShardEntry]) -> list[ShardEntry]:
-    """The next batch from `queue`, oldest first, within etcd's operation limit, with at
-    most one entry per shard index (a second publish of an index waits for the next batch,
-    where it finds the first one's record). Removes what it takes from `queue`."""
+    """The next batch from `queue`, oldest first, within etcd's operation limit (a pack is
+    one operation more) and `PACK_BYTES` of packed manifests, with at most one entry per
+    shard index (a second publish of an index waits for the next batch, where it finds the
+    first one's record). Removes what it takes from `queue`."""
     batch: list[ShardEntry] = []
     indices: set[int] = set()
     used = FIXED_OPS
+    packed = 0
     rest: list[ShardEntry] = []
     for entry in queue:
+        more = entry.ops + (1 if entry.packed and not packed else 0)
         if (
             len(batch) < MAX_BATCH
             and entry.index not in indices
-            and used + entry.ops <= MAX_TXN_OPS
+            and used + more <= MAX_TXN_OPS
+            and (not entry.packed or packed + len(entry.packed) <= PACK_BYTES)
         ):
             batch.append(entry)
             indices.add(entry.index)
-            used += entry.ops
+            used += more
+            packed += len(entry.packed)
         else:
             rest.append(entry)
     queue[:] = rest
@@ -258,10 +269,11 @@ class ShardCommitter:
         writing = [e for e in writing if id(e) not in outcomes]
         if not writing:
             return
+        records = self._pack(writing, puts)
         for entry in writing:
             compares += [ops.absent(self._shard_key(entry)), *entry.staged.compares]
             puts += [
-                ops.put(self._shard_key(entry), entry.record),
+                ops.put(self._shard_key(entry), records.get(id(entry), entry.record)),
                 ops.put(self._holder_key(entry), entry.holder.encode(), lease=entry.holder.session),
                 *entry.staged.commits,
             ]
@@ -308,6 +320,28 @@ class ShardCommitter:
                 outcomes[id(entry)] = SessionExpired(
                     f"session {entry.holder.session:x} has expired or was revoked: open a new one"
                 )
+
+    def _pack(self, writing: list[ShardEntry], puts: list[ops.Op]) -> dict[int, bytes]:
+        """The pack of the packed manifests among `writing`, added to `puts` under a new id
+        (one per transaction: an attempt that fails wrote nothing), and the shard records
+        that name it, by entry (`consistency.manifest_packs`)."""
+        packed = [e for e in writing if e.packed]
+        if not packed:
+            return {}
+        pack_id = secrets.token_hex(8)
+        value, offsets = manifest_packs.build([e.packed for e in packed])
+        puts.append(
+            ops.put(self.keys.manifest_pack(self.tenant, self.model, self.version, pack_id), value)
+        )
+        return {
+            id(e): ShardRecord(
+                e.index, e.count, e.holder.holder,
+                manifest_packs.pack(
+                    replace(e.staged.header, session=e.holder.session), pack_id, at, len(e.packed)
+                ),
+            ).encode()
+            for e, at in zip(packed, offsets, strict=True)
+        }  # fmt: skip
 
     def _read(self, pending: list[ShardEntry], remaining: float) -> _Read:
         """latest, the counter, and each pending shard's records, at one revision."""

@@ -13,18 +13,21 @@ pinned them. The publish transaction and its retry loop are `consistency.publish
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from concurrent.futures import Executor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 
-from consistency import ops, usage
+from consistency import manifest_packs, ops, usage
 from consistency.etcd import Etcd
 from consistency.keys import Keys
 from consistency.manifests import (
+    SHARD_INLINE_BYTES,
     ManifestHeader,
     ManifestStore,
+    Staged,
     check_manifest_size,
     check_shard_count,
 )
@@ -240,11 +243,14 @@ class VersionRegistry:
         *,
         timeout: float = DEFAULT_TIMEOUT,
         session_key: str = "",
+        pack: bool = False,
     ) -> ShardEntry:
         """Check one rank's shard publish and write its manifest's pages (if any) under its
         session: a `ShardEntry` ready for a batch (`shard_committer`). With `session_key`,
         the batch commits it only while that key exists (the hub: the session's mark as
-        the caller tenant's own)."""
+        the caller tenant's own). With `pack` (a group publish), a manifest that fits
+        (`consistency.manifest_packs`) is compressed instead, and its batch writes it: then
+        nothing is written here."""
         validate_version(version)
         check_shard_count(count)
         if not 0 <= index < count:
@@ -254,14 +260,20 @@ class VersionRegistry:
         check_manifest_size(len(manifest), f"the manifest of shard {index}")
         holder = replace(self._complete(holder), shard=index)
         deadline = time.monotonic() + timeout
-        staged = self.manifests.stage(
-            tenant, model, version, index, manifest, holder.session, timeout=timeout
-        )
+        packed = b""
+        if pack and manifest_packs.packable(len(manifest), SHARD_INLINE_BYTES):
+            staged = Staged(PartHeader(len(manifest), hashlib.sha256(manifest).digest()), [], [])
+            packed = manifest_packs.compress(manifest)
+        else:
+            staged = self.manifests.stage(
+                tenant, model, version, index, manifest, holder.session, timeout=timeout
+            )
         part = replace(staged.header, session=holder.session)
         record = ShardRecord(index, count, holder.holder, part).encode()
         return ShardEntry(
-            index, count, holder, staged, record, len(manifest), deadline, session_key
-        )
+            index, count, holder, staged, record, len(manifest), deadline, session_key,
+            packed=packed,
+        )  # fmt: skip
 
     def shard_committer(
         self,

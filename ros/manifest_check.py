@@ -18,6 +18,8 @@ Every refusal is `InvalidManifest` (an `InvalidArgument`): nothing was written.
 
 from __future__ import annotations
 
+import math
+import operator
 from collections.abc import Mapping, Sequence
 
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
@@ -117,9 +119,17 @@ def _check_manifest(manifest: pb.Manifest) -> None:
             f"has {len(manifest.chunk_xxh3)} checksums for {chunks} chunks "
             f"({total} bytes in chunks of {size})"
         )
+    if not _tensors_pass(manifest.tensors, total):
+        _walk_tensors(manifest.tensors, total)  # a rule is broken: name the first
+    check_metadata(manifest.metadata, "metadata")
+
+
+def _walk_tensors(tensors: Sequence[pb.TensorEntry], total: int) -> None:
+    """`InvalidManifest` naming the first rule a tensor entry breaks, in order: each entry
+    on its own (`_check_entry`), then its offset against the entry before it and the end."""
     names: set[str] = set()
     end = 0
-    for entry in manifest.tensors:
+    for entry in tensors:
         _check_entry(entry, names)
         if entry.offset < end:
             raise InvalidManifest(
@@ -131,7 +141,62 @@ def _check_manifest(manifest: pb.Manifest) -> None:
             raise InvalidManifest(
                 f"tensor {entry.name!r} ends at byte {end}, past total_bytes {total}"
             )
-    check_metadata(manifest.metadata, "metadata")
+
+
+def _tensors_pass(tensors: Sequence[pb.TensorEntry], total: int) -> bool:
+    """Whether every tensor entry passes every rule `_walk_tensors` applies, decided in
+    bulk: the same rules, with less Python per entry (a version of 4,096 shards of 200
+    tensors is 819,200 entries). False when any rule fails (the caller then walks the
+    entries one by one to name the first); never True when one would. Placement of a
+    model-parallel block: `_placement_fits`."""
+    sizes = DTYPE_SIZES
+    prod = math.prod
+    names: list[str] = []
+    end = 0
+    for name, dtype, offset, nbytes, dims, glob, offsets in map(_FIELDS, tensors):
+        shape = dims[:]  # a list: cheaper to walk twice than the message's container
+        itemsize = sizes.get(dtype)
+        if (
+            itemsize is None
+            or offset < end
+            or offset % ALIGN
+            or len(shape) > MAX_DIMS
+            or (shape and min(shape) < 0)
+            or nbytes != prod(shape) * itemsize
+            or ((glob or offsets) and not _placement_fits(shape, glob, offsets))
+        ):
+            return False
+        end = offset + nbytes  # offsets only grow, and so do the ends: the last is the end
+        names.append(name)
+    if end > total or len(set(names)) != len(names) or not RESERVED_TENSOR_NAMES.isdisjoint(names):
+        return False
+    if not names:
+        return True  # (a manifest without tensors is refused before: not a tensor's rule)
+    if min(map(len, names)) < 1:
+        return False
+    try:
+        "".join(names).encode()  # every name encodes (UTF-8)
+    except UnicodeEncodeError:
+        return False
+    # a name of n characters is n to 4n bytes: only a long one needs its bytes counted
+    longest = max(map(len, names))
+    return longest * 4 <= MAX_TENSOR_NAME_BYTES or all(
+        len(n.encode()) <= MAX_TENSOR_NAME_BYTES for n in names
+    )
+
+
+_FIELDS = operator.attrgetter(
+    "name", "dtype", "offset", "nbytes", "shape", "global_shape", "global_offsets"
+)
+
+
+def _placement_fits(shape: Sequence[int], glob: Sequence[int], offsets: Sequence[int]) -> bool:
+    """`_check_placement`'s rule as a test: one entry per dimension in both lists, and the
+    block inside the global tensor."""
+    if len(glob) != len(shape) or len(offsets) != len(shape):
+        return False
+    return all(start >= 0 and start + dim <= size
+               for dim, size, start in zip(shape, glob, offsets, strict=True))  # fmt: skip
 
 
 def _check_delta(manifest: pb.Manifest, model: str | None, version: int | None) -> None:

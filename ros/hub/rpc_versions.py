@@ -17,10 +17,10 @@ from consistency import HolderRecord, HolderState
 from consistency.manifests import (
     MAX_MANIFEST_BYTES,
     MAX_SHARDS,
-    SHARD_INLINE_BYTES,
     ManifestHeader,
     check_manifest_size,
     check_shard_count,
+    written_before_batch,
 )
 from consistency.publishing import Admit, Published
 from consistency.sessions import SessionRecords
@@ -94,20 +94,30 @@ class VersionRPCs:
     ) -> pb.PublishShardsResponse:
         """The shards of one version a process group gathered, in one call: each committed
         as its own `Publish` would be (`ros.hub.shard_group`)."""
-        return await publish_shards(requests, lambda request: self._publish_shard(request, call))
+        return await publish_shards(
+            requests,
+            lambda request: self._staged_shard(request, call, group=True),
+            self.hub.shard_batches.publish_all,
+        )
 
     async def _publish_shard(self, request: pb.PublishRequest, call: CallContext) -> Published:
         """One shard: checked and staged, then committed in its version's next batch."""
-        if request.manifest.ByteSize() <= SHARD_INLINE_BYTES and not is_companion(request.model):
+        model, version, job = await self._staged_shard(request, call)
+        return await self.hub.shard_batches.publish(model, version, job)
+
+    async def _staged_shard(
+        self, request: pb.PublishRequest, call: CallContext, *, group: bool = False
+    ) -> tuple[str, int, ShardJob]:
+        """One shard checked and staged (of a `group` call, its manifest ready for its
+        batch's pack: `consistency.manifest_packs`)."""
+        if not written_before_batch(request.manifest.ByteSize(), group) and not is_companion(
+            request.model
+        ):
             # Nothing to read or write before the batch: checked here, on the loop,
             # without a trip through the worker pool (a burst is thousands of these).
             # A companion's shard may read its base's header: in a worker.
-            model, version, job = self._stage_shard(request, call)
-        else:
-            model, version, job = await self.hub.blocking(
-                self._stage_shard, request, call, deadline_of=call
-            )
-        return await self.hub.shard_batches.publish(model, version, job)
+            return self._stage_shard(request, call, group)
+        return await self.hub.blocking(self._stage_shard, request, call, group, deadline_of=call)
 
     def _publish_checks(
         self, request: pb.PublishRequest, call: CallContext, *, session: bool
@@ -158,13 +168,13 @@ class VersionRPCs:
         return published
 
     def _stage_shard(
-        self, request: pb.PublishRequest, call: CallContext
+        self, request: pb.PublishRequest, call: CallContext, group: bool = False
     ) -> tuple[str, int, ShardJob]:
         """A shard publish checked and its manifest staged: a job for its version's next
         batch. Its session and budget are checked in the batch's own transaction, race-free
         and once per batch; only a shard whose manifest is paged (a write before the batch)
         checks them first, so that a refused publish writes nothing."""
-        paged = request.manifest.ByteSize() > SHARD_INLINE_BYTES
+        paged = written_before_batch(request.manifest.ByteSize(), group)
         tenant, timeout, model, version, manifest, holder, admit = self._publish_checks(
             request, call, session=paged
         )
@@ -179,6 +189,7 @@ class VersionRPCs:
         entry = versions.stage_shard(
             tenant.name, model, version, request.shard_index, request.shard_count, manifest,
             holder, timeout=timeout, session_key=self.hub.sessions.key(tenant.name, holder.session),
+            pack=group,
         )  # fmt: skip
         return model, version, ShardJob(tenant, versions, admit, entry)
 

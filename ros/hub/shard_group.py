@@ -2,10 +2,12 @@
 
 A trainer's ranks gather their shards' PublishRequests over their own process group, and one
 rank streams them all to the hub in one `PublishShards` call (a client stream: no message
-bound on how many, nor on their manifests together). The hub treats each shard exactly as
-its own `Publish` (`publish_shard`): checked and staged as it arrives, then committed in the
-version's group commits (`ros.hub.shard_publish`) with every other shard of the version
-waiting on the replica, so N shards cost about N / 61 transactions and the version becomes
+bound on how many, nor on their manifests together). The hub treats each shard as its own
+`Publish`: checked and staged as it arrives (a manifest over `SHARD_INLINE_BYTES`, up to
+`SHARD_PACK_BYTES`, compressed for its batch's pack, `consistency.manifest_packs`, instead
+of paged before the batch), then handed to the version's group commits
+(`ros.hub.shard_publish`) `CHUNK` (61, a full batch) at a time, so N shards cost
+ceil(N / 61) transactions, whatever else the replica is doing, and the version becomes
 visible with the last one, atomically. Each shard keeps its own holder record under its own
 rank's session (the rank serves its own memory, and its record dies with its lease), its own
 outcome (a refused shard is refused alone, with its named error, and the version stays
@@ -25,27 +27,39 @@ alone.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 from consistency.manifests import MAX_SHARDS
 from consistency.publishing import Published
+from consistency.shard_commit import FULL_BATCH
 from ros.errors import ERROR_METADATA_KEY, FIELDS_METADATA_KEY, error_metadata
 from ros.hub.call import internal
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import InvalidArgument, TensorHubError
 
+J = TypeVar("J")  # a staged shard, as `stage` makes it and `commit` takes it
+CHUNK = FULL_BATCH  # shards staged before a call hands them to the batches together
+
 
 async def publish_shards(
     requests: AsyncIterator[pb.PublishRequest],
-    publish_shard: Callable[[pb.PublishRequest], Awaitable[Published]],
+    stage: Callable[[pb.PublishRequest], Awaitable[J]],
+    commit: Callable[[list[J]], list[asyncio.Future[Published]]],
 ) -> pb.PublishShardsResponse:
     """Publish every shard of the stream (module docstring); one outcome each, in order.
-    Each shard is submitted as it arrives, so the first batches commit while the rest
-    still streams in. If the call ends early (cancelled, refused), the shards not yet
-    committed are withdrawn as a Publish whose caller left is."""
-    pending: list[asyncio.Future[Published]] = []
+    Each shard is staged as it arrives (`stage`: checked, its manifest ready for a batch's
+    pack), and every `CHUNK` staged shards are handed to the batches together (`commit`),
+    so the first batches commit, full, while the rest still streams in. If the call ends
+    early (cancelled, refused), the shards not yet committed are withdrawn as a Publish
+    whose caller left is."""
+    outcomes: list[asyncio.Future[Published]] = []
     indices: list[int] = []
     first: tuple[str, int, int] | None = None
+    chunk: list[tuple[asyncio.Future[J], asyncio.Future[Published]]] = []
+    handing: list[asyncio.Future[None]] = []
+    loop = asyncio.get_running_loop()
     try:
         async for request in requests:
             this = (request.model, request.version, request.shard_count)
@@ -53,27 +67,86 @@ async def publish_shards(
                 if not request.shard_count:
                     raise InvalidArgument("PublishShards carries shards: set shard_count")
                 first = this
-            if len(pending) >= min(first[2], MAX_SHARDS):
+            if len(outcomes) >= min(first[2], MAX_SHARDS):
                 raise InvalidArgument(
                     f"PublishShards carries at most one message per shard of its version "
                     f"({min(first[2], MAX_SHARDS)} here)"
                 )
             indices.append(request.shard_index)
             if this != first:
-                pending.append(_refused(_mismatch(first, this)))
-            else:
-                pending.append(asyncio.ensure_future(publish_shard(request)))
-        if not pending:
+                outcomes.append(_refused(_mismatch(first, this)))
+                continue
+            outcome: asyncio.Future[Published] = loop.create_future()
+            outcomes.append(outcome)
+            chunk.append((asyncio.ensure_future(stage(request)), outcome))
+            if len(chunk) >= CHUNK:
+                handing.append(asyncio.ensure_future(_hand_in(chunk, commit)))
+                chunk = []
+        if chunk:
+            handing.append(asyncio.ensure_future(_hand_in(chunk, commit)))
+        if not outcomes:
             raise InvalidArgument("PublishShards carried no shard")
-        outcomes = await asyncio.gather(*pending, return_exceptions=True)
+        results = await asyncio.gather(*outcomes, return_exceptions=True)
     finally:
-        for future in pending:
-            future.cancel()  # no-op for those done
+        for task in handing:
+            task.cancel()  # no-op for those done
+        for staged, _ in chunk:
+            staged.cancel()
+        for future in outcomes:
+            future.cancel()  # a shard still waiting for its batch is withdrawn
     version = first[1] if first is not None else 0
     return pb.PublishShardsResponse(
         version=version,
-        outcomes=[_outcome(i, o) for i, o in zip(indices, outcomes, strict=True)],
+        outcomes=[_outcome(i, o) for i, o in zip(indices, results, strict=True)],
     )
+
+
+async def _hand_in(
+    chunk: list[tuple[asyncio.Future[J], asyncio.Future[Published]]],
+    commit: Callable[[list[J]], list[asyncio.Future[Published]]],
+) -> None:
+    """Wait for a chunk's shards to be staged, then hand those staged to the batches in one
+    step; each shard's outcome (its staging's error, or its batch's answer) goes to its own
+    future. An outcome cancelled (the call ended) withdraws its shard."""
+    staged = await asyncio.gather(*(s for s, _ in chunk), return_exceptions=True)
+    ready: list[tuple[J, asyncio.Future[Published]]] = []
+    for (_, outcome), result in zip(chunk, staged, strict=True):
+        if outcome.done():
+            continue
+        if isinstance(result, asyncio.CancelledError):
+            outcome.cancel()
+        elif isinstance(result, BaseException):
+            outcome.set_exception(result)
+        else:
+            ready.append((result, outcome))
+    try:
+        committing = commit([j for j, _ in ready])
+    except Exception as exc:  # nothing handed in: each shard hears why
+        for _, outcome in ready:
+            outcome.set_exception(exc)
+        return
+    for waiting, (_, outcome) in zip(committing, ready, strict=True):
+        waiting.add_done_callback(functools.partial(_settle, outcome))
+        outcome.add_done_callback(functools.partial(_withdraw, waiting))
+
+
+def _settle(outcome: asyncio.Future[Published], waiting: asyncio.Future[Published]) -> None:
+    """A batch's answer to a shard, handed to the shard's outcome."""
+    if outcome.done():
+        return
+    if waiting.cancelled():
+        outcome.cancel()
+    elif (error := waiting.exception()) is not None:
+        outcome.set_exception(error)
+    else:
+        outcome.set_result(waiting.result())
+
+
+def _withdraw(waiting: asyncio.Future[Published], outcome: asyncio.Future[Published]) -> None:
+    """The call ended before the shard's batch answered: its wait is cancelled, so a batch
+    not yet taken leaves it out (`ros.hub.group_commit`)."""
+    if outcome.cancelled():
+        waiting.cancel()
 
 
 def _mismatch(first: tuple[str, int, int], this: tuple[str, int, int]) -> InvalidArgument:

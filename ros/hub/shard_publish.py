@@ -10,6 +10,7 @@ the version's counter. Different versions, models and tenants never share a batc
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from tensorhub.errors import TensorHubError
 from tensorhub.lru import SizedLru
 
 Key = tuple[str, str, int]  # tenant, model, version
+Waiting = asyncio.Future[Published]  # a shard's outcome, once its batch has committed
 
 
 @dataclass
@@ -55,6 +57,19 @@ class ShardBatches:
     async def publish(self, model: str, version: int, job: ShardJob) -> Published:
         """Commit `job` in its version's next batch; its outcome, raised if an error."""
         return await self.group.submit((job.tenant.name, model, version), job)
+
+    def publish_all(self, staged: Sequence[tuple[str, int, ShardJob]]) -> list[Waiting]:
+        """Commit shards handed in together, each `(model, version, job)`, in their
+        versions' next batches (those of one version join its queue in one step): a future
+        of each one's outcome, in order."""
+        keys: dict[Key, list[int]] = {}
+        for at, (model, version, job) in enumerate(staged):
+            keys.setdefault((job.tenant.name, model, version), []).append(at)
+        waiting: dict[int, Waiting] = {}
+        for key, ats in keys.items():
+            futures = self.group.submit_all(key, [staged[at][2] for at in ats])
+            waiting.update(zip(ats, futures, strict=True))
+        return [waiting[at] for at in range(len(staged))]
 
     def _commit(self, key: Key, jobs: list[ShardJob]) -> Sequence[Published | TensorHubError]:
         """One batch (run in a worker): the first job's tenant, registry and admission

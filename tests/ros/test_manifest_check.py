@@ -24,6 +24,8 @@ from ros.manifest_check import (
     MAX_TENSOR_NAME_BYTES,
     MAX_TOPOLOGY_LABELS,
     MIN_CHUNK,
+    _tensors_pass,
+    _walk_tensors,
     check_manifest,
     check_topology,
 )
@@ -171,6 +173,58 @@ def test_each_malformed_case_is_refused_by_name(case: str) -> None:
     with pytest.raises(InvalidManifest, match=r"^manifest: ") as info:
         check_manifest(broken(case), model="policy", version=2)
     assert isinstance(info.value, InvalidArgument)  # INVALID_ARGUMENT on the wire
+
+
+def _bulk_and_walk_agree(m: pb.Manifest) -> bool:
+    """Whether the bulk pass and the entry-by-entry walk agree on `m`'s tensors; which one
+    passed, for the caller to assert on."""
+    try:
+        _walk_tensors(m.tensors, m.total_bytes)
+        walked = True
+    except InvalidManifest:
+        walked = False
+    assert _tensors_pass(m.tensors, m.total_bytes) is walked
+    return walked
+
+
+def _renamed(name: str) -> pb.Manifest:
+    m = good()
+    m.tensors[0].name = name
+    return m
+
+
+def _placed(shape: list[int], offsets: list[int]) -> pb.Manifest:
+    m = good()
+    m.tensors[0].global_shape[:], m.tensors[0].global_offsets[:] = shape, offsets
+    return m
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_bulk_pass_refuses_exactly_what_the_walk_refuses(case: str) -> None:
+    """check_manifest decides valid tensors in bulk and walks them one by one only to name a
+    broken rule: the bulk pass must never pass what the walk refuses, nor refuse what it
+    passes."""
+    _bulk_and_walk_agree(broken(case))
+
+
+def test_the_bulk_pass_holds_every_name_and_placement_rule() -> None:
+    assert _bulk_and_walk_agree(good())
+    assert _bulk_and_walk_agree(_renamed("é" * (MAX_TENSOR_NAME_BYTES // 2)))  # 1,024 bytes
+    assert not _bulk_and_walk_agree(_renamed("é" * (MAX_TENSOR_NAME_BYTES // 2 + 1)))
+    assert not _bulk_and_walk_agree(_renamed(""))
+    assert not _bulk_and_walk_agree(_renamed("__metadata__"))
+    assert _bulk_and_walk_agree(_placed([2048], [1024]))
+    assert not _bulk_and_walk_agree(_placed([2048], [-1]))
+    assert not _bulk_and_walk_agree(_placed([2048], []))
+    m = good()
+    m.tensors[1].shape[:] = [2, 512]
+    assert _bulk_and_walk_agree(m)
+    m.tensors[1].shape[:] = [-2, -512]  # the right product of negative dimensions
+    assert not _bulk_and_walk_agree(m)
+    m.tensors[1].shape[:] = [1] * 64 + [1024]  # 65 dimensions
+    assert not _bulk_and_walk_agree(m)
+    m = good(total=8000)  # the last tensor ends past total_bytes
+    assert not _bulk_and_walk_agree(m)
 
 
 def test_the_rules_are_the_layouts_constants_and_torchs_dtypes() -> None:

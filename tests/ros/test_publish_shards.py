@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import grpc
 import pytest
 
+from consistency.manifests import SHARD_INLINE_BYTES
+from consistency.shard_commit import FULL_BATCH
 from consistency.usage import SHARDS_PER_TOKEN, shard_tokens
 from ros.errors import from_outcome, from_rpc_error
 from ros.hub.server import HubServer
@@ -175,3 +177,52 @@ def test_a_call_past_its_versions_shard_count_is_refused_whole(hub_server: HubSe
                 publish_shards(stub, requests, metadata)
             error = from_rpc_error(refused.value, "PublishShards")
             assert isinstance(error, InvalidArgument), (len(requests), error)
+
+
+def layer_shard(index: int, count: int, session: int, tensors: int = 40) -> pb.PublishRequest:
+    """Rank `index`'s shard with a manifest of `tensors` tensors (a few KB: paged, were it
+    published alone), as a transformer layer's."""
+    request = shard("mp", 1, index, count, session)
+    nbytes = 64 * 64 * 4
+    del request.manifest.tensors[:]
+    request.manifest.tensors.extend(
+        pb.TensorEntry(
+            name=f"model.layers.{index}.proj_{t}.weight", dtype="float32", shape=[64, 64],
+            offset=t * nbytes, nbytes=nbytes,
+        )
+        for t in range(tensors)
+    )  # fmt: skip
+    request.manifest.total_bytes = tensors * nbytes
+    request.manifest.chunk_xxh3[:] = [index] * -(-tensors * nbytes // 4096)
+    return request
+
+
+def test_layer_manifests_ride_in_their_batches_and_every_shard_resolves(
+    hub_server: HubServer,
+) -> None:
+    """130 shards of manifests over SHARD_INLINE_BYTES in one call: no page written before
+    any batch (the call's revisions are its batches: ceil(130 / 61) = 3), each shard's
+    manifest resolves to exactly what its rank sent, and the call sent again writes
+    nothing and answers the same commits."""
+    count = 130
+    token = tenant(hub_server, "packed")
+    with raw_client(hub_server, token) as (stub, metadata, session):
+        requests = [layer_shard(i, count, session) for i in range(count)]
+        assert requests[0].manifest.ByteSize() > SHARD_INLINE_BYTES
+        before = hub_server.etcd.get("/probe")[1]
+        answer = publish_shards(stub, requests, metadata)
+        after = hub_server.etcd.get("/probe")[1]
+        assert errors(answer) == [None] * count
+        assert latest(stub, metadata) == 1
+        assert after - before == math.ceil(count / FULL_BATCH)
+        for index in (0, 64, count - 1):
+            resolved = stub.Resolve(  # type: ignore[attr-defined]
+                pb.ResolveRequest(model="mp", version=1, shard=index),
+                metadata=metadata,
+                timeout=10,
+            )
+            assert resolved.manifest == requests[index].manifest
+        again = publish_shards(stub, requests, metadata)  # a lost reply's retry
+        assert errors(again) == [None] * count
+        assert [o.revision for o in again.outcomes] == [o.revision for o in answer.outcomes]
+        assert hub_server.etcd.get("/probe")[1] == after
