@@ -9,6 +9,8 @@ here, nowhere else.
 {p}/t/{tenant}/m/{model}/v/{version:020d}/pin/{id}
 {p}/t/{tenant}/mp/{model}/{version:020d}/{part}/{writer}/{page:06d}   (manifest pages)
 {p}/t/{tenant}/mp/{model}/{version:020d}/arrived       (shard counter: count, arrived)
+{p}/t/{tenant}/lb/{model}/{version:020d}/{layout}/{block_set}/sums   (layout blocks' checksums)
+{p}/t/{tenant}/lb/{model}/{version:020d}/{layout}/{block_set}/h/{holder}
 {p}/t/{tenant}/s/{session:x}                           (marks a lease as the tenant's)
 {p}/t/{tenant}/quota/{what}                            (fence of a counted create: models, sessions)
 {p}/tenants/{tenant}
@@ -155,6 +157,41 @@ class Keys:
         """The version's shard counter, `{"count": n, "arrived": k}`: put once by every
         batch of its shards (`consistency.shard_commit`)."""
         return f"{self.manifest_pages(tenant, model, version)}arrived"
+
+    # -- readers in another layout (consistency.layouts) ----------------------------------
+
+    def model_layouts(self, tenant: str, model: str) -> str:
+        """Every layout block set of every version of a model (`DeleteModel` removes it)."""
+        return f"{self.tenant(tenant)}lb/{validate_name(model, 'model')}/"
+
+    def version_layouts(self, tenant: str, model: str, version: int) -> str:
+        """Every layout block set of one version: retention deletes it with the version."""
+        return f"{self.model_layouts(tenant, model)}{validate_version(version):020d}/"
+
+    def layout_blocks(
+        self, tenant: str, model: str, version: int, layout: str, block_set: str
+    ) -> str:
+        """One worker's blocks of a layout of one version: their checksums and holders."""
+        return (
+            f"{self.version_layouts(tenant, model, version)}{validate_name(layout, 'layout')}/"
+            f"{validate_name(block_set, 'block set')}/"
+        )
+
+    def layout_sums(
+        self, tenant: str, model: str, version: int, layout: str, block_set: str
+    ) -> str:
+        return f"{self.layout_blocks(tenant, model, version, layout, block_set)}sums"
+
+    def layout_holders(
+        self, tenant: str, model: str, version: int, layout: str, block_set: str
+    ) -> str:
+        return f"{self.layout_blocks(tenant, model, version, layout, block_set)}h/"
+
+    def layout_holder(
+        self, tenant: str, model: str, version: int, layout: str, block_set: str, holder: str
+    ) -> str:
+        prefix = self.layout_holders(tenant, model, version, layout, block_set)
+        return f"{prefix}{validate_name(holder, 'holder')}"
 
     # -- parsing ---------------------------------------------------------------------------
 

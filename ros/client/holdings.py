@@ -41,6 +41,7 @@ class Holdings:
         self._lock = threading.Lock()
         self._fences: dict[tuple[str, int], int] = {}
         self._shards: dict[tuple[str, int], int] = {}  # model-parallel versions held: shard
+        self._layouts: set[Key] = set()  # blocks in a layout (`ros.client.layouts`)
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -89,6 +90,13 @@ class Holdings:
             if shard is not None:
                 self._shards[(model, version)] = shard
 
+    def hold_layout(self, held: HeldVersion) -> None:
+        """Serve a reader's blocks in a layout (`ros.client.layouts`): their record is no
+        holder record of the version, so a session recovery does not register it as one."""
+        self.hold(held, None)
+        with self._lock:
+            self._layouts.add(held.key)
+
     def registered(self, model: str, version: int, fence: int) -> None:
         """Our holder record of `model@version` now has `fence` (forgotten if the version
         was dropped meanwhile: a record of it is left to the session's lease)."""
@@ -109,6 +117,7 @@ class Holdings:
             with self._lock:
                 self._fences.pop((key[1], key[2]), None)
                 self._shards.pop((key[1], key[2]), None)
+                self._layouts.discard(key)
 
     def drop_all(self, timeout: float) -> None:
         """Stop serving everything (close): each version waits up to `timeout` for its reads
@@ -134,8 +143,8 @@ class Holdings:
         pending.intersection_update(taken)  # those released meanwhile are done with
         for key in [k for k in taken if k in pending]:
             held = self.store.get(key)
-            if held is None or held.released:
-                pending.discard(key)
+            if held is None or held.released or key in self._layouts:
+                pending.discard(key)  # layout blocks: their record went with the lease
                 continue
             _, model, version = key
             try:
