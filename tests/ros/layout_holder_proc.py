@@ -1,7 +1,7 @@
 """A reader in a layout, as a process of its own, for tests/ros/test_layouts.py: reads its
 TP-`ranks` blocks of policy@1 with `fetch_slices(layout=...)`, prints one JSON line (its
-holder name, the bytes per source, whether it serves, an xxh3 per block), then serves them
-until its stdin closes (at most `--hold` seconds).
+holder name, the bytes per source, the sources given up on, whether it serves, an xxh3 per
+block), then serves them until its stdin closes (at most `--hold` seconds).
 
 `--corrupt`: its holder server flips a byte of every chunk it sends (`chaos.holder_faults`);
 `--chunk-delay S`: it sleeps S before each chunk it sends and prints `sent` after each one,
@@ -62,6 +62,7 @@ def main() -> int:
             "name": hub.holder_name,
             "bytes": got.bytes_per_source,
             "served": got.served,
+            "failed": got.failed_sources,
             "digest": digest(out),
         }
         print(json.dumps(report), flush=True)

@@ -1,6 +1,7 @@
 """The model of tests/ros/test_layouts.py: TP-`ranks` blocks of column-split (dim 0) and
-row-split (dim 1) weights and replicated tensors, big enough for a few dozen 4 KiB chunks
-per worker, so that a holder can be killed or caught corrupting mid-read."""
+row-split (dim 1) weights of a few layers and replicated tensors: a few dozen 4 KiB chunks
+and nine blocks per worker, so that a holder can be killed or caught corrupting mid-read
+and the blocks it did not give can be told from the ones it did."""
 
 from __future__ import annotations
 
@@ -10,27 +11,29 @@ import torch
 
 import ros
 
-OUT, IN = 256, 128
+OUT, IN = 128, 64
+LAYERS = 4
 CHUNK = 4096
 
 
 def global_model() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(11)
-    return {
-        "qkv.weight": torch.randn(OUT, IN, generator=g),
-        "o.weight": torch.randn(IN, OUT, generator=g).to(torch.bfloat16),
-        "norm.weight": torch.randn(IN, generator=g),
-        "step": torch.tensor(5, dtype=torch.int64),
-    }
+    model = {}
+    for i in range(LAYERS):
+        model[f"l{i}.qkv.weight"] = torch.randn(OUT, IN, generator=g)
+        model[f"l{i}.o.weight"] = torch.randn(IN, OUT, generator=g).to(torch.bfloat16)
+    model["norm.weight"] = torch.randn(IN, generator=g)
+    model["step"] = torch.tensor(5, dtype=torch.int64)
+    return model
 
 
 def block(name: str, rank: int, ranks: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(offsets, shape) of rank's block of tensor `name` in a TP-`ranks` layout."""
     full = global_model()[name]
-    if name == "qkv.weight":
+    if name.endswith("qkv.weight"):
         n = OUT // ranks
         return (rank * n, 0), (n, IN)
-    if name == "o.weight":
+    if name.endswith("o.weight"):
         n = OUT // ranks
         return (0, rank * n), (IN, n)
     return (0,) * full.dim(), tuple(full.shape)  # replicated
@@ -67,7 +70,7 @@ def publish_tp(connect: Callable[..., ros.Hub], ranks: int) -> list[ros.Hub]:
         for name, tensor in global_model().items():
             offsets, _ = block(name, rank, ranks)
             tensors[name] = expected(rank, ranks)[name].contiguous()
-            if name in ("qkv.weight", "o.weight"):
+            if name.endswith(("qkv.weight", "o.weight")):
                 placements[name] = (tuple(tensor.shape), offsets)
         trainer.publish(
             "policy", 1, tensors, shard=(rank, ranks), placements=placements, chunk_size=CHUNK
