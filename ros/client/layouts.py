@@ -159,8 +159,13 @@ class PeerRead:
     missing_blocks: set[str] = field(default_factory=set)
 
 
-def check_free(peers: LayoutPeers, me: Identity, model: str, version: int) -> None:
-    """A client holds one copy of a version: refuse before any byte moves."""
+def check_free(
+    peers: LayoutPeers, me: Identity, model: str, blocks: BlockSet, version: int
+) -> None:
+    """Refuse before any byte moves: a client holds one copy of a version, and memory that
+    serves another version (blocks of an earlier one: `release_blocks` first) is not
+    overwritten under its readers (`InvalidArgument`)."""
+    peers.holdings.check_free(blocks.tensors)
     if peers.holdings.get((me.tenant, model, version)) is not None:
         raise AlreadyExists(
             f"this client already holds {model}@{version} (the whole version, a shard or "
@@ -258,6 +263,7 @@ def serve_blocks(
     register as their COMPLETE holder; whether it serves. Blocks whose checksums differ
     from the ones recorded are not served (logged): the reader keeps its verified bytes."""
     held = HeldVersion.publisher(me.tenant, model, version, blocks.tensors, layout=blocks.layout)
+    held.precompute_checksums()  # in GPU memory: over staged host bytes
     mine = [held.checksum(i) for i in range(blocks.layout.num_chunks)]
     what = f"{model}@{version} layout {layout!r} blocks {blocks.id}"
     if recorded and recorded != mine:

@@ -137,8 +137,8 @@ def fetch_slices(
         validate_name(layout, "layout")
         if peers is None or deltas is not None:
             raise InvalidArgument("fetch_slices: a layout is read by its client, without delta")
-        layouts.check_free(peers, me, model, found)
         blocks = layouts.block_set(slices, int(parts[0].chunk_size))
+        layouts.check_free(peers, me, model, blocks, found)
     # A reader of slices is no holder, so it pins the version itself; the pin is its
     # own (not the holder name, whose pin a concurrent fetch of the version may hold).
     pin_id = f"slices-{secrets.token_hex(6)}"

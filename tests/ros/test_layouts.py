@@ -256,3 +256,32 @@ def test_released_blocks_are_no_longer_offered_and_go_with_their_version(
         time.sleep(0.2)
     with pytest.raises(ros.VersionNotFound):
         _offered(trainer, "tp2", 1, 2)
+
+
+def test_memory_that_serves_blocks_is_not_overwritten_until_they_are_released(
+    clients: Callable[..., ros.Hub],
+) -> None:
+    publish_tp(clients, 2)
+    reader = clients()
+    out, slices = slices_for(0, 2)
+    reader.fetch_slices("policy", 1, slices=slices, layout="tp2", timeout=30)
+    with pytest.raises(ros.InvalidArgument, match="still serves policy@1"):
+        reader.fetch_slices("policy", 1, slices=slices, layout="tp2", timeout=30)
+    with pytest.raises(ros.AlreadyExists, match="already holds policy@1"):
+        reader.fetch_slices("policy", 1, slices=slices_for(1, 2)[1], layout="tp2", timeout=30)
+    assert reader.release_blocks("policy", 1)
+    got = reader.fetch_slices("policy", 1, slices=slices, layout="tp2", timeout=30)
+    _same(out, 0, 2)
+    assert got.served
+
+
+def test_a_layout_needs_contiguous_unshared_memory(clients: Callable[..., ros.Hub]) -> None:
+    publish_tp(clients, 2)
+    reader = clients()
+    _out, slices = slices_for(0, 2)
+    wide = torch.empty(64, 128)  # qkv's block taken from a wider buffer: not contiguous
+    slices["l0.qkv.weight"] = ros.Slice(wide[:, :64], (0, 0), (128, 64))
+    with pytest.raises(ros.InvalidArgument, match="contiguous"):
+        reader.fetch_slices("policy", 1, slices=slices, layout="tp2", timeout=30)
+    with pytest.raises(ros.InvalidArgument, match="layout"):
+        reader.fetch_slices("policy", 1, slices=slices_for(0, 2)[1], layout="no/such", timeout=30)
