@@ -9,8 +9,8 @@ here, nowhere else.
 {p}/t/{tenant}/m/{model}/v/{version:020d}/pin/{id}
 {p}/t/{tenant}/mp/{model}/{version:020d}/{part}/{writer}/{page:06d}   (manifest pages)
 {p}/t/{tenant}/mp/{model}/{version:020d}/arrived       (shard counter: count, arrived)
-{p}/t/{tenant}/lb/{model}/{version:020d}/{layout}/{block_set}/sums   (layout blocks' checksums)
-{p}/t/{tenant}/lb/{model}/{version:020d}/{layout}/{block_set}/h/{holder}
+{p}/t/{tenant}/lb/{model}/{version:020d}/{layout}/s/{block_set}   (its blocks and checksums)
+{p}/t/{tenant}/lb/{model}/{version:020d}/{layout}/h/{block_set}/{holder}
 {p}/t/{tenant}/s/{session:x}                           (marks a lease as the tenant's)
 {p}/t/{tenant}/quota/{what}                            (fence of a counted create: models, sessions)
 {p}/tenants/{tenant}
@@ -168,24 +168,26 @@ class Keys:
         """Every layout block set of one version: retention deletes it with the version."""
         return f"{self.model_layouts(tenant, model)}{validate_version(version):020d}/"
 
-    def layout_blocks(
-        self, tenant: str, model: str, version: int, layout: str, block_set: str
-    ) -> str:
-        """One worker's blocks of a layout of one version: their checksums and holders."""
-        return (
-            f"{self.version_layouts(tenant, model, version)}{validate_name(layout, 'layout')}/"
-            f"{validate_name(block_set, 'block set')}/"
-        )
+    def layout(self, tenant: str, model: str, version: int, layout: str) -> str:
+        """One layout of one version: its block sets and their holders."""
+        return f"{self.version_layouts(tenant, model, version)}{validate_name(layout, 'layout')}/"
 
-    def layout_sums(
+    def layout_block_sets(self, tenant: str, model: str, version: int, layout: str) -> str:
+        """The block sets of a layout, one key each: their blocks and recorded checksums."""
+        return f"{self.layout(tenant, model, version, layout)}s/"
+
+    def layout_block_set(
         self, tenant: str, model: str, version: int, layout: str, block_set: str
     ) -> str:
-        return f"{self.layout_blocks(tenant, model, version, layout, block_set)}sums"
+        prefix = self.layout_block_sets(tenant, model, version, layout)
+        return f"{prefix}{validate_name(block_set, 'block set')}"
 
     def layout_holders(
         self, tenant: str, model: str, version: int, layout: str, block_set: str
     ) -> str:
-        return f"{self.layout_blocks(tenant, model, version, layout, block_set)}h/"
+        """The holders of one block set (each under its lease)."""
+        prefix = self.layout(tenant, model, version, layout)
+        return f"{prefix}h/{validate_name(block_set, 'block set')}/"
 
     def layout_holder(
         self, tenant: str, model: str, version: int, layout: str, block_set: str, holder: str

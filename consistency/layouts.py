@@ -4,19 +4,21 @@ A reader that reads its blocks of model@version in a layout other than the publi
 (`fetch_slices(layout=...)`) holds them under a key of their own:
 
 ```
-{tenant}/lb/{model}/{version:020d}/{layout}/{block_set}/sums      the blocks' chunk checksums
-{tenant}/lb/{model}/{version:020d}/{layout}/{block_set}/h/{name}  a holder, under its lease
+{tenant}/lb/{model}/{version:020d}/{layout}/s/{block_set}          its blocks and checksums
+{tenant}/lb/{model}/{version:020d}/{layout}/h/{block_set}/{name}   a holder, under its lease
 ```
 
-`block_set` names one worker's blocks (a digest of their boxes, dtypes and chunk size), so
-readers of the same blocks find each other under one prefix, and a Resolve of them is one
-bounded range read: O(K) in the holders it answers, whatever the number of holders.
+`block_set` names one worker's blocks (a digest of their description: boxes, dtypes and
+chunk size), so readers of the same blocks find each other under one prefix, and a Resolve
+of them is one bounded range read: O(K) in the holders it answers, whatever the number of
+holders. A reader covered by another layout's block sets lists that layout's `s/` keys (at
+most `MAX_BLOCK_SETS_READ`) and a few holders of each, in two bounded reads.
 
-`sums` is written once (create only) by the first reader that registers, from bytes it
-verified against the publisher's chunk checksums; it is no lease's, and goes with the
-version (retention and `DeleteModel` delete `lb/{model}/{version}/` in the transaction that
-deletes the version). A holder key is its session's (lease): release, lease expiry and
-session close remove it.
+The block set's key (its description and chunk checksums) is written once (create only) by
+the first reader that registers, from bytes it verified against the publisher's chunk
+checksums; it is no lease's, and goes with the version (retention and `DeleteModel` delete
+`lb/{model}/{version}/` in the transaction that deletes the version). A holder key is its
+session's (lease): release, lease expiry and session close remove it.
 """
 
 from __future__ import annotations
@@ -38,7 +40,17 @@ MAX_LAYOUT_HOLDERS_READ = 64
 """How many holder keys one Resolve of a block set reads (the range's limit): the cost of
 a Resolve is bounded by it, however many holders the block set has."""
 
+MAX_BLOCK_SETS_READ = 64
+"""How many block sets of a layout a reader covered by it is told of (a TP-64 layout)."""
+
+COVER_HOLDERS_EACH = 4
+"""How many holders of each of them it is told of."""
+
+MAX_BLOCKS_BYTES = 256 * 1024
+"""The longest description of a block set (its blocks' names, dtypes, boxes)."""
+
 _SUM = struct.Struct(">Q")
+_LEN = struct.Struct(">I")
 
 
 def encode_sums(sums: list[int]) -> bytes:
@@ -51,6 +63,22 @@ def decode_sums(raw: bytes) -> list[int]:
     return [s for (s,) in _SUM.iter_unpack(raw)]
 
 
+def encode_block_set(blocks: bytes, sums: list[int]) -> bytes:
+    """A block set's key: its description's length, the description, then its checksums."""
+    return _LEN.pack(len(blocks)) + blocks + encode_sums(sums)
+
+
+def decode_block_set(raw: bytes) -> tuple[bytes, list[int]]:
+    """(description, checksums) of a block set's key."""
+    if len(raw) < _LEN.size:
+        raise InvalidArgument("malformed layout block set record")
+    (n,) = _LEN.unpack_from(raw)
+    end = _LEN.size + n
+    if end > len(raw):
+        raise InvalidArgument("malformed layout block set record")
+    return raw[_LEN.size : end], decode_sums(raw[end:])
+
+
 @dataclass(frozen=True)
 class BlockSetKey:
     """Which blocks: model@version, the layout's name, and the block set's id."""
@@ -60,6 +88,17 @@ class BlockSetKey:
     version: int
     layout: str
     block_set: str
+
+
+@dataclass(frozen=True)
+class CoverSet:
+    """One block set of a layout, for a reader it may cover: its id, description,
+    checksums and a few of its holders."""
+
+    block_set: str
+    blocks: bytes
+    sums: list[int]
+    holders: list[HolderRecord]
 
 
 @dataclass(frozen=True)
@@ -83,7 +122,7 @@ class LayoutRegistry:
         args = (at.tenant, at.model, at.version, at.layout, at.block_set)
         return (
             self.keys.manifest(at.tenant, at.model, at.version),
-            self.keys.layout_sums(*args),
+            self.keys.layout_block_set(*args),
             self.keys.layout_holders(*args),
         )
 
@@ -94,11 +133,13 @@ class LayoutRegistry:
         sums: list[int],
         *,
         session_key: str,
+        blocks: bytes = b"",
         timeout: float | None = None,
     ) -> tuple[int, int, list[int]]:
-        """Put `record` under its lease, and `sums` if no reader recorded the block set's
-        checksums yet, in one transaction that compares the version's manifest and the
-        tenant's record of the session; (fence, revision, the checksums recorded).
+        """Put `record` under its lease, and the block set's description `blocks` with its
+        checksums `sums` if no reader recorded them yet, in one transaction that compares
+        the version's manifest and the tenant's record of the session; (fence, revision,
+        the checksums recorded).
 
         `VersionNotFound`: the version is not published (or was retired); `SessionExpired`:
         the lease is no live session of the tenant."""
@@ -108,12 +149,18 @@ class LayoutRegistry:
             raise InvalidArgument(
                 f"{len(sums)} chunk checksums for one block set: at most {MAX_BLOCK_SUMS}"
             )
+        if len(blocks) > MAX_BLOCKS_BYTES:
+            raise InvalidArgument(
+                f"a block set described in {len(blocks)} bytes: at most {MAX_BLOCKS_BYTES}"
+            )
         manifest_key, sums_key, holders = self._keys(at)
         key = self.keys.layout_holder(
             at.tenant, at.model, at.version, at.layout, at.block_set, record.holder
         )
         assert key.startswith(holders)
-        record_sums = [ops.nested([ops.absent(sums_key)], [ops.put(sums_key, encode_sums(sums))])]
+        record_sums = [
+            ops.nested([ops.absent(sums_key)], [ops.put(sums_key, encode_block_set(blocks, sums))])
+        ]
         result = self.etcd.txn(
             [ops.exists(manifest_key), ops.exists(session_key)],
             [
@@ -133,7 +180,7 @@ class LayoutRegistry:
             )
         held, found = result.responses[-2].response_range, result.responses[-1].response_range
         fence = int(held.kvs[0].create_revision)
-        recorded = decode_sums(bytes(found.kvs[0].value)) if found.kvs else []
+        recorded = decode_block_set(bytes(found.kvs[0].value))[1] if found.kvs else []
         return fence, result.revision, recorded
 
     def resolve(self, at: BlockSetKey, *, timeout: float | None = None) -> LayoutHolders:
@@ -152,12 +199,49 @@ class LayoutRegistry:
         if not int(result.responses[0].response_range.count):
             raise VersionNotFound(f"{at.model}@{at.version} is not published")
         found = result.responses[1].response_range.kvs
-        sums = decode_sums(bytes(found[0].value)) if found else []
+        sums = decode_block_set(bytes(found[0].value))[1] if found else []
         records = [
             HolderRecord.decode(bytes(kv.value), int(kv.create_revision))
             for kv in result.responses[2].response_range.kvs
         ]
         return LayoutHolders(records, sums, result.revision)
+
+    def cover(
+        self, tenant: str, model: str, version: int, layout: str, *, timeout: float | None = None
+    ) -> tuple[list[CoverSet], int]:
+        """The block sets of `layout` of model@version (at most `MAX_BLOCK_SETS_READ`) with
+        at most `COVER_HOLDERS_EACH` holders of each, and the revision read at, in two
+        bounded reads; `VersionNotFound` if the version is not published."""
+        manifest_key = self.keys.manifest(tenant, model, version)
+        sets = self.keys.layout_block_sets(tenant, model, version, layout)
+        first = self.etcd.txn(
+            [],
+            [ops.get(manifest_key, count_only=True), ops.page(sets, "", MAX_BLOCK_SETS_READ)],
+            timeout=timeout,
+        )
+        if not int(first.responses[0].response_range.count):
+            raise VersionNotFound(f"{model}@{version} is not published")
+        described = []
+        for kv in first.responses[1].response_range.kvs:
+            name = bytes(kv.key).decode()[len(sets) :]
+            blocks, sums = decode_block_set(bytes(kv.value))
+            described.append((name, blocks, sums))
+        if not described:
+            return [], first.revision
+        ranges = [
+            ops.page(self.keys.layout_holders(tenant, model, version, layout, name), "",
+                     COVER_HOLDERS_EACH)
+            for name, _, _ in described
+        ]  # fmt: skip
+        second = self.etcd.txn([], ranges, timeout=timeout)
+        out = []
+        for (name, blocks, sums), answer in zip(described, second.responses, strict=True):
+            holders = [
+                HolderRecord.decode(bytes(kv.value), int(kv.create_revision))
+                for kv in answer.response_range.kvs
+            ]
+            out.append(CoverSet(name, blocks, sums, holders))
+        return out, second.revision
 
     def release(
         self, at: BlockSetKey, holder: str, session: int, *, timeout: float | None = None

@@ -375,6 +375,7 @@ class Hub:
         progress: ProgressCallback | None = None,
         delta: bool = False,
         layout: str | None = None,
+        cover: Sequence[str] = (),
     ) -> SliceFetch:
         """Fill every `Slice` with its block of `model@version`, read from the holders of the
         shards that hold it. Checks names, dtypes, global shapes and bounds before any byte
@@ -393,12 +394,14 @@ class Hub:
         `layout="name"` (not with `delta`): this client becomes a holder of its blocks in
         that layout (docs/sdk.md, "Readers in another layout"): it reads them from the
         holders of the same blocks first, the rest from the trainer's shards, and serves
-        them from the slices' memory (contiguous) until `release_blocks`.
+        them from the slices' memory (contiguous) until `release_blocks`. `cover=("tp2",)`:
+        blocks that no holder of the same blocks gave are read from the holders of those
+        layouts' block sets that cover them (a TP-1 reader from TP-2 holders).
         """
         return reshard.fetch_slices(
             self._fetches, self._pins, self._me, model, version, slices=slices, timeout=timeout,
             rate_floor=rate_floor, progress=progress, deltas=self._deltas if delta else None,
-            layout=layout, peers=self._layouts,
+            layout=layout, peers=self._layouts, cover=cover,
         )  # fmt: skip
 
     def release_blocks(self, model: str, version: int, *, timeout: float = 5.0) -> bool:

@@ -48,6 +48,7 @@ from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.checksum_kinds import XXH3
 from tensorhub.errors import AlreadyExists, InvalidArgument, TensorHubError
 from transport.backend import TransportKind
+from transport.boxes import Box
 from transport.layout import Layout, dtype_name
 from transport.outcome import FetchStats
 from transport.planner import Source
@@ -74,16 +75,16 @@ class BlockSet:
     id: str
     layout: Layout
     tensors: dict[str, torch.Tensor]
+    description: bytes  # what `id` is the digest of (`describe`)
 
 
 def block_set(slices: Mapping[str, Slice], chunk_size: int) -> BlockSet:
     """The block set of `slices` in chunks of `chunk_size` (the publisher's). Each slice's
     tensor must be contiguous (it is served as it is, never copied) and the tensors must
     not share memory (`InvalidArgument`)."""
-    names = sorted(slices)
     tensors: dict[str, torch.Tensor] = {}
-    described = []
-    for name in names:
+    boxes: dict[str, tuple[str, tuple[int, ...], Box]] = {}
+    for name in sorted(slices):
         want = slices[name]
         tensor = want.tensor.detach()
         if not tensor.is_contiguous():
@@ -92,18 +93,15 @@ def block_set(slices: Mapping[str, Slice], chunk_size: int) -> BlockSet:
                 "must be contiguous (pass a contiguous tensor)"
             )
         tensors[name] = tensor
-        box = want.box
-        described.append(
-            [name, dtype_name(tensor.dtype), [int(d) for d in want.global_shape],
-             list(box.offsets), list(box.shape)]
-        )  # fmt: skip
+        glob = tuple(int(d) for d in want.global_shape)
+        boxes[name] = (dtype_name(tensor.dtype), glob, want.box)
     pointers = [t.data_ptr() for t in tensors.values() if t.numel()]
     if len(set(pointers)) != len(pointers):
         raise InvalidArgument("the slices of a reader in a layout must not share memory")
-    text = json.dumps({"chunk_size": chunk_size, "blocks": described}, separators=(",", ":"))
-    digest = hashlib.sha256(text.encode()).hexdigest()[:32]
+    description = describe(boxes, chunk_size)
+    digest = hashlib.sha256(description).hexdigest()[:32]
     layout = Layout.from_tensors(tensors, chunk_size=chunk_size)
-    return BlockSet(digest, layout, tensors)
+    return BlockSet(digest, layout, tensors, description)
 
 
 @dataclass
@@ -159,6 +157,16 @@ class PeerRead:
     missing_blocks: set[str] = field(default_factory=set)
 
 
+def describe(blocks: Mapping[str, tuple[str, tuple[int, ...], Box]], chunk_size: int) -> bytes:
+    """A block set's description: the chunk size and, per block sorted by name, its name,
+    dtype, global shape, offsets and shape (canonical JSON: its SHA-256 is the id)."""
+    rows = [
+        [name, dtype, list(glob), list(box.offsets), list(box.shape)]
+        for name, (dtype, glob, box) in sorted(blocks.items())
+    ]
+    return json.dumps({"chunk_size": chunk_size, "blocks": rows}, separators=(",", ":")).encode()
+
+
 def check_free(
     peers: LayoutPeers, me: Identity, model: str, blocks: BlockSet, version: int
 ) -> None:
@@ -189,7 +197,7 @@ def _resolve(
     return peers.rpc("ResolveLayout", request, deadline.work(me.timeout))
 
 
-def _sources(holders: list[pb.Holder], suspects: Mapping[str, object]) -> list[Source]:
+def sources_of(holders: list[pb.Holder], suspects: Mapping[str, object]) -> list[Source]:
     """The holders not given up on, each over TCP (what every holder server answers)."""
     out = []
     for h in holders:
@@ -230,7 +238,7 @@ def read_from_peers(
     for attempt in range(PEER_ROUNDS):
         if attempt:
             answer = _resolve(peers, me, model, version, layout, blocks, deadline)
-        sources = _sources(list(answer.holders), suspects)
+        sources = sources_of(list(answer.holders), suspects)
         if not sources:
             break
         done = peers.read(
@@ -273,7 +281,7 @@ def serve_blocks(
     peers.holdings.hold_layout(held)
     request = pb.RegisterLayoutHolderRequest(
         model=model, version=version, layout=layout, block_set=blocks.id,
-        holder=peers.records.record(True), block_sums=mine,
+        holder=peers.records.record(True), block_sums=mine, blocks=blocks.description,
     )  # fmt: skip
     try:
         answer = peers.rpc("RegisterLayoutHolder", request, deadline.work(me.timeout))

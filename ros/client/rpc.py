@@ -138,6 +138,14 @@ class Rpc(Protocol):
     @overload
     def __call__(
         self,
+        method: Literal["ResolveLayoutCover"],
+        request: pb.ResolveLayoutCoverRequest,
+        timeout: float | None = None,
+    ) -> pb.ResolveLayoutCoverResponse: ...
+
+    @overload
+    def __call__(
+        self,
         method: Literal["ReleaseLayoutHolder"],
         request: pb.ReleaseLayoutHolderRequest,
         timeout: float | None = None,
@@ -160,7 +168,7 @@ Expirable = Callable[[], SessionExpiry | None]
 IDEMPOTENT = frozenset({
     "OpenSession", "CloseSession", "Latest", "Resolve", "RegisterHolder", "UpdateHolder",
     "ReleaseHolder", "Pin", "Unpin", "ListModels", "Inspect",
-    "RegisterLayoutHolder", "ResolveLayout", "ReleaseLayoutHolder",
+    "RegisterLayoutHolder", "ResolveLayout", "ResolveLayoutCover", "ReleaseLayoutHolder",
 })  # fmt: skip
 
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ros.client import layouts
+from ros.client import layout_cover, layouts
 from ros.client.deadline import Deadline
 from ros.client.delta_bases import Staged
 from ros.client.delta_fetch import DeltaReader, DeltaStats
@@ -114,13 +114,15 @@ def fetch_slices(
     deltas: DeltaReader | None = None,
     layout: str | None = None,
     peers: layouts.LayoutPeers | None = None,
+    cover: Sequence[str] = (),
 ) -> SliceFetch:
     """`Hub.fetch_slices` (its docstring says what a caller gets): plan which chunks of which source
     shard each slice needs, pin the version, run one non-holder `Target` per source shard
     through `runs`, and copy the intersections into place. With `deltas`, each source
     shard's staging copy is kept as the base of the next call, which applies the deltas
     to it. With `layout` (and the client's `peers`), the blocks are read from their
-    holders first, only the rest from the source shards, and then served
+    holders first, then from the block sets of the layouts of `cover` that cover them
+    (`ros.client.layout_cover`), only the rest from the source shards, and then served
     (`ros.client.layouts`)."""
     validate_name(model, "model")
     if not slices:
@@ -133,6 +135,10 @@ def fetch_slices(
     plan = _plan(model, found, parts, slices)
     result = SliceFetch(found)
     blocks = None
+    for other in cover:
+        validate_name(other, "layout")
+    if cover and layout is None:
+        raise InvalidArgument("fetch_slices: `cover` needs the reader's own `layout`")
     if layout is not None:
         validate_name(layout, "layout")
         if peers is None or deltas is not None:
@@ -149,9 +155,17 @@ def fetch_slices(
             token = bytes(resolved.read_token)
             peer = layouts.read_from_peers(peers, me, model, found, layout, blocks, token, deadline)
             _count(result, peer.stats)
-            recorded = peer.sums
-            result.from_trainer = peer.missing_blocks
-            todo = {name: slices[name] for name in sorted(peer.missing_blocks)}
+            recorded, missing = peer.sums, set(peer.missing_blocks)
+            for other in cover:
+                if not missing:
+                    break
+                moved = FetchStats()
+                missing -= layout_cover.read_from_cover(
+                    peers, me, model, found, other, slices, missing, token, deadline, moved
+                )
+                _count(result, moved)
+            result.from_trainer = missing
+            todo = {name: slices[name] for name in sorted(missing)}
             plan = _plan(model, found, parts, todo) if todo else {}
         for index, copies in plan.items():
             shard = index if resolved.shards else None

@@ -3,6 +3,7 @@ of their blocks (docs/design-notes.md, "Readers in another layout"; `consistency
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 
 from consistency.layouts import BlockSetKey, LayoutRegistry
@@ -70,9 +71,12 @@ class LayoutRPCs:
             raise InvalidArgument("a layout holder registers COMPLETE: it serves verified bytes")
         if holder.shard is not None:
             raise InvalidArgument("a layout holder holds a block set, not a shard")
+        blocks = bytes(request.blocks)
+        if blocks and hashlib.sha256(blocks).hexdigest()[:32] != at.block_set:
+            raise InvalidArgument("the block set's id is not the digest of its description")
         fence, revision, sums = self._registry(context).register(
             at, holder, list(request.block_sums), timeout=self.hub.timeout(context),
-            session_key=self.hub.keys.session(at.tenant, holder.session),
+            session_key=self.hub.keys.session(at.tenant, holder.session), blocks=blocks,
         )  # fmt: skip
         return pb.RegisterLayoutHolderResponse(fence=fence, revision=revision, block_sums=sums)
 
@@ -91,6 +95,36 @@ class LayoutRPCs:
             block_sums=found.sums,
             revision=found.revision,
             total_holders=len(found.holders),
+        )
+
+    @unary
+    def ResolveLayoutCover(
+        self, request: pb.ResolveLayoutCoverRequest, context: CallContext
+    ) -> pb.ResolveLayoutCoverResponse:
+        """The block sets of `layout` (bounded) with a few holders of each, nearest first:
+        what a reader in another layout may read its blocks from."""
+        tenant = context.tenant()
+        model = validate_name(request.model, "model")
+        version = validate_version(request.version)
+        layout = validate_name(request.layout, "layout")
+        check_topology(request.topology, "topology of the caller")
+        found, revision = self._registry(context).cover(
+            tenant.name, model, version, layout, timeout=self.hub.timeout(context)
+        )
+        topology = dict(request.topology)
+        return pb.ResolveLayoutCoverResponse(
+            block_sets=[
+                pb.LayoutBlockSet(
+                    block_set=s.block_set,
+                    blocks=s.blocks,
+                    block_sums=s.sums,
+                    holders=[
+                        holder_to_pb(h) for h in _nearest(s.holders, topology, request.holder)
+                    ],
+                )
+                for s in found
+            ],
+            revision=revision,
         )
 
     @unary

@@ -151,6 +151,11 @@ class HubServicer(hub_pb2_grpc.TensorHubServicer):
     ) -> pb.ResolveLayoutResponse:
         return await self.layout_rpcs.ResolveLayout(request, context)
 
+    async def ResolveLayoutCover(
+        self, request: pb.ResolveLayoutCoverRequest, context: AioContext
+    ) -> pb.ResolveLayoutCoverResponse:
+        return await self.layout_rpcs.ResolveLayoutCover(request, context)
+
     async def ReleaseLayoutHolder(
         self, request: pb.ReleaseLayoutHolderRequest, context: AioContext
     ) -> pb.ReleaseLayoutHolderResponse:

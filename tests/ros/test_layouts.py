@@ -285,3 +285,42 @@ def test_a_layout_needs_contiguous_unshared_memory(clients: Callable[..., ros.Hu
         reader.fetch_slices("policy", 1, slices=slices, layout="tp2", timeout=30)
     with pytest.raises(ros.InvalidArgument, match="layout"):
         reader.fetch_slices("policy", 1, slices=slices_for(0, 2)[1], layout="no/such", timeout=30)
+
+
+def test_a_tp1_reader_is_covered_by_tp2_holders(clients: Callable[..., ros.Hub]) -> None:
+    trainers = publish_tp(clients, 2)
+    tp2 = [clients(), clients()]
+    for rank, worker in enumerate(tp2):
+        got = worker.fetch_slices("policy", 1, slices=slices_for(rank, 2)[1], layout="tp2")
+        assert got.served
+    whole = clients()
+    out, slices = slices_for(0, 1)
+    got = whole.fetch_slices("policy", 1, slices=slices, layout="tp1", cover=("tp2",), timeout=30)
+    _same(out, 0, 1)
+    assert got.from_trainer == set()
+    assert _trainer_bytes(got, trainers) == 0
+    names = {w.holder_name for w in tp2}
+    assert set(got.bytes_per_source) <= names
+    assert len(got.bytes_per_source) == 2  # every split tensor takes a block of each
+    assert got.served
+    # and the next TP-1 reader reads from the first one, its own layout's holder
+    again_out, again = slices_for(0, 1)
+    second = clients().fetch_slices("policy", 1, slices=again, layout="tp1", cover=("tp2",))
+    _same(again_out, 0, 1)
+    assert second.bytes_per_source == {whole.holder_name: block_bytes(0, 1)}
+
+
+def test_blocks_a_cover_lacks_are_read_from_the_trainer(clients: Callable[..., ros.Hub]) -> None:
+    trainers = publish_tp(clients, 2)
+    half = clients()  # only TP-2 rank 1's blocks are held: rank 0's halves are missing
+    half.fetch_slices("policy", 1, slices=slices_for(1, 2)[1], layout="tp2", timeout=30)
+    whole = clients()
+    out, slices = slices_for(0, 1)
+    got = whole.fetch_slices("policy", 1, slices=slices, layout="tp1", cover=("tp2",), timeout=30)
+    _same(out, 0, 1)
+    split = {name for name in slices if name.endswith("weight") and name != "norm.weight"}
+    assert got.from_trainer == split  # the replicated ones came whole from the one holder
+    assert got.bytes_per_source[half.holder_name] > 0
+    assert _trainer_bytes(got, trainers) > 0
+    with pytest.raises(ros.InvalidArgument, match="cover"):
+        whole.fetch_slices("policy", 1, slices=slices_for(0, 1)[1], cover=("tp2",))

@@ -10,7 +10,12 @@ from collections.abc import Iterator
 import pytest
 
 from consistency import Etcd, HolderRecord, HolderState, Keys, Session, VersionRegistry
-from consistency.layouts import MAX_LAYOUT_HOLDERS_READ, BlockSetKey, LayoutRegistry
+from consistency.layouts import (
+    COVER_HOLDERS_EACH,
+    MAX_LAYOUT_HOLDERS_READ,
+    BlockSetKey,
+    LayoutRegistry,
+)
 from ros.hub.rpc_layouts import MAX_LAYOUT_CANDIDATES, _nearest
 from tensorhub.errors import PermissionDenied, SessionExpired, VersionNotFound
 
@@ -123,3 +128,19 @@ def test_the_hub_answers_the_nearest_few_holders_never_the_caller(session: Sessi
         "rack",
         *(f"far{i}" for i in range(MAX_LAYOUT_CANDIDATES - 1)),
     ]
+
+
+def test_a_cover_lists_a_layouts_block_sets_with_a_few_holders_each(
+    registry: LayoutRegistry, keys: Keys, session: Session
+) -> None:
+    mark = keys.session("t", session.id)
+    for b in range(3):
+        at = BlockSetKey("t", "m", 1, "tp2", f"set{b}")
+        for i in range(COVER_HOLDERS_EACH + 3):
+            registry.register(at, rec(session, f"h{b}-{i}"), [b], session_key=mark, blocks=b"{}")
+    found, _ = registry.cover("t", "m", 1, "tp2")
+    assert [(s.block_set, s.sums, s.blocks) for s in found] == [
+        (f"set{b}", [b], b"{}") for b in range(3)
+    ]
+    assert all(len(s.holders) == COVER_HOLDERS_EACH for s in found)
+    assert registry.cover("t", "m", 1, "tp4")[0] == []  # a layout nobody declared

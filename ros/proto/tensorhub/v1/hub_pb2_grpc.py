@@ -124,6 +124,11 @@ class TensorHubStub(object):
                 request_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ResolveLayoutRequest.SerializeToString,
                 response_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ResolveLayoutResponse.FromString,
                 _registered_method=True)
+        self.ResolveLayoutCover = channel.unary_unary(
+                '/tensorhub.v1.TensorHub/ResolveLayoutCover',
+                request_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ResolveLayoutCoverRequest.SerializeToString,
+                response_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ResolveLayoutCoverResponse.FromString,
+                _registered_method=True)
         self.ReleaseLayoutHolder = channel.unary_unary(
                 '/tensorhub.v1.TensorHub/ReleaseLayoutHolder',
                 request_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ReleaseLayoutHolderRequest.SerializeToString,
@@ -253,6 +258,12 @@ class TensorHubServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResolveLayoutCover(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReleaseLayoutHolder(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -364,6 +375,11 @@ def add_TensorHubServicer_to_server(servicer, server):
                     servicer.ResolveLayout,
                     request_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ResolveLayoutRequest.FromString,
                     response_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ResolveLayoutResponse.SerializeToString,
+            ),
+            'ResolveLayoutCover': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResolveLayoutCover,
+                    request_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ResolveLayoutCoverRequest.FromString,
+                    response_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ResolveLayoutCoverResponse.SerializeToString,
             ),
             'ReleaseLayoutHolder': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseLayoutHolder,
@@ -867,6 +883,33 @@ class TensorHub(object):
             '/tensorhub.v1.TensorHub/ResolveLayout',
             ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ResolveLayoutRequest.SerializeToString,
             ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ResolveLayoutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResolveLayoutCover(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorhub.v1.TensorHub/ResolveLayoutCover',
+            ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ResolveLayoutCoverRequest.SerializeToString,
+            ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ResolveLayoutCoverResponse.FromString,
             options,
             channel_credentials,
             insecure,
