@@ -23,12 +23,14 @@ import torch
 from ros.client.deadline import Deadline
 from ros.client.identity import Identity
 from ros.client.layouts import PEER_ROUNDS, LayoutPeers, sources_of
+from ros.client.read_token import RenewingToken
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.checksum_kinds import XXH3
 from tensorhub.errors import InvalidArgument
 from transport.boxes import Box, byte_span, chunks_for
 from transport.layout import Layout, dtype_name, torch_dtype
 from transport.outcome import FetchStats
+from transport.pace import DEFAULT_RATE_FLOOR
 from transport.store import HeldVersion
 
 if TYPE_CHECKING:  # slices imports this module
@@ -109,9 +111,10 @@ def read_from_cover(
     layout: str,
     slices: Mapping[str, Slice],
     todo: set[str],
-    token: bytes,
+    token: RenewingToken,
     deadline: Deadline,
     stats: FetchStats,
+    rate_floor: float = DEFAULT_RATE_FLOOR,
 ) -> set[str]:
     """Fill the blocks of `todo` that `layout`'s block sets cover from their holders (module
     docstring); the names filled."""
@@ -130,8 +133,9 @@ def read_from_cover(
     arrived: set[tuple[str, str]] = set()
     for set_id, needed in by_set.items():
         got = _read_set(
-            peers, me, model, version, described[set_id], needed, slices, token, deadline, stats
-        )
+            peers, me, model, version, described[set_id], needed, slices, token, deadline, stats,
+            rate_floor,
+        )  # fmt: skip
         arrived.update((set_id, name) for name in got)
     return {
         name for name, covering in plan.items() if all((d.id, name) in arrived for d, _ in covering)
@@ -146,9 +150,10 @@ def _read_set(
     s: _Described,
     parts: list[_Part],
     slices: Mapping[str, Slice],
-    token: bytes,
+    token: RenewingToken,
     deadline: Deadline,
     stats: FetchStats,
+    rate_floor: float,
 ) -> set[str]:
     """Read the chunks of block set `s` that `parts` need into a staging copy of its layout,
     from its holders (dropping one that fails or sends bad bytes, `PEER_ROUNDS` rounds at
@@ -169,7 +174,7 @@ def _read_set(
         done = peers.read(
             me.tenant, model, version, s.layout, staging, sources, token=token,
             deadline=deadline.work_end, me=me.topology, chunks=wanted, expected=s.sums,
-            checksum=XXH3, tls=me.tls, stats=stats, readers=peers.readers,
+            checksum=XXH3, tls=me.tls, stats=stats, readers=peers.readers, rate_floor=rate_floor,
         )  # fmt: skip
         suspects.update(done.failures)
         if done.done:

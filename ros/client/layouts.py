@@ -41,6 +41,7 @@ from ros.client.deadline import Deadline
 from ros.client.holdings import Holdings
 from ros.client.hooks import RoundReader
 from ros.client.identity import Identity
+from ros.client.read_token import RenewingToken
 from ros.client.records import HolderRecords
 from ros.client.rpc import Rpc
 from ros.client.serving import Serving
@@ -51,6 +52,7 @@ from transport.backend import TransportKind
 from transport.boxes import Box
 from transport.layout import Layout, dtype_name
 from transport.outcome import FetchStats
+from transport.pace import DEFAULT_RATE_FLOOR
 from transport.planner import Source
 from transport.selection import choose
 from transport.store import HeldVersion
@@ -220,8 +222,9 @@ def read_from_peers(
     version: int,
     layout: str,
     blocks: BlockSet,
-    token: bytes,
+    token: RenewingToken,
     deadline: Deadline,
+    rate_floor: float = DEFAULT_RATE_FLOOR,
 ) -> PeerRead:
     """Read `blocks` from the holders of their block set (module docstring, step 2); the
     blocks not read whole from them are in `missing_blocks` (all of them when there is no
@@ -244,7 +247,7 @@ def read_from_peers(
         done = peers.read(
             me.tenant, model, version, blocks.layout, dest, sources, token=token,
             deadline=deadline.work_end, me=me.topology, expected=out.sums, checksum=XXH3,
-            tls=me.tls, stats=out.stats, readers=peers.readers,
+            tls=me.tls, stats=out.stats, readers=peers.readers, rate_floor=rate_floor,
         )  # fmt: skip
         suspects.update(done.failures)
         if done.done:

@@ -45,6 +45,7 @@ from ros.client.identity import Identity
 from ros.client.manifest import layout_of, placement_of
 from ros.client.orchestrator import Orchestrator, ProgressCallback, Target
 from ros.client.pins import Pins
+from ros.client.read_token import RenewingToken
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import DeadlineExceeded, InvalidArgument, OutOfMemory, TensorHubError
 from tensorhub.names import validate_name, validate_version
@@ -152,8 +153,10 @@ def fetch_slices(
     try:
         recorded: list[int] = []
         if blocks is not None and peers is not None and layout is not None:
-            token = bytes(resolved.read_token)
-            peer = layouts.read_from_peers(peers, me, model, found, layout, blocks, token, deadline)
+            token = _renewing_token(runs, model, found, resolved, deadline)
+            peer = layouts.read_from_peers(
+                peers, me, model, found, layout, blocks, token, deadline, rate_floor
+            )
             _count(result, peer.stats)
             recorded, missing = peer.sums, set(peer.missing_blocks)
             for other in cover:
@@ -161,8 +164,9 @@ def fetch_slices(
                     break
                 moved = FetchStats()
                 missing -= layout_cover.read_from_cover(
-                    peers, me, model, found, other, slices, missing, token, deadline, moved
-                )
+                    peers, me, model, found, other, slices, missing, token, deadline, moved,
+                    rate_floor,
+                )  # fmt: skip
                 _count(result, moved)
             result.from_trainer = missing
             todo = {name: slices[name] for name in sorted(missing)}
@@ -182,6 +186,19 @@ def fetch_slices(
     finally:
         _unpin(pins, me, model, found, pin_id, deadline)
     return result
+
+
+def _renewing_token(
+    runs: Orchestrator, model: str, version: int, resolved: pb.ResolveResponse, deadline: Deadline
+) -> RenewingToken:
+    """The read token of a layout read from peers (model@version's, as for the trainer's
+    shards), renewed before it expires by a Resolve without the manifest."""
+
+    def renew() -> tuple[bytes, int]:
+        again = runs.holders(model, version, None, deadline)
+        return bytes(again.read_token), int(again.token_expiry_unix)
+
+    return RenewingToken(bytes(resolved.read_token), int(resolved.token_expiry_unix), renew)
 
 
 def _unpin(
