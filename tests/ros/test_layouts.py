@@ -19,6 +19,8 @@ import pytest
 import torch
 
 import ros
+from chaos.holder_faults import Fault
+from ros.client.hooks import ClientHooks
 from ros.client.layouts import block_set
 from ros.hub.server import HubServer
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
@@ -324,3 +326,23 @@ def test_blocks_a_cover_lacks_are_read_from_the_trainer(clients: Callable[..., r
     assert _trainer_bytes(got, trainers) > 0
     with pytest.raises(ros.InvalidArgument, match="cover"):
         whole.fetch_slices("policy", 1, slices=slices_for(0, 1)[1], cover=("tp2",))
+
+
+def test_a_corrupt_holder_of_a_cover_costs_only_its_blocks(clients: Callable[..., ros.Hub]) -> None:
+    trainers = publish_tp(clients, 2)
+    bad = clients(hooks=ClientHooks(send=Fault(corrupt=True)))
+    bad.fetch_slices("policy", 1, slices=slices_for(0, 2)[1], layout="tp2", timeout=30)
+    good = clients()
+    good.fetch_slices("policy", 1, slices=slices_for(1, 2)[1], layout="tp2", timeout=30)
+    whole = clients()
+    out, slices = slices_for(0, 1)
+    got = whole.fetch_slices("policy", 1, slices=slices, layout="tp1", cover=("tp2",), timeout=30)
+    _same(out, 0, 1)  # the publisher's bytes
+    assert bad.holder_name in got.failed_sources
+    assert got.bytes_per_source.get(bad.holder_name, 0) == 0
+    assert got.bytes_per_source[good.holder_name] > 0
+    split = {name for name in slices if name.endswith(("qkv.weight", "o.weight"))}
+    assert got.from_trainer <= split  # what only the corrupt holder had
+    assert got.from_trainer
+    assert _trainer_bytes(got, trainers) > 0
+    assert got.served
