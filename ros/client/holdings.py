@@ -42,6 +42,8 @@ class Holdings:
         self._fences: dict[tuple[str, int], int] = {}
         self._shards: dict[tuple[str, int], int] = {}  # model-parallel versions held: shard
         self._layouts: set[Key] = set()  # blocks in a layout (`ros.client.layouts`)
+        # registers a layout holding under the current session (set by `Hub`): (model, version)
+        self.register_layout: Callable[[str, int], None] | None = None
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -90,9 +92,23 @@ class Holdings:
             if shard is not None:
                 self._shards[(model, version)] = shard
 
+    def _reregister_layout(self, pending: set[Key], key: Key) -> None:
+        """`reregister` for blocks in a layout: as for a version (a refusal for good is
+        logged and dropped; what another try may get past is raised)."""
+        _, model, version = key
+        try:
+            if self.register_layout is not None:
+                self.register_layout(model, version)
+        except TensorHubError as exc:
+            if is_retryable(exc) or isinstance(exc, (SessionExpired, OutcomeUnknown)):
+                raise
+            log.error("could not re-register the blocks of %s@%d: %s", model, version, exc)
+        pending.discard(key)
+
     def hold_layout(self, held: HeldVersion) -> None:
         """Serve a reader's blocks in a layout (`ros.client.layouts`): their record is no
-        holder record of the version, so a session recovery does not register it as one."""
+        holder record of the version, so a session recovery registers them with
+        `register_layout`, not as a holder of the version."""
         self.hold(held, None)
         with self._lock:
             self._layouts.add(held.key)
@@ -143,10 +159,13 @@ class Holdings:
         pending.intersection_update(taken)  # those released meanwhile are done with
         for key in [k for k in taken if k in pending]:
             held = self.store.get(key)
-            if held is None or held.released or key in self._layouts:
-                pending.discard(key)  # layout blocks: their record went with the lease
+            if held is None or held.released:
+                pending.discard(key)
                 continue
             _, model, version = key
+            if key in self._layouts:  # blocks in a layout: a record of their own
+                self._reregister_layout(pending, key)
+                continue
             try:
                 fence = register(model, version, held.complete, self.shard(model, version))
             except TensorHubError as exc:

@@ -41,6 +41,7 @@ from ros.client.hooks import PRODUCTION, ClientHooks
 from ros.client.identity import DEFAULT_TIMEOUT, Identity, default_holder_name
 from ros.client.layouts import LayoutHoldings, LayoutPeers
 from ros.client.layouts import release as release_layout
+from ros.client.layouts import reregister as reregister_layout
 from ros.client.manifest import Placements
 from ros.client.orchestrator import Orchestrator, ProgressCallback
 from ros.client.pins import Pins
@@ -154,6 +155,7 @@ class Hub:
             rpc, self.holdings, self._serving, records, LayoutHoldings(), hooks.reader(),
             self._readers,
         )  # fmt: skip
+        self.holdings.register_layout = lambda m, v: reregister_layout(self._layouts, me, m, v)
         if (
             isinstance(delta_hold_bytes, bool)
             or not isinstance(delta_hold_bytes, int)

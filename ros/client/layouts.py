@@ -111,6 +111,8 @@ class _Holding:
     layout: str
     block_set: str
     key: tuple[str, str, int]
+    sums: list[int] = field(default_factory=list)
+    description: bytes = b""
 
 
 @dataclass
@@ -124,6 +126,10 @@ class LayoutHoldings:
     def put(self, model: str, version: int, holding: _Holding) -> None:
         with self._lock:
             self._held[(model, version)] = holding
+
+    def get(self, model: str, version: int) -> _Holding | None:
+        with self._lock:
+            return self._held.get((model, version))
 
     def take(self, model: str, version: int) -> _Holding | None:
         with self._lock:
@@ -291,13 +297,26 @@ def serve_blocks(
     except BaseException:
         peers.holdings.drop(held.key, 1.0)
         raise
-    holding = _Holding(layout, blocks.id, held.key)
+    holding = _Holding(layout, blocks.id, held.key, mine, blocks.description)
     peers.held.put(model, version, holding)
     if list(answer.block_sums) != mine:  # another reader recorded different ones meanwhile
         log.error("%s: the recorded checksums differ from our verified bytes; not serving", what)
         release(peers, me, model, version, deadline.work(me.timeout))
         return False
     return True
+
+
+def reregister(peers: LayoutPeers, me: Identity, model: str, version: int) -> None:
+    """Register our blocks of model@version again, under the current session (a session
+    recovery: the record went with the lost lease); `VersionNotFound` once retired."""
+    holding = peers.held.get(model, version)
+    if holding is None:
+        return
+    request = pb.RegisterLayoutHolderRequest(
+        model=model, version=version, layout=holding.layout, block_set=holding.block_set,
+        holder=peers.records.record(True), block_sums=holding.sums, blocks=holding.description,
+    )  # fmt: skip
+    peers.rpc("RegisterLayoutHolder", request, me.timeout)
 
 
 def release(peers: LayoutPeers, me: Identity, model: str, version: int, timeout: float) -> bool:

@@ -346,3 +346,23 @@ def test_a_corrupt_holder_of_a_cover_costs_only_its_blocks(clients: Callable[...
     assert got.from_trainer
     assert _trainer_bytes(got, trainers) > 0
     assert got.served
+
+
+def test_a_session_recovery_registers_the_blocks_again(
+    clients: Callable[..., ros.Hub], hub_server: HubServer
+) -> None:
+    publish_tp(clients, 2)
+    reader = clients(session_ttl=2)
+    reader.fetch_slices("policy", 1, slices=slices_for(0, 2)[1], layout="tp2", timeout=30)
+    other = clients()
+    assert _offered(other, "tp2", 0, 2) == 1
+    lost = reader.session.id
+    hub_server.etcd.lease_revoke(lost)  # its records go with the lease
+    deadline = time.monotonic() + 15
+    while reader.session.id == lost or not _offered(other, "tp2", 0, 2):
+        assert time.monotonic() < deadline, "the blocks were never registered again"
+        time.sleep(0.1)
+    out, slices = slices_for(0, 2)
+    got = other.fetch_slices("policy", 1, slices=slices, layout="tp2", timeout=30)
+    _same(out, 0, 2)
+    assert got.bytes_per_source == {reader.holder_name: block_bytes(0, 2)}
