@@ -154,22 +154,11 @@ def fetch_slices(
         recorded: list[int] = []
         if blocks is not None and peers is not None and layout is not None:
             token = _renewing_token(runs, model, found, resolved, deadline)
-            peer = layouts.read_from_peers(
-                peers, me, model, found, layout, blocks, token, deadline, rate_floor
-            )
-            _count(result, peer.stats)
-            recorded, missing = peer.sums, set(peer.missing_blocks)
-            for other in cover:
-                if not missing:
-                    break
-                moved = FetchStats()
-                missing -= layout_cover.read_from_cover(
-                    peers, me, model, found, other, slices, missing, token, deadline, moved,
-                    rate_floor,
-                )  # fmt: skip
-                _count(result, moved)
-            result.from_trainer = missing
-            todo = {name: slices[name] for name in sorted(missing)}
+            recorded = _from_holders(
+                peers, me, model, found, layout, cover, blocks, slices, token, deadline,
+                rate_floor, result,
+            )  # fmt: skip
+            todo = {name: slices[name] for name in sorted(result.from_trainer)}
             plan = _plan(model, found, parts, todo) if todo else {}
         for index, copies in plan.items():
             shard = index if resolved.shards else None
@@ -186,6 +175,40 @@ def fetch_slices(
     finally:
         _unpin(pins, me, model, found, pin_id, deadline)
     return result
+
+
+def _from_holders(
+    peers: layouts.LayoutPeers,
+    me: Identity,
+    model: str,
+    version: int,
+    layout: str,
+    cover: Sequence[str],
+    blocks: layouts.BlockSet,
+    slices: Mapping[str, Slice],
+    token: RenewingToken,
+    deadline: Deadline,
+    rate_floor: float,
+    result: SliceFetch,
+) -> list[int]:
+    """Read the blocks from the holders of the same blocks, then from the block sets of the
+    `cover` layouts; the blocks neither gave go into `result.from_trainer`. Returns the
+    checksums the block set's first reader recorded (empty: none yet)."""
+    peer = layouts.read_from_peers(
+        peers, me, model, version, layout, blocks, token, deadline, rate_floor
+    )
+    _count(result, peer.stats)
+    missing = set(peer.missing_blocks)
+    for other in cover:
+        if not missing:
+            break
+        moved = FetchStats()
+        missing -= layout_cover.read_from_cover(
+            peers, me, model, version, other, slices, missing, token, deadline, moved, rate_floor
+        )
+        _count(result, moved)
+    result.from_trainer = missing
+    return peer.sums
 
 
 def _renewing_token(
