@@ -33,6 +33,7 @@ import logging
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import TYPE_CHECKING
 
 import torch
@@ -97,8 +98,12 @@ def block_set(slices: Mapping[str, Slice], chunk_size: int) -> BlockSet:
         tensors[name] = tensor
         glob = tuple(int(d) for d in want.global_shape)
         boxes[name] = (dtype_name(tensor.dtype), glob, want.box)
-    pointers = [t.data_ptr() for t in tensors.values() if t.numel()]
-    if len(set(pointers)) != len(pointers):
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+        for t in tensors.values()
+        if t.numel()
+    )
+    if any(start < end for (_, end), (start, _) in pairwise(spans)):
         raise InvalidArgument("the slices of a reader in a layout must not share memory")
     description = describe(boxes, chunk_size)
     digest = hashlib.sha256(description).hexdigest()[:32]
@@ -134,11 +139,6 @@ class LayoutHoldings:
     def take(self, model: str, version: int) -> _Holding | None:
         with self._lock:
             return self._held.pop((model, version), None)
-
-    def held(self) -> list[tuple[str, int, str]]:
-        """(model, version, layout) of every block set held."""
-        with self._lock:
-            return [(m, v, h.layout) for (m, v), h in self._held.items()]
 
 
 @dataclass(frozen=True)

@@ -366,3 +366,13 @@ def test_a_session_recovery_registers_the_blocks_again(
     got = other.fetch_slices("policy", 1, slices=slices, layout="tp2", timeout=30)
     _same(out, 0, 2)
     assert got.bytes_per_source == {reader.holder_name: block_bytes(0, 2)}
+
+
+def test_slices_that_overlap_in_memory_are_refused(clients: Callable[..., ros.Hub]) -> None:
+    publish_tp(clients, 2)
+    _, slices = slices_for(0, 2)
+    buffer = torch.empty(64 * 64 + 1)  # two blocks' memory overlapping by one element
+    slices["l0.qkv.weight"] = ros.Slice(buffer[: 64 * 64].view(64, 64), (0, 0), (128, 64))
+    slices["norm.weight"] = ros.Slice(buffer[64 * 64 - 63 :], (0,), (64,))
+    with pytest.raises(ros.InvalidArgument, match="share memory"):
+        clients().fetch_slices("policy", 1, slices=slices, layout="tp2", timeout=30)
