@@ -30,7 +30,13 @@ from consistency import ops
 from consistency.etcd import Etcd
 from consistency.keys import Keys
 from consistency.records import HolderRecord
-from tensorhub.errors import InvalidArgument, PermissionDenied, SessionExpired, VersionNotFound
+from tensorhub.errors import (
+    InvalidArgument,
+    PermissionDenied,
+    QuotaExceeded,
+    SessionExpired,
+    VersionNotFound,
+)
 
 MAX_BLOCK_SUMS = 1 << 16
 """The most chunks one block set's checksums may name (512 KiB in etcd): a worker's blocks
@@ -39,6 +45,11 @@ at the default 4 MiB chunks up to 256 GiB; more answers `InvalidArgument`."""
 MAX_LAYOUT_HOLDERS_READ = 64
 """How many holder keys one Resolve of a block set reads (the range's limit): the cost of
 a Resolve is bounded by it, however many holders the block set has."""
+
+MAX_BLOCK_SETS_PER_LAYOUT = 4096
+"""The most block sets one layout of a version records (one per worker of a TP-4096 layout,
+the bound on a version's shards); a reader whose block set would pass it is refused with
+`QuotaExceeded`."""
 
 MAX_BLOCK_SETS_READ = 64
 """How many block sets of a layout a reader covered by it is told of (a TP-64 layout)."""
@@ -178,10 +189,28 @@ class LayoutRegistry:
             raise SessionExpired(
                 f"session {record.session:x} has expired or was revoked: open a new one"
             )
+        created = bool(sums) and bool(result.responses[1].response_txn.succeeded)
+        if created:
+            self._check_count(at, sums_key, key, timeout)
         held, found = result.responses[-2].response_range, result.responses[-1].response_range
         fence = int(held.kvs[0].create_revision)
         recorded = decode_block_set(bytes(found.kvs[0].value))[1] if found.kvs else []
         return fence, result.revision, recorded
+
+    def _check_count(
+        self, at: BlockSetKey, created: str, holder: str, timeout: float | None
+    ) -> None:
+        """After creating a block set: past `MAX_BLOCK_SETS_PER_LAYOUT` block sets of its
+        layout, take it (and its holder) back and refuse (`QuotaExceeded`). Racing
+        creators of the last ones may both be refused; the count never stays past the bound."""
+        sets = self.keys.layout_block_sets(at.tenant, at.model, at.version, at.layout)
+        if self.etcd.count(sets, timeout=timeout) <= MAX_BLOCK_SETS_PER_LAYOUT:
+            return
+        self.etcd.txn([], [ops.delete(created), ops.delete(holder)], timeout=timeout)
+        raise QuotaExceeded(
+            f"layout {at.layout!r} of {at.model}@{at.version} has {MAX_BLOCK_SETS_PER_LAYOUT} "
+            "block sets: no more are recorded"
+        )
 
     def resolve(self, at: BlockSetKey, *, timeout: float | None = None) -> LayoutHolders:
         """The block set's holders (the first `MAX_LAYOUT_HOLDERS_READ` keys) and checksums,

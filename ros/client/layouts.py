@@ -48,7 +48,7 @@ from ros.client.rpc import Rpc
 from ros.client.serving import Serving
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.checksum_kinds import XXH3
-from tensorhub.errors import AlreadyExists, InvalidArgument, TensorHubError
+from tensorhub.errors import AlreadyExists, InvalidArgument, QuotaExceeded, TensorHubError
 from transport.backend import TransportKind
 from transport.boxes import Box
 from transport.layout import Layout, dtype_name
@@ -294,6 +294,10 @@ def serve_blocks(
     )  # fmt: skip
     try:
         answer = peers.rpc("RegisterLayoutHolder", request, deadline.work(me.timeout))
+    except QuotaExceeded as exc:  # the reader keeps its verified bytes; it serves none
+        peers.holdings.drop(held.key, 1.0)
+        log.warning("%s: not served: %s", what, exc)
+        return False
     except BaseException:
         peers.holdings.drop(held.key, 1.0)
         raise

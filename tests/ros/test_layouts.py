@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import consistency.layouts as layouts_module
 import ros
 from chaos.holder_faults import Fault
 from ros.client.hooks import ClientHooks
@@ -376,3 +377,17 @@ def test_slices_that_overlap_in_memory_are_refused(clients: Callable[..., ros.Hu
     slices["norm.weight"] = ros.Slice(buffer[64 * 64 - 63 :], (0,), (64,))
     with pytest.raises(ros.InvalidArgument, match="share memory"):
         clients().fetch_slices("policy", 1, slices=slices, layout="tp2", timeout=30)
+
+
+def test_a_reader_past_the_layouts_bound_keeps_its_bytes_and_serves_none(
+    clients: Callable[..., ros.Hub], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(layouts_module, "MAX_BLOCK_SETS_PER_LAYOUT", 1)  # the hub's, here
+    publish_tp(clients, 2)
+    first = clients().fetch_slices("policy", 1, slices=slices_for(0, 2)[1], layout="tp2")
+    assert first.served
+    out, slices = slices_for(1, 2)
+    got = clients().fetch_slices("policy", 1, slices=slices, layout="tp2", timeout=30)
+    _same(out, 1, 2)
+    assert not got.served
+    assert _offered(clients(), "tp2", 1, 2) == 0

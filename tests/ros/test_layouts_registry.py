@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
+import consistency.layouts as layouts_module
 from consistency import Etcd, HolderRecord, HolderState, Keys, Session, VersionRegistry
 from consistency.layouts import (
     COVER_HOLDERS_EACH,
@@ -17,7 +18,7 @@ from consistency.layouts import (
     LayoutRegistry,
 )
 from ros.hub.rpc_layouts import MAX_LAYOUT_CANDIDATES, _nearest
-from tensorhub.errors import PermissionDenied, SessionExpired, VersionNotFound
+from tensorhub.errors import PermissionDenied, QuotaExceeded, SessionExpired, VersionNotFound
 
 AT = BlockSetKey("t", "m", 1, "tp2", "0123abcd")
 
@@ -144,3 +145,21 @@ def test_a_cover_lists_a_layouts_block_sets_with_a_few_holders_each(
     ]
     assert all(len(s.holders) == COVER_HOLDERS_EACH for s in found)
     assert registry.cover("t", "m", 1, "tp4")[0] == []  # a layout nobody declared
+
+
+def test_a_block_set_past_the_layouts_bound_is_refused_and_taken_back(
+    registry: LayoutRegistry, keys: Keys, session: Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(layouts_module, "MAX_BLOCK_SETS_PER_LAYOUT", 2)
+    mark = keys.session("t", session.id)
+    for b in range(2):
+        at = BlockSetKey("t", "m", 1, "tp2", f"set{b}")
+        registry.register(at, rec(session, f"h{b}"), [b], session_key=mark)
+    third = BlockSetKey("t", "m", 1, "tp2", "set2")
+    with pytest.raises(QuotaExceeded):
+        registry.register(third, rec(session, "h2"), [2], session_key=mark)
+    assert [s.block_set for s in registry.cover("t", "m", 1, "tp2")[0]] == ["set0", "set1"]
+    assert registry.resolve(third).holders == []
+    registry.register(  # a new holder of a recorded block set is no new block set
+        BlockSetKey("t", "m", 1, "tp2", "set0"), rec(session, "h3"), [0], session_key=mark
+    )
