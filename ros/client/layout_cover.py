@@ -58,16 +58,22 @@ class _Part:
     part: Box  # the intersection to copy
 
 
-def _parse(answer: pb.LayoutBlockSet) -> _Described | None:
-    """The block set an answer describes; None (logged) when it cannot be read."""
+def _parse(answer: pb.LayoutBlockSet, chunk_size: int) -> _Described | None:
+    """The block set an answer describes, in chunks of `chunk_size` (the version's); None
+    (logged) when it cannot be read: malformed, another chunk size, a block outside its
+    global tensor, checksums that do not match its chunks."""
     try:
         data: Any = json.loads(bytes(answer.blocks))
-        chunk_size = int(data["chunk_size"])
+        if int(data["chunk_size"]) != chunk_size:
+            raise ValueError(f"chunk size {data['chunk_size']}, the version's is {chunk_size}")
         boxes: dict[str, tuple[str, tuple[int, ...], Box]] = {}
         meta: dict[str, torch.Tensor] = {}
         for name, dtype, glob, offsets, shape in sorted(data["blocks"]):
             box = Box(tuple(int(o) for o in offsets), tuple(int(s) for s in shape))
-            boxes[str(name)] = (str(dtype), tuple(int(g) for g in glob), box)
+            extent = tuple(int(g) for g in glob)
+            if not box.within(extent):
+                raise ValueError(f"block {box} of {name!r} is outside {extent}")
+            boxes[str(name)] = (str(dtype), extent, box)
             meta[str(name)] = torch.empty(box.shape, dtype=torch_dtype(str(dtype)), device="meta")
         layout = Layout.from_tensors(meta, chunk_size=chunk_size)  # as its holders built it
     except (KeyError, TypeError, ValueError, InvalidArgument) as exc:
@@ -114,16 +120,18 @@ def read_from_cover(
     token: RenewingToken,
     deadline: Deadline,
     stats: FetchStats,
+    chunk_size: int,
     rate_floor: float = DEFAULT_RATE_FLOOR,
 ) -> set[str]:
-    """Fill the blocks of `todo` that `layout`'s block sets cover from their holders (module
-    docstring); the names filled."""
+    """Fill the blocks of `todo` that `layout`'s block sets (in the version's `chunk_size`)
+    cover from their holders (module docstring); the names filled."""
     request = pb.ResolveLayoutCoverRequest(
         model=model, version=version, layout=layout, holder=me.holder_name,
         topology={k: v for k, v in vars(me.topology).items() if v},
     )  # fmt: skip
     answer = peers.rpc("ResolveLayoutCover", request, deadline.work(me.timeout))
-    sets = [d for d in (_parse(a) for a in answer.block_sets) if d is not None and d.holders]
+    parsed = (_parse(a, chunk_size) for a in answer.block_sets)
+    sets = [d for d in parsed if d is not None and d.holders]
     plan = _plan(sets, slices, todo)
     by_set: dict[str, list[_Part]] = {}
     described = {d.id: d for d in sets}

@@ -204,8 +204,9 @@ def _from_holders(
             break
         moved = FetchStats()
         missing -= layout_cover.read_from_cover(
-            peers, me, model, version, other, slices, missing, token, deadline, moved, rate_floor
-        )
+            peers, me, model, version, other, slices, missing, token, deadline, moved,
+            blocks.layout.chunk_size, rate_floor,
+        )  # fmt: skip
         _count(result, moved)
     result.from_trainer = missing
     return peer.sums
