@@ -131,6 +131,7 @@ def _trainer_bytes(got: ros.SliceFetch, trainers: list[ros.Hub]) -> int:
     return sum(n for source, n in got.bytes_per_source.items() if source in names)
 
 
+@pytest.mark.slow  # holder processes of their own
 def test_a_holder_killed_mid_read_leaves_only_its_missing_blocks_to_the_trainer(
     clients: Callable[..., ros.Hub], holders: Callable[..., Holder]
 ) -> None:
@@ -157,6 +158,7 @@ def test_a_holder_killed_mid_read_leaves_only_its_missing_blocks_to_the_trainer(
     assert got.served
 
 
+@pytest.mark.slow  # holder processes of their own
 def test_a_holder_serving_corrupt_bytes_is_dropped_and_its_blocks_read_elsewhere(
     clients: Callable[..., ros.Hub], holders: Callable[..., Holder]
 ) -> None:
@@ -177,6 +179,7 @@ def test_a_holder_serving_corrupt_bytes_is_dropped_and_its_blocks_read_elsewhere
     assert got.served
 
 
+@pytest.mark.slow  # holder processes of their own
 def test_a_layout_holder_whose_lease_expires_is_no_longer_offered(
     clients: Callable[..., ros.Hub], holders: Callable[..., Holder]
 ) -> None:
