@@ -58,6 +58,7 @@ def delete_model(
                 etcdrpc.RequestOp(request_range=listing),  # read first: the txn's own snapshot
                 ops.delete(top, prefix=True),
                 ops.delete(pages, prefix=True),
+                ops.delete(keys.model_layouts(tenant, model), prefix=True),
                 *put,
             ],
             timeout=timeout,

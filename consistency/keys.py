@@ -10,6 +10,8 @@ here, nowhere else.
 {p}/t/{tenant}/mp/{model}/{version:020d}/{part}/{writer}/{page:06d}   (manifest pages)
 {p}/t/{tenant}/mp/{model}/{version:020d}/pack/{pack}   (a batch's shard manifests, compressed)
 {p}/t/{tenant}/mp/{model}/{version:020d}/arrived       (shard counter: count, arrived)
+{p}/t/{tenant}/lb/{model}/{version:020d}/{layout}/s/{block_set}   (its blocks and checksums)
+{p}/t/{tenant}/lb/{model}/{version:020d}/{layout}/h/{block_set}/{holder}
 {p}/t/{tenant}/s/{session:x}                           (marks a lease as the tenant's)
 {p}/t/{tenant}/quota/{what}                            (fence of a counted create: models, sessions)
 {p}/tenants/{tenant}
@@ -162,6 +164,43 @@ class Keys:
         """The version's shard counter, `{"count": n, "arrived": k}`: put once by every
         batch of its shards (`consistency.shard_commit`)."""
         return f"{self.manifest_pages(tenant, model, version)}arrived"
+
+    # -- readers in another layout (consistency.layouts) ----------------------------------
+
+    def model_layouts(self, tenant: str, model: str) -> str:
+        """Every layout block set of every version of a model (`DeleteModel` removes it)."""
+        return f"{self.tenant(tenant)}lb/{validate_name(model, 'model')}/"
+
+    def version_layouts(self, tenant: str, model: str, version: int) -> str:
+        """Every layout block set of one version: retention deletes it with the version."""
+        return f"{self.model_layouts(tenant, model)}{validate_version(version):020d}/"
+
+    def layout(self, tenant: str, model: str, version: int, layout: str) -> str:
+        """One layout of one version: its block sets and their holders."""
+        return f"{self.version_layouts(tenant, model, version)}{validate_name(layout, 'layout')}/"
+
+    def layout_block_sets(self, tenant: str, model: str, version: int, layout: str) -> str:
+        """The block sets of a layout, one key each: their blocks and recorded checksums."""
+        return f"{self.layout(tenant, model, version, layout)}s/"
+
+    def layout_block_set(
+        self, tenant: str, model: str, version: int, layout: str, block_set: str
+    ) -> str:
+        prefix = self.layout_block_sets(tenant, model, version, layout)
+        return f"{prefix}{validate_name(block_set, 'block set')}"
+
+    def layout_holders(
+        self, tenant: str, model: str, version: int, layout: str, block_set: str
+    ) -> str:
+        """The holders of one block set (each under its lease)."""
+        prefix = self.layout(tenant, model, version, layout)
+        return f"{prefix}h/{validate_name(block_set, 'block set')}/"
+
+    def layout_holder(
+        self, tenant: str, model: str, version: int, layout: str, block_set: str, holder: str
+    ) -> str:
+        prefix = self.layout_holders(tenant, model, version, layout, block_set)
+        return f"{prefix}{validate_name(holder, 'holder')}"
 
     # -- parsing ---------------------------------------------------------------------------
 

@@ -20,13 +20,14 @@ from tensorhub import *  # noqa: F403  (the one error tree, re-exported for SDK 
 if TYPE_CHECKING:
     from ros.client.handles import Held, Publication
     from ros.client.hub import Hub
-    from ros.client.slices import Slice, SliceFetch
+    from ros.client.slice import Slice
+    from ros.client.slices import SliceFetch
 
 _LAZY = {
     "Hub": "ros.client.hub",
     "Held": "ros.client.handles",
     "Publication": "ros.client.handles",
-    "Slice": "ros.client.slices",
+    "Slice": "ros.client.slice",
     "SliceFetch": "ros.client.slices",
 }
 

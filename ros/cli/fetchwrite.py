@@ -41,7 +41,7 @@ from ros.cli.rss import give_back_freed
 from ros.client.handles import Held
 from ros.client.hub import Hub
 from ros.client.orchestrator import Progress
-from ros.client.slices import Slice
+from ros.client.slice import Slice
 from tensorhub.errors import DeadlineExceeded, TensorHubError
 
 

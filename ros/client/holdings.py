@@ -41,6 +41,9 @@ class Holdings:
         self._lock = threading.Lock()
         self._fences: dict[tuple[str, int], int] = {}
         self._shards: dict[tuple[str, int], int] = {}  # model-parallel versions held: shard
+        self._layouts: set[Key] = set()  # blocks in a layout (`ros.client.layouts`)
+        # registers a layout holding under the current session (set by `Hub`): (model, version)
+        self.register_layout: Callable[[str, int], None] | None = None
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -89,6 +92,27 @@ class Holdings:
             if shard is not None:
                 self._shards[(model, version)] = shard
 
+    def _reregister_layout(self, pending: set[Key], key: Key) -> None:
+        """`reregister` for blocks in a layout: as for a version (a refusal for good is
+        logged and dropped; what another try may get past is raised)."""
+        _, model, version = key
+        try:
+            if self.register_layout is not None:
+                self.register_layout(model, version)
+        except TensorHubError as exc:
+            if is_retryable(exc) or isinstance(exc, (SessionExpired, OutcomeUnknown)):
+                raise
+            log.error("could not re-register the blocks of %s@%d: %s", model, version, exc)
+        pending.discard(key)
+
+    def hold_layout(self, held: HeldVersion) -> None:
+        """Serve a reader's blocks in a layout (`ros.client.layouts`): their record is no
+        holder record of the version, so a session recovery registers them with
+        `register_layout`, not as a holder of the version."""
+        self.hold(held, None)
+        with self._lock:
+            self._layouts.add(held.key)
+
     def registered(self, model: str, version: int, fence: int) -> None:
         """Our holder record of `model@version` now has `fence` (forgotten if the version
         was dropped meanwhile: a record of it is left to the session's lease)."""
@@ -109,6 +133,7 @@ class Holdings:
             with self._lock:
                 self._fences.pop((key[1], key[2]), None)
                 self._shards.pop((key[1], key[2]), None)
+                self._layouts.discard(key)
 
     def drop_all(self, timeout: float) -> None:
         """Stop serving everything (close): each version waits up to `timeout` for its reads
@@ -138,6 +163,9 @@ class Holdings:
                 pending.discard(key)
                 continue
             _, model, version = key
+            if key in self._layouts:  # blocks in a layout: a record of their own
+                self._reregister_layout(pending, key)
+                continue
             try:
                 fence = register(model, version, held.complete, self.shard(model, version))
             except TensorHubError as exc:

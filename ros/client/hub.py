@@ -39,6 +39,9 @@ from ros.client.handles import Handles, Held, Publication
 from ros.client.holdings import Holdings
 from ros.client.hooks import PRODUCTION, ClientHooks
 from ros.client.identity import DEFAULT_TIMEOUT, Identity, default_holder_name
+from ros.client.layouts import LayoutHoldings, LayoutPeers
+from ros.client.layouts import release as release_layout
+from ros.client.layouts import reregister as reregister_layout
 from ros.client.manifest import Placements
 from ros.client.orchestrator import Orchestrator, ProgressCallback
 from ros.client.pins import Pins
@@ -49,7 +52,8 @@ from ros.client.retention import Retention, SpillStats
 from ros.client.rpc import HubRpc, Rpc
 from ros.client.serving import Serving
 from ros.client.session import RECOVERY_JOIN_TIMEOUT, Session
-from ros.client.slices import Slice, SliceFetch
+from ros.client.slice import Slice
+from ros.client.slices import SliceFetch
 from ros.client.watch import HubWatch, holder_from_message
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
@@ -148,6 +152,11 @@ class Hub:
         self._fetches = Orchestrator(  # stateless: every run keeps its state on its stack
             me, self._reads, records, self.holdings, self._serving, hooks.reader(), self._readers
         )
+        self._layouts = LayoutPeers(  # readers in another layout (`fetch_slices(layout=)`)
+            rpc, self.holdings, self._serving, records, LayoutHoldings(), hooks.reader(),
+            self._readers,
+        )  # fmt: skip
+        self.holdings.register_layout = lambda m, v: reregister_layout(self._layouts, me, m, v)
         if (
             isinstance(delta_hold_bytes, bool)
             or not isinstance(delta_hold_bytes, int)
@@ -368,6 +377,8 @@ class Hub:
         rate_floor: float = DEFAULT_RATE_FLOOR,
         progress: ProgressCallback | None = None,
         delta: bool = False,
+        layout: str | None = None,
+        cover: Sequence[str] = (),
     ) -> SliceFetch:
         """Fill every `Slice` with its block of `model@version`, read from the holders of the
         shards that hold it. Checks names, dtypes, global shapes and bounds before any byte
@@ -382,11 +393,25 @@ class Hub:
         base of the next `fetch_slices(delta=True)` of the model, which then reads only the
         encoded changes of the chunks it needs, applies and verifies them there, and copies
         the blocks out (`SliceFetch.deltas`). `Hub.drop_bases` frees the copies.
+
+        `layout="name"` (not with `delta`): this client becomes a holder of its blocks in
+        that layout (docs/sdk.md, "Readers in another layout"): it reads them from the
+        holders of the same blocks first, the rest from the trainer's shards, and serves
+        them from the slices' memory (contiguous) until `release_blocks`. `cover=("tp2",)`:
+        blocks that no holder of the same blocks gave are read from the holders of those
+        layouts' block sets that cover them (a TP-1 reader from TP-2 holders).
         """
         return reshard.fetch_slices(
             self._fetches, self._pins, self._me, model, version, slices=slices, timeout=timeout,
             rate_floor=rate_floor, progress=progress, deltas=self._deltas if delta else None,
+            layout=layout, peers=self._layouts, cover=cover,
         )  # fmt: skip
+
+    def release_blocks(self, model: str, version: int, *, timeout: float = 5.0) -> bool:
+        """Stop holding this client's blocks of model@version (`fetch_slices(layout=)`):
+        its record goes first, then reads in flight get up to `timeout`; whether it held
+        any. The slices' memory may change after this returns."""
+        return release_layout(self._layouts, self._me, model, version, timeout)
 
     def drop_bases(self, model: str | None = None) -> None:
         """Free the copies kept for delta versions (of `model`, or of every model): the

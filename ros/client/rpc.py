@@ -119,6 +119,38 @@ class Rpc(Protocol):
         timeout: float | None = None,
     ) -> pb.DeleteModelResponse: ...
 
+    @overload
+    def __call__(
+        self,
+        method: Literal["RegisterLayoutHolder"],
+        request: pb.RegisterLayoutHolderRequest,
+        timeout: float | None = None,
+    ) -> pb.RegisterLayoutHolderResponse: ...
+
+    @overload
+    def __call__(
+        self,
+        method: Literal["ResolveLayout"],
+        request: pb.ResolveLayoutRequest,
+        timeout: float | None = None,
+    ) -> pb.ResolveLayoutResponse: ...
+
+    @overload
+    def __call__(
+        self,
+        method: Literal["ResolveLayoutCover"],
+        request: pb.ResolveLayoutCoverRequest,
+        timeout: float | None = None,
+    ) -> pb.ResolveLayoutCoverResponse: ...
+
+    @overload
+    def __call__(
+        self,
+        method: Literal["ReleaseLayoutHolder"],
+        request: pb.ReleaseLayoutHolderRequest,
+        timeout: float | None = None,
+    ) -> pb.ReleaseLayoutHolderResponse: ...
+
 
 class SessionExpiry(Protocol):
     """What a call needs of the lease it runs under: to declare it lost."""
@@ -136,6 +168,7 @@ Expirable = Callable[[], SessionExpiry | None]
 IDEMPOTENT = frozenset({
     "OpenSession", "CloseSession", "Latest", "Resolve", "RegisterHolder", "UpdateHolder",
     "ReleaseHolder", "Pin", "Unpin", "ListModels", "Inspect",
+    "RegisterLayoutHolder", "ResolveLayout", "ResolveLayoutCover", "ReleaseLayoutHolder",
 })  # fmt: skip
 
 

@@ -9,8 +9,12 @@ them against the publisher's checksums, and copies the intersection into place.
 
 Source shards are read one at a time into a staging copy of that shard's layout, of which
 only the needed chunks are filled; the peak extra memory is one source shard. A reader of
-slices does not become a holder (what it holds is no published layout); readers in the
-publisher's own layout use `fetch(shard=i)` and do.
+slices becomes a holder of its blocks when it names their layout (`layout=`,
+`ros.client.layouts`): it reads them first from the other holders of the same blocks,
+checked against the checksums that their first reader derived from publisher-verified
+bytes, reads only what they did not give from the trainer's shards, and then serves them.
+Without `layout`, it holds nothing; readers in the publisher's own layout use
+`fetch(shard=i)`.
 
 Slices in GPU memory: the staging copy is allocated on their device (when every slice a
 source shard fills is on that one device) and filled exactly as a `fetch` into GPU memory
@@ -32,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ros.client import layout_cover, layouts
 from ros.client.deadline import Deadline
 from ros.client.delta_bases import Staged
 from ros.client.delta_fetch import DeltaReader, DeltaStats
@@ -40,29 +45,18 @@ from ros.client.identity import Identity
 from ros.client.manifest import layout_of, placement_of
 from ros.client.orchestrator import Orchestrator, ProgressCallback, Target
 from ros.client.pins import Pins
+from ros.client.read_token import RenewingToken
+from ros.client.slice import Slice
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import DeadlineExceeded, InvalidArgument, OutOfMemory, TensorHubError
 from tensorhub.names import validate_name, validate_version
 from transport.boxes import Box, byte_span, chunks_for
 from transport.layout import Layout, dtype_name, torch_dtype
+from transport.outcome import FetchStats
 from transport.pace import DEFAULT_RATE_FLOOR
 from transport.store import HeldVersion
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Slice:
-    """The block of a global tensor a reader wants: `tensor` (its extent: tensor.shape) is
-    filled with the global tensor's elements from `offsets` on."""
-
-    tensor: torch.Tensor
-    offsets: Sequence[int]
-    global_shape: Sequence[int]
-
-    @property
-    def box(self) -> Box:
-        return Box(tuple(int(o) for o in self.offsets), tuple(self.tensor.shape))
 
 
 @dataclass
@@ -77,6 +71,10 @@ class SliceFetch:
     slow_sources: dict[str, float] = field(default_factory=dict)  # under the rate floor: B/s
     # delta=True: what the delta did for each source shard read (None: the whole version)
     deltas: dict[int | None, DeltaStats] = field(default_factory=dict)
+    # layout=...: the blocks read from the trainer's shards (the others came from holders
+    # of the same blocks), and whether this reader serves its blocks now
+    from_trainer: set[str] = field(default_factory=set)
+    served: bool = False
 
     @property
     def total_bytes(self) -> int:
@@ -102,12 +100,18 @@ def fetch_slices(
     rate_floor: float = DEFAULT_RATE_FLOOR,
     progress: ProgressCallback | None = None,
     deltas: DeltaReader | None = None,
+    layout: str | None = None,
+    peers: layouts.LayoutPeers | None = None,
+    cover: Sequence[str] = (),
 ) -> SliceFetch:
     """`Hub.fetch_slices` (its docstring says what a caller gets): plan which chunks of which source
     shard each slice needs, pin the version, run one non-holder `Target` per source shard
     through `runs`, and copy the intersections into place. With `deltas`, each source
     shard's staging copy is kept as the base of the next call, which applies the deltas
-    to it."""
+    to it. With `layout` (and the client's `peers`), the blocks are read from their
+    holders first, then from the block sets of the layouts of `cover` that cover them
+    (`ros.client.layout_cover`), only the rest from the source shards, and then served
+    (`ros.client.layouts`)."""
     validate_name(model, "model")
     if not slices:
         raise InvalidArgument("fetch_slices needs at least one slice")
@@ -118,11 +122,31 @@ def fetch_slices(
     parts = list(resolved.shards) or [resolved.manifest]
     plan = _plan(model, found, parts, slices)
     result = SliceFetch(found)
+    blocks = None
+    for other in cover:
+        validate_name(other, "layout")
+    if cover and layout is None:
+        raise InvalidArgument("fetch_slices: `cover` needs the reader's own `layout`")
+    if layout is not None:
+        validate_name(layout, "layout")
+        if peers is None or deltas is not None:
+            raise InvalidArgument("fetch_slices: a layout is read by its client, without delta")
+        blocks = layouts.block_set(slices, int(parts[0].chunk_size))
+        layouts.check_free(peers, me, model, blocks, found)
     # A reader of slices is no holder, so it pins the version itself; the pin is its
     # own (not the holder name, whose pin a concurrent fetch of the version may hold).
     pin_id = f"slices-{secrets.token_hex(6)}"
     pins.pin(model, found, pin_id, deadline.work(me.timeout))
     try:
+        recorded: list[int] = []
+        if blocks is not None and peers is not None and layout is not None:
+            token = _renewing_token(runs, model, found, resolved, deadline)
+            recorded = _from_holders(
+                peers, me, model, found, layout, cover, blocks, slices, token, deadline,
+                rate_floor, result,
+            )  # fmt: skip
+            todo = {name: slices[name] for name in sorted(result.from_trainer)}
+            plan = _plan(model, found, parts, todo) if todo else {}
         for index, copies in plan.items():
             shard = index if resolved.shards else None
             # the holders of this shard (a Resolve answers candidates of one shard only)
@@ -131,9 +155,61 @@ def fetch_slices(
                 me, runs, model, found, shard, holders, parts[index], copies, slices,
                 deadline, result, rate_floor, progress, deltas,
             )  # fmt: skip
+        if blocks is not None and peers is not None and layout is not None:
+            result.served = layouts.serve_blocks(
+                peers, me, model, found, layout, blocks, recorded, deadline
+            )
     finally:
         _unpin(pins, me, model, found, pin_id, deadline)
     return result
+
+
+def _from_holders(
+    peers: layouts.LayoutPeers,
+    me: Identity,
+    model: str,
+    version: int,
+    layout: str,
+    cover: Sequence[str],
+    blocks: layouts.BlockSet,
+    slices: Mapping[str, Slice],
+    token: RenewingToken,
+    deadline: Deadline,
+    rate_floor: float,
+    result: SliceFetch,
+) -> list[int]:
+    """Read the blocks from the holders of the same blocks, then from the block sets of the
+    `cover` layouts; the blocks neither gave go into `result.from_trainer`. Returns the
+    checksums the block set's first reader recorded (empty: none yet)."""
+    peer = layouts.read_from_peers(
+        peers, me, model, version, layout, blocks, token, deadline, rate_floor
+    )
+    _count(result, peer.stats)
+    missing = set(peer.missing_blocks)
+    for other in cover:
+        if not missing:
+            break
+        moved = FetchStats()
+        missing -= layout_cover.read_from_cover(
+            peers, me, model, version, other, slices, missing, token, deadline, moved,
+            blocks.layout.chunk_size, rate_floor,
+        )  # fmt: skip
+        _count(result, moved)
+    result.from_trainer = missing
+    return peer.sums
+
+
+def _renewing_token(
+    runs: Orchestrator, model: str, version: int, resolved: pb.ResolveResponse, deadline: Deadline
+) -> RenewingToken:
+    """The read token of a layout read from peers (model@version's, as for the trainer's
+    shards), renewed before it expires by a Resolve without the manifest."""
+
+    def renew() -> tuple[bytes, int]:
+        again = runs.holders(model, version, None, deadline)
+        return bytes(again.read_token), int(again.token_expiry_unix)
+
+    return RenewingToken(bytes(resolved.read_token), int(resolved.token_expiry_unix), renew)
 
 
 def _unpin(
@@ -213,12 +289,17 @@ def _read_part(
             base.drop()
         kept = Staged(version, layout, tensors, frozenset(needed), companion)
         deltas.staged.put(model, shard, kept)
+    _count(result, stats)
+    _copy_parts(copies, staging.tensors, slices)
+
+
+def _count(result: SliceFetch, stats: FetchStats) -> None:
+    """Add what one read moved (bytes per holder, chunks, the holders given up on)."""
     for source, nbytes in stats.bytes_per_source.items():
         result.bytes_per_source[source] = result.bytes_per_source.get(source, 0) + nbytes
     result.chunks += stats.chunks
     result.failed_sources.update(stats.failed_sources)
     result.slow_sources.update(stats.slow_sources)
-    _copy_parts(copies, staging.tensors, slices)
 
 
 def _fits(base: Staged, layout: Layout, needed: set[int], device: torch.device) -> bool:

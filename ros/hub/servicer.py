@@ -17,6 +17,7 @@ from consistency.usage import DEFAULT_HISTORY_PERIOD
 from ros.hub.call import AioContext
 from ros.hub.limits import Limits
 from ros.hub.rpc_holders import HolderRPCs
+from ros.hub.rpc_layouts import LayoutRPCs
 from ros.hub.rpc_models import ModelRPCs
 from ros.hub.rpc_sessions import SessionRPCs
 from ros.hub.rpc_tenants import TenantRPCs
@@ -54,6 +55,7 @@ class HubServicer(hub_pb2_grpc.TensorHubServicer):
         self.holder_rpcs = HolderRPCs(self.hub)
         self.model_rpcs = ModelRPCs(self.hub)
         self.tenant_rpcs = TenantRPCs(self.hub)
+        self.layout_rpcs = LayoutRPCs(self.hub)
 
     def start(self) -> HubServicer:
         """The replica's first etcd I/O (`HubState.start`); returns self."""
@@ -138,6 +140,26 @@ class HubServicer(hub_pb2_grpc.TensorHubServicer):
         self, request: pb.DeleteModelRequest, context: AioContext
     ) -> pb.DeleteModelResponse:
         return await self.model_rpcs.DeleteModel(request, context)
+
+    async def RegisterLayoutHolder(
+        self, request: pb.RegisterLayoutHolderRequest, context: AioContext
+    ) -> pb.RegisterLayoutHolderResponse:
+        return await self.layout_rpcs.RegisterLayoutHolder(request, context)
+
+    async def ResolveLayout(
+        self, request: pb.ResolveLayoutRequest, context: AioContext
+    ) -> pb.ResolveLayoutResponse:
+        return await self.layout_rpcs.ResolveLayout(request, context)
+
+    async def ResolveLayoutCover(
+        self, request: pb.ResolveLayoutCoverRequest, context: AioContext
+    ) -> pb.ResolveLayoutCoverResponse:
+        return await self.layout_rpcs.ResolveLayoutCover(request, context)
+
+    async def ReleaseLayoutHolder(
+        self, request: pb.ReleaseLayoutHolderRequest, context: AioContext
+    ) -> pb.ReleaseLayoutHolderResponse:
+        return await self.layout_rpcs.ReleaseLayoutHolder(request, context)
 
     async def CreateTenant(
         self, request: pb.CreateTenantRequest, context: AioContext

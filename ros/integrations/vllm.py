@@ -47,7 +47,7 @@ from ros.client.delta_fetch import DeltaStats
 from ros.client.handles import Held
 from ros.client.hub import Hub
 from ros.client.manifest import layout_of, placement_of
-from ros.client.slices import Slice
+from ros.client.slice import Slice
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import InvalidArgument, RetentionViolation
 from transport.layout import torch_dtype

@@ -33,7 +33,7 @@ from ros.cli import main
 from ros.cli.outdir import partial_dirs
 from ros.cli.serving import Interrupts, Readers, drain
 from ros.client.hooks import ClientHooks
-from ros.client.slices import Slice
+from ros.client.slice import Slice
 from ros.hub.server import HubServer
 
 transformers = pytest.importorskip(

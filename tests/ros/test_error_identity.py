@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[2]
 WRITE_METHODS = frozenset({
     "OpenSession", "KeepAlive", "CloseSession", "Publish", "PublishShards", "RegisterHolder",
     "UpdateHolder", "ReleaseHolder", "Pin", "Unpin", "DeleteModel", "CreateTenant",
-    "DeleteTenant",
+    "DeleteTenant", "RegisterLayoutHolder", "ReleaseLayoutHolder",
 })  # fmt: skip
 PACKAGES = ("consistency", "transport", "ros", "tensorhub")
 

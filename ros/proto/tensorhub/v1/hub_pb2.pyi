@@ -543,3 +543,129 @@ class DeleteModelResponse(_message.Message):
     revision: int
     versions_deleted: int
     def __init__(self, revision: _Optional[int] = ..., versions_deleted: _Optional[int] = ...) -> None: ...
+
+class RegisterLayoutHolderRequest(_message.Message):
+    __slots__ = ("model", "version", "layout", "block_set", "holder", "block_sums", "blocks")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SET_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SUMS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    layout: str
+    block_set: str
+    holder: Holder
+    block_sums: _containers.RepeatedScalarFieldContainer[int]
+    blocks: bytes
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., layout: _Optional[str] = ..., block_set: _Optional[str] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., block_sums: _Optional[_Iterable[int]] = ..., blocks: _Optional[bytes] = ...) -> None: ...
+
+class RegisterLayoutHolderResponse(_message.Message):
+    __slots__ = ("fence", "revision", "block_sums")
+    FENCE_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SUMS_FIELD_NUMBER: _ClassVar[int]
+    fence: int
+    revision: int
+    block_sums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, fence: _Optional[int] = ..., revision: _Optional[int] = ..., block_sums: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ResolveLayoutRequest(_message.Message):
+    __slots__ = ("model", "version", "layout", "block_set", "topology", "holder")
+    class TopologyEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SET_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    layout: str
+    block_set: str
+    topology: _containers.ScalarMap[str, str]
+    holder: str
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., layout: _Optional[str] = ..., block_set: _Optional[str] = ..., topology: _Optional[_Mapping[str, str]] = ..., holder: _Optional[str] = ...) -> None: ...
+
+class ResolveLayoutResponse(_message.Message):
+    __slots__ = ("holders", "block_sums", "revision", "total_holders")
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SUMS_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    holders: _containers.RepeatedCompositeFieldContainer[Holder]
+    block_sums: _containers.RepeatedScalarFieldContainer[int]
+    revision: int
+    total_holders: int
+    def __init__(self, holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., block_sums: _Optional[_Iterable[int]] = ..., revision: _Optional[int] = ..., total_holders: _Optional[int] = ...) -> None: ...
+
+class ResolveLayoutCoverRequest(_message.Message):
+    __slots__ = ("model", "version", "layout", "topology", "holder")
+    class TopologyEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    layout: str
+    topology: _containers.ScalarMap[str, str]
+    holder: str
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., layout: _Optional[str] = ..., topology: _Optional[_Mapping[str, str]] = ..., holder: _Optional[str] = ...) -> None: ...
+
+class LayoutBlockSet(_message.Message):
+    __slots__ = ("block_set", "blocks", "block_sums", "holders")
+    BLOCK_SET_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SUMS_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    block_set: str
+    blocks: bytes
+    block_sums: _containers.RepeatedScalarFieldContainer[int]
+    holders: _containers.RepeatedCompositeFieldContainer[Holder]
+    def __init__(self, block_set: _Optional[str] = ..., blocks: _Optional[bytes] = ..., block_sums: _Optional[_Iterable[int]] = ..., holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ...) -> None: ...
+
+class ResolveLayoutCoverResponse(_message.Message):
+    __slots__ = ("block_sets", "revision")
+    BLOCK_SETS_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    block_sets: _containers.RepeatedCompositeFieldContainer[LayoutBlockSet]
+    revision: int
+    def __init__(self, block_sets: _Optional[_Iterable[_Union[LayoutBlockSet, _Mapping]]] = ..., revision: _Optional[int] = ...) -> None: ...
+
+class ReleaseLayoutHolderRequest(_message.Message):
+    __slots__ = ("model", "version", "layout", "block_set", "holder", "session_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SET_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    layout: str
+    block_set: str
+    holder: str
+    session_id: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., layout: _Optional[str] = ..., block_set: _Optional[str] = ..., holder: _Optional[str] = ..., session_id: _Optional[int] = ...) -> None: ...
+
+class ReleaseLayoutHolderResponse(_message.Message):
+    __slots__ = ("revision",)
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    revision: int
+    def __init__(self, revision: _Optional[int] = ...) -> None: ...

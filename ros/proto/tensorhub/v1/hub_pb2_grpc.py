@@ -114,6 +114,26 @@ class TensorHubStub(object):
                 request_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeleteModelRequest.SerializeToString,
                 response_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeleteModelResponse.FromString,
                 _registered_method=True)
+        self.RegisterLayoutHolder = channel.unary_unary(
+                '/tensorhub.v1.TensorHub/RegisterLayoutHolder',
+                request_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.RegisterLayoutHolderRequest.SerializeToString,
+                response_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.RegisterLayoutHolderResponse.FromString,
+                _registered_method=True)
+        self.ResolveLayout = channel.unary_unary(
+                '/tensorhub.v1.TensorHub/ResolveLayout',
+                request_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ResolveLayoutRequest.SerializeToString,
+                response_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ResolveLayoutResponse.FromString,
+                _registered_method=True)
+        self.ResolveLayoutCover = channel.unary_unary(
+                '/tensorhub.v1.TensorHub/ResolveLayoutCover',
+                request_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ResolveLayoutCoverRequest.SerializeToString,
+                response_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ResolveLayoutCoverResponse.FromString,
+                _registered_method=True)
+        self.ReleaseLayoutHolder = channel.unary_unary(
+                '/tensorhub.v1.TensorHub/ReleaseLayoutHolder',
+                request_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ReleaseLayoutHolderRequest.SerializeToString,
+                response_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ReleaseLayoutHolderResponse.FromString,
+                _registered_method=True)
         self.CreateTenant = channel.unary_unary(
                 '/tensorhub.v1.TensorHub/CreateTenant',
                 request_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.CreateTenantRequest.SerializeToString,
@@ -225,6 +245,31 @@ class TensorHubServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterLayoutHolder(self, request, context):
+        """Readers in another layout (docs/design-notes.md, "Readers in another layout").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResolveLayout(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResolveLayoutCover(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseLayoutHolder(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CreateTenant(self, request, context):
         """Admin (needs the admin token).
         """
@@ -320,6 +365,26 @@ def add_TensorHubServicer_to_server(servicer, server):
                     servicer.DeleteModel,
                     request_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeleteModelRequest.FromString,
                     response_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeleteModelResponse.SerializeToString,
+            ),
+            'RegisterLayoutHolder': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterLayoutHolder,
+                    request_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.RegisterLayoutHolderRequest.FromString,
+                    response_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.RegisterLayoutHolderResponse.SerializeToString,
+            ),
+            'ResolveLayout': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResolveLayout,
+                    request_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ResolveLayoutRequest.FromString,
+                    response_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ResolveLayoutResponse.SerializeToString,
+            ),
+            'ResolveLayoutCover': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResolveLayoutCover,
+                    request_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ResolveLayoutCoverRequest.FromString,
+                    response_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ResolveLayoutCoverResponse.SerializeToString,
+            ),
+            'ReleaseLayoutHolder': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseLayoutHolder,
+                    request_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ReleaseLayoutHolderRequest.FromString,
+                    response_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ReleaseLayoutHolderResponse.SerializeToString,
             ),
             'CreateTenant': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateTenant,
@@ -764,6 +829,114 @@ class TensorHub(object):
             '/tensorhub.v1.TensorHub/DeleteModel',
             ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeleteModelRequest.SerializeToString,
             ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeleteModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterLayoutHolder(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorhub.v1.TensorHub/RegisterLayoutHolder',
+            ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.RegisterLayoutHolderRequest.SerializeToString,
+            ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.RegisterLayoutHolderResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResolveLayout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorhub.v1.TensorHub/ResolveLayout',
+            ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ResolveLayoutRequest.SerializeToString,
+            ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ResolveLayoutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResolveLayoutCover(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorhub.v1.TensorHub/ResolveLayoutCover',
+            ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ResolveLayoutCoverRequest.SerializeToString,
+            ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ResolveLayoutCoverResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseLayoutHolder(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorhub.v1.TensorHub/ReleaseLayoutHolder',
+            ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ReleaseLayoutHolderRequest.SerializeToString,
+            ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.ReleaseLayoutHolderResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,293 @@
+"""Holders of a layout's blocks in etcd (docs/design-notes.md, "Readers in another layout").
+
+A reader that reads its blocks of model@version in a layout other than the publisher's
+(`fetch_slices(layout=...)`) holds them under a key of their own:
+
+```
+{tenant}/lb/{model}/{version:020d}/{layout}/s/{block_set}          its blocks and checksums
+{tenant}/lb/{model}/{version:020d}/{layout}/h/{block_set}/{name}   a holder, under its lease
+```
+
+`block_set` names one worker's blocks (a digest of their description: boxes, dtypes and
+chunk size), so readers of the same blocks find each other under one prefix, and a Resolve
+of them is one bounded range read: O(K) in the holders it answers, whatever the number of
+holders. A reader covered by another layout's block sets lists that layout's `s/` keys (at
+most `MAX_BLOCK_SETS_READ`) and a few holders of each, in two bounded reads.
+
+The block set's key (its description and chunk checksums) is written once (create only) by
+the first reader that registers, from bytes it verified against the publisher's chunk
+checksums; it is no lease's, and goes with the version (retention and `DeleteModel` delete
+`lb/{model}/{version}/` in the transaction that deletes the version). A holder key is its
+session's (lease): release, lease expiry and session close remove it.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from consistency import ops
+from consistency.etcd import Etcd
+from consistency.keys import Keys
+from consistency.records import HolderRecord
+from tensorhub.errors import (
+    InvalidArgument,
+    PermissionDenied,
+    QuotaExceeded,
+    SessionExpired,
+    VersionNotFound,
+)
+
+MAX_BLOCK_SUMS = 1 << 16
+"""The most chunks one block set's checksums may name (512 KiB in etcd): a worker's blocks
+at the default 4 MiB chunks up to 256 GiB; more answers `InvalidArgument`."""
+
+MAX_LAYOUT_HOLDERS_READ = 64
+"""How many holder keys one Resolve of a block set reads (the range's limit): the cost of
+a Resolve is bounded by it, however many holders the block set has."""
+
+MAX_BLOCK_SETS_PER_LAYOUT = 4096
+"""The most block sets one layout of a version records (one per worker of a TP-4096 layout,
+the bound on a version's shards); a reader whose block set would pass it is refused with
+`QuotaExceeded`."""
+
+MAX_BLOCK_SETS_READ = 64
+"""How many block sets of a layout a reader covered by it is told of (a TP-64 layout)."""
+
+COVER_HOLDERS_EACH = 4
+"""How many holders of each of them it is told of."""
+
+MAX_BLOCKS_BYTES = 256 * 1024
+"""The longest description of a block set (its blocks' names, dtypes, boxes)."""
+
+_SUM = struct.Struct(">Q")
+_LEN = struct.Struct(">I")
+
+
+def encode_sums(sums: list[int]) -> bytes:
+    return b"".join(_SUM.pack(s) for s in sums)
+
+
+def decode_sums(raw: bytes) -> list[int]:
+    if len(raw) % _SUM.size:
+        raise InvalidArgument("malformed layout block checksums")
+    return [s for (s,) in _SUM.iter_unpack(raw)]
+
+
+def encode_block_set(blocks: bytes, sums: list[int]) -> bytes:
+    """A block set's key: its description's length, the description, then its checksums."""
+    return _LEN.pack(len(blocks)) + blocks + encode_sums(sums)
+
+
+def decode_block_set(raw: bytes) -> tuple[bytes, list[int]]:
+    """(description, checksums) of a block set's key."""
+    if len(raw) < _LEN.size:
+        raise InvalidArgument("malformed layout block set record")
+    (n,) = _LEN.unpack_from(raw)
+    end = _LEN.size + n
+    if end > len(raw):
+        raise InvalidArgument("malformed layout block set record")
+    return raw[_LEN.size : end], decode_sums(raw[end:])
+
+
+@dataclass(frozen=True)
+class BlockSetKey:
+    """Which blocks: model@version, the layout's name, and the block set's id."""
+
+    tenant: str
+    model: str
+    version: int
+    layout: str
+    block_set: str
+
+
+@dataclass(frozen=True)
+class CoverSet:
+    """One block set of a layout, for a reader it may cover: its id, description,
+    checksums and a few of its holders."""
+
+    block_set: str
+    blocks: bytes
+    sums: list[int]
+    holders: list[HolderRecord]
+
+
+@dataclass(frozen=True)
+class LayoutHolders:
+    """What a Resolve of a block set finds: its holders (at most the range's limit), their
+    recorded checksums (empty: none yet) and the revision it read at."""
+
+    holders: list[HolderRecord]
+    sums: list[int]
+    revision: int
+
+
+class LayoutRegistry:
+    """Register, find and release holders of layout blocks, within one tenant's prefix."""
+
+    def __init__(self, etcd: Etcd, keys: Keys) -> None:
+        self.etcd = etcd
+        self.keys = keys
+
+    def _keys(self, at: BlockSetKey) -> tuple[str, str, str]:
+        args = (at.tenant, at.model, at.version, at.layout, at.block_set)
+        return (
+            self.keys.manifest(at.tenant, at.model, at.version),
+            self.keys.layout_block_set(*args),
+            self.keys.layout_holders(*args),
+        )
+
+    def register(
+        self,
+        at: BlockSetKey,
+        record: HolderRecord,
+        sums: list[int],
+        *,
+        session_key: str,
+        blocks: bytes = b"",
+        timeout: float | None = None,
+    ) -> tuple[int, int, list[int]]:
+        """Put `record` under its lease, and the block set's description `blocks` with its
+        checksums `sums` if no reader recorded them yet, in one transaction that compares
+        the version's manifest and the tenant's record of the session; (fence, revision,
+        the checksums recorded).
+
+        `VersionNotFound`: the version is not published (or was retired); `SessionExpired`:
+        the lease is no live session of the tenant."""
+        if record.session <= 0:
+            raise InvalidArgument("a layout holder record needs its session (lease) id")
+        if len(sums) > MAX_BLOCK_SUMS:
+            raise InvalidArgument(
+                f"{len(sums)} chunk checksums for one block set: at most {MAX_BLOCK_SUMS}"
+            )
+        if len(blocks) > MAX_BLOCKS_BYTES:
+            raise InvalidArgument(
+                f"a block set described in {len(blocks)} bytes: at most {MAX_BLOCKS_BYTES}"
+            )
+        manifest_key, sums_key, holders = self._keys(at)
+        key = self.keys.layout_holder(
+            at.tenant, at.model, at.version, at.layout, at.block_set, record.holder
+        )
+        assert key.startswith(holders)
+        record_sums = [
+            ops.nested([ops.absent(sums_key)], [ops.put(sums_key, encode_block_set(blocks, sums))])
+        ]
+        result = self.etcd.txn(
+            [ops.exists(manifest_key), ops.exists(session_key)],
+            [
+                ops.put(key, record.encode(), lease=record.session),
+                *(record_sums if sums else []),
+                ops.get(key),
+                ops.get(sums_key),
+            ],
+            [ops.get(manifest_key, count_only=True)],
+            timeout=timeout,
+        )
+        if not result.succeeded:
+            if not int(result.responses[0].response_range.count):
+                raise VersionNotFound(f"{at.model}@{at.version} is not published; cannot hold it")
+            raise SessionExpired(
+                f"session {record.session:x} has expired or was revoked: open a new one"
+            )
+        created = bool(sums) and bool(result.responses[1].response_txn.succeeded)
+        if created:
+            self._check_count(at, sums_key, key, timeout)
+        held, found = result.responses[-2].response_range, result.responses[-1].response_range
+        fence = int(held.kvs[0].create_revision)
+        recorded = decode_block_set(bytes(found.kvs[0].value))[1] if found.kvs else []
+        return fence, result.revision, recorded
+
+    def _check_count(
+        self, at: BlockSetKey, created: str, holder: str, timeout: float | None
+    ) -> None:
+        """After creating a block set: past `MAX_BLOCK_SETS_PER_LAYOUT` block sets of its
+        layout, take it (and its holder) back and refuse (`QuotaExceeded`). Racing
+        creators of the last ones may both be refused; the count never stays past the bound."""
+        sets = self.keys.layout_block_sets(at.tenant, at.model, at.version, at.layout)
+        if self.etcd.count(sets, timeout=timeout) <= MAX_BLOCK_SETS_PER_LAYOUT:
+            return
+        self.etcd.txn([], [ops.delete(created), ops.delete(holder)], timeout=timeout)
+        raise QuotaExceeded(
+            f"layout {at.layout!r} of {at.model}@{at.version} has {MAX_BLOCK_SETS_PER_LAYOUT} "
+            "block sets: no more are recorded"
+        )
+
+    def resolve(self, at: BlockSetKey, *, timeout: float | None = None) -> LayoutHolders:
+        """The block set's holders (the first `MAX_LAYOUT_HOLDERS_READ` keys) and checksums,
+        in one read transaction; `VersionNotFound` if the version is not published."""
+        manifest_key, sums_key, holders = self._keys(at)
+        result = self.etcd.txn(
+            [],
+            [
+                ops.get(manifest_key, count_only=True),
+                ops.get(sums_key),
+                ops.page(holders, "", MAX_LAYOUT_HOLDERS_READ),
+            ],
+            timeout=timeout,
+        )
+        if not int(result.responses[0].response_range.count):
+            raise VersionNotFound(f"{at.model}@{at.version} is not published")
+        found = result.responses[1].response_range.kvs
+        sums = decode_block_set(bytes(found[0].value))[1] if found else []
+        records = [
+            HolderRecord.decode(bytes(kv.value), int(kv.create_revision))
+            for kv in result.responses[2].response_range.kvs
+        ]
+        return LayoutHolders(records, sums, result.revision)
+
+    def cover(
+        self, tenant: str, model: str, version: int, layout: str, *, timeout: float | None = None
+    ) -> tuple[list[CoverSet], int]:
+        """The block sets of `layout` of model@version (at most `MAX_BLOCK_SETS_READ`) with
+        at most `COVER_HOLDERS_EACH` holders of each, and the revision read at, in two
+        bounded reads; `VersionNotFound` if the version is not published."""
+        manifest_key = self.keys.manifest(tenant, model, version)
+        sets = self.keys.layout_block_sets(tenant, model, version, layout)
+        first = self.etcd.txn(
+            [],
+            [ops.get(manifest_key, count_only=True), ops.page(sets, "", MAX_BLOCK_SETS_READ)],
+            timeout=timeout,
+        )
+        if not int(first.responses[0].response_range.count):
+            raise VersionNotFound(f"{model}@{version} is not published")
+        described = []
+        for kv in first.responses[1].response_range.kvs:
+            name = bytes(kv.key).decode()[len(sets) :]
+            blocks, sums = decode_block_set(bytes(kv.value))
+            described.append((name, blocks, sums))
+        if not described:
+            return [], first.revision
+        ranges = [
+            ops.page(self.keys.layout_holders(tenant, model, version, layout, name), "",
+                     COVER_HOLDERS_EACH)
+            for name, _, _ in described
+        ]  # fmt: skip
+        second = self.etcd.txn([], ranges, timeout=timeout)
+        out = []
+        for (name, blocks, sums), answer in zip(described, second.responses, strict=True):
+            holders = [
+                HolderRecord.decode(bytes(kv.value), int(kv.create_revision))
+                for kv in answer.response_range.kvs
+            ]
+            out.append(CoverSet(name, blocks, sums, holders))
+        return out, second.revision
+
+    def release(
+        self, at: BlockSetKey, holder: str, session: int, *, timeout: float | None = None
+    ) -> int:
+        """Delete the holder's key if `session` owns it (gone already: done);
+        `PermissionDenied` if another session's lease holds it."""
+        _, _, holders = self._keys(at)
+        key = self.keys.layout_holder(
+            at.tenant, at.model, at.version, at.layout, at.block_set, holder
+        )
+        assert key.startswith(holders)
+        result = self.etcd.txn(
+            [ops.lease(key, "==", session)],
+            [ops.delete(key)],
+            [ops.get(key, count_only=True)],
+            timeout=timeout,
+        )
+        if not result.succeeded and int(result.responses[0].response_range.count):
+            raise PermissionDenied(f"layout holder {holder!r} is another session's")
+        return result.revision

@@ -1,0 +1,198 @@
+"""A reader in one layout covered by another layout's holders (docs/design-notes.md, "Readers
+in another layout"): a TP-1 reader takes each tensor from the blocks of two TP-2 workers.
+
+`fetch_slices(layout=..., cover=("tp2",))` asks the hub for the block sets of each layout it
+names (`ResolveLayoutCover`: their descriptions, recorded checksums and a few holders of
+each), plans which of its blocks those block sets cover exactly, and reads, from each block
+set's holders, only the chunks of that block set's own layout that contain the parts it
+needs, into a staging copy of it (the peak extra memory is one block set), each chunk
+checked against the block set's recorded checksums. A block is filled from the cover only
+when every part of it arrived; the others are left to the trainer's shards.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ros.client.deadline import Deadline
+from ros.client.identity import Identity
+from ros.client.layouts import PEER_ROUNDS, LayoutPeers, sources_of
+from ros.client.read_token import RenewingToken
+from ros.client.slice import Slice
+from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from tensorhub.checksum_kinds import XXH3
+from tensorhub.errors import InvalidArgument
+from transport.boxes import Box, byte_span, chunks_for
+from transport.layout import Layout, dtype_name, torch_dtype
+from transport.outcome import FetchStats
+from transport.pace import DEFAULT_RATE_FLOOR
+from transport.store import HeldVersion
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Described:
+    """A block set of the covering layout: its layout, the box of each of its blocks (by
+    global tensor name), its checksums and holders."""
+
+    id: str
+    layout: Layout
+    boxes: dict[str, tuple[str, tuple[int, ...], Box]]  # name -> (dtype, global shape, box)
+    sums: list[int]
+    holders: list[pb.Holder]
+
+
+@dataclass(frozen=True)
+class _Part:
+    name: str
+    source: Box  # the block the block set holds
+    part: Box  # the intersection to copy
+
+
+def _parse(answer: pb.LayoutBlockSet, chunk_size: int) -> _Described | None:
+    """The block set an answer describes, in chunks of `chunk_size` (the version's); None
+    (logged) when it cannot be read: malformed, another chunk size, a block outside its
+    global tensor, checksums that do not match its chunks."""
+    try:
+        data: Any = json.loads(bytes(answer.blocks))
+        if int(data["chunk_size"]) != chunk_size:
+            raise ValueError(f"chunk size {data['chunk_size']}, the version's is {chunk_size}")
+        boxes: dict[str, tuple[str, tuple[int, ...], Box]] = {}
+        meta: dict[str, torch.Tensor] = {}
+        for name, dtype, glob, offsets, shape in sorted(data["blocks"]):
+            box = Box(tuple(int(o) for o in offsets), tuple(int(s) for s in shape))
+            extent = tuple(int(g) for g in glob)
+            if not box.within(extent):
+                raise ValueError(f"block {box} of {name!r} is outside {extent}")
+            boxes[str(name)] = (str(dtype), extent, box)
+            meta[str(name)] = torch.empty(box.shape, dtype=torch_dtype(str(dtype)), device="meta")
+        layout = Layout.from_tensors(meta, chunk_size=chunk_size)  # as its holders built it
+    except (KeyError, TypeError, ValueError, InvalidArgument) as exc:
+        log.warning("block set %s: unreadable description (%s); not read", answer.block_set, exc)
+        return None
+    sums = list(answer.block_sums)
+    if len(sums) != layout.num_chunks:
+        return None
+    return _Described(answer.block_set, layout, boxes, sums, list(answer.holders))
+
+
+def _plan(
+    sets: list[_Described], slices: Mapping[str, Slice], todo: set[str]
+) -> dict[str, list[tuple[_Described, _Part]]]:
+    """Per block of `todo`, the parts the block sets cover it with, when they cover it
+    exactly (the blocks of a split tensor add up to it; a whole one is read from one)."""
+    plan: dict[str, list[tuple[_Described, _Part]]] = {}
+    for name in sorted(todo):
+        want = slices[name]
+        box, covered, parts = want.box, 0, []
+        glob = tuple(int(d) for d in want.global_shape)
+        for s in sets:
+            held = s.boxes.get(name)
+            if held is None or held[0] != dtype_name(want.tensor.dtype) or held[1] != glob:
+                continue
+            common = held[2].intersect(box)
+            if covered >= box.volume or common is None or common.volume == 0:
+                continue
+            parts.append((s, _Part(name, held[2], common)))
+            covered += common.volume
+        if parts and covered == box.volume:
+            plan[name] = parts
+    return plan
+
+
+def read_from_cover(
+    peers: LayoutPeers,
+    me: Identity,
+    model: str,
+    version: int,
+    layout: str,
+    slices: Mapping[str, Slice],
+    todo: set[str],
+    token: RenewingToken,
+    deadline: Deadline,
+    stats: FetchStats,
+    chunk_size: int,
+    rate_floor: float = DEFAULT_RATE_FLOOR,
+) -> set[str]:
+    """Fill the blocks of `todo` that `layout`'s block sets (in the version's `chunk_size`)
+    cover from their holders (module docstring); the names filled."""
+    request = pb.ResolveLayoutCoverRequest(
+        model=model, version=version, layout=layout, holder=me.holder_name,
+        topology={k: v for k, v in vars(me.topology).items() if v},
+    )  # fmt: skip
+    answer = peers.rpc("ResolveLayoutCover", request, deadline.work(me.timeout))
+    parsed = (_parse(a, chunk_size) for a in answer.block_sets)
+    sets = [d for d in parsed if d is not None and d.holders]
+    plan = _plan(sets, slices, todo)
+    by_set: dict[str, list[_Part]] = {}
+    described = {d.id: d for d in sets}
+    for covering in plan.values():
+        for d, part in covering:
+            by_set.setdefault(d.id, []).append(part)
+    arrived: set[tuple[str, str]] = set()
+    for set_id, needed in by_set.items():
+        got = _read_set(
+            peers, me, model, version, described[set_id], needed, slices, token, deadline, stats,
+            rate_floor,
+        )  # fmt: skip
+        arrived.update((set_id, name) for name in got)
+    return {
+        name for name, covering in plan.items() if all((d.id, name) in arrived for d, _ in covering)
+    }
+
+
+def _read_set(
+    peers: LayoutPeers,
+    me: Identity,
+    model: str,
+    version: int,
+    s: _Described,
+    parts: list[_Part],
+    slices: Mapping[str, Slice],
+    token: RenewingToken,
+    deadline: Deadline,
+    stats: FetchStats,
+    rate_floor: float,
+) -> set[str]:
+    """Read the chunks of block set `s` that `parts` need into a staging copy of its layout,
+    from its holders (dropping one that fails or sends bad bytes, `PEER_ROUNDS` rounds at
+    most), and copy every part whose chunks all arrived; the names of the parts copied."""
+    specs = {spec.name: spec for spec in s.layout.tensors}
+    needs: dict[str, set[int]] = {}
+    for p in parts:
+        spec = specs[p.name]
+        first, end = byte_span(p.source, p.part, torch_dtype(spec.dtype).itemsize)
+        needs.setdefault(p.name, set()).update(chunks_for(s.layout, spec, first, end))
+    wanted = sorted(set().union(*needs.values()))
+    staging = HeldVersion.reader(me.tenant, model, version, s.layout, s.layout.allocate())
+    suspects: dict[str, BaseException] = {}
+    for _ in range(PEER_ROUNDS):
+        sources = sources_of(s.holders, suspects)
+        if not sources:
+            break
+        done = peers.read(
+            me.tenant, model, version, s.layout, staging, sources, token=token,
+            deadline=deadline.work_end, me=me.topology, chunks=wanted, expected=s.sums,
+            checksum=XXH3, tls=me.tls, stats=stats, readers=peers.readers, rate_floor=rate_floor,
+        )  # fmt: skip
+        suspects.update(done.failures)
+        if done.done:
+            break
+    for name, exc in suspects.items():
+        stats.failed_sources.setdefault(name, f"{type(exc).__name__}: {exc}")
+    copied = set()
+    for p in parts:
+        if not all(staging.is_present(i) for i in needs[p.name]):
+            continue
+        want = slices[p.name]
+        dest = want.tensor.detach()[p.part.slices_in(want.box)]
+        dest.copy_(staging.tensors[p.name][p.part.slices_in(p.source)])
+        copied.add(p.name)
+    return copied

@@ -1,0 +1,340 @@
+"""Readers in another layout become holders of their blocks (docs/design-notes.md, "Readers
+in another layout"; `Hub.fetch_slices(layout=...)`).
+
+A worker's blocks (one box of each global tensor it takes) form a `BlockSet`: a layout of
+their own (each block one tensor, sorted by name, in the publisher's chunk size) and an id,
+a digest of the boxes, dtypes and chunk size, so that every worker taking the same blocks
+names them alike. A reader in a layout:
+
+1. asks the hub for the holders of its block set (`ResolveLayout`: at most a few, nearest
+   first) and the checksums its first reader recorded;
+2. reads its blocks from them (`read_round`, TCP), each chunk checked against those
+   checksums, for a bounded number of rounds, dropping a holder that fails or sends bad
+   bytes;
+3. reads what is still missing (every block a missing chunk touches: no holder, a holder
+   killed mid-read, bad bytes) from the trainer's shards, checked against the publisher's
+   chunk checksums (`ros.client.slices`);
+4. serves its blocks, from the slices' own memory, through the client's holder server, and
+   registers as their COMPLETE holder (`RegisterLayoutHolder`) with the checksums of its
+   chunks; the first reader's become the record, and a reader whose bytes differ from the
+   record serves nothing (logged).
+
+So every byte a reader ends with was checked against the publisher: directly (the trainer's
+shards) or through checksums that a reader derived only from bytes it checked so.
+`release_blocks` (or `close()`, or the session's lease) ends the holding; the version's
+retention deletes its block sets' keys with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from itertools import pairwise
+
+import torch
+
+from ros.client.deadline import Deadline
+from ros.client.holdings import Holdings
+from ros.client.hooks import RoundReader
+from ros.client.identity import Identity
+from ros.client.read_token import RenewingToken
+from ros.client.records import HolderRecords
+from ros.client.rpc import Rpc
+from ros.client.serving import Serving
+from ros.client.slice import Slice
+from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from tensorhub.checksum_kinds import XXH3
+from tensorhub.errors import AlreadyExists, InvalidArgument, QuotaExceeded, TensorHubError
+from transport.backend import TransportKind
+from transport.boxes import Box
+from transport.layout import Layout, dtype_name
+from transport.outcome import FetchStats
+from transport.pace import DEFAULT_RATE_FLOOR
+from transport.planner import Source
+from transport.selection import choose
+from transport.store import HeldVersion
+from transport.topology import Topology
+from transport.transports import ReaderBackends
+
+log = logging.getLogger(__name__)
+
+PEER_ROUNDS = 3
+"""Rounds of reading from a block set's holders (each with a fresh ResolveLayout, less the
+holders that failed) before what is missing is read from the trainer's shards."""
+
+
+@dataclass(frozen=True)
+class BlockSet:
+    """One worker's blocks: their own layout (one tensor per block, sorted by name), the
+    tensors they are read into and served from, and their id."""
+
+    id: str
+    layout: Layout
+    tensors: dict[str, torch.Tensor]
+    description: bytes  # what `id` is the digest of (`describe`)
+
+
+def block_set(slices: Mapping[str, Slice], chunk_size: int) -> BlockSet:
+    """The block set of `slices` in chunks of `chunk_size` (the publisher's). Each slice's
+    tensor must be contiguous (it is served as it is, never copied) and the tensors must
+    not share memory (`InvalidArgument`)."""
+    tensors: dict[str, torch.Tensor] = {}
+    boxes: dict[str, tuple[str, tuple[int, ...], Box]] = {}
+    for name in sorted(slices):
+        want = slices[name]
+        tensor = want.tensor.detach()
+        if not tensor.is_contiguous():
+            raise InvalidArgument(
+                f"{name!r}: a reader in a layout serves its blocks from their memory, which "
+                "must be contiguous (pass a contiguous tensor)"
+            )
+        tensors[name] = tensor
+        glob = tuple(int(d) for d in want.global_shape)
+        boxes[name] = (dtype_name(tensor.dtype), glob, want.box)
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+        for t in tensors.values()
+        if t.numel()
+    )
+    if any(start < end for (_, end), (start, _) in pairwise(spans)):
+        raise InvalidArgument("the slices of a reader in a layout must not share memory")
+    description = describe(boxes, chunk_size)
+    digest = hashlib.sha256(description).hexdigest()[:32]
+    layout = Layout.from_tensors(tensors, chunk_size=chunk_size)
+    return BlockSet(digest, layout, tensors, description)
+
+
+@dataclass
+class _Holding:
+    layout: str
+    block_set: str
+    key: tuple[str, str, int]
+    sums: list[int] = field(default_factory=list)
+    description: bytes = b""
+
+
+@dataclass
+class LayoutHoldings:
+    """The block sets this client holds: by (model, version), the layout and block set its
+    record is under. Thread-safe."""
+
+    _held: dict[tuple[str, int], _Holding] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def put(self, model: str, version: int, holding: _Holding) -> None:
+        with self._lock:
+            self._held[(model, version)] = holding
+
+    def get(self, model: str, version: int) -> _Holding | None:
+        with self._lock:
+            return self._held.get((model, version))
+
+    def take(self, model: str, version: int) -> _Holding | None:
+        with self._lock:
+            return self._held.pop((model, version), None)
+
+
+@dataclass(frozen=True)
+class LayoutPeers:
+    """What a reader in a layout needs of its client: hub calls, what it holds and serves,
+    its holder records, its round reader and reader backends."""
+
+    rpc: Rpc
+    holdings: Holdings
+    serving: Serving
+    records: HolderRecords
+    held: LayoutHoldings
+    read: RoundReader
+    readers: ReaderBackends
+
+
+@dataclass
+class PeerRead:
+    """What reading from a block set's holders did: the bytes per holder, the holders
+    given up on (and why), and the checksums its first reader recorded (empty: none)."""
+
+    stats: FetchStats = field(default_factory=FetchStats)
+    sums: list[int] = field(default_factory=list)
+    missing_blocks: set[str] = field(default_factory=set)
+
+
+def describe(blocks: Mapping[str, tuple[str, tuple[int, ...], Box]], chunk_size: int) -> bytes:
+    """A block set's description: the chunk size and, per block sorted by name, its name,
+    dtype, global shape, offsets and shape (canonical JSON: its SHA-256 is the id)."""
+    rows = [
+        [name, dtype, list(glob), list(box.offsets), list(box.shape)]
+        for name, (dtype, glob, box) in sorted(blocks.items())
+    ]
+    return json.dumps({"chunk_size": chunk_size, "blocks": rows}, separators=(",", ":")).encode()
+
+
+def check_free(
+    peers: LayoutPeers, me: Identity, model: str, blocks: BlockSet, version: int
+) -> None:
+    """Refuse before any byte moves: a client holds one copy of a version, and memory that
+    serves another version (blocks of an earlier one: `release_blocks` first) is not
+    overwritten under its readers (`InvalidArgument`)."""
+    peers.holdings.check_free(blocks.tensors)
+    if peers.holdings.get((me.tenant, model, version)) is not None:
+        raise AlreadyExists(
+            f"this client already holds {model}@{version} (the whole version, a shard or "
+            "a layout's blocks): release it first; workers in a layout use one client each"
+        )
+
+
+def _resolve(
+    peers: LayoutPeers,
+    me: Identity,
+    model: str,
+    version: int,
+    layout: str,
+    blocks: BlockSet,
+    deadline: Deadline,
+) -> pb.ResolveLayoutResponse:
+    request = pb.ResolveLayoutRequest(
+        model=model, version=version, layout=layout, block_set=blocks.id,
+        topology={k: v for k, v in vars(me.topology).items() if v}, holder=me.holder_name,
+    )  # fmt: skip
+    return peers.rpc("ResolveLayout", request, deadline.work(me.timeout))
+
+
+def sources_of(holders: list[pb.Holder], suspects: Mapping[str, object]) -> list[Source]:
+    """The holders not given up on, each over TCP (what every holder server answers)."""
+    out = []
+    for h in holders:
+        if h.name in suspects:
+            continue
+        try:
+            route = choose(h.endpoints, complete=True, local=[TransportKind.TCP])
+        except InvalidArgument as exc:
+            log.warning("skipping layout holder %s: %s", h.name, exc)
+            continue
+        topology = Topology(**{k: v for k, v in h.topology.items() if k in ("dc", "rack", "host")})
+        out.append(Source(h.name, route.host, route.port, topology, transport=route.kind))
+    return out
+
+
+def read_from_peers(
+    peers: LayoutPeers,
+    me: Identity,
+    model: str,
+    version: int,
+    layout: str,
+    blocks: BlockSet,
+    token: RenewingToken,
+    deadline: Deadline,
+    rate_floor: float = DEFAULT_RATE_FLOOR,
+) -> PeerRead:
+    """Read `blocks` from the holders of their block set (module docstring, step 2); the
+    blocks not read whole from them are in `missing_blocks` (all of them when there is no
+    holder, or no checksums to check their bytes against)."""
+    out = PeerRead()
+    answer = _resolve(peers, me, model, version, layout, blocks, deadline)
+    out.sums = list(answer.block_sums)
+    every = set(blocks.tensors)
+    if not answer.holders or len(out.sums) != blocks.layout.num_chunks:
+        out.missing_blocks = every
+        return out
+    dest = HeldVersion.reader(me.tenant, model, version, blocks.layout, blocks.tensors)
+    suspects: dict[str, BaseException] = {}
+    for attempt in range(PEER_ROUNDS):
+        if attempt:
+            answer = _resolve(peers, me, model, version, layout, blocks, deadline)
+        sources = sources_of(list(answer.holders), suspects)
+        if not sources:
+            break
+        done = peers.read(
+            me.tenant, model, version, blocks.layout, dest, sources, token=token,
+            deadline=deadline.work_end, me=me.topology, expected=out.sums, checksum=XXH3,
+            tls=me.tls, stats=out.stats, readers=peers.readers, rate_floor=rate_floor,
+        )  # fmt: skip
+        suspects.update(done.failures)
+        if done.done:
+            break
+    for name, exc in suspects.items():
+        out.stats.failed_sources.setdefault(name, f"{type(exc).__name__}: {exc}")
+    names = [spec.name for spec in blocks.layout.tensors]
+    for index in dest.missing():
+        out.missing_blocks.update(names[s.tensor] for s in blocks.layout.segments(index))
+    return out
+
+
+def serve_blocks(
+    peers: LayoutPeers,
+    me: Identity,
+    model: str,
+    version: int,
+    layout: str,
+    blocks: BlockSet,
+    recorded: list[int],
+    deadline: Deadline,
+) -> bool:
+    """Hold and serve `blocks` (every byte checked against the publisher by now) and
+    register as their COMPLETE holder; whether it serves. Blocks whose checksums differ
+    from the ones recorded are not served (logged): the reader keeps its verified bytes."""
+    held = HeldVersion.publisher(me.tenant, model, version, blocks.tensors, layout=blocks.layout)
+    held.precompute_checksums()  # in GPU memory: over staged host bytes
+    mine = [held.checksum(i) for i in range(blocks.layout.num_chunks)]
+    what = f"{model}@{version} layout {layout!r} blocks {blocks.id}"
+    if recorded and recorded != mine:
+        log.error("%s: our verified bytes differ from the recorded checksums; not serving", what)
+        return False
+    peers.serving.start()
+    peers.holdings.hold_layout(held)
+    request = pb.RegisterLayoutHolderRequest(
+        model=model, version=version, layout=layout, block_set=blocks.id,
+        holder=peers.records.record(True), block_sums=mine, blocks=blocks.description,
+    )  # fmt: skip
+    try:
+        answer = peers.rpc("RegisterLayoutHolder", request, deadline.work(me.timeout))
+    except QuotaExceeded as exc:  # the reader keeps its verified bytes; it serves none
+        peers.holdings.drop(held.key, 1.0)
+        log.warning("%s: not served: %s", what, exc)
+        return False
+    except BaseException:
+        peers.holdings.drop(held.key, 1.0)
+        raise
+    holding = _Holding(layout, blocks.id, held.key, mine, blocks.description)
+    peers.held.put(model, version, holding)
+    if list(answer.block_sums) != mine:  # another reader recorded different ones meanwhile
+        log.error("%s: the recorded checksums differ from our verified bytes; not serving", what)
+        release(peers, me, model, version, deadline.work(me.timeout))
+        return False
+    return True
+
+
+def reregister(peers: LayoutPeers, me: Identity, model: str, version: int) -> None:
+    """Register our blocks of model@version again, under the current session (a session
+    recovery: the record went with the lost lease); `VersionNotFound` once retired."""
+    holding = peers.held.get(model, version)
+    if holding is None:
+        return
+    request = pb.RegisterLayoutHolderRequest(
+        model=model, version=version, layout=holding.layout, block_set=holding.block_set,
+        holder=peers.records.record(True), block_sums=holding.sums, blocks=holding.description,
+    )  # fmt: skip
+    peers.rpc("RegisterLayoutHolder", request, me.timeout)
+
+
+def release(peers: LayoutPeers, me: Identity, model: str, version: int, timeout: float) -> bool:
+    """Stop holding our blocks of model@version: delete the record first (no reader finds us
+    from then on), then stop serving, waiting up to `timeout` for reads in flight. Whether
+    there was a holding."""
+    holding = peers.held.take(model, version)
+    if holding is None:
+        return False
+    request = pb.ReleaseLayoutHolderRequest(
+        model=model, version=version, layout=holding.layout, block_set=holding.block_set,
+        holder=me.holder_name, session_id=peers.records.session_id,
+    )  # fmt: skip
+    try:
+        peers.rpc("ReleaseLayoutHolder", request, timeout)
+    except TensorHubError as exc:  # the session's lease removes it when we go
+        log.warning("release of %s@%d's layout record not done: %s", model, version, exc)
+    finally:
+        peers.holdings.drop(holding.key, timeout)
+    return True

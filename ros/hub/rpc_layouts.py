@@ -1,0 +1,142 @@
+"""Layout holder handlers: readers in another layout register, find and release the holders
+of their blocks (docs/design-notes.md, "Readers in another layout"; `consistency.layouts`)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+
+from consistency.layouts import BlockSetKey, LayoutRegistry
+from consistency.records import HolderRecord
+from ros.hub.call import CallContext
+from ros.hub.convert import holder_from_pb, holder_to_pb
+from ros.hub.rpc import unary
+from ros.hub.state import HubState
+from ros.manifest_check import check_topology
+from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from tensorhub.errors import InvalidArgument
+from tensorhub.names import validate_name, validate_version
+
+MAX_LAYOUT_CANDIDATES = 8
+"""How many holders of a block set one ResolveLayout answers, nearest the caller first."""
+
+_TIERS = ("host", "rack", "dc")
+
+
+def _distance(me: Mapping[str, str], other: Mapping[str, str]) -> int:
+    """0: same host, 1: same rack, 2: same dc, 3: elsewhere (labels missing: elsewhere)."""
+    for rank, label in enumerate(_TIERS):
+        if me.get(label) and me.get(label) == other.get(label):
+            return rank
+    return len(_TIERS)
+
+
+def _nearest(
+    records: list[HolderRecord], topology: Mapping[str, str], exclude: str
+) -> list[HolderRecord]:
+    """The `MAX_LAYOUT_CANDIDATES` nearest holders, older (smaller fence) first in a tier."""
+    others = [r for r in records if r.holder != exclude]
+    others.sort(key=lambda r: (_distance(topology, r.topology), r.revision))
+    return others[:MAX_LAYOUT_CANDIDATES]
+
+
+class LayoutRPCs:
+    """Layout holder handlers, over `consistency.layouts.LayoutRegistry`."""
+
+    def __init__(self, hub: HubState) -> None:
+        self.hub = hub
+
+    def _at(self, context: CallContext, request: _Named) -> BlockSetKey:
+        tenant = context.tenant()
+        return BlockSetKey(
+            tenant.name,
+            validate_name(request.model, "model"),
+            validate_version(request.version),
+            validate_name(request.layout, "layout"),
+            validate_name(request.block_set, "block set"),
+        )
+
+    def _registry(self, context: CallContext) -> LayoutRegistry:
+        return LayoutRegistry(self.hub.etcd_for(context.tenant()), self.hub.keys)
+
+    @unary
+    def RegisterLayoutHolder(
+        self, request: pb.RegisterLayoutHolderRequest, context: CallContext
+    ) -> pb.RegisterLayoutHolderResponse:
+        """A COMPLETE holder of a block set, under the caller's session; its checksums are
+        recorded if no reader recorded them first (the answer says which are)."""
+        at = self._at(context, request)
+        holder = holder_from_pb(request.holder)
+        if not holder.complete:
+            raise InvalidArgument("a layout holder registers COMPLETE: it serves verified bytes")
+        if holder.shard is not None:
+            raise InvalidArgument("a layout holder holds a block set, not a shard")
+        blocks = bytes(request.blocks)
+        if blocks and hashlib.sha256(blocks).hexdigest()[:32] != at.block_set:
+            raise InvalidArgument("the block set's id is not the digest of its description")
+        fence, revision, sums = self._registry(context).register(
+            at, holder, list(request.block_sums), timeout=self.hub.timeout(context),
+            session_key=self.hub.keys.session(at.tenant, holder.session), blocks=blocks,
+        )  # fmt: skip
+        return pb.RegisterLayoutHolderResponse(fence=fence, revision=revision, block_sums=sums)
+
+    @unary
+    def ResolveLayout(
+        self, request: pb.ResolveLayoutRequest, context: CallContext
+    ) -> pb.ResolveLayoutResponse:
+        """The nearest holders of a block set (a bounded range read: O(1) in the number of
+        holders) and the checksums its first reader recorded."""
+        at = self._at(context, request)
+        check_topology(request.topology, "topology of the caller")
+        found = self._registry(context).resolve(at, timeout=self.hub.timeout(context))
+        chosen = _nearest(found.holders, dict(request.topology), request.holder)
+        return pb.ResolveLayoutResponse(
+            holders=[holder_to_pb(h) for h in chosen],
+            block_sums=found.sums,
+            revision=found.revision,
+            total_holders=len(found.holders),
+        )
+
+    @unary
+    def ResolveLayoutCover(
+        self, request: pb.ResolveLayoutCoverRequest, context: CallContext
+    ) -> pb.ResolveLayoutCoverResponse:
+        """The block sets of `layout` (bounded) with a few holders of each, nearest first:
+        what a reader in another layout may read its blocks from."""
+        tenant = context.tenant()
+        model = validate_name(request.model, "model")
+        version = validate_version(request.version)
+        layout = validate_name(request.layout, "layout")
+        check_topology(request.topology, "topology of the caller")
+        found, revision = self._registry(context).cover(
+            tenant.name, model, version, layout, timeout=self.hub.timeout(context)
+        )
+        topology = dict(request.topology)
+        return pb.ResolveLayoutCoverResponse(
+            block_sets=[
+                pb.LayoutBlockSet(
+                    block_set=s.block_set,
+                    blocks=s.blocks,
+                    block_sums=s.sums,
+                    holders=[
+                        holder_to_pb(h) for h in _nearest(s.holders, topology, request.holder)
+                    ],
+                )
+                for s in found
+            ],
+            revision=revision,
+        )
+
+    @unary
+    def ReleaseLayoutHolder(
+        self, request: pb.ReleaseLayoutHolderRequest, context: CallContext
+    ) -> pb.ReleaseLayoutHolderResponse:
+        at = self._at(context, request)
+        holder = validate_name(request.holder, "holder")
+        revision = self._registry(context).release(
+            at, holder, request.session_id, timeout=self.hub.timeout(context)
+        )
+        return pb.ReleaseLayoutHolderResponse(revision=revision)
+
+
+_Named = pb.RegisterLayoutHolderRequest | pb.ResolveLayoutRequest | pb.ReleaseLayoutHolderRequest

@@ -1,0 +1,396 @@
+"""Readers in another layout hold their blocks and serve each other (docs/design-notes.md,
+"Readers in another layout"): through the SDK, against a real hub, etcd and holder
+processes; every reader ends on the publisher's bytes."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+import consistency.layouts as layouts_module
+import ros
+from chaos.holder_faults import Fault
+from ros.client.hooks import ClientHooks
+from ros.client.layouts import block_set
+from ros.hub.server import HubServer
+from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from tests.ros.layout_model import CHUNK, block_bytes, expected, publish_tp, slices_for
+
+
+def _same(got: dict[str, torch.Tensor], rank: int, ranks: int) -> None:
+    for name, want in expected(rank, ranks).items():
+        assert torch.equal(got[name], want), name
+
+
+def test_second_reader_of_a_layout_reads_every_byte_from_the_first(
+    connect: Callable[..., ros.Hub],
+) -> None:
+    trainers = publish_tp(connect, 2)
+    first, second = connect(), connect()
+    out1, slices1 = slices_for(0, 2)
+    got1 = first.fetch_slices("policy", 1, slices=slices1, layout="tp2", timeout=30)
+    _same(out1, 0, 2)
+    assert got1.served
+    assert set(got1.bytes_per_source) <= {t.holder_name for t in trainers}
+    assert got1.from_trainer == set(slices1)
+    out2, slices2 = slices_for(0, 2)
+    got2 = second.fetch_slices("policy", 1, slices=slices2, layout="tp2", timeout=30)
+    _same(out2, 0, 2)
+    assert got2.bytes_per_source == {first.holder_name: block_bytes(0, 2)}
+    assert got2.from_trainer == set()
+    assert got2.served
+
+
+# -- holders in processes of their own -------------------------------------------------------
+
+PROC = Path(__file__).with_name("layout_holder_proc.py")
+
+
+class Holder:
+    """A reader in a layout in a process of its own (tests/ros/layout_holder_proc.py)."""
+
+    def __init__(self, hub: HubServer, token: str, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PROC), hub.address, TENANT, token, *args],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        line = self.line()
+        while line == "sent":  # not before its own read: it reads, then serves
+            line = self.line()
+        self.report = json.loads(line)
+        self.name = str(self.report["name"])
+
+    def line(self) -> str:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], 30)
+        assert ready, "the holder process said nothing for 30 s"
+        line = self.proc.stdout.readline().strip()
+        assert line, f"the holder process ended (rc {self.proc.poll()})"
+        return line
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+TENANT = "rl"
+
+
+@pytest.fixture
+def token(make_tenant: Callable[[str], str]) -> str:
+    return make_tenant(TENANT)
+
+
+@pytest.fixture
+def clients(hub_server: HubServer, token: str) -> Iterator[Callable[..., ros.Hub]]:
+    opened: list[ros.Hub] = []
+
+    def open_client(**kwargs: object) -> ros.Hub:
+        client = ros.connect(hub_server.address, tenant=TENANT, token=token, **kwargs)  # type: ignore[arg-type]
+        opened.append(client)
+        return client
+
+    yield open_client
+    for client in opened:
+        client.close()
+
+
+@pytest.fixture
+def holders(hub_server: HubServer, token: str) -> Iterator[Callable[..., Holder]]:
+    started: list[Holder] = []
+
+    def start(*args: str) -> Holder:
+        holder = Holder(hub_server, token, *args)
+        started.append(holder)
+        return holder
+
+    yield start
+    for holder in started:
+        holder.stop()
+
+
+def _trainer_bytes(got: ros.SliceFetch, trainers: list[ros.Hub]) -> int:
+    names = {t.holder_name for t in trainers}
+    return sum(n for source, n in got.bytes_per_source.items() if source in names)
+
+
+@pytest.mark.slow  # holder processes of their own
+def test_a_holder_killed_mid_read_leaves_only_its_missing_blocks_to_the_trainer(
+    clients: Callable[..., ros.Hub], holders: Callable[..., Holder]
+) -> None:
+    trainers = publish_tp(clients, 2)
+    slow = holders("--chunk-delay", "0.05")
+    assert slow.report["served"]
+    reader = clients()
+    out, slices = slices_for(0, 2)
+    with ThreadPoolExecutor(1) as pool:
+        fetching = pool.submit(
+            reader.fetch_slices, "policy", 1, slices=slices, layout="tp2", timeout=30
+        )
+        for _ in range(8):  # a few chunks sent, then the holder dies mid-read
+            assert slow.line() == "sent"
+        slow.proc.kill()
+        got = fetching.result(timeout=60)
+    _same(out, 0, 2)
+    from_peer = got.bytes_per_source.get(slow.name, 0)
+    assert from_peer >= 4 * 4096  # what it sent before it died was kept
+    assert slow.name in got.failed_sources
+    assert got.from_trainer
+    assert got.from_trainer != set(slices)
+    assert 0 < _trainer_bytes(got, trainers) < block_bytes(0, 2)
+    assert got.served
+
+
+@pytest.mark.slow  # holder processes of their own
+def test_a_holder_serving_corrupt_bytes_is_dropped_and_its_blocks_read_elsewhere(
+    clients: Callable[..., ros.Hub], holders: Callable[..., Holder]
+) -> None:
+    publish_tp(clients, 2)
+    bad = holders("--corrupt")
+    assert bad.report["served"]  # its own bytes are right; what it sends is not
+    good = holders()
+    assert bad.name in good.report["failed"]  # a holder process caught it too
+    assert bad.name not in good.report["bytes"]
+    assert good.report["served"]
+    reader = clients()
+    out, slices = slices_for(0, 2)
+    got = reader.fetch_slices("policy", 1, slices=slices, layout="tp2", timeout=30)
+    _same(out, 0, 2)  # the publisher's bytes, whoever sent them
+    assert bad.name in got.failed_sources
+    assert "Integrity" in got.failed_sources[bad.name]
+    assert got.bytes_per_source.get(bad.name, 0) == 0  # no byte of it was kept
+    assert got.served
+
+
+@pytest.mark.slow  # holder processes of their own
+def test_a_layout_holder_whose_lease_expires_is_no_longer_offered(
+    clients: Callable[..., ros.Hub], holders: Callable[..., Holder]
+) -> None:
+    trainers = publish_tp(clients, 2)
+    frozen = holders("--ttl", "2")
+    assert frozen.report["served"]
+    os.kill(frozen.proc.pid, signal.SIGSTOP)  # no more keepalives: its lease expires
+    try:
+        reader = clients()
+        blocks = block_set(slices_for(0, 2)[1], CHUNK)
+        request = pb.ResolveLayoutRequest(
+            model="policy", version=1, layout="tp2", block_set=blocks.id
+        )
+        deadline = time.monotonic() + 15
+        while reader._rpc("ResolveLayout", request).holders:
+            assert time.monotonic() < deadline, "the frozen holder is still offered"
+            time.sleep(0.2)
+        out, slices = slices_for(0, 2)
+        got = reader.fetch_slices("policy", 1, slices=slices, layout="tp2", timeout=30)
+        _same(out, 0, 2)
+        assert _trainer_bytes(got, trainers) == got.total_bytes  # nobody else to read from
+        assert got.from_trainer == set(slices)
+        assert got.served  # and the checksums its first reader recorded still check it
+    finally:
+        os.kill(frozen.proc.pid, signal.SIGCONT)
+
+
+def _offered(reader: ros.Hub, layout: str, rank: int, ranks: int, version: int = 1) -> int:
+    """How many holders the hub offers for a TP-`ranks` worker's blocks in `layout`."""
+    blocks = block_set(slices_for(rank, ranks)[1], CHUNK)
+    request = pb.ResolveLayoutRequest(
+        model="policy", version=version, layout=layout, block_set=blocks.id
+    )
+    return len(reader._rpc("ResolveLayout", request).holders)
+
+
+def test_a_layout_first_seen_after_the_publish_is_read_from_the_trainer_then_from_peers(
+    clients: Callable[..., ros.Hub],
+) -> None:
+    trainers = publish_tp(clients, 2)
+    tp2 = clients()
+    tp2.fetch_slices("policy", 1, slices=slices_for(1, 2)[1], layout="tp2", timeout=30)
+    # elastic rollouts: TP 4 appears after policy@1 was published and read in TP 2
+    first, second = clients(), clients()
+    out1, slices1 = slices_for(3, 4)
+    got1 = first.fetch_slices("policy", 1, slices=slices1, layout="tp4", timeout=30)
+    _same(out1, 3, 4)
+    assert _trainer_bytes(got1, trainers) == got1.total_bytes  # verified with the publisher's
+    assert got1.from_trainer == set(slices1)
+    assert got1.served
+    out2, slices2 = slices_for(3, 4)
+    got2 = second.fetch_slices("policy", 1, slices=slices2, layout="tp4", timeout=30)
+    _same(out2, 3, 4)
+    assert got2.bytes_per_source == {first.holder_name: block_bytes(3, 4)}
+    assert _offered(second, "tp4", 3, 4) == 2
+    assert _offered(second, "tp4", 0, 4) == 0
+
+
+def test_released_blocks_are_no_longer_offered_and_go_with_their_version(
+    clients: Callable[..., ros.Hub], hub_server: HubServer
+) -> None:
+    trainer = clients()
+    weights = expected(0, 1)  # the whole model, published whole (no shards)
+    trainer.publish("policy", 1, {k: v.contiguous() for k, v in weights.items()}, chunk_size=CHUNK)
+    first, second = clients(), clients()
+    first.fetch_slices("policy", 1, slices=slices_for(0, 2)[1], layout="tp2", timeout=30)
+    second.fetch_slices("policy", 1, slices=slices_for(1, 2)[1], layout="tp2", timeout=30)
+    assert _offered(trainer, "tp2", 0, 2) == 1
+    assert first.release_blocks("policy", 1)
+    assert not first.release_blocks("policy", 1)  # nothing left to release
+    assert _offered(trainer, "tp2", 0, 2) == 0
+    assert _offered(trainer, "tp2", 1, 2) == 1
+    prefix = hub_server.keys.version_layouts(TENANT, "policy", 1)
+    assert hub_server.etcd.count(prefix) > 0
+    for version in (2, 3):  # the hub retains the newest 2: policy@1 is retired
+        trainer.publish("policy", version, {k: v.clone() for k, v in weights.items()})
+    deadline = time.monotonic() + 15
+    while hub_server.etcd.count(prefix):
+        assert time.monotonic() < deadline, "policy@1's layout keys outlived it"
+        time.sleep(0.2)
+    with pytest.raises(ros.VersionNotFound):
+        _offered(trainer, "tp2", 1, 2)
+
+
+def test_memory_that_serves_blocks_is_not_overwritten_until_they_are_released(
+    clients: Callable[..., ros.Hub],
+) -> None:
+    publish_tp(clients, 2)
+    reader = clients()
+    out, slices = slices_for(0, 2)
+    reader.fetch_slices("policy", 1, slices=slices, layout="tp2", timeout=30)
+    with pytest.raises(ros.InvalidArgument, match="still serves policy@1"):
+        reader.fetch_slices("policy", 1, slices=slices, layout="tp2", timeout=30)
+    with pytest.raises(ros.AlreadyExists, match="already holds policy@1"):
+        reader.fetch_slices("policy", 1, slices=slices_for(1, 2)[1], layout="tp2", timeout=30)
+    assert reader.release_blocks("policy", 1)
+    got = reader.fetch_slices("policy", 1, slices=slices, layout="tp2", timeout=30)
+    _same(out, 0, 2)
+    assert got.served
+
+
+def test_a_layout_needs_contiguous_unshared_memory(clients: Callable[..., ros.Hub]) -> None:
+    publish_tp(clients, 2)
+    reader = clients()
+    _out, slices = slices_for(0, 2)
+    wide = torch.empty(64, 128)  # qkv's block taken from a wider buffer: not contiguous
+    slices["l0.qkv.weight"] = ros.Slice(wide[:, :64], (0, 0), (128, 64))
+    with pytest.raises(ros.InvalidArgument, match="contiguous"):
+        reader.fetch_slices("policy", 1, slices=slices, layout="tp2", timeout=30)
+    with pytest.raises(ros.InvalidArgument, match="layout"):
+        reader.fetch_slices("policy", 1, slices=slices_for(0, 2)[1], layout="no/such", timeout=30)
+
+
+def test_a_tp1_reader_is_covered_by_tp2_holders(clients: Callable[..., ros.Hub]) -> None:
+    trainers = publish_tp(clients, 2)
+    tp2 = [clients(), clients()]
+    for rank, worker in enumerate(tp2):
+        got = worker.fetch_slices("policy", 1, slices=slices_for(rank, 2)[1], layout="tp2")
+        assert got.served
+    whole = clients()
+    out, slices = slices_for(0, 1)
+    got = whole.fetch_slices("policy", 1, slices=slices, layout="tp1", cover=("tp2",), timeout=30)
+    _same(out, 0, 1)
+    assert got.from_trainer == set()
+    assert _trainer_bytes(got, trainers) == 0
+    names = {w.holder_name for w in tp2}
+    assert set(got.bytes_per_source) <= names
+    assert len(got.bytes_per_source) == 2  # every split tensor takes a block of each
+    assert got.served
+    # and the next TP-1 reader reads from the first one, its own layout's holder
+    again_out, again = slices_for(0, 1)
+    second = clients().fetch_slices("policy", 1, slices=again, layout="tp1", cover=("tp2",))
+    _same(again_out, 0, 1)
+    assert second.bytes_per_source == {whole.holder_name: block_bytes(0, 1)}
+
+
+def test_blocks_a_cover_lacks_are_read_from_the_trainer(clients: Callable[..., ros.Hub]) -> None:
+    trainers = publish_tp(clients, 2)
+    half = clients()  # only TP-2 rank 1's blocks are held: rank 0's halves are missing
+    half.fetch_slices("policy", 1, slices=slices_for(1, 2)[1], layout="tp2", timeout=30)
+    whole = clients()
+    out, slices = slices_for(0, 1)
+    got = whole.fetch_slices("policy", 1, slices=slices, layout="tp1", cover=("tp2",), timeout=30)
+    _same(out, 0, 1)
+    split = {name for name in slices if name.endswith("weight") and name != "norm.weight"}
+    assert got.from_trainer == split  # the replicated ones came whole from the one holder
+    assert got.bytes_per_source[half.holder_name] > 0
+    assert _trainer_bytes(got, trainers) > 0
+    with pytest.raises(ros.InvalidArgument, match="cover"):
+        whole.fetch_slices("policy", 1, slices=slices_for(0, 1)[1], cover=("tp2",))
+
+
+def test_a_corrupt_holder_of_a_cover_costs_only_its_blocks(clients: Callable[..., ros.Hub]) -> None:
+    trainers = publish_tp(clients, 2)
+    bad = clients(hooks=ClientHooks(send=Fault(corrupt=True)))
+    bad.fetch_slices("policy", 1, slices=slices_for(0, 2)[1], layout="tp2", timeout=30)
+    good = clients()
+    good.fetch_slices("policy", 1, slices=slices_for(1, 2)[1], layout="tp2", timeout=30)
+    whole = clients()
+    out, slices = slices_for(0, 1)
+    got = whole.fetch_slices("policy", 1, slices=slices, layout="tp1", cover=("tp2",), timeout=30)
+    _same(out, 0, 1)  # the publisher's bytes
+    assert bad.holder_name in got.failed_sources
+    assert got.bytes_per_source.get(bad.holder_name, 0) == 0
+    assert got.bytes_per_source[good.holder_name] > 0
+    split = {name for name in slices if name.endswith(("qkv.weight", "o.weight"))}
+    assert got.from_trainer <= split  # what only the corrupt holder had
+    assert got.from_trainer
+    assert _trainer_bytes(got, trainers) > 0
+    assert got.served
+
+
+def test_a_session_recovery_registers_the_blocks_again(
+    clients: Callable[..., ros.Hub], hub_server: HubServer
+) -> None:
+    publish_tp(clients, 2)
+    reader = clients(session_ttl=2)
+    reader.fetch_slices("policy", 1, slices=slices_for(0, 2)[1], layout="tp2", timeout=30)
+    other = clients()
+    assert _offered(other, "tp2", 0, 2) == 1
+    lost = reader.session.id
+    hub_server.etcd.lease_revoke(lost)  # its records go with the lease
+    deadline = time.monotonic() + 15
+    while reader.session.id == lost or not _offered(other, "tp2", 0, 2):
+        assert time.monotonic() < deadline, "the blocks were never registered again"
+        time.sleep(0.1)
+    out, slices = slices_for(0, 2)
+    got = other.fetch_slices("policy", 1, slices=slices, layout="tp2", timeout=30)
+    _same(out, 0, 2)
+    assert got.bytes_per_source == {reader.holder_name: block_bytes(0, 2)}
+
+
+def test_slices_that_overlap_in_memory_are_refused(clients: Callable[..., ros.Hub]) -> None:
+    publish_tp(clients, 2)
+    _, slices = slices_for(0, 2)
+    buffer = torch.empty(64 * 64 + 1)  # two blocks' memory overlapping by one element
+    slices["l0.qkv.weight"] = ros.Slice(buffer[: 64 * 64].view(64, 64), (0, 0), (128, 64))
+    slices["norm.weight"] = ros.Slice(buffer[64 * 64 - 63 :], (0,), (64,))
+    with pytest.raises(ros.InvalidArgument, match="share memory"):
+        clients().fetch_slices("policy", 1, slices=slices, layout="tp2", timeout=30)
+
+
+def test_a_reader_past_the_layouts_bound_keeps_its_bytes_and_serves_none(
+    clients: Callable[..., ros.Hub], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(layouts_module, "MAX_BLOCK_SETS_PER_LAYOUT", 1)  # the hub's, here
+    publish_tp(clients, 2)
+    first = clients().fetch_slices("policy", 1, slices=slices_for(0, 2)[1], layout="tp2")
+    assert first.served
+    out, slices = slices_for(1, 2)
+    got = clients().fetch_slices("policy", 1, slices=slices, layout="tp2", timeout=30)
+    _same(out, 1, 2)
+    assert not got.served
+    assert _offered(clients(), "tp2", 1, 2) == 0
