@@ -144,11 +144,11 @@ class SdkClients:
         gaps: list[float] = []
         back: list[float] = []
         for c in self.clients:
-            current = c.hub.recovery.current
+            current = c.hub.session.current
             lost += c.session.lost.is_set()
             lost_before += 0 < c.lost_at <= kill_at
-            recovered += int(c.hub.recovery.recoveries)
-            recovery_failures += int(c.hub.recovery.failures)
+            recovered += int(c.hub.session.recoveries)
+            recovery_failures += int(c.hub.session.failures)
             same += bool(
                 current is c.session and int(current.id) == c.session_id
                 and not c.session.lost.is_set()

@@ -55,6 +55,17 @@ class Deadline:
             raise DeadlineExceeded(f"{self.what}: deadline passed")
         return min(left, cap)
 
+    def part(self, share: float, what: str) -> Deadline:
+        """The first `share` (0 < share <= 1) of the work time left, as a deadline of its
+        own for one step of the call (`what`), with a reserve of its own for that step's
+        completion or cleanup: a step that must leave the rest to the steps after it (a
+        delta's companion leaves the other half to the rounds that read whole what the
+        delta could not give). It ends within this deadline's work."""
+        now = time.monotonic()
+        span = max(0.0, self.work_end - now) * share
+        reserve = min(RESERVE_MAX, RESERVE_SHARE * span)
+        return Deadline(f"{self.what}: {what}", now + span, reserve)
+
     def finish(self, cap: float) -> float | None:
         """Seconds a completion or cleanup call may take: what is left before `end`, at most
         `cap`; None when too little is left to start one (the caller logs and skips it)."""

@@ -1,17 +1,21 @@
 """A delta's chunk-level work on the reader: where each encoded chunk lies in its
 companion's bytes (`Encoded`), whether the destination's chunk is exactly the base
-(`BaseCheck`), waiting for an encoded chunk to land (`landed`), and applying a chain of
+(`BaseCheck`), whether an encoded chunk has landed (`landed`), and applying a chain of
 links to one chunk with every check the format asks for (`apply_one`): the encoded chunk's
 digest before it is applied, and the result's checksum after (under a linear checksum, its
 xxh3-64 too), before the chunk is marked present; and whether a companion is the size its
 version's manifest says (`check_companion`), before it is read. `ros.client.delta_fetch`
-decides which chunks and links; this module does one."""
+decides which chunks and links; this module does one.
+
+Each chunk's bytes are read once to check it: the result's checksum is the check that the
+destination was the base (a destination that was not cannot end on the version's bytes);
+the base's own checksum is computed only to say why a chunk failed (after undoing it), and
+for the one chunk a fetch samples before it reads any companion."""
 
 from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -86,37 +90,66 @@ def apply_one(
     dest: HeldVersion,
     index: int,
     kind: str,
+    base: BaseCheck | None = None,
 ) -> bool:
-    """Apply every link to chunk `index` of `dest`, checking each encoded chunk's digest and
-    each result's checksum (the next link's base, at the end the version's, and under a
-    linear checksum the xxh3-64 of the version's chunk too: `result_xxh3`); mark it present
-    if all pass. False (logged; its memory no longer the base: read whole) if one fails,
-    whatever it raised: a chunk that a hostile publisher made to raise anything (a codec's
-    error, `MemoryError`, a runtime error) fails alone, and is read whole."""
+    """Apply every link to chunk `index` of `dest` and mark it present if the result is the
+    version's: each encoded chunk's digest is checked before it is applied, and the result
+    once, at the end, by its checksum (under a linear checksum, by its xxh3-64 too:
+    `result_xxh3`). That one check of the result is what makes the chunk trusted: a
+    destination that was not exactly the base cannot end on the version's bytes. When a
+    check fails or anything raises (a codec's error, `MemoryError`, a runtime error: a chunk
+    that a hostile publisher made to raise fails alone), the links applied are undone
+    (applying an XOR again restores the base) and, with `base`, the chunk is checked
+    against the base to count a destination that was not it; False (logged): the chunk is
+    read whole."""
     final = links[-1].manifest
     parts = dest.chunk_parts(index)
-    known: int | None = final.chunk_xxh3[index] if kind == XXH3 else None
+    done: list[tuple[memoryview, str]] = []
     try:
-        for step, (link, encoded) in enumerate(zip(links, blobs, strict=True)):
+        for link, encoded in zip(links, blobs, strict=True):
             blob = encoded.of(index)
             if codec.digest(blob) != link.manifest.delta.encoded_xxh3[index]:
                 raise IntegrityError(f"encoded chunk {index} of {link.version}: digest")
             codec.apply(parts, blob, link.manifest.delta.encoding)
-            want = (
-                links[step + 1].manifest.delta.base_checksum[index]
-                if step + 1 < len(links)
-                else final.chunk_xxh3[index]
-            )
-            if codec.chunk_checksum(dest, index, kind) != want:
-                raise IntegrityError(f"chunk {index} of {link.version}: checksum")
-        if kind in LINEAR:  # the sum alone can be matched on purpose: its xxh3 too
-            known = codec.chunk_checksum(dest, index, XXH3)
-            if known != final.delta.result_xxh3[index]:
-                raise IntegrityError(f"chunk {index} of {links[-1].version}: its xxh3-64")
+            done.append((blob, link.manifest.delta.encoding))
+        known = _check_result(dest, index, kind, links[-1].version, final)
     except Exception as exc:  # any failure of one chunk: that chunk alone reads whole
         log.warning("delta chunk %d: %s; reading it whole", index, _why(exc))
+        if _undo(parts, done, index) and base is not None:
+            base(index)  # counts a destination that was not the base
         return False
     dest.mark_present(index, known)
+    return True
+
+
+def _check_result(
+    dest: HeldVersion, index: int, kind: str, version: int, manifest: pb.Manifest
+) -> int:
+    """The xxh3-64 of chunk `index` of `dest` if it is the chunk `manifest` gives (its
+    checksum, and under a linear checksum its xxh3-64 too); else `IntegrityError`."""
+    if kind not in LINEAR:
+        known = codec.chunk_checksum(dest, index, XXH3)
+        if known != manifest.chunk_xxh3[index]:
+            raise IntegrityError(f"chunk {index} of {version}: checksum")
+        return known
+    # the sum alone can be matched on purpose: its xxh3 is the check that holds
+    known = codec.chunk_checksum(dest, index, XXH3)
+    if known != manifest.delta.result_xxh3[index]:
+        raise IntegrityError(f"chunk {index} of {version}: its xxh3-64")
+    if codec.chunk_checksum(dest, index, kind) != manifest.chunk_xxh3[index]:
+        raise IntegrityError(f"chunk {index} of {version}: checksum")
+    return known
+
+
+def _undo(parts: list[torch.Tensor], done: list[tuple[memoryview, str]], index: int) -> bool:
+    """Apply the links in `done` again, last first (each an XOR: applied twice, it is gone),
+    so the chunk holds what it held before; False (logged) if that failed too."""
+    try:
+        for blob, encoding in reversed(done):
+            codec.apply(parts, blob, encoding)
+    except Exception as exc:  # the chunk is read whole either way
+        log.warning("delta chunk %d: undoing it: %s", index, _why(exc))
+        return False
     return True
 
 
@@ -125,18 +158,16 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if not isinstance(exc, IntegrityError) else str(exc)
 
 
-def landed(held: HeldVersion, span: tuple[int, int], end: float) -> bool:
-    """Wait until every chunk of `held` (a companion) that bytes [start, stop) of its one
-    tensor lie in is present (False if the read failed, was released, or `end` passed
-    first, or it has no such bytes)."""
+def landed(held: HeldVersion, span: tuple[int, int]) -> bool:
+    """Whether every chunk of `held` (a companion) that bytes [start, stop) of its one
+    tensor lie in is present now (False if it has no such bytes)."""
     spec = next((s for s in held.layout.tensors if s.name == TENSOR), None)
     start, stop = span
     if spec is None or spec.nbytes < stop:
         return False
     size = held.layout.chunk_size
     first, last = (spec.offset + start) // size, (spec.offset + max(stop, start + 1) - 1) // size
-    chunks = range(first, last + 1)
-    return all(held.wait_present(c, max(0.0, end - time.monotonic())) for c in chunks)
+    return all(held.is_present(c) for c in range(first, last + 1))
 
 
 class BaseCheck:

@@ -1,37 +1,47 @@
 """The reader's half of delta versions: turn memory that holds version b into version v by
 reading the encoded chunks of b→v instead of whole ones.
 
-`Hub.fetch(model, v, into=T)` calls `DeltaReader.apply` before the fetch's rounds when v's
-manifest has a delta section and T holds an earlier version b: stated by the caller
-(`base=b`) or known to the SDK (`BaseMemory`: T is the memory of this client's own earlier
-fetch of the model). Then, chunk by chunk:
+`Hub.fetch(model, v, into=T)` (`ros.client.fetching`) calls `DeltaReader.apply` before the
+fetch's rounds when v's manifest has a delta section and T holds an earlier version b:
+stated by the caller (`base=b`) or known to the SDK (`BaseMemory`: T is the memory of this
+client's own earlier fetch of the model). Everything it does is a step of that one fetch,
+under the fetch's one `Deadline`. Then, chunk by chunk:
 
 1. **Plan.** Follow the delta sections back from v to b (a chain when b is several
-   versions behind, at most `MAX_CHAIN` links). Use them only if the encoded bytes plus the
-   chunks they cannot give are fewer bytes than the whole version; else read v whole.
-2. **Check the base.** A chunk is applied only if T's bytes are exactly b's (its checksum
-   equals the base checksum v's manifest records). Any other chunk is read whole: a
-   destination that is not b never gets a wrong result (`DeltaStats.base_mismatch`).
-3. **Read the encoded chunks** by fetching each link's companion version
-   (`{model}.delta`@u) like any version: this client becomes one of its holders, so the
-   sources of a delta multiply as readers apply it. The companions are kept and served
-   within `hold_bytes` (host memory, over all models), and released with the version. A
-   companion whose manifest is not exactly the size that u's manifest gives its encoded
-   chunks is not read at all (`DeltaRefused`, before a byte of it moves).
-4. **Apply and verify**: each encoded chunk's digest is checked, it is XORed into T in
-   place on T's device (`transport.delta`, which refuses a zstd frame that declares another
-   size than its chunk's before decoding it), and the result must have the checksum of the
-   next link's base, and at the end v's own (under a linear checksum, wsum64, also the
-   xxh3-64 v's delta section records for it); only then is the chunk marked present, so
-   this client serves it. A chunk that fails any check, or raises anything, is read whole
-   by the rounds that follow, which read exactly the chunks still missing.
+   versions behind, at most `MAX_CHAIN` links; the earlier links' manifests are resolved
+   through the fetch's `Orchestrator`). Use them only if the encoded bytes plus the chunks
+   they cannot give are fewer bytes than the whole version; else read v whole.
+2. **Sample the base.** The first chunk to apply is checked against the base checksum
+   v's manifest records before any companion is read: a destination that is not b at all
+   reads whole at once (every chunk of it checked, `DeltaStats.base_mismatch`).
+3. **Read the encoded chunks**: each link's companion version (`{model}.delta`@u) is one
+   more `Target` of the fetch's `Orchestrator`, run in the fetch's own thread within the
+   first half of the work time left (`Deadline.part`: the rest reads whole what the delta
+   could not give). As a holder (`Hub.fetch`) this client becomes one of its holders, so
+   the sources of a delta multiply as readers apply it; the companions are kept and
+   served within `hold_bytes` (host memory, over all models), and released with the
+   version. A companion whose manifest is not exactly the size that u's manifest gives its
+   encoded chunks is not read at all (`DeltaRefused`, before a byte of it moves). One this
+   client holds already (the same model, version and shard) is used as it is.
+4. **Apply and verify** (`ros.client.delta_chunks.apply_one`): each encoded chunk's digest
+   is checked, it is XORed into T in place on T's device (`transport.delta`, which refuses
+   a zstd frame that declares another size than its chunk's before decoding it), and the
+   result must have v's checksum (under a linear checksum, wsum64, also the xxh3-64 v's
+   delta section records for it); only then is the chunk marked present, so this client
+   serves it. That check of the result is the one read of the chunk's bytes: memory that
+   was not b cannot end on v's. A chunk that fails it, or raises anything, is undone (the
+   XOR applied again), checked against b to count a destination that was not b, and read
+   whole by the rounds that follow, which read exactly the chunks still missing. With one
+   link, each encoded chunk is applied as soon as the companion's chunks it lies in have
+   landed (the orchestrator's `landed` callback), while the rest are still on the wire.
 
 Anything that stops the delta (no companion holder left, a companion retired or of the
 wrong size, the deadline of its part, anything a delta made raise) leaves the chunks not
 applied to the rounds: slower, never wrong.
 
 This module plans (the chain, which chunks) and reads the companions; one chunk's apply and
-checks are `ros.client.delta_chunks`, and what memory holds which base `ros.client.delta_bases`.
+checks are `ros.client.delta_chunks`, what memory holds which base `ros.client.delta_bases`,
+and what a delta did `ros.client.delta_stats`.
 """
 
 from __future__ import annotations
@@ -39,7 +49,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -51,77 +61,45 @@ from ros.client.delta_chunks import (
     Encoded,
     Link,
     apply_one,
+    check_companion,
     companion_bytes,
     landed,
 )
-from ros.client.handles import Held
+from ros.client.delta_stats import DeltaStats
+from ros.client.handles import Handles, Held
+from ros.client.holdings import Holdings
+from ros.client.manifest import layout_of
+from ros.client.orchestrator import Landed, Orchestrator, Target, manifest_of_shard
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.checksum_kinds import KINDS, LINEAR
 from tensorhub.delta_rules import ENCODINGS
-from tensorhub.errors import TensorHubError
+from tensorhub.errors import DeltaRefused, TensorHubError
 from transport.layout import Layout
 from transport.store import HeldVersion
+
+__all__ = ["DEFAULT_HOLD_BYTES", "MAX_CHAIN", "Applied", "DeltaReader", "DeltaStats"]
 
 log = logging.getLogger(__name__)
 
 MAX_CHAIN = 8  # links a reader follows back to its base; further behind, it reads whole
 DEFAULT_HOLD_BYTES = 1 << 30  # host memory a client keeps encoded chunks in to serve them
+COMPANION_SHARE = 0.5  # of the work time left: the most the companions' reads may take
 
 
 @dataclass(frozen=True)
-class Companion:
-    """A companion version read whole: its tensors (the encoded chunks), the bytes that
-    crossed, its `Held` when this client holds and serves it (None: read unheld), and the
-    bytes each holder sent of it."""
+class _Read:
+    """A companion read whole: its tensors (the encoded chunks), the bytes that crossed,
+    who sent them, and its `Held` when this client holds and serves it (None: read unheld,
+    or held here already by another handle)."""
 
     tensors: Mapping[str, torch.Tensor]
-    nbytes: int
-    held: Held | None = None
+    nbytes: int = 0
     sources: Mapping[str, int] = field(default_factory=dict)
+    held: Held | None = None
 
     def release(self) -> None:
         if self.held is not None:
             self.held.release(force=True)
-
-
-FetchCompanion = Callable[
-    [str, int, int | None, float, bool, pb.ResolveResponse | None, int], Companion
-]
-"""Read (model, version, shard, timeout, hold, resolved, nbytes) whole: as a holder that
-serves it (`hold`), or unheld (a `fetch_slices` reader, which holds nothing); `resolved`, when
-not None, is its Resolve, answered with its version's (no second call). `nbytes` is the size
-its version's manifest gives it: a companion of another size is refused before any of it is
-read (`delta_chunks.check_companion`, raising `DeltaRefused`)."""
-ResolveManifest = Callable[[str, int, int | None, Deadline], pb.Manifest]
-"""The manifest of (model, version, shard): how a chain's earlier links are found."""
-FindHeld = Callable[[str, int], HeldVersion | None]
-"""This client's holding of (model, version), if any: how a companion's read is followed."""
-
-
-@dataclass
-class DeltaStats:
-    """What a fetch's delta did (`Held.delta`); all zero when it read the version whole."""
-
-    base: int = 0  # the version the destination held, that the deltas were applied to
-    links: int = 0  # deltas applied one after the other (more than 1: a chain)
-    chunks: int = 0  # chunks made from deltas
-    encoded_bytes: int = 0  # bytes of the companions read (what crossed the network)
-    # of those, by holder id (the fetch's `FetchStats.bytes_per_source` counts them too)
-    bytes_per_source: dict[str, int] = field(default_factory=dict)
-    whole_chunks: int = 0  # chunks left to be read whole (not encoded, or failed a check)
-    base_mismatch: int = 0  # of those: the destination's bytes were not exactly the base's
-    seconds: float = 0.0  # the delta's part of the fetch: plan, read, apply, verify
-    fallback: str = ""  # why the delta was not used, or was used only in part
-
-    def count_mismatch(self) -> None:
-        """One more chunk whose destination bytes were not exactly the base's."""
-        self.base_mismatch += 1
-
-    def count(self, read: Companion) -> None:
-        """A companion read: its bytes, and who sent them."""
-        self.encoded_bytes += read.nbytes
-        for source, nbytes in read.sources.items():
-            self.bytes_per_source[source] = self.bytes_per_source.get(source, 0) + nbytes
 
 
 @dataclass
@@ -133,18 +111,20 @@ class Applied:
 
 
 class DeltaReader:
-    """Applies deltas for one client (module docstring). Thread-safe."""
+    """Applies deltas for one client (module docstring), through the client's fetch steps
+    (`runs`), what it serves (`holdings`) and its handle maker (`handles`, for the
+    companions it holds). Thread-safe."""
 
     def __init__(
         self,
-        fetch_companion: FetchCompanion,
-        resolve: ResolveManifest,
+        runs: Orchestrator,
+        holdings: Holdings,
+        handles: Handles,
         hold_bytes: int = DEFAULT_HOLD_BYTES,
-        find: FindHeld | None = None,
     ) -> None:
-        self._fetch_companion = fetch_companion
-        self._find = find  # this client's holding of (model, version), as soon as it starts
-        self._resolve = resolve
+        self._runs = runs
+        self._holdings = holdings
+        self._handles = handles
         self.hold_bytes = hold_bytes
         self.bases = BaseMemory()
         self.staged = StagedBases()  # fetch_slices(delta=True): each source shard's base
@@ -198,6 +178,13 @@ class DeltaReader:
             log.info("fetch %s@%d: delta from %d: %s", model, version, base, stats.fallback)
         return Applied(stats, kept)
 
+    def _manifest(
+        self, model: str, version: int, shard: int | None, deadline: Deadline
+    ) -> pb.Manifest:
+        """The manifest of model@version (of shard `shard`): a chain's earlier link."""
+        resolved = self._runs.resolve(model, version, shard, deadline)
+        return manifest_of_shard(model, version, resolved, shard)
+
     def _chain(
         self,
         model: str,
@@ -222,7 +209,7 @@ class DeltaReader:
                 raise _NoDelta(f"no chain of at most {MAX_CHAIN} deltas leads from {base}")
             earlier = head.manifest.delta.base
             try:
-                links.append(Link(earlier, self._resolve(model, earlier, shard, deadline)))
+                links.append(Link(earlier, self._manifest(model, earlier, shard, deadline)))
             except TensorHubError as exc:
                 raise _NoDelta(f"{earlier}, a link of the chain, is gone ({exc})") from exc
         links.reverse()
@@ -270,132 +257,100 @@ class DeltaReader:
         hold: bool,
         resolved: pb.ResolveResponse | None,
     ) -> Held | None:
+        """Read each link's companion, oldest first, within the first half of the work time
+        left, and apply the chain to the usable chunks (as they land, for one link); the
+        companion of the last link kept (served) when it fits in `hold_bytes`."""
         kind = links[-1].manifest.checksum or KINDS[0]
         usable = sorted(self._usable(links, wanted))
-        sums = links[0].manifest.delta.base_checksum
-        is_base = BaseCheck(dest, sums, kind, stats.count_mismatch)
-        if len(links) == 1 and hold and self._find is not None and usable and is_base(usable[0]):
-            # the memory is the base where it starts: the rest is checked while the delta
-            # is on its way (a memory that is not the base at all reads whole at once)
-            return self._apply_streaming(
-                links[0], shard, dest, usable, is_base, kind, stats, deadline, wanted, resolved
-            )
-        todo = [index for index in usable if is_base(index)]
+        is_base = BaseCheck(dest, links[0].manifest.delta.base_checksum, kind, stats.count_mismatch)
+        # one chunk sampled: memory that is not the base at all is found before anything
+        # is read (each chunk applied is checked by its result, which the base must give)
+        todo = usable if is_base(usable[0]) else [i for i in usable if is_base(i)]
         if not todo:
             raise _NoDelta(f"no chunk of the destination is exactly {links[0].manifest.delta.base}")
-        companions: list[Companion] = []
+        part = deadline.part(COMPANION_SHARE, "the encoded chunks of its delta")
+        applier = _Applier(links, dest, todo, kind, is_base)
+        reads: list[_Read] = []
         try:
             for link in links:
-                companion = link.manifest.delta.companion
+                pre = resolved if link is links[-1] else None  # only v's came with v's
+                streams = len(links) == 1  # a chain is applied once every link is in
                 try:
-                    # at most half of what is left: the rest reads whole what the delta
-                    # could not give, should its holders be dead or frozen
-                    half = deadline.work((deadline.work_end - time.monotonic()) / 2)
-                    pre = resolved if link is links[-1] else None  # only v's came with v's
-                    size = companion_bytes(link.manifest.delta)
-                    read = self._fetch_companion(
-                        companion, link.version, shard, half, hold, pre, size
-                    )
+                    read = self._read(link, shard, part, hold, pre, applier if streams else None)
                 except TensorHubError as exc:
-                    raise _NoDelta(f"{companion}@{link.version} could not be read ({exc})") from exc
-                companions.append(read)
-                stats.count(read)
-            failed = self._apply_chunks(links, companions, dest, todo, kind)
+                    why = (
+                        f"{link.manifest.delta.companion}@{link.version} could not be read ({exc})"
+                    )
+                    if not applier.done:
+                        raise _NoDelta(why) from exc
+                    stats.fallback = why  # what landed before it failed stays applied
+                    break
+                reads.append(read)
+                stats.count(read.nbytes, read.sources)
+            else:
+                applier.finish([read.tensors for read in reads])
         except BaseException:
-            for read in companions:
+            for read in reads:
                 read.release()
             raise
         stats.links = len(links)
-        stats.chunks = len(todo) - len(failed)
+        stats.chunks = applier.done
         stats.whole_chunks = len(_missing(dest, wanted))
-        if failed:
-            stats.fallback = f"{len(failed)} chunks failed a check after applying: read whole"
-        for read in companions[:-1]:  # earlier links: the readers behind this one need v's
+        if applier.failed and not stats.fallback:
+            stats.fallback = f"{applier.failed} chunks failed a check after applying: read whole"
+        if len(reads) < len(links):  # a read failed: nothing of the chain is kept
+            for read in reads:
+                read.release()
+            return None
+        for read in reads[:-1]:  # earlier links: the readers behind this one need v's
             read.release()
-        last = companions[-1].held
+        last = reads[-1].held
         return None if last is None else self._keep(last)
 
-    def _apply_chunks(
-        self,
-        links: list[Link],
-        companions: list[Companion],
-        dest: HeldVersion,
-        todo: list[int],
-        kind: str,
-    ) -> list[int]:
-        """Apply every link to each chunk of `todo`, verifying as it goes; mark each chunk
-        that ends as the version's present. The chunks that failed a check (left missing,
-        their memory no longer the base: the rounds read them whole)."""
-        pairs = zip(links, companions, strict=True)
-        blobs = [Encoded(link.manifest.delta, read.tensors) for link, read in pairs]
-        return [index for index in todo if not apply_one(links, blobs, dest, index, kind)]
-
-    def _apply_streaming(
+    def _read(
         self,
         link: Link,
         shard: int | None,
-        dest: HeldVersion,
-        usable: list[int],
-        is_base: BaseCheck,
-        kind: str,
-        stats: DeltaStats,
         deadline: Deadline,
-        wanted: set[int],
+        hold: bool,
         resolved: pb.ResolveResponse | None,
-    ) -> Held | None:
-        """One link, read as its holder: check which of the `usable` chunks of `dest` are
-        the base while the companion is being found and read, and apply each as soon as its
-        encoded bytes have landed in the companion's memory, while the rest are still on the
-        wire (the checks' and the apply's CPU then overlap the transfer instead of following
-        it). The companion's read runs in a thread; its holding is found as soon as it
-        starts (`find`). A read that fails midway leaves what was applied (verified) and the
-        rest to be read whole."""
-        companion = link.manifest.delta.companion
-        outcome: dict[str, Companion | Exception] = {}
-        half = deadline.work((deadline.work_end - time.monotonic()) / 2)  # see _apply_links
-        end = time.monotonic() + half
+        applier: _Applier | None,
+    ) -> _Read:
+        """Read `link`'s companion (of shard `shard`) whole, as one more target of the
+        fetch: as its holder, or unheld (`fetch_slices`, whose reader holds nothing);
+        `resolved` is its Resolve when the hub answered it with its version's; `applier`,
+        if given, is told of each of its chunks as it lands. One this client holds already
+        (the same model, version and shard) is used as it is: nothing crosses, and it stays
+        with the handle that holds it. `DeltaRefused`, before any of it is read, when its
+        manifest is not the size its version's manifest gives its encoded chunks."""
+        model, version = link.manifest.delta.companion, link.version
+        nbytes = companion_bytes(link.manifest.delta)
+        what = f"{model}@{version}" + ("" if shard is None else f" shard {shard}")
+        mine = self._held_here(model, version, shard)
+        if mine is not None:
+            if sum(t.numel() * t.element_size() for t in mine.tensors.values()) != nbytes:
+                raise DeltaRefused(f"{what} held here is not the {nbytes} bytes its version's is")
+            return _Read(mine.tensors)
+        if resolved is None or int(resolved.version) != version:
+            resolved = self._runs.resolve(model, version, shard, deadline)
+        manifest = manifest_of_shard(model, version, resolved, shard)
+        check_companion(manifest, nbytes, what)
+        layout = layout_of(manifest)
+        tensors = layout.allocate()
+        read = HeldVersion.reader(self._holdings.tenant, model, version, layout, tensors)
+        target = Target(model, version, shard, read, manifest, holder=hold)
+        told = None if applier is None else applier.watch(read)
+        stats = self._runs.run(target, resolved, deadline, landed=told)
+        held = self._handles.held(model, version, tensors, stats, shard) if hold else None
+        return _Read(tensors, stats.total_bytes, dict(stats.bytes_per_source), held)
 
-        size = companion_bytes(link.manifest.delta)
-
-        def read() -> None:
-            try:
-                outcome["read"] = self._fetch_companion(
-                    companion, link.version, shard, half, True, resolved, size
-                )
-            except Exception as exc:  # a TensorHubError, or anything else: not read
-                outcome["error"] = exc
-
-        reader = threading.Thread(target=read, name=f"delta-{companion}", daemon=True)
-        reader.start()
-        todo = [index for index in usable if is_base(index)]
-        assert self._find is not None
-        held = self._find(companion, link.version)
-        while held is None and reader.is_alive() and time.monotonic() < end:
-            time.sleep(0.002)
-            held = self._find(companion, link.version)
-        failed: list[int] = []
-        done = 0
-        if held is not None:
-            encoded = Encoded(link.manifest.delta, held.tensors)
-            for index in todo:
-                if not landed(held, encoded.span(index), end):
-                    break
-                done += 1
-                if not apply_one([link], [encoded], dest, index, kind):
-                    failed.append(index)
-        reader.join(max(0.0, end - time.monotonic()) + 1.0)
-        got = outcome.get("read")
-        stats.links = 1
-        stats.chunks = done - len(failed)
-        stats.whole_chunks = len(_missing(dest, wanted))
-        if not isinstance(got, Companion):
-            why = outcome.get("error", "it did not end in time")
-            stats.fallback = f"{companion}@{link.version} could not be read ({why})"
+    def _held_here(self, model: str, version: int, shard: int | None) -> HeldVersion | None:
+        """This client's complete copy of `model@version` of shard `shard`, if it holds one
+        (a copy of another shard is another companion: its encoded chunks are not these)."""
+        mine = self._holdings.get((self._holdings.tenant, model, version))
+        if mine is None or not mine.complete or mine.released:
             return None
-        stats.count(got)
-        if failed:
-            stats.fallback = f"{len(failed)} chunks failed a check after applying: read whole"
-        return None if got.held is None else self._keep(got.held)
+        return mine if self._holdings.shard(model, version) == shard else None
 
     def _keep(self, held: Held) -> Held | None:
         """Keep serving `held` if it fits in `hold_bytes` with what is kept already; else
@@ -419,3 +374,47 @@ def _missing(dest: HeldVersion, wanted: Collection[int] | None) -> list[int]:
 
 def _nbytes(held: Held) -> int:
     return sum(t.numel() * t.element_size() for t in held.tensors.values())
+
+
+class _Applier:
+    """Applies the chain `links` to the chunks `todo` of `dest`, in order, each once its
+    encoded bytes are in: as the companion's chunks land (one link: `watch`), and the rest
+    at the end (`finish`). Counts the chunks made (`done`) and those that failed a check
+    (`failed`). Thread-safe: the companion's chunks land on the reader's threads."""
+
+    def __init__(
+        self, links: list[Link], dest: HeldVersion, todo: list[int], kind: str, base: BaseCheck
+    ) -> None:
+        self._links, self._dest, self._todo, self._kind, self._base = links, dest, todo, kind, base
+        self._next = 0  # todo[:_next] are applied (or failed)
+        self.done = 0
+        self.failed = 0
+        self._lock = threading.Lock()
+
+    def watch(self, companion: HeldVersion) -> Landed:
+        """What to tell as each chunk of `companion` (the one link's) lands."""
+        encoded = Encoded(self._links[0].manifest.delta, companion.tensors)
+
+        def told(_chunk: int) -> None:
+            with self._lock:
+                self._advance([encoded], lambda i: landed(companion, encoded.span(i)))
+
+        return told
+
+    def finish(self, companions: Sequence[Mapping[str, torch.Tensor]]) -> None:
+        """Every link's companion is in: apply what is left."""
+        pairs = zip(self._links, companions, strict=True)
+        blobs = [Encoded(link.manifest.delta, tensors) for link, tensors in pairs]
+        with self._lock:
+            self._advance(blobs, lambda i: True)
+
+    def _advance(self, blobs: list[Encoded], ready: Callable[[int], bool]) -> None:
+        while self._next < len(self._todo):
+            index = self._todo[self._next]
+            if not ready(index):
+                return
+            self._next += 1
+            if apply_one(self._links, blobs, self._dest, index, self._kind, self._base):
+                self.done += 1
+            else:
+                self.failed += 1

@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Protocol
@@ -23,7 +24,7 @@ from tensorhub.errors import DeadlineExceeded
 from transport.reader import FetchStats
 
 if TYPE_CHECKING:
-    from ros.client.delta_fetch import DeltaStats
+    from ros.client.delta_stats import DeltaStats
     from ros.client.watch import HubWatch
 
 log = logging.getLogger(__name__)
@@ -37,15 +38,9 @@ def _release_into(handle: _Handle, timeout: float, failed: list[BaseException]) 
         failed.append(exc)
 
 
-class Owner(Protocol):
-    """What a handle needs of the client that created it: its public name and `watch`."""
-
-    @property
-    def holder_name(self) -> str: ...
-
-    def watch(
-        self, model: str, *, since: int | None = None, versions_only: bool = False
-    ) -> HubWatch: ...
+OpenWatch = Callable[[str, int], "HubWatch"]
+"""Open a watch of a model's changes from a revision (model, since): what
+`Publication.wait_replicated` waits on (`ros.client.watch.HubWatch`)."""
 
 
 class Releaser(Protocol):
@@ -68,13 +63,11 @@ DEFAULT_RELEASE_TIMEOUT = 30.0
 class _Handle:
     def __init__(
         self,
-        hub: Owner,
         releaser: Releaser,
         model: str,
         version: int,
         tensors: dict[str, torch.Tensor],
     ) -> None:
-        self._hub = hub
         self._releaser = releaser
         self.model = model
         self.version = version
@@ -161,7 +154,6 @@ class Publication(_Handle):
 
     def __init__(
         self,
-        hub: Owner,
         releaser: Releaser,
         model: str,
         version: int,
@@ -169,8 +161,13 @@ class Publication(_Handle):
         revision: int,
         visible: bool = True,
         shard: int | None = None,
+        *,
+        holder_name: str,
+        watch: OpenWatch,
     ) -> None:
-        super().__init__(hub, releaser, model, version, tensors)
+        super().__init__(releaser, model, version, tensors)
+        self._holder_name = holder_name  # this client's, left out of the replicas counted
+        self._watch = watch
         self.revision = revision
         self.visible = visible
         self.shard = shard  # model-parallel: the rank's shard
@@ -188,8 +185,8 @@ class Publication(_Handle):
         start = time.monotonic()
         deadline = start + timeout
         complete: set[str] = set()
-        me = self._hub.holder_name
-        with self._hub.watch(self.model, since=self.revision) as events:
+        me = self._holder_name
+        with self._watch(self.model, self.revision) as events:
             while len(complete) < k:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -222,7 +219,6 @@ class Held(_Handle):
 
     def __init__(
         self,
-        hub: Owner,
         releaser: Releaser,
         model: str,
         version: int,
@@ -230,7 +226,7 @@ class Held(_Handle):
         stats: FetchStats,
         shard: int | None = None,
     ) -> None:
-        super().__init__(hub, releaser, model, version, tensors)
+        super().__init__(releaser, model, version, tensors)
         self.stats = stats
         self.shard = shard  # model-parallel: the one shard fetched
         self.delta: DeltaStats | None = None  # what deltas did, when the fetch used them
@@ -241,10 +237,12 @@ class Held(_Handle):
 
 @dataclass(frozen=True)
 class Handles:
-    """Makes the handles of one client: its `Owner` and how they release."""
+    """Makes the handles of one client: how they release, the client's holder name, and
+    how a publication watches its replicas (no handle holds the client itself)."""
 
-    owner: Owner
     releaser: Releaser
+    holder_name: str
+    watch: OpenWatch
 
     def publication(
         self,
@@ -256,8 +254,9 @@ class Handles:
         shard: int | None,
     ) -> Publication:
         return Publication(
-            self.owner, self.releaser, model, version, tensors, revision, visible, shard
-        )
+            self.releaser, model, version, tensors, revision, visible, shard,
+            holder_name=self.holder_name, watch=self.watch,
+        )  # fmt: skip
 
     def held(
         self,
@@ -267,4 +266,4 @@ class Handles:
         stats: FetchStats,
         shard: int | None,
     ) -> Held:
-        return Held(self.owner, self.releaser, model, version, tensors, stats, shard)
+        return Held(self.releaser, model, version, tensors, stats, shard)

@@ -11,10 +11,14 @@ released. `Hub` builds its parts and hands each helper only the narrow handles i
 - `ros.client.holdings` (what the client serves), `ros.client.serving` (the servers it
   serves from), `ros.client.records` (its holder records), `ros.client.pins`;
 - `ros.client.publishing` (`Publisher`), `ros.client.orchestrator` (`Orchestrator`: every
-  fetch's steps after its Resolve) with `ros.client.fetching` and `ros.client.slices`, and
-  `ros.client.retention` (release, spills).
+  fetch's steps after its Resolve) with `ros.client.fetching`, `ros.client.slices` and
+  `ros.client.delta_fetch` (`DeltaReader`: a delta's companion is one more target of the
+  fetch's orchestrator), and `ros.client.retention` (release, spills);
+- `ros.client.handles` (`Handles`: what publish and fetch return), given how to release,
+  this client's holder name, and how to open a watch.
 
-No helper holds the `Hub`, and none calls a private method of another object.
+No helper holds the `Hub` (nor a bound method of it), and none calls a private method of
+another object.
 """
 
 from __future__ import annotations
@@ -30,9 +34,7 @@ from consistency.retry import DEFAULT_POLICY, RetryPolicy
 from ros.client import fetching
 from ros.client import slices as reshard
 from ros.client.channel import open_channel, parse_address
-from ros.client.deadline import Deadline
-from ros.client.delta_chunks import check_companion
-from ros.client.delta_fetch import DEFAULT_HOLD_BYTES, Companion, DeltaReader
+from ros.client.delta_fetch import DEFAULT_HOLD_BYTES, DeltaReader
 from ros.client.fetching import DEFAULT_FETCH_TIMEOUT
 from ros.client.group_publish import ProcessGroup
 from ros.client.handles import Handles, Held, Publication
@@ -59,7 +61,7 @@ from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
 from tensorhub.delta_rules import SUFFIX, is_companion
 from tensorhub.endpoints import format_endpoint
-from tensorhub.errors import DeltaRefused, InvalidArgument
+from tensorhub.errors import InvalidArgument
 from tensorhub.names import validate_name
 from transport.backend import TransportKind, enabled_transports
 from transport.pace import DEFAULT_RATE_FLOOR
@@ -126,7 +128,8 @@ class Hub:
             observe=self.floor.observe,
         )  # fmt: skip
         # every unary hub call, typed by method; its `once` for callers with their own policy
-        rpc = HubRpc(self._stub, self._metadata, timeout, lambda: self.session.current)
+        session = self.session  # the getter closes over it, not over this client
+        rpc = HubRpc(self._stub, self._metadata, timeout, lambda: session.current)
         self._rpc: Rpc = rpc
         self._reads = FreshReads(
             rpc.once, self.floor, retry, timeout=timeout, holder_name=me.holder_name,
@@ -141,7 +144,12 @@ class Hub:
             topology=me.topology,
         )  # fmt: skip
         self._retention = Retention(records, self.holdings, spill_budget)
-        self._handles = Handles(self, self._retention)
+        stub, metadata, floor = self._stub, self._metadata, self.floor
+
+        def open_watch(model: str, since: int) -> HubWatch:  # what a Publication waits on
+            return HubWatch(stub, metadata, model, since, floor, False, retry)
+
+        self._handles = Handles(self._retention, me.holder_name, open_watch)
         self._pins = Pins(rpc, self.session)
         self._publisher = Publisher(
             me, rpc.once, self._reads, records, self.holdings, self._serving, self._handles
@@ -163,10 +171,7 @@ class Hub:
             or (delta_hold_bytes < 0)
         ):
             raise InvalidArgument(f"delta_hold_bytes {delta_hold_bytes!r}: a byte count >= 0")
-        self._deltas = DeltaReader(
-            self._fetch_companion, self._manifest, delta_hold_bytes,
-            find=lambda model, version: self.holdings.get((me.tenant, model, version)),
-        )  # fmt: skip
+        self._deltas = DeltaReader(self._fetches, self.holdings, self._handles, delta_hold_bytes)
         self._closed = False
         try:
             self.session.open(
@@ -198,11 +203,6 @@ class Hub:
     def timeout(self) -> float:
         """The default deadline of one hub call (s)."""
         return self._me.timeout
-
-    @property
-    def recovery(self) -> Session:
-        """The session, seen for its recovery: `recovering`, `failures`, `recoveries`."""
-        return self.session
 
     # -- publish and fetch ---------------------------------------------------------------
 
@@ -319,53 +319,6 @@ class Hub:
             timeout=timeout, shard=shard, rate_floor=rate_floor, progress=progress,
             deltas=self._deltas if delta else None, base=base,
         )  # fmt: skip
-
-    def _fetch_companion(
-        self,
-        model: str,
-        version: int,
-        shard: int | None,
-        timeout: float,
-        hold: bool,
-        resolved: pb.ResolveResponse | None,
-        nbytes: int,
-    ) -> Companion:
-        """Read a delta's encoded chunks (`{model}.delta`@version) whole: as their holder,
-        or unheld (for `fetch_slices`, whose reader holds nothing). One this client holds
-        already (it applied that delta before, into memory it still serves) is used as it
-        is: nothing crosses, and it stays with the handle that holds it. `DeltaRefused`,
-        before any of it is read, when its manifest is not `nbytes` of encoded chunks (what
-        its version's manifest says it is)."""
-        what = f"{model}@{version}"
-        mine = self.holdings.get((self.holdings.tenant, model, version))
-        if mine is not None and mine.complete and not mine.released:
-            if sum(t.numel() * t.element_size() for t in mine.tensors.values()) != nbytes:
-                raise DeltaRefused(f"{what} held here is not the {nbytes} bytes its version's is")
-            return Companion(mine.tensors, 0)
-
-        def expect(manifest: pb.Manifest) -> None:
-            check_companion(manifest, nbytes, what)
-
-        if not hold:
-            tensors, stats = fetching.fetch_unheld(
-                self._fetches, self.holdings.tenant, model, version, shard=shard,
-                timeout=timeout, expect=expect,
-            )  # fmt: skip
-            return Companion(tensors, stats.total_bytes, sources=dict(stats.bytes_per_source))
-        held = fetching.fetch(
-            self._fetches, self.holdings, self._handles, model, version, timeout=timeout,
-            shard=shard, resolved=resolved, expect=expect,
-        )  # fmt: skip
-        return Companion(
-            held.tensors, held.stats.total_bytes, held, dict(held.stats.bytes_per_source)
-        )
-
-    def _manifest(
-        self, model: str, version: int, shard: int | None, deadline: Deadline
-    ) -> pb.Manifest:
-        """The manifest of model@version (of shard `shard`): a delta chain's earlier link."""
-        resolved = self._fetches.resolve(model, version, shard, deadline)
-        return fetching.manifest_of_shard(model, version, resolved, shard)
 
     def fetch_slices(
         self,

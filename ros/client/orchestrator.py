@@ -105,6 +105,11 @@ ProgressCallback = Callable[[Progress], None]
 """Called after every chunk committed, from the thread that received it: keep it quick.
 An exception it raises is logged, never propagated into the fetch."""
 
+Landed = Callable[[int], None]
+"""Called with each chunk's index once it is committed (verified, present), from the thread
+that received it: how a delta applies the encoded chunks of its companion while the rest
+of the companion is still on the wire. An exception it raises is logged, never propagated."""
+
 
 @dataclass(frozen=True)
 class Target:
@@ -136,6 +141,27 @@ def result_digests(manifest: pb.Manifest) -> list[int] | None:
     return list(digests)
 
 
+def manifest_of_shard(
+    model: str, version: int, resolved: pb.ResolveResponse, shard: int | None
+) -> pb.Manifest:
+    """The manifest to read: the whole version's, or shard `shard`'s of a model-parallel one
+    (a Resolve with `shard` answers only that shard's manifest, in `manifest`)."""
+    count = resolved.shard_count or len(resolved.shards)
+    if not count:
+        if shard is not None:
+            raise InvalidArgument(f"{model}@{version} is not model-parallel: omit shard")
+        return resolved.manifest
+    if shard is None:
+        raise InvalidArgument(
+            f"{model}@{version} is model-parallel ({count} shards): fetch one with shard=i "
+            f"(0 <= i < {count}), or read blocks in another layout with fetch_slices"
+        )
+    if not 0 <= shard < count:
+        raise InvalidArgument(f"shard {shard!r} out of range: {model}@{version} has {count}")
+    manifest: pb.Manifest = resolved.shards[shard] if resolved.shards else resolved.manifest
+    return manifest
+
+
 def holder_shard(holder: pb.Holder) -> int | None:
     """The shard a holder of a model-parallel version holds (None: the whole version)."""
     return holder.shard if holder.HasField("shard") else None
@@ -149,12 +175,15 @@ def holders_of(response: pb.ResolveResponse, shard: int | None) -> list[pb.Holde
 class _Counter:
     """Chunks and bytes committed, counted from every worker thread, told to `progress`."""
 
-    def __init__(self, target: Target, progress: ProgressCallback | None) -> None:
+    def __init__(
+        self, target: Target, progress: ProgressCallback | None, landed: Landed | None = None
+    ) -> None:
         wanted = target.wanted()
         layout = target.dest.layout
         self._total = Progress(0, len(wanted), 0, sum(layout.payload_bytes(c) for c in wanted))
         self._chunks = self._bytes = 0
         self._progress = progress
+        self._landed = landed
         self._lock = threading.Lock()
 
     def __call__(self, index: int, nbytes: int) -> None:
@@ -164,6 +193,11 @@ class _Counter:
             now = Progress(
                 self._chunks, self._total.total_chunks, self._bytes, self._total.total_bytes
             )
+        if self._landed is not None:
+            try:
+                self._landed(index)
+            except Exception:
+                log.exception("a fetch's chunk callback raised; the fetch goes on")
         if self._progress is not None:
             try:
                 self._progress(now)
@@ -230,9 +264,11 @@ class Orchestrator:
         *,
         rate_floor: float = DEFAULT_RATE_FLOOR,
         progress: ProgressCallback | None = None,
+        landed: Landed | None = None,
     ) -> FetchStats:
         """Fill `target` from the holders `resolved` names (a Resolve of its version and
-        shard), as the module docstring says; its stats, or the last round's named error."""
+        shard), as the module docstring says; its stats, or the last round's named error.
+        `landed` is told each chunk's index as it is committed."""
         if target.holder:
             self._serving.start()
             self._holdings.hold(target.dest, target.shard)
@@ -245,7 +281,8 @@ class Orchestrator:
                 raise
             return FetchStats(duration=time.monotonic() - start)
         try:
-            stats = self._rounds(target, resolved, deadline, rate_floor, _Counter(target, progress))
+            counter = _Counter(target, progress, landed)
+            stats = self._rounds(target, resolved, deadline, rate_floor, counter)
             if target.holder:
                 self._complete(target, deadline)
         except BaseException:

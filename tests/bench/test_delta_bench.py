@@ -96,7 +96,7 @@ def test_the_bench_runs_at_a_tiny_size_with_identical_bytes() -> None:
     names = [f.name for f in res.figures]
     for lr in ("1e-06", "0.0001"):
         for row in ("wire bytes per step / model", "update time, delta / full fetch",
-                    "(encode + apply) / one transfer"):  # fmt: skip
+                    "(encode + apply) / one transfer", "delta path / whole fetch"):  # fmt: skip
             assert f"lr {lr}: {row}" in names
         same = next(f for f in res.figures if f.name == f"lr {lr}: fetches with other bytes "
                     "than the trainer's")  # fmt: skip

@@ -310,6 +310,53 @@ def delta_holder(hub_server: HubServer, token: str) -> Iterator[subprocess.Popen
         proc.wait(10)
 
 
+def test_a_companion_held_for_one_shard_is_not_used_for_another(
+    connect: Callable[..., ros.Hub],
+) -> None:
+    """A reader that holds shard 0 of a TP version from a delta (and so its companion's
+    shard 0) and then reads both shards with `fetch_slices(delta=True)`: shard 1's delta is
+    read from shard 1's companion, not taken from the shard 0 companion it holds (whose
+    encoded chunks are another shard's), and applies."""
+    rows, cols = 512, 256  # per rank: 512 x 128 bf16 = 128 KiB, two chunks of 64 KiB
+    full = {"w": torch.randn(rows, cols).to(torch.bfloat16)}
+    ranks = [connect(), connect()]
+    reader = connect()
+
+    def publish(version: int, weights: dict[str, torch.Tensor]) -> None:
+        for r, c in enumerate(ranks):
+            part = {"w": weights["w"][:, r * 128 : (r + 1) * 128].contiguous()}
+            c.publish(
+                "tp", version, part, shard=(r, 2), placements={"w": ((rows, cols), (0, r * 128))},
+                chunk_size=CHUNK, delta=True,
+            )  # fmt: skip
+
+    def read(version: int) -> tuple[torch.Tensor, ros.SliceFetch]:
+        out = torch.empty(rows, cols, dtype=torch.bfloat16)
+        got = reader.fetch_slices(
+            "tp", version, slices={"w": ros.Slice(out, (0, 0), (rows, cols))}, delta=True
+        )
+        return out, got
+
+    publish(1, full)
+    read(1)  # each shard's staging kept as the base of the next read
+    held = reader.fetch("tp", 1, shard=0)
+    full = step(full, 2)
+    publish(2, full)
+    held.release()
+    mine = reader.fetch("tp", 2, shard=0, into=held.tensors)
+    assert mine.delta is not None
+    assert mine.delta.chunks > 0, mine.delta
+    assert mine.companion is not None  # this client holds and serves tp.delta@2, shard 0
+    second, got = read(2)
+    assert torch.equal(second.view(torch.int16), full["w"].view(torch.int16))
+    assert set(got.deltas) == {0, 1}
+    for shard, stats in got.deltas.items():
+        assert stats.chunks > 0, (shard, stats)
+        assert not stats.fallback, (shard, stats)
+    assert got.deltas[0].encoded_bytes == 0  # shard 0's companion: the one held here
+    assert got.deltas[1].encoded_bytes > 0  # shard 1's: read from its holders
+
+
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
 @pytest.mark.timeout(90)
 def test_a_dead_or_frozen_delta_holder_leaves_the_chunks_to_be_read_whole(

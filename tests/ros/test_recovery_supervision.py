@@ -116,8 +116,8 @@ def test_the_hub_down_during_recovery_then_back_the_client_recovers_and_serves(
         hub_process.kill()
         # no renewal reaches etcd: the reader's lease runs out, and its recovery meets no hub
         wait_until("the reader lost its session", reader.session.lost.is_set, timeout=30)
-        wait_until("a recovery attempt failed", lambda: reader.recovery.failures >= 2, 30)
-        assert reader.recovery.recovering
+        wait_until("a recovery attempt failed", lambda: reader.session.failures >= 2, 30)
+        assert reader.session.recovering
         hub_process.start()
         wait_until(
             "the reader recovered a session",
@@ -167,7 +167,7 @@ def test_a_refused_open_session_is_tried_again_until_one_succeeds(
         try:
             with pytest.raises(ros.SessionExpired):  # the reader learns of the loss now
                 reader.fetch("policy", 2, timeout=10)
-            wait_until("OpenSession was refused", lambda: reader.recovery.failures >= 1)
+            wait_until("OpenSession was refused", lambda: reader.session.failures >= 1)
             assert reader.session.id == lost  # still without a session
         finally:
             filler.close()  # a place frees up: a later try succeeds
@@ -200,14 +200,14 @@ def test_close_during_a_recovery_leaves_no_session_alive(hub_server: HubServer) 
         hub_server.etcd.lease_revoke(reader.session.id)
         filler = connect(2)  # the quota stays full: the reader's recovery keeps failing
         wait_until("the reader lost its session", reader.session.lost.is_set, timeout=30)
-        wait_until("a recovery attempt failed", lambda: reader.recovery.failures >= 1)
+        wait_until("a recovery attempt failed", lambda: reader.session.failures >= 1)
         filler.close()  # now a try may succeed at any moment, racing the close() below
         started = time.monotonic()
         reader.close()
         took = time.monotonic() - started
         # the documented bound (docs/sdk.md), with room for a loaded machine
         assert took < 1.0 + 2.0 + RECOVERY_JOIN_TIMEOUT + 5.0, f"close() took {took:.1f}s"
-        assert not reader.recovery.recovering
+        assert not reader.session.recovering
 
         def sessions() -> int:
             return session_count(hub_server.etcd, hub_server.keys, "team-q")

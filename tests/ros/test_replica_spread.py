@@ -221,8 +221,8 @@ def test_killing_a_replica_keeps_every_session_and_holder_record(
     assert [c.session.id for c in clients] == sessions, "a session was replaced"
     for i, client in enumerate(clients):
         assert not client.session.lost.is_set()
-        assert client.recovery.failures == 0
-        assert client.recovery.recoveries == 0
+        assert client.session.failures == 0
+        assert client.session.recoveries == 0
         assert client.session.renewals > renewals[i]
         assert client.latest(f"m{i}") == 1
         (record,) = [h for h in client.holders(f"m{i}", 1) if h.holder == client.holder_name]
