@@ -160,11 +160,14 @@ class Hub:
         self._fetches = Orchestrator(  # stateless: every run keeps its state on its stack
             me, self._reads, records, self.holdings, self._serving, hooks.reader(), self._readers
         )
-        self._layouts = LayoutPeers(  # readers in another layout (`fetch_slices(layout=)`)
+        layouts = LayoutPeers(  # readers in another layout (`fetch_slices(layout=)`)
             rpc, self.holdings, self._serving, records, LayoutHoldings(), hooks.reader(),
             self._readers,
         )  # fmt: skip
-        self.holdings.register_layout = lambda m, v: reregister_layout(self._layouts, me, m, v)
+        self._layouts = layouts
+        # a session recovery registers the held blocks again: the closure holds the layout
+        # readers, not the Hub (tests/ros/test_no_helper_holds_the_hub.py)
+        self.holdings.register_layout = lambda m, v: reregister_layout(layouts, me, m, v)
         if (
             isinstance(delta_hold_bytes, bool)
             or not isinstance(delta_hold_bytes, int)
