@@ -29,6 +29,7 @@ from ros.hub.shard_group import publish_shards
 from ros.hub.shard_publish import ShardJob
 from ros.hub.state import HubState
 from ros.hub.tenants import Tenant
+from ros.hub.views import checked_views, refuse_view_name, view_admission, views_charge
 from ros.manifest_check import check_manifest, check_topology
 from ros.metrics import HUB_PUBLISH_LIMIT, HUB_PUBLISHES_REFUSED, HUB_WATCHES
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
@@ -100,6 +101,7 @@ class VersionRPCs:
         check_companion(  # a reserved name: only a delta publish's own companion
             request, lambda base_model, base: self._header(tenant, base_model, base, timeout)
         )
+        refuse_view_name(request)  # a reserved name: views come only with their version
         manifest = request.manifest.SerializeToString()
         holder = holder_from_pb(request.holder, default_state=HolderState.COMPLETE)
         if session:
@@ -124,9 +126,10 @@ class VersionRPCs:
         tenant, timeout, model, version, manifest, holder, admit = self._publish_checks(
             request, call, session=False
         )
+        views = checked_views(request) if request.views else []  # docs/views.md
         charge = publish_charge(  # the etcd budget: refused here, before any write
-            self.hub.etcd, self.hub.keys, tenant, len(manifest), 0, timeout,
-            self.hub.history_period, self.hub.usage_cache,
+            self.hub.etcd, self.hub.keys, tenant, len(manifest) + views_charge(views), 0,
+            timeout, self.hub.history_period, self.hub.usage_cache,
         )  # fmt: skip
         check_manifest(  # every rule, before any write
             request.manifest, _what(request), model=request.model, version=request.version
@@ -134,7 +137,8 @@ class VersionRPCs:
         published = self.hub.versions(tenant).publish(
             tenant.name, model, version, manifest, holder, timeout=timeout,
             admit_model=admit, charge=charge, serial=model_serial(tenant.name, model),
-            session_key=self.hub.keys.session(tenant.name, holder.session),
+            session_key=self.hub.keys.session(tenant.name, holder.session), views=views,
+            admit_views=view_admission(self.hub, tenant, model, views) if views else None,
         )  # fmt: skip
         # what its readers' Resolves ask next: the header and manifest as stored (`stage`)
         parsed = pb.Manifest()
