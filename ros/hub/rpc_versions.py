@@ -29,7 +29,13 @@ from ros.hub.shard_group import publish_shards
 from ros.hub.shard_publish import ShardJob
 from ros.hub.state import HubState
 from ros.hub.tenants import Tenant
-from ros.hub.views import checked_views, refuse_view_name, view_admission, views_charge
+from ros.hub.views import (
+    check_pages,
+    checked_views,
+    refuse_view_name,
+    view_admission,
+    views_charge,
+)
 from ros.manifest_check import check_manifest, check_topology
 from ros.metrics import HUB_PUBLISH_LIMIT, HUB_PUBLISHES_REFUSED, HUB_WATCHES
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
@@ -127,6 +133,8 @@ class VersionRPCs:
             request, call, session=False
         )
         views = checked_views(request) if request.views else []  # docs/views.md
+        if views:
+            check_pages(len(manifest), views)
         charge = publish_charge(  # the etcd budget: refused here, before any write
             self.hub.etcd, self.hub.keys, tenant, len(manifest) + views_charge(views), 0,
             timeout, self.hub.history_period, self.hub.usage_cache,

@@ -19,20 +19,22 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from consistency import ops
-from consistency.manifests import check_manifest_size
+from consistency.manifests import INLINE_BYTES, PAGE_BYTES, check_manifest_size
 from consistency.quota import CountedCreate
+from consistency.shard_commit import MAX_TXN_OPS
 from consistency.usage import RECORD_BYTES
 from ros.hub.state import HubState
 from ros.hub.tenants import Tenant
 from ros.manifest_check import check_manifest
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.delta_rules import is_companion
-from tensorhub.errors import InvalidArgument, InvalidManifest, InvalidName
+from tensorhub.errors import InvalidArgument, InvalidManifest, InvalidName, ManifestTooLarge
 from tensorhub.view_rules import MAX_VIEWS, check_format, view_model, view_of
 
 META_FORMAT = "tensorhub.view"  # a view manifest's metadata: its format (`ros.views`)
 
 Guard = tuple[list[ops.Cmp], list[ops.Op]]
+TXN_OWN_OPS = 8  # a whole publish's own writes: budget, fence, header, holder, latest, ...
 
 
 def refuse_view_name(request: pb.PublishRequest) -> None:
@@ -78,6 +80,25 @@ def checked_views(request: pb.PublishRequest) -> list[tuple[str, bytes]]:
             raise InvalidManifest(f"{what}: its metadata must name {META_FORMAT} = {fmt!r}")
         out.append((name, view.manifest.SerializeToString()))
     return out
+
+
+def check_pages(manifest_bytes: int, views: list[tuple[str, bytes]]) -> None:
+    """`ManifestTooLarge`, before any write, when the version's and its views' manifest
+    pages would take more operations than one etcd transaction allows (`--max-txn-ops`,
+    128: each page is one commit and one compare, each view 3 writes and 1 compare, the
+    version's own writes and compares a few more)."""
+    pages = _pages(manifest_bytes) + sum(_pages(len(m)) for _, m in views)
+    ops_needed = pages + 3 * len(views) + TXN_OWN_OPS
+    if ops_needed > MAX_TXN_OPS:
+        raise ManifestTooLarge(
+            f"the manifests of the version and its {len(views)} views take {pages} pages of "
+            f"{PAGE_BYTES} bytes: with them, its transaction would take {ops_needed} "
+            f"operations, past etcd's {MAX_TXN_OPS}; publish fewer views"
+        )
+
+
+def _pages(size: int) -> int:
+    return 0 if size <= INLINE_BYTES else -(-size // PAGE_BYTES)
 
 
 def views_charge(views: list[tuple[str, bytes]]) -> int:

@@ -14,7 +14,9 @@ from consistency.events import EventKind
 from consistency.usage import RECORD_BYTES, Usage
 from ros.hub.server import HubServer
 from ros.hub.tenants import Quotas, TenantStore
+from ros.hub.views import check_pages
 from ros.views import make_view
+from tensorhub.errors import ManifestTooLarge
 
 FORMATS = ("fp8-block128", "mxfp8")
 
@@ -184,3 +186,12 @@ def test_bad_view_names_are_refused_with_named_errors(connect: Callable[..., ros
         client.fetch("policy", 1, view="fp8")
     with pytest.raises(ros.VersionNotFound):
         client.fetch("policy", 1, view="fp8-block128", timeout=10)  # never published
+
+
+def test_views_whose_pages_would_pass_one_transaction_are_refused_before_any_write() -> None:
+    """etcd's --max-txn-ops (128) bounds a version's and its views' manifest pages
+    together: past it, `ManifestTooLarge` naming the count, not etcd's refusal."""
+    big = bytes(45 << 20)  # 45 pages of 1 MiB
+    check_pages(40 << 20, [("policy.mxfp8", big)])  # 85 pages: fits
+    with pytest.raises(ManifestTooLarge, match="130 pages"):
+        check_pages(40 << 20, [("policy.mxfp8", big), ("policy.fp8-block128", big)])
