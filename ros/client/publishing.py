@@ -145,19 +145,29 @@ class Publisher:
                           checksum, metadata)  # fmt: skip
         index = None if shard is None else shard[0]
         companion = None
+        companions: list[Publication | None] = []  # the views' own, in `made`'s order
         try:
             if delta:
                 companion = self._publish_delta(held, manifest, shard, timeout)
+                companions = [self._publish_delta(view.held, view.manifest, None, timeout)
+                              for view in made]  # fmt: skip
             publication = self._publish(held, manifest, shard, timeout, start, send, made)
         except BaseException:
-            if companion is not None:
-                companion.release(force=True)
+            for published in (companion, *companions):
+                if published is not None:
+                    published.release(force=True)
             if delta:  # its encode brought the base copy to this version: not published
                 self._bases.forget(model, index)
+                for view in made:
+                    self._bases.forget(view.held.key[1], None)
             raise
         publication.companion = companion
+        for view, encoded in zip(made, companions, strict=False):
+            publication.views[view.fmt].companion = encoded
         if delta:
             self._bases.keep(model, index, held, manifest, base_copy)
+            for view in made:  # a view's delta is on its fp8 bytes and scales
+                self._bases.keep(view.held.key[1], None, view.held, view.manifest, base_copy)
         return publication
 
     def base_bytes(self) -> int:

@@ -9,7 +9,8 @@ inside the Publish of `model@v` (`PublishRequest.views`) and committed in its tr
 - views ride on whole versions only: a shard's Publish with views is refused
   (`InvalidArgument`), as is a delta companion's;
 - each view's format is known and asked once, its manifest passes every rule
-  (`ros.manifest_check`) and its size bound, and names its format in its metadata.
+  (`ros.manifest_check`: a delta section too, against the view's own companion) and its
+  size bound, and names its format in its metadata.
 
 The cost on a Publish without views: one suffix test of the model's name.
 """
@@ -74,8 +75,6 @@ def checked_views(request: pb.PublishRequest) -> list[tuple[str, bytes]]:
         what = f"manifest of the {fmt} view"
         check_manifest_size(view.manifest.ByteSize(), what)
         check_manifest(view.manifest, what, model=name, version=request.version)
-        if view.manifest.HasField("delta"):
-            raise InvalidManifest(f"{what}: a view is published whole, with no delta section")
         if view.manifest.metadata.get(META_FORMAT) != fmt:
             raise InvalidManifest(f"{what}: its metadata must name {META_FORMAT} = {fmt!r}")
         out.append((name, view.manifest.SerializeToString()))

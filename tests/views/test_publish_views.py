@@ -195,3 +195,35 @@ def test_views_whose_pages_would_pass_one_transaction_are_refused_before_any_wri
     check_pages(40 << 20, [("policy.mxfp8", big)])  # 85 pages: fits
     with pytest.raises(ManifestTooLarge, match="130 pages"):
         check_pages(40 << 20, [("policy.mxfp8", big), ("policy.fp8-block128", big)])
+
+
+def test_a_view_published_with_delta_is_read_as_a_delta_into_the_view_before(
+    connect: Callable[..., ros.Hub],
+) -> None:
+    """`delta=True` with views: each view is encoded against the publisher's copy of its
+    previous view (its fp8 bytes and scales), and a reader holding that view reads only the
+    encoded changes; the result is the view of the new weights, bit for bit."""
+    trainer, reader = connect(), connect()
+    first = llama(1)
+    trainer.publish("policy", 1, first, views=("fp8-block128",), delta=True)
+    held = reader.fetch("policy", 1, view="fp8-block128", timeout=30)
+    second = {k: v.clone() for k, v in first.items()}
+    for name, tensor in second.items():  # a small step: a few weights move
+        if name.endswith("q_proj.weight"):
+            tensor[:4] += 0.001
+    pub = trainer.publish("policy", 2, second, views=("fp8-block128",), delta=True)
+    own = pub.views["fp8-block128"].companion
+    assert own is not None
+    assert own.model == "policy.fp8-block128.delta"
+    info = trainer.inspect("policy.fp8-block128", 2)
+    assert info.manifest.delta.base == 1
+    tensors = held.tensors
+    held.release()
+    again = reader.fetch("policy", 2, view="fp8-block128", into=tensors, timeout=30)
+    assert again.delta is not None
+    assert again.delta.base == 1
+    assert again.delta.chunks > 0
+    expected, _ = make_view(second, "fp8-block128")
+    assert same(again.tensors, expected)
+    pub.release(force=True)
+    assert own.released  # the view's companion goes with the view
