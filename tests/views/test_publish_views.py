@@ -15,6 +15,7 @@ from consistency.usage import RECORD_BYTES, Usage
 from ros.hub.server import HubServer
 from ros.hub.tenants import Quotas, TenantStore
 from ros.hub.views import check_pages
+from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.views import make_view
 from tensorhub.errors import ManifestTooLarge
 
@@ -227,3 +228,15 @@ def test_a_view_published_with_delta_is_read_as_a_delta_into_the_view_before(
     assert same(again.tensors, expected)
     pub.release(force=True)
     assert own.released  # the view's companion goes with the view
+
+
+def test_a_view_model_is_deleted_as_any_model(connect: Callable[..., ros.Hub]) -> None:
+    """`DeleteModel` (`tensorhub delete`) of a view model: its versions go, its version's
+    stay, and the next publish with that view creates it again."""
+    trainer = connect()
+    trainer.publish("policy", 1, llama(0), views=("mxfp8",)).release(force=True)
+    trainer._rpc("DeleteModel", pb.DeleteModelRequest(model="policy.mxfp8"))
+    assert {m.name for m in trainer.list_models()} == {"policy"}
+    pub = trainer.publish("policy", 2, llama(1), views=("mxfp8",))
+    assert trainer.latest("policy.mxfp8") == 2
+    pub.release(force=True)
