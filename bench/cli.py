@@ -158,6 +158,10 @@ def run(args: argparse.Namespace) -> int:
         from bench.scale import cli as scale_cli
 
         return scale_cli.main(rest)
+    if name == "delta" and any(a == "--view" or a.startswith("--view=") for a in rest):
+        from bench import view_delta  # deltas of a view, by the bytes (no links, no root)
+
+        return view_delta.main(rest)
     if name == "views":  # what quantizing a view costs its publisher (bench.views)
         from bench import views
 

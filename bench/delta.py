@@ -116,6 +116,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "--tiny", action="store_true",
         help="a 0.9 MiB model of the same kind instead of the 69 MiB one (harness tests)",
     )  # fmt: skip
+    ap.add_argument(
+        "--view", metavar="FORMAT",
+        help="count the bytes of deltas of this view (fp8-block128, mxfp8) against bf16 deltas "
+        "instead, in process, no links (bench.view_delta: its own flags)",
+    )  # fmt: skip
 
 
 def _lrs(text: str) -> tuple[float, ...]:

@@ -58,6 +58,24 @@ class CountedCreate:
             raise QuotaExceeded(f"{count} {self._what} (quota {self._limit})")
         return [ops.mod(self._fence, "==", seen)], [ops.put(self._fence, b"")]
 
+    def admit_names(
+        self, timeout: float, names: Collection[str]
+    ) -> tuple[list[ops.Cmp], list[ops.Op]]:
+        """`admit` for several named creates in one transaction (a version's view models):
+        nothing to add if every name counts already, else `QuotaExceeded` unless all the
+        new ones fit. One fence read and one count, whatever the number of names."""
+        kv, _ = self._etcd.get(self._fence, timeout=timeout)
+        seen = kv.mod_revision if kv is not None else 0
+        members = self._members(timeout)  # read after the fence: anything newer bumps it
+        if isinstance(members, int):
+            raise InvalidArgument("a create by name needs the members by name, not a count")
+        new = len(set(names) - set(members))
+        if not new:
+            return [], []
+        if len(members) + new > self._limit:
+            raise QuotaExceeded(f"{len(members)} {self._what} and {new} more (quota {self._limit})")
+        return [ops.mod(self._fence, "==", seen)], [ops.put(self._fence, b"")]
+
     def admit_many(
         self, wanted: int, timeout: float
     ) -> tuple[int, list[ops.Cmp], list[ops.Op], QuotaExceeded | None]:

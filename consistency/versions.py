@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import Executor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
@@ -35,7 +36,8 @@ from consistency.publishing import DEFAULT_TIMEOUT, Admit, Charge, Published, Pu
 from consistency.records import HolderRecord, HolderState, PartHeader, ShardRecord
 from consistency.retry import USAGE_RACES, LostRace
 from consistency.shard_commit import Budget, ShardCommitter, ShardEntry
-from tensorhub.errors import InvalidArgument, TensorHubError
+from consistency.view_publish import StagedViews, ViewsCharge
+from tensorhub.errors import InvalidArgument, OutcomeUnknown, TensorHubError
 from tensorhub.names import validate_name, validate_version
 
 __all__ = ["DEFAULT_RETAIN", "VersionInfo", "VersionRegistry"]
@@ -199,6 +201,8 @@ class VersionRegistry:
         charge: Charge | None = None,
         serial: AbstractContextManager[object] | None = None,
         session_key: str | None = None,
+        views: Sequence[tuple[str, bytes]] = (),
+        admit_views: Admit | None = None,
     ) -> Published:
         """Publish `version` with its manifest and the publisher as first (COMPLETE) holder.
 
@@ -212,7 +216,11 @@ class VersionRegistry:
         key wait for each other here instead of failing each other's compares in etcd.
         `session_key` (the tenant's record of the holder's session) is compared in every
         write under that lease, pages included: a lease that is not the tenant's live
-        session fails it with `SessionExpired`, with no read before.
+        session fails it with `SessionExpired`, with no read before. `views` (view model,
+        manifest) are committed as version `version` of those models in the same
+        transaction (`consistency.view_publish`), with `admit_views` (the model quota's
+        admission of the model and its view models, in place of `admit_model`: one fence
+        put per transaction) asked at every attempt.
         """
         validate_version(version)
         check_manifest_size(len(manifest))
@@ -220,6 +228,11 @@ class VersionRegistry:
             raise InvalidArgument("a holder of a whole version cannot name a shard")
         holder = self._complete(holder)
         deadline = time.monotonic() + timeout
+        if views:
+            return self._publish_with_views(
+                tenant, model, version, manifest, holder, timeout, deadline, admit_model,
+                charge, serial, session_key, views, admit_views,
+            )  # fmt: skip
         staged = self.manifests.stage(
             tenant, model, version, None, manifest, holder.session, timeout=timeout,
             owner=session_key,
@@ -230,6 +243,52 @@ class VersionRegistry:
             [ops.put(self.keys.latest(tenant, model), str(version))], [],
             deadline, admit_model, charge=charge, serial=serial, session_key=session_key,
         )  # fmt: skip
+
+    def _publish_with_views(
+        self,
+        tenant: str,
+        model: str,
+        version: int,
+        manifest: bytes,
+        holder: HolderRecord,
+        timeout: float,
+        deadline: float,
+        admit_model: Admit | None,
+        charge: Charge | None,
+        serial: AbstractContextManager[object] | None,
+        session_key: str | None,
+        views: Sequence[tuple[str, bytes]],
+        admit_views: Admit | None,
+    ) -> Published:
+        """`publish` with views: each view's manifest staged, and its writes, compares,
+        quota admission and charge joined to the version's transaction
+        (`consistency.view_publish`); its retention run after."""
+        for _, view_manifest in views:
+            check_manifest_size(len(view_manifest))
+        staged_views = StagedViews(self.keys, self.manifests, tenant, version)
+        staged_views.stage(views, holder, timeout=timeout, owner=session_key)
+        try:
+            staged = self.manifests.stage(
+                tenant, model, version, None, manifest, holder.session, timeout=timeout,
+                owner=session_key,
+            )  # fmt: skip
+            published = self._publisher.publish_staged(
+                tenant, model, version, holder, staged, self.keys.manifest(tenant, model, version),
+                replace(staged.header, session=holder.session).encode(),
+                [ops.put(self.keys.latest(tenant, model), str(version)),
+                 *staged_views.writes(holder)],
+                [], deadline, None if admit_views is not None else admit_model,
+                charge=ViewsCharge(charge, admit_views, staged_views),
+                serial=serial, session_key=session_key,
+            )  # fmt: skip
+        except OutcomeUnknown:
+            raise  # the pages may be live now; if not, they go with the lease
+        except BaseException:
+            staged_views.discard(DEFAULT_TIMEOUT / 2)
+            raise
+        if published.visible:
+            self._after_views(tenant, model, staged_views.models)
+        return published
 
     def stage_shard(
         self,
@@ -350,6 +409,36 @@ class VersionRegistry:
             return USAGE_RACES.compare_and_set(attempt, None, lambda: LostRace("usage busy"))
         except LostRace:
             return False
+
+    def collect_view(
+        self, tenant: str, model: str, view: str, *, timeout: float | None = None
+    ) -> list[int]:
+        """Delete the versions of `view` (a view model of `model`) older than the oldest
+        version of `model` that retention keeps, except pinned ones: a view goes with its
+        version (docs/views.md)."""
+        kept = self.retained(tenant, model, timeout=timeout)
+        if len(kept) < self.retain:
+            return []
+        found, _ = self._scan(tenant, view, timeout)
+        return [
+            version
+            for version in sorted(v for v in found if v < kept[0])
+            if self._delete_unpinned(tenant, view, version, timeout)
+        ]
+
+    def _after_views(self, tenant: str, model: str, views: Sequence[str]) -> None:
+        """Retention of the views a publish of `model` made visible (on `collector`)."""
+        for view in views:
+            if self._collector is not None:
+                self._collector.submit(self._collect_view_quietly, tenant, model, view)
+            else:
+                self._collect_view_quietly(tenant, model, view)
+
+    def _collect_view_quietly(self, tenant: str, model: str, view: str) -> None:
+        try:
+            self.collect_view(tenant, model, view)
+        except TensorHubError as exc:  # best effort, as `_collect_quietly`
+            log.warning("retention for %s/%s failed: %s", tenant, validate_name(view), exc)
 
     def _after_publish(self, tenant: str, model: str) -> None:
         """Retention after a publish made a version visible: on `collector` when given."""

@@ -33,10 +33,12 @@ from ros.cli.progress import Bar
 from ros.cli.query import parse_target
 from ros.cli.rss import Memory, memory, mib
 from ros.cli.serving import Interrupts, Readers, drain, say_stderr, stop, wait_interrupted
+from ros.cli.viewdir import view_config
 from ros.client.hub import Hub
 from ros.manifest_check import check_manifest
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import InvalidArgument, InvalidManifest
+from tensorhub.view_rules import view_model
 
 DESCRIPTION = """\
 Fetch MODEL@V (or MODEL@latest) into DIR as save_pretrained writes a model: safetensors
@@ -79,6 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--force", action="store_true", help="replace DIR from an earlier fetch")
     parser.add_argument(
         "--serve", action="store_true", help="then hold the version and serve it until Ctrl-C"
+    )
+    parser.add_argument(
+        "--view",
+        metavar="FORMAT",
+        help="fetch this view of the version (fp8-block128, mxfp8: docs/views.md); config.json "
+        "gets its quantization_config",
     )
     parser.add_argument(
         "--max-shard-size",
@@ -131,6 +139,8 @@ def _sigterm(signum: int, frame: FrameType | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     model, number = parse_target(args.target)
+    if args.view is not None:
+        model = view_model(model, args.view)  # MODEL@V's view: version V of MODEL.FORMAT
     max_shard = parse_size(args.max_shard_size)
     if args.deadline <= 0:
         raise InvalidArgument("--deadline must be positive")
@@ -170,7 +180,7 @@ def _run(
                 "shards with the SDK's fetch(shard=i))"
             )
         files = plan_files(global_tensors(parts), max_shard)
-        carried = _carried(parts)
+        carried = view_config(_carried(parts), parts[0].metadata)
         _check_own(files, carried, f"{model}@{version}")
         total = sum(s.nbytes for f in files for s in f.specs)
         output.check_space(sum(f.nbytes for f in files) + sum(map(len, carried.files.values())))

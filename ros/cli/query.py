@@ -9,10 +9,12 @@ from typing import Any
 import grpc
 
 from ros.cli.common import add_hub_flags, hub_stub, print_json, print_table, tenant_metadata
+from ros.cli.viewdir import view_line, view_summary
 from ros.errors import from_rpc_error
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import InvalidArgument, VersionNotFound
 from tensorhub.names import validate_name
+from tensorhub.view_rules import view_model
 
 _STATES = {pb.PARTIAL: "PARTIAL", pb.COMPLETE: "COMPLETE"}
 
@@ -27,6 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
             type=int,
             default=0,
             help="holders per request to the hub (default: the hub's, 500; at most 5000)",
+        )
+        parser.add_argument(
+            "--view",
+            metavar="FORMAT",
+            help="this view of the version (fp8-block128, mxfp8): version V of MODEL.FORMAT",
         )
     add_hub_flags(parser)
     parser.set_defaults(query=name)
@@ -98,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
             )
         return 0
     model, version = parse_target(args.target)
+    if args.view is not None:
+        model = view_model(model, args.view)
     info = _inspect(args, model, version)
     holders = _holder_rows(info.holders)
     parts = list(info.shards) or [info.manifest]  # a model-parallel version: one per shard
@@ -137,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
         "holders": holders,
         "pins": list(info.pins),
         "delta": delta,
+        "view": view_summary(model, info.manifest),
         "revision": info.revision,
     }
     if args.json:
@@ -154,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"    {h['name']:<32} {h['state']:<8} {','.join(h['endpoints'].values())}{part}")
     if data["pins"]:
         print(f"  pinned by: {', '.join(data['pins'])}")
+    if data["view"] is not None:
+        print(f"  {view_line(data['view'], info.version)}")
     if delta is not None:
         share = delta["encoded_bytes"] / data["bytes"] if data["bytes"] else 0.0
         print(

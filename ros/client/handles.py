@@ -76,6 +76,8 @@ class _Handle:
         # the version of `{model}.delta` that serves this one's encoded chunks, when this
         # client publishes or holds it (delta versions): released with this one
         self.companion: _Handle | None = None
+        # the views published with this version (format -> its handle): released with it
+        self.views: dict[str, _Handle] = {}
 
     def release(
         self,
@@ -92,6 +94,8 @@ class _Handle:
         is changed), or, with `spill`, written to that safetensors file and served from it.
         `force=True` drops it instead.
         """
+        for view in self.views.values():  # docs/views.md: served until their version is released
+            view.release(force=force, timeout=timeout)
         companion = self.companion  # bytes saved, never needed for a version's data
         if companion is None or companion.released:
             self._release_own(force, timeout, spill)

@@ -63,6 +63,7 @@ from tensorhub.delta_rules import SUFFIX, is_companion
 from tensorhub.endpoints import format_endpoint
 from tensorhub.errors import InvalidArgument
 from tensorhub.names import validate_name
+from tensorhub.view_rules import view_model
 from transport.backend import TransportKind, enabled_transports
 from transport.pace import DEFAULT_RATE_FLOOR
 from transport.tls import TlsConfig
@@ -224,6 +225,7 @@ class Hub:
         delta: bool = False,
         base_copy: str = "host",
         group: ProcessGroup | None = None,
+        views: Sequence[str] = (),
     ) -> Publication:
         """Publish `version` of `model`, served from these tensors' own memory.
 
@@ -261,6 +263,11 @@ class Hub:
         a delta against this one: only what changed, encoded losslessly, for readers whose
         memory holds this version (docs/sdk.md, "Delta versions"). The version itself is
         published and served whole as always.
+
+        `views` (formats: "fp8-block128", "mxfp8"): each view of these tensors, quantized
+        here on their device, published as version `version` of `{model}.{format}` in the
+        same transaction as this version (docs/views.md); `Publication.views` has their
+        handles, released with it. Whole versions only.
         """
         if is_companion(model):
             raise InvalidArgument(
@@ -270,7 +277,7 @@ class Hub:
         return self._publisher.publish(
             model, version, tensors, chunk_size=chunk_size, timeout=timeout, shard=shard,
             placements=placements, checksum=checksum, metadata=metadata, delta=delta,
-            base_copy=base_copy, group=group,
+            base_copy=base_copy, group=group, views=views,
         )  # fmt: skip
 
     def fetch(
@@ -285,6 +292,7 @@ class Hub:
         progress: ProgressCallback | None = None,
         base: int | None = None,
         delta: bool = True,
+        view: str | None = None,
     ) -> Held:
         """Read `model@version` from its holders, in place into `into` or into new tensors.
 
@@ -316,7 +324,12 @@ class Hub:
         its own earlier fetch of the model), only the encoded changes are read, applied in
         place and verified; a chunk of `into` that is not exactly the base's is read whole.
         `Held.delta` says what the delta did. `delta=False` reads every chunk whole.
+
+        `view` (a format: "fp8-block128", "mxfp8"): read that view of the version instead,
+        version `version` of the model `{model}.{view}` (docs/views.md), and hold it.
         """
+        if view is not None:
+            model = view_model(model, view)
         return fetching.fetch(
             self._fetches, self.holdings, self._handles, model, version, into=into,
             timeout=timeout, shard=shard, rate_floor=rate_floor, progress=progress,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -27,6 +27,7 @@ from ros.client.reads import FreshReads
 from ros.client.records import HolderRecords
 from ros.client.rpc import Rpc
 from ros.client.serving import Serving
+from ros.client.view_publish import MadeView, check_publish_views, make_views
 from ros.manifest_check import check_manifest
 from ros.metrics import SDK_PUBLISH_SECONDS
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
@@ -102,9 +103,12 @@ class Publisher:
         base_copy: str = "host",
         group: ProcessGroup | None = None,
         send: Send | None = None,
+        views: Sequence[str] = (),
     ) -> Publication:
         """`Hub.publish` (its docstring says what a caller gets). `send`: this rank's
-        Publish through its group's one call (`ros.client.group_publish`)."""
+        Publish through its group's one call (`ros.client.group_publish`). `views`: the
+        view formats published with it (`ros.client.view_publish`)."""
+        formats = check_publish_views(model, views, shard, placements, group)
         if group is not None:
             return publish_in_group(group, self._rpc, lambda send: self.publish(
                 model, version, tensors, chunk_size=chunk_size, timeout=timeout, shard=shard,
@@ -112,6 +116,8 @@ class Publisher:
                 base_copy=base_copy, send=send,
             ))  # fmt: skip
         derived = for_publish(tensors, shard, placements)  # a state dict of DTensors
+        if derived is not None and formats:
+            check_publish_views(model, views, (0, 0), None, None)  # refused: model-parallel
         if derived is not None:
             if derived.shard is None:  # this rank publishes no block (a replica): no shard
                 empty = self._handles.publication(model, version, {}, 0, False, None)
@@ -135,21 +141,33 @@ class Publisher:
         manifest = manifest_of(held, placements, checksum)
         if metadata:
             manifest.metadata.update(metadata)
+        made = make_views(self._me.tenant, model, version, own, formats, held.layout.chunk_size,
+                          checksum, metadata)  # fmt: skip
         index = None if shard is None else shard[0]
         companion = None
+        companions: list[Publication | None] = []  # the views' own, in `made`'s order
         try:
             if delta:
                 companion = self._publish_delta(held, manifest, shard, timeout)
-            publication = self._publish(held, manifest, shard, timeout, start, send)
+                companions = [self._publish_delta(view.held, view.manifest, None, timeout)
+                              for view in made]  # fmt: skip
+            publication = self._publish(held, manifest, shard, timeout, start, send, made)
         except BaseException:
-            if companion is not None:
-                companion.release(force=True)
+            for published in (companion, *companions):
+                if published is not None:
+                    published.release(force=True)
             if delta:  # its encode brought the base copy to this version: not published
                 self._bases.forget(model, index)
+                for view in made:
+                    self._bases.forget(view.held.key[1], None)
             raise
         publication.companion = companion
+        for view, encoded in zip(made, companions, strict=False):
+            publication.views[view.fmt].companion = encoded
         if delta:
             self._bases.keep(model, index, held, manifest, base_copy)
+            for view in made:  # a view's delta is on its fp8 bytes and scales
+                self._bases.keep(view.held.key[1], None, view.held, view.manifest, base_copy)
         return publication
 
     def base_bytes(self) -> int:
@@ -206,21 +224,29 @@ class Publisher:
         timeout: float | None,
         start: float,
         send: Send | None = None,
+        views: Sequence[MadeView] = (),
     ) -> Publication:
         """Publish `held` with `manifest`: the hub's checks here first, then the holding,
-        the Publish call (or `send`) and its handle."""
+        the Publish call (or `send`) and its handle. `views`: held and published with it,
+        in the same Publish (each its own version, `ros.client.view_publish`)."""
         _, model, version = held.key
         # the hub's own rules, so a manifest it would refuse fails here with its message
         what = "manifest" if shard is None else f"manifest of shard {shard[0]}"
         check_manifest(manifest, what, model=model, version=version)
+        for view in views:
+            check_manifest(view.manifest, f"manifest of the {view.fmt} view",
+                           model=view.held.key[1], version=version)  # fmt: skip
         self._serving.start()
         index = None if shard is None else shard[0]
+        keys = [held.key, *(view.held.key for view in views)]
         with self._lock:
-            doubted = held.key in self._in_doubt
-            self._in_doubt.discard(held.key)
-        if doubted:  # the retry OutcomeUnknown asks for: it replaces the in-doubt holding
-            self._holdings.drop(held.key, 0.0)
+            doubted = [key for key in keys if key in self._in_doubt]
+            self._in_doubt.difference_update(keys)
+        for key in doubted:  # the retry OutcomeUnknown asks for: it replaces the holding
+            self._holdings.drop(key, 0.0)
         self._holdings.hold(held, index)
+        for view in views:
+            self._holdings.hold(view.held, None)
         request = pb.PublishRequest(
             model=model,
             version=version,
@@ -229,6 +255,8 @@ class Publisher:
         )
         if shard is not None:
             request.shard_index, request.shard_count = shard
+        for view in views:
+            request.views.append(pb.PublishView(format=view.fmt, manifest=view.manifest))
         try:
             response = (
                 self._publish_rpc(request, timeout) if send is None else send(request, timeout)
@@ -238,16 +266,23 @@ class Publisher:
             # serving the tensors (until it publishes again, or closes); a landed shard of a
             # visible version stays readable.
             with self._lock:
-                self._in_doubt.add(held.key)
+                self._in_doubt.update(keys)
             raise
         except BaseException:
-            self._holdings.drop(held.key, 0.0)  # its shard too
+            for key in keys:
+                self._holdings.drop(key, 0.0)  # its shard too
             raise
         self._floor.observe(response.revision)
         SDK_PUBLISH_SECONDS.observe(time.monotonic() - start)
-        return self._handles.publication(
-            model, version, held.tensors, int(response.revision), bool(response.visible), index
+        revision, visible = int(response.revision), bool(response.visible)
+        publication = self._handles.publication(
+            model, version, held.tensors, revision, visible, index
         )
+        for view in views:
+            publication.views[view.fmt] = self._handles.publication(
+                view.held.key[1], version, view.held.tensors, revision, visible, None
+            )
+        return publication
 
     def _publish_rpc(self, request: pb.PublishRequest, timeout: float | None) -> pb.PublishResponse:
         """Publish; if the reply is lost, find out from the hub whether it landed.

@@ -6,7 +6,7 @@ handlers receive: the budget and the models quota of a publish, over the replica
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from consistency import Etcd, Keys, ops
 from consistency.manifests import INLINE_BYTES, SHARD_INLINE_BYTES
@@ -132,6 +132,21 @@ class Budgets:
             return quota.admit(remaining, model)
 
         return admit
+
+    def admission_of(
+        self, tenant: Tenant, versions: VersionRegistry, names: Sequence[str]
+    ) -> Callable[[float], Guard]:
+        """The models quota's admission of a publish of a model and its view models
+        (docs/views.md): those not yet models of the tenant count against `max_models`, and
+        the fence is put once, in place of the model's own admission."""
+        quota = CountedCreate(
+            self._etcd,
+            self._keys.quota_fence(tenant.name, "models"),
+            tenant.quotas.max_models,
+            lambda t: versions.models(tenant.name, timeout=t),
+            f"models of tenant {tenant.name}",
+        )
+        return lambda remaining: quota.admit_names(remaining, list(names))
 
 
 class _Counted:

@@ -36,6 +36,7 @@ from ros.hub.rpc import Registries, streaming, unary, unary_async
 from ros.hub.shard_group import publish_shards
 from ros.hub.shard_publish import ShardBatches, ShardJob
 from ros.hub.tenants import Tenant, TenantStore
+from ros.hub.views import check_pages, checked_views, refuse_view_name, views_charge
 from ros.manifest_check import check_manifest, check_topology
 from ros.metrics import HUB_PUBLISH_LIMIT, HUB_PUBLISHES_REFUSED, HUB_WATCHES
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
@@ -134,6 +135,7 @@ class VersionRPCs:
         check_companion(  # a reserved name: only a delta publish's own companion
             request, lambda base_model, base: self._header(tenant, base_model, base, timeout)
         )
+        refuse_view_name(request)  # a reserved name: views come only with their version
         manifest = request.manifest.SerializeToString()
         holder = holder_from_pb(request.holder, default_state=HolderState.COMPLETE)
         if session:
@@ -147,15 +149,23 @@ class VersionRPCs:
         tenant, timeout, model, version, manifest, holder, admit = self._publish_checks(
             request, call, session=False
         )
+        views = checked_views(request) if request.views else []  # docs/views.md
+        if views:
+            check_pages(len(manifest), views)
         # the etcd budget: refused here, before any write
-        charge = self.hub.budgets.whole(tenant, len(manifest), timeout)
+        charge = self.hub.budgets.whole(tenant, len(manifest) + views_charge(views), timeout)
         check_manifest(  # every rule, before any write
             request.manifest, _what(request), model=request.model, version=request.version
         )
         published = self.hub.versions(tenant).publish(
             tenant.name, model, version, manifest, holder, timeout=timeout,
             admit_model=admit, charge=charge, serial=model_serial(tenant.name, model),
-            session_key=self.hub.sessions.key(tenant.name, holder.session),
+            session_key=self.hub.sessions.key(tenant.name, holder.session), views=views,
+            admit_views=(
+                self.hub.budgets.admission_of(
+                    tenant, self.hub.versions(tenant), [model, *(name for name, _ in views)]
+                ) if views else None
+            ),
         )  # fmt: skip
         # what its readers' Resolves ask next: the header and manifest as stored (`stage`)
         parsed = pb.Manifest()

@@ -164,20 +164,30 @@ class CloseSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("model", "version", "manifest", "holder", "shard_index", "shard_count")
+    __slots__ = ("model", "version", "manifest", "holder", "shard_index", "shard_count", "views")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     HOLDER_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    VIEWS_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     manifest: Manifest
     holder: Holder
     shard_index: int
     shard_count: int
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ...) -> None: ...
+    views: _containers.RepeatedCompositeFieldContainer[PublishView]
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., views: _Optional[_Iterable[_Union[PublishView, _Mapping]]] = ...) -> None: ...
+
+class PublishView(_message.Message):
+    __slots__ = ("format", "manifest")
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    format: str
+    manifest: Manifest
+    def __init__(self, format: _Optional[str] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
     __slots__ = ("version", "revision", "visible")
