@@ -26,6 +26,7 @@ bytes as `pb.Manifest` does.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -122,8 +123,13 @@ def names_pass(items: Sequence[bytes], reserved: Collection[str], max_bytes: int
     distinct = set(items)
     if len(distinct) != len(items) or b"" in distinct:
         return False
-    if any(_Name(name=name).SerializeToString() in distinct for name in reserved):
-        return False
-    # the longest item within the bound (a tag, the length's varint, `max_bytes` bytes)
-    longest = len(_Name(name="x" * max_bytes).SerializeToString())
-    return max(map(len, items)) <= longest
+    refused, longest = _bounds(frozenset(reserved), max_bytes)
+    return distinct.isdisjoint(refused) and max(map(len, items)) <= longest
+
+
+@functools.cache
+def _bounds(reserved: frozenset[str], max_bytes: int) -> tuple[frozenset[bytes], int]:
+    """The items of the `reserved` names, and the longest item of a name within `max_bytes`
+    (a tag, the length's varint, `max_bytes` bytes)."""
+    refused = frozenset(_Name(name=name).SerializeToString() for name in reserved)
+    return refused, len(_Name(name="x" * max_bytes).SerializeToString())
