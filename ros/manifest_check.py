@@ -22,6 +22,7 @@ import math
 import operator
 from collections.abc import Mapping, Sequence
 
+from ros import tensor_table
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.checksum_kinds import KINDS, LINEAR
 from tensorhub.delta_rules import ENCODINGS as DELTA_ENCODINGS
@@ -87,19 +88,23 @@ def check_manifest(
     *,
     model: str | None = None,
     version: int | None = None,
+    serialized: bytes | None = None,
 ) -> None:
     """Raise `InvalidManifest` naming the first rule `manifest` breaks (`what` names it in
     the message: "manifest of shard 3"); return if every reader can use it. With `model`
-    and `version` (the publish's), a delta section is checked against them too."""
+    and `version` (the publish's), a delta section is checked against them too. With
+    `serialized` (`manifest.SerializeToString()`, which a hub has made anyway), its tensor
+    table is checked from those bytes (`ros.tensor_table`: the same rules, the same
+    refusals, with work in C)."""
     try:
-        _check_manifest(manifest)
+        _check_manifest(manifest, serialized)
         if manifest.HasField("delta"):
             _check_delta(manifest, model, version)
     except InvalidManifest as exc:
         raise InvalidManifest(f"{what}: {exc}") from None
 
 
-def _check_manifest(manifest: pb.Manifest) -> None:
+def _check_manifest(manifest: pb.Manifest, serialized: bytes | None) -> None:
     if not manifest.tensors:
         raise InvalidManifest("lists no tensors")
     size, total = manifest.chunk_size, manifest.total_bytes
@@ -119,7 +124,7 @@ def _check_manifest(manifest: pb.Manifest) -> None:
             f"has {len(manifest.chunk_xxh3)} checksums for {chunks} chunks "
             f"({total} bytes in chunks of {size})"
         )
-    if not _tensors_pass(manifest.tensors, total):
+    if not _table_passes(manifest, serialized):
         _walk_tensors(manifest.tensors, total)  # a rule is broken: name the first
     check_metadata(manifest.metadata, "metadata")
 
@@ -141,6 +146,26 @@ def _walk_tensors(tensors: Sequence[pb.TensorEntry], total: int) -> None:
             raise InvalidManifest(
                 f"tensor {entry.name!r} ends at byte {end}, past total_bytes {total}"
             )
+
+
+def _table_passes(manifest: pb.Manifest, serialized: bytes | None) -> bool:
+    """Whether every tensor entry passes every rule `_walk_tensors` applies: from the
+    manifest's bytes where given (its names in bulk, its layout once per distinct layout:
+    `ros.tensor_table`), else by `_tensors_pass`. Never True when the walk would refuse."""
+    total = manifest.total_bytes
+    if serialized is None:
+        return _tensors_pass(manifest.tensors, total)
+    key = tensor_table.layout_key(serialized, total)
+    if key is None or not tensor_table.passed(key):
+        if not _tensors_pass(manifest.tensors, total):
+            return False
+        if key is not None:
+            tensor_table.remember(key)  # the names passed too, and the layout is theirs alone
+        return True
+    items = tensor_table.names(serialized)
+    return items is not None and tensor_table.names_pass(
+        items, RESERVED_TENSOR_NAMES, MAX_TENSOR_NAME_BYTES
+    )
 
 
 def _tensors_pass(tensors: Sequence[pb.TensorEntry], total: int) -> bool:

@@ -14,7 +14,9 @@ as a Llama layer's, 64 x 64 float32 each), so that 4,096 of them exceed one gRPC
 one etcd value. The requests are built before the clock starts (in a trainer every rank
 builds its own, at once, before the gather). Time until visible: from the call's start to its
 answer (every shard committed by then), against a one-shard publish in the same World, and as
-shards per second. Checked: every shard committed, exactly the last batch says visible, Latest
+shards per second; `hub_cpu_s`, the CPU seconds the hub process used over the call (its
+two Latest reads included), which a loaded machine moves far less than the wall time.
+Checked: every shard committed, exactly the last batch says visible, Latest
 0 before and 1 after. `etcd_writes`: the revisions etcd used during the call (the sessions
 were opened before).
 """
@@ -119,6 +121,7 @@ def group_case(world: World, case: str, count: int, tensors: int, timeout: float
     }  # fmt: skip
     sessions = asyncio.run(_open(world.address, world.token, out["sessions"]))
     rev0 = world.status()["revision"]
+    cpu0 = world.hub_stats().cpu_s
     try:
         answer, seconds, before, after = asyncio.run(
             _call(world.address, world.token, model, count, sessions, tensors, timeout)
@@ -126,6 +129,7 @@ def group_case(world: World, case: str, count: int, tensors: int, timeout: float
     except grpc.aio.AioRpcError as exc:
         out.update(ok=False, failed=first_error([exc]))
         return out
+    out["hub_cpu_s"] = world.hub_stats().cpu_s - cpu0
     out["etcd_writes"] = world.status()["revision"] - rev0
     errors = [o for o in answer.outcomes if o.error]
     visible = {o.revision for o in answer.outcomes if o.visible}
@@ -158,7 +162,8 @@ def summary(r: dict[str, Any]) -> str:
     return (
         f"  {what} x{r['replicas']}: visible after {r['seconds']:.2f}s "
         f"({'-' if ratio is None else f'{ratio:.0f}'}x one shard, "
-        f"{r['shards_per_second']:.0f} shards/s), etcd revisions {r.get('etcd_writes')}, "
+        f"{r['shards_per_second']:.0f} shards/s, hub CPU {r.get('hub_cpu_s', 0):.2f}s), "
+        f"etcd revisions {r.get('etcd_writes')}, "
         f"published {r.get('published')}, Latest {r.get('latest_before')}->"
         f"{r.get('latest_after')}, failures {r.get('failures')}"
         + (f" ({r['first_error']})" if r.get("first_error") else "")

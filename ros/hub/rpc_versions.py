@@ -110,33 +110,44 @@ class VersionRPCs:
         self, request: pb.PublishRequest, call: CallContext, *, group: bool = False
     ) -> tuple[str, int, ShardJob]:
         """One shard checked and staged (of a `group` call, its manifest ready for its
-        batch's pack: `consistency.manifest_packs`)."""
-        if not written_before_batch(request.manifest.ByteSize(), group) and not is_companion(
-            request.model
-        ):
+        batch's pack: `consistency.manifest_packs`). Its manifest is serialized once, here:
+        its size, its check (`check_manifest(serialized=)`), its digest and what is stored
+        all come from those bytes."""
+        manifest = request.manifest.SerializeToString()
+        if not written_before_batch(len(manifest), group) and not is_companion(request.model):
             # Nothing to read or write before the batch: checked here, on the loop,
             # without a trip through the worker pool (a burst is thousands of these).
             # A companion's shard may read its base's header: in a worker.
-            return self._stage_shard(request, call, group)
-        return await self.hub.blocking(self._stage_shard, request, call, group, deadline_of=call)
+            return self._stage_shard(request, call, group, manifest)
+        return await self.hub.blocking(
+            self._stage_shard, request, call, group, manifest, deadline_of=call
+        )
 
     def _publish_checks(
-        self, request: pb.PublishRequest, call: CallContext, *, session: bool
+        self,
+        request: pb.PublishRequest,
+        call: CallContext,
+        *,
+        session: bool,
+        manifest: bytes | None = None,
     ) -> tuple[Tenant, float, str, int, bytes, HolderRecord, Admit]:
         """What every publish checks first: the caller, the bounds, its session (with
         `session`; else the batch's own transaction does); and the model quota's admission.
         The callers check the budget next (one etcd read: a refusal costs little) and then
-        every manifest rule (a walk over every tensor), all before any write."""
+        every manifest rule (a walk over every tensor), all before any write. `manifest`:
+        the request's manifest as serialized by the caller (a shard's), else serialized here."""
         tenant = call.tenant()
         timeout = self.hub.timeout(call)
         model = validate_name(request.model, "model")
         version = validate_version(request.version)
-        _check_publish_limits(request)  # bounds first: a limit answers before any work
+        # bounds first: a limit answers before any work
+        _check_publish_limits(request, None if manifest is None else len(manifest))
         check_companion(  # a reserved name: only a delta publish's own companion
             request, lambda base_model, base: self._header(tenant, base_model, base, timeout)
         )
         refuse_view_name(request)  # a reserved name: views come only with their version
-        manifest = request.manifest.SerializeToString()
+        if manifest is None:
+            manifest = request.manifest.SerializeToString()
         holder = holder_from_pb(request.holder, default_state=HolderState.COMPLETE)
         if session:
             self.hub.sessions.own(tenant.name, holder.session, timeout)
@@ -178,23 +189,24 @@ class VersionRPCs:
         return published
 
     def _stage_shard(
-        self, request: pb.PublishRequest, call: CallContext, group: bool = False
+        self, request: pb.PublishRequest, call: CallContext, group: bool, serialized: bytes
     ) -> tuple[str, int, ShardJob]:
-        """A shard publish checked and its manifest staged: a job for its version's next
-        batch. Its session and budget are checked in the batch's own transaction, race-free
-        and once per batch; only a shard whose manifest is paged (a write before the batch)
-        checks them first, so that a refused publish writes nothing."""
-        paged = written_before_batch(request.manifest.ByteSize(), group)
+        """A shard publish checked and its manifest (`serialized`) staged: a job for its
+        version's next batch. Its session and budget are checked in the batch's own
+        transaction, race-free and once per batch; only a shard whose manifest is paged (a
+        write before the batch) checks them first, so that a refused publish writes nothing."""
+        paged = written_before_batch(len(serialized), group)
         tenant, timeout, model, version, manifest, holder, admit = self._publish_checks(
-            request, call, session=paged
+            request, call, session=paged, manifest=serialized
         )
         if paged:  # the tokens its arrival takes, as far as the version's counter says now
             self.hub.budgets.shard(
                 tenant, model, version, len(manifest), request.shard_count, timeout
             )
         check_manifest(  # every rule, before any write
-            request.manifest, _what(request), model=request.model, version=request.version
-        )
+            request.manifest, _what(request), model=request.model, version=request.version,
+            serialized=manifest,
+        )  # fmt: skip
         versions = self.hub.versions(tenant)
         entry = versions.stage_shard(
             tenant.name, model, version, request.shard_index, request.shard_count, manifest,
@@ -469,16 +481,17 @@ HUB_PUBLISH_LIMIT.labels("manifest_bytes").set(MAX_MANIFEST_BYTES)
 HUB_PUBLISH_LIMIT.labels("shards").set(MAX_SHARDS)
 
 
-def _check_publish_limits(request: pb.PublishRequest) -> None:
+def _check_publish_limits(request: pb.PublishRequest, size: int | None = None) -> None:
     """The scale envelope's bounds (docs/design.md), before any work: `InvalidArgument` past
     `MAX_SHARDS`,
-    `ManifestTooLarge` past `MAX_MANIFEST_BYTES` (counted in the refusal metric by limit)."""
+    `ManifestTooLarge` past `MAX_MANIFEST_BYTES` (counted in the refusal metric by limit).
+    `size`: the manifest's bytes, where the caller has them counted."""
     limit = "shards"
     try:
         if request.shard_count:
             check_shard_count(request.shard_count)
         limit = "manifest_bytes"
-        check_manifest_size(request.manifest.ByteSize())
+        check_manifest_size(request.manifest.ByteSize() if size is None else size)
     except InvalidArgument:
         HUB_PUBLISHES_REFUSED.labels(limit).inc()
         raise

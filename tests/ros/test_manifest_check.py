@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import transport.layout as layout_module
+from ros import tensor_table
 from ros.client.manifest import layout_of
 from ros.manifest_check import (
     ALIGN,
@@ -225,6 +226,55 @@ def test_the_bulk_pass_holds_every_name_and_placement_rule() -> None:
     assert not _bulk_and_walk_agree(m)
     m = good(total=8000)  # the last tensor ends past total_bytes
     assert not _bulk_and_walk_agree(m)
+
+
+def _refusal(m: pb.Manifest, serialized: bytes | None) -> str:
+    """The message check_manifest refuses `m` with ("" if it passes)."""
+    try:
+        check_manifest(m, model="policy", version=2, serialized=serialized)
+    except InvalidManifest as exc:
+        return str(exc)
+    return ""
+
+
+def _same_from_bytes(m: pb.Manifest) -> str:
+    """check_manifest of `m` from its bytes (`ros.tensor_table`) refuses exactly as the
+    check of the message does, with the same message; which one, for the caller."""
+    expected = _refusal(m, None)
+    assert _refusal(m, m.SerializeToString()) == expected
+    return expected
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_check_from_bytes_refuses_each_case_as_the_message_check(case: str) -> None:
+    """With the bytes of a manifest, its tensor table is checked from them: each case is
+    refused with the same message whether its layout was never seen or a valid manifest of
+    another layout passed first."""
+    assert _same_from_bytes(broken(case))
+    assert _same_from_bytes(good()) == ""  # good()'s layout is remembered as checked
+    assert _same_from_bytes(broken(case))
+
+
+def test_a_remembered_layout_still_has_its_names_and_total_checked() -> None:
+    """A layout that passed once passes on its bytes alone, so every name rule must still
+    hold for a manifest of the same layout, and another total_bytes is another layout."""
+    m = good()
+    assert _same_from_bytes(m) == ""
+    key = tensor_table.layout_key(m.SerializeToString(), m.total_bytes)
+    assert key is not None
+    assert tensor_table.passed(key)
+    for name in ("", "__metadata__", "b", "x" * (MAX_TENSOR_NAME_BYTES + 1),
+                 "é" * (MAX_TENSOR_NAME_BYTES // 2 + 1)):  # fmt: skip
+        renamed = _renamed(name)
+        renamed_key = tensor_table.layout_key(renamed.SerializeToString(), m.total_bytes)
+        assert renamed_key == key  # the same layout: decided by the names' check alone
+        assert _same_from_bytes(renamed), name
+    assert _same_from_bytes(_renamed("é" * (MAX_TENSOR_NAME_BYTES // 2))) == ""  # 1,024 B
+    assert _same_from_bytes(_renamed("ok")) == ""
+    short = good()
+    short.total_bytes = 8000  # the same entries, the last one now past total_bytes
+    short.chunk_xxh3[:] = [1, 1]
+    assert "past total_bytes" in _same_from_bytes(short)
 
 
 def test_the_rules_are_the_layouts_constants_and_torchs_dtypes() -> None:
