@@ -30,6 +30,13 @@ copies the SDK keeps as the base instead: one host copy of every source shard pe
 (no copy of the checkpoint then). `"delta": False` keeps nothing between updates and reads
 every version whole; re-initialising the engine, or its shutdown, frees what was kept.
 
+Blocks (`"slices"`, on by default when the tensor-parallel size is over 1): each worker
+reads only the block of each checkpoint tensor its loaders consume, learned from vLLM's own
+`load_weights` (`ros.integrations.vllm_blocks`), as a reader in the instance's layout
+(`vllm-tp2`: the same rank of another instance reads them from it), loads them through the
+layerwise reload and serves them until the next update. No host copy of the checkpoint;
+deltas do not apply to blocks (every block is read whole).
+
 vLLM is untyped where mypy runs (it is not installed there), so its base classes are Any.
 """
 
@@ -47,6 +54,7 @@ from vllm.distributed.weight_transfer.base import (
 
 import ros
 from ros.integrations.vllm import DEFAULT_UPDATE_TIMEOUT, VersionReceiver
+from ros.integrations.vllm_blocks import BlockReceiver, layout_name
 from tensorhub.errors import EngineNotReady, TensorHubError
 
 log = logging.getLogger(__name__)
@@ -71,6 +79,11 @@ class TensorHubInitInfo(WeightTransferInitInfo):  # type: ignore[misc]  # vLLM's
     delta: bool = True  # keep that copy's memory (released) to fetch the next version into
     listen: str = "127.0.0.1:0"  # the worker's holder port (advertised to other readers)
     advertise: str | None = None
+    # read only this worker's blocks, as a reader in the instance's layout, and serve them
+    # (`ros.integrations.vllm_blocks`); None: when tensor-parallel size > 1
+    slices: bool | None = None
+    layout: str | None = None  # the layout's name (None: `vllm_blocks.layout_name`)
+    cover: list[str] = field(default_factory=list)  # layouts whose holders cover the blocks
 
 
 @dataclass
@@ -88,7 +101,7 @@ class TensorHubWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.receiver: VersionReceiver | None = None
+        self.receiver: VersionReceiver | BlockReceiver | None = None
         self._loading: int | None = None  # the version between receive and finish
 
     def init_transfer_engine(self, init_info: TensorHubInitInfo) -> None:
@@ -101,6 +114,15 @@ class TensorHubWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
             topology=init_info.topology or None, listen=init_info.listen,
             advertise=init_info.advertise,
         )  # fmt: skip
+        tp = int(self.parallel_config.tensor_parallel_size)
+        pp = int(self.parallel_config.pipeline_parallel_size)
+        if init_info.slices if init_info.slices is not None else tp > 1:
+            self.receiver = BlockReceiver(
+                hub, init_info.model, layout=init_info.layout or layout_name(tp, pp),
+                cover=init_info.cover, serve=True,
+                timeout=init_info.timeout,
+            )  # fmt: skip
+            return
         self.receiver = VersionReceiver(
             hub, init_info.model, serve=init_info.serve, timeout=init_info.timeout,
             delta=init_info.delta,
@@ -118,6 +140,13 @@ class TensorHubWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
         if self._loading is not None:
             raise EngineNotReady("one version per update: call finish_weight_update first")
         try:
+            if isinstance(receiver, BlockReceiver):  # this worker's blocks only
+                version = receiver.receive(self.model, update_info.version)  # model untouched
+                initialize_layerwise_reload(self.model)
+                self._loading = version
+                receiver.load(self.model)
+                log.info("%s@%d's blocks loaded into the model", receiver.model, version)
+                return
             version, weights = receiver.receive(update_info.version)  # model untouched
         except TensorHubError as exc:
             # vLLM's worker processes pass an error on by its text alone: lead with the class
@@ -148,7 +177,7 @@ class TensorHubWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
         """The version this worker's model runs (0: its initial weights)."""
         return 0 if self.receiver is None else self.receiver.version
 
-    def _receiver(self) -> VersionReceiver:
+    def _receiver(self) -> VersionReceiver | BlockReceiver:
         if self.receiver is None:
             raise EngineNotReady("init_weight_transfer_engine first: no hub to fetch from")
         return self.receiver

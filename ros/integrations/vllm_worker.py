@@ -26,6 +26,7 @@ import torch
 import xxhash
 
 from ros.integrations.vllm import VersionReceiver
+from ros.integrations.vllm_blocks import BlockReceiver
 from ros.integrations.vllm_engine import TensorHubWeightTransferEngine
 from tensorhub.errors import EngineNotReady
 from transport.outcome import FetchStats
@@ -52,6 +53,8 @@ class TensorHubWorkerExtension:
 
         `EngineNotReady` if the worker's weight-transfer engine is not TensorHub's."""
         receiver = _receiver(self)
+        if isinstance(receiver, BlockReceiver):
+            return _block_status(receiver)
         stats = None if receiver is None else receiver.last_stats
         delta = None if receiver is None else receiver.last_delta
         return {
@@ -71,6 +74,8 @@ class TensorHubWorkerExtension:
         receiver = _receiver(self)
         if receiver is None:
             return {"version": 0, "digest": None}
+        if isinstance(receiver, BlockReceiver):
+            return {"version": receiver.version, "digest": None}
         tensors = receiver.loaded_copy()
         return {
             "version": receiver.version,
@@ -78,7 +83,46 @@ class TensorHubWorkerExtension:
         }
 
 
-def _receiver(worker: Any) -> VersionReceiver | None:
+def _block_status(receiver: BlockReceiver) -> dict[str, Any]:
+    """`tensorhub_status` of a worker that reads its blocks only: the fields of the
+    whole-version status (`base_bytes` 0: no delta base), plus the layout, the bytes of its
+    blocks, the box of each tensor it consumes ((offsets, shape)), the blocks its last fetch
+    read from the trainer's shards, and whether it serves them, and its process's resident
+    memory now and at its highest (bytes, from /proc)."""
+    stats = receiver.last_stats
+    got = receiver.last_fetch
+    return {
+        "pid": os.getpid(),
+        "version": receiver.version,
+        "held_bytes": receiver.held_bytes,
+        "base_bytes": 0,
+        "last_fetch": None if stats is None else _plain(stats),
+        "last_delta": None,
+        "layout": receiver.layout,
+        "block_bytes": receiver.block_bytes,
+        "boxes": {n: (list(b.offsets), list(b.shape)) for n, b in receiver.boxes.items()},
+        "from_trainer": None if got is None else sorted(got.from_trainer),
+        "served": None if got is None else got.served,
+        **resident_memory(),
+    }
+
+
+def resident_memory() -> dict[str, int]:
+    """This process's resident memory now (`rss`) and at its highest (`rss_peak`), in
+    bytes, from /proc/self/status (0 where it has none)."""
+    out = {"rss": 0, "rss_peak": 0}
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    out["rss" if key == "VmRSS" else "rss_peak"] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def _receiver(worker: Any) -> VersionReceiver | BlockReceiver | None:
     engine = getattr(worker, "weight_transfer_engine", None)
     if not isinstance(engine, TensorHubWeightTransferEngine):
         raise EngineNotReady(
