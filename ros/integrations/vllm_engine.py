@@ -55,6 +55,7 @@ from vllm.distributed.weight_transfer.base import (
 import ros
 from ros.integrations.vllm import DEFAULT_UPDATE_TIMEOUT, VersionReceiver
 from ros.integrations.vllm_blocks import BlockReceiver, layout_name
+from ros.integrations.vllm_memory import resident, start_window
 from tensorhub.errors import EngineNotReady, TensorHubError
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,9 @@ class TensorHubWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
         super().__init__(*args, **kwargs)
         self.receiver: VersionReceiver | BlockReceiver | None = None
         self._loading: int | None = None  # the version between receive and finish
+        # the last update's resident memory: before it, at its highest, and after it
+        self.last_update_memory: dict[str, int] | None = None
+        self._rss_before = 0
 
     def init_transfer_engine(self, init_info: TensorHubInitInfo) -> None:
         """Connect this worker to the hub (a session of its own; its holder port opens on
@@ -139,6 +143,7 @@ class TensorHubWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
         receiver = self._receiver()
         if self._loading is not None:
             raise EngineNotReady("one version per update: call finish_weight_update first")
+        self._rss_before = start_window()
         try:
             if isinstance(receiver, BlockReceiver):  # this worker's blocks only
                 version = receiver.receive(self.model, update_info.version)  # model untouched
@@ -165,6 +170,10 @@ class TensorHubWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
         finalize_layerwise_reload(self.model, self.model_config)
         self._receiver().loaded(self._loading)
         self._loading = None
+        now = resident()
+        self.last_update_memory = {
+            "rss_before": self._rss_before, "rss_peak": now["rss_peak"], "rss_after": now["rss"],
+        }  # fmt: skip
 
     def shutdown(self) -> None:
         """Stop serving, free the bases kept (`delta`) and end the hub session."""

@@ -28,6 +28,7 @@ import xxhash
 from ros.integrations.vllm import VersionReceiver
 from ros.integrations.vllm_blocks import BlockReceiver
 from ros.integrations.vllm_engine import TensorHubWeightTransferEngine
+from ros.integrations.vllm_memory import resident
 from tensorhub.errors import EngineNotReady
 from transport.outcome import FetchStats
 
@@ -53,8 +54,9 @@ class TensorHubWorkerExtension:
 
         `EngineNotReady` if the worker's weight-transfer engine is not TensorHub's."""
         receiver = _receiver(self)
+        memory = {"last_update_memory": _engine(self).last_update_memory}
         if isinstance(receiver, BlockReceiver):
-            return _block_status(receiver)
+            return {**_block_status(receiver), **memory}
         stats = None if receiver is None else receiver.last_stats
         delta = None if receiver is None else receiver.last_delta
         return {
@@ -64,6 +66,7 @@ class TensorHubWorkerExtension:
             "base_bytes": 0 if receiver is None else receiver.base_bytes,
             "last_fetch": None if stats is None else _plain(stats),
             "last_delta": None if delta is None else dataclasses.asdict(delta),
+            **memory,
         }
 
     def tensorhub_digest(self) -> dict[str, Any]:
@@ -103,33 +106,22 @@ def _block_status(receiver: BlockReceiver) -> dict[str, Any]:
         "boxes": {n: (list(b.offsets), list(b.shape)) for n, b in receiver.boxes.items()},
         "from_trainer": None if got is None else sorted(got.from_trainer),
         "served": None if got is None else got.served,
-        **resident_memory(),
+        **resident(),
     }
 
 
-def resident_memory() -> dict[str, int]:
-    """This process's resident memory now (`rss`) and at its highest (`rss_peak`), in
-    bytes, from /proc/self/status (0 where it has none)."""
-    out = {"rss": 0, "rss_peak": 0}
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                key, _, value = line.partition(":")
-                if key in ("VmRSS", "VmHWM"):
-                    out["rss" if key == "VmRSS" else "rss_peak"] = int(value.split()[0]) * 1024
-    except OSError:
-        pass
-    return out
-
-
 def _receiver(worker: Any) -> VersionReceiver | BlockReceiver | None:
+    return _engine(worker).receiver
+
+
+def _engine(worker: Any) -> TensorHubWeightTransferEngine:
     engine = getattr(worker, "weight_transfer_engine", None)
     if not isinstance(engine, TensorHubWeightTransferEngine):
         raise EngineNotReady(
             f"the worker's weight-transfer engine is {type(engine).__name__}, not "
             "tensorhub: start the LLM with weight_transfer_config={'backend': 'tensorhub'}"
         )
-    return engine.receiver
+    return engine
 
 
 def weights_digest(tensors: Mapping[str, torch.Tensor]) -> str:
