@@ -95,12 +95,17 @@ def fakes(infos: Sequence[TensorInfo], sink: Any) -> list[tuple[str, torch.Tenso
     return out
 
 
-def replay(tensor: torch.Tensor, ops: OpChain) -> torch.Tensor:
-    """`ops` applied to `tensor` (only the pure view ops `sharded_rdt` allows)."""
-    from vllm.distributed.weight_transfer.sharded_rdt_common import ALLOWED_OPS
+VIEW_OPS = frozenset(
+    ("narrow", "view", "reshape", "__getitem__", "unsqueeze", "squeeze", "transpose", "t",
+     "permute", "flatten", "contiguous", "chunk", "unbind")
+)  # fmt: skip
+"""The ops a `FakeRDTTensor` records (vLLM 0.32.0's `sharded_rdt_common.ALLOWED_OPS`)."""
 
+
+def replay(tensor: torch.Tensor, ops: OpChain) -> torch.Tensor:
+    """`ops` applied to `tensor` (only the ops of `VIEW_OPS`, `InvalidArgument` else)."""
     for op, args, kwargs in ops:
-        if op not in ALLOWED_OPS:
+        if op not in VIEW_OPS:
             raise InvalidArgument(f"a vLLM loader applied {op!r}, which is no pure view")
         tensor = getattr(tensor, op)(*args, **dict(kwargs))
     return tensor
@@ -118,9 +123,10 @@ def _digits(flat: int, shape: Sequence[int]) -> list[int]:
 
 
 def view_box(shape: tuple[int, ...], dtype: torch.dtype, ops: OpChain) -> tuple[Box, bool]:
-    """The box of a global tensor of `shape` that the view `ops` reads, and whether the
-    view is exactly a strided walk of that box (False: a view that crosses rows, or a copy:
-    the whole tensor is then its box)."""
+    """The smallest box of a global tensor of `shape` that holds what the view `ops`
+    reads, and whether the view is a strided walk inside it that `view_in_block` can take
+    out of a block (False: a view that wraps around a row, or a copy: the whole tensor is
+    then its box)."""
     whole = Box((0,) * len(shape), shape)
     base = torch.empty(shape, dtype=dtype, device="meta")
     try:
