@@ -104,6 +104,7 @@ class TensorHubWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
         super().__init__(*args, **kwargs)
         self.receiver: VersionReceiver | BlockReceiver | None = None
         self._loading: int | None = None  # the version between receive and finish
+        self._fetched: int | None = None  # blocks read, loaded at finish_weight_update
         # the last update's resident memory: before it, at its highest, and after it
         self.last_update_memory: dict[str, int] | None = None
         self._rss_before = 0
@@ -134,23 +135,23 @@ class TensorHubWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: the model is left as it is until the version is here."""
-        self._loading = None
+        self._loading = self._fetched = None
 
     def receive_weights(self, update_info: TensorHubUpdateInfo) -> None:
-        """Fetch the whole version, then load it through the layerwise reload."""
+        """Fetch the whole version and load it through the layerwise reload; or, with
+        `slices`, fetch this worker's blocks only (loaded at `finish_weight_update`)."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         receiver = self._receiver()
-        if self._loading is not None:
+        if self._loading is not None or self._fetched is not None:
             raise EngineNotReady("one version per update: call finish_weight_update first")
         self._rss_before = start_window()
         try:
             if isinstance(receiver, BlockReceiver):  # this worker's blocks only
-                version = receiver.receive(self.model, update_info.version)  # model untouched
-                initialize_layerwise_reload(self.model)
-                self._loading = version
-                receiver.load(self.model)
-                log.info("%s@%d's blocks loaded into the model", receiver.model, version)
+                # loaded at finish_weight_update, which vLLM calls only once every
+                # worker's receive returned: a worker whose fetch failed leaves every
+                # worker's model on its version, never ranks on different versions
+                self._fetched = receiver.receive(self.model, update_info.version)
                 return
             version, weights = receiver.receive(update_info.version)  # model untouched
         except TensorHubError as exc:
@@ -162,9 +163,19 @@ class TensorHubWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
         log.info("%s@%d loaded into the model", receiver.model, version)
 
     def finish_weight_update(self) -> None:
-        """Finalize the reload (kernels repack), then release or keep serving the copy."""
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        """Load the blocks read (`slices`), finalize the reload (kernels repack), then
+        release or keep serving the copy."""
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
 
+        receiver = self._receiver()
+        if self._fetched is not None and isinstance(receiver, BlockReceiver):
+            initialize_layerwise_reload(self.model)
+            self._loading, self._fetched = self._fetched, None
+            receiver.load(self.model)
+            log.info("%s@%d's blocks loaded into the model", receiver.model, self._loading)
         if self._loading is None:
             return  # no version arrived in this update: the model was never touched
         finalize_layerwise_reload(self.model, self.model_config)

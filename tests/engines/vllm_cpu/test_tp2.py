@@ -3,7 +3,8 @@ each worker reads only the blocks its loaders consume, learned from vLLM's own
 `load_weights` (`ros.integrations.vllm_blocks`), and serves them; a second TP-2 instance's
 workers read every byte of theirs from the first's, and generate what Hugging Face (and a
 TP-1 vLLM) generates from the same version. A version published as TP-2 shards is read the
-same way, from the trainer's shards."""
+same way, from the trainer's shards, and a TP-1 instance beside them reads all of it from
+the TP-2 workers' blocks (`"cover": ["vllm-tp2"]`)."""
 
 from __future__ import annotations
 
@@ -93,10 +94,36 @@ def test_tp2_workers_read_their_blocks_and_a_second_instance_reads_them_from_the
                                chunk_size=CHUNK)  # fmt: skip
             update_vllm(first, 2)
             assert tiny.vllm_greedy(first) == tiny.hf_greedy(2) != tiny.hf_greedy(1)
-            for w in tiny.statuses(first):
+            served = tiny.statuses(first)
+            for w in served:
                 assert w["version"] == 2
                 assert w["served"]
                 assert sum(w["last_fetch"]["bytes_per_source"].values()) >= w["block_bytes"]
+
+            # a TP-1 instance beside them, covered by the TP-2 workers' blocks
+            monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            single = tiny.start_llm(checkpoint)
+            single.init_weight_transfer_engine(
+                {"init_info": {"hub": hub_server.address, "tenant": TENANT, "token": token,
+                               "model": MODEL, "slices": True, "cover": ["vllm-tp2"]}}
+            )  # fmt: skip
+            try:
+                update_vllm(single, 2)
+                assert tiny.vllm_greedy(single) == tiny.vllm_greedy(first)
+                [alone] = tiny.statuses(single)
+                read = alone["last_fetch"]["bytes_per_source"]
+                print(f"TP-1 instance: read {read} (the TP-2 workers: "
+                      f"{[w['pid'] for w in served]})")  # fmt: skip
+                assert alone["layout"] == "vllm-tp1"
+                assert alone["block_bytes"] == whole
+                assert alone["from_trainer"] == []
+                workers = {f"vm-{w['pid']}-" for w in served}  # their holder names' prefix
+                assert {source[: source.rindex("-") + 1] for source in read} == workers
+                # every byte, each replicated norm once from each TP-2 rank's block set
+                norms = sum(4 * 128 for name in alone["boxes"] if "norm" in name)
+                assert sum(read.values()) == whole + norms
+            finally:
+                single.shutdown_weight_transfer_engine()
         finally:
             for client in ranks:
                 client.close()
