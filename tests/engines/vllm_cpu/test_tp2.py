@@ -4,7 +4,8 @@ each worker reads only the blocks its loaders consume, learned from vLLM's own
 workers read every byte of theirs from the first's, and generate what Hugging Face (and a
 TP-1 vLLM) generates from the same version. A version published as TP-2 shards is read the
 same way, from the trainer's shards, and a TP-1 instance beside them reads all of it from
-the TP-2 workers' blocks (`"cover": ["vllm-tp2"]`)."""
+the TP-2 workers' blocks (`"cover": ["vllm-tp2"]`). An update in which one worker's fetch
+fails raises a named error and leaves every worker's model on the previous version."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import ros
 from ros.hub.server import HubServer
@@ -124,6 +126,30 @@ def test_tp2_workers_read_their_blocks_and_a_second_instance_reads_them_from_the
                 assert sum(read.values()) == whole + norms
             finally:
                 single.shutdown_weight_transfer_engine()
+
+            # a worker whose fetch fails mid-update: v3's only holder left is a reader of
+            # rank 1's blocks, so the second instance's rank 0 finds no byte of its own
+            v3 = tiny.weights(3)
+            for rank, client in enumerate(ranks):
+                own, placements = tiny.tp2_halves(v3, rank)
+                client.publish(MODEL, 3, own, shard=(rank, 2), placements=placements,
+                               chunk_size=CHUNK)  # fmt: skip
+            boxes = tiny.statuses(second)[1]["boxes"]
+            holder = ros.connect(hub_server.address, tenant=TENANT, token=token, name="rank-1")
+            try:
+                held = {n: torch.empty(shape) for n, (_, shape) in boxes.items()}
+                slices = {n: ros.Slice(held[n], boxes[n][0], tuple(v3[n].shape)) for n in boxes}
+                holder.fetch_slices(MODEL, 3, slices=slices, layout="vllm-tp2", timeout=30)
+                for client in ranks:
+                    client.close()
+                ranks.clear()
+                with pytest.raises(Exception, match=r"Version(Unavailable|NotFound)") as failed:
+                    update_vllm(second, 3)
+                print("the update of v3 failed with:", repr(failed.value)[:300])
+                # no rank loaded v3 (vLLM answers no status until an update finishes)
+                assert tiny.vllm_greedy(second) == tiny.hf_greedy(1) != tiny.hf_greedy(3)
+            finally:
+                holder.close()
         finally:
             for client in ranks:
                 client.close()
