@@ -170,7 +170,7 @@ class TensorHubWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
             initialize_layerwise_reload,
         )
 
-        receiver = self._receiver()
+        receiver = self.receiver
         if self._fetched is not None and isinstance(receiver, BlockReceiver):
             initialize_layerwise_reload(self.model)
             self._loading, self._fetched = self._fetched, None
