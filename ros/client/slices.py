@@ -51,12 +51,15 @@ from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import DeadlineExceeded, InvalidArgument, OutOfMemory, TensorHubError
 from tensorhub.names import validate_name, validate_version
 from transport.boxes import Box, byte_span, chunks_for
-from transport.layout import Layout, dtype_name, torch_dtype
+from transport.layout import Layout, TensorSpec, dtype_name, torch_dtype
 from transport.outcome import FetchStats
 from transport.pace import DEFAULT_RATE_FLOOR
 from transport.store import HeldVersion
 
 log = logging.getLogger(__name__)
+
+STAGING_BUDGET = 64 * 1024 * 1024
+"""Bytes of a source shard's chunks a read without deltas stages at once (`_staging_groups`)."""
 
 
 @dataclass
@@ -254,6 +257,13 @@ def _read_part(
     through host memory and no tensor in GPU memory is viewed as numpy."""
     layout = layout_of(manifest)
     specs = {s.name: s for s in layout.tensors}
+    if deltas is None and len(groups := _staging_groups(copies, layout, specs)) > 1:
+        for group in groups:  # one staging copy at a time (`STAGING_BUDGET`)
+            _read_part(
+                me, runs, model, version, shard, holders, manifest, group, slices,
+                deadline, result, rate_floor, progress,
+            )  # fmt: skip
+        return
     needed: set[int] = set()
     for c in copies:
         spec = specs[c.name]
@@ -291,6 +301,27 @@ def _read_part(
         deltas.staged.put(model, shard, kept)
     _count(result, stats)
     _copy_parts(copies, staging.tensors, slices)
+
+
+def _staging_groups(
+    copies: Sequence[_Copy], layout: Layout, specs: Mapping[str, TensorSpec]
+) -> list[list[_Copy]]:
+    """`copies` in groups whose chunks of the source shard add up to at most
+    `STAGING_BUDGET` bytes (a copy whose own chunks exceed it, alone), in order: a read
+    without deltas stages one group at a time, so its peak extra memory is one group's
+    chunks, not every chunk of the shard its slices touch."""
+    groups: list[list[_Copy]] = [[]]
+    size = 0
+    for c in copies:
+        spec = specs[c.name]
+        first, end = byte_span(c.source, c.part, torch_dtype(spec.dtype).itemsize)
+        mine = len(chunks_for(layout, spec, first, end)) * layout.chunk_size
+        if groups[-1] and size + mine > STAGING_BUDGET:
+            groups.append([])
+            size = 0
+        groups[-1].append(c)
+        size += mine
+    return groups
 
 
 def _count(result: SliceFetch, stats: FetchStats) -> None:

@@ -30,6 +30,13 @@ copies the SDK keeps as the base instead: one host copy of every source shard pe
 (no copy of the checkpoint then). `"delta": False` keeps nothing between updates and reads
 every version whole; re-initialising the engine, or its shutdown, frees what was kept.
 
+Blocks (`"slices"`, on by default when the tensor-parallel size is over 1): each worker
+reads only the block of each checkpoint tensor its loaders consume, learned from vLLM's own
+`load_weights` (`ros.integrations.vllm_blocks`), as a reader in the instance's layout
+(`vllm-tp2`: the same rank of another instance reads them from it), loads them through the
+layerwise reload and serves them until the next update. No host copy of the checkpoint;
+deltas do not apply to blocks (every block is read whole).
+
 vLLM is untyped where mypy runs (it is not installed there), so its base classes are Any.
 """
 
@@ -47,6 +54,8 @@ from vllm.distributed.weight_transfer.base import (
 
 import ros
 from ros.integrations.vllm import DEFAULT_UPDATE_TIMEOUT, VersionReceiver
+from ros.integrations.vllm_blocks import BlockReceiver, layout_name
+from ros.integrations.vllm_memory import resident, start_window
 from tensorhub.errors import EngineNotReady, TensorHubError
 
 log = logging.getLogger(__name__)
@@ -71,6 +80,11 @@ class TensorHubInitInfo(WeightTransferInitInfo):  # type: ignore[misc]  # vLLM's
     delta: bool = True  # keep that copy's memory (released) to fetch the next version into
     listen: str = "127.0.0.1:0"  # the worker's holder port (advertised to other readers)
     advertise: str | None = None
+    # read only this worker's blocks, as a reader in the instance's layout, and serve them
+    # (`ros.integrations.vllm_blocks`); None: when tensor-parallel size > 1
+    slices: bool | None = None
+    layout: str | None = None  # the layout's name (None: `vllm_blocks.layout_name`)
+    cover: list[str] = field(default_factory=list)  # layouts whose holders cover the blocks
 
 
 @dataclass
@@ -88,8 +102,12 @@ class TensorHubWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.receiver: VersionReceiver | None = None
+        self.receiver: VersionReceiver | BlockReceiver | None = None
         self._loading: int | None = None  # the version between receive and finish
+        self._fetched: int | None = None  # blocks read, loaded at finish_weight_update
+        # the last update's resident memory: before it, at its highest, and after it
+        self.last_update_memory: dict[str, int] | None = None
+        self._rss_before = 0
 
     def init_transfer_engine(self, init_info: TensorHubInitInfo) -> None:
         """Connect this worker to the hub (a session of its own; its holder port opens on
@@ -101,6 +119,15 @@ class TensorHubWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
             topology=init_info.topology or None, listen=init_info.listen,
             advertise=init_info.advertise,
         )  # fmt: skip
+        tp = int(self.parallel_config.tensor_parallel_size)
+        pp = int(self.parallel_config.pipeline_parallel_size)
+        if init_info.slices if init_info.slices is not None else tp > 1:
+            self.receiver = BlockReceiver(
+                hub, init_info.model, layout=init_info.layout or layout_name(tp, pp),
+                cover=init_info.cover, serve=True,
+                timeout=init_info.timeout,
+            )  # fmt: skip
+            return
         self.receiver = VersionReceiver(
             hub, init_info.model, serve=init_info.serve, timeout=init_info.timeout,
             delta=init_info.delta,
@@ -108,16 +135,24 @@ class TensorHubWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: the model is left as it is until the version is here."""
-        self._loading = None
+        self._loading = self._fetched = None
 
     def receive_weights(self, update_info: TensorHubUpdateInfo) -> None:
-        """Fetch the whole version, then load it through the layerwise reload."""
+        """Fetch the whole version and load it through the layerwise reload; or, with
+        `slices`, fetch this worker's blocks only (loaded at `finish_weight_update`)."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         receiver = self._receiver()
-        if self._loading is not None:
+        if self._loading is not None or self._fetched is not None:
             raise EngineNotReady("one version per update: call finish_weight_update first")
+        self._rss_before = start_window()
         try:
+            if isinstance(receiver, BlockReceiver):  # this worker's blocks only
+                # loaded at finish_weight_update, which vLLM calls only once every
+                # worker's receive returned: a worker whose fetch failed leaves every
+                # worker's model on its version, never ranks on different versions
+                self._fetched = receiver.receive(self.model, update_info.version)
+                return
             version, weights = receiver.receive(update_info.version)  # model untouched
         except TensorHubError as exc:
             # vLLM's worker processes pass an error on by its text alone: lead with the class
@@ -128,14 +163,28 @@ class TensorHubWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
         log.info("%s@%d loaded into the model", receiver.model, version)
 
     def finish_weight_update(self) -> None:
-        """Finalize the reload (kernels repack), then release or keep serving the copy."""
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        """Load the blocks read (`slices`), finalize the reload (kernels repack), then
+        release or keep serving the copy."""
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
 
+        receiver = self.receiver
+        if self._fetched is not None and isinstance(receiver, BlockReceiver):
+            initialize_layerwise_reload(self.model)
+            self._loading, self._fetched = self._fetched, None
+            receiver.load(self.model)
+            log.info("%s@%d's blocks loaded into the model", receiver.model, self._loading)
         if self._loading is None:
             return  # no version arrived in this update: the model was never touched
         finalize_layerwise_reload(self.model, self.model_config)
         self._receiver().loaded(self._loading)
         self._loading = None
+        now = resident()
+        self.last_update_memory = {
+            "rss_before": self._rss_before, "rss_peak": now["rss_peak"], "rss_after": now["rss"],
+        }  # fmt: skip
 
     def shutdown(self) -> None:
         """Stop serving, free the bases kept (`delta`) and end the hub session."""
@@ -148,7 +197,7 @@ class TensorHubWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
         """The version this worker's model runs (0: its initial weights)."""
         return 0 if self.receiver is None else self.receiver.version
 
-    def _receiver(self) -> VersionReceiver:
+    def _receiver(self) -> VersionReceiver | BlockReceiver:
         if self.receiver is None:
             raise EngineNotReady("init_weight_transfer_engine first: no hub to fetch from")
         return self.receiver

@@ -26,7 +26,9 @@ import torch
 import xxhash
 
 from ros.integrations.vllm import VersionReceiver
+from ros.integrations.vllm_blocks import BlockReceiver
 from ros.integrations.vllm_engine import TensorHubWeightTransferEngine
+from ros.integrations.vllm_memory import resident
 from tensorhub.errors import EngineNotReady
 from transport.outcome import FetchStats
 
@@ -52,6 +54,9 @@ class TensorHubWorkerExtension:
 
         `EngineNotReady` if the worker's weight-transfer engine is not TensorHub's."""
         receiver = _receiver(self)
+        memory = {"last_update_memory": _engine(self).last_update_memory}
+        if isinstance(receiver, BlockReceiver):
+            return {**_block_status(receiver), **memory}
         stats = None if receiver is None else receiver.last_stats
         delta = None if receiver is None else receiver.last_delta
         return {
@@ -61,6 +66,7 @@ class TensorHubWorkerExtension:
             "base_bytes": 0 if receiver is None else receiver.base_bytes,
             "last_fetch": None if stats is None else _plain(stats),
             "last_delta": None if delta is None else dataclasses.asdict(delta),
+            **memory,
         }
 
     def tensorhub_digest(self) -> dict[str, Any]:
@@ -71,6 +77,8 @@ class TensorHubWorkerExtension:
         receiver = _receiver(self)
         if receiver is None:
             return {"version": 0, "digest": None}
+        if isinstance(receiver, BlockReceiver):
+            return {"version": receiver.version, "digest": None}
         tensors = receiver.loaded_copy()
         return {
             "version": receiver.version,
@@ -78,14 +86,42 @@ class TensorHubWorkerExtension:
         }
 
 
-def _receiver(worker: Any) -> VersionReceiver | None:
+def _block_status(receiver: BlockReceiver) -> dict[str, Any]:
+    """`tensorhub_status` of a worker that reads its blocks only: the fields of the
+    whole-version status (`base_bytes` 0: no delta base), plus the layout, the bytes of its
+    blocks, the box of each tensor it consumes ((offsets, shape)), the blocks its last fetch
+    read from the trainer's shards, and whether it serves them, and its process's resident
+    memory now and at its highest (bytes, from /proc)."""
+    stats = receiver.last_stats
+    got = receiver.last_fetch
+    return {
+        "pid": os.getpid(),
+        "version": receiver.version,
+        "held_bytes": receiver.held_bytes,
+        "base_bytes": 0,
+        "last_fetch": None if stats is None else _plain(stats),
+        "last_delta": None,
+        "layout": receiver.layout,
+        "block_bytes": receiver.block_bytes,
+        "boxes": {n: (list(b.offsets), list(b.shape)) for n, b in receiver.boxes.items()},
+        "from_trainer": None if got is None else sorted(got.from_trainer),
+        "served": None if got is None else got.served,
+        **resident(),
+    }
+
+
+def _receiver(worker: Any) -> VersionReceiver | BlockReceiver | None:
+    return _engine(worker).receiver
+
+
+def _engine(worker: Any) -> TensorHubWeightTransferEngine:
     engine = getattr(worker, "weight_transfer_engine", None)
     if not isinstance(engine, TensorHubWeightTransferEngine):
         raise EngineNotReady(
             f"the worker's weight-transfer engine is {type(engine).__name__}, not "
             "tensorhub: start the LLM with weight_transfer_config={'backend': 'tensorhub'}"
         )
-    return engine.receiver
+    return engine
 
 
 def weights_digest(tensors: Mapping[str, torch.Tensor]) -> str:

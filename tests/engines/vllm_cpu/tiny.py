@@ -79,16 +79,19 @@ def vllm_greedy(llm: Any) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def start_llm(checkpoint: str) -> Any:
+def start_llm(checkpoint: str, tp: int = 1) -> Any:
     """A vLLM `LLM` (untyped: vLLM is not installed where mypy runs) of `checkpoint`, its
-    weight-transfer engine TensorHub's, its workers answering `collective_rpc(STATUS)`."""
+    weight-transfer engine TensorHub's, its workers answering `collective_rpc(STATUS)`. At
+    `tp` > 1 its workers are processes of their own (vLLM's `mp` executor), each pinned to
+    one core (`VLLM_CPU_OMP_THREADS_BIND`, which the caller sets)."""
     from vllm import LLM
 
     from ros.integrations.vllm_worker import WORKER_EXTENSION
 
     return LLM(
         model=checkpoint, skip_tokenizer_init=True, dtype="float32", max_model_len=64,
-        enforce_eager=True, distributed_executor_backend="uni",
+        enforce_eager=True, distributed_executor_backend="uni" if tp == 1 else "mp",
+        tensor_parallel_size=tp,
         weight_transfer_config={"backend": "tensorhub"}, worker_extension_cls=WORKER_EXTENSION,
     )  # fmt: skip
 
@@ -99,3 +102,10 @@ def status(llm: Any) -> dict[str, Any]:
 
     [answer] = llm.collective_rpc(STATUS)
     return dict(answer)
+
+
+def statuses(llm: Any) -> list[dict[str, Any]]:
+    """Every worker's TensorHub status, in rank order."""
+    from ros.integrations.vllm_worker import STATUS
+
+    return [dict(answer) for answer in llm.collective_rpc(STATUS)]

@@ -1,0 +1,171 @@
+"""Host memory and bytes of each vLLM worker per update at TP 2, blocks against whole
+versions (issue 34): `python -m tests.engines.vllm_cpu.memory [--updates 3]
+[--modes whole,blocks]`.
+
+A Llama of about 300 MB in fp32 (`CONFIG`: 16 query heads and one KV head, so the KV head
+is replicated on both ranks; tied embeddings), a real etcd and hub started here, a trainer
+here publishing `--updates` versions (each a small change of the one before, published with
+its delta); per mode, a fresh TP-2 vLLM (CPU build, `mp` executor, one core per worker) in
+a process of its own updates to each version:
+
+- `whole`: the engine's whole-version path (`"slices": False`, `"delta": True`, its
+  default at TP 1): each worker reads the whole version and keeps its host copy as the next
+  update's delta base;
+- `blocks` (the default at TP > 1): each worker reads only its blocks, learned from vLLM's
+  loaders, loads them and serves them (`ros.integrations.vllm_blocks`).
+
+Per worker and update: `read`, the bytes its fetch read; `blocks`, its blocks' bytes (the
+checkpoint's, in `whole`); `kept`, what the engine keeps between updates (`held_bytes` +
+`base_bytes`); `peak`, the peak resident memory during the update over the resident memory
+before it (VmHWM reset through /proc/self/clear_refs); `growth`, the resident growth that
+stays. The bound of the issue: its blocks plus 64 MiB during an update. Prints the table
+and the figures as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MiB = 1024 * 1024
+SLACK = 64 * MiB
+TENANT = "mem"
+
+
+def config() -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+        num_attention_heads=16, num_key_value_heads=1, head_dim=64,
+        max_position_embeddings=128, tie_word_embeddings=True,
+    )  # fmt: skip
+
+
+def child(mode: str, hub: str, token: str, checkpoint: str, model: str, updates: int) -> None:
+    """One TP-2 vLLM: update to versions 1..updates, printing each update's statuses."""
+    os.environ.update(
+        VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_OMP_THREADS_BIND="0|1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+    )  # fmt: skip
+    from ros.integrations.vllm import update_vllm
+    from tests.engines.vllm_cpu import tiny
+
+    llm = tiny.start_llm(checkpoint, tp=2)
+    info = {"hub": hub, "tenant": TENANT, "token": token, "model": model, "timeout": 300}
+    info["slices"] = mode == "blocks"
+    llm.init_weight_transfer_engine({"init_info": info})
+    for version in range(1, updates + 1):
+        sys.stdin.readline()  # the trainer published it
+        update_vllm(llm, version)
+        print(json.dumps(tiny.statuses(llm)), flush=True)
+    llm.shutdown_weight_transfer_engine()
+
+
+def run(
+    mode: str, hub: str, token: str, checkpoint: str, model: str, trainer: Any,
+    tensors: dict[str, torch.Tensor], updates: int,
+) -> list[list[dict[str, Any]]]:  # fmt: skip
+    """A vLLM process of `mode` through `updates` versions of `model`: its statuses."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.engines.vllm_cpu.memory", "--child", mode, "--hub", hub,
+         "--token", token, "--checkpoint", checkpoint, "--model", model,
+         "--updates", str(updates)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdin is not None
+    assert proc.stdout is not None
+    out = []
+    try:
+        for version in range(1, updates + 1):
+            for t in tensors.values():
+                t.add_(1e-3)  # an RL-sized step: every byte changes a little
+            held = trainer.publish(model, version, tensors, delta=True)
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            line = ""
+            while not line.startswith("["):
+                line = proc.stdout.readline()
+                if not line:
+                    raise RuntimeError(f"{mode}: the vLLM process ended")
+            out.append(json.loads(line))
+            held.release()
+    finally:
+        proc.stdin.close()
+        proc.wait(120)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--updates", type=int, default=3)
+    ap.add_argument("--modes", default="whole,blocks")
+    ap.add_argument("--child")
+    ap.add_argument("--hub")
+    ap.add_argument("--token")
+    ap.add_argument("--checkpoint")
+    ap.add_argument("--model")
+    args = ap.parse_args()
+    if args.child:
+        child(args.child, args.hub, args.token, args.checkpoint, args.model, args.updates)
+        return 0
+    from transformers import LlamaForCausalLM
+
+    import ros
+    from consistency import EtcdCluster, Keys
+    from ros.hub.server import HubServer
+    from ros.hub.tenants import TenantStore
+
+    torch.manual_seed(0)
+    figures: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp, EtcdCluster(size=1) as etcd:
+        model = LlamaForCausalLM(config()).eval()
+        model.save_pretrained(Path(tmp) / "v0")
+        tensors = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()
+                   if k != "lm_head.weight"}  # fmt: skip
+        del model
+        whole = sum(t.numel() * t.element_size() for t in tensors.values())
+        hub = HubServer(etcd.endpoints, admin_token="admin", keys=Keys("/vllm-memory")).start()
+        try:
+            token = TenantStore(hub.etcd, hub.keys).create(TENANT)
+            for i, mode in enumerate(args.modes.split(",")):
+                name = f"trainer-{mode}"
+                trainer = ros.connect(hub.address, tenant=TENANT, token=token, name=name)
+                try:
+                    figures[mode] = run(mode, hub.address, token, str(Path(tmp) / "v0"),
+                                        f"policy-{i}", trainer, tensors, args.updates)  # fmt: skip
+                finally:
+                    trainer.close()
+        finally:
+            hub.stop(grace=0.2)
+    print(f"checkpoint {whole / MiB:.1f} MiB")
+    print(f"{'mode':7} {'upd':>3} {'rank':>4} {'read':>7} {'blocks':>7} {'kept':>7} "
+          f"{'peak':>7} {'growth':>7} {'bound':>7}  (MiB)")  # fmt: skip
+    for mode, steps in figures.items():
+        for step, workers in enumerate(steps, start=1):
+            for rank, w in enumerate(workers):
+                mem = w["last_update_memory"]
+                read = sum(w["last_fetch"]["bytes_per_source"].values())
+                blocks = w.get("block_bytes", whole)
+                kept = w["held_bytes"] + w["base_bytes"]
+                print(f"{mode:7} {step:>3} {rank:>4} {read / MiB:7.1f} {blocks / MiB:7.1f} "
+                      f"{kept / MiB:7.1f} {(mem['rss_peak'] - mem['rss_before']) / MiB:7.1f} "
+                      f"{(mem['rss_after'] - mem['rss_before']) / MiB:7.1f} "
+                      f"{(blocks + SLACK) / MiB:7.1f}")  # fmt: skip
+    boxes = figures.get("blocks", [[{}]])[0][0].get("boxes", {})
+    for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.k_proj.weight",
+                 "model.layers.0.self_attn.q_proj.weight"):  # fmt: skip
+        print(f"rank 0 consumes {name}: {boxes.get(name)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
