@@ -56,6 +56,7 @@ import ros
 from ros.integrations.vllm import DEFAULT_UPDATE_TIMEOUT, VersionReceiver
 from ros.integrations.vllm_blocks import BlockReceiver, layout_name
 from ros.integrations.vllm_memory import resident, start_window
+from ros.integrations.vllm_plan import load_weights
 from tensorhub.errors import EngineNotReady, TensorHubError
 
 log = logging.getLogger(__name__)
@@ -159,7 +160,7 @@ class TensorHubWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
             raise type(exc)(f"{type(exc).__name__}: {exc}") from exc
         initialize_layerwise_reload(self.model)
         self._loading = version
-        _load(self.model, weights)
+        load_weights(self.model, weights)
         log.info("%s@%d loaded into the model", receiver.model, version)
 
     def finish_weight_update(self) -> None:
@@ -201,20 +202,6 @@ class TensorHubWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
         if self.receiver is None:
             raise EngineNotReady("init_weight_transfer_engine first: no hub to fetch from")
         return self.receiver
-
-
-def _load(model: Any, weights: list[Any]) -> None:
-    """`model.load_weights`, without vLLM's multi-token-prediction completeness check where
-    this vLLM has it (as its own IPC engine does: a checkpoint update may omit MTP heads)."""
-    try:
-        from vllm.model_executor.model_loader.mtp_validation import (
-            disable_mtp_completeness_check,
-        )
-    except ImportError:
-        model.load_weights(weights)
-        return
-    with disable_mtp_completeness_check():
-        model.load_weights(weights)
 
 
 def register() -> None:

@@ -193,7 +193,7 @@ def learn_blocks(model: Any, infos: Sequence[TensorInfo]) -> dict[str, Box]:
                 if loader is not None:
                     wrapped.append((tensor, loader))
                     tensor.weight_loader = _get_original_loader(tensor)
-        _load_all(model, fakes(infos, recorder))
+        load_weights(model, fakes(infos, recorder))
     finally:
         for tensor, loader in wrapped:
             tensor.weight_loader = loader
@@ -222,9 +222,10 @@ def _bounding(boxes: Sequence[Box]) -> Box:
     return Box(tuple(lo), tuple(h - low for low, h in zip(lo, hi, strict=True)))
 
 
-def _load_all(model: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
+def load_weights(model: Any, weights: list[Any]) -> None:
     """`model.load_weights`, without vLLM's multi-token-prediction completeness check where
-    this vLLM has it (a checkpoint update may omit MTP heads)."""
+    this vLLM has it (as its own IPC engine does: a checkpoint update may omit MTP heads).
+    The one way this package calls vLLM's loaders, for blocks and whole versions alike."""
     try:
         from vllm.model_executor.model_loader.mtp_validation import (
             disable_mtp_completeness_check,
@@ -248,4 +249,4 @@ def load_blocks(
     block."""
     shapes = {i.name: i.shape for i in infos}
     sink = BlockSource(blocks, boxes, shapes)
-    _load_all(model, fakes([i for i in infos if i.name in boxes], sink))
+    load_weights(model, fakes([i for i in infos if i.name in boxes], sink))
