@@ -11,15 +11,18 @@ MAX over the group; each then scales and rounds its own elements against the agr
 Every element is divided (or scaled) and rounded exactly as the whole weight's quantizer
 does it, so the bits are the same.
 
-What one weight costs the group: one all-reduce of two flags (does any rank split a block,
-did any rank find a NaN or an infinity), and, only when some rank splits a block, one
-all-reduce MAX of the whole weight's amax grid (ceil(N/128) x ceil(K/128) fp32 for
-`fp8-block128`; N x ceil(K/32) for `mxfp8`). A NaN or an infinity anywhere is refused by
+What the weights of one call (`quantize_shards`) cost the group: one all-reduce of flags
+(which weights some rank splits a block of, whether any rank found a NaN or an infinity),
+and, only when some rank splits a block, one all-reduce MAX of those weights' amax grids
+back to back (each ceil(N/128) x ceil(K/128) fp32 for `fp8-block128`, N x ceil(K/32) for
+`mxfp8`). A NaN or an infinity anywhere is refused by
 every rank (`InvalidArgument`), so no rank is left waiting in a collective the others left.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,6 +45,16 @@ from tensorhub.errors import InvalidArgument
 BLOCKS = {"fp8-block128": (BLOCK, BLOCK), "mxfp8": (1, MX_BLOCK)}  # rows x cols of a block
 
 
+@dataclass(frozen=True)
+class ShardSlice:
+    """A rank's slice of a 2-D weight: `local`, at `offsets` in the weight of `shape`."""
+
+    name: str
+    local: torch.Tensor
+    shape: tuple[int, int]
+    offsets: tuple[int, int]
+
+
 def quantize_shard(
     local: torch.Tensor,
     shape: tuple[int, int],
@@ -59,43 +72,106 @@ def quantize_shard(
     Collective: every rank of `group` (the default group when None) calls it for the same
     weight in the same order. `InvalidArgument` for a format, a slice outside `shape`, or
     a NaN or infinity on any rank."""
+    return quantize_shards([ShardSlice(name, local, shape, offsets)], fmt, group)[0]
+
+
+def quantize_shards(
+    slices: Sequence[ShardSlice], fmt: str, group: Any = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`quantize_shard` of each slice, with two collectives for all of them (the flags, and
+    the amax grids of the weights some rank splits, back to back): every rank of `group`
+    calls it with its slices of the same weights in the same order. Each weight is laid on
+    its block grid twice (once for its amax, once to quantize it), so what is held at once
+    beyond the outputs is one weight's fp32 buffer."""
     if fmt not in BLOCKS:
         raise InvalidArgument(f"view format {fmt!r}: one of {', '.join(BLOCKS)}")
-    n, k = _check(local, name)
-    rows, cols = (int(x) for x in shape)
-    r0, c0 = (int(x) for x in offsets)
+    if not slices:
+        return []
+    device = slices[0].local.device
+    amaxes: list[torch.Tensor] = []
+    split, bad = [], -1
+    for i, one in enumerate(slices):
+        _check_slice(one)
+        blocks = _blocks(one, fmt)[1]
+        amax = (  # an empty slice (an uneven cut's last rank) touches no block
+            _amax(blocks, (1, 3)) if blocks.numel() else blocks.new_zeros(blocks.shape[::2])
+        )
+        amaxes.append(amax)
+        split.append(_splits(one, fmt))
+        if bad < 0 and not bool(torch.isfinite(amax).all()):
+            bad = i
+    flags = torch.tensor([float(x) for x in split] + [float(bad >= 0)], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    if bool(flags[-1]):
+        if bad >= 0:
+            one = slices[bad]
+            raise InvalidArgument(_non_finite(one.local, one.name, *one.offsets))
+        raise InvalidArgument(
+            "another rank's slice holds a NaN or an infinity: a view quantizes finite weights only"
+        )
+    agreed = [i for i in range(len(slices)) if bool(flags[i])]
+    if agreed:  # some rank splits a block of these: agree on each of their blocks' amax
+        br, bc = BLOCKS[fmt]
+        grids = [torch.zeros((_ceil(slices[i].shape[0], br), _ceil(slices[i].shape[1], bc)),
+                             dtype=torch.float32, device=device) for i in agreed]  # fmt: skip
+        ats = []
+        for i, grid in zip(agreed, grids, strict=True):
+            r0, c0 = slices[i].offsets[0] // br, slices[i].offsets[1] // bc
+            at = grid[r0 : r0 + amaxes[i].shape[0], c0 : c0 + amaxes[i].shape[1]]
+            at.copy_(amaxes[i])
+            ats.append(at)
+        flat = torch.cat([g.reshape(-1) for g in grids])
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+        at0 = 0
+        for i, grid, at in zip(agreed, grids, ats, strict=True):
+            grid.copy_(flat[at0 : at0 + grid.numel()].view(grid.shape))
+            at0 += grid.numel()
+            amaxes[i] = at
+    return [_quantize(one, fmt, amax) for one, amax in zip(slices, amaxes, strict=True)]
+
+
+def _check_slice(one: ShardSlice) -> None:
+    n, k = _check(one.local, one.name)
+    rows, cols = (int(x) for x in one.shape)
+    r0, c0 = (int(x) for x in one.offsets)
     if r0 < 0 or c0 < 0 or r0 + n > rows or c0 + k > cols:
         raise InvalidArgument(
-            f"{name}: a slice of {n}x{k} at {[r0, c0]} is not inside its weight's {[rows, cols]}"
+            f"{one.name}: a slice of {n}x{k} at {[r0, c0]} is not inside its weight's "
+            f"{[rows, cols]}"
         )
+
+
+def _blocks(one: ShardSlice, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slice laid on its weight's block grid in fp32 (zeros around it), as (its
+    elements there, the buffer viewed as blocks: block rows, rows, block columns, cols)."""
     br, bc = BLOCKS[fmt]
-    ro, co = r0 % br, c0 % bc
-    buf = torch.zeros(
-        (_ceil(ro + n, br) * br, _ceil(co + k, bc) * bc), dtype=torch.float32, device=local.device
-    )
+    n, k = int(one.local.shape[0]), int(one.local.shape[1])
+    ro, co = int(one.offsets[0]) % br, int(one.offsets[1]) % bc
+    buf = torch.zeros((_ceil(ro + n, br) * br, _ceil(co + k, bc) * bc), dtype=torch.float32,
+                      device=one.local.device)  # fmt: skip
     x = buf[ro : ro + n, co : co + k]
-    x.copy_(local)
-    blocks = buf.view(buf.shape[0] // br, br, buf.shape[1] // bc, bc)
-    amax = _amax(blocks, (1, 3))
-    split = bool(ro or co) or ((r0 + n) % br != 0 and r0 + n != rows)
-    split = split or ((c0 + k) % bc != 0 and c0 + k != cols)
-    bad = not bool(torch.isfinite(amax).all())
-    flags = torch.tensor([float(split), float(bad)], device=local.device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    if bool(flags[1]):
-        raise InvalidArgument(_non_finite(local, name, r0, c0) if bad else (
-            f"{name}: another rank's slice holds a NaN or an infinity: a view quantizes "
-            "finite weights only"
-        ))  # fmt: skip
-    if bool(flags[0]):  # some rank splits a block: agree on every block's amax
-        grid = torch.zeros((_ceil(rows, br), _ceil(cols, bc)), dtype=torch.float32,
-                           device=local.device)  # fmt: skip
-        at = grid[r0 // br : r0 // br + amax.shape[0], c0 // bc : c0 // bc + amax.shape[1]]
-        at.copy_(amax)
-        dist.all_reduce(grid, op=dist.ReduceOp.MAX, group=group)
-        amax = at
+    x.copy_(one.local)
+    return x, buf.view(buf.shape[0] // br, br, buf.shape[1] // bc, bc)
+
+
+def _splits(one: ShardSlice, fmt: str) -> bool:
+    """Whether the slice holds part of a block only (its other part another rank's)."""
+    br, bc = BLOCKS[fmt]
+    (r0, c0), (n, k) = one.offsets, one.local.shape
+    rows, cols = one.shape
+    return bool(
+        r0 % br or c0 % bc
+        or ((r0 + n) % br and r0 + n != rows)
+        or ((c0 + k) % bc and c0 + k != cols)
+    )  # fmt: skip
+
+
+def _quantize(one: ShardSlice, fmt: str, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slice's e4m3 elements and its blocks' scales, from the blocks' agreed `amax`:
+    the arithmetic of `ros.views.formats`, step for step."""
+    x, blocks = _blocks(one, fmt)
     if fmt == "fp8-block128":
-        e4m3_max = torch.tensor(E4M3_MAX, dtype=torch.float32, device=local.device)
+        e4m3_max = torch.tensor(E4M3_MAX, dtype=torch.float32, device=x.device)
         scale = amax.clamp(min=AMAX_FLOOR) / e4m3_max
         torch.div(blocks, scale[:, None, :, None], out=blocks).clamp_(-E4M3_MAX, E4M3_MAX)
     else:

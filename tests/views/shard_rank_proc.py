@@ -2,7 +2,8 @@
 (torch.distributed's environment: `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`),
 builds the same seeded weights as the test (`CASES`), quantizes its slice of each with
 `ros.views.sharded.quantize_shard`, and saves what it got to OUT/rank-R.pt: for each case
-(q, scale) or the error's text. Run as `python -m tests.views.shard_rank_proc OUT`."""
+(q, scale) or the error's text; and, under "batched FORMAT", what `quantize_shards` made of
+all that format's finite cases in one call. Run as `python -m tests.views.shard_rank_proc OUT`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ros.views.sharded import quantize_shard
+from ros.views.sharded import ShardSlice, quantize_shard, quantize_shards
 from tensorhub.errors import InvalidArgument
 
 # case -> (format, global shape, dimension split, where rank 1's slice starts)
@@ -23,6 +24,7 @@ CASES: dict[str, tuple[str, tuple[int, int], int, int]] = {
     "fp8-rows-aligned": ("fp8-block128", (300, 260), 0, 128),
     "mxfp8-cols-split-block": ("mxfp8", (64, 100), 1, 50),
     "mxfp8-rows": ("mxfp8", (70, 96), 0, 33),
+    "fp8-empty-rank-1": ("fp8-block128", (128, 256), 0, 128),
     "fp8-nan-on-rank-1": ("fp8-block128", (256, 256), 0, 128),
 }
 
@@ -51,6 +53,11 @@ def part(case: str, rank: int) -> tuple[torch.Tensor, tuple[int, int]]:
     return local, ((start, 0) if dim == 0 else (0, start))
 
 
+def _slice(case: str, rank: int) -> tuple[torch.Tensor, tuple[int, int], tuple[int, int]]:
+    local, offsets = part(case, rank)
+    return local, CASES[case][1], offsets
+
+
 def main(out: str) -> None:
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
@@ -62,6 +69,10 @@ def main(out: str) -> None:
                 got[case] = quantize_shard(local, shape, offsets, fmt, name=case)
             except InvalidArgument as exc:
                 got[case] = str(exc)
+        for fmt in ("fp8-block128", "mxfp8"):
+            cases = [c for c, spec in CASES.items() if spec[0] == fmt and "nan" not in c]
+            slices = [ShardSlice(c, *_slice(c, rank)) for c in cases]
+            got[f"batched {fmt}"] = dict(zip(cases, quantize_shards(slices, fmt), strict=True))
         torch.save(got, os.path.join(out, f"rank-{rank}.pt"))
     finally:
         dist.destroy_process_group()

@@ -56,7 +56,10 @@ def _whole(case: str) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize(weight(case))
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if "nan" not in c])
+FINITE = [c for c in CASES if "nan" not in c]
+
+
+@pytest.mark.parametrize("case", FINITE)
 def test_the_ranks_parts_are_the_view_of_the_whole_weight(
     ranks: list[dict[str, object]], case: str
 ) -> None:
@@ -93,3 +96,20 @@ def test_a_nan_on_one_rank_is_refused_by_every_rank(ranks: list[dict[str, object
     assert "fp8-nan-on-rank-1[200, 7] is nan" in mine
     assert isinstance(other, str)
     assert "another rank's slice" in other
+
+
+def test_one_call_for_many_weights_makes_what_one_call_each_makes(
+    ranks: list[dict[str, object]],
+) -> None:
+    """`quantize_shards` (two collectives for all the weights of a format) equals
+    `quantize_shard` of each weight, on every rank."""
+    for rank in range(2):
+        for fmt in ("fp8-block128", "mxfp8"):
+            batched = ranks[rank][f"batched {fmt}"]
+            assert isinstance(batched, dict)
+            assert sorted(batched) == sorted(c for c in FINITE if CASES[c][0] == fmt)
+            for case, (q, scale) in batched.items():
+                one = ranks[rank][case]
+                assert isinstance(one, tuple)
+                assert torch.equal(q.view(torch.uint8), one[0].view(torch.uint8)), case
+                assert torch.equal(scale.view(torch.uint8), one[1].view(torch.uint8)), case
