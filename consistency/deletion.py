@@ -8,6 +8,10 @@ counters), so no reader ever sees half a model, and afterwards the model is as i
 never been published: it no longer counts against the tenant's models quota (which counts
 the models that have keys under `m/`), and it can be published again from version 1.
 
+A model's views (`{model}.{fmt}` and their delta companions, `tensorhub.view_rules`) are
+its versions' other forms: the same transaction deletes them, so no view outlives its model
+and a model published again does not find the old model's views under its new versions.
+
 Holders that still serve a deleted version keep their memory until they release it; their
 records are gone, so no reader is sent to them.
 """
@@ -23,6 +27,7 @@ from consistency.etcd import Etcd, TxnResult
 from consistency.keys import Keys
 from consistency.retry import USAGE_RACES, LostRace
 from tensorhub.errors import Unavailable, VersionNotFound
+from tensorhub.view_rules import views_of
 
 
 @dataclass(frozen=True)
@@ -38,9 +43,9 @@ class Deleted:
 def delete_model(
     etcd: Etcd, keys: Keys, tenant: str, model: str, *, timeout: float | None = None
 ) -> Deleted:
-    """Delete every key of `model` of `tenant` in one transaction; `VersionNotFound` if the
-    model has no key at all (nothing was deleted)."""
-    top, pages = keys.model(tenant, model), keys.model_pages(tenant, model)
+    """Delete every key of `model` of `tenant`, and of its views, in one transaction;
+    `VersionNotFound` if the model and its views have no key at all (nothing was deleted)."""
+    models = [model, *views_of(model)]
     versions = keys.versions(tenant, model)
     listing = etcdrpc.RangeRequest(
         key=ops.b(versions), range_end=ops.prefix_end(versions), keys_only=True
@@ -51,14 +56,20 @@ def delete_model(
         nonlocal retried
         # The same transaction gives the model's bytes back to the tenant's etcd budget
         # (`consistency.usage`); a publish that changed the budget meanwhile: read again.
-        guard, put = usage.release_model(etcd, keys, tenant, model, timeout or 5.0)
+        guard, put = usage.release_models(etcd, keys, tenant, models, timeout or 5.0)
         result = etcd.txn(
             guard,
             [
                 etcdrpc.RequestOp(request_range=listing),  # read first: the txn's own snapshot
-                ops.delete(top, prefix=True),
-                ops.delete(pages, prefix=True),
-                ops.delete(keys.model_layouts(tenant, model), prefix=True),
+                *(
+                    ops.delete(prefix, prefix=True)
+                    for name in models
+                    for prefix in (
+                        keys.model(tenant, name),
+                        keys.model_pages(tenant, name),
+                        keys.model_layouts(tenant, name),
+                    )
+                ),
                 *put,
             ],
             timeout=timeout,
@@ -73,8 +84,12 @@ def delete_model(
         None,  # each call has its own timeout; the races are bounded by count
         lambda: Unavailable(f"deleting model {model}: the tenant's etcd usage kept changing"),
     )
-    listed, removed, paged = result.responses[:3]
-    count = int(removed.response_delete_range.deleted) + int(paged.response_delete_range.deleted)
+    listed, *deletes = result.responses[: 1 + 3 * len(models)]
+    count = sum(  # the keys under `m/` and `mp/` of each (layout block sets: not counted)
+        int(response.response_delete_range.deleted)
+        for i, response in enumerate(deletes)
+        if i % 3 != 2
+    )
     if not count and not retried:  # (after a retry: an earlier attempt did it)
         raise VersionNotFound(f"model {model} has nothing to delete: it was never published")
     base = len(ops.b(versions))

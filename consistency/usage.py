@@ -350,12 +350,24 @@ def release_version(
 def release_model(etcd: Etcd, keys: Keys, tenant: str, model: str, timeout: float | None) -> Guard:
     """`release_version` for every version of `model` (one range read of its version keys,
     with the usage key, at one revision): for the transaction that deletes the whole model."""
+    return release_models(etcd, keys, tenant, [model], timeout)
+
+
+def release_models(
+    etcd: Etcd, keys: Keys, tenant: str, models: Sequence[str], timeout: float | None
+) -> Guard:
+    """`release_model` for several models at one revision (a model with its views)."""
     key = keys.quota_fence(tenant, "usage")
-    versions = keys.versions(tenant, model)
-    listing = etcdrpc.RangeRequest(key=ops.b(versions), range_end=ops.prefix_end(versions))
-    result = etcd.txn([], [etcdrpc.RequestOp(request_range=listing), ops.get(key)], timeout=timeout)
-    listed, held = (r.response_range.kvs for r in result.responses)
-    return _released(key, held, versions_charge(keys, tenant, model, listed))
+    listings = []
+    for model in models:
+        versions = keys.versions(tenant, model)
+        listing = etcdrpc.RangeRequest(key=ops.b(versions), range_end=ops.prefix_end(versions))
+        listings.append(etcdrpc.RequestOp(request_range=listing))
+    result = etcd.txn([], [*listings, ops.get(key)], timeout=timeout)
+    *listed, held = (r.response_range.kvs for r in result.responses)
+    pairs = zip(models, listed, strict=True)
+    charged = sum(versions_charge(keys, tenant, m, kvs) for m, kvs in pairs)
+    return _released(key, held, charged)
 
 
 def versions_charge(keys: Keys, tenant: str, model: str, kvs: Iterable[Any]) -> int:

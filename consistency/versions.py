@@ -39,6 +39,7 @@ from consistency.shard_commit import Budget, ShardCommitter, ShardEntry
 from consistency.view_publish import StagedViews, ViewsCharge
 from tensorhub.errors import InvalidArgument, OutcomeUnknown, TensorHubError
 from tensorhub.names import validate_name, validate_version
+from tensorhub.view_rules import views_of
 
 __all__ = ["DEFAULT_RETAIN", "VersionInfo", "VersionRegistry"]
 
@@ -286,9 +287,7 @@ class VersionRegistry:
         except BaseException:
             staged_views.discard(DEFAULT_TIMEOUT / 2)
             raise
-        if published.visible:
-            self._after_views(tenant, model, staged_views.models)
-        return published
+        return published  # its retention (`collect`) collects the views with the version
 
     def stage_shard(
         self,
@@ -362,17 +361,22 @@ class VersionRegistry:
         return self.versions(tenant, model, timeout=timeout)[-self.retain :]
 
     def collect(self, tenant: str, model: str, *, timeout: float | None = None) -> list[int]:
-        """Delete versions older than the newest N published ones, except pinned ones."""
+        """Delete versions older than the newest N published ones, except pinned ones, and
+        the same versions of the model's views (`collect_view`), whether or not the publish
+        that ran it carried views: a view goes with its version (docs/views.md)."""
         found, _ = self._scan(tenant, model, timeout)
         published = sorted(v for v, complete in found.items() if complete)
         if len(published) <= self.retain:
             return []
         oldest_kept = published[-self.retain]
-        return [
+        deleted = [
             version
             for version in sorted(v for v in found if v < oldest_kept)
             if self._delete_unpinned(tenant, model, version, timeout)
         ]
+        for view in views_of(model):
+            self._collect_below(tenant, view, oldest_kept, timeout)
+        return deleted
 
     def _delete_unpinned(
         self, tenant: str, model: str, version: int, timeout: float | None
@@ -419,26 +423,18 @@ class VersionRegistry:
         kept = self.retained(tenant, model, timeout=timeout)
         if len(kept) < self.retain:
             return []
-        found, _ = self._scan(tenant, view, timeout)
+        return self._collect_below(tenant, view, kept[0], timeout)
+
+    def _collect_below(
+        self, tenant: str, model: str, oldest_kept: int, timeout: float | None
+    ) -> list[int]:
+        """Delete the versions of `model` below `oldest_kept`, except pinned ones."""
+        found, _ = self._scan(tenant, model, timeout)
         return [
             version
-            for version in sorted(v for v in found if v < kept[0])
-            if self._delete_unpinned(tenant, view, version, timeout)
+            for version in sorted(v for v in found if v < oldest_kept)
+            if self._delete_unpinned(tenant, model, version, timeout)
         ]
-
-    def _after_views(self, tenant: str, model: str, views: Sequence[str]) -> None:
-        """Retention of the views a publish of `model` made visible (on `collector`)."""
-        for view in views:
-            if self._collector is not None:
-                self._collector.submit(self._collect_view_quietly, tenant, model, view)
-            else:
-                self._collect_view_quietly(tenant, model, view)
-
-    def _collect_view_quietly(self, tenant: str, model: str, view: str) -> None:
-        try:
-            self.collect_view(tenant, model, view)
-        except TensorHubError as exc:  # best effort, as `_collect_quietly`
-            log.warning("retention for %s/%s failed: %s", tenant, validate_name(view), exc)
 
     def _after_publish(self, tenant: str, model: str) -> None:
         """Retention after a publish made a version visible: on `collector` when given."""

@@ -10,6 +10,9 @@ only a publish of `model@v` with that view creates their versions.
 
 from __future__ import annotations
 
+import contextlib
+
+from tensorhub.delta_rules import companion_of, is_companion
 from tensorhub.errors import InvalidArgument, InvalidName
 from tensorhub.names import validate_name
 
@@ -60,3 +63,18 @@ def check_views(model: str, formats: object) -> list[str]:
             raise InvalidArgument(f"view {fmt!r} asked for twice")
         seen.append(fmt)
     return seen
+
+
+def views_of(model: str) -> list[str]:
+    """Every model a publish of `model` with views can create: each format's view model and
+    that view's delta companion (`{model}.{fmt}.delta`), those whose name is valid. Deleting
+    `model` deletes them with it, and its retention collects them with its versions; none
+    when `model` is itself a view or a delta companion (neither has views)."""
+    if is_view(model) or is_companion(model):
+        return []
+    found: list[str] = []
+    for fmt in FORMATS:
+        for name in (f"{model}.{fmt}", companion_of(f"{model}.{fmt}")):
+            with contextlib.suppress(InvalidName):  # not a name (too long): never published
+                found.append(validate_name(name))
+    return found

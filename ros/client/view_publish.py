@@ -44,8 +44,9 @@ def check_publish_views(
 ) -> list[str]:
     """The formats of `views=` (each known, once; `InvalidArgument` else), refused for a
     model-parallel publish (a shard, placements, a process group or DTensors): each rank
-    would quantize its own blocks, and the scales of a block split across ranks must be
-    agreed first, which this does not do."""
+    can quantize its own slices (`ros.views.sharded.quantize_shard`, the scales of a block
+    split across ranks agreed over their group), but a view's shards are not committed in
+    their version's transaction, so no view of a model-parallel version is published."""
     if not views:
         return []
     formats = check_views(model, views if isinstance(views, str) else list(views))
