@@ -26,7 +26,9 @@ from consistency import ops, usage
 from consistency.etcd import Etcd, TxnResult
 from consistency.keys import Keys
 from consistency.retry import USAGE_RACES, LostRace
-from tensorhub.errors import Unavailable, VersionNotFound
+from tensorhub.delta_rules import companion_of, is_companion
+from tensorhub.errors import InvalidName, Unavailable, VersionNotFound
+from tensorhub.names import validate_name
 from tensorhub.view_rules import views_of
 
 
@@ -40,12 +42,24 @@ class Deleted:
     keys: int
 
 
+def _companion(model: str) -> list[str]:
+    """The delta companion of `model` (none for a companion itself, or where the
+    companion's name would be too long to have been published)."""
+    if is_companion(model):
+        return []
+    try:
+        return [validate_name(companion_of(model))]
+    except InvalidName:
+        return []
+
+
 def delete_model(
     etcd: Etcd, keys: Keys, tenant: str, model: str, *, timeout: float | None = None
 ) -> Deleted:
-    """Delete every key of `model` of `tenant`, and of its views, in one transaction;
-    `VersionNotFound` if the model and its views have no key at all (nothing was deleted)."""
-    models = [model, *views_of(model)]
+    """Delete every key of `model` of `tenant`, of its delta companion and of its views
+    (with theirs), in one transaction; `VersionNotFound` if none of them has a key at all
+    (nothing was deleted). A companion or a view without its model serves no one."""
+    models = [model, *_companion(model), *views_of(model)]
     versions = keys.versions(tenant, model)
     listing = etcdrpc.RangeRequest(
         key=ops.b(versions), range_end=ops.prefix_end(versions), keys_only=True

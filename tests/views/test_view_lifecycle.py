@@ -72,11 +72,15 @@ def test_deleting_a_model_deletes_its_views_and_their_companions_in_one_transact
     done = trainer._rpc("DeleteModel", pb.DeleteModelRequest(model="policy"))
     assert done.versions_deleted == 2
     # one transaction: every view key was deleted at the revision of the model's
-    prefixes = [hub_server.keys.model("views-del", m) for m in ("policy", *views_of("policy"))]
+    prefixes = [
+        hub_server.keys.model("views-del", m)
+        for m in ("policy", "policy.delta", *views_of("policy"))
+    ]
     for prefix in prefixes:
         kv, _ = hub_server.etcd.get(prefix + "latest")
         assert kv is None
-    assert {m.name for m in trainer.list_models()} <= {"policy.delta"}  # the model's own
+    assert {m.name for m in trainer.list_models()} == set()  # its own companion went too
+    assert trainer.latest("policy.delta") == 0
     for fmt in FORMATS:
         assert trainer.latest(f"policy.{fmt}") == 0
         with pytest.raises(ros.VersionNotFound):
