@@ -40,8 +40,8 @@ from transport import delta_words, zstd_contexts
 from transport.checksums import WSUM64, wsum64_of_segments
 from transport.store import HeldVersion
 
-__all__ = ["ENCODING", "ENCODINGS", "PLANES", "WHOLE_RATIO", "apply", "apply_words",
-           "chunk_checksum", "decode_words", "digest", "encode", "payload"]  # fmt: skip
+__all__ = ["ENCODING", "ENCODINGS", "PLANES", "WHOLE_RATIO", "apply", "chunk_checksum",
+           "digest", "encode", "payload"]  # fmt: skip
 
 LEVEL = 1  # zstd level: 0.05-0.15 s per 53 MiB here, within 10 % of level 3's size
 WORDS, DENSE = b"\x01", b"\x00"  # an `xor-adaptive-zstd1` chunk's first byte: its form
@@ -146,21 +146,6 @@ def apply(
         delta_words.apply(dest, *delta_words.decode(body, size // 2))
     else:
         raise IntegrityError(f"delta chunk of form {form!r} for a chunk of {size} bytes")
-
-
-def decode_words(
-    encoded: Sequence[bytes | memoryview], words: Sequence[int]
-) -> list[delta_words.Decoded]:
-    """Many changed-words chunks decoded together, each encoding without its form byte,
-    chunk k of `words[k]` words: its positions and XOR words, or its error
-    (`delta_words.decode_many`); `apply_words` applies one."""
-    return delta_words.decode_many(encoded, words)
-
-
-def apply_words(dest: Sequence[torch.Tensor], positions: np.ndarray, values: np.ndarray) -> None:
-    """XOR a changed-words chunk already decoded (`delta_words.decode_many`: its positions
-    and XOR words) into `dest` in place, as `apply` does with its encoding."""
-    delta_words.apply(dest, positions, values)
 
 
 def _apply_planes(dest: Sequence[torch.Tensor], encoded: memoryview) -> None:

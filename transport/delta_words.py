@@ -96,24 +96,6 @@ def decode(encoded: bytes | memoryview, words: int) -> tuple[np.ndarray, np.ndar
     `IntegrityError` for anything else (`DeltaRefused`, before decoding, for a frame that
     does not declare the 6c bytes its count c says, or more than `READ_SHARE` of the
     words)."""
-    raw = _frame(encoded, words)
-    count = raw.size // 6
-    gaps = _from_planes(raw[: 4 * count], 4).view("<i4")
-    values = _from_planes(raw[4 * count :], 2).view(np.uint16)
-    if count and int(gaps.min()) < 1:
-        raise IntegrityError(_OUT_OF_ORDER)
-    positions = np.cumsum(gaps, dtype=np.int64) - 1
-    if count and int(positions[-1]) >= words:
-        raise IntegrityError(_PAST.format(words=words))
-    return positions, values
-
-
-_OUT_OF_ORDER = "changed-words delta chunk: positions out of order"
-_PAST = "changed-words delta chunk: a position past word {words}"
-
-
-def _frame(encoded: bytes | memoryview, words: int) -> np.ndarray:
-    """The 6c bytes (uint8) of an encoding's zstd frame, its header checked (`decode`)."""
     view = memoryview(encoded)
     if len(view) < 8:
         raise IntegrityError("changed-words delta chunk: no header")
@@ -123,68 +105,15 @@ def _frame(encoded: bytes | memoryview, words: int) -> np.ndarray:
     if count > READ_SHARE * words:
         raise DeltaRefused(f"changed-words delta chunk: {count} words of {words}")
     raw = zstd_contexts.decompress_exact(view[8:], 6 * count, "changed-words delta chunk")
-    return np.frombuffer(raw, dtype=np.uint8)
-
-
-Decoded = tuple[np.ndarray, np.ndarray] | Exception
-
-
-def decode_many(encoded: Sequence[bytes | memoryview], words: Sequence[int]) -> list[Decoded]:
-    """`decode` of many chunks (chunk k: `encoded[k]` of a chunk of `words[k]` words): for
-    each, its positions and XOR words, or the error `decode` raises for it (a chunk that
-    fails fails alone). The frames are decoded one by one; their planes, positions and
-    checks in a few array operations over all of them together: a step applies hundreds of
-    chunks of a few thousand words, where numpy's cost per call outweighs its cost per
-    word (2x less CPU than chunk by chunk for bench delta's model at lr 1e-6)."""
-    if not _LITTLE:
-        return [_decoded(e, w) for e, w in zip(encoded, words, strict=True)]
-    out: list[Decoded] = []
-    raws: list[np.ndarray] = []
-    for enc, n in zip(encoded, words, strict=True):
-        try:
-            raws.append(_frame(enc, n).reshape(6, -1))
-            out.append((_EMPTY, _EMPTY))  # filled in below
-        except Exception as exc:  # this chunk's alone
-            out.append(exc)
-    good = [k for k, got in enumerate(out) if not isinstance(got, Exception)]
-    if not good:
-        return out
-    counts = np.array([r.shape[1] for r in raws], dtype=np.int64)
-    planes = np.concatenate(raws, axis=1)
-    gaps = planes[3].astype(np.uint32)
-    for k in (2, 1, 0):
-        gaps <<= 8
-        gaps |= planes[k]
-    signed = gaps.view(np.int32)
-    values = planes[5].astype(np.uint16)
-    values <<= 8
-    values |= planes[4]
-    ends = np.cumsum(counts)
-    starts = ends - counts
-    positions = np.cumsum(signed, dtype=np.int64)
-    # each chunk's positions from its own gaps alone: less the sum of the chunks before it
-    before = np.concatenate([[0], positions[ends[:-1] - 1]]) if counts.size > 1 else [0]
-    positions -= np.repeat(np.asarray(before, dtype=np.int64) + 1, counts)
-    disorder = set(np.repeat(np.arange(counts.size), counts)[signed < 1].tolist())
-    for j, k in enumerate(good):
-        start, end = int(starts[j]), int(ends[j])
-        if j in disorder:
-            out[k] = IntegrityError(_OUT_OF_ORDER)
-        elif end > start and int(positions[end - 1]) >= words[k]:
-            out[k] = IntegrityError(_PAST.format(words=words[k]))
-        else:
-            out[k] = (positions[start:end], values[start:end])
-    return out
-
-
-def _decoded(encoded: bytes | memoryview, words: int) -> Decoded:
-    try:
-        return decode(encoded, words)
-    except Exception as exc:  # this chunk's alone
-        return exc
-
-
-_EMPTY = np.empty(0, dtype=np.int64)
+    body = np.frombuffer(raw, dtype=np.uint8)
+    gaps = _from_planes(body[: 4 * count], 4).view("<i4")
+    values = _from_planes(body[4 * count :], 2).view(np.uint16)
+    if count and int(gaps.min()) < 1:
+        raise IntegrityError("changed-words delta chunk: positions out of order")
+    positions = np.cumsum(gaps, dtype=np.int64) - 1
+    if count and int(positions[-1]) >= words:
+        raise IntegrityError(f"changed-words delta chunk: a position past word {words}")
+    return positions, values
 
 
 _LITTLE = sys.byteorder == "little"

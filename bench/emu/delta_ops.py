@@ -30,9 +30,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class Codec:
-    """Seconds spent in `transport.delta`'s encode, apply (with decode_words and apply_words,
-    its two steps for chunks decoded together) and chunk_checksum in this process since the
-    last `take()` (installed once per process: `install`)."""
+    """Seconds spent in `transport.delta`'s encode, apply and chunk_checksum in this process
+    since the last `take()` (installed once per process: `install`)."""
 
     _lock: ClassVar[threading.Lock] = threading.Lock()
     _seconds: ClassVar[dict[str, float]] = {"encode": 0.0, "apply": 0.0, "chunk_checksum": 0.0}
@@ -45,8 +44,6 @@ class Codec:
                 return
             codec.encode = cls._timed("encode", codec.encode)
             codec.apply = cls._timed("apply", codec.apply)
-            codec.decode_words = cls._timed("apply", codec.decode_words)
-            codec.apply_words = cls._timed("apply", codec.apply_words)
             codec.chunk_checksum = cls._timed("chunk_checksum", codec.chunk_checksum)
             cls._installed = True
 

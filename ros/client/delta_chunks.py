@@ -4,11 +4,8 @@ companion's bytes (`Encoded`), whether the destination's chunk is exactly the ba
 links to one chunk with every check the format asks for (`apply_one`): the encoded chunk's
 digest before it is applied, and the result's checksum after (under a linear checksum, its
 xxh3-64 too), before the chunk is marked present; and whether a companion is the size its
-version's manifest says (`check_companion`), before it is read; `apply_many` does
-`apply_one` for a run of chunks, the changed-words frames of a one-link delta decoded
-together (hundreds of chunks of a few thousand words each: numpy's cost per call, not
-per word, is what a chunk at a time pays). `ros.client.delta_fetch` decides which chunks
-and links; this module does them.
+version's manifest says (`check_companion`), before it is read. `ros.client.delta_fetch`
+decides which chunks and links; this module does one.
 
 Each chunk's bytes are read once to check it: the result's checksum is the check that the
 destination was the base (a destination that was not cannot end on the version's bytes);
@@ -22,12 +19,11 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.checksum_kinds import LINEAR, XXH3
-from tensorhub.delta_rules import ENCODING, TENSOR
+from tensorhub.delta_rules import TENSOR
 from tensorhub.errors import DeltaRefused, IntegrityError
 from transport import delta as codec
 from transport.store import HeldVersion
@@ -123,102 +119,6 @@ def apply_one(
             base(index)  # counts a destination that was not the base
         return False
     dest.mark_present(index, known)
-    return True
-
-
-def apply_many(
-    links: list[Link],
-    blobs: list[Encoded],
-    dest: HeldVersion,
-    indices: Sequence[int],
-    kind: str,
-    base: BaseCheck | None = None,
-) -> int:
-    """`apply_one` for each chunk of `indices`, in order, with the same checks and the same
-    outcome per chunk; how many were made. The chunks of one link in the changed-words
-    form are decoded together (`delta_words.decode_many`: a step's hundreds of small
-    chunks cost a few array operations instead of a dozen each); any other chunk, and any
-    that a batched step finds wrong, goes through `apply_one` alone."""
-    alone: set[int] = set()
-    batch: list[tuple[int, memoryview]] = []
-    for index in indices:
-        blob = _words_form(links, blobs, dest, index)
-        if blob is None:
-            alone.add(index)
-        else:
-            batch.append((index, blob))
-    sizes = [dest.layout.payload_bytes(index) // 2 for index, _ in batch]
-    decoded = dict(
-        zip(
-            (index for index, _ in batch),
-            codec.decode_words([blob[1:] for _, blob in batch], sizes),
-            strict=True,
-        )
-    )
-    made = 0
-    for index in indices:
-        got = decoded.get(index)
-        if index in alone or got is None or isinstance(got, Exception):
-            made += apply_one(links, blobs, dest, index, kind, base)  # fails, or another form
-        else:
-            made += _apply_words(links[-1], dest, index, kind, base, got)
-    return made
-
-
-def _words_form(
-    links: list[Link], blobs: list[Encoded], dest: HeldVersion, index: int
-) -> memoryview | None:
-    """Chunk `index`'s encoding when it can be decoded with others: one link, in the
-    changed-words form, its digest right, a chunk of whole words; else None (`apply_one`)."""
-    if len(links) != 1 or links[0].manifest.delta.encoding != ENCODING:
-        return None
-    if dest.layout.payload_bytes(index) % 2:
-        return None
-    try:
-        blob = blobs[0].of(index)
-    except Exception:  # apply_one says why
-        return None
-    if bytes(blob[:1]) != codec.WORDS:
-        return None
-    if codec.digest(blob) != links[0].manifest.delta.encoded_xxh3[index]:
-        return None
-    return blob
-
-
-def _apply_words(
-    link: Link,
-    dest: HeldVersion,
-    index: int,
-    kind: str,
-    base: BaseCheck | None,
-    words: tuple[np.ndarray, np.ndarray],
-) -> bool:
-    """`apply_one` of a chunk whose encoding is decoded already (`words`: its positions and
-    XOR words, its digest checked): XOR them in, check the result, undo it if it fails."""
-    parts = dest.chunk_parts(index)
-    applied = False
-    try:
-        codec.apply_words(parts, *words)
-        applied = True
-        known = _check_result(dest, index, kind, link.version, link.manifest)
-    except Exception as exc:  # that chunk alone reads whole
-        log.warning("delta chunk %d: %s; reading it whole", index, _why(exc))
-        if applied and _undo_words(parts, words, index) and base is not None:
-            base(index)  # counts a destination that was not the base
-        return False
-    dest.mark_present(index, known)
-    return True
-
-
-def _undo_words(
-    parts: list[torch.Tensor], words: tuple[np.ndarray, np.ndarray], index: int
-) -> bool:
-    """XOR the same words in again (what it held before); False (logged) if that failed."""
-    try:
-        codec.apply_words(parts, *words)
-    except Exception as exc:  # the chunk is read whole either way
-        log.warning("delta chunk %d: undoing it: %s", index, _why(exc))
-        return False
     return True
 
 

@@ -23,7 +23,7 @@ under the fetch's one `Deadline`. Then, chunk by chunk:
    version. A companion whose manifest is not exactly the size that u's manifest gives its
    encoded chunks is not read at all (`DeltaRefused`, before a byte of it moves). One this
    client holds already (the same model, version and shard) is used as it is.
-4. **Apply and verify** (`ros.client.delta_chunks.apply_many`): each encoded chunk's digest
+4. **Apply and verify** (`ros.client.delta_chunks.apply_one`): each encoded chunk's digest
    is checked, it is XORed into T in place on T's device (`transport.delta`, which refuses
    a zstd frame that declares another size than its chunk's before decoding it), and the
    result must have v's checksum (under a linear checksum, wsum64, also the xxh3-64 v's
@@ -33,9 +33,7 @@ under the fetch's one `Deadline`. Then, chunk by chunk:
    XOR applied again), checked against b to count a destination that was not b, and read
    whole by the rounds that follow, which read exactly the chunks still missing. With one
    link, each encoded chunk is applied as soon as the companion's chunks it lies in have
-   landed (the orchestrator's `landed` callback), while the rest are still on the wire;
-   the chunks one landing makes ready are applied together, their changed-words frames
-   decoded in one batch (`transport.delta_words.decode_many`).
+   landed (the orchestrator's `landed` callback), while the rest are still on the wire.
 
 Anything that stops the delta (no companion holder left, a companion retired or of the
 wrong size, the deadline of its part, anything a delta made raise) leaves the chunks not
@@ -62,7 +60,7 @@ from ros.client.delta_chunks import (
     BaseCheck,
     Encoded,
     Link,
-    apply_many,
+    apply_one,
     check_companion,
     companion_bytes,
     landed,
@@ -411,13 +409,12 @@ class _Applier:
             self._advance(blobs, lambda i: True)
 
     def _advance(self, blobs: list[Encoded], ready: Callable[[int], bool]) -> None:
-        """Apply the chunks from `_next` on whose encodings are in, together
-        (`apply_many`)."""
-        first = self._next
-        while self._next < len(self._todo) and ready(self._todo[self._next]):
+        while self._next < len(self._todo):
+            index = self._todo[self._next]
+            if not ready(index):
+                return
             self._next += 1
-        run = self._todo[first : self._next]
-        if run:
-            made = apply_many(self._links, blobs, self._dest, run, self._kind, self._base)
-            self.done += made
-            self.failed += len(run) - made
+            if apply_one(self._links, blobs, self._dest, index, self._kind, self._base):
+                self.done += 1
+            else:
+                self.failed += 1

@@ -5,8 +5,6 @@ skipped here with the reason."""
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
 import torch
@@ -158,48 +156,6 @@ def test_segments_and_odd_lengths_round_trip() -> None:
     delta.apply(dest, encoded)
     assert torch.equal(dest[0], a2)
     assert torch.equal(dest[1], u8(b2))
-
-
-def test_decode_many_gives_each_chunk_what_decode_gives_it() -> None:
-    """The batched decode of many chunks (a reader's step): for each chunk the positions
-    and words `decode` finds, or the error it raises, the good chunks around a bad one
-    unharmed (no change, a few words, many; a count past the chunk, positions out of
-    order or past its end, another chunk's size, a frame that is no zstd)."""
-    import zstandard
-
-    def lie(total: int, gaps: list[int]) -> bytes:
-        g = np.array(gaps, dtype="<i4")
-        body = np.concatenate([g.view(np.uint8).reshape(-1, 4).T.reshape(-1),
-                               np.ones(2 * len(gaps), dtype=np.uint8)])  # fmt: skip
-        head = total.to_bytes(4, "little") + len(gaps).to_bytes(4, "little")
-        return head + zstandard.ZstdCompressor().compress(body.tobytes())
-
-    frames: list[bytes] = []
-    sizes: list[int] = []
-    for k, (n, share) in enumerate([(4096, 0.0), (4096, 0.01), (2048, 0.1), (8192, 0.001)]):
-        base = bf16(n, 40 + k)
-        encoded = delta.encode([u8(base)], [u8(nudged(base, share, 50 + k))])
-        assert encoded is not None
-        assert encoded[:1] == delta.WORDS
-        frames.append(encoded[1:])
-        sizes.append(n)
-        frames.append(lie(512, [[3, 0, 2], [1, -4, 9], [1, 2, 600], [5]][k]))
-        sizes.append(512 if k < 3 else 256)  # the last: another chunk's size
-    frames.append(b"\x00\x01\x00\x00\x02\x00\x00\x00not zstd")
-    sizes.append(256)
-    many = delta_words.decode_many(frames, sizes)
-    assert len(many) == len(frames)
-    errors = 0
-    for frame, words, got in zip(frames, sizes, many, strict=True):
-        if isinstance(got, Exception):
-            with pytest.raises(type(got), match=re.escape(str(got))):
-                delta_words.decode(frame, words)
-            errors += 1
-            continue
-        want = delta_words.decode(frame, words)
-        assert np.array_equal(got[0], want[0])
-        assert np.array_equal(got[1], want[1])
-    assert errors == 5
 
 
 def test_a_chunk_of_whole_word_segments_is_changed_where_it_lies() -> None:
