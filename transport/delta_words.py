@@ -138,9 +138,13 @@ def _from_planes(planes: np.ndarray, width: int) -> np.ndarray:
 
 def apply(dest: Sequence[torch.Tensor], positions: np.ndarray, values: np.ndarray) -> None:
     """XOR `values` into the words at `positions` of the chunk `dest` (its segments, in
-    place, on their device). A chunk of one segment is changed where it is; one that spans
-    tensors is joined, changed and copied back."""
+    place, on their device). A chunk in host memory is changed where it is, segment by
+    segment when its segments are whole words; one on a device that spans tensors is
+    joined, changed and copied back."""
     if not positions.size:
+        return
+    if len(dest) > 1 and all(p.device.type == "cpu" and p.numel() % 2 == 0 for p in dest):
+        _apply_segments(dest, positions, values)
         return
     # numpy changes a host chunk where it is; an int16 view of a device one needs it aligned
     one = len(dest) == 1 and (dest[0].device.type == "cpu" or dest[0].data_ptr() % 2 == 0)
@@ -151,6 +155,20 @@ def apply(dest: Sequence[torch.Tensor], positions: np.ndarray, values: np.ndarra
         xor_words(chunk, positions, values)
     if not one:
         copy_into(dest, chunk)
+
+
+def _apply_segments(
+    dest: Sequence[torch.Tensor], positions: np.ndarray, values: np.ndarray
+) -> None:
+    """`apply` to host segments of whole words each, in place (no joined copy): the
+    positions (increasing) of each segment are a slice, found by bisection."""
+    ends = np.cumsum([p.numel() // 2 for p in dest])
+    cuts = np.searchsorted(positions, ends).tolist()
+    start = lo = 0
+    for part, end, hi in zip(dest, ends.tolist(), cuts, strict=True):
+        if hi > lo:
+            part.numpy().view(np.uint16)[positions[lo:hi] - start] ^= values[lo:hi]
+        start, lo = end, hi
 
 
 def xor_words(chunk: torch.Tensor, positions: np.ndarray, values: np.ndarray) -> None:

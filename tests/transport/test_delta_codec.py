@@ -158,6 +158,20 @@ def test_segments_and_odd_lengths_round_trip() -> None:
     assert torch.equal(dest[1], u8(b2))
 
 
+def test_a_chunk_of_whole_word_segments_is_changed_where_it_lies() -> None:
+    """A host chunk that spans tensors of whole words is changed in each tensor's own
+    memory, as the joined chunk would be (no copy back)."""
+    parts = [bf16(n, 60 + k) for k, n in enumerate([700, 1, 1300, 64])]
+    new = [nudged(p, 0.05, 70 + k) for k, p in enumerate(parts)]
+    found = delta_words.changed(torch.cat([u8(p) for p in parts]), torch.cat([u8(p) for p in new]))
+    assert found is not None
+    positions, values = found
+    dest = [p.clone() for p in parts]
+    delta_words.apply([u8(d) for d in dest], positions, values.view(np.uint16).reshape(-1))
+    for d, want in zip(dest, new, strict=True):
+        assert torch.equal(u8(d), u8(want))
+
+
 def test_the_device_scatter_changes_the_words_the_host_scatter_does() -> None:
     """`xor_words` (torch operations: what a chunk in device memory takes) run here on host
     tensors gives the bytes the numpy scatter gives, and a one-segment host chunk at an odd
