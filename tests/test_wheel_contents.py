@@ -17,7 +17,9 @@ from pathlib import Path
 from tests.script_modules import ROOT, load
 
 USER_IMPORTS = ("ros", "tensorhub")
-USER_PACKAGES = ("ros.integrations",)
+# packages whose every module is an API users import (docs/integrations.md, docs/views.md:
+# `ros.views.sharded.quantize_shard` for a trainer's own ranks)
+USER_PACKAGES = ("ros.integrations", "ros.views")
 
 
 def _installed_packages(pyproject: dict[str, object]) -> list[str]:
