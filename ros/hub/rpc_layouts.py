@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
+from typing import Protocol
 
 from consistency.layouts import BlockSetKey, LayoutRegistry
 from consistency.records import HolderRecord
+from consistency.sessions import SessionRecords
 from ros.hub.call import CallContext
 from ros.hub.convert import holder_from_pb, holder_to_pb
-from ros.hub.rpc import unary
-from ros.hub.state import HubState
+from ros.hub.rpc import Runs, unary
+from ros.hub.tenants import Tenant
 from ros.manifest_check import check_topology
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import InvalidArgument
@@ -40,10 +42,21 @@ def _nearest(
     return others[:MAX_LAYOUT_CANDIDATES]
 
 
+class LayoutHub(Runs, Protocol):
+    """What the layout handlers use of a replica besides running calls: their timeout, the
+    session records (a registration names its session) and the tenant's layout registry."""
+
+    sessions: SessionRecords
+
+    def timeout(self, context: CallContext) -> float: ...
+
+    def layouts(self, tenant: Tenant) -> LayoutRegistry: ...
+
+
 class LayoutRPCs:
     """Layout holder handlers, over `consistency.layouts.LayoutRegistry`."""
 
-    def __init__(self, hub: HubState) -> None:
+    def __init__(self, hub: LayoutHub) -> None:
         self.hub = hub
 
     def _at(self, context: CallContext, request: _Named) -> BlockSetKey:
@@ -57,7 +70,7 @@ class LayoutRPCs:
         )
 
     def _registry(self, context: CallContext) -> LayoutRegistry:
-        return LayoutRegistry(self.hub.etcd_for(context.tenant()), self.hub.keys)
+        return self.hub.layouts(context.tenant())
 
     @unary
     def RegisterLayoutHolder(
@@ -76,7 +89,7 @@ class LayoutRPCs:
             raise InvalidArgument("the block set's id is not the digest of its description")
         fence, revision, sums = self._registry(context).register(
             at, holder, list(request.block_sums), timeout=self.hub.timeout(context),
-            session_key=self.hub.keys.session(at.tenant, holder.session), blocks=blocks,
+            session_key=self.hub.sessions.key(at.tenant, holder.session), blocks=blocks,
         )  # fmt: skip
         return pb.RegisterLayoutHolderResponse(fence=fence, revision=revision, block_sums=sums)
 

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from consistency import Etcd, HolderRegistry, Keys, VersionRegistry
 from consistency.keepalive import LeaseKeeper
+from consistency.layouts import LayoutRegistry
 from consistency.sessions import SessionRecords
 from consistency.usage import DEFAULT_HISTORY_PERIOD, UsageCache
 from ros.hub.budget import Budgets
@@ -236,6 +237,11 @@ class HubState:
             registries = _Registries(versions, HolderRegistry(versions))
             self._registries.put(key, registries)
         return registries
+
+    def layouts(self, tenant: Tenant) -> LayoutRegistry:
+        """The tenant's layout holder registry (`consistency.layouts`), its writes fenced on
+        the tenant's record as the other registries' are."""
+        return LayoutRegistry(self.etcd_for(tenant), self.keys)
 
     def etcd_for(self, tenant: Tenant) -> Etcd:
         """The etcd connection for writes made on `tenant`'s behalf: each compares that the
