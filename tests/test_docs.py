@@ -50,6 +50,7 @@ FOREIGN_FLAGS = {
     "--ulimit": "docker run",
     "--strict": "mypy",
     "--resolution": "uv pip install",
+    "--updates": "python -m tests.engines.vllm_cpu.memory",
 }
 # Flags the docs name to say that they do not exist (security.md: no password on a command line).
 ABSENT_FLAGS = {"--etcd-password"}
