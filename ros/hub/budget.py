@@ -120,13 +120,7 @@ class Budgets:
     def admission(self, tenant: Tenant, versions: VersionRegistry, model: str) -> Admit:
         """The models quota's admission of a publish of `model`: what its transaction
         compares and writes so that a new model counts against `max_models`."""
-        quota = CountedCreate(
-            self._etcd,
-            self._keys.quota_fence(tenant.name, "models"),
-            tenant.quotas.max_models,
-            lambda t: versions.models(tenant.name, timeout=t),
-            f"models of tenant {tenant.name}",
-        )
+        quota = self._models_quota(tenant, versions)
 
         def admit(remaining: float) -> tuple[list[ops.Cmp], list[ops.Op]]:
             return quota.admit(remaining, model)
@@ -139,14 +133,19 @@ class Budgets:
         """The models quota's admission of a publish of a model and its view models
         (docs/views.md): those not yet models of the tenant count against `max_models`, and
         the fence is put once, in place of the model's own admission."""
-        quota = CountedCreate(
+        quota = self._models_quota(tenant, versions)
+        return lambda remaining: quota.admit_names(remaining, list(names))
+
+    def _models_quota(self, tenant: Tenant, versions: VersionRegistry) -> CountedCreate:
+        """The tenant's `max_models`, counted by the models its registry lists, fenced by
+        one key that every publish creating a model puts."""
+        return CountedCreate(
             self._etcd,
             self._keys.quota_fence(tenant.name, "models"),
             tenant.quotas.max_models,
             lambda t: versions.models(tenant.name, timeout=t),
             f"models of tenant {tenant.name}",
         )
-        return lambda remaining: quota.admit_names(remaining, list(names))
 
 
 class _Counted:
