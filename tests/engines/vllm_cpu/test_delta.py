@@ -118,15 +118,15 @@ def test_a_version_published_as_shards_updates_by_its_deltas_and_delta_false_rea
     hub_server: HubServer, make_tenant: Callable[[str], str], tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: _load is seen
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: load_weights is seen
     loaded: list[dict[str, torch.Tensor]] = []  # what each update handed model.load_weights
-    load = vllm_engine._load
+    load = vllm_engine.load_weights
 
     def seen(model: object, weights: list[tuple[str, torch.Tensor]]) -> None:
         loaded.append(dict(weights))  # new memory each update: nothing overwrites it
         load(model, weights)
 
-    monkeypatch.setattr(vllm_engine, "_load", seen)
+    monkeypatch.setattr(vllm_engine, "load_weights", seen)
     token = make_tenant(TENANT)
     ranks = [
         ros.connect(hub_server.address, tenant=TENANT, token=token, name=f"rank{r}")
