@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 SAME_HOST, SAME_RACK, SAME_DC, OTHER_DC = 0, 1, 2, 3
+LABELS = ("dc", "rack", "host")
 
 
 @dataclass(frozen=True)
@@ -16,6 +18,15 @@ class Topology:
     dc: str = ""
     rack: str = ""
     host: str = ""
+
+    @classmethod
+    def of(cls, labels: Mapping[str, str]) -> Topology:
+        """The topology a holder record's labels give (other labels are ignored)."""
+        return cls(**{k: v for k, v in labels.items() if k in LABELS})
+
+    def labels(self) -> dict[str, str]:
+        """The labels set, as a holder record or a request carries them."""
+        return {k: v for k, v in vars(self).items() if v}
 
 
 def distance(a: Topology, b: Topology) -> int:

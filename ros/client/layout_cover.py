@@ -125,7 +125,7 @@ def read_from_cover(
     cover from their holders (module docstring); the names filled."""
     request = pb.ResolveLayoutCoverRequest(
         model=model, version=version, layout=layout, holder=me.holder_name,
-        topology={k: v for k, v in vars(me.topology).items() if v},
+        topology=me.topology.labels(),
     )  # fmt: skip
     answer = peers.rpc("ResolveLayoutCover", request, deadline.work(me.timeout))
     parsed = (_parse(a, chunk_size) for a in answer.block_sets)

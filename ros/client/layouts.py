@@ -197,7 +197,7 @@ def _resolve(
 ) -> pb.ResolveLayoutResponse:
     request = pb.ResolveLayoutRequest(
         model=model, version=version, layout=layout, block_set=blocks.id,
-        topology={k: v for k, v in vars(me.topology).items() if v}, holder=me.holder_name,
+        topology=me.topology.labels(), holder=me.holder_name,
     )  # fmt: skip
     return peers.rpc("ResolveLayout", request, deadline.work(me.timeout))
 
@@ -213,7 +213,7 @@ def sources_of(holders: list[pb.Holder], suspects: Mapping[str, object]) -> list
         except InvalidArgument as exc:
             log.warning("skipping layout holder %s: %s", h.name, exc)
             continue
-        topology = Topology(**{k: v for k, v in h.topology.items() if k in ("dc", "rack", "host")})
+        topology = Topology.of(h.topology)
         out.append(Source(h.name, route.host, route.port, topology, transport=route.kind))
     return out
 

@@ -406,9 +406,7 @@ class Orchestrator:
                 continue
             if route.fallback:
                 log.info("reading holder %s over %s: %s", h.name, route.kind.value, route.fallback)
-            topology = Topology(
-                **{k: v for k, v in h.topology.items() if k in ("dc", "rack", "host")}
-            )
+            topology = Topology.of(h.topology)
             source = Source(
                 h.name, route.host, route.port, topology,
                 transport=route.kind, fallback=route.fallback, tcp=route.tcp,

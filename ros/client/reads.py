@@ -41,7 +41,7 @@ class FreshReads:
         self._policy = policy
         self._timeout = timeout
         self._holder_name = holder_name
-        self._topology = {k: v for k, v in vars(topology).items() if v}
+        self._topology = topology.labels()
         self.manifests = ManifestCache()  # by (model, version, shard): they never change
 
     def fresh(

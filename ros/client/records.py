@@ -41,7 +41,7 @@ class HolderRecords:
         self._serving = serving
         self._session = session
         self.holder_name = holder_name
-        self._labels = {k: v for k, v in vars(topology).items() if v}
+        self._labels = topology.labels()
 
     @property
     def session_id(self) -> int:

@@ -11,6 +11,7 @@ from consistency.layouts import BlockSetKey, LayoutRegistry
 from consistency.records import HolderRecord
 from consistency.sessions import SessionRecords
 from ros.hub.call import CallContext
+from ros.hub.candidates import group_keys
 from ros.hub.convert import holder_from_pb, holder_to_pb
 from ros.hub.rpc import Runs, unary
 from ros.hub.tenants import Tenant
@@ -22,15 +23,14 @@ from tensorhub.names import validate_name, validate_version
 MAX_LAYOUT_CANDIDATES = 8
 """How many holders of a block set one ResolveLayout answers, nearest the caller first."""
 
-_TIERS = ("host", "rack", "dc")
-
 
 def _distance(me: Mapping[str, str], other: Mapping[str, str]) -> int:
-    """0: same host, 1: same rack, 2: same dc, 3: elsewhere (labels missing: elsewhere)."""
-    for rank, label in enumerate(_TIERS):
-        if me.get(label) and me.get(label) == other.get(label):
-            return rank
-    return len(_TIERS)
+    """0: same host, 1: same rack, 2: same dc, 3: elsewhere: the first of Resolve's topology
+    groups (`ros.hub.candidates.group_keys`) the two share, as Resolve and the planner rank."""
+    return next(
+        tier for tier, (a, b) in enumerate(zip(group_keys(me), group_keys(other), strict=True))
+        if a == b
+    )  # fmt: skip
 
 
 def _nearest(
