@@ -9,7 +9,6 @@ from bench import views
 from bench.emu import training
 
 
-@pytest.mark.skipif(bool(training.missing()), reason="transformers is not installed")
 def test_the_bench_reports_each_format() -> None:
     args = views.parser().parse_args(["--tiny", "--no-emulation", "--repeat", "1"])
     res = views.run(args)

@@ -3,11 +3,9 @@ outcome is a finding): what it counts, checked against the codec and the views d
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from bench import view_delta
-from bench.emu import training
 from ros.views import make_view
 from transport import delta as codec
 
@@ -39,7 +37,6 @@ def test_changed_share_counts_scales_and_e4m3_bytes() -> None:
     assert 0 < elements < 1 / 4 + 1e-9  # only block (0, 0)'s codes can have moved
 
 
-@pytest.mark.skipif(bool(training.missing()), reason="transformers is not installed")
 def test_the_bench_reports_each_learning_rate() -> None:
     args = view_delta.parser().parse_args(
         ["--view", "mxfp8", "--tiny", "--steps", "1", "--lrs", "1e-4"]
