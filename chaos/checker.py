@@ -19,7 +19,9 @@ served at, so visibility is checked by version and by revision.
 Versions of the model-parallel workload (`MP_MODEL`) are checked by `chaos.checker_shards`:
 1 there also means every visible version is whole (no version visible with a shard missing)
 and every shard read has its rank's bytes; 2 and 3 hold for its `latest` as here; 4 covers
-a shard left without holders, and a rank's retried shard publish that was refused.
+a shard left without holders, and a rank's retried shard publish that was refused. Blocks
+read in a second layout (`chaos.layout_readers`) are held to the ranks' bytes by
+`chaos.checker_layouts`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 
+from chaos.checker_layouts import check_layouts
 from chaos.checker_lost import check_lost
 from chaos.checker_shards import check_shards
 from chaos.facts import INVARIANTS, Facts, FaultWindow, Violation, stale_reads
@@ -40,6 +43,7 @@ def check(facts: Facts) -> list[Violation]:
     found = [
         *check_torn(facts.ops),
         *check_shards(facts),
+        *check_layouts(facts.ops),
         *check_visibility(facts.ops),
         *check_watch_gaps(facts.ops),
         *check_monotonic(facts.ops),

@@ -5,7 +5,8 @@ A version of `MP_MODEL` has n shards (`shards` in every `publish-shard`), and mu
 visible only with all n: the hub moves `latest` with the last rank's publish.
 
 - `partial-version` (invariant 1): a version was seen visible — `latest` returned it, a
-  shard publish said it made it visible, `inspect-shards` or `fetch-shard` read it — at a
+  shard publish said it made it visible, `inspect-shards`, `fetch-shard` or a layout
+  reader's `fetch-layout` read it — at a
   time when some shard of it had no publish that may have happened yet (none invoked, or
   all that were definitely failed); or the hub's inspection of a visible version named
   another shard count or fewer manifests than it has shards; or a read of it failed because
@@ -37,7 +38,7 @@ from chaos.history import FAIL, INFO, MP_MODEL, OK, Op
 # Errors that only a visible version with missing shard records can cause (consistency/
 # manifests.py); retention deletes a version's header and its shards in one transaction.
 PARTIAL_ERRORS = ("inconsistent shard records", "has no record of shard")
-SEEN = ("latest", "publish-shard", "inspect-shards", "fetch-shard")
+SEEN = ("latest", "publish-shard", "inspect-shards", "fetch-shard", "fetch-layout")
 
 
 def check_shards(facts: Facts) -> list[Violation]:

@@ -48,6 +48,14 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         f"(1..{runner.MAX_RANKS}; default %(default)s)",
     )
     p.add_argument(
+        "--layout-readers",
+        type=int,
+        default=2,
+        help="with ranks (model-parallel, mixed): readers fetching blocks of every version in "
+        "a second layout that cut across the ranks' shards, each serving its blocks to the "
+        f"next (fetch_slices(layout=...); 0..{runner.MAX_LAYOUT_READERS}; default %(default)s)",
+    )
+    p.add_argument(
         "--no-delta",
         dest="delta",
         action="store_false",
@@ -94,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
     config = runner.for_workload(
         args.workload, args.ranks, duration=args.duration, seed=args.seed, faults=faults,
         planted=args.planted_bug, keep=args.keep, progress=progress, delta=args.delta,
+        layout_readers=args.layout_readers,
     )  # fmt: skip
     try:
         result = runner.run(config)

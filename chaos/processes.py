@@ -20,7 +20,8 @@ from typing import Any
 from chaos.netns import Namespace
 from consistency.embedded import stop_process
 
-HOLDER_ROLES = ("publisher", "reader", "rank", "shard-reader")  # they serve what they hold
+# they serve what they hold
+HOLDER_ROLES = ("publisher", "reader", "rank", "shard-reader", "layout-reader")
 
 
 @dataclass

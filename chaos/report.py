@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from chaos.checker import INVARIANTS
+from chaos.checker_layouts import layout_counts, layout_warning
 from chaos.checker_shards import seen_visible
 from chaos.deltas import applied, delta_counts
 from chaos.history import OK
@@ -56,6 +57,7 @@ def checked(result: RunResult) -> dict[str, int]:
             op.f == "probe" and op.value.get("result") == "refused" for op in ok
         ),
         **(_sharded(result) if result.config.ranks else {}),
+        **(layout_counts(result.ops) if _layout_readers(result) else {}),
         **(_delta_checked(result) if _deltas(result) else {}),
     }
 
@@ -94,6 +96,17 @@ def delta_warning(result: RunResult) -> str:
     )
 
 
+def _layout_readers(result: RunResult) -> int:
+    """How many layout readers the run had (they run with ranks only)."""
+    return result.config.layout_readers if result.config.ranks else 0
+
+
+def warnings(result: RunResult) -> list[str]:
+    """The run's warnings: evidence a run was meant to gather and did not."""
+    found = (delta_warning(result), layout_warning(result.ops, _layout_readers(result)))
+    return [w for w in found if w]
+
+
 def _sharded(result: RunResult) -> dict[str, int]:
     """The evidence of the model-parallel workload's checks (chaos.checker_shards)."""
     ok = [op for op in result.ops if op.outcome == OK]
@@ -125,7 +138,10 @@ def summary(result: RunResult) -> str:
             else []
         ),
         *(
-            [f"model-parallel workload: {c.ranks} ranks, {c.shard_readers} shard readers"]
+            [
+                f"model-parallel workload: {c.ranks} ranks, {c.shard_readers} shard readers, "
+                f"{c.layout_readers} layout readers"
+            ]
             if c.ranks
             else []
         ),
@@ -149,8 +165,7 @@ def summary(result: RunResult) -> str:
         lines += [f"  {i['client']}: {i['how']}" for i in restarts]
     lines += ["", "checked:"]
     lines += [f"  {k}: {v}" for k, v in checked(result).items()]
-    warning = delta_warning(result)
-    if warning:
+    for warning in warnings(result):
         lines += ["", warning]
     lines += ["", f"violations: {len(result.violations)}"]
     shown: Counter[str] = Counter()
@@ -178,7 +193,7 @@ def to_json(result: RunResult) -> dict[str, Any]:
         "operations": op_counts(result),
         "checked": checked(result),
         "delta": c.delta,
-        "warnings": [w for w in (delta_warning(result),) if w],
+        "warnings": warnings(result),
         "invariants": {str(k): v for k, v in INVARIANT_NAMES.items()},
         "violation_kinds": INVARIANTS,
         "violations": [v.to_json(result.start) for v in result.violations],

@@ -1,6 +1,6 @@
 """A chaos run's client process: `python -m chaos.roles SPEC_JSON` runs the role its spec
 names (`chaos.worker` for the roles and the process's set-up, `chaos.intruder`,
-`chaos.shards`) and leaves without the interpreter's finalization.
+`chaos.shards`, `chaos.layout_readers`) and leaves without the interpreter's finalization.
 
 Apart from `chaos.worker` so that the roles built on it (`chaos.intruder`, `chaos.shards`)
 do not make a circle of imports with the table that picks them.
@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from chaos.history import error_name
 from chaos.intruder import intruder
+from chaos.layout_readers import layout_reader
 from chaos.shards import rank, shard_reader
 from chaos.worker import Worker, poller, publisher, reader, watcher
 from tensorhub.errors import TensorHubError
@@ -27,6 +28,7 @@ def main(argv: list[str]) -> int:
         "publisher": publisher, "reader": reader, "watcher": watcher, "poller": poller,
     }  # fmt: skip
     roles.update({"intruder": intruder, "rank": rank, "shard-reader": shard_reader})
+    roles["layout-reader"] = layout_reader
     try:
         roles[spec["role"]](w)
     except TensorHubError as exc:  # e.g. the hub never came back before the end

@@ -55,17 +55,20 @@ class RunConfig:
     ranks: int = 0  # the model-parallel workload (chaos.shards): shards per version, 0: none
     shard_readers: int = 2  # with ranks: readers of shards
     shard_fetches: int = 4  # shards each shard reader fetches of every version (at most ranks)
+    layout_readers: int = 2  # with ranks: readers of blocks in a second layout (layout_readers)
     delta: bool = True  # publishers publish with delta=True, readers apply them (chaos.deltas)
 
 
 WORKLOADS = ("whole", "model-parallel", "mixed")
 MAX_RANKS = 64  # one process each
+MAX_LAYOUT_READERS = 16  # one process each
 
 
 def for_workload(name: str, ranks: int = 16, **options: Any) -> RunConfig:
     """The config of a named workload: `whole` (publishers of whole versions, readers,
     watchers, a poller, an intruder), `model-parallel` (`ranks` rank processes publishing
-    one shard each of every version, shard readers, the intruder) or `mixed` (both)."""
+    one shard each of every version, shard readers, layout readers, the intruder) or `mixed`
+    (both)."""
     if name not in WORKLOADS:
         raise InvalidArgument(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
     if name == "whole":
@@ -120,6 +123,8 @@ def _validate(config: RunConfig) -> None:
         raise InvalidArgument(f"ranks must be 0..{MAX_RANKS} (one process each)")
     if config.shard_fetches < 1:
         raise InvalidArgument("shard_fetches must be at least 1")
+    if not 0 <= config.layout_readers <= MAX_LAYOUT_READERS:
+        raise InvalidArgument(f"layout_readers must be 0..{MAX_LAYOUT_READERS}")
 
 
 class _Run:
@@ -179,6 +184,7 @@ class _Run:
         if config.ranks:
             slots += [(f"rank-{i}", "rank") for i in range(config.ranks)]
             slots += [(f"shard-reader-{i}", "shard-reader") for i in range(config.shard_readers)]
+            slots += [(f"layout-reader-{i}", "layout-reader") for i in range(config.layout_readers)]
         for k, (name, role) in enumerate(slots):
             spec: dict[str, Any] = {**base, "history": str(self.root / f"{name}.jsonl")}
             order = hubs[:]
@@ -188,7 +194,7 @@ class _Run:
             if in_ns and netns is not None:
                 spec["hubs"] = [self._proxy((netns.host_ip, 0), _split(h)).address for h in order]
                 env.netns_worker = name
-            if role in ("rank", "shard-reader"):
+            if role in ("rank", "shard-reader", "layout-reader"):
                 spec["ranks"], spec["fetches"] = config.ranks, config.shard_fetches
                 index = int(name.rsplit("-", 1)[1])  # the rank, or the reader's number
                 spec["index"] = index

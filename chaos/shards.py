@@ -7,12 +7,14 @@ the last rank's publish. Like the steps of a trainer, every rank publishes v, th
 (bounded) for v to become visible before it publishes v + 1, so the ranks publish in
 bursts, and the `kill-rank` and `kill-hub` failpoints strike in the middle of one.
 
-A rank's tensors are a function of (model, version, rank) (`shard_tensors`), so a rank
-restarted after a kill publishes the same bytes again: it reads `latest` and publishes the
-version after it, which is the version in flight when it died. A publish of unknown outcome
-is sent again, the same shard with the same bytes (bounded in time and count): a retried
-shard publish must be idempotent, and the checker (`chaos.checker_shards`) reports one that
-was refused.
+A rank's tensors are blocks of the model's global tensors, published with their placements
+(`placements`), so that readers in another layout (`chaos.layout_readers`) read their own
+blocks across the ranks' shards. They are a function of (model, version, rank)
+(`shard_tensors`), so a rank restarted after a kill publishes the same bytes again: it reads
+`latest` and publishes the version after it, which is the version in flight when it died. A
+publish of unknown outcome is sent again, the same shard with the same bytes (bounded in time
+and count): a retried shard publish must be idempotent, and the checker
+(`chaos.checker_shards`) reports one that was refused.
 
 A `shard-reader` follows `latest`, inspects each new version (its shard count and one
 manifest per shard: it must be whole) and fetches `fetches` of its shards, one at a time,
@@ -50,6 +52,13 @@ def shard_tensors(model: str, version: int, rank: int) -> dict[str, torch.Tensor
         name: torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
         for name, n in SHARD_SHAPES.items()
     }
+
+
+def placements(rank: int, ranks: int) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Where rank `rank`'s tensors lie in the model's global 1-D tensors of `ranks` times
+    their length, (global shape, offsets): readers in another layout read their blocks
+    across the ranks' shards by them (`chaos.layout_readers`)."""
+    return {name: ((n * ranks,), (n * rank,)) for name, n in SHARD_SHAPES.items()}
 
 
 def rank(w: Worker) -> None:
@@ -92,7 +101,7 @@ def _publish_shard(
         try:
             pub = hub.publish(
                 MP_MODEL, version, tensors, chunk_size=SHARD_CHUNK, timeout=PUBLISH_TIMEOUT,
-                shard=(index, count),
+                shard=(index, count), placements=placements(index, count),
             )  # fmt: skip
         except TensorHubError as exc:
             outcome = write_outcome(exc)
