@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 def test_model_parallel_run_with_a_rank_and_a_hub_killed_mid_burst_has_no_violation() -> None:
     config = runner.for_workload(
         "model-parallel", 16, duration=20.0, seed=3, faults=["kill-rank", "kill-hub"],
-        intruders=0,
+        intruders=0, layout_readers=0,  # tests/chaos/test_runs_layouts.py runs those
     )  # fmt: skip
     result = runner.run(config)
     report = summary(result)
