@@ -26,6 +26,7 @@ stays under 1.5 MiB with its records; a pack is one operation of the batch. A ma
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Sequence
 
 import zstandard
@@ -37,7 +38,15 @@ SHARD_PACK_BYTES = 256 << 10  # a shard manifest up to this travels in its batch
 PACK_BYTES = 1 << 20  # a batch's packed (compressed) bytes, at most: one page's worth
 LEVEL = 3  # zstd's default level: 12 KB -> 0.7 KB in about 25 us
 
-_compressor = zstandard.ZstdCompressor(level=LEVEL)  # thread-safe for one-shot compress()
+_local = threading.local()  # a compressor per thread: one is not safe to share
+
+
+def _compressor() -> zstandard.ZstdCompressor:
+    """This thread's compressor (made on its first use)."""
+    made: zstandard.ZstdCompressor | None = getattr(_local, "compressor", None)
+    if made is None:
+        made = _local.compressor = zstandard.ZstdCompressor(level=LEVEL)
+    return made
 
 
 def packable(size: int, inline_bytes: int) -> bool:
@@ -48,7 +57,7 @@ def packable(size: int, inline_bytes: int) -> bool:
 
 def compress(manifest: bytes) -> bytes:
     """The manifest as stored in a pack (a zstd frame that states its content size)."""
-    return _compressor.compress(manifest)
+    return _compressor().compress(manifest)
 
 
 def pack(header: PartHeader, pack_id: str, offset: int, stored: int) -> PartHeader:

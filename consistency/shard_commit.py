@@ -76,7 +76,9 @@ FULL_BATCH = (MAX_TXN_OPS - FIXED_OPS - 1) // 2  # shards of a batch with a pack
 @dataclass
 class ShardEntry:
     """One rank's shard publish, staged (its pages, if any, written under its lease) and
-    waiting for a batch. `size` is what the tenant's budget is charged for it."""
+    waiting for a batch. `size` is what the tenant's budget is charged for it. `record`: its
+    shard record as written, or `b""` for a packed one (`packed` set), whose record names
+    its batch's pack and is made by the batch (`ShardCommitter._pack`)."""
 
     index: int
     count: int

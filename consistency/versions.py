@@ -316,18 +316,18 @@ class VersionRegistry:
         if holder.shard is not None and holder.shard != index:
             raise InvalidArgument(f"holder names shard {holder.shard} but publishes shard {index}")
         check_manifest_size(len(manifest), f"the manifest of shard {index}")
-        holder = replace(self._complete(holder), shard=index)
+        holder = self._complete(holder, index)
         deadline = time.monotonic() + timeout
-        packed = b""
         if pack and manifest_packs.packable(len(manifest), SHARD_INLINE_BYTES):
+            # its record names its batch's pack: the batch makes it (`ShardCommitter`)
             staged = Staged(PartHeader(len(manifest), hashlib.sha256(manifest).digest()), [], [])
-            packed = manifest_packs.compress(manifest)
+            packed, record = manifest_packs.compress(manifest), b""
         else:
             staged = self.manifests.stage(
                 tenant, model, version, index, manifest, holder.session, timeout=timeout
             )
-        part = replace(staged.header, session=holder.session)
-        record = ShardRecord(index, count, holder.holder, part).encode()
+            part = replace(staged.header, session=holder.session)
+            packed, record = b"", ShardRecord(index, count, holder.holder, part).encode()
         return ShardEntry(
             index, count, holder, staged, record, len(manifest), deadline, session_key,
             packed=packed,
@@ -349,10 +349,14 @@ class VersionRegistry:
         )  # fmt: skip
 
     @staticmethod
-    def _complete(holder: HolderRecord) -> HolderRecord:
+    def _complete(holder: HolderRecord, shard: int | None = None) -> HolderRecord:
+        """The publisher's record as written: COMPLETE and, with `shard`, of that shard
+        (one copy of the record)."""
         if holder.session <= 0:
             raise InvalidArgument("a publisher's holder record needs its session (lease) id")
-        return holder.with_state(HolderState.COMPLETE)
+        if shard is None:
+            return holder.with_state(HolderState.COMPLETE)
+        return replace(holder, state=HolderState.COMPLETE, shard=shard)
 
     # -- retention -------------------------------------------------------------------------
 

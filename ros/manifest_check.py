@@ -155,13 +155,19 @@ def _table_passes(manifest: pb.Manifest, serialized: bytes | None) -> bool:
     total = manifest.total_bytes
     if serialized is None:
         return _tensors_pass(manifest.tensors, total)
+    parts = tensor_table.split(serialized, total)
+    if parts is not None and tensor_table.passed(parts[0]):  # the layout and names, one parse
+        return tensor_table.raw_names_pass(parts[1], RESERVED_TENSOR_NAMES, MAX_TENSOR_NAME_BYTES)
     key = tensor_table.layout_key(serialized, total)
     if key is None or not tensor_table.passed(key):
         if not _tensors_pass(manifest.tensors, total):
             return False
-        if key is not None:
-            tensor_table.remember(key)  # the names passed too, and the layout is theirs alone
+        for passed in (key, None if parts is None else parts[0]):
+            if passed is not None:  # the names passed too, and the layout is theirs alone
+                tensor_table.remember(passed)
         return True
+    if parts is not None:  # the same layout, under its one-parse key
+        tensor_table.remember(parts[0])
     items = tensor_table.names(serialized)
     return items is not None and tensor_table.names_pass(
         items, RESERVED_TENSOR_NAMES, MAX_TENSOR_NAME_BYTES

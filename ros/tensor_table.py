@@ -18,6 +18,17 @@ The table's rules split in two, both decided from the manifest's bytes:
   exactly when these are within that bound's item length: set, `in` and `max` in C
   (`names_pass`). A parsed proto3 string is valid UTF-8 already.
 
+Both from one parse (`split`), for bytes as `SerializeToString` makes them: each entry's
+name is its first field, written once (an empty name, a proto3 default, is not written, so
+that entry starts with another field), followed by the entry's other fields. An entry's
+bytes (`Items`, in C) then split at its name with a slice each: the names, and the rest of
+every entry with the entries' lengths, which is the layout's key (`split`'s, told apart
+from `layout_key`'s by its first byte; the lengths keep two entries from reading as one).
+That is one parse and a loop of slices instead of four parses, two discards and two
+serializations (a 200-tensor shard's check: about 100 us of CPU instead of 140 here). An
+entry whose name is not first, or is 128 bytes or more (its length then takes two bytes),
+leaves `split` to the views above.
+
 The views are messages of their own descriptor pool, declared here (no change to the
 wire's schema): `Layout` (TensorEntry's fields 2 to 7), `Name` (field 1) and `Items` (each
 entry as bytes). Every field keeps TensorEntry's number and type, so each view parses the
@@ -27,6 +38,7 @@ bytes as `pb.Manifest` does.
 from __future__ import annotations
 
 import functools
+from array import array
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -78,6 +90,9 @@ def _views() -> dict[str, Any]:
 
 _VIEWS = _views()
 _Layout, _Name, _Names, _Items = (_VIEWS[n] for n in ("Layout", "Name", "Names", "Items"))
+_NAME_TAG = 0x0A  # field 1 (a tensor's name), length-delimited
+_LONG = 0x80  # a name's length that takes more than one byte
+_SPLIT_KEY = b"\x00"  # starts `split`'s keys; a serialized Layout starts with a tag, never 0
 _layouts: SizedLru[tuple[bytes, int], int] = SizedLru(LAYOUT_CACHE_BYTES, lambda size: size)
 
 
@@ -101,6 +116,45 @@ def passed(key: tuple[bytes, int]) -> bool:
 def remember(key: tuple[bytes, int]) -> None:
     """Record that the layout of `key` passed (kept while the cache has room)."""
     _layouts.put(key, len(key[0]) + 1)
+
+
+def split(serialized: bytes, total: int) -> tuple[tuple[bytes, int], list[bytes]] | None:
+    """The key of the tensor table's layout in `serialized` (a `pb.Manifest` as
+    `SerializeToString` makes it) with `total_bytes` `total`, and each tensor's name as its
+    UTF-8 bytes, in order, from one parse (module docstring); None if the bytes do not
+    parse or an entry does not start with its name of at most 127 bytes (the caller then
+    uses `layout_key` and `names`)."""
+    try:
+        items: Sequence[bytes] = _Items.FromString(serialized).tensors
+    except DecodeError:
+        return None
+    found: list[bytes] = []
+    rests: list[bytes] = []
+    for item in items:
+        size = item[1] if len(item) > 1 and item[0] == _NAME_TAG else _LONG
+        if size >= _LONG:
+            return None
+        found.append(item[2 : 2 + size])
+        rests.append(item[2 + size :])
+    lengths = array("I", map(len, rests))  # where each entry's rest ends
+    head = _SPLIT_KEY + len(rests).to_bytes(4, "little")
+    return (head + lengths.tobytes() + b"".join(rests), total), found
+
+
+def raw_names_pass(found: Sequence[bytes], reserved: Collection[str], max_bytes: int) -> bool:
+    """Whether every name `found` holds (UTF-8 bytes, from `split`) passes the name rules:
+    none empty, none twice, none in `reserved`, each at most `max_bytes`."""
+    if not found:
+        return True
+    distinct = set(found)
+    if len(distinct) != len(found) or b"" in distinct:
+        return False
+    return distinct.isdisjoint(_encoded(frozenset(reserved))) and max(map(len, found)) <= max_bytes
+
+
+@functools.cache
+def _encoded(reserved: frozenset[str]) -> frozenset[bytes]:
+    return frozenset(name.encode() for name in reserved)
 
 
 def names(serialized: bytes) -> list[bytes] | None:

@@ -15,7 +15,9 @@ one etcd value. The requests are built before the clock starts (in a trainer eve
 builds its own, at once, before the gather). Time until visible: from the call's start to its
 answer (every shard committed by then), against a one-shard publish in the same World, and as
 shards per second; `hub_cpu_s`, the CPU seconds the hub process used over the call (its
-two Latest reads included), which a loaded machine moves far less than the wall time.
+two Latest reads included), which a loaded machine moves far less than the wall time, and
+`hub_loop_cpu_s`, those of its busiest thread (its event loop, which reads and checks
+every shard: with the GIL, the call's critical path).
 Checked: every shard committed, exactly the last batch says visible, Latest
 0 before and 1 after. `etcd_writes`: the revisions etcd used during the call (the sessions
 were opened before).
@@ -30,6 +32,7 @@ from typing import Any
 
 import grpc
 
+from bench.scale.procs import thread_cpu
 from bench.scale.rpc import Hub, first_error, holder
 from bench.scale.world import World
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
@@ -122,6 +125,7 @@ def group_case(world: World, case: str, count: int, tensors: int, timeout: float
     sessions = asyncio.run(_open(world.address, world.token, out["sessions"]))
     rev0 = world.status()["revision"]
     cpu0 = world.hub_stats().cpu_s
+    threads0 = thread_cpu(world.hub.pid if world.hub is not None else 0)
     try:
         answer, seconds, before, after = asyncio.run(
             _call(world.address, world.token, model, count, sessions, tensors, timeout)
@@ -130,6 +134,10 @@ def group_case(world: World, case: str, count: int, tensors: int, timeout: float
         out.update(ok=False, failed=first_error([exc]))
         return out
     out["hub_cpu_s"] = world.hub_stats().cpu_s - cpu0
+    threads = thread_cpu(world.hub.pid if world.hub is not None else 0)
+    out["hub_loop_cpu_s"] = max(
+        (used - threads0.get(tid, 0.0) for tid, used in threads.items()), default=0.0
+    )
     out["etcd_writes"] = world.status()["revision"] - rev0
     errors = [o for o in answer.outcomes if o.error]
     visible = {o.revision for o in answer.outcomes if o.visible}
@@ -162,7 +170,8 @@ def summary(r: dict[str, Any]) -> str:
     return (
         f"  {what} x{r['replicas']}: visible after {r['seconds']:.2f}s "
         f"({'-' if ratio is None else f'{ratio:.0f}'}x one shard, "
-        f"{r['shards_per_second']:.0f} shards/s, hub CPU {r.get('hub_cpu_s', 0):.2f}s), "
+        f"{r['shards_per_second']:.0f} shards/s, hub CPU {r.get('hub_cpu_s', 0):.2f}s, its "
+        f"loop {r.get('hub_loop_cpu_s', 0):.2f}s), "
         f"etcd revisions {r.get('etcd_writes')}, "
         f"published {r.get('published')}, Latest {r.get('latest_before')}->"
         f"{r.get('latest_after')}, failures {r.get('failures')}"

@@ -64,6 +64,23 @@ class ProcStats:
         return ProcStats(rss_kb / 1024, threads, cpu)
 
 
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds each thread of process `pid` used so far, by thread id (empty if the
+    process is gone): what shows which thread a process's CPU was spent on."""
+    used: dict[str, float] = {}
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return used
+    for task in tasks:
+        try:
+            after = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended meanwhile
+        used[task.name] = (int(after[11]) + int(after[12])) / _CLK_TCK
+    return used
+
+
 class Server:
     """A server process (`argv`) that writes `{"address": ...}` to a ready file once serving."""
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Protocol
 
 from consistency import HolderRecord, HolderState
@@ -44,6 +45,8 @@ from ros.tokens import issue_read_token
 from tensorhub.delta_rules import is_companion
 from tensorhub.errors import InvalidArgument, TensorHubError, VersionNotFound
 from tensorhub.names import validate_name, validate_version
+
+Staging = Callable[[], tuple[str, int, ShardJob]]  # a checked shard's staging (`_check_shard`)
 
 DEFAULT_PAGE_SIZE = 500  # holders per Inspect page when the caller names no size
 MAX_PAGE_SIZE = 5000  # the most holders one Inspect page lists
@@ -94,10 +97,12 @@ class VersionRPCs:
         self, requests: AsyncIterator[pb.PublishRequest], call: CallContext
     ) -> pb.PublishShardsResponse:
         """The shards of one version a process group gathered, in one call: each committed
-        as its own `Publish` would be (`ros.hub.shard_group`)."""
+        as its own `Publish` would be (`ros.hub.shard_group`): checked on the loop, staged a
+        chunk at a time in a worker."""
         return await publish_shards(
             requests,
-            lambda request: self._staged_shard(request, call, group=True),
+            lambda request: self._checked_group_shard(request, call),
+            lambda stagings: self.hub.blocking(_stage_all, stagings, deadline_of=call),
             self.hub.shard_batches.publish_all,
         )
 
@@ -107,21 +112,33 @@ class VersionRPCs:
         return await self.hub.shard_batches.publish(model, version, job)
 
     async def _staged_shard(
-        self, request: pb.PublishRequest, call: CallContext, *, group: bool = False
+        self, request: pb.PublishRequest, call: CallContext
     ) -> tuple[str, int, ShardJob]:
-        """One shard checked and staged (of a `group` call, its manifest ready for its
-        batch's pack: `consistency.manifest_packs`). Its manifest is serialized once, here:
-        its size, its check (`check_manifest(serialized=)`), its digest and what is stored
-        all come from those bytes."""
+        """One shard checked and staged. Its manifest is serialized once, here: its size,
+        its check (`check_manifest(serialized=)`), its digest and what is stored all come
+        from those bytes."""
         manifest = request.manifest.SerializeToString()
-        if not written_before_batch(len(manifest), group) and not is_companion(request.model):
+        if not written_before_batch(len(manifest), False) and not is_companion(request.model):
             # Nothing to read or write before the batch: checked here, on the loop,
             # without a trip through the worker pool (a burst is thousands of these).
             # A companion's shard may read its base's header: in a worker.
-            return self._stage_shard(request, call, group, manifest)
+            return self._stage_shard(request, call, False, manifest)
         return await self.hub.blocking(
-            self._stage_shard, request, call, group, manifest, deadline_of=call
+            self._stage_shard, request, call, False, manifest, deadline_of=call
         )
+
+    async def _checked_group_shard(self, request: pb.PublishRequest, call: CallContext) -> Staging:
+        """A group call's shard checked (as `_staged_shard`), with its staging left for its
+        chunk's worker (`_stage_all`): its manifest ready for its batch's pack
+        (`consistency.manifest_packs`). A shard whose manifest is paged (written before its
+        batch), or a companion's, is staged whole in a worker here."""
+        manifest = request.manifest.SerializeToString()
+        if not written_before_batch(len(manifest), True) and not is_companion(request.model):
+            return self._check_shard(request, call, True, manifest)  # on the loop: see above
+        staged = await self.hub.blocking(
+            self._stage_shard, request, call, True, manifest, deadline_of=call
+        )
+        return lambda: staged
 
     def _publish_checks(
         self,
@@ -192,9 +209,17 @@ class VersionRPCs:
         self, request: pb.PublishRequest, call: CallContext, group: bool, serialized: bytes
     ) -> tuple[str, int, ShardJob]:
         """A shard publish checked and its manifest (`serialized`) staged: a job for its
-        version's next batch. Its session and budget are checked in the batch's own
-        transaction, race-free and once per batch; only a shard whose manifest is paged (a
-        write before the batch) checks them first, so that a refused publish writes nothing."""
+        version's next batch (`_check_shard`, then its staging)."""
+        return self._check_shard(request, call, group, serialized)()
+
+    def _check_shard(
+        self, request: pb.PublishRequest, call: CallContext, group: bool, serialized: bytes
+    ) -> Staging:
+        """A shard publish checked, every rule before any write; its staging (of its
+        manifest, `serialized`) to run next: a job for its version's next batch. Its session
+        and budget are checked in the batch's own transaction, race-free and once per
+        batch; only a shard whose manifest is paged (a write before the batch) checks them
+        first, so that a refused publish writes nothing."""
         paged = written_before_batch(len(serialized), group)
         tenant, timeout, model, version, manifest, holder, admit = self._publish_checks(
             request, call, session=paged, manifest=serialized
@@ -208,12 +233,19 @@ class VersionRPCs:
             serialized=manifest,
         )  # fmt: skip
         versions = self.hub.versions(tenant)
-        entry = versions.stage_shard(
-            tenant.name, model, version, request.shard_index, request.shard_count, manifest,
-            holder, timeout=timeout, session_key=self.hub.sessions.key(tenant.name, holder.session),
-            pack=group,
-        )  # fmt: skip
-        return model, version, ShardJob(tenant, versions, admit, entry)
+        index, count = request.shard_index, request.shard_count
+        session_key = self.hub.sessions.key(tenant.name, holder.session)
+        deadline = time.monotonic() + timeout
+
+        def staging() -> tuple[str, int, ShardJob]:
+            entry = versions.stage_shard(
+                tenant.name, model, version, index, count, manifest, holder,
+                timeout=max(deadline - time.monotonic(), 0.0), session_key=session_key,
+                pack=group,
+            )  # fmt: skip
+            return model, version, ShardJob(tenant, versions, admit, entry)
+
+        return staging
 
     @unary
     def Latest(self, request: pb.LatestRequest, context: CallContext) -> pb.LatestResponse:
@@ -518,3 +550,15 @@ def _digest(header: ManifestHeader, shard: int | None) -> bytes:
     if shard is not None:
         return header.shards[shard].digest
     return header.digest
+
+
+def _stage_all(stagings: list[Staging]) -> list[tuple[str, int, ShardJob] | BaseException]:
+    """A chunk of a group call's checked shards staged, in a worker: each one's job, or the
+    error that refuses it alone."""
+    staged: list[tuple[str, int, ShardJob] | BaseException] = []
+    for staging in stagings:
+        try:
+            staged.append(staging())
+        except Exception as exc:  # the shard's own refusal, as its Publish would name it
+            staged.append(exc)
+    return staged

@@ -3,10 +3,12 @@
 A trainer's ranks gather their shards' PublishRequests over their own process group, and one
 rank streams them all to the hub in one `PublishShards` call (a client stream: no message
 bound on how many, nor on their manifests together). The hub treats each shard as its own
-`Publish`: checked and staged as it arrives (a manifest over `SHARD_INLINE_BYTES`, up to
-`SHARD_PACK_BYTES`, compressed for its batch's pack, `consistency.manifest_packs`, instead
-of paged before the batch), then handed to the version's group commits
-(`ros.hub.shard_publish`) `CHUNK` (61, a full batch) at a time, so N shards cost
+`Publish`: checked as it arrives, on the event loop, then staged `CHUNK` (61, a full batch)
+at a time in one worker (a manifest over `SHARD_INLINE_BYTES`, up to `SHARD_PACK_BYTES`,
+hashed and compressed for its batch's pack, `consistency.manifest_packs`, instead of paged
+before the batch: work that releases the GIL, so it runs beside the loop's reading and
+checking of the next shards instead of making the loop wait to take the GIL back), then
+handed to the version's group commits (`ros.hub.shard_publish`) `CHUNK` at a time, so N shards cost
 ceil(N / 61) transactions, whatever else the replica is doing, and the version becomes
 visible with the last one, atomically. Each shard keeps its own holder record under its own
 rank's session (the rank serves its own memory, and its record dies with its lease), its own
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from consistency.manifests import MAX_SHARDS
@@ -39,25 +41,29 @@ from ros.hub.call import internal
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import InvalidArgument, TensorHubError
 
+C = TypeVar("C")  # a checked shard, as `check` makes it and `stage` takes it
 J = TypeVar("J")  # a staged shard, as `stage` makes it and `commit` takes it
+K = TypeVar("K")
 CHUNK = FULL_BATCH  # shards staged before a call hands them to the batches together
 
 
 async def publish_shards(
     requests: AsyncIterator[pb.PublishRequest],
-    stage: Callable[[pb.PublishRequest], Awaitable[J]],
+    check: Callable[[pb.PublishRequest], Awaitable[C]],
+    stage: Callable[[list[C]], Awaitable[list[J | BaseException]]],
     commit: Callable[[list[J]], list[asyncio.Future[Published]]],
 ) -> pb.PublishShardsResponse:
     """Publish every shard of the stream (module docstring); one outcome each, in order.
-    Each shard is staged as it arrives (`stage`: checked, its manifest ready for a batch's
-    pack), and every `CHUNK` staged shards are handed to the batches together (`commit`),
-    so the first batches commit, full, while the rest still streams in. If the call ends
-    early (cancelled, refused), the shards not yet committed are withdrawn as a Publish
-    whose caller left is."""
+    Each shard is checked as it arrives (`check`), every `CHUNK` checked shards are staged
+    together (`stage`: each one's staged shard or its error, in order; its manifest ready
+    for a batch's pack) and handed to the batches together (`commit`), so the first
+    batches commit, full, while the rest still streams in. If the call ends early
+    (cancelled, refused), the shards not yet committed are withdrawn as a Publish whose
+    caller left is."""
     outcomes: list[asyncio.Future[Published]] = []
     indices: list[int] = []
     first: tuple[str, int, int] | None = None
-    chunk: list[tuple[asyncio.Future[J], asyncio.Future[Published]]] = []
+    chunk: list[tuple[asyncio.Future[C], asyncio.Future[Published]]] = []
     handing: list[asyncio.Future[None]] = []
     loop = asyncio.get_running_loop()
     try:
@@ -78,20 +84,20 @@ async def publish_shards(
                 continue
             outcome: asyncio.Future[Published] = loop.create_future()
             outcomes.append(outcome)
-            chunk.append((asyncio.ensure_future(stage(request)), outcome))
+            chunk.append((asyncio.ensure_future(check(request)), outcome))
             if len(chunk) >= CHUNK:
-                handing.append(asyncio.ensure_future(_hand_in(chunk, commit)))
+                handing.append(asyncio.ensure_future(_hand_in(chunk, stage, commit)))
                 chunk = []
         if chunk:
-            handing.append(asyncio.ensure_future(_hand_in(chunk, commit)))
+            handing.append(asyncio.ensure_future(_hand_in(chunk, stage, commit)))
         if not outcomes:
             raise InvalidArgument("PublishShards carried no shard")
         results = await asyncio.gather(*outcomes, return_exceptions=True)
     finally:
         for task in handing:
             task.cancel()  # no-op for those done
-        for staged, _ in chunk:
-            staged.cancel()
+        for checked, _ in chunk:
+            checked.cancel()
         for future in outcomes:
             future.cancel()  # a shard still waiting for its batch is withdrawn
     version = first[1] if first is not None else 0
@@ -102,23 +108,21 @@ async def publish_shards(
 
 
 async def _hand_in(
-    chunk: list[tuple[asyncio.Future[J], asyncio.Future[Published]]],
+    chunk: list[tuple[asyncio.Future[C], asyncio.Future[Published]]],
+    stage: Callable[[list[C]], Awaitable[list[J | BaseException]]],
     commit: Callable[[list[J]], list[asyncio.Future[Published]]],
 ) -> None:
-    """Wait for a chunk's shards to be staged, then hand those staged to the batches in one
-    step; each shard's outcome (its staging's error, or its batch's answer) goes to its own
-    future. An outcome cancelled (the call ended) withdraws its shard."""
-    staged = await asyncio.gather(*(s for s, _ in chunk), return_exceptions=True)
-    ready: list[tuple[J, asyncio.Future[Published]]] = []
-    for (_, outcome), result in zip(chunk, staged, strict=True):
-        if outcome.done():
-            continue
-        if isinstance(result, asyncio.CancelledError):
-            outcome.cancel()
-        elif isinstance(result, BaseException):
-            outcome.set_exception(result)
-        else:
-            ready.append((result, outcome))
+    """Wait for a chunk's shards to be checked, stage those that passed together, then
+    hand those staged to the batches in one step; each shard's outcome (its check's or its
+    staging's error, or its batch's answer) goes to its own future. An outcome cancelled
+    (the call ended) withdraws its shard."""
+    checked = await asyncio.gather(*(c for c, _ in chunk), return_exceptions=True)
+    passed = _passed(chunk, checked)
+    try:
+        staged = await stage([c for c, _ in passed]) if passed else []
+    except Exception as exc:  # nothing staged (the call's deadline passed): each hears why
+        staged = [exc] * len(passed)
+    ready = _passed(passed, staged)
     try:
         committing = commit([j for j, _ in ready])
     except Exception as exc:  # nothing handed in: each shard hears why
@@ -128,6 +132,26 @@ async def _hand_in(
     for waiting, (_, outcome) in zip(committing, ready, strict=True):
         waiting.add_done_callback(functools.partial(_settle, outcome))
         outcome.add_done_callback(functools.partial(_withdraw, waiting))
+
+
+def _passed(
+    chunk: Sequence[tuple[object, asyncio.Future[Published]]],
+    results: Sequence[K | BaseException],
+) -> list[tuple[K, asyncio.Future[Published]]]:
+    """The results of a step over `chunk` that passed, each with its shard's outcome; each
+    shard that failed hears its error, and one whose step was cancelled is withdrawn (as
+    is one whose outcome is already decided: the call ended)."""
+    passed: list[tuple[K, asyncio.Future[Published]]] = []
+    for (_, outcome), result in zip(chunk, results, strict=True):
+        if outcome.done():
+            continue
+        if isinstance(result, asyncio.CancelledError):
+            outcome.cancel()
+        elif isinstance(result, BaseException):
+            outcome.set_exception(result)
+        else:
+            passed.append((result, outcome))
+    return passed
 
 
 def _settle(outcome: asyncio.Future[Published], waiting: asyncio.Future[Published]) -> None:

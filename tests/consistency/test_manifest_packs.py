@@ -6,12 +6,14 @@ refused shard leaves nothing; retention deletes the packs with their version."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from consistency import Etcd, HolderRecord, Session, VersionRegistry
+from consistency import Etcd, HolderRecord, Session, VersionRegistry, manifest_packs
 from consistency.manifest_packs import PACK_BYTES, SHARD_PACK_BYTES
 from consistency.manifests import SHARD_INLINE_BYTES
 from consistency.records import PartHeader, ShardRecord
@@ -161,3 +163,16 @@ def test_a_packed_header_round_trips_and_a_malformed_one_is_refused() -> None:
     assert ShardRecord.decode(record.encode()).part == header
     with pytest.raises(InvalidArgument):
         PartHeader.decode(PartHeader(100, b"\x01" * 32, pack="abcd", stored=0).encode())
+
+
+def test_manifests_compressed_on_many_threads_at_once_each_decompress_to_their_own() -> None:
+    """A group call stages its chunks in several workers at once: each thread compresses with
+    its own compressor (one shared across threads is not safe: zstd refuses or mixes its
+    inputs), so every stored manifest comes back as it went in."""
+    bodies = [layer(i, 200) for i in range(256)]
+    with ThreadPoolExecutor(8) as pool:
+        packed = list(pool.map(manifest_packs.compress, bodies * 4))
+    for body, stored in zip(bodies * 4, packed, strict=True):
+        header = PartHeader(len(body), hashlib.sha256(body).digest(), pack="p", offset=0,
+                            stored=len(stored))  # fmt: skip
+        assert manifest_packs.unpack(header, stored, "a shard") == body

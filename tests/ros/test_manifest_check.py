@@ -277,6 +277,36 @@ def test_a_remembered_layout_still_has_its_names_and_total_checked() -> None:
     assert "past total_bytes" in _same_from_bytes(short)
 
 
+def test_one_parse_splits_names_from_the_layout_and_refuses_as_the_walk() -> None:
+    """`tensor_table.split`: the names and the layout's key from one parse of the bytes, the
+    key told apart from `layout_key`'s and from another layout's (entries' bounds included);
+    a table it cannot split (a name too long for one length byte, an empty name) goes to the
+    views; every name rule still refuses on a remembered layout, with the walk's message."""
+    m = good()
+    assert _same_from_bytes(m) == ""
+    parts = tensor_table.split(m.SerializeToString(), m.total_bytes)
+    assert parts is not None
+    key, found = parts
+    assert found == [b"a", b"b"]
+    assert tensor_table.passed(key)
+    assert key != tensor_table.layout_key(m.SerializeToString(), m.total_bytes)
+    renamed = tensor_table.split(_renamed("zz").SerializeToString(), m.total_bytes)
+    assert renamed is not None
+    assert renamed[0] == key  # the same layout, another name
+    one = pb.Manifest(total_bytes=m.total_bytes)  # the two entries' rests as one entry's
+    rests = b"".join(e.SerializeToString()[3:] for e in m.tensors)  # each less its name
+    one.tensors.add().MergeFromString(b"\x0a\x01c" + rests)
+    other = tensor_table.split(one.SerializeToString(), m.total_bytes)
+    assert other is not None
+    assert other[0] != key
+    for name in ("x" * 128, ""):
+        assert tensor_table.split(_renamed(name).SerializeToString(), m.total_bytes) is None
+    for name in ("__metadata__", "b", "x" * (MAX_TENSOR_NAME_BYTES + 1), ""):
+        assert _same_from_bytes(_renamed(name)), name
+    for name in ("é" * 63, "x" * 128):  # 126 bytes, split; 128, by the views: both valid
+        assert _same_from_bytes(_renamed(name)) == "", name
+
+
 def test_the_rules_are_the_layouts_constants_and_torchs_dtypes() -> None:
     """The hub must not import torch, so the validator restates transport.layout's rules and
     torch's element sizes: held to them here."""
