@@ -15,10 +15,12 @@ the same run on the same hosts:
   and reads first from the holders of the same blocks (`ros.client.layouts`);
 - `slices`: `fetch_slices` without a layout: readers that hold nothing and read every byte
   from the trainer's shards.
-T is from the first rank's publish call to the last worker's fetch returned (every byte
-checked against the publisher's checksums, then against the digest the orchestrator
-computes of that worker's blocks of the version); each R is the median of `--steps`
-steps. Bytes are the host links' counters (frames included) over the step: out of the
+Then, at the highest R only, the `layout` path with the instances one after another
+(each starts when the one before it is done: readers that find a holder of their blocks),
+for its bytes. T is from the first rank's publish call to the last worker's fetch
+returned (every byte checked against the publisher's checksums, then against the digest
+the orchestrator computes of that worker's blocks of the version); each R is the median
+of `--steps` steps. Bytes are the host links' counters (frames included) over the step: out of the
 trainer's hosts per model, into each worker's host per its blocks' bytes; each worker's
 `bytes_per_source` counts what the SDK read, and from which holder.
 
@@ -50,6 +52,7 @@ TP = 2
 SIZE_MB = 16
 RATE_MBIT = 100.0
 PATHS: dict[str, str | None] = {"layout": f"vllm-tp{TP}", "slices": None}
+STAGGERED = "layout, one instance after another"  # measured at the highest R only
 SERIES = {"layout (readers hold their blocks)": "layout", "slices (readers hold nothing)": "slices"}
 
 
@@ -85,7 +88,7 @@ def config(args: argparse.Namespace) -> Config:
 
 def steps(cfg: Config) -> int:
     """How many measured steps a run makes (for a progress bar)."""
-    return len(PATHS) * len(cfg.readers) * cfg.steps
+    return (len(PATHS) * len(cfg.readers) + 1) * cfg.steps
 
 
 @dataclass
@@ -137,6 +140,15 @@ def run(
                     done(f"{path} R={r} v{version}: T {step.seconds:.2f}s, trainer out "
                          f"{step.trainer_out:.2f} models")  # fmt: skip
                     settle()
+        r = max(cfg.readers)
+        for _ in range(cfg.steps):
+            version += 1
+            step = _step(c, trainer, pool[: TP * r], bench, opts, version, PATHS["layout"],
+                         trainer_names, one_by_one=True)  # fmt: skip
+            measured.setdefault(STAGGERED, {}).setdefault(r, []).append(step)
+            done(f"{STAGGERED} R={r} v{version}: T {step.seconds:.2f}s, trainer out "
+                 f"{step.trainer_out:.2f} models")  # fmt: skip
+            settle()
     _figures(res, measured, cfg, bench, sat.one_transfer)
     res.details = {
         "saturation": sat.to_dict(),
@@ -170,8 +182,10 @@ def _step(
     version: int,
     layout: str | None,
     trainer_names: set[str],
+    one_by_one: bool = False,
 ) -> Step:
-    """Publish `version`, read every worker's blocks at once, check them, release."""
+    """Publish `version`, read every worker's blocks at once (`one_by_one`: instance after
+    instance), check them, release."""
     whole = tensors(bench.shapes, opts.seed + version)
     expected = [block_digest(whole, bench.workers[k]) for k in range(TP)]
     del whole
@@ -180,9 +194,12 @@ def _step(
         p.send("shard_publish", model=MODEL, version=version, seed=opts.seed, chunk=opts.chunk,
                rank=rank, ranks=len(trainer))  # fmt: skip
     published = gather(trainer, 120)
-    for i, w in enumerate(workers):
-        w.send("read_blocks", model=MODEL, version=version, rank=i % TP, layout=layout)
-    got = gather(workers, 300)
+    got: list[dict[str, Any]] = []
+    instances = [workers[i : i + TP] for i in range(0, len(workers), TP)]
+    for group in instances if one_by_one else [workers]:
+        for i, w in enumerate(group):
+            w.send("read_blocks", model=MODEL, version=version, rank=i % TP, layout=layout)
+        got.extend(gather(group, 300))
     after = c.link_bytes()
     for k in range(TP):
         verify(expected[k], got[k::TP], f"{layout or 'slices'} v{version} TP rank {k}")
@@ -229,6 +246,10 @@ def _figures(
     res.add("slices: bytes into a worker's host / its blocks, highest",
             max(x for s in old.values() for st in s for x in st.worker_in))  # fmt: skip
     res.add(f"slices T({hi}) / layout T({hi})", T["slices"][hi] / T["layout"][hi])
+    if STAGGERED in measured:
+        one = measured[STAGGERED][hi]
+        res.add(f"{STAGGERED}: trainer hosts' bytes out per step / model at R={hi}", out(one))
+        res.add(f"{STAGGERED}: T({hi}) / layout T({lo})", T[STAGGERED][hi] / T["layout"][lo])
     res.add(f"layout T({lo}) / one transfer of the model", T["layout"][lo] / one_transfer)
     res.add("workers whose blocks differ from the trainer's", 0, "<= 0", "workers")
     res.add(f"layout T({hi})", T["layout"][hi], unit="s")
