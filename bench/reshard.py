@@ -45,6 +45,7 @@ from bench.emu.reshard_ops import block_digest, tensors
 from bench.report import Result
 from bench.reshard_layout import BenchModel, bench_model, layers_for, load
 from tensorhub.errors import InvalidArgument
+from transport.pace import DEFAULT_RATE_FLOOR
 
 READERS = (1, 2, 4, 8)
 STEPS = 5
@@ -63,6 +64,7 @@ class Config:
     trainer_hosts: int = 4
     readers: tuple[int, ...] = READERS
     steps: int = STEPS
+    rate_floor: float = DEFAULT_RATE_FLOOR
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -74,6 +76,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--readers", default=",".join(map(str, READERS)),
                     help="rollout instances (TP 2 each), comma separated")  # fmt: skip
     ap.add_argument("--steps", type=int, default=STEPS, help="steps per R (median)")
+    ap.add_argument("--rate-floor", type=float, default=DEFAULT_RATE_FLOOR,
+                    help="the workers' fetch_slices rate floor (bytes/s per connection; "
+                    "0: off): a one-host trainer's link shared by 16 readers can give a "
+                    "reader less")  # fmt: skip
 
 
 def config(args: argparse.Namespace) -> Config:
@@ -81,9 +87,9 @@ def config(args: argparse.Namespace) -> Config:
         readers = tuple(sorted({int(r) for r in str(args.readers).split(",")}))
     except ValueError as exc:
         raise InvalidArgument(f"--readers {args.readers!r}: {exc}") from exc
-    if not readers or min(readers) < 1 or args.steps < 1:
-        raise InvalidArgument("--readers and --steps take positive numbers")
-    return Config(args.trainer_hosts, readers, args.steps)
+    if not readers or min(readers) < 1 or args.steps < 1 or args.rate_floor < 0:
+        raise InvalidArgument("--readers and --steps take positive numbers, --rate-floor >= 0")
+    return Config(args.trainer_hosts, readers, args.steps, args.rate_floor)
 
 
 def steps(cfg: Config) -> int:
@@ -117,6 +123,8 @@ def run(
 ) -> Result:
     """The run (module docstring); `progress(what)` after each measured step."""
     flags = opts.flags() + ("" if cfg.trainer_hosts == 4 else " --trainer-hosts 1")
+    if cfg.rate_floor != DEFAULT_RATE_FLOOR:
+        flags += f" --rate-floor {cfg.rate_floor:g}"
     res = Result("reshard", "tensorhub bench reshard" + flags)
     done = progress or (lambda what: None)
     recorded = load()
@@ -135,7 +143,7 @@ def run(
                 for _ in range(cfg.steps):
                     version += 1
                     step = _step(c, trainer, pool[: TP * r], bench, opts, version, layout,
-                                 trainer_names)  # fmt: skip
+                                 trainer_names, cfg.rate_floor)  # fmt: skip
                     measured[path].setdefault(r, []).append(step)
                     done(f"{path} R={r} v{version}: T {step.seconds:.2f}s, trainer out "
                          f"{step.trainer_out:.2f} models")  # fmt: skip
@@ -144,7 +152,7 @@ def run(
         for _ in range(cfg.steps):
             version += 1
             step = _step(c, trainer, pool[: TP * r], bench, opts, version, PATHS["layout"],
-                         trainer_names, one_by_one=True)  # fmt: skip
+                         trainer_names, cfg.rate_floor, one_by_one=True)  # fmt: skip
             measured.setdefault(STAGGERED, {}).setdefault(r, []).append(step)
             done(f"{STAGGERED} R={r} v{version}: T {step.seconds:.2f}s, trainer out "
                  f"{step.trainer_out:.2f} models")  # fmt: skip
@@ -182,6 +190,7 @@ def _step(
     version: int,
     layout: str | None,
     trainer_names: set[str],
+    rate_floor: float,
     one_by_one: bool = False,
 ) -> Step:
     """Publish `version`, read every worker's blocks at once (`one_by_one`: instance after
@@ -198,7 +207,8 @@ def _step(
     instances = [workers[i : i + TP] for i in range(0, len(workers), TP)]
     for group in instances if one_by_one else [workers]:
         for i, w in enumerate(group):
-            w.send("read_blocks", model=MODEL, version=version, rank=i % TP, layout=layout)
+            w.send("read_blocks", model=MODEL, version=version, rank=i % TP, layout=layout,
+                   rate_floor=rate_floor)  # fmt: skip
         got.extend(gather(group, 300))
     after = c.link_bytes()
     for k in range(TP):

@@ -83,7 +83,7 @@ class ReshardRole:
         return {"t0": start, "t1": end}
 
     def read_blocks(self, model: str, version: int, rank: int, layout: str | None,
-                    timeout: float = 120.0) -> Any:  # fmt: skip
+                    rate_floor: float, timeout: float = 120.0) -> Any:  # fmt: skip
         """Read TP rank `rank`'s blocks of `version` (in `layout`: holding them after)."""
         bench = self._bench()
         boxes = bench.workers[rank]
@@ -93,7 +93,7 @@ class ReshardRole:
         }
         start = time.monotonic()
         got = self._hub().fetch_slices(model, version, slices=slices, layout=layout,
-                                       timeout=timeout)  # fmt: skip
+                                       timeout=timeout, rate_floor=rate_floor)  # fmt: skip
         end = time.monotonic()
         if layout is not None:
             self._held.add(version)

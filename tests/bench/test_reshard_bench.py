@@ -68,7 +68,7 @@ def test_the_bench_model_repeats_the_recorded_layer_and_the_trainer_covers_it() 
         bench_model(load(), 8, 1)
 
 
-def test_bad_readers_are_refused() -> None:
+def test_bad_flags_are_refused() -> None:
     import argparse
 
     ap = argparse.ArgumentParser()
@@ -77,6 +77,9 @@ def test_bad_readers_are_refused() -> None:
         reshard.config(ap.parse_args(["--readers", "1,x"]))
     with pytest.raises(InvalidArgument):
         reshard.config(ap.parse_args(["--readers", "0"]))
+    with pytest.raises(InvalidArgument):
+        reshard.config(ap.parse_args(["--rate-floor", "-1"]))
+    assert reshard.config(ap.parse_args(["--readers", "4,1"])).readers == (1, 4)
 
 
 @pytest.mark.slow
