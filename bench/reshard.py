@@ -78,7 +78,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--steps", type=int, default=STEPS, help="steps per R (median)")
     ap.add_argument("--rate-floor", type=float, default=DEFAULT_RATE_FLOOR,
                     help="the workers' fetch_slices rate floor (bytes/s per connection; "
-                    "0: off): a one-host trainer's link shared by 16 readers can give a "
+                    "0: off): a one-host trainer's link shared by 8 or 16 readers can give a "
                     "reader less")  # fmt: skip
 
 
