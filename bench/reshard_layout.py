@@ -72,28 +72,40 @@ def record() -> dict[str, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM
     from vllm import LLM
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    # `collective_rpc` sends `_worker_blocks` to the workers by pickle (this process's own)
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**CONFIG))
-    shapes = {n: list(t.shape) for n, t in model.state_dict().items()}
-    out: dict[str, Any] = {"config": CONFIG, "shapes": shapes, "layouts": {}}
-    with tempfile.TemporaryDirectory() as where:
-        model.save_pretrained(where)
-        for tp in SIZES:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # the machine is shared
-            llm = LLM(
-                model=where, skip_tokenizer_init=True, dtype="float32", max_model_len=64,
-                enforce_eager=True, tensor_parallel_size=tp,
-                distributed_executor_backend="uni" if tp == 1 else "mp",
-            )  # fmt: skip
-            try:
-                answers = llm.collective_rpc(_worker_blocks, args=(sorted(shapes.items()),))
-            finally:
-                del llm
-            out["layouts"][f"vllm-tp{tp}"] = [dict(a) for a in answers]
+    # `collective_rpc` sends `_worker_blocks` to the workers by pickle (this process's own);
+    # the machine is shared: no thread pinning. Restored afterwards (a test runs this).
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**CONFIG))
+        shapes = {n: list(t.shape) for n, t in model.state_dict().items()}
+        out: dict[str, Any] = {"config": CONFIG, "shapes": shapes, "layouts": {}}
+        with tempfile.TemporaryDirectory() as where:
+            model.save_pretrained(where)
+            for tp in SIZES:
+                llm = LLM(
+                    model=where, skip_tokenizer_init=True, dtype="float32", max_model_len=64,
+                    enforce_eager=True, tensor_parallel_size=tp,
+                    distributed_executor_backend="uni" if tp == 1 else "mp",
+                )  # fmt: skip
+                try:
+                    answers = llm.collective_rpc(_worker_blocks, args=(sorted(shapes.items()),))
+                finally:
+                    del llm
+                out["layouts"][f"vllm-tp{tp}"] = [dict(a) for a in answers]
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return out
 
 
