@@ -4,6 +4,9 @@
 `fanout`, `elastic`, `crossdc`, `failover`, `metadata` and `delta` run on emulated hosts
 (root needed; `delta` trains a real transformer: it needs transformers, a dev extra); `gpu`
 is the GPU memory paths (`bench.gpu`, its own flags; needs a CUDA device);
+`reshard` is rollouts in vLLM's TP-2 layout reading their blocks from a TP-4 trainer
+(`bench.reshard`, emulated hosts; not in `all`: its targets need readers that start
+together to read from each other, which they do not);
 `sim` is the cluster-scale simulator (`bench.sim.cli`); `scale` is the scale
 envelope on loopback (`bench.scale.cli`, its own flags); `views` is what quantizing a view
 costs its publisher (`bench.views`, its own flags); `watches` is a hostile tenant's Watch
@@ -22,7 +25,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from bench import crossdc, delta, elastic, failover, fanout, metadata
+from bench import crossdc, delta, elastic, failover, fanout, metadata, reshard
 from bench.common import Options, add_options, add_transport, options
 from bench.emu.netns import NeedsRoot
 from bench.report import Result, emit
@@ -52,9 +55,12 @@ PLOTS = {  # the benchmarks that draw `--plot FILE.png`, and what
     "for TensorHub and each baseline (matplotlib)",
     "delta": "draw the wire bytes per step against the step, one line per learning rate "
     "(matplotlib)",
+    "reshard": "draw T (publish to the last worker verified) against the number of rollout "
+    "instances, for readers that hold their blocks and readers that hold nothing (matplotlib)",
 }
 NAMES = [
     *EMULATED,
+    "reshard",
     "transport",
     "sim",
     "scale",
@@ -74,6 +80,8 @@ def _parse(name: str, rest: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog=f"tensorhub bench {name}")
     if name == "delta":
         delta.add_arguments(ap)
+    elif name == "reshard":
+        reshard.add_arguments(ap)
     else:
         add_options(ap, CROSSDC_MB if name == "crossdc" else 32)
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON (- = stdout)")
@@ -117,6 +125,20 @@ def _delta(opts: Options, plot_to: Path | None, cfg: delta.Config) -> Result:
         result = delta.run(opts, cfg, progress=step)
     if plot_to is not None and result.details:
         delta.plot(result, plot_to)
+        print(f"plot written to {plot_to}", file=sys.stderr)
+    return result
+
+
+def _reshard(opts: Options, plot_to: Path | None, cfg: reshard.Config) -> Result:
+    with Bar(reshard.steps(cfg), "bench reshard", unit="step") as bar:
+
+        def step(what: str) -> None:
+            bar.write(what)
+            bar.advance(1)
+
+        result = reshard.run(opts, cfg, progress=step)
+    if plot_to is not None and result.details:
+        reshard.plot(result, plot_to)
         print(f"plot written to {plot_to}", file=sys.stderr)
     return result
 
@@ -177,6 +199,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     opts = options(opts_ns)
     cfg = delta.config(opts_ns) if name == "delta" else None
+    if name == "reshard":
+        emit([_reshard(opts, opts_ns.plot, reshard.config(opts_ns))], opts_ns.json)
+        return 0
     if name != "all":
         emit([_one(name, opts, getattr(opts_ns, "plot", None), cfg)], opts_ns.json)
         return 0

@@ -24,6 +24,7 @@ import ros
 from bench.emu import baseline_ops, commands
 from bench.emu.delta_ops import DeltaRole
 from bench.emu.model import digest, make_model
+from bench.emu.reshard_ops import ReshardRole
 from consistency.events import EventKind
 from ros.client.handles import Held, Publication
 from ros.client.watch import HubWatch
@@ -177,6 +178,9 @@ def main() -> int:
     deltas = DeltaRole(me._hub)
     for name in ("train_init", "train_step", "publish_plain", "fetch_into", "drop"):
         ops[name] = getattr(deltas, name)
+    reshard = ReshardRole(me._hub)
+    for name in ("reshard_setup", "shard_publish", "read_blocks", "reshard_release"):
+        ops[name] = getattr(reshard, name)
     for name in ("plain_listen", "plain_recv", "serve", "tfetch", "gloo"):
         fn = getattr(baseline_ops, name)
         ops[name] = lambda _fn=fn, **kw: _fn(me.ip, **kw)
