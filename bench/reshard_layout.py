@@ -66,7 +66,7 @@ def _worker_blocks(worker: Any, infos: list[tuple[str, list[int]]]) -> dict[str,
     return {n: [list(b.offsets), list(b.shape)] for n, b in sorted(boxes.items())}
 
 
-def record() -> dict[str, Any]:
+def record(sizes: tuple[int, ...] = SIZES) -> dict[str, Any]:
     """Start vLLM at each of `SIZES` on the tiny Llama and collect every worker's blocks."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -89,7 +89,7 @@ def record() -> dict[str, Any]:
         out: dict[str, Any] = {"config": CONFIG, "shapes": shapes, "layouts": {}}
         with tempfile.TemporaryDirectory() as where:
             model.save_pretrained(where)
-            for tp in SIZES:
+            for tp in sizes:
                 llm = LLM(
                     model=where, skip_tokenizer_init=True, dtype="float32", max_model_len=64,
                     enforce_eager=True, tensor_parallel_size=tp,
