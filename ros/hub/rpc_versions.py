@@ -36,7 +36,13 @@ from ros.hub.rpc import Registries, streaming, unary, unary_async
 from ros.hub.shard_group import publish_shards
 from ros.hub.shard_publish import ShardBatches, ShardJob
 from ros.hub.tenants import Tenant, TenantStore
-from ros.hub.views import check_pages, checked_views, refuse_view_name, views_charge
+from ros.hub.views import (
+    check_pages,
+    check_shard_pages,
+    checked_views,
+    refuse_view_name,
+    views_charge,
+)
 from ros.manifest_check import check_manifest, check_topology
 from ros.metrics import HUB_PUBLISH_LIMIT, HUB_PUBLISHES_REFUSED, HUB_WATCHES
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
@@ -114,7 +120,11 @@ class VersionRPCs:
         its size, its check (`check_manifest(serialized=)`), its digest and what is stored
         all come from those bytes."""
         manifest = request.manifest.SerializeToString()
-        if not written_before_batch(len(manifest), group) and not is_companion(request.model):
+        if (
+            not written_before_batch(len(manifest), group)
+            and not is_companion(request.model)
+            and not request.views  # its view shards' manifests are staged first
+        ):
             # Nothing to read or write before the batch: checked here, on the loop,
             # without a trip through the worker pool (a burst is thousands of these).
             # A companion's shard may read its base's header: in a worker.
@@ -195,23 +205,31 @@ class VersionRPCs:
         version's next batch. Its session and budget are checked in the batch's own
         transaction, race-free and once per batch; only a shard whose manifest is paged (a
         write before the batch) checks them first, so that a refused publish writes nothing."""
-        paged = written_before_batch(len(serialized), group)
+        views = checked_views(request) if request.views else []  # docs/views.md
+        paged = written_before_batch(len(serialized), group) or bool(views)
         tenant, timeout, model, version, manifest, holder, admit = self._publish_checks(
             request, call, session=paged, manifest=serialized
         )
+        if views:
+            check_shard_pages(len(manifest), views)
         if paged:  # the tokens its arrival takes, as far as the version's counter says now
             self.hub.budgets.shard(
-                tenant, model, version, len(manifest), request.shard_count, timeout
-            )
+                tenant, model, version, len(manifest) + views_charge(views),
+                request.shard_count, timeout,
+            )  # fmt: skip
         check_manifest(  # every rule, before any write
             request.manifest, _what(request), model=request.model, version=request.version,
             serialized=manifest,
         )  # fmt: skip
         versions = self.hub.versions(tenant)
+        if views:  # the model quota's admission of the model and its view models
+            admit = self.hub.budgets.admission_of(
+                tenant, versions, [model, *(name for name, _ in views)]
+            )
         entry = versions.stage_shard(
             tenant.name, model, version, request.shard_index, request.shard_count, manifest,
             holder, timeout=timeout, session_key=self.hub.sessions.key(tenant.name, holder.session),
-            pack=group,
+            pack=group, views=views,
         )  # fmt: skip
         return model, version, ShardJob(tenant, versions, admit, entry)
 
