@@ -118,7 +118,8 @@ def make_shard_views(
                     "float32 weights"
                 )
         split = [name for name in quantized if union[name].placed]
-        slices = [_slice(name, tensors, placements, union[name].shape) for name in split]
+        device = _device(tensors, group)
+        slices = [_slice(name, tensors, placements, union[name].shape, device) for name in split]
         parts = dict(zip(split, quantize_shards(slices, spec.name, group), strict=True))
         view_tensors: dict[str, torch.Tensor] = {}
         view_placements: dict[str, Placement] = {}
@@ -191,14 +192,27 @@ def _slice(
     tensors: Mapping[str, torch.Tensor],
     placements: Mapping[str, tuple[Sequence[int], Sequence[int]]],
     shape: tuple[int, ...],
+    device: torch.device,
 ) -> ShardSlice:
-    """This rank's block of a split weight for `quantize_shards`, or an empty one (a rank
-    that publishes no block of it still joins the agreement)."""
+    """This rank's block of a split weight for `quantize_shards`, or an empty one on
+    `device` (a rank that publishes no block of it still joins the agreement)."""
     whole = (int(shape[0]), int(shape[1]))
     if name not in placements:
-        return ShardSlice(name, torch.empty((0, 0), dtype=torch.bfloat16), whole, (0, 0))
+        empty = torch.empty((0, 0), dtype=torch.bfloat16, device=device)
+        return ShardSlice(name, empty, whole, (0, 0))
     offsets = tuple(int(o) for o in placements[name][1])
     return ShardSlice(name, tensors[name], whole, (offsets[0], offsets[1]))
+
+
+def _device(tensors: Mapping[str, torch.Tensor], group: Any) -> torch.device:
+    """Where this rank's collectives run: its tensors' device, or for a rank without
+    tensors the current CUDA device under NCCL (whose collectives take CUDA tensors only),
+    else the CPU."""
+    for tensor in tensors.values():
+        return tensor.device
+    if dist.get_backend(group) == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _placement(found: tuple[Sequence[int], Sequence[int]] | None) -> Placement | None:

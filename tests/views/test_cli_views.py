@@ -107,6 +107,7 @@ def test_bad_views_in_the_cli_are_named_errors(
     assert not (tmp_path / "b").exists()
 
 
+@pytest.mark.slow  # the publisher is a process of its own (torch starts: 5 s or more)
 def test_publish_with_a_view_serves_it_visible_with_its_version(
     cli: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
