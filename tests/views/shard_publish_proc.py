@@ -13,7 +13,7 @@ with both views, by MODE:
 - `dtensor`: the blocks as DTensors of a 1-D mesh (`Shard(0)`, `Shard(1)`, `Replicate`);
 - `dies`: as `ranks`, but the last rank exits (status 3) after its views were made and
   before its Publish is sent: the others' shards land, the version never completes;
-- `nan`: as `ranks`, with a NaN in the last rank's block of a split weight;
+- `nan`: as `ranks`, with a NaN in the last rank's block of a weight cut on block edges;
 - `delta`: as `ranks`, with `delta=True`, MODEL@1 and then MODEL@2 (`whole(2)`): each
   rank's view shards of version 2 are deltas against its view shards of version 1.
 
@@ -41,6 +41,7 @@ FORMATS = ("fp8-block128", "mxfp8")
 WEIGHTS: dict[str, tuple[tuple[int, ...], int | None]] = {
     "model.layers.0.self_attn.o_proj.weight": ((128, 128), 0),  # one block, split
     "model.layers.0.self_attn.q_proj.weight": ((300, 260), 0),
+    "model.layers.0.self_attn.k_proj.weight": ((256, 128), 0),  # 2 ranks: cut on a block edge
     "model.layers.0.mlp.down_proj.weight": ((200, 300), 1),
     "model.layers.0.mlp.up_proj.weight": ((160, 100), 0),  # mxfp8 leaves it (100 % 32)
     "model.layers.0.mlp.gate_proj.weight": ((96, 128), None),  # whole, one rank's
@@ -126,7 +127,8 @@ def main() -> int:
                 if mode == "group":
                     kwargs = {**kwargs, "group": dist.group.WORLD}
                 if mode == "nan" and rank == world - 1:
-                    state["model.layers.0.self_attn.o_proj.weight"][5, 7] = float("nan")
+                    # in a block cut on block edges: its holder alone would quantize it
+                    state["model.layers.0.self_attn.k_proj.weight"][5, 7] = float("nan")
                 if mode == "dies" and rank == world - 1:
                     from ros.client.publishing import Publisher
 
