@@ -21,6 +21,15 @@ One batch is one transaction:
   version's header `{"shards": n}`. So the version becomes visible exactly once, atomically,
   with its last shard, and `Latest` never shows a partial version.
 
+A shard published with views (docs/views.md, "Views of model-parallel versions") carries
+its rank's shard of each view (`ViewShard`): the same shard index of version v of the view
+model `{model}.{fmt}`, staged like its own. Its batch writes each view shard's record and
+holder record (and pages' commits) beside the shard's, and the batch that completes the
+version writes each view's header `{"shards": n}` and `latest` with the version's, under
+compares that each view version is absent: the version and its views become visible at one
+revision, or none of them. The counter names the views (`"views"`), and every shard of a
+version must carry the same ones (`InvalidArgument` for one that does not).
+
 Every attempt starts with one read-only transaction (latest, the counter, each shard's record
 and holder record), which is also the retry-safe check for our own earlier write: a shard
 whose record is there, written for its holder under its session, succeeded (a retried
@@ -74,6 +83,21 @@ FULL_BATCH = (MAX_TXN_OPS - FIXED_OPS - 1) // 2  # shards of a batch with a pack
 
 
 @dataclass
+class ViewShard:
+    """A shard's part of one view of its version: the view model, its manifest staged under
+    the rank's lease (pages only for a manifest too large to be inline) and its record."""
+
+    model: str
+    staged: Staged
+    record: bytes
+
+    @property
+    def ops(self) -> int:
+        """Its puts in a batch: its record, its holder record and its pages' commits."""
+        return 2 + self.staged.header.pages
+
+
+@dataclass
 class ShardEntry:
     """One rank's shard publish, staged (its pages, if any, written under its lease) and
     waiting for a batch. `size` is what the tenant's budget is charged for it. `record`: its
@@ -90,12 +114,17 @@ class ShardEntry:
     session_key: str = ""  # the session's mark that must exist (a hub: the tenant's own)
     ambiguous: bool = field(default=False, compare=False)
     packed: bytes = field(default=b"", repr=False)  # its manifest for the batch's pack
+    views: list[ViewShard] = field(default_factory=list)  # its shards of the version's views
 
     @property
     def ops(self) -> int:
-        """The operations this shard adds to a batch's largest list (its puts; the pack
-        its manifest goes in is the batch's one more)."""
-        return 2 + self.staged.header.pages
+        """The operations this shard adds to a batch's largest list (its puts and its view
+        shards'; the pack its manifest goes in is the batch's one more)."""
+        return 2 + self.staged.header.pages + sum(view.ops for view in self.views)
+
+    @property
+    def view_models(self) -> list[str]:
+        return [view.model for view in self.views]
 
 
 class Budget(Protocol):
@@ -124,7 +153,7 @@ def take(queue: list[ShardEntry]) -> list[ShardEntry]:
     first one's record). Removes what it takes from `queue`."""
     batch: list[ShardEntry] = []
     indices: set[int] = set()
-    used = FIXED_OPS
+    used = FIXED_OPS + view_ops(queue)
     packed = 0
     rest: list[ShardEntry] = []
     for entry in queue:
@@ -145,6 +174,12 @@ def take(queue: list[ShardEntry]) -> list[ShardEntry]:
     return batch
 
 
+def view_ops(entries: Sequence[ShardEntry]) -> int:
+    """The operations a batch of `entries` may add for its views beyond each entry's own:
+    each view's header and `latest`, in the batch that completes the version."""
+    return 2 * max((len(e.views) for e in entries), default=0)
+
+
 @dataclass(frozen=True)
 class _Read:
     """What an attempt read: `latest`, the counter, and each pending shard's own records."""
@@ -157,6 +192,7 @@ class _Read:
     records: dict[int, ops.KV]  # shard index -> its shard record, where one exists
     holders: dict[int, ops.KV]  # shard index -> the entry's holder record, where one exists
     usage: ops.KV | None = None  # the tenant's usage key, with a budget
+    views: tuple[str, ...] = ()  # the view models the counter names
 
 
 class ShardCommitter:
@@ -200,6 +236,25 @@ class ShardCommitter:
 
     def _holder_key(self, entry: ShardEntry) -> str:
         return self.keys.holder(self.tenant, self.model, self.version, entry.holder.holder)
+
+    def _view_writes(self, entry: ShardEntry) -> tuple[list[ops.Cmp], list[ops.Op]]:
+        """The compares and puts of the entry's view shards: each absent and its pages
+        there; each record, holder record (under the rank's lease) and pages' commits."""
+        compares: list[ops.Cmp] = []
+        puts: list[ops.Op] = []
+        for view in entry.views:
+            key = self.keys.shard(self.tenant, view.model, self.version, entry.index)
+            compares += [ops.absent(key), *view.staged.compares]
+            puts += [
+                ops.put(key, view.record),
+                ops.put(
+                    self.keys.holder(self.tenant, view.model, self.version, entry.holder.holder),
+                    entry.holder.encode(),
+                    lease=entry.holder.session,
+                ),
+                *view.staged.commits,
+            ]
+        return compares, puts
 
     # -- the batch -------------------------------------------------------------------------
 
@@ -250,9 +305,14 @@ class ShardCommitter:
         """Delete the pages of a shard that definitely failed, or whose earlier publish
         won with other pages, unless its record names them (then they are live). An unknown
         outcome leaves them: live if it committed, gone with the lease if not."""
-        if isinstance(outcome, OutcomeUnknown) or not entry.staged.prefix:
+        if isinstance(outcome, OutcomeUnknown):
             return
-        self.manifests.discard(entry.staged, self._shard_key(entry), entry.record, 2.5)
+        for view in entry.views:
+            if view.staged.prefix:
+                key = self.keys.shard(self.tenant, view.model, self.version, entry.index)
+                self.manifests.discard(view.staged, key, view.record, 2.5)
+        if entry.staged.prefix:
+            self.manifests.discard(entry.staged, self._shard_key(entry), entry.record, 2.5)
 
     def _attempt(self, pending: list[ShardEntry], outcomes: dict[int, Outcome]) -> None:
         """One read and, for what is left to write, one transaction. Sets the outcome of
@@ -279,15 +339,20 @@ class ShardCommitter:
                 ops.put(self._holder_key(entry), entry.holder.encode(), lease=entry.holder.session),
                 *entry.staged.commits,
             ]
+            view_compares, view_puts = self._view_writes(entry)
+            compares += view_compares
+            puts += view_puts
         marks = sorted({e.session_key for e in writing if e.session_key})
         compares += [ops.exists(mark) for mark in marks]
         paged = [e for e in writing if e.staged.prefix]
+        paged_views = [(e, v) for e in writing for v in e.views if v.staged.prefix]
         try:
             result = self.etcd.txn(
                 compares,
                 puts,
                 [
                     *(op for e in paged for op in e.staged.count_op()),
+                    *(op for _, v in paged_views for op in v.staged.count_op()),
                     *(ops.get(mark, count_only=True) for mark in marks),
                 ],
                 timeout=max(max(e.deadline for e in writing) - time.monotonic(), 0.05),
@@ -315,7 +380,15 @@ class ShardCommitter:
                     f"the manifest pages of {self.what(entry)} vanished before the publish "
                     "committed: the publisher's session (lease) expired"
                 )
-        counted = result.responses[len(paged) :]
+        views_counted = result.responses[len(paged) : len(paged) + len(paged_views)]
+        for (entry, view), response in zip(paged_views, views_counted, strict=True):
+            if int(response.response_range.count) < view.staged.header.pages:
+                outcomes.setdefault(id(entry), LeaseLost(
+                    f"the manifest pages of the {view.model} view of {self.what(entry)} "
+                    "vanished before the publish committed: the publisher's session (lease) "
+                    "expired"
+                ))  # fmt: skip
+        counted = result.responses[len(paged) + len(paged_views) :]
         gone = {m for m, r in zip(marks, counted, strict=True) if not r.response_range.count}
         for entry in writing:
             if entry.session_key in gone and id(entry) not in outcomes:
@@ -357,7 +430,7 @@ class ShardCommitter:
                  for r in result.responses]  # fmt: skip
         usage = found.pop() if self._budget is not None else None
         latest, arrived = found[0], found[1]
-        count, so_far = _counter(arrived.value if arrived is not None else None)
+        count, so_far, views = _counter(arrived.value if arrived is not None else None)
         self.arrived = max(self.arrived, so_far)
         records = {e.index: kv for e, kv in zip(pending, found[2::2], strict=True) if kv}
         holders = {e.index: kv for e, kv in zip(pending, found[3::2], strict=True) if kv}
@@ -366,7 +439,7 @@ class ShardCommitter:
             latest.mod_revision if latest is not None else 0,
             count, so_far,
             arrived.mod_revision if arrived is not None else 0,
-            records, holders, usage,
+            records, holders, usage, views,
         )  # fmt: skip
 
     def _settle(
@@ -377,6 +450,7 @@ class ShardCommitter:
         those that only need to hold a shard already written with their bytes."""
         visible = state.latest >= self.version
         count = state.count
+        views = state.views if state.count else None  # the first shard's, once counted
         writing: list[ShardEntry] = []
         rehold: list[ShardEntry] = []
         for entry in pending:
@@ -402,8 +476,15 @@ class ShardCommitter:
                     f"shard {entry.index} says {self.what()} has {entry.count} shards; "
                     f"the shards published before it say {count}"
                 )
+            elif views is not None and tuple(entry.view_models) != views:
+                outcomes[id(entry)] = InvalidArgument(
+                    f"shard {entry.index} of {self.what()} has views {entry.view_models}; "
+                    f"the shards published before it have {list(views)}: every shard of a "
+                    "version carries the same views"
+                )
             else:
                 count = count or entry.count
+                views = tuple(entry.view_models)
                 writing.append(entry)
         return writing, rehold
 
@@ -426,6 +507,15 @@ class ShardCommitter:
         compares += [ops.exists(mark) for mark in marks]
         puts = [
             ops.put(self._holder_key(e), e.holder.encode(), lease=e.holder.session) for e in entries
+        ]
+        puts += [  # its view shards' holder records, under its new session too
+            ops.put(
+                self.keys.holder(self.tenant, view.model, self.version, e.holder.holder),
+                e.holder.encode(),
+                lease=e.holder.session,
+            )
+            for e in entries
+            for view in e.views
         ]
         try:
             result = self.etcd.txn(compares, puts, timeout=remaining)
@@ -459,7 +549,12 @@ class ShardCommitter:
             ops.mod(self._arrived, "==", state.arrived_mod),
         ]
         puts: list[ops.Op] = []
-        if self._admit is not None and not state.latest_mod and not state.arrived_mod:
+        new_views = bool(writing[0].views)  # a view model may be new while its model is not
+        if (
+            self._admit is not None
+            and (not state.latest_mod or new_views)
+            and not state.arrived_mod
+        ):
             # (a counter means an earlier batch counted the model: its shards are keys of it)
             try:
                 guard, bump = self._admit(remaining)
@@ -479,16 +574,23 @@ class ShardCommitter:
             puts += charge
             writing = writing[:admitted]
         arrived = state.arrived + len(writing)
-        puts.append(ops.put(self._arrived, json.dumps({"count": count, "arrived": arrived})))
+        views = writing[0].view_models if writing else []
+        counter: dict[str, object] = {"count": count, "arrived": arrived}
+        if views:
+            counter["views"] = views
+        puts.append(ops.put(self._arrived, json.dumps(counter)))
         visible = arrived == count
         if visible:
+            header = PartHeader(0, b"", shards=count).encode()
             puts += [
                 ops.put(self._latest, str(self.version)),
-                ops.put(
-                    self.keys.manifest(self.tenant, self.model, self.version),
-                    PartHeader(0, b"", shards=count).encode(),
-                ),
+                ops.put(self.keys.manifest(self.tenant, self.model, self.version), header),
             ]
+            for view in views:  # the views become visible with their version
+                at = self.keys.manifest(self.tenant, view, self.version)
+                compares.append(ops.absent(at))
+                puts += [ops.put(at, header), ops.put(self.keys.latest(self.tenant, view),
+                                                      str(self.version))]  # fmt: skip
         return compares, puts, visible
 
     def _dead_sessions(self, writing: list[ShardEntry], outcomes: dict[int, Outcome]) -> None:
@@ -538,12 +640,14 @@ def arrivals(etcd: Etcd, keys: Keys, tenant: str, model: str, version: int, time
     return _counter(kv.value if kv is not None else None)[1]
 
 
-def _counter(raw: bytes | None) -> tuple[int, int]:
-    """(shard count, shards arrived) from the counter's value; (0, 0) without one."""
+def _counter(raw: bytes | None) -> tuple[int, int, tuple[str, ...]]:
+    """(shard count, shards arrived, view models) from the counter's value; (0, 0, ())
+    without one."""
     if raw is None:
-        return 0, 0
+        return 0, 0, ()
     try:
         data = json.loads(raw)
-        return int(data["count"]), int(data["arrived"])
-    except (ValueError, KeyError, TypeError) as exc:
+        views = tuple(str(v) for v in data.get("views", ()))
+        return int(data["count"]), int(data["arrived"]), views
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise InvalidArgument(f"unreadable shard counter {raw[:80]!r}") from exc

@@ -35,7 +35,7 @@ from consistency.manifests import (
 from consistency.publishing import DEFAULT_TIMEOUT, Admit, Charge, Published, Publisher
 from consistency.records import HolderRecord, HolderState, PartHeader, ShardRecord
 from consistency.retry import USAGE_RACES, LostRace
-from consistency.shard_commit import Budget, ShardCommitter, ShardEntry
+from consistency.shard_commit import Budget, ShardCommitter, ShardEntry, ViewShard
 from consistency.view_publish import StagedViews, ViewsCharge
 from tensorhub.errors import InvalidArgument, OutcomeUnknown, TensorHubError
 from tensorhub.names import validate_name, validate_version
@@ -302,13 +302,16 @@ class VersionRegistry:
         timeout: float = DEFAULT_TIMEOUT,
         session_key: str = "",
         pack: bool = False,
+        views: Sequence[tuple[str, bytes]] = (),
     ) -> ShardEntry:
         """Check one rank's shard publish and write its manifest's pages (if any) under its
         session: a `ShardEntry` ready for a batch (`shard_committer`). With `session_key`,
         the batch commits it only while that key exists (the hub: the session's mark as
         the caller tenant's own). With `pack` (a group publish), a manifest that fits
         (`consistency.manifest_packs`) is compressed instead, and its batch writes it: then
-        nothing is written here."""
+        nothing is written here. `views` (view model, manifest bytes): the rank's shard of
+        each view of the version, staged likewise (never packed) and committed with it
+        (`consistency.shard_commit`, `ViewShard`); what was staged is discarded if any fails."""
         validate_version(version)
         check_shard_count(count)
         if not 0 <= index < count:
@@ -328,9 +331,33 @@ class VersionRegistry:
             )
             part = replace(staged.header, session=holder.session)
             packed, record = b"", ShardRecord(index, count, holder.holder, part).encode()
+        made: list[ViewShard] = []
+        try:
+            for view_model, view_manifest in views:
+                check_manifest_size(
+                    len(view_manifest), f"the {view_model} manifest of shard {index}"
+                )
+                view_staged = self.manifests.stage(
+                    tenant, view_model, version, index, view_manifest, holder.session,
+                    timeout=max(deadline - time.monotonic(), 0.01),
+                )  # fmt: skip
+                view_part = replace(view_staged.header, session=holder.session)
+                made.append(ViewShard(
+                    view_model, view_staged,
+                    ShardRecord(index, count, holder.holder, view_part).encode(),
+                ))  # fmt: skip
+        except BaseException:
+            for done in made:
+                key = self.keys.shard(tenant, done.model, version, index)
+                self.manifests.discard(done.staged, key, done.record, DEFAULT_TIMEOUT / 2)
+            if staged.prefix:
+                key = self.keys.shard(tenant, model, version, index)
+                self.manifests.discard(staged, key, record, DEFAULT_TIMEOUT / 2)
+            raise
+        size = len(manifest) + sum(len(m) + usage.RECORD_BYTES for _, m in views)
         return ShardEntry(
-            index, count, holder, staged, record, len(manifest), deadline, session_key,
-            packed=packed,
+            index, count, holder, staged, record, size, deadline, session_key,
+            packed=packed, views=made,
         )  # fmt: skip
 
     def shard_committer(

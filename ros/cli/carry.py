@@ -26,7 +26,7 @@ from __future__ import annotations
 import base64
 import json
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -155,10 +155,12 @@ def publish_carrying(
     shard: tuple[int, int] | None = None,
     placements: Placements | None = None,
     timeout: float | None = None,
+    views: Sequence[str] = (),
 ) -> Publication:
-    """`hub.publish(...)` whose manifest carries `metadata` (see the module docstring)."""
+    """`hub.publish(...)` whose manifest carries `metadata` (see the module docstring);
+    `views`: the view formats published with it (docs/views.md)."""
     check_metadata(metadata)
     return hub.publish(
         model, version, tensors, shard=shard, placements=placements, timeout=timeout,
-        metadata=metadata,
+        metadata=metadata, views=views,
     )  # fmt: skip

@@ -34,6 +34,7 @@ from ros.client.manifest import Placements
 from ros.manifest_check import MAX_METADATA_BYTES
 from tensorhub.errors import InvalidArgument
 from tensorhub.names import validate_name, validate_version
+from tensorhub.view_rules import check_views, view_model
 from transport.boxes import Box
 
 DESCRIPTION = """\
@@ -67,6 +68,13 @@ becomes visible when the last rank has published. Where a rank holds a block of 
 tensor, --placements FILE.json says which block: {"NAME": {"global_shape": [...],
 "offsets": [...]}, ...}; a tensor without a placement is whole (each rank's own, or the
 same on every rank). `tensorhub fetch` assembles the blocks into whole tensors.
+
+Views: --view FMT (repeatable: fp8-block128, mxfp8; docs/views.md) publishes, with the
+version and visible with it, its quantized view as version V of MODEL.FMT, quantized here
+and served by this process with the version. Readers fetch it with
+`tensorhub fetch MODEL@V --view FMT`. A view of a model-parallel version needs its ranks'
+process group (the scales of a block split across ranks are agreed over it): publish those
+with the SDK, `publish(..., shard=..., views=...)`; --view with --shard is refused.
 """
 
 
@@ -109,6 +117,15 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         metavar="FILE.json",
         help="with --shard: the block of each global tensor this rank holds "
         '({"NAME": {"global_shape": [..], "offsets": [..]}}); unnamed tensors are whole',
+    )
+    parser.add_argument(
+        "--view",
+        dest="views",
+        action="append",
+        default=[],
+        metavar="FMT",
+        help="also publish this quantized view of the version, visible with it, as version V "
+        "of MODEL.FMT (fp8-block128, mxfp8; docs/views.md); repeat for both",
     )
     parser.add_argument(
         "--no-files",
@@ -174,6 +191,12 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgument("--placements describe a model-parallel shard: pass --shard too")
     if args.until_replicated is not None and args.until_replicated < 1:
         raise InvalidArgument("--until-replicated needs N >= 1")
+    views = check_views(model, args.views) if args.views else []
+    if views and shard is not None:
+        raise InvalidArgument(
+            "--view with --shard: a view of a model-parallel version agrees its block scales "
+            "over the ranks' process group; publish it with the SDK (publish(..., views=...))"
+        )
     check_credentials(args)
     started = time.monotonic()
     ckpt = open_checkpoint(args.path, carry=not args.no_files)
@@ -181,7 +204,14 @@ def run(args: argparse.Namespace) -> int:
     metadata, carried = encode(ckpt.carried, ckpt.too_big)
     with connect(args) as hub:
         pub = publish_carrying(
-            hub, model, version, ckpt.tensors, metadata, shard=shard, placements=placements
+            hub,
+            model,
+            version,
+            ckpt.tensors,
+            metadata,
+            shard=shard,
+            placements=placements,
+            views=views,
         )
         published = time.monotonic() - started
         what = f"{model}@{version}" + ("" if shard is None else f" shard {shard[0]}/{shard[1]}")
@@ -189,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
             "model": model,
             "version": version,
             "shard": None if shard is None else list(shard),
+            "views": [view_model(model, fmt) for fmt in views],
             "revision": pub.revision,
             "visible": pub.visible,
             "tensors": len(ckpt.tensors),
@@ -256,6 +287,8 @@ def _say_published(
         f"mapped checkpoint; peak RSS {mib(mem.peak)})",
         file=out,
     )
+    for name in summary["views"]:
+        print(f"  view: {name}@{summary['version']}, visible with it", file=out)
     if summary["carried"]:
         print(f"  carried in the manifest: {', '.join(summary['carried'])}", file=out)
     elif ckpt.kind != "save_pretrained":

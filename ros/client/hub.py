@@ -267,7 +267,10 @@ class Hub:
         `views` (formats: "fp8-block128", "mxfp8"): each view of these tensors, quantized
         here on their device, published as version `version` of `{model}.{format}` in the
         same transaction as this version (docs/views.md); `Publication.views` has their
-        handles, released with it. Whole versions only.
+        handles, released with it. A rank of a model-parallel version (`shard`, `group`,
+        DTensors) publishes its shard of each view with its shard, made with the other
+        ranks over their process group (`group`, else the default one): collective, every
+        rank calls `publish` with the same views; visible with the version.
         """
         if is_companion(model):
             raise InvalidArgument(

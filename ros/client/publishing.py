@@ -27,10 +27,17 @@ from ros.client.reads import FreshReads
 from ros.client.records import HolderRecords
 from ros.client.rpc import Rpc
 from ros.client.serving import Serving
-from ros.client.view_publish import MadeView, check_publish_views, make_views
+from ros.client.view_publish import (
+    MadeView,
+    check_publish_views,
+    is_model_parallel,
+    make_shard_view_versions,
+    make_views,
+)
 from ros.manifest_check import check_manifest
 from ros.metrics import SDK_PUBLISH_SECONDS
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from ros.views.shard_view import abstain, make_shard_views
 from tensorhub.errors import (
     DeadlineExceeded,
     InvalidArgument,
@@ -104,52 +111,73 @@ class Publisher:
         group: ProcessGroup | None = None,
         send: Send | None = None,
         views: Sequence[str] = (),
+        view_group: ProcessGroup | None = None,
     ) -> Publication:
         """`Hub.publish` (its docstring says what a caller gets). `send`: this rank's
         Publish through its group's one call (`ros.client.group_publish`). `views`: the
-        view formats published with it (`ros.client.view_publish`)."""
-        formats = check_publish_views(model, views, shard, placements, group)
+        view formats published with it (`ros.client.view_publish`); for one rank's shard,
+        made with the other ranks over `view_group` (`group`'s; the default group when
+        neither is given)."""
+        formats = check_publish_views(model, views)
         if group is not None:
             return publish_in_group(group, self._rpc, lambda send: self.publish(
                 model, version, tensors, chunk_size=chunk_size, timeout=timeout, shard=shard,
                 placements=placements, checksum=checksum, metadata=metadata, delta=delta,
-                base_copy=base_copy, send=send,
+                base_copy=base_copy, send=send, views=formats, view_group=group,
             ))  # fmt: skip
-        derived = for_publish(tensors, shard, placements)  # a state dict of DTensors
-        if derived is not None and formats:
-            check_publish_views(model, views, (0, 0), None, None)  # refused: model-parallel
-        if derived is not None:
-            if derived.shard is None:  # this rank publishes no block (a replica): no shard
+        sharded = bool(formats) and is_model_parallel(tensors, shard, placements, view_group)
+        joined = False  # whether this rank took part in its views' agreement (`abstain`)
+        try:
+            derived = for_publish(tensors, shard, placements)  # a state dict of DTensors
+            if derived is not None and derived.shard is None:
+                # this rank publishes no block (a replica): no shard, but its views'
+                # agreement waits for every rank of the group
+                if sharded:
+                    joined = True
+                    make_shard_views({}, {}, formats, view_group)
                 empty = self._handles.publication(model, version, {}, 0, False, None)
                 empty.released = True  # it holds nothing to release
                 return empty
-            tensors, shard, placements = derived.tensors, derived.shard, derived.placements
-        if placements and shard is None:
-            raise InvalidArgument("placements describe a model-parallel shard: pass shard too")
-        if shard is not None and not (isinstance(shard, tuple) and len(shard) == 2):
-            raise InvalidArgument(f"shard must be (index, count), got {shard!r}")
-        validate_name(model, "model")
-        validate_version(version)
-        if base_copy not in WHERE:
-            raise InvalidArgument(f"base_copy {base_copy!r}: one of {', '.join(WHERE)}")
-        start = time.monotonic()
-        own = _contiguous(tensors)
-        layout = (
-            Layout.from_tensors(own) if chunk_size is None else Layout.from_tensors(own, chunk_size)
-        )
-        held = HeldVersion.publisher(self._me.tenant, model, version, own, layout)
-        manifest = manifest_of(held, placements, checksum)
+            if derived is not None:
+                tensors, shard, placements = derived.tensors, derived.shard, derived.placements
+            if placements and shard is None:
+                raise InvalidArgument("placements describe a model-parallel shard: pass shard too")
+            if shard is not None and not (isinstance(shard, tuple) and len(shard) == 2):
+                raise InvalidArgument(f"shard must be (index, count), got {shard!r}")
+            validate_name(model, "model")
+            validate_version(version)
+            if base_copy not in WHERE:
+                raise InvalidArgument(f"base_copy {base_copy!r}: one of {', '.join(WHERE)}")
+            start = time.monotonic()
+            own = _contiguous(tensors)
+            layout = (
+                Layout.from_tensors(own)
+                if chunk_size is None
+                else Layout.from_tensors(own, chunk_size)
+            )
+            held = HeldVersion.publisher(self._me.tenant, model, version, own, layout)
+            manifest = manifest_of(held, placements, checksum)
+        except BaseException as exc:
+            if sharded and not joined:  # the other ranks raise instead of waiting for it
+                abstain(view_group, exc)
+            raise
         if metadata:
             manifest.metadata.update(metadata)
-        made = make_views(self._me.tenant, model, version, own, formats, held.layout.chunk_size,
-                          checksum, metadata)  # fmt: skip
+        if sharded:
+            made = make_shard_view_versions(
+                self._me.tenant, model, version, own, placements, formats, view_group,
+                held.layout.chunk_size, checksum, metadata,
+            )  # fmt: skip
+        else:
+            made = make_views(self._me.tenant, model, version, own, formats,
+                              held.layout.chunk_size, checksum, metadata)  # fmt: skip
         index = None if shard is None else shard[0]
         companion = None
         companions: list[Publication | None] = []  # the views' own, in `made`'s order
         try:
             if delta:
                 companion = self._publish_delta(held, manifest, shard, timeout)
-                companions = [self._publish_delta(view.held, view.manifest, None, timeout)
+                companions = [self._publish_delta(view.held, view.manifest, shard, timeout)
                               for view in made]  # fmt: skip
             publication = self._publish(held, manifest, shard, timeout, start, send, made)
         except BaseException:
@@ -159,7 +187,7 @@ class Publisher:
             if delta:  # its encode brought the base copy to this version: not published
                 self._bases.forget(model, index)
                 for view in made:
-                    self._bases.forget(view.held.key[1], None)
+                    self._bases.forget(view.held.key[1], index)
             raise
         publication.companion = companion
         for view, encoded in zip(made, companions, strict=False):
@@ -167,7 +195,7 @@ class Publisher:
         if delta:
             self._bases.keep(model, index, held, manifest, base_copy)
             for view in made:  # a view's delta is on its fp8 bytes and scales
-                self._bases.keep(view.held.key[1], None, view.held, view.manifest, base_copy)
+                self._bases.keep(view.held.key[1], index, view.held, view.manifest, base_copy)
         return publication
 
     def base_bytes(self) -> int:
@@ -246,7 +274,7 @@ class Publisher:
             self._holdings.drop(key, 0.0)
         self._holdings.hold(held, index)
         for view in views:
-            self._holdings.hold(view.held, None)
+            self._holdings.hold(view.held, index)
         request = pb.PublishRequest(
             model=model,
             version=version,
@@ -280,7 +308,7 @@ class Publisher:
         )
         for view in views:
             publication.views[view.fmt] = self._handles.publication(
-                view.held.key[1], version, view.held.tensors, revision, visible, None
+                view.held.key[1], version, view.held.tensors, revision, visible, index
             )
         return publication
 

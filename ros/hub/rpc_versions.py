@@ -37,7 +37,13 @@ from ros.hub.rpc import Registries, streaming, unary, unary_async
 from ros.hub.shard_group import publish_shards
 from ros.hub.shard_publish import ShardBatches, ShardJob
 from ros.hub.tenants import Tenant, TenantStore
-from ros.hub.views import check_pages, checked_views, refuse_view_name, views_charge
+from ros.hub.views import (
+    check_pages,
+    check_shard_pages,
+    checked_views,
+    refuse_view_name,
+    views_charge,
+)
 from ros.manifest_check import check_manifest, check_topology
 from ros.metrics import HUB_PUBLISH_LIMIT, HUB_PUBLISHES_REFUSED, HUB_WATCHES
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
@@ -118,7 +124,11 @@ class VersionRPCs:
         its check (`check_manifest(serialized=)`), its digest and what is stored all come
         from those bytes."""
         manifest = request.manifest.SerializeToString()
-        if not written_before_batch(len(manifest), False) and not is_companion(request.model):
+        if (
+            not written_before_batch(len(manifest), False)
+            and not is_companion(request.model)
+            and not request.views  # its view shards' manifests are staged first
+        ):
             # Nothing to read or write before the batch: checked here, on the loop,
             # without a trip through the worker pool (a burst is thousands of these).
             # A companion's shard may read its base's header: in a worker.
@@ -133,7 +143,11 @@ class VersionRPCs:
         (`consistency.manifest_packs`). A shard whose manifest is paged (written before its
         batch), or a companion's, is staged whole in a worker here."""
         manifest = request.manifest.SerializeToString()
-        if not written_before_batch(len(manifest), True) and not is_companion(request.model):
+        if (
+            not written_before_batch(len(manifest), True)
+            and not is_companion(request.model)
+            and not request.views  # its view shards' manifests are staged whole, in a worker
+        ):
             return self._check_shard(request, call, True, manifest)  # on the loop: see above
         staged = await self.hub.blocking(
             self._stage_shard, request, call, True, manifest, deadline_of=call
@@ -220,19 +234,27 @@ class VersionRPCs:
         and budget are checked in the batch's own transaction, race-free and once per
         batch; only a shard whose manifest is paged (a write before the batch) checks them
         first, so that a refused publish writes nothing."""
-        paged = written_before_batch(len(serialized), group)
+        views = checked_views(request) if request.views else []  # docs/views.md
+        paged = written_before_batch(len(serialized), group) or bool(views)
         tenant, timeout, model, version, manifest, holder, admit = self._publish_checks(
             request, call, session=paged, manifest=serialized
         )
+        if views:
+            check_shard_pages(len(manifest), views)
         if paged:  # the tokens its arrival takes, as far as the version's counter says now
             self.hub.budgets.shard(
-                tenant, model, version, len(manifest), request.shard_count, timeout
-            )
+                tenant, model, version, len(manifest) + views_charge(views),
+                request.shard_count, timeout,
+            )  # fmt: skip
         check_manifest(  # every rule, before any write
             request.manifest, _what(request), model=request.model, version=request.version,
             serialized=manifest,
         )  # fmt: skip
         versions = self.hub.versions(tenant)
+        if views:  # the model quota's admission of the model and its view models
+            admit = self.hub.budgets.admission_of(
+                tenant, versions, [model, *(name for name, _ in views)]
+            )
         index, count = request.shard_index, request.shard_count
         session_key = self.hub.sessions.key(tenant.name, holder.session)
         deadline = time.monotonic() + timeout
@@ -241,7 +263,7 @@ class VersionRPCs:
             entry = versions.stage_shard(
                 tenant.name, model, version, index, count, manifest, holder,
                 timeout=max(deadline - time.monotonic(), 0.0), session_key=session_key,
-                pack=group,
+                pack=group, views=views,
             )  # fmt: skip
             return model, version, ShardJob(tenant, versions, admit, entry)
 

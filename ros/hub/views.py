@@ -7,8 +7,10 @@ inside the Publish of `model@v` (`PublishRequest.views`) and committed in its tr
 
 - a Publish naming a view model itself is refused (`InvalidName`): no view exists without
   its version, and no one publishes a view of a version that is not theirs;
-- views ride on whole versions only: a shard's Publish with views is refused
-  (`InvalidArgument`), as is a delta companion's;
+- a shard's Publish carries its rank's shard of each view, committed in its batch and made
+  visible with the version (`consistency.shard_commit`, docs/views.md "Views of
+  model-parallel versions"); a delta companion's Publish with views is refused
+  (`InvalidArgument`);
 - each view's format is known and asked once, its manifest passes every rule
   (`ros.manifest_check`: a delta section too, against the view's own companion) and its
   size bound, and names its format in its metadata.
@@ -19,8 +21,13 @@ The cost on a Publish without views: one suffix test of the model's name.
 from __future__ import annotations
 
 from consistency import ops
-from consistency.manifests import INLINE_BYTES, PAGE_BYTES, check_manifest_size
-from consistency.shard_commit import MAX_TXN_OPS
+from consistency.manifests import (
+    INLINE_BYTES,
+    PAGE_BYTES,
+    SHARD_INLINE_BYTES,
+    check_manifest_size,
+)
+from consistency.shard_commit import FIXED_OPS, MAX_TXN_OPS
 from consistency.usage import RECORD_BYTES
 from ros.manifest_check import check_manifest
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
@@ -36,7 +43,7 @@ TXN_OWN_OPS = 8  # a whole publish's own writes: budget, fence, header, holder, 
 
 def refuse_view_name(request: pb.PublishRequest) -> None:
     """`InvalidName` for a Publish of a view model's name; `InvalidArgument` for views on a
-    shard or a delta companion. Nothing else for any other Publish."""
+    delta companion. Nothing else for any other Publish."""
     found = view_of(request.model)
     if found is not None:
         model, fmt = found
@@ -46,11 +53,6 @@ def refuse_view_name(request: pb.PublishRequest) -> None:
         )
     if not request.views:
         return
-    if request.shard_count:
-        raise InvalidArgument(
-            f"{request.model}@{request.version}: views of a model-parallel version are not "
-            "supported; publish views with whole versions"
-        )
     if is_companion(request.model):
         raise InvalidArgument(f"{request.model!r}: a delta companion has no views")
 
@@ -90,6 +92,24 @@ def check_pages(manifest_bytes: int, views: list[tuple[str, bytes]]) -> None:
             f"{PAGE_BYTES} bytes: with them, its transaction would take {ops_needed} "
             f"operations, past etcd's {MAX_TXN_OPS}; publish fewer views"
         )
+
+
+def check_shard_pages(manifest_bytes: int, views: list[tuple[str, bytes]]) -> None:
+    """`ManifestTooLarge`, before any write, when a shard's manifest pages and its view
+    shards' would not fit one batch's transaction by themselves (each view shard 2 writes
+    and its pages, each view's header and `latest` 2 more, the batch's own writes 5)."""
+    pages = _shard_pages(manifest_bytes) + sum(_shard_pages(len(m)) for _, m in views)
+    ops_needed = FIXED_OPS + 2 + pages + 4 * len(views)
+    if ops_needed > MAX_TXN_OPS:
+        raise ManifestTooLarge(
+            f"the manifests of the shard and its {len(views)} view shards take {pages} pages "
+            f"of {PAGE_BYTES} bytes: with them, its batch would take {ops_needed} operations, "
+            f"past etcd's {MAX_TXN_OPS}; publish fewer views or smaller shards"
+        )
+
+
+def _shard_pages(size: int) -> int:
+    return 0 if size <= SHARD_INLINE_BYTES else -(-size // PAGE_BYTES)
 
 
 def _pages(size: int) -> int:

@@ -20,7 +20,7 @@ dtypes and manifest metadata a loader of that format needs (docs/views.md).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -98,6 +98,15 @@ def make_view(
             tensor, name=name, chunk_elements=chunk_elements
         )
         quantized.append(module)
+    return tensors, view_metadata(fmt, state_dict, quantized)
+
+
+def view_metadata(
+    fmt: str, state_dict: Mapping[str, torch.Tensor], quantized: Sequence[str]
+) -> dict[str, str]:
+    """The manifest metadata of the `fmt` view of `state_dict` whose `quantized` modules
+    were quantized (module docstring). Only the tensors' names and dimensions are read:
+    a model-parallel view passes its whole weights' shapes (`ros.views.shard_view`)."""
     config = quantization_config(fmt, ignored_modules(state_dict, quantized))
     metadata = {
         META_FORMAT: fmt,
@@ -105,7 +114,7 @@ def make_view(
         META_QUANTIZED: json.dumps(summary(quantized), separators=(",", ":")),
     }
     check_metadata(metadata, f"metadata of the {fmt} view")
-    return tensors, metadata
+    return metadata
 
 
 def dequantize_view(

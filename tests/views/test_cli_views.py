@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 import ros
 from ros.cli import main
@@ -101,3 +105,88 @@ def test_bad_views_in_the_cli_are_named_errors(
             assert error in capsys.readouterr().err, args
     assert not (tmp_path / "a").exists()
     assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.slow  # the publisher is a process of its own (torch starts: 5 s or more)
+def test_publish_with_a_view_serves_it_visible_with_its_version(
+    cli: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`tensorhub publish MODEL@V PATH --view FMT`, as a user runs it (its own process):
+    the view is version V of MODEL.FMT, visible with V, served by the publishing process,
+    and `tensorhub fetch --view` writes it as `make_view` makes it."""
+    weights = llama(6)
+    saved = tmp_path / "ckpt"
+    saved.mkdir()
+    save_file(weights, str(saved / "model.safetensors"))
+    (saved / "config.json").write_text(json.dumps(CONFIG))
+    log = tmp_path / "publish.log"
+    with open(log, "wb") as out:
+        publisher = subprocess.Popen(
+            [sys.executable, "-m", "ros.cli", "publish", "policy@1", str(saved),
+             "--view", "fp8-block128", "--until-replicated", "1", "--wait-timeout", "60"],
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": os.getcwd()},
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while "readers holding it" not in log.read_text(errors="replace"):
+            assert publisher.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        said = log.read_text()
+        assert "view: policy.fp8-block128@1, visible with it" in said
+        out_dir = tmp_path / "view"
+        assert main(["fetch", "policy@1", "--view", "fp8-block128", "-o", str(out_dir)]) == 0
+        expected, view_metadata = make_view(weights, "fp8-block128")
+        with safe_open(str(out_dir / "model.safetensors"), framework="pt") as f:
+            got = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+        assert got.keys() == expected.keys()
+        for name, tensor in expected.items():
+            assert torch.equal(got[name].view(torch.uint8), tensor.view(torch.uint8)), name
+        config = json.loads((out_dir / "config.json").read_text())
+        assert config["model_type"] == "llama"
+        assert config["quantization_config"] == json.loads(view_metadata[META_CONFIG])
+        capsys.readouterr()
+        assert main(["inspect", "policy@1", "--json"]) == 0
+        version_revision = json.loads(capsys.readouterr().out)["published_revision"]
+        assert main(["inspect", "policy@1", "--view", "fp8-block128", "--json"]) == 0
+        view_info = json.loads(capsys.readouterr().out)
+        assert view_info["published_revision"] == version_revision  # one transaction
+        with ros.connect(cli["TENSORHUB_HUB"], tenant="views-cli",
+                         token=cli["TENSORHUB_TOKEN"]) as reader:  # fmt: skip
+            held = reader.fetch("policy", 1, timeout=30)  # a holder of V: the wait ends
+            assert publisher.wait(timeout=60) == 0, log.read_text()
+            held.release(force=True)
+    finally:
+        if publisher.poll() is None:
+            publisher.kill()
+            publisher.wait(timeout=10)
+
+
+def test_publish_view_flags_are_checked_before_the_hub(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    saved = tmp_path / "ckpt"
+    saved.mkdir()
+    save_file(llama(7), str(saved / "model.safetensors"))
+    env = {"TENSORHUB_HUB": "127.0.0.1:1", "TENSORHUB_TENANT": "t", "TENSORHUB_TOKEN": "x"}
+    saved_env = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # a hub nobody listens on: a refusal must come before it
+    try:
+        cases = {
+            ("--view", "fp9"): "InvalidArgument",
+            ("--view", "mxfp8", "--view", "mxfp8"): "InvalidArgument",
+            ("--view", "mxfp8", "--shard", "0/2"): "process group",
+        }
+        for flags, error in cases.items():
+            capsys.readouterr()
+            assert main(["publish", "policy@1", str(saved), *flags]) == 1, flags
+            assert error in capsys.readouterr().err, flags
+    finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    with pytest.raises(SystemExit):
+        main(["publish", "--help"])
+    assert "--view FMT" in capsys.readouterr().out

@@ -14,7 +14,7 @@ from consistency.events import EventKind
 from consistency.usage import RECORD_BYTES, Usage
 from ros.hub.server import HubServer
 from ros.hub.tenants import Quotas, TenantStore
-from ros.hub.views import check_pages
+from ros.hub.views import check_pages, check_shard_pages
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.views import make_view
 from tensorhub.errors import ManifestTooLarge
@@ -240,3 +240,12 @@ def test_a_view_model_is_deleted_as_any_model(connect: Callable[..., ros.Hub]) -
     pub = trainer.publish("policy", 2, llama(1), views=("mxfp8",))
     assert trainer.latest("policy.mxfp8") == 2
     pub.release(force=True)
+
+
+def test_a_shards_view_pages_past_one_batch_are_refused_before_any_write() -> None:
+    """A shard's manifest pages and its view shards' must fit one batch's transaction by
+    themselves (`check_shard_pages`): past it, `ManifestTooLarge` naming the count."""
+    big = bytes(45 << 20)  # 45 pages of 1 MiB
+    check_shard_pages(40 << 20, [("policy.mxfp8", big)])  # 85 pages: fits
+    with pytest.raises(ManifestTooLarge, match="130 pages"):
+        check_shard_pages(40 << 20, [("policy.mxfp8", big), ("policy.fp8-block128", big)])
