@@ -186,6 +186,16 @@ class TensorHubWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
         self._loading = None
         self.last_update_memory = self._memory.loaded()
 
+    def abort_weight_update(self) -> None:
+        """End an update that failed on another worker without loading what this one read:
+        its blocks (`slices`) are dropped unloaded, so the model stays on its version (they
+        stay served: they hold that version's bytes). A whole version this worker already
+        loaded in `receive_weights` is finalized instead, since its layers cannot be left
+        half reloaded."""
+        if self._loading is not None:
+            self.finish_weight_update()
+        self._fetched = None
+
     def shutdown(self) -> None:
         """Stop serving, free the bases kept (`delta`) and end the hub session."""
         if self.receiver is not None:
