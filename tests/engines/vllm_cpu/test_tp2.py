@@ -27,6 +27,8 @@ import ros
 from ros.hub.server import HubServer
 from ros.integrations.vllm import update_vllm
 from tests.engines.vllm_cpu import tiny
+from tests.engines.vllm_cpu.test_delta import hf_greedy as hf_greedy_of
+from tests.engines.vllm_cpu.test_delta import nudged
 
 TENANT = "team-a"
 MODEL = "policy"
@@ -162,30 +164,45 @@ def test_tp2_workers_read_their_blocks_and_a_second_instance_reads_them_from_the
             for client in ranks:
                 client.close()
 
-        # a worker killed mid-update: v4 is served by a slow holder alone, and the second
+        # an update after a delta version: v4 and v5 published with delta=True, v5 as 1 % of
+        # v4's elements changed (so with its delta); the first instance's workers read
+        # their blocks of v5 whole (deltas do not apply to blocks) and generate its tokens
+        v4 = tiny.weights(4)
+        v5 = nudged(v4, 5)
+        trainer.publish(MODEL, 4, v4, chunk_size=CHUNK, delta=True)
+        assert trainer.publish(MODEL, 5, v5, chunk_size=CHUNK, delta=True).companion
+        update_vllm(first, 5)
+        assert tiny.vllm_greedy(first) == hf_greedy_of(v5) != tiny.hf_greedy(2)
+        for w in tiny.statuses(first):
+            assert w["version"] == 5
+            assert w["last_delta"] is None
+            assert sum(w["last_fetch"]["bytes_per_source"].values()) >= w["block_bytes"]
+
+        # a worker killed mid-update: v6 is served by a slow holder alone, and the second
         # instance's rank 1 is SIGKILLed once a few of its chunks went out. vLLM stops the
-        # whole instance when one of its workers dies (its executor's monitor): the other
-        # rank fails with vLLM's EngineDeadError, and no rank loads v4 (blocks are loaded
-        # at finish_weight_update, never called after a failed update_weights)
+        # whole instance when one of its workers dies (its executor's monitor): the update
+        # fails ("Executor failed."), every later call with EngineDeadError, and no rank
+        # loads v6 (blocks are loaded at finish_weight_update, never called after a failed
+        # update_weights)
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        published = trainer.publish(MODEL, 4, tiny.weights(4), chunk_size=CHUNK)
-        slow = slow_holder(hub_server.address, token, 4)
+        published = trainer.publish(MODEL, 6, tiny.weights(6), chunk_size=CHUNK)
+        slow = slow_holder(hub_server.address, token, 6)
         try:
             published.release()  # the slow holder is the only one left
             victim = seconds[1]["pid"]  # (no status answers after the failed update)
             killed: list[int] = []
             killer = threading.Thread(target=kill_after, args=(slow, victim, killed))
             killer.start()
-            with pytest.raises(Exception, match="Executor failed|EngineDead") as dead:
-                update_vllm(second, 4)
-            print("the update of v4 with rank 1 killed failed with:", repr(dead.value)[:300])
+            with pytest.raises(Exception, match=r"Executor failed|EngineDead") as dead:
+                update_vllm(second, 6)
+            print("the update of v6 with rank 1 killed failed with:", repr(dead.value)[:300])
             killer.join(5)
             assert killed == [victim]  # rank 1, killed while chunks were going out
             with pytest.raises(EngineDeadError):
-                tiny.vllm_greedy(second)  # no rank of it generates anything, v4 least of all
+                tiny.vllm_greedy(second)  # no rank of it generates anything, v6 least of all
             second = None
-            assert tiny.vllm_greedy(first) == tiny.hf_greedy(2)  # the other instance: as it was
+            assert tiny.vllm_greedy(first) == hf_greedy_of(v5)  # the other instance: as it was
         finally:
             slow.kill()
             slow.wait(10)
