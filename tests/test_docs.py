@@ -62,8 +62,8 @@ ERROR_LIKE = re.compile(
     r"Failed|Lost|Expired|Closed|Compacted|Violation|Busy|Full|Ineligible|Retired|"
     r"Unconfirmed|Overloaded|NotReady|Gone|Refused|Rejected|Mismatch)|Invalid[A-Z][A-Za-z]*)\b"
 )
-# Errors of other libraries the docs name (grpc's, and the stdlib's beyond builtins).
-OTHER_ERRORS = {"RpcError"}
+# Errors of other libraries the docs name (grpc's, vLLM's, and the stdlib's beyond builtins).
+OTHER_ERRORS = {"RpcError", "EngineDeadError"}
 RPC_NAMED = re.compile(r"`([A-Z][A-Za-z]+)` RPC\b")
 
 

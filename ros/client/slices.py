@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ros.cli.rss import give_back_freed
 from ros.client import layout_cover, layouts
 from ros.client.deadline import Deadline
 from ros.client.delta_bases import Staged
@@ -59,7 +60,11 @@ from transport.store import HeldVersion
 log = logging.getLogger(__name__)
 
 STAGING_BUDGET = 64 * 1024 * 1024
-"""Bytes of a source shard's chunks a read without deltas stages at once (`_staging_groups`)."""
+"""Bytes of a source shard's chunks a read without deltas stages at once (`_staging_groups`).
+Each group's staging is handed back to the system once its blocks are copied out
+(`ros.cli.rss.give_back_freed`): glibc keeps freed pages of blocks this size resident once
+its mmap threshold has risen, and the next group's staging then takes new pages, so without
+it the resident peak of a read grows by a group's chunks with every group."""
 
 
 @dataclass
@@ -263,6 +268,7 @@ def _read_part(
                 me, runs, model, version, shard, holders, manifest, group, slices,
                 deadline, result, rate_floor, progress,
             )  # fmt: skip
+            give_back_freed()  # its staging, freed as it returned: resident no more
         return
     needed: set[int] = set()
     for c in copies:

@@ -67,6 +67,13 @@ class WeightSyncEngine(Protocol):
 
     def finish_weight_update(self, weight_version: str | None = None) -> None: ...
 
+    def collective_rpc(self, method: str) -> Any: ...
+
+
+ABORT = "tensorhub_abort_update"
+"""The worker-extension method (`ros.integrations.vllm_worker`) that ends a failed update's
+session on the workers whose part of it succeeded."""
+
 
 class VersionReceiver:
     """Fetches whole versions of `model` for one vLLM worker, in checkpoint layout.
@@ -281,11 +288,33 @@ def update_vllm(
 ) -> None:
     """Move `llm` (a vLLM `LLM` built with `weight_transfer_config={"backend": "tensorhub"}`
     and `init_weight_transfer_engine` done) to `version` of its model. Raises what the
-    workers raised; a fetch that failed leaves every worker on its previous version."""
+    workers raised; a fetch that failed leaves every worker on its previous version.
+
+    vLLM ends the update session only of the workers whose `update_weights` raised; the
+    others' stays open, and every later `start_weight_update` would fail on them. So a
+    failed update is ended on every worker (`ABORT`, which needs the `LLM` built with
+    `worker_extension_cls=WORKER_EXTENSION`) without loading what they read, before its
+    error is raised."""
     info = {"version": int(version), **(update_info or {})}
     llm.start_weight_update()
-    llm.update_weights({"update_info": info})
+    try:
+        llm.update_weights({"update_info": info})
+    except Exception:
+        _abort(llm)
+        raise
     llm.finish_weight_update(weight_version=str(version))
+
+
+def _abort(llm: WeightSyncEngine) -> None:
+    """End a failed update's session on every worker (`ABORT`); where that fails (no
+    worker extension, an engine that is gone), log it: the update's own error is raised."""
+    try:
+        llm.collective_rpc(ABORT)
+    except Exception as exc:  # vLLM's errors: untyped here
+        log.warning(
+            "the failed update's sessions were not ended on the workers (%s): a worker whose "
+            "part succeeded refuses the next update until its session ends", exc,
+        )  # fmt: skip
 
 
 def reload_weights(llm: Any, receiver: VersionReceiver, version: int | str = "latest") -> int:

@@ -15,7 +15,10 @@ Memory, per worker: its blocks, kept between updates (they are what it serves); 
 update the same memory is read into (its holding is released first, since a reader in a
 layout never overwrites memory it serves), plus what the SDK touches of the trainer's
 chunks that hold its blocks (`fetch_slices` stages a source shard per read and fills only
-the chunks the blocks need). No copy of the whole checkpoint is made. A fetch that fails
+the chunks the blocks need, one group of at most `STAGING_BUDGET` at a time). No copy of
+the whole checkpoint is made. The load then adds vLLM's own cost: its layerwise reload
+materialises one layer at a time (the CPU build also repacks it), each freed once copied
+into the model (docs/integrations.md has the figures). A fetch that fails
 raises its named error before the model is touched: the model stays on its version (the
 blocks' memory may then hold part of the new one, and serves nothing).
 

@@ -55,7 +55,7 @@ from vllm.distributed.weight_transfer.base import (
 import ros
 from ros.integrations.vllm import DEFAULT_UPDATE_TIMEOUT, VersionReceiver
 from ros.integrations.vllm_blocks import BlockReceiver, layout_name
-from ros.integrations.vllm_memory import resident, start_window
+from ros.integrations.vllm_memory import UpdateMemory
 from ros.integrations.vllm_plan import load_weights
 from tensorhub.errors import EngineNotReady, TensorHubError
 
@@ -106,9 +106,9 @@ class TensorHubWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
         self.receiver: VersionReceiver | BlockReceiver | None = None
         self._loading: int | None = None  # the version between receive and finish
         self._fetched: int | None = None  # blocks read, loaded at finish_weight_update
-        # the last update's resident memory: before it, at its highest, and after it
+        # the last update's resident memory (`vllm_memory.UpdateMemory.figures`)
         self.last_update_memory: dict[str, int] | None = None
-        self._rss_before = 0
+        self._memory = UpdateMemory()
 
     def init_transfer_engine(self, init_info: TensorHubInitInfo) -> None:
         """Connect this worker to the hub (a session of its own; its holder port opens on
@@ -146,18 +146,20 @@ class TensorHubWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
         receiver = self._receiver()
         if self._loading is not None or self._fetched is not None:
             raise EngineNotReady("one version per update: call finish_weight_update first")
-        self._rss_before = start_window()
+        self._memory.start()
         try:
             if isinstance(receiver, BlockReceiver):  # this worker's blocks only
                 # loaded at finish_weight_update, which vLLM calls only once every
                 # worker's receive returned: a worker whose fetch failed leaves every
                 # worker's model on its version, never ranks on different versions
                 self._fetched = receiver.receive(self.model, update_info.version)
+                self._memory.fetched()
                 return
             version, weights = receiver.receive(update_info.version)  # model untouched
         except TensorHubError as exc:
             # vLLM's worker processes pass an error on by its text alone: lead with the class
             raise type(exc)(f"{type(exc).__name__}: {exc}") from exc
+        self._memory.fetched()
         initialize_layerwise_reload(self.model)
         self._loading = version
         load_weights(self.model, weights)
@@ -182,10 +184,17 @@ class TensorHubWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
         finalize_layerwise_reload(self.model, self.model_config)
         self._receiver().loaded(self._loading)
         self._loading = None
-        now = resident()
-        self.last_update_memory = {
-            "rss_before": self._rss_before, "rss_peak": now["rss_peak"], "rss_after": now["rss"],
-        }  # fmt: skip
+        self.last_update_memory = self._memory.loaded()
+
+    def abort_weight_update(self) -> None:
+        """End an update that failed on another worker without loading what this one read:
+        its blocks (`slices`) are dropped unloaded, so the model stays on its version (they
+        stay served: they hold that version's bytes). A whole version this worker already
+        loaded in `receive_weights` is finalized instead, since its layers cannot be left
+        half reloaded."""
+        if self._loading is not None:
+            self.finish_weight_update()
+        self._fetched = None
 
     def shutdown(self) -> None:
         """Stop serving, free the bases kept (`delta`) and end the hub session."""

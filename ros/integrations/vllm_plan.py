@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ros.cli.rss import give_back_freed
 from tensorhub.errors import InvalidArgument
 from transport.boxes import Box
 
@@ -56,16 +57,25 @@ class Recorder:
 @dataclass
 class BlockSource:
     """The update's `copy_` sink: each copy reads its view out of the worker's block of
-    that tensor (`blocks[name]`, holding `boxes[name]` of a tensor of `shapes[name]`)."""
+    that tensor (`blocks[name]`, holding `boxes[name]` of a tensor of `shapes[name]`).
+
+    At the first copy of each tensor it hands the memory freed since back to the system
+    (`ros.cli.rss.give_back_freed`, about 0.2 ms): vLLM's layerwise reload materialises
+    each layer afresh and frees it once copied into the kernel's tensors, and glibc would
+    otherwise keep those pages resident and take new ones for the next layer."""
 
     blocks: Mapping[str, torch.Tensor]
     boxes: Mapping[str, Box]
     shapes: Mapping[str, tuple[int, ...]]
+    last: str = ""  # the tensor copied last
 
     def accept_copy(self, dest: torch.Tensor, src: Any) -> torch.Tensor:
         if dest.is_meta:  # vLLM's layerwise reload counting what a loader copies
             return _meta_copy(dest, src)
         name = src._name
+        if name != self.last:
+            self.last = name
+            give_back_freed()  # the layers vLLM processed since the last tensor
         view = view_in_block(self.blocks[name], self.boxes[name], self.shapes[name], src._ops)
         with torch._C.DisableTorchFunctionSubclass():
             return dest.copy_(view)

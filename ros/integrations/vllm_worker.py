@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import xxhash
 
-from ros.integrations.vllm import VersionReceiver
+from ros.integrations.vllm import ABORT, VersionReceiver
 from ros.integrations.vllm_blocks import BlockReceiver
 from ros.integrations.vllm_engine import TensorHubWeightTransferEngine
 from ros.integrations.vllm_memory import resident
@@ -35,12 +35,13 @@ from transport.outcome import FetchStats
 WORKER_EXTENSION = f"{__name__}.TensorHubWorkerExtension"
 STATUS = "tensorhub_status"  # the methods' names, for `collective_rpc`
 DIGEST = "tensorhub_digest"
+__all__ = ["ABORT", "DIGEST", "STATUS", "WORKER_EXTENSION", "TensorHubWorkerExtension"]
 
 
 class TensorHubWorkerExtension:
     """Mixed into vLLM's worker class by vLLM (`worker_extension_cls`): `self` is a worker.
 
-    Its one method is prefixed, since vLLM refuses an extension whose names the worker has.
+    Its methods are prefixed, since vLLM refuses an extension whose names the worker has.
     """
 
     def tensorhub_status(self) -> dict[str, Any]:
@@ -68,6 +69,20 @@ class TensorHubWorkerExtension:
             "last_delta": None if delta is None else dataclasses.asdict(delta),
             **memory,
         }
+
+    def tensorhub_abort_update(self) -> bool:
+        """End this worker's update session after the update failed on another worker,
+        without loading what it read (`TensorHubWeightTransferEngine.abort_weight_update`),
+        so that the next update can start: vLLM ends the session only of the workers whose
+        `update_weights` raised (`ros.integrations.vllm.update_vllm` calls this). True if
+        this worker's session was open."""
+        engine = _engine(self)
+        active = bool(getattr(self, "_weight_update_active", False))
+        engine.abort_weight_update()
+        if active:
+            engine.reset_weight_update_target()
+            self._weight_update_active = False  # vLLM's worker: its session flag
+        return active
 
     def tensorhub_digest(self) -> dict[str, Any]:
         """The version this worker's model runs and an xxh3-64 over the names and bytes of

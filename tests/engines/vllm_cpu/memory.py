@@ -16,10 +16,12 @@ a process of its own updates to each version:
 
 Per worker and update: `read`, the bytes its fetch read; `blocks`, its blocks' bytes (the
 checkpoint's, in `whole`); `kept`, what the engine keeps between updates (`held_bytes` +
-`base_bytes`); `peak`, the peak resident memory during the update over the resident memory
-before it (VmHWM reset through /proc/self/clear_refs); `growth`, the resident growth that
-stays. The bound of the issue: its blocks plus 64 MiB during an update. Prints the table
-and the figures as JSON.
+`base_bytes`); `fetch`, the peak resident memory during the fetch over the resident memory
+before the update (VmHWM reset through /proc/self/clear_refs); `load`, the peak during
+vLLM's layerwise reload over the resident memory when it began; `peak`, the higher of the
+two over the memory before the update; `growth`, the resident growth that stays
+(`ros.integrations.vllm_memory.UpdateMemory`). The bound of the issue: its blocks plus
+64 MiB during an update. Prints the table.
 """
 
 from __future__ import annotations
@@ -148,7 +150,7 @@ def main() -> int:
             hub.stop(grace=0.2)
     print(f"checkpoint {whole / MiB:.1f} MiB")
     print(f"{'mode':7} {'upd':>3} {'rank':>4} {'read':>7} {'blocks':>7} {'kept':>7} "
-          f"{'peak':>7} {'growth':>7} {'bound':>7}  (MiB)")  # fmt: skip
+          f"{'fetch':>7} {'load':>7} {'peak':>7} {'growth':>7} {'bound':>7}  (MiB)")  # fmt: skip
     for mode, steps in figures.items():
         for step, workers in enumerate(steps, start=1):
             for rank, w in enumerate(workers):
@@ -156,9 +158,12 @@ def main() -> int:
                 read = sum(w["last_fetch"]["bytes_per_source"].values())
                 blocks = w.get("block_bytes", whole)
                 kept = w["held_bytes"] + w["base_bytes"]
+                before, load_start = mem["rss_before"], mem["rss_load_start"]
                 print(f"{mode:7} {step:>3} {rank:>4} {read / MiB:7.1f} {blocks / MiB:7.1f} "
-                      f"{kept / MiB:7.1f} {(mem['rss_peak'] - mem['rss_before']) / MiB:7.1f} "
-                      f"{(mem['rss_after'] - mem['rss_before']) / MiB:7.1f} "
+                      f"{kept / MiB:7.1f} {(mem['rss_fetch_peak'] - before) / MiB:7.1f} "
+                      f"{(mem['rss_load_peak'] - load_start) / MiB:7.1f} "
+                      f"{(mem['rss_peak'] - before) / MiB:7.1f} "
+                      f"{(mem['rss_after'] - before) / MiB:7.1f} "
                       f"{(blocks + SLACK) / MiB:7.1f}")  # fmt: skip
     boxes = figures.get("blocks", [[{}]])[0][0].get("boxes", {})
     for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.k_proj.weight",

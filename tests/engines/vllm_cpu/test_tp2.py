@@ -5,10 +5,17 @@ workers read every byte of theirs from the first's, and generate what Hugging Fa
 TP-1 vLLM) generates from the same version. A version published as TP-2 shards is read the
 same way, from the trainer's shards, and a TP-1 instance beside them reads all of it from
 the TP-2 workers' blocks (`"cover": ["vllm-tp2"]`). An update in which one worker's fetch
-fails raises a named error and leaves every worker's model on the previous version."""
+fails raises a named error and leaves every worker's model on the previous version; one in
+which a worker is killed ends the instance (vLLM's EngineDeadError) with no rank on the new
+version, and the other instance keeps generating its own."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +27,8 @@ import ros
 from ros.hub.server import HubServer
 from ros.integrations.vllm import update_vllm
 from tests.engines.vllm_cpu import tiny
+from tests.engines.vllm_cpu.test_delta import hf_greedy as hf_greedy_of
+from tests.engines.vllm_cpu.test_delta import nudged
 
 TENANT = "team-a"
 MODEL = "policy"
@@ -78,7 +87,8 @@ def test_tp2_workers_read_their_blocks_and_a_second_instance_reads_them_from_the
         second = start(checkpoint, hub_server.address, token)
         update_vllm(second, 1)
         assert tiny.vllm_greedy(second) == tiny.hf_greedy(1)
-        for rank, (mine, theirs) in enumerate(zip(tiny.statuses(second), workers, strict=True)):
+        seconds = tiny.statuses(second)
+        for rank, (mine, theirs) in enumerate(zip(seconds, workers, strict=True)):
             read = mine["last_fetch"]["bytes_per_source"]
             print(f"second instance, rank {rank}: read {read}, rss {mine['rss']}")
             assert mine["from_trainer"] == []
@@ -153,8 +163,74 @@ def test_tp2_workers_read_their_blocks_and_a_second_instance_reads_them_from_the
         finally:
             for client in ranks:
                 client.close()
+
+        # an update after a delta version: v4 and v5 published with delta=True, v5 as 1 % of
+        # v4's elements changed (so with its delta); the first instance's workers read
+        # their blocks of v5 whole (deltas do not apply to blocks) and generate its tokens
+        v4 = tiny.weights(4)
+        v5 = nudged(v4, 5)
+        trainer.publish(MODEL, 4, v4, chunk_size=CHUNK, delta=True)
+        assert trainer.publish(MODEL, 5, v5, chunk_size=CHUNK, delta=True).companion
+        update_vllm(first, 5)
+        assert tiny.vllm_greedy(first) == hf_greedy_of(v5) != tiny.hf_greedy(2)
+        for w in tiny.statuses(first):
+            assert w["version"] == 5
+            assert w["last_delta"] is None
+            assert sum(w["last_fetch"]["bytes_per_source"].values()) >= w["block_bytes"]
+
+        # a worker killed mid-update: v6 is served by a slow holder alone, and the second
+        # instance's rank 1 is SIGKILLed once a few of its chunks went out. vLLM stops the
+        # whole instance when one of its workers dies (its executor's monitor): the update
+        # fails ("Executor failed."), every later call with EngineDeadError, and no rank
+        # loads v6 (blocks are loaded at finish_weight_update, never called after a failed
+        # update_weights)
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        published = trainer.publish(MODEL, 6, tiny.weights(6), chunk_size=CHUNK)
+        slow = slow_holder(hub_server.address, token, 6)
+        try:
+            published.release()  # the slow holder is the only one left
+            victim = seconds[1]["pid"]  # (no status answers after the failed update)
+            killed: list[int] = []
+            killer = threading.Thread(target=kill_after, args=(slow, victim, killed))
+            killer.start()
+            with pytest.raises(Exception, match=r"Executor failed|EngineDead") as dead:
+                update_vllm(second, 6)
+            print("the update of v6 with rank 1 killed failed with:", repr(dead.value)[:300])
+            killer.join(5)
+            assert killed == [victim]  # rank 1, killed while chunks were going out
+            with pytest.raises(EngineDeadError):
+                tiny.vllm_greedy(second)  # no rank of it generates anything, v6 least of all
+            second = None
+            assert tiny.vllm_greedy(first) == hf_greedy_of(v5)  # the other instance: as it was
+        finally:
+            slow.kill()
+            slow.wait(10)
     finally:
         for llm in (first, second):
             if llm is not None:
                 llm.shutdown_weight_transfer_engine()
         trainer.close()
+
+
+def slow_holder(address: str, token: str, version: int) -> subprocess.Popen[str]:
+    """A process holding `version` that serves it slowly and says `sent` per chunk."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.engines.vllm_cpu.slow_holder", address, TENANT, token,
+         MODEL, str(version), "0.2", "tell"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    assert proc.stdout.readline().startswith("ready"), "the slow holder did not start"
+    return proc
+
+
+def kill_after(slow: subprocess.Popen[str], pid: int, killed: list[int], chunks: int = 3) -> None:
+    """SIGKILL `pid` once `slow` has sent `chunks` chunks (its readers are mid-fetch), and
+    add it to `killed`."""
+    assert slow.stdout is not None
+    for _ in range(chunks):
+        if slow.stdout.readline() != "sent\n":
+            return  # the holder ended: no kill (`killed` stays empty)
+    os.kill(pid, signal.SIGKILL)
+    killed.append(pid)
