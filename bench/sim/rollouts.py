@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from bench.sim.engine import Flow
+from bench.sim.engine import Flow, Network
 from bench.sim.scenarios import Cluster, Params, tensorhub_fetch
 
 GB = 1e9
@@ -194,17 +194,27 @@ def calibrate_delta(doc: Mapping[str, Any]) -> list[Check]:
 
 
 def calibrate_reshard(doc: Mapping[str, Any]) -> list[Check]:
-    """`bench reshard --json`'s run against the sim: for each R, the median time from the
-    publish to the last worker verified, with R instances of `tp` workers reading blocks
-    of `block_bytes` from a trainer of `trainer_hosts` hosts on links of `rate_mbit`."""
+    """`bench reshard --json`'s run against the sim, for each R of its `slices` series
+    (every worker reads its blocks from the trainer's shards): `trainer_hosts` uplinks
+    and one downlink per worker at the run's link rate; each worker reads what that run
+    counted it reading (`worker_read_per_blocks` x its blocks, the chunks its blocks lie
+    in), spread evenly over the trainer's hosts. Measured: T (the first publish to the
+    last worker verified, median of the steps), so the publish is in it and not in the
+    sim."""
     d = doc.get("details", doc)
+    link = float(d["rate_mbit"]) * 1e6 * PAYLOAD / 8
+    hosts = int(d["trainer_hosts"])
+    blocks = [float(b) for b in d["block_bytes"]]
     out = []
-    for point in d["points"]:
-        gbps = float(d["rate_mbit"]) * 1e6 * PAYLOAD / 1e9
-        p = RolloutParams(model_gb=float(d["model_bytes"]) / GB,
-                          trainer_gpus=int(d["trainer_hosts"]) * int(d["tp"]),
-                          rollout_gpus=int(point["instances"]) * int(d["tp"]), tp=int(d["tp"]),
-                          nic_gbps=gbps, chunk_mb=float(d["chunk_bytes"]) / 1e6)  # fmt: skip
-        sim = transfer(p, p.block_bytes, pipelined=True)["last_s"]
-        out.append(Check(f"R={point['instances']}", sim, float(point["median_s"])))
+    for r, steps in sorted(d["steps"]["slices"].items(), key=lambda kv: int(kv[0])):
+        reads = [statistics.median(s["worker_read_per_blocks"][w] for s in steps)
+                 for w in range(len(steps[0]["worker_read_per_blocks"]))]  # fmt: skip
+        net = Network()
+        up = [net.link(f"trainer{t}", link) for t in range(hosts)]
+        for w, share in enumerate(reads):
+            down = net.link(f"worker{w}", link)
+            size = share * blocks[w % len(blocks)] / hosts
+            for u in up:
+                net.add(Flow((u, down), size))
+        out.append(Check(f"R={r} (from the trainer)", net.run(), float(d["T"]["slices"][r])))
     return out
