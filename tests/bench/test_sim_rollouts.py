@@ -85,14 +85,21 @@ def test_calibrate_delta_fits_the_fixed_cost_on_the_first_rate_and_checks_the_re
     assert not full.ok  # 30 % off is outside the 15 %
 
 
-def test_calibrate_reshard_simulates_each_instance_count() -> None:
-    points = [{"instances": 1, "median_s": 1.0}, {"instances": 4, "median_s": 1.0}]
-    details = {"rate_mbit": 200.0, "model_bytes": 16 * 2**20, "trainer_hosts": 1, "tp": 2,
-               "chunk_bytes": 256 * 1024, "points": points}  # fmt: skip
+def test_calibrate_reshard_simulates_what_each_worker_read_from_the_trainer() -> None:
+    block = 8 * 2**20
+    steps = {  # two TP-2 workers per instance; rank 1's blocks span more chunks
+        "1": [{"worker_read_per_blocks": [1.0, 1.2]}] * 3,
+        "4": [{"worker_read_per_blocks": [1.0, 1.2] * 4}] * 3,
+    }
+    details = {"rate_mbit": 200.0, "trainer_hosts": 4, "block_bytes": [block, block],
+               "steps": {"slices": steps}, "T": {"slices": {"1": 0.5, "4": 10.0}}}  # fmt: skip
     one, four = calibrate_reshard({"details": details})
-    link = 200e6 * PAYLOAD / 8
-    assert one.simulated_s == pytest.approx(8 * 2**20 / link, rel=1e-6)
-    assert four.simulated_s == pytest.approx(8 * 2**20 / link + 3 * 256 * 1024 / link, rel=1e-6)
+    # R = 1: each worker's own link binds (4 trainer links feed 2 workers)
+    assert one.simulated_s == pytest.approx(1.2 * block / LINK, rel=1e-6)
+    # R = 4: the 4 trainer links carry every worker's reads, 8.8 blocks in all
+    assert four.simulated_s == pytest.approx(4 * 2.2 * block / (4 * LINK), rel=1e-6)
+    assert not one.ok
+    assert not four.ok
 
 
 def test_the_cli_prints_and_refuses_bad_input(
