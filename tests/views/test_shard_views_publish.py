@@ -194,8 +194,8 @@ def test_view_shards_published_as_deltas_are_the_view_of_the_whole_version(
 ) -> None:
     """With `delta=True`, each rank's view shards of version 2 are published as deltas
     against its view shards of version 1 (each view's companion `{model}.{fmt}.delta`
-    has a shard of each rank), and what a reader assembles is still the view of the whole
-    version 2."""
+    has a shard of each rank), what a reader assembles is still the view of the whole
+    version 2, and a reader of a view's shard at version 1 reads version 2 by its delta."""
     token = cli["TENSORHUB_TOKEN"]
     with ranks(hub_server, "views-shards", token, "policy", "delta", 2) as said:
         assert all("error" not in s and "exit" not in s for s in said), said
@@ -205,3 +205,18 @@ def test_view_shards_published_as_deltas_are_the_view_of_the_whole_version(
             for fmt in FORMATS:
                 companion = reader.inspect(f"policy.{fmt}.delta", 2)
                 assert companion.shard_count == 2, fmt
+                # a reader of a view's shard moves to the next version by its delta
+                whole2 = reader.fetch("policy", 2, view=fmt, shard=1)
+                expected = {n: t.clone() for n, t in whole2.tensors.items()}
+                whole2.release()
+                held = reader.fetch("policy", 1, view=fmt, shard=1)
+                held.release()  # its memory stays the base the SDK knows
+                got = reader.fetch("policy", 2, view=fmt, shard=1, into=held.tensors)
+                assert got.delta is not None, fmt
+                assert got.delta.chunks > 0, (fmt, got.delta)
+                assert not got.delta.fallback, (fmt, got.delta)
+                for name, tensor in expected.items():
+                    assert torch.equal(
+                        got.tensors[name].view(torch.uint8), tensor.view(torch.uint8)
+                    ), (fmt, name)
+                got.release()
