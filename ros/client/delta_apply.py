@@ -99,7 +99,7 @@ class Applier:
                     self._stopped = True
                     self._queue.clear()
                     break
-                self._cond.wait(left)
+                self._cond.wait(min(left, 1.0))
 
     def close(self) -> None:
         """Drop the chunks not started and wait (at most `DRAIN_S`) for those being applied:
