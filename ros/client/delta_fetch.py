@@ -34,8 +34,8 @@ under the fetch's one `Deadline`. Then, chunk by chunk:
    whole by the rounds that follow, which read exactly the chunks still missing. With one
    link, each encoded chunk is queued as soon as the companion's chunks it lies in have
    landed (the orchestrator's `landed` callback), while the rest are still on the wire;
-   the chunks are applied on a few threads of the delta's own (`ros.client.delta_apply`),
-   so the companion's read and its COMPLETE go on meanwhile.
+   the chunks are applied on threads of the delta's own (`ros.client.delta_apply`), so
+   the companion's read and its COMPLETE go on meanwhile.
 
 Anything that stops the delta (no companion holder left, a companion retired or of the
 wrong size, the deadline of its part, anything a delta made raise) leaves the chunks not
