@@ -22,19 +22,19 @@ as `bench fanout` (one trainer, `--readers` readers, every host link shaped):
 
 Figures per learning rate: wire bytes per step / model bytes (the mean over the steps);
 update time with deltas / with a full fetch (medians); (encode + apply) / one plain-socket
-transfer of the model on one link, where encode is the publish's time with `delta=True`
-less its time without (the medians over the steps and the full references: the encoding,
-the companion's publish and the base copy) and apply is the readers' time in the codec's
-`apply` and `chunk_checksum` (decode, XOR in place, the base check before and the result's
-check after), the slowest reader's at each step, median over the steps (`Held.delta.seconds`,
-which also holds the plan and the companion's read, is in the details); and the fetches
-whose bytes differed from the trainer's (must be none); and the delta path / a whole
-fetch: `Held.delta.seconds` (plan, the companion's read, apply, verify; the slowest
-reader's, median over the steps) over the time of a whole fetch of the same weights (the
-full reference's slowest reader, median). That last one compares two fetches on the same
-links, so it is reported even where a plain socket does not saturate them: with
-`--rate-mbit 40000` the links are as good as unshaped, and it is the cost of the delta
-path against the CPU's own copy of the model.
+transfer of the model on one link, where encode is the publish's time with `delta=True` less
+its time without (the medians over the steps and the full references: the encoding, the
+companion's publish and the base copy) and apply is the readers' time in the codec's `apply`
+and `chunk_checksum` (decode, XOR in place, the base check before and the result's check
+after; summed over a reader's apply threads), the slowest reader's at each step, median over
+the steps (`Held.delta.seconds`, which also holds the plan and the companion's read, is in
+the details); and the fetches whose bytes differed from the trainer's (must be none); and
+the delta path / a whole fetch: `Held.delta.seconds` (plan, the companion's read, apply,
+verify; the slowest reader's, median over the steps) over the time of a whole fetch of the
+same weights (the full reference's slowest reader, median). That last one compares two
+fetches on the same links, so it is reported even where a plain socket does not saturate
+them: with `--rate-mbit 40000` the links are as good as unshaped, and it is the cost of the
+delta path against the CPU's own copy of the model.
 Targets: lr 1e-6: wire bytes <= 0.04 x model, update time <= 0.1 x full; lr 1e-4: update
 time <= 1.1 x full; bytes identical at every step, every reader, every learning rate; the
 delta path <= 0.5 x a whole fetch at every learning rate.

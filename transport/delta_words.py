@@ -106,14 +106,48 @@ def decode(encoded: bytes | memoryview, words: int) -> tuple[np.ndarray, np.ndar
         raise DeltaRefused(f"changed-words delta chunk: {count} words of {words}")
     raw = zstd_contexts.decompress_exact(view[8:], 6 * count, "changed-words delta chunk")
     body = np.frombuffer(raw, dtype=np.uint8)
-    gaps = _from_planes(body[: 4 * count], 4).view("<i4")
-    values = _from_planes(body[4 * count :], 2).view(np.uint16)
-    if count and int(gaps.min()) < 1:
-        raise IntegrityError("changed-words delta chunk: positions out of order")
-    positions = np.cumsum(gaps, dtype=np.int64) - 1
+    positions = _positions(body[: 4 * count], count)
     if count and int(positions[-1]) >= words:
         raise IntegrityError(f"changed-words delta chunk: a position past word {words}")
-    return positions, values
+    return positions, _interleave(body[4 * count :], 2, 2).view(np.uint16)
+
+
+def _positions(planes: np.ndarray, count: int) -> np.ndarray:
+    """The word positions (int64) the `count` gaps in `planes` (int32, 4 byte planes) give;
+    `IntegrityError` unless every gap is at least 1. Gaps under 2**24 (every gap of a chunk
+    of at most 32 MiB: the top plane all zeros) are laid out as int64 straight from their
+    three low planes."""
+    if not count:
+        return np.empty(0, dtype=np.int64)
+    if _LITTLE and not planes[3 * count :].any():
+        gaps = _interleave(planes[: 3 * count], 3, 8).view(np.int64)
+        short = not gaps.all()  # each gap is 0 to 2**24 - 1 here
+    else:
+        gaps = _from_planes(planes, 4).view("<i4").astype(np.int64)
+        short = int(gaps.min()) < 1
+    if short:
+        raise IntegrityError("changed-words delta chunk: positions out of order")
+    gaps[0] -= 1  # word k is at gap_0 + ... + gap_k - 1
+    # in place, by torch: numpy copies an input its output overlaps, and its running sum
+    # takes twice as long here
+    torch.cumsum(torch.from_numpy(gaps), 0, out=torch.from_numpy(gaps))
+    return gaps
+
+
+def _interleave(planes: np.ndarray, width: int, size: int) -> np.ndarray:
+    """The items of `planes` (uint8: every item's first byte, then every second byte, ...,
+    `width` planes) as `size`-byte items, item after item, their bytes past `width` zero
+    (flat uint8): one column copy a plane, several times faster than building the items
+    with shifts and ORs (`_from_planes`), which converts each plane in another pass."""
+    count = planes.size // width
+    items = (
+        np.empty((count, size), dtype=np.uint8)
+        if size == width
+        else np.zeros((count, size), dtype=np.uint8)
+    )
+    for k in range(width):
+        items[:, k] = planes[k * count : (k + 1) * count]
+    return items.reshape(-1)
 
 
 _LITTLE = sys.byteorder == "little"
@@ -122,10 +156,9 @@ _UINT: dict[int, type[np.unsignedinteger]] = {2: np.uint16, 4: np.uint32}
 
 def _from_planes(planes: np.ndarray, width: int) -> np.ndarray:
     """`planes` (uint8: every item's first byte, then every second byte, ...; items of
-    `width` bytes) as the items' bytes, item after item. On a little-endian host, built as
-    integers from the planes, shifted and ORed (a transposing copy to a few-byte inner
-    axis is several times slower: 14 of the 27 ms a step of decoding bench delta's
-    model); elsewhere, that copy."""
+    `width` bytes) as the items' bytes, item after item: integers built from the planes,
+    shifted and ORed on a little-endian host, elsewhere a transposing copy (what a gap of
+    2**24 words or more takes: `_positions`)."""
     count = planes.size // width
     if not _LITTLE or width not in _UINT:
         return planes.reshape(width, count).T.copy().reshape(-1)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -173,19 +174,22 @@ def landed(held: HeldVersion, span: tuple[int, int]) -> bool:
 class BaseCheck:
     """Whether chunk i of `dest` holds exactly the base (its checksum is the one the
     version's manifest gives the base), each chunk checked once; `mismatch()` is called for
-    each chunk that is not (a fetch counts them in its stats)."""
+    each chunk that is not (a fetch counts them in its stats). Thread-safe."""
 
     def __init__(
         self, dest: HeldVersion, sums: Sequence[int], kind: str, mismatch: Callable[[], None]
     ) -> None:
         self._dest, self._sums, self._kind, self._mismatch = dest, sums, kind, mismatch
         self._seen: dict[int, bool] = {}
+        self._lock = threading.Lock()  # chunks are checked on several threads
 
     def __call__(self, index: int) -> bool:
         seen = self._seen.get(index)
         if seen is None:
             seen = codec.chunk_checksum(self._dest, index, self._kind) == self._sums[index]
-            self._seen[index] = seen
-            if not seen:
-                self._mismatch()
+            with self._lock:
+                if index not in self._seen:
+                    self._seen[index] = seen
+                    if not seen:
+                        self._mismatch()
         return seen

@@ -32,16 +32,19 @@ under the fetch's one `Deadline`. Then, chunk by chunk:
    was not b cannot end on v's. A chunk that fails it, or raises anything, is undone (the
    XOR applied again), checked against b to count a destination that was not b, and read
    whole by the rounds that follow, which read exactly the chunks still missing. With one
-   link, each encoded chunk is applied as soon as the companion's chunks it lies in have
-   landed (the orchestrator's `landed` callback), while the rest are still on the wire.
+   link, each encoded chunk is queued as soon as the companion's chunks it lies in have
+   landed (the orchestrator's `landed` callback), while the rest are still on the wire;
+   the chunks are applied on threads of the delta's own (`ros.client.delta_apply`), so
+   the companion's read and its COMPLETE go on meanwhile.
 
 Anything that stops the delta (no companion holder left, a companion retired or of the
 wrong size, the deadline of its part, anything a delta made raise) leaves the chunks not
 applied to the rounds: slower, never wrong.
 
 This module plans (the chain, which chunks) and reads the companions; one chunk's apply and
-checks are `ros.client.delta_chunks`, what memory holds which base `ros.client.delta_bases`,
-and what a delta did `ros.client.delta_stats`.
+checks are `ros.client.delta_chunks`, the threads that apply them `ros.client.delta_apply`,
+what memory holds which base `ros.client.delta_bases`, and what a delta did
+`ros.client.delta_stats`.
 """
 
 from __future__ import annotations
@@ -49,27 +52,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from ros.client.deadline import Deadline
+from ros.client.delta_apply import Applier
 from ros.client.delta_bases import BaseMemory, StagedBases
-from ros.client.delta_chunks import (
-    BaseCheck,
-    Encoded,
-    Link,
-    apply_one,
-    check_companion,
-    companion_bytes,
-    landed,
-)
+from ros.client.delta_chunks import BaseCheck, Link, check_companion, companion_bytes
 from ros.client.delta_stats import DeltaStats
 from ros.client.handles import Handles, Held
 from ros.client.holdings import Holdings
 from ros.client.manifest import layout_of
-from ros.client.orchestrator import Landed, Orchestrator, Target, manifest_of_shard
+from ros.client.orchestrator import Orchestrator, Target, manifest_of_shard
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.checksum_kinds import KINDS, LINEAR
 from tensorhub.delta_rules import ENCODINGS
@@ -269,30 +265,33 @@ class DeltaReader:
         if not todo:
             raise _NoDelta(f"no chunk of the destination is exactly {links[0].manifest.delta.base}")
         part = deadline.part(COMPANION_SHARE, "the encoded chunks of its delta")
-        applier = _Applier(links, dest, todo, kind, is_base)
         reads: list[_Read] = []
-        try:
-            for link in links:
-                pre = resolved if link is links[-1] else None  # only v's came with v's
-                streams = len(links) == 1  # a chain is applied once every link is in
-                try:
-                    read = self._read(link, shard, part, hold, pre, applier if streams else None)
-                except TensorHubError as exc:
-                    why = (
-                        f"{link.manifest.delta.companion}@{link.version} could not be read ({exc})"
-                    )
-                    if not applier.done:
-                        raise _NoDelta(why) from exc
-                    stats.fallback = why  # what landed before it failed stays applied
-                    break
-                reads.append(read)
-                stats.count(read.nbytes, read.sources)
-            else:
-                applier.finish([read.tensors for read in reads])
-        except BaseException:
-            for read in reads:
-                read.release()
-            raise
+        with Applier(links, dest, todo, kind, is_base) as applier:
+            try:
+                for link in links:
+                    pre = resolved if link is links[-1] else None  # only v's came with v's
+                    streams = len(links) == 1  # a chain is applied once every link is in
+                    try:
+                        read = self._read(
+                            link, shard, part, hold, pre, applier if streams else None
+                        )
+                    except TensorHubError as exc:
+                        companion = f"{link.manifest.delta.companion}@{link.version}"
+                        why = f"{companion} could not be read ({exc})"
+                        applier.wait(deadline.work_end)  # the chunks that landed before it
+                        if not applier.done:
+                            raise _NoDelta(why) from exc
+                        stats.fallback = why  # what was applied before it failed stays
+                        break
+                    reads.append(read)
+                    stats.count(read.nbytes, read.sources)
+                else:
+                    applier.finish([read.tensors for read in reads], deadline.work_end)
+            except BaseException:
+                applier.close()  # nothing writes `dest` once the fetch goes on without it
+                for read in reads:
+                    read.release()
+                raise
         stats.links = len(links)
         stats.chunks = applier.done
         stats.whole_chunks = len(_missing(dest, wanted))
@@ -314,7 +313,7 @@ class DeltaReader:
         deadline: Deadline,
         hold: bool,
         resolved: pb.ResolveResponse | None,
-        applier: _Applier | None,
+        applier: Applier | None,
     ) -> _Read:
         """Read `link`'s companion (of shard `shard`) whole, as one more target of the
         fetch: as its holder, or unheld (`fetch_slices`, whose reader holds nothing);
@@ -374,47 +373,3 @@ def _missing(dest: HeldVersion, wanted: Collection[int] | None) -> list[int]:
 
 def _nbytes(held: Held) -> int:
     return sum(t.numel() * t.element_size() for t in held.tensors.values())
-
-
-class _Applier:
-    """Applies the chain `links` to the chunks `todo` of `dest`, in order, each once its
-    encoded bytes are in: as the companion's chunks land (one link: `watch`), and the rest
-    at the end (`finish`). Counts the chunks made (`done`) and those that failed a check
-    (`failed`). Thread-safe: the companion's chunks land on the reader's threads."""
-
-    def __init__(
-        self, links: list[Link], dest: HeldVersion, todo: list[int], kind: str, base: BaseCheck
-    ) -> None:
-        self._links, self._dest, self._todo, self._kind, self._base = links, dest, todo, kind, base
-        self._next = 0  # todo[:_next] are applied (or failed)
-        self.done = 0
-        self.failed = 0
-        self._lock = threading.Lock()
-
-    def watch(self, companion: HeldVersion) -> Landed:
-        """What to tell as each chunk of `companion` (the one link's) lands."""
-        encoded = Encoded(self._links[0].manifest.delta, companion.tensors)
-
-        def told(_chunk: int) -> None:
-            with self._lock:
-                self._advance([encoded], lambda i: landed(companion, encoded.span(i)))
-
-        return told
-
-    def finish(self, companions: Sequence[Mapping[str, torch.Tensor]]) -> None:
-        """Every link's companion is in: apply what is left."""
-        pairs = zip(self._links, companions, strict=True)
-        blobs = [Encoded(link.manifest.delta, tensors) for link, tensors in pairs]
-        with self._lock:
-            self._advance(blobs, lambda i: True)
-
-    def _advance(self, blobs: list[Encoded], ready: Callable[[int], bool]) -> None:
-        while self._next < len(self._todo):
-            index = self._todo[self._next]
-            if not ready(index):
-                return
-            self._next += 1
-            if apply_one(self._links, blobs, self._dest, index, self._kind, self._base):
-                self.done += 1
-            else:
-                self.failed += 1
