@@ -107,6 +107,7 @@ class Step:
     worker_in: list[float]
     worker_read: list[float]
     from_trainer: list[float]
+    by_source: list[dict[str, int]]  # per worker: bytes read from each holder (the SDK's)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -115,6 +116,7 @@ class Step:
             "worker_in_per_blocks": [round(x, 4) for x in self.worker_in],
             "worker_read_per_blocks": [round(x, 4) for x in self.worker_read],
             "worker_from_trainer_per_blocks": [round(x, 4) for x in self.from_trainer],
+            "worker_bytes_by_source": self.by_source,
         }
 
 
@@ -215,15 +217,16 @@ def _step(
         verify(expected[k], got[k::TP], f"{layout or 'slices'} v{version} TP rank {k}")
     seconds = max(g["t1"] for g in got) - min(p["t0"] for p in published)
     out = sum(after[p.host.name][1] - before[p.host.name][1] for p in trainer)
-    into, read, direct = [], [], []
+    into, read, direct, sources = [], [], [], []
     for w, g in zip(workers, got, strict=True):
         blocks = g["block_bytes"]
         into.append((after[w.host.name][0] - before[w.host.name][0]) / blocks)
         per_source: Mapping[str, int] = g["bytes_per_source"]
         read.append(sum(per_source.values()) / blocks)
         direct.append(sum(n for s, n in per_source.items() if s in trainer_names) / blocks)
+        sources.append(dict(per_source))
     broadcast([*workers, *trainer], "reshard_release", 60, model=MODEL, version=version)
-    return Step(seconds, out / bench.nbytes, into, read, direct)
+    return Step(seconds, out / bench.nbytes, into, read, direct, sources)
 
 
 def _median_T(steps_: list[Step]) -> float:  # noqa: N802

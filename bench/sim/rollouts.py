@@ -37,6 +37,7 @@ from typing import Any
 
 from bench.sim.engine import Flow, Network
 from bench.sim.scenarios import Cluster, Params, tensorhub_fetch
+from tensorhub.errors import InvalidArgument
 
 GB = 1e9
 CALIBRATION = 0.15  # |simulated / measured - 1| at most this on an emulated configuration
@@ -195,26 +196,31 @@ def calibrate_delta(doc: Mapping[str, Any]) -> list[Check]:
 
 def calibrate_reshard(doc: Mapping[str, Any]) -> list[Check]:
     """`bench reshard --json`'s run against the sim, for each R of its `slices` series
-    (every worker reads its blocks from the trainer's shards): `trainer_hosts` uplinks
-    and one downlink per worker at the run's link rate; each worker reads what that run
-    counted it reading (`worker_read_per_blocks` x its blocks, the chunks its blocks lie
-    in), spread evenly over the trainer's hosts. Measured: T (the first publish to the
-    last worker verified, median of the steps), so the publish is in it and not in the
-    sim."""
+    (every worker reads its blocks from the trainer's shards): one uplink per holder a
+    worker read from and one downlink per worker, at the run's link rate, and each worker
+    reading from each holder what that run counted (`worker_bytes_by_source`, the SDK's
+    bytes per source: the chunks its blocks lie in, from the holder the planner chose).
+    Measured: T (the first publish to the last worker verified, median of the steps), so
+    the publish is in it and not in the sim."""
     d = doc.get("details", doc)
     link = float(d["rate_mbit"]) * 1e6 * PAYLOAD / 8
-    hosts = int(d["trainer_hosts"])
-    blocks = [float(b) for b in d["block_bytes"]]
     out = []
     for r, steps in sorted(d["steps"]["slices"].items(), key=lambda kv: int(kv[0])):
-        reads = [statistics.median(s["worker_read_per_blocks"][w] for s in steps)
-                 for w in range(len(steps[0]["worker_read_per_blocks"]))]  # fmt: skip
+        if any("worker_bytes_by_source" not in s for s in steps):
+            raise InvalidArgument("a bench reshard report without worker_bytes_by_source")
+        workers = len(steps[0]["worker_bytes_by_source"])
         net = Network()
-        up = [net.link(f"trainer{t}", link) for t in range(hosts)]
-        for w, share in enumerate(reads):
+        up: dict[str, int] = {}
+        for w in range(workers):
             down = net.link(f"worker{w}", link)
-            size = share * blocks[w % len(blocks)] / hosts
-            for u in up:
-                net.add(Flow((u, down), size))
+            sources = {k for s in steps for k in s["worker_bytes_by_source"][w]}
+            for source in sorted(sources):
+                size = statistics.median(
+                    s["worker_bytes_by_source"][w].get(source, 0) for s in steps
+                )
+                if source not in up:
+                    up[source] = net.link(source, link)
+                if size > 0:
+                    net.add(Flow((up[source], down), float(size)))
         out.append(Check(f"R={r} (from the trainer)", net.run(), float(d["T"]["slices"][r])))
     return out

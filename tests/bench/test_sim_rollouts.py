@@ -85,21 +85,23 @@ def test_calibrate_delta_fits_the_fixed_cost_on_the_first_rate_and_checks_the_re
     assert not full.ok  # 30 % off is outside the 15 %
 
 
-def test_calibrate_reshard_simulates_what_each_worker_read_from_the_trainer() -> None:
-    block = 8 * 2**20
-    steps = {  # two TP-2 workers per instance; rank 1's blocks span more chunks
-        "1": [{"worker_read_per_blocks": [1.0, 1.2]}] * 3,
-        "4": [{"worker_read_per_blocks": [1.0, 1.2] * 4}] * 3,
-    }
-    details = {"rate_mbit": 200.0, "trainer_hosts": 4, "block_bytes": [block, block],
-               "steps": {"slices": steps}, "T": {"slices": {"1": 0.5, "4": 10.0}}}  # fmt: skip
-    one, four = calibrate_reshard({"details": details})
-    # R = 1: each worker's own link binds (4 trainer links feed 2 workers)
-    assert one.simulated_s == pytest.approx(1.2 * block / LINK, rel=1e-6)
-    # R = 4: the 4 trainer links carry every worker's reads, 8.8 blocks in all
-    assert four.simulated_s == pytest.approx(4 * 2.2 * block / (4 * LINK), rel=1e-6)
-    assert not one.ok
-    assert not four.ok
+def test_calibrate_reshard_simulates_what_each_worker_read_from_each_holder() -> None:
+    mib = 2**20
+    one = [{"t0": 8 * mib}, {"t1": 8 * mib}]  # R = 1: each TP rank's worker on its own host
+    two = [{"t0": 8 * mib}, {"t0": 4 * mib, "t1": 4 * mib}] * 2  # t0 serves 6 of 8 reads
+    steps = {"1": [{"worker_bytes_by_source": one}] * 3,
+             "2": [{"worker_bytes_by_source": two}] * 3}  # fmt: skip
+    details = {"rate_mbit": 200.0, "steps": {"slices": steps},
+               "T": {"slices": {"1": 0.5, "2": 10.0}}}  # fmt: skip
+    r1, r2 = calibrate_reshard({"details": details})
+    assert r1.simulated_s == pytest.approx(8 * mib / LINK, rel=1e-6)
+    # t0's uplink carries 24 MiB: the holder the planner loads most binds, not the mean
+    assert r2.simulated_s == pytest.approx(24 * mib / LINK, rel=1e-6)
+    assert not r1.ok
+    assert not r2.ok
+    del steps["2"][0]["worker_bytes_by_source"]
+    with pytest.raises(InvalidArgument, match="worker_bytes_by_source"):
+        calibrate_reshard({"details": details})
 
 
 def test_the_cli_prints_and_refuses_bad_input(
