@@ -116,29 +116,37 @@ def _one(name: str, opts: Options, plot_to: Path | None, cfg: delta.Config | Non
 
 
 def _delta(opts: Options, plot_to: Path | None, cfg: delta.Config) -> Result:
-    with Bar(delta.steps(cfg), "bench delta", unit="run") as bar:
-
-        def step(what: str) -> None:
-            bar.write(what)
-            bar.advance(1)
-
-        result = delta.run(opts, cfg, progress=step)
-    if plot_to is not None and result.details:
-        delta.plot(result, plot_to)
-        print(f"plot written to {plot_to}", file=sys.stderr)
-    return result
+    return _stepped(
+        "bench delta", "run", delta.steps(cfg),
+        lambda progress: delta.run(opts, cfg, progress=progress), delta.plot, plot_to,
+    )  # fmt: skip
 
 
 def _reshard(opts: Options, plot_to: Path | None, cfg: reshard.Config) -> Result:
-    with Bar(reshard.steps(cfg), "bench reshard", unit="step") as bar:
+    return _stepped(
+        "bench reshard", "step", reshard.steps(cfg),
+        lambda progress: reshard.run(opts, cfg, progress=progress), reshard.plot, plot_to,
+    )  # fmt: skip
+
+
+def _stepped(
+    title: str,
+    unit: str,
+    steps: int,
+    run: Callable[[Callable[[str], None]], Result],
+    plot: Callable[[Result, Path], object],
+    plot_to: Path | None,
+) -> Result:
+    """A bench that reports each measurement (a progress bar of `steps`), then its plot."""
+    with Bar(steps, title, unit=unit) as bar:
 
         def step(what: str) -> None:
             bar.write(what)
             bar.advance(1)
 
-        result = reshard.run(opts, cfg, progress=step)
+        result = run(step)
     if plot_to is not None and result.details:
-        reshard.plot(result, plot_to)
+        plot(result, plot_to)
         print(f"plot written to {plot_to}", file=sys.stderr)
     return result
 
