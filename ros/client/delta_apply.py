@@ -98,7 +98,13 @@ class Applier:
 
     def finish(self, companions: Sequence[Mapping[str, torch.Tensor]], end: float) -> None:
         """Every link's companion is in: apply what is left, and wait for every queued chunk
-        until `end` (a `time.monotonic()` value; what is not applied by then is dropped)."""
+        until `end` (a `time.monotonic()` value; what is not applied by then is dropped).
+        With `end` already passed nothing more is started: the rounds read those chunks."""
+        if time.monotonic() >= end:
+            with self._cond:
+                self._stopped = True
+                self._queue.clear()
+            return
         pairs = zip(self._links, companions, strict=True)
         self._enqueue([Encoded(link.manifest.delta, tensors) for link, tensors in pairs], None)
         self.wait(end)
