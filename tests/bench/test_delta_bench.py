@@ -67,7 +67,6 @@ def small_result() -> Result:
 
 
 def test_the_delta_plot_is_a_png_with_a_line_per_learning_rate(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib", reason="matplotlib is not installed (a dev extra)")
     from tests.bench.test_plots import chunks  # PNG chunks, CRC checked
 
     path = tmp_path / "delta.png"

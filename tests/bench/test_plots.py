@@ -21,8 +21,6 @@ from bench.cli import run as bench_run
 from bench.report import Result
 from tensorhub.errors import InvalidArgument
 
-pytest.importorskip("matplotlib", reason="matplotlib is not installed (it is in the dev extras)")
-
 PNG = b"\x89PNG\r\n\x1a\n"
 
 

@@ -117,7 +117,6 @@ def test_a_short_run_accounts_for_every_byte() -> None:
 
 
 def test_the_plot_draws_both_paths(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib", reason="matplotlib is not installed (a dev extra)")
     from tests.bench.test_plots import chunks
 
     res = Result("reshard", "tensorhub bench reshard")
