@@ -46,7 +46,6 @@ learning rate. `--tiny` trains a 0.9 MiB model of the same kind (tests of the ha
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -59,6 +58,7 @@ from bench.common import MiB, Options
 from bench.emu import training
 from bench.emu.cluster import Cluster, settle
 from bench.emu.control import Participant, Reply, broadcast
+from bench.plots import line_chart
 from bench.report import Result
 from tensorhub.errors import InvalidArgument
 
@@ -349,30 +349,17 @@ def plot(result: Result, path: Path) -> dict[str, dict[int, int]]:
     """Wire bytes per step against the step, one line per learning rate, with the model's
     size times the readers as a reference line, as a PNG at `path` (matplotlib, log scale);
     the series are also stored in the PNG's text (key `tensorhub-series`) and returned."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
     lines = series(result.details)
     readers = int(result.details.get("readers", 1))
     nbytes = int(result.details.get("model", {}).get("bf16_bytes", 0))
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (name, points), marker in zip(lines.items(), "os^dv", strict=False):
-        mib = [b / readers / MiB for b in points.values()]
-        ax.plot(list(points), mib, marker=marker, label=name)
-    if nbytes:
-        ax.axhline(nbytes / MiB, color="grey", linestyle="--", label="whole model")
-    ax.set_yscale("log")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("training step")
-    ax.set_ylabel("MiB per reader on the wire")
-    ax.set_title(f"tensorhub bench delta: {nbytes / MiB:.1f} MiB bf16 model, {readers} readers")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend()
-    fig.tight_layout()
-    text = json.dumps({name: {str(s): b for s, b in p.items()} for name, p in lines.items()})
-    fig.savefig(path, format="png", metadata={"tensorhub-series": text})
-    plt.close(fig)
+    line_chart(
+        path,
+        lines,
+        xlabel="training step",
+        ylabel="MiB per reader on the wire",
+        title=f"tensorhub bench delta: {nbytes / MiB:.1f} MiB bf16 model, {readers} readers",
+        log_y=True,
+        reference=(nbytes / MiB, "whole model") if nbytes else None,
+        y_unit=readers * MiB,
+    )
     return lines

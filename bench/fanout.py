@@ -35,7 +35,6 @@ reads a COMPLETE holder over NIXL once and has paid NIXL's one-time costs in its
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -45,6 +44,7 @@ from bench import fanout_ranks
 from bench.common import MODEL, Options, add_reads, reads, span, transport_figures, verify
 from bench.emu.cluster import Cluster, Links, settle
 from bench.emu.control import Participant, broadcast, gather
+from bench.plots import line_chart
 from bench.report import Result
 
 READERS = (1, 2, 4, 8)
@@ -193,25 +193,13 @@ def series(details: Mapping[str, Any]) -> dict[str, dict[int, float]]:
 def plot(result: Result, path: Path) -> dict[str, dict[int, float]]:
     """T(N) against N for TensorHub and each baseline, as a PNG at `path` (matplotlib); the
     series drawn are also stored in the PNG's text (key `tensorhub-series`) and returned."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     lines = series(result.details)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (label, points), marker in zip(lines.items(), "os^", strict=False):
-        ax.plot(list(points), list(points.values()), marker=marker, label=label)
-    ax.set_xlabel("readers")
-    ax.set_ylabel("seconds until every reader has the model")
-    ax.set_xticks(sorted({n for points in lines.values() for n in points}))
-    ax.set_ylim(bottom=0)
     nbytes = result.details.get("bytes", 0)
-    ax.set_title(f"tensorhub bench fanout: {nbytes / (1 << 20):.0f} MiB model, one trainer")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    text = json.dumps({label: {str(n): t for n, t in p.items()} for label, p in lines.items()})
-    fig.savefig(path, format="png", metadata={"tensorhub-series": text})
-    plt.close(fig)
+    line_chart(
+        path,
+        lines,
+        xlabel="readers",
+        ylabel="seconds until every reader has the model",
+        title=f"tensorhub bench fanout: {nbytes / (1 << 20):.0f} MiB model, one trainer",
+    )
     return lines

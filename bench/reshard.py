@@ -30,7 +30,6 @@ trainer's hosts per model, into each worker's host per its blocks' bytes; each w
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -42,6 +41,7 @@ from bench.common import MODEL, Options, add_options, verify
 from bench.emu.cluster import Cluster, settle
 from bench.emu.control import Participant, broadcast, gather
 from bench.emu.reshard_ops import block_digest, tensors
+from bench.plots import line_chart
 from bench.report import Result
 from bench.reshard_layout import BenchModel, bench_model, layers_for, load
 from tensorhub.errors import InvalidArgument
@@ -283,26 +283,14 @@ def series(details: Mapping[str, Any]) -> dict[str, dict[int, float]]:
 def plot(result: Result, path: Path) -> dict[str, dict[int, float]]:
     """T against R for both paths, as a PNG at `path` (matplotlib); the series drawn are
     stored in the PNG's text (key `tensorhub-series`) and returned."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     lines = series(result.details)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (label, points), marker in zip(lines.items(), "os", strict=False):
-        ax.plot(list(points), list(points.values()), marker=marker, label=label)
-    ax.set_xlabel("rollout instances (TP 2 each)")
-    ax.set_ylabel("seconds, publish to the last worker verified")
-    ax.set_xticks(sorted({r for points in lines.values() for r in points}))
-    ax.set_ylim(bottom=0)
     mib = result.details.get("model_bytes", 0) / (1 << 20)
     hosts = result.details.get("trainer_hosts", 4)
-    ax.set_title(f"tensorhub bench reshard: {mib:.0f} MiB, {hosts}-host trainer -> vLLM TP 2")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    text = json.dumps({label: {str(r): t for r, t in p.items()} for label, p in lines.items()})
-    fig.savefig(path, format="png", metadata={"tensorhub-series": text})
-    plt.close(fig)
+    line_chart(
+        path,
+        lines,
+        xlabel="rollout instances (TP 2 each)",
+        ylabel="seconds, publish to the last worker verified",
+        title=f"tensorhub bench reshard: {mib:.0f} MiB, {hosts}-host trainer -> vLLM TP 2",
+    )
     return lines
