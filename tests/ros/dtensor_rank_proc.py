@@ -22,20 +22,17 @@ own local memory), then serves until its stdin closes.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import ros
+from tests.gloo_ranks import rank_session, say_and_serve
 
 CONFIG: dict[str, Any] = {
     "vocab_size": 130,  # 4 ranks split it 33, 33, 33, 31: uneven last shards
@@ -113,10 +110,8 @@ def main() -> int:
     for name in ("hub", "tenant", "token", "model", "mode", "out"):
         ap.add_argument(name)
     args = ap.parse_args()
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    out = Path(args.out)
-    try:
+    with rank_session() as (rank, world):
+        out = Path(args.out)
         state, full = meshed() if args.mode == "mesh" else llama(args.mode, world)
         if rank == 0:
             torch.save({k: v.detach().clone() for k, v in full.items()}, out / "full.pt")
@@ -131,14 +126,12 @@ def main() -> int:
             if publication.shard is not None:
                 copies = {k: v.clone() for k, v in publication.tensors.items()}
                 torch.save(copies, out / f"shard-{publication.shard}.pt")
-            print(json.dumps({"rank": rank, "shard": publication.shard, "own_memory": own,
-                              "dtensors": sum(isinstance(v, DTensor) for v in state.values())}),
-                  flush=True)  # fmt: skip
-            sys.stdin.read()  # serve until the test closes our stdin
+            dtensors = sum(isinstance(v, DTensor) for v in state.values())
+            say_and_serve(
+                {"rank": rank, "shard": publication.shard, "own_memory": own, "dtensors": dtensors}
+            )
         finally:
             hub.close()
-    finally:
-        dist.destroy_process_group()
     return 0
 
 

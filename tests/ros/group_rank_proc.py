@@ -20,10 +20,8 @@ failed), then serves until its stdin closes.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -31,6 +29,7 @@ import torch.distributed as dist
 
 import ros
 from tensorhub.errors import TensorHubError
+from tests.gloo_ranks import rank_session, say_and_serve
 
 
 def tensors_of(rank: int) -> dict[str, torch.Tensor]:
@@ -43,9 +42,7 @@ def main() -> int:
     for name in ("hub", "tenant", "token", "model", "mode"):
         ap.add_argument(name)
     args = ap.parse_args()
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
+    with rank_session() as (rank, world):
         hub = ros.connect(args.hub, tenant=args.tenant, token=args.token)
         try:
             shard: tuple[int, int] | None = (rank, world)
@@ -79,12 +76,9 @@ def main() -> int:
                     torch.save(copies, out_dir / f"shard-{publication.shard}.pt")
             except TensorHubError as exc:
                 out.update(error=type(exc).__name__, message=str(exc))
-            print(json.dumps(out), flush=True)
-            sys.stdin.read()  # serve until the test closes our stdin
+            say_and_serve(out)
         finally:
             hub.close()
-    finally:
-        dist.destroy_process_group()
     return 0
 
 

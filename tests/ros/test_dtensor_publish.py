@@ -13,13 +13,7 @@ byte must equal `get_model_state_dict(model, full_state_dict=True)`, the ranks' 
 from __future__ import annotations
 
 import itertools
-import json
 import math
-import os
-import socket
-import subprocess
-import sys
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,8 +27,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 import ros
 from ros.client.dtensors import block, chunk
 from ros.hub.server import HubServer
-
-RANK_SECONDS = 120.0  # a rank process's start, model and publish, on a loaded 2-core machine
+from tests.gloo_ranks import launch
 
 
 def test_chunk_splits_as_torch_chunk_does() -> None:
@@ -91,57 +84,16 @@ def _order(placements: tuple[Placement, ...]) -> list[tuple[int, list[int]]]:
 # -- real trainers -----------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _readline(proc: subprocess.Popen[str], seconds: float) -> str:
-    """The process's next stdout line, or "" after `seconds` (the test then fails)."""
-    line: list[str] = []
-    assert proc.stdout is not None
-    stream = proc.stdout
-    reader = threading.Thread(target=lambda: line.append(stream.readline()), daemon=True)
-    reader.start()
-    reader.join(seconds)
-    return line[0] if line else ""
-
-
 @contextmanager
 def ranks(
     hub: HubServer, token: str, model: str, mode: str, world: int, out: Path
 ) -> Iterator[list[dict[str, Any]]]:
     """`world` rank processes that published `model`@1 (their JSON lines, by rank); they
     serve until the block ends."""
-    env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}  # fmt: skip
-    argv = [sys.executable, "-m", "tests.ros.dtensor_rank_proc", hub.address, "team-a", token,
-            model, mode, str(out)]  # fmt: skip
-    procs = [
-        subprocess.Popen(
-            argv,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env={**env, "RANK": str(rank)},
-        )
-        for rank in range(world)
-    ]
-    try:
-        lines = [_readline(p, RANK_SECONDS) for p in procs]
-        assert all(lines), f"a rank did not publish in {RANK_SECONDS}s: {lines}"
-        yield [json.loads(line) for line in lines]
-    finally:
-        for proc in procs:
-            if proc.stdin is not None:
-                proc.stdin.close()
-        for proc in procs:
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+    args = [hub.address, "team-a", token, model, mode, str(out)]
+    with launch("tests.ros.dtensor_rank_proc", args, world) as said:
+        assert all("exit" not in s for s in said), said
+        yield said
 
 
 def _check_reads(reader: ros.Hub, model: str, out: Path, published: list[dict[str, Any]]) -> None:

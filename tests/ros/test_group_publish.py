@@ -13,10 +13,6 @@ published through the group reads back as `get_model_state_dict(full_state_dict=
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,10 +24,9 @@ import torch
 import ros
 from ros.hub.server import HubServer
 from ros.metrics import HUB_REQUESTS
+from tests.gloo_ranks import launch
 from tests.ros.group_rank_proc import tensors_of
-from tests.ros.test_dtensor_publish import _check_reads, _free_port, _readline
-
-RANK_SECONDS = 120.0
+from tests.ros.test_dtensor_publish import _check_reads
 
 
 def _calls(method: str) -> float:
@@ -44,35 +39,10 @@ def group(
 ) -> Iterator[list[dict[str, Any]]]:
     """`world` rank processes that published `model`@1 through their group (their JSON
     lines, by rank); they serve until the block ends."""
-    env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}  # fmt: skip
-    argv = [sys.executable, "-m", "tests.ros.group_rank_proc", hub.address, "team-a", token,
-            model, mode]  # fmt: skip
-    procs = [
-        subprocess.Popen(
-            argv,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=None,
-            env={**env, "RANK": str(rank), "TH_OUT": str(out or "")},
-        )
-        for rank in range(world)
-    ]
-    try:
-        lines = [_readline(p, RANK_SECONDS) for p in procs]
-        assert all(lines), f"a rank did not answer in {RANK_SECONDS}s: {lines}"
-        yield [json.loads(line) for line in lines]
-    finally:
-        for proc in procs:
-            if proc.stdin is not None:
-                proc.stdin.close()
-        for proc in procs:
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+    args = [hub.address, "team-a", token, model, mode]
+    with launch("tests.ros.group_rank_proc", args, world, {"TH_OUT": str(out or "")}) as said:
+        assert all("exit" not in s for s in said), said
+        yield said
 
 
 @pytest.mark.slow

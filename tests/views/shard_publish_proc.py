@@ -23,10 +23,8 @@ serves until its stdin closes.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -34,6 +32,7 @@ import torch.distributed as dist
 
 import ros
 from tensorhub.errors import TensorHubError
+from tests.gloo_ranks import rank_session, say_and_serve
 
 FORMATS = ("fp8-block128", "mxfp8")
 
@@ -112,10 +111,8 @@ def dtensors(rank: int, world: int) -> dict[str, torch.Tensor]:
 
 def main() -> int:
     hub_address, tenant, token, model, mode = sys.argv[1:6]
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    said: dict[str, Any] = {"rank": rank}
-    try:
+    with rank_session() as (rank, world):
+        said: dict[str, Any] = {"rank": rank}
         hub = ros.connect(hub_address, tenant=tenant, token=token)
         try:
             if mode == "dtensor":
@@ -153,12 +150,9 @@ def main() -> int:
             except TensorHubError as exc:
                 said["error"] = type(exc).__name__
                 said["message"] = str(exc)
-            print(json.dumps(said), flush=True)
-            sys.stdin.read()  # serve until the test closes our stdin
+            say_and_serve(said)
         finally:
             hub.close()
-    finally:
-        dist.destroy_process_group()
     return 0
 
 

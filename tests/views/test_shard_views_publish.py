@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +25,7 @@ from ros.cli import main
 from ros.hub.server import HubServer
 from ros.views import META_CONFIG, META_QUANTIZED, make_view
 from tensorhub.errors import VersionNotFound
+from tests.gloo_ranks import launch
 from tests.views import reference
 from tests.views.shard_publish_proc import FORMATS, whole
 
@@ -36,62 +34,15 @@ pytestmark = pytest.mark.slow  # 2 or 4 torch processes start (about 10 s on 2 s
 SCALES = {"fp8-block128": "weight_scale_inv", "mxfp8": "weight_scale"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def ranks(
     hub: HubServer, tenant: str, token: str, model: str, mode: str, world: int
 ) -> Iterator[list[dict[str, Any]]]:
     """`world` rank processes publishing MODEL@1 by MODE: what each said (in rank order),
     while they serve; they stop when the block ends."""
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), "WORLD_SIZE": str(world),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}  # fmt: skip
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.views.shard_publish_proc",
-                hub.address,
-                tenant,
-                token,
-                model,
-                mode,
-            ],
-            env={**env, "RANK": str(rank)},
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(world)
-    ]
-    try:
-        said = []
-        for proc in procs:
-            assert proc.stdout is not None
-            line = proc.stdout.readline()  # each prints one line once its publish returned
-            if not line:
-                assert proc.stderr is not None
-                said.append({"exit": proc.wait(timeout=60), "stderr": proc.stderr.read()[-3000:]})
-            else:
-                said.append(json.loads(line))
+    with launch("tests.views.shard_publish_proc", [hub.address, tenant, token, model, mode],
+                world) as said:  # fmt: skip
         yield said
-    finally:
-        for proc in procs:
-            if proc.stdin is not None and not proc.stdin.closed:
-                with suppress(BrokenPipeError):
-                    proc.stdin.close()
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
 
 
 def expected_view(fmt: str, version: int = 1) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

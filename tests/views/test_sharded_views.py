@@ -5,7 +5,6 @@ bit for bit, the scales of the blocks their slices split agreed over the group."
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,15 +13,10 @@ import pytest
 import torch
 
 from ros.views import quantize_fp8_block128, quantize_mxfp8
+from tests.gloo_ranks import free_port
 from tests.views.shard_rank_proc import CASES, part, weight
 
 pytestmark = pytest.mark.slow  # two torch processes start (about 15 s on 2 shared cores)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +24,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, object]]:
     """What each of 2 rank processes got for every case (`tests/views/shard_rank_proc.py`)."""
     out = tmp_path_factory.mktemp("ranks")
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "WORLD_SIZE": "2",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}  # fmt: skip
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # fmt: skip
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "tests.views.shard_rank_proc", str(out)],
