@@ -80,13 +80,7 @@ def layout_reader(w: Worker) -> None:
     index = int(w.spec["index"])
     pair = index // 2  # readers 2k and 2k + 1 take the same blocks
     held = 0  # the version whose blocks this reader serves (0: none)
-    done = 0
-    while w.running():
-        version = w.latest(MP_MODEL)
-        if not version or version <= done:
-            w.pause(0.1, 0.3)
-            continue
-        done = version
+    for version in w.new_versions(MP_MODEL):
         if index % 2:
             w.pause(*SECOND_WAIT)
         fetched = _fetch_blocks(w, hub, version, ranks, (version + pair) % block_sets(ranks))

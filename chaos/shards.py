@@ -136,13 +136,7 @@ def shard_reader(w: Worker) -> None:
     count, fetches = int(w.spec["ranks"]), int(w.spec.get("fetches", 4))
     offset = int(w.spec["offset"])  # readers start apart: together they read more shards
     held: ros.Held | None = None
-    done = 0
-    while w.running():
-        version = w.latest(MP_MODEL)
-        if not version or version <= done:
-            w.pause(0.1, 0.3)
-            continue
-        done = version
+    for version in w.new_versions(MP_MODEL):
         _inspect(w, hub, version)
         for j in range(min(fetches, count)):
             if not w.running():

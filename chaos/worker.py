@@ -24,7 +24,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +129,18 @@ class Worker:
 
     def pause(self, low: float, high: float) -> None:
         self.stopping.wait(self.rng.uniform(low, high))
+
+    def new_versions(self, model: str = MODEL) -> Iterator[int]:
+        """Each version of `model` newer than the last one yielded, as `latest` shows it,
+        until the run ends; between polls that show nothing new, a short random pause."""
+        done = 0
+        while self.running():
+            version = self.latest(model)
+            if not version or version <= done:
+                self.pause(0.1, 0.3)
+                continue
+            done = version
+            yield version
 
 
 def publisher(w: Worker) -> None:
