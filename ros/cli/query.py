@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 
 from ros.cli.common import add_hub_flags, hub_stub, print_json, print_table, tenant_metadata
-from ros.cli.viewdir import view_line, view_summary
+from ros.cli.viewinfo import view_line, view_summary
 from ros.errors import from_rpc_error
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import InvalidArgument, VersionNotFound

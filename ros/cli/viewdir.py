@@ -1,7 +1,6 @@
-"""Views in the CLI (docs/views.md): what `inspect` says of a view, and what
-`tensorhub fetch --view FORMAT -o DIR` writes beside a view's weights: config.json with the
-view's `quantization_config`, the key vLLM reads to pick the FP8 method that loads the
-view's tensors.
+"""Views in `tensorhub fetch` (docs/views.md): what `tensorhub fetch --view FORMAT -o DIR`
+writes beside a view's weights: config.json with the view's `quantization_config`, the key
+vLLM reads to pick the FP8 method that loads the view's tensors.
 
 The view's manifest carries the version's config files (the publisher's `metadata`) and its
 own `quantization_config` (`tensorhub.view.quantization_config`). config.json, when the
@@ -13,43 +12,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
 
 from ros.cli.carry import Carried
+from ros.cli.viewinfo import META_CONFIG
 from ros.views.config import with_quantization_config
 from tensorhub.errors import InvalidArgument, InvalidManifest
 
 CONFIG = "config.json"
-META_FORMAT = "tensorhub.view"  # `ros.views.META_FORMAT`
-META_CONFIG = "tensorhub.view.quantization_config"  # `ros.views.META_CONFIG`
-META_QUANTIZED = "tensorhub.view.quantized"  # `ros.views.META_QUANTIZED`
-VIEW_OF = "tensorhub.view-of"  # `ros.client.view_publish.VIEW_OF`
-
-
-def view_summary(model: str, manifest: Any) -> dict[str, Any] | None:
-    """What `inspect` says of a view (None for a version that is no view): its format,
-    the model it is a view of, and how many modules it quantized, from its manifest."""
-    metadata = manifest.metadata
-    if META_FORMAT not in metadata:
-        return None
-    try:
-        quantized = json.loads(metadata.get(META_QUANTIZED, "{}"))
-        modules = sum(int(n) for n in quantized.values()) if isinstance(quantized, dict) else 0
-    except (ValueError, TypeError):
-        modules = 0
-    return {
-        "format": metadata[META_FORMAT],
-        "of": metadata.get(VIEW_OF, model),
-        "quantized_modules": modules,
-    }
-
-
-def view_line(view: Mapping[str, Any], version: int) -> str:
-    """`inspect`'s line for a view."""
-    return (
-        f"view {view['format']} of {view['of']}@{version}: "
-        f"{view['quantized_modules']} modules quantized"
-    )
 
 
 def view_config(carried: Carried, metadata: Mapping[str, str]) -> Carried:

@@ -177,3 +177,19 @@ def test_inspect_and_holders_show_a_delta_and_who_serves_it(served: str) -> None
         assert (
             json.loads(tensorhub("inspect", "policy@1", "--json", env=env).stdout)["delta"] is None
         )
+
+
+def test_the_queries_and_admin_commands_start_without_torch() -> None:
+    """`ls`, `inspect`, `holders`, `tenant` and `delete` only talk to the hub: loading torch
+    (about 1.5 s a call) for them would make every query of a script that slow."""
+    code = (
+        "import sys\n"
+        "from ros.cli import build_parser\n"
+        "for name in ('ls', 'inspect', 'holders', 'tenant', 'delete'):\n"
+        "    build_parser(name)\n"
+        "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))\n"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert loaded.stdout.strip() == "[]", loaded.stdout + loaded.stderr
