@@ -139,19 +139,30 @@ class VersionRPCs:
             self._stage_shard, request, call, False, manifest, deadline_of=call
         )
 
-    async def _checked_group_shard(self, raw: Any, call: CallContext) -> Staging:
+    def _checked_group_shard(self, raw: Any, call: CallContext) -> asyncio.Future[Staging]:
         """A group call's shard (a `RawPublishRequest`: its manifest as the bytes it came,
         `ros.raw_manifest`) checked (as `_staged_shard`), with its staging left for its
         chunk's worker (`_stage_all`): its manifest ready for its batch's pack
-        (`consistency.manifest_packs`). A shard whose manifest is paged (written before its
-        batch), or a companion's, is parsed whole and staged in a worker here."""
+        (`consistency.manifest_packs`). Checked here, on the loop, into a future already
+        done (no task a shard: a call is thousands of them); a shard whose manifest is
+        paged (written before its batch), or a companion's, is parsed whole and staged in
+        a worker, in a task."""
         manifest: bytes = raw.manifest
         if (
             not written_before_batch(len(manifest), True)
             and not is_companion(raw.model)
             and not raw.views  # its view shards' manifests are staged whole, in a worker
         ):
-            return self._check_shard(raw, call, True, manifest)  # on the loop: see above
+            checked: asyncio.Future[Staging] = asyncio.get_running_loop().create_future()
+            try:
+                checked.set_result(self._check_shard(raw, call, True, manifest))
+            except Exception as exc:  # its refusal, the shard's outcome
+                checked.set_exception(exc)
+            return checked
+        return asyncio.ensure_future(self._staged_whole(raw, call, manifest))
+
+    async def _staged_whole(self, raw: Any, call: CallContext, manifest: bytes) -> Staging:
+        """A group call's shard parsed whole, then checked and staged in a worker."""
         request = full_request(raw)
         staged = await self.hub.blocking(
             self._stage_shard, request, call, True, manifest, deadline_of=call
