@@ -74,6 +74,7 @@ from tensorhub.errors import (
     TensorHubError,
     Unavailable,
 )
+from tensorhub.names import validate_name
 
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops, which we never ask an operator to raise
 FIXED_OPS = 5  # per batch: the counter, the usage, the model fence, `latest`, the header
@@ -226,16 +227,24 @@ class ShardCommitter:
         self._on_visible = on_visible
         self._arrived = keys.shard_arrivals(tenant, model, version)
         self._latest = keys.latest(tenant, model)
+        self._shards = keys.shards(tenant, model, version)
+        self._holders = keys.holders(tenant, model, version)
         self._found: set[int] = set()  # entries whose earlier write a read found (per commit)
         self.arrived = 0  # the version's shards counted, as this committer last read or wrote
 
     # -- keys ------------------------------------------------------------------------------
 
     def _shard_key(self, entry: ShardEntry) -> str:
-        return self.keys.shard(self.tenant, self.model, self.version, entry.index)
+        """`Keys.shard` of the entry, its version's prefix built once (a batch builds a
+        few keys a shard, and each `Keys` call validates every name of the prefix again)."""
+        index = entry.index
+        if type(index) is not int or index < 0:
+            return self.keys.shard(self.tenant, self.model, self.version, index)  # its error
+        return f"{self._shards}{index:06d}"
 
     def _holder_key(self, entry: ShardEntry) -> str:
-        return self.keys.holder(self.tenant, self.model, self.version, entry.holder.holder)
+        """`Keys.holder` of the entry's holder, its version's prefix built once."""
+        return f"{self._holders}{validate_name(entry.holder.holder, 'holder')}"
 
     def _view_writes(self, entry: ShardEntry) -> tuple[list[ops.Cmp], list[ops.Op]]:
         """The compares and puts of the entry's view shards: each absent and its pages

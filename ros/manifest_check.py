@@ -22,7 +22,9 @@ import math
 import operator
 from collections.abc import Mapping, Sequence
 
-from ros import tensor_table
+from google.protobuf.message import DecodeError
+
+from ros import raw_manifest, tensor_table
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.checksum_kinds import KINDS, LINEAR
 from tensorhub.delta_rules import ENCODINGS as DELTA_ENCODINGS
@@ -104,7 +106,64 @@ def check_manifest(
         raise InvalidManifest(f"{what}: {exc}") from None
 
 
+def check_manifest_bytes(
+    serialized: bytes,
+    what: str = "manifest",
+    *,
+    model: str | None = None,
+    version: int | None = None,
+) -> None:
+    """`check_manifest` of the manifest `serialized` holds, as the bytes came (a hub's
+    `PublishShards` does not parse its shards' manifests whole: `ros.raw_manifest`): the
+    same rules, the same refusals. Its fields other than the tensors are read from a
+    `ManifestHead`, and its tensor table from the entries' bytes where its layout passed
+    before (`ros.tensor_table`); anything else is decided on the manifest parsed whole,
+    as `check_manifest` decides it. Bytes that do not parse as a `Manifest` are refused."""
+    parsed = raw_manifest.head(serialized)
+    if parsed is not None and _known_table_passes(parsed, serialized):
+        try:
+            _check_head(parsed)
+            check_metadata(parsed.metadata, "metadata")
+            if parsed.HasField("delta"):
+                _check_delta(parsed, model, version)
+        except InvalidManifest as exc:
+            raise InvalidManifest(f"{what}: {exc}") from None
+        return
+    try:
+        manifest = pb.Manifest.FromString(serialized)
+    except DecodeError as exc:
+        raise InvalidManifest(f"{what}: does not parse as a Manifest ({exc})") from None
+    check_manifest(manifest, what, model=model, version=version, serialized=serialized)
+
+
+def _known_table_passes(parsed: pb.Manifest, serialized: bytes) -> bool:
+    """Whether the tensor table of `serialized` (whose `ManifestHead` is `parsed`) has a
+    layout that passed before and names that pass, valid UTF-8 each (a `ManifestHead`
+    reads the entries as bytes, so nothing checked them). False sends the manifest to the
+    whole check, which names the rule broken, if any."""
+    parts = tensor_table.split(serialized, parsed.total_bytes)
+    if parts is None or not tensor_table.passed(parts[0]):
+        return False
+    found = parts[1]
+    if not tensor_table.raw_names_pass(found, RESERVED_TENSOR_NAMES, MAX_TENSOR_NAME_BYTES):
+        return False
+    try:  # a NUL after each name: a sequence cut at a name's end cannot pass
+        b"\x00".join(found).decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def _check_manifest(manifest: pb.Manifest, serialized: bytes | None) -> None:
+    _check_head(manifest)
+    if not _table_passes(manifest, serialized):
+        _walk_tensors(manifest.tensors, manifest.total_bytes)  # a rule is broken: name it
+    check_metadata(manifest.metadata, "metadata")
+
+
+def _check_head(manifest: pb.Manifest) -> None:
+    """The rules of the manifest's fields other than its tensor table and metadata: a
+    tensor at all, the chunk size, the total, the checksum kind and count."""
     if not manifest.tensors:
         raise InvalidManifest("lists no tensors")
     size, total = manifest.chunk_size, manifest.total_bytes
@@ -124,9 +183,6 @@ def _check_manifest(manifest: pb.Manifest, serialized: bytes | None) -> None:
             f"has {len(manifest.chunk_xxh3)} checksums for {chunks} chunks "
             f"({total} bytes in chunks of {size})"
         )
-    if not _table_passes(manifest, serialized):
-        _walk_tensors(manifest.tensors, total)  # a rule is broken: name the first
-    check_metadata(manifest.metadata, "metadata")
 
 
 def _walk_tensors(tensors: Sequence[pb.TensorEntry], total: int) -> None:

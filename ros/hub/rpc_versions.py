@@ -12,7 +12,7 @@ import hashlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from consistency import HolderRecord, HolderState
 from consistency.manifests import (
@@ -44,9 +44,10 @@ from ros.hub.views import (
     refuse_view_name,
     views_charge,
 )
-from ros.manifest_check import check_manifest, check_topology
+from ros.manifest_check import check_manifest, check_manifest_bytes, check_topology
 from ros.metrics import HUB_PUBLISH_LIMIT, HUB_PUBLISHES_REFUSED, HUB_WATCHES
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from ros.raw_manifest import full_request
 from ros.tokens import issue_read_token
 from tensorhub.delta_rules import is_companion
 from tensorhub.errors import InvalidArgument, TensorHubError, VersionNotFound
@@ -100,11 +101,12 @@ class VersionRPCs:
 
     @unary_async
     async def PublishShards(
-        self, requests: AsyncIterator[pb.PublishRequest], call: CallContext
+        self, requests: AsyncIterator[Any], call: CallContext
     ) -> pb.PublishShardsResponse:
         """The shards of one version a process group gathered, in one call: each committed
         as its own `Publish` would be (`ros.hub.shard_group`): checked on the loop, staged a
-        chunk at a time in a worker."""
+        chunk at a time in a worker. Each request is a `RawPublishRequest`, its manifest
+        the bytes it came as (`ros.raw_manifest`; the server reads this call's messages so)."""
         return await publish_shards(
             requests,
             lambda request: self._checked_group_shard(request, call),
@@ -137,18 +139,31 @@ class VersionRPCs:
             self._stage_shard, request, call, False, manifest, deadline_of=call
         )
 
-    async def _checked_group_shard(self, request: pb.PublishRequest, call: CallContext) -> Staging:
-        """A group call's shard checked (as `_staged_shard`), with its staging left for its
+    def _checked_group_shard(self, raw: Any, call: CallContext) -> asyncio.Future[Staging]:
+        """A group call's shard (a `RawPublishRequest`: its manifest as the bytes it came,
+        `ros.raw_manifest`) checked (as `_staged_shard`), with its staging left for its
         chunk's worker (`_stage_all`): its manifest ready for its batch's pack
-        (`consistency.manifest_packs`). A shard whose manifest is paged (written before its
-        batch), or a companion's, is staged whole in a worker here."""
-        manifest = request.manifest.SerializeToString()
+        (`consistency.manifest_packs`). Checked here, on the loop, into a future already
+        done (no task a shard: a call is thousands of them); a shard whose manifest is
+        paged (written before its batch), or a companion's, is parsed whole and staged in
+        a worker, in a task."""
+        manifest: bytes = raw.manifest
         if (
             not written_before_batch(len(manifest), True)
-            and not is_companion(request.model)
-            and not request.views  # its view shards' manifests are staged whole, in a worker
+            and not is_companion(raw.model)
+            and not raw.views  # its view shards' manifests are staged whole, in a worker
         ):
-            return self._check_shard(request, call, True, manifest)  # on the loop: see above
+            checked: asyncio.Future[Staging] = asyncio.get_running_loop().create_future()
+            try:
+                checked.set_result(self._check_shard(raw, call, True, manifest))
+            except Exception as exc:  # its refusal, the shard's outcome
+                checked.set_exception(exc)
+            return checked
+        return asyncio.ensure_future(self._staged_whole(raw, call, manifest))
+
+    async def _staged_whole(self, raw: Any, call: CallContext, manifest: bytes) -> Staging:
+        """A group call's shard parsed whole, then checked and staged in a worker."""
+        request = full_request(raw)
         staged = await self.hub.blocking(
             self._stage_shard, request, call, True, manifest, deadline_of=call
         )
@@ -246,10 +261,15 @@ class VersionRPCs:
                 tenant, model, version, len(manifest) + views_charge(views),
                 request.shard_count, timeout,
             )  # fmt: skip
-        check_manifest(  # every rule, before any write
-            request.manifest, _what(request), model=request.model, version=request.version,
-            serialized=manifest,
-        )  # fmt: skip
+        if isinstance(request.manifest, bytes):  # a group call's (`_checked_group_shard`)
+            check_manifest_bytes(  # every rule, before any write
+                manifest, _what(request), model=request.model, version=request.version
+            )
+        else:
+            check_manifest(  # every rule, before any write
+                request.manifest, _what(request), model=request.model,
+                version=request.version, serialized=manifest,
+            )  # fmt: skip
         versions = self.hub.versions(tenant)
         if views:  # the model quota's admission of the model and its view models
             admit = self.hub.budgets.admission_of(

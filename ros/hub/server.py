@@ -47,6 +47,7 @@ from ros.hub.servicer import HubServicer
 from ros.hub.state import DEFAULT_ETCD_QUOTA_BYTES
 from ros.metrics import CompactorMetrics
 from ros.proto.tensorhub.v1 import hub_pb2, hub_pb2_grpc
+from ros.raw_manifest import RawPublishRequest
 from ros.tokens import READ_KEY_PERIOD, READ_TOKEN_TTL
 from tensorhub.errors import DeadlineExceeded
 
@@ -209,7 +210,7 @@ class HubServer:
             ],
             maximum_concurrent_rpcs=self.limits.max_streams + MAX_QUEUED_UNARY,
         )
-        hub_pb2_grpc.add_TensorHubServicer_to_server(self.servicer, self._server)  # type: ignore[no-untyped-call]
+        _add_servicer(self.servicer, self._server)
         self._health = AioHealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(
@@ -274,3 +275,40 @@ class HubServer:
     def wait(self) -> None:
         """Block until `stop` has run."""
         self._stopped.wait()
+
+
+class _Handlers:
+    """Stands in for the server while the generated code registers the servicer's
+    methods: keeps the handlers it would register (`_add_servicer`)."""
+
+    def __init__(self) -> None:
+        self.service = ""
+        self.handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+
+    def add_generic_rpc_handlers(self, handlers: object) -> None:
+        """Registered from `handlers` below instead (the same methods)."""
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]
+    ) -> None:
+        self.service, self.handlers = service, dict(handlers)
+
+
+def _add_servicer(servicer: HubServicer, server: grpc.aio.Server) -> None:
+    """The generated registration of `servicer`, except that `PublishShards` reads each
+    message as a `RawPublishRequest` (its manifest as the bytes it came,
+    `ros.raw_manifest`): a group call's thousands of manifests are checked and stored from
+    their bytes, never parsed whole and serialized again."""
+    taken = _Handlers()
+    hub_pb2_grpc.add_TensorHubServicer_to_server(servicer, taken)  # type: ignore[no-untyped-call]
+    if "PublishShards" not in taken.handlers:
+        raise RuntimeError("the generated code registered no PublishShards handler")
+    taken.handlers["PublishShards"] = grpc.stream_unary_rpc_method_handler(
+        servicer.PublishShards,
+        request_deserializer=RawPublishRequest.FromString,
+        response_serializer=hub_pb2.PublishShardsResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(taken.service, taken.handlers),)
+    )
+    server.add_registered_method_handlers(taken.service, taken.handlers)  # type: ignore[attr-defined]

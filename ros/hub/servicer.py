@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
+from typing import Any
 
 from consistency import Etcd, Keys
 from consistency.usage import DEFAULT_HISTORY_PERIOD
@@ -97,8 +98,9 @@ class HubServicer(hub_pb2_grpc.TensorHubServicer):
         return await self.version_rpcs.Publish(request, context)
 
     async def PublishShards(
-        self, requests: AsyncIterator[pb.PublishRequest], context: AioContext
+        self, requests: AsyncIterator[Any], context: AioContext
     ) -> pb.PublishShardsResponse:
+        """Each request a `RawPublishRequest` (`ros.hub.server` reads this call's so)."""
         return await self.version_rpcs.PublishShards(requests, context)
 
     async def Latest(self, request: pb.LatestRequest, context: AioContext) -> pb.LatestResponse:

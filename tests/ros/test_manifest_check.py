@@ -28,6 +28,7 @@ from ros.manifest_check import (
     _tensors_pass,
     _walk_tensors,
     check_manifest,
+    check_manifest_bytes,
     check_topology,
 )
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
@@ -238,11 +239,22 @@ def _refusal(m: pb.Manifest, serialized: bytes | None) -> str:
 
 
 def _same_from_bytes(m: pb.Manifest) -> str:
-    """check_manifest of `m` from its bytes (`ros.tensor_table`) refuses exactly as the
+    """check_manifest of `m` from its bytes (`ros.tensor_table`), and check_manifest_bytes
+    of its bytes alone (a hub's group call: `ros.raw_manifest`), refuse exactly as the
     check of the message does, with the same message; which one, for the caller."""
     expected = _refusal(m, None)
     assert _refusal(m, m.SerializeToString()) == expected
+    assert _bytes_refusal(m.SerializeToString()) == expected
     return expected
+
+
+def _bytes_refusal(serialized: bytes) -> str:
+    """The message check_manifest_bytes refuses `serialized` with ("" if it passes)."""
+    try:
+        check_manifest_bytes(serialized, model="policy", version=2)
+    except InvalidManifest as exc:
+        return str(exc)
+    return ""
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -19,6 +19,7 @@ from consistency.usage import SHARDS_PER_TOKEN, shard_tokens
 from ros.errors import from_outcome, from_rpc_error
 from ros.hub.server import HubServer
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from ros.raw_manifest import RawPublishRequest
 from tensorhub.errors import (
     InvalidArgument,
     InvalidManifest,
@@ -226,3 +227,59 @@ def test_layer_manifests_ride_in_their_batches_and_every_shard_resolves(
         assert errors(again) == [None] * count
         assert [o.revision for o in again.outcomes] == [o.revision for o in answer.outcomes]
         assert hub_server.etcd.get("/probe")[1] == after
+
+
+def test_manifests_pass_as_sent_bytes_and_bad_bytes_are_refused_alone(
+    hub_server: HubServer,
+) -> None:
+    """The hub reads a group call's manifests as the bytes they came (`ros.raw_manifest`),
+    never parsed whole: a shard of a layout already checked whose name is not UTF-8, one
+    whose names repeat, and one whose manifest bytes are cut short are each refused alone
+    with `InvalidManifest`, and nothing is visible; a manifest written in another field
+    order is stored as sent and resolves to what it parses to. Fixed, the call lands."""
+    count = 6
+    token = tenant(hub_server, "raw-bytes")
+    with raw_client(hub_server, token) as (stub, metadata, session):
+        requests = [layer_shard(i, count, session) for i in range(count)]
+        sent = [r.SerializeToString() for r in requests]
+        name = b"model.layers.3.proj_5.weight"
+        assert sent[3].count(name) == 1
+        sent[3] = sent[3].replace(name, name[:-1] + b"\xff")  # same length: not UTF-8
+        twice = pb.PublishRequest()
+        twice.CopyFrom(requests[4])
+        twice.manifest.tensors[1].name = twice.manifest.tensors[0].name
+        sent[4] = twice.SerializeToString()
+        cut = RawPublishRequest.FromString(sent[5])
+        cut.manifest = cut.manifest[:100]
+        sent[5] = cut.SerializeToString()
+        head = requests[2].manifest
+        reordered = (
+            pb.Manifest(
+                total_bytes=head.total_bytes, chunk_size=head.chunk_size
+            ).SerializeToString()
+            + pb.Manifest(tensors=head.tensors, chunk_xxh3=head.chunk_xxh3).SerializeToString()
+        )  # fields 2 and 3 before field 1: the same message, other bytes
+        assert reordered != head.SerializeToString()
+        other = RawPublishRequest.FromString(sent[2])
+        other.manifest = reordered
+        sent[2] = other.SerializeToString()
+        with grpc.insecure_channel(hub_server.address) as channel:
+            call = channel.stream_unary(
+                "/tensorhub.v1.TensorHub/PublishShards",
+                request_serializer=lambda raw: raw,
+                response_deserializer=pb.PublishShardsResponse.FromString,
+            )
+            answer = call(iter(sent), metadata=metadata, timeout=30)
+            found = errors(answer)
+            assert [type(f) for f in found[3:]] == [InvalidManifest] * 3, found
+            assert "duplicate tensor name" in str(found[4])
+            assert found[:3] == [None] * 3
+            assert latest(stub, metadata) == 0
+            fixed = sent[:3] + [r.SerializeToString() for r in requests[3:]]
+            again = call(iter(fixed), metadata=metadata, timeout=30)
+        assert errors(again) == [None] * count
+        assert latest(stub, metadata) == 1
+        resolved = stub.Resolve(  # type: ignore[attr-defined]
+            pb.ResolveRequest(model="mp", version=1, shard=2), metadata=metadata, timeout=10
+        )
+        assert resolved.manifest == head
