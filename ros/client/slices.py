@@ -146,30 +146,119 @@ def fetch_slices(
     pin_id = f"slices-{secrets.token_hex(6)}"
     pins.pin(model, found, pin_id, deadline.work(me.timeout))
     try:
-        recorded: list[int] = []
         if blocks is not None and peers is not None and layout is not None:
-            token = _renewing_token(runs, model, found, resolved, deadline)
-            recorded = _from_holders(
-                peers, me, model, found, layout, cover, blocks, slices, token, deadline,
-                rate_floor, result,
+            _read_layout(
+                runs, peers, me, model, found, layout, cover, blocks, slices, parts,
+                resolved, deadline, rate_floor, progress, result,
             )  # fmt: skip
-            todo = {name: slices[name] for name in sorted(result.from_trainer)}
-            plan = _plan(model, found, parts, todo) if todo else {}
-        for index, copies in plan.items():
-            shard = index if resolved.shards else None
-            # the holders of this shard (a Resolve answers candidates of one shard only)
-            holders = resolved if shard is None else runs.holders(model, found, shard, deadline)
-            _read_part(
-                me, runs, model, found, shard, holders, parts[index], copies, slices,
-                deadline, result, rate_floor, progress, deltas,
-            )  # fmt: skip
-        if blocks is not None and peers is not None and layout is not None:
-            result.served = layouts.serve_blocks(
-                peers, me, model, found, layout, blocks, recorded, deadline
-            )
+        else:
+            for index, copies in plan.items():
+                _read_part(
+                    me, runs, model, found, _shard(resolved, index),
+                    _holders(runs, model, found, resolved, index, deadline), parts[index],
+                    copies, slices, deadline, result, rate_floor, progress, deltas,
+                )  # fmt: skip
     finally:
         _unpin(pins, me, model, found, pin_id, deadline)
     return result
+
+
+def _shard(resolved: pb.ResolveResponse, index: int) -> int | None:
+    return index if resolved.shards else None
+
+
+def _holders(
+    runs: Orchestrator,
+    model: str,
+    version: int,
+    resolved: pb.ResolveResponse,
+    index: int,
+    deadline: Deadline,
+) -> pb.ResolveResponse:
+    """The holders of source shard `index` (a Resolve answers candidates of one shard only)."""
+    shard = _shard(resolved, index)
+    return resolved if shard is None else runs.holders(model, version, shard, deadline)
+
+
+def _read_layout(
+    runs: Orchestrator,
+    peers: layouts.LayoutPeers,
+    me: Identity,
+    model: str,
+    version: int,
+    layout: str,
+    cover: Sequence[str],
+    blocks: layouts.BlockSet,
+    slices: Mapping[str, Slice],
+    parts: list[pb.Manifest],
+    resolved: pb.ResolveResponse,
+    deadline: Deadline,
+    rate_floor: float,
+    progress: ProgressCallback | None,
+    result: SliceFetch,
+) -> None:
+    """A reader in a layout (`ros.client.layouts`): serve the blocks as a PARTIAL holder,
+    read them from the holders registered before us and the `cover` layouts, the rest from
+    the trainer's shards in steps of whole blocks (each step's chunks served as it ends),
+    then register COMPLETE. A failure stops the serving and deletes our record."""
+    token = _renewing_token(runs, model, version, resolved, deadline)
+    dest, fence = layouts.start_holding(peers, me, model, version, layout, blocks, deadline)
+    try:
+        recorded = _from_holders(
+            peers, me, model, version, layout, cover, blocks, dest, fence, slices, token,
+            deadline, rate_floor, result,
+        )  # fmt: skip
+        done = set(slices) - result.from_trainer
+        layouts.settle(dest, done)
+        todo = {name: slices[name] for name in sorted(result.from_trainer)}
+        plan = _plan(model, version, parts, todo) if todo else {}
+        holders: dict[int, pb.ResolveResponse] = {}
+        for step in _steps(plan, blocks):
+            for index, copies in step.items():
+                if index not in holders:
+                    holders[index] = _holders(runs, model, version, resolved, index, deadline)
+                _read_part(
+                    me, runs, model, version, _shard(resolved, index), holders[index],
+                    parts[index], copies, slices, deadline, result, rate_floor, progress,
+                )  # fmt: skip
+            done.update(c.name for copies in step.values() for c in copies)
+            layouts.settle(dest, done)
+        result.served = layouts.finish_holding(
+            peers, me, model, version, layout, blocks, dest, recorded, deadline
+        )
+    except BaseException:
+        layouts.release(peers, me, model, version, layouts.cleanup_time(me, deadline))
+        raise
+
+
+def _steps(
+    plan: Mapping[int, list[_Copy]], blocks: layouts.BlockSet
+) -> list[dict[int, list[_Copy]]]:
+    """`plan` in steps of whole blocks, in the block set's order (that of its chunks), each
+    of about 1/`layouts.PIPELINE_STEPS` of the blocks' bytes (at most `STAGING_BUDGET`; a
+    block larger than that, alone): after each step, every block of it is complete, so its
+    chunks are served to the readers chained behind this one."""
+    sizes = {spec.name: spec.nbytes for spec in blocks.layout.tensors}
+    total = sum(sizes.values())
+    budget = min(STAGING_BUDGET, max(blocks.layout.chunk_size, total // layouts.PIPELINE_STEPS))
+    wanted = {c.name for copies in plan.values() for c in copies}
+    groups: list[set[str]] = [set()]
+    size = 0
+    for spec in blocks.layout.tensors:
+        if spec.name not in wanted:
+            continue
+        if groups[-1] and size + sizes[spec.name] > budget:
+            groups.append(set())
+            size = 0
+        groups[-1].add(spec.name)
+        size += sizes[spec.name]
+    steps = []
+    for group in groups:
+        step = {
+            index: [c for c in copies if c.name in group] for index, copies in sorted(plan.items())
+        }
+        steps.append({index: copies for index, copies in step.items() if copies})
+    return [step for step in steps if step]
 
 
 def _from_holders(
@@ -180,17 +269,19 @@ def _from_holders(
     layout: str,
     cover: Sequence[str],
     blocks: layouts.BlockSet,
+    dest: HeldVersion,
+    fence: int,
     slices: Mapping[str, Slice],
     token: RenewingToken,
     deadline: Deadline,
     rate_floor: float,
     result: SliceFetch,
 ) -> list[int]:
-    """Read the blocks from the holders of the same blocks, then from the block sets of the
-    `cover` layouts; the blocks neither gave go into `result.from_trainer`. Returns the
-    checksums the block set's first reader recorded (empty: none yet)."""
+    """Read the blocks into `dest` from the holders of the same blocks, then from the block
+    sets of the `cover` layouts; the blocks neither gave go into `result.from_trainer`.
+    Returns the checksums recorded for the block set (empty: none yet)."""
     peer = layouts.read_from_peers(
-        peers, me, model, version, layout, blocks, token, deadline, rate_floor
+        peers, me, model, version, layout, blocks, dest, fence, token, deadline, rate_floor
     )
     _count(result, peer.stats)
     missing = set(peer.missing_blocks)
