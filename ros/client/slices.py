@@ -213,6 +213,7 @@ def _read_layout(
         todo = {name: slices[name] for name in sorted(result.from_trainer)}
         plan = _plan(model, version, parts, todo) if todo else {}
         holders: dict[int, pb.ResolveResponse] = {}
+        carry: dict[int | None, HeldVersion] = {}
         for step in _steps(plan, blocks):
             for index, copies in step.items():
                 if index not in holders:
@@ -220,6 +221,7 @@ def _read_layout(
                 _read_part(
                     me, runs, model, version, _shard(resolved, index), holders[index],
                     parts[index], copies, slices, deadline, result, rate_floor, progress,
+                    carry=carry,
                 )  # fmt: skip
             done.update(c.name for copies in step.values() for c in copies)
             layouts.settle(dest, done)
@@ -342,9 +344,12 @@ def _read_part(
     rate_floor: float,
     progress: ProgressCallback | None,
     deltas: DeltaReader | None = None,
+    carry: dict[int | None, HeldVersion] | None = None,
 ) -> None:
     """Fetch the chunks of one source shard that `copies` need (and only those: the others
-    of the staging copy stay missing), then copy the intersections out, in place.
+    of the staging copy stay missing), then copy the intersections out, in place. With
+    `carry` (a layout reader's steps), the chunks the step before read of this shard are
+    copied from its staging, not read again, and this staging is kept for the next step.
 
     The staging copy lives where the destinations are (`_staging_device`): for slices in GPU
     memory it is on their device, so the bytes take the transports' path into GPU memory
@@ -357,7 +362,7 @@ def _read_part(
         for group in groups:  # one staging copy at a time (`STAGING_BUDGET`)
             _read_part(
                 me, runs, model, version, shard, holders, manifest, group, slices,
-                deadline, result, rate_floor, progress,
+                deadline, result, rate_floor, progress, carry=carry,
             )  # fmt: skip
             give_back_freed()  # its staging, freed as it returned: resident no more
         return
@@ -381,9 +386,15 @@ def _read_part(
             model, shard, manifest, staging, base.version, deadline, needed, hold=False
         )
         result.deltas[shard] = applied.stats
+    if carry is not None:
+        _carry_over(carry.pop(shard, None), staging, needed)
     target = Target(model, version, shard, staging, manifest, chunks=needed, holder=False)
     try:
-        stats = runs.run(target, holders, deadline, rate_floor=rate_floor, progress=progress)
+        stats = (
+            runs.run(target, holders, deadline, rate_floor=rate_floor, progress=progress)
+            if any(not staging.is_present(i) for i in needed)
+            else FetchStats()  # every chunk carried over from the step before
+        )
     except BaseException:
         if base is not None:
             base.drop()
@@ -398,6 +409,23 @@ def _read_part(
         deltas.staged.put(model, shard, kept)
     _count(result, stats)
     _copy_parts(copies, staging.tensors, slices)
+    if carry is not None and not staging.on_cuda:  # in GPU memory: one shard's at a time
+        carry[shard] = staging
+
+
+def _carry_over(before: HeldVersion | None, staging: HeldVersion, needed: set[int]) -> None:
+    """Copy into `staging` the chunks of `needed` that `before` (the same source shard's
+    staging in the step before) holds, verified, and mark them present: a trainer chunk
+    that holds parts of the blocks of two steps is read once."""
+    if before is None or before.layout != staging.layout:
+        return
+    for index in sorted(needed):
+        if before.is_present(index):
+            for into, part in zip(
+                staging.chunk_parts(index), before.chunk_parts(index), strict=True
+            ):
+                into.copy_(part)
+            staging.mark_present(index, None)
 
 
 def _staging_groups(
