@@ -48,6 +48,7 @@ from ros.client.orchestrator import Orchestrator, ProgressCallback, Target
 from ros.client.pins import Pins
 from ros.client.read_token import RenewingToken
 from ros.client.slice import Slice
+from ros.client.slice_carry import Carry
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import DeadlineExceeded, InvalidArgument, OutOfMemory, TensorHubError
 from tensorhub.names import validate_name, validate_version
@@ -213,8 +214,14 @@ def _read_layout(
         todo = {name: slices[name] for name in sorted(result.from_trainer)}
         plan = _plan(model, version, parts, todo) if todo else {}
         holders: dict[int, pb.ResolveResponse] = {}
-        carry: dict[int | None, HeldVersion] = {}
-        for step in _steps(plan, blocks):
+        steps = _steps(plan, blocks)
+        carry = Carry()
+        for step in steps:
+            for index, copies in step.items():
+                layout_i = layout_of(parts[index])
+                specs = {spec.name: spec for spec in layout_i.tensors}
+                carry.plan(_shard(resolved, index), _needed(copies, layout_i, specs))
+        for step in steps:
             for index, copies in step.items():
                 if index not in holders:
                     holders[index] = _holders(runs, model, version, resolved, index, deadline)
@@ -344,12 +351,12 @@ def _read_part(
     rate_floor: float,
     progress: ProgressCallback | None,
     deltas: DeltaReader | None = None,
-    carry: dict[int | None, HeldVersion] | None = None,
+    carry: Carry | None = None,
 ) -> None:
     """Fetch the chunks of one source shard that `copies` need (and only those: the others
     of the staging copy stay missing), then copy the intersections out, in place. With
-    `carry` (a layout reader's steps), the chunks the step before read of this shard are
-    copied from its staging, not read again, and this staging is kept for the next step.
+    `carry` (a layout reader's steps), the chunks a step before read are copied from it,
+    not read again, and those a later step needs are kept for it (`ros.client.slice_carry`).
 
     The staging copy lives where the destinations are (`_staging_device`): for slices in GPU
     memory it is on their device, so the bytes take the transports' path into GPU memory
@@ -366,11 +373,7 @@ def _read_part(
             )  # fmt: skip
             give_back_freed()  # its staging, freed as it returned: resident no more
         return
-    needed: set[int] = set()
-    for c in copies:
-        spec = specs[c.name]
-        first, end = byte_span(c.source, c.part, torch_dtype(spec.dtype).itemsize)
-        needed.update(chunks_for(layout, spec, first, end))
+    needed = _needed(copies, layout, specs)
     device = _staging_device([slices[c.name].tensor for c in copies])
     base = deltas.staged.take(model, shard) if deltas is not None else None
     if base is not None and not _fits(base, layout, needed, device):
@@ -387,13 +390,13 @@ def _read_part(
         )
         result.deltas[shard] = applied.stats
     if carry is not None:
-        _carry_over(carry.pop(shard, None), staging, needed)
+        carry.restore(shard, staging, needed)
     target = Target(model, version, shard, staging, manifest, chunks=needed, holder=False)
     try:
         stats = (
             runs.run(target, holders, deadline, rate_floor=rate_floor, progress=progress)
-            if any(not staging.is_present(i) for i in needed)
-            else FetchStats()  # every chunk carried over from the step before
+            if carry is None or any(not staging.is_present(i) for i in needed)
+            else FetchStats()  # every chunk carried over from a step before
         )
     except BaseException:
         if base is not None:
@@ -409,23 +412,18 @@ def _read_part(
         deltas.staged.put(model, shard, kept)
     _count(result, stats)
     _copy_parts(copies, staging.tensors, slices)
-    if carry is not None and not staging.on_cuda:  # in GPU memory: one shard's at a time
-        carry[shard] = staging
+    if carry is not None:
+        carry.keep(shard, staging, needed)
 
 
-def _carry_over(before: HeldVersion | None, staging: HeldVersion, needed: set[int]) -> None:
-    """Copy into `staging` the chunks of `needed` that `before` (the same source shard's
-    staging in the step before) holds, verified, and mark them present: a trainer chunk
-    that holds parts of the blocks of two steps is read once."""
-    if before is None or before.layout != staging.layout:
-        return
-    for index in sorted(needed):
-        if before.is_present(index):
-            for into, part in zip(
-                staging.chunk_parts(index), before.chunk_parts(index), strict=True
-            ):
-                into.copy_(part)
-            staging.mark_present(index, None)
+def _needed(copies: Sequence[_Copy], layout: Layout, specs: Mapping[str, TensorSpec]) -> set[int]:
+    """The chunks of a source shard's `layout` that hold the parts `copies` take."""
+    needed: set[int] = set()
+    for c in copies:
+        spec = specs[c.name]
+        first, end = byte_span(c.source, c.part, torch_dtype(spec.dtype).itemsize)
+        needed.update(chunks_for(layout, spec, first, end))
+    return needed
 
 
 def _staging_groups(
