@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -70,7 +71,7 @@ class Holder:
             [sys.executable, str(PROC), hub.address, TENANT, token, *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
-        self.report: dict[str, object] = {}
+        self.report: dict[str, Any] = {}
         self.name = ""
         if not wait:  # it is still reading: the test names it from the hub's record
             return
@@ -528,3 +529,29 @@ def test_a_partial_holder_serving_corrupt_bytes_is_caught_by_its_chunks_checksum
     assert got.from_trainer == set(slices)
     assert _trainer_bytes(got, trainers) == got.total_bytes
     assert got.served
+
+
+def test_a_partial_holder_records_no_checksums_and_covers_no_one(
+    clients: Callable[..., ros.Hub],
+) -> None:
+    publish_tp(clients, 2)
+    first = clients()
+    first.fetch_slices("policy", 1, slices=slices_for(0, 2)[1], layout="tp2", timeout=30)
+    other = clients()
+    other._layouts.serving.start()  # a record names the endpoints it serves on
+    blocks = block_set(slices_for(0, 2)[1], CHUNK)
+
+    def partial(sums: list[int]) -> pb.RegisterLayoutHolderRequest:
+        return pb.RegisterLayoutHolderRequest(
+            model="policy", version=1, layout="tp2", block_set=blocks.id,
+            holder=other._layouts.records.record(False), block_sums=sums,
+            blocks=blocks.description,
+        )  # fmt: skip
+
+    with pytest.raises(ros.InvalidArgument, match="PARTIAL"):
+        other._rpc("RegisterLayoutHolder", partial([1] * blocks.layout.num_chunks))
+    other._rpc("RegisterLayoutHolder", partial([]))
+    assert _offered(clients(), "tp2", 0, 2) == 2
+    request = pb.ResolveLayoutCoverRequest(model="policy", version=1, layout="tp2")
+    (covering,) = clients()._rpc("ResolveLayoutCover", request).block_sets
+    assert [h.name for h in covering.holders] == [first.holder_name]  # COMPLETE ones only
