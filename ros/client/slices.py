@@ -10,9 +10,11 @@ them against the publisher's checksums, and copies the intersection into place.
 Source shards are read one at a time into a staging copy of that shard's layout, of which
 only the needed chunks are filled; the peak extra memory is one source shard. A reader of
 slices becomes a holder of its blocks when it names their layout (`layout=`,
-`ros.client.layouts`): it reads them first from the other holders of the same blocks,
-checked against the checksums that their first reader derived from publisher-verified
-bytes, reads only what they did not give from the trainer's shards, and then serves them.
+`ros.client.layouts`): it serves them as a PARTIAL holder from the start, reads them first
+from the other holders of the same blocks (pipelined: from one registered before it, as
+that one reads them), checked against checksums derived from publisher-verified bytes,
+reads only what they did not give from the trainer's shards, in steps of whole blocks
+whose chunks it serves as each step ends, and then registers as their COMPLETE holder.
 Without `layout`, it holds nothing; readers in the publisher's own layout use
 `fetch(shard=i)`.
 
