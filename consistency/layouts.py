@@ -15,8 +15,9 @@ holders. A reader covered by another layout's block sets lists that layout's `s/
 most `MAX_BLOCK_SETS_READ`) and a few holders of each, in two bounded reads.
 
 The block set's key (its description and chunk checksums) is written once (create only) by
-the first reader that registers, from bytes it verified against the publisher's chunk
-checksums; it is no lease's, and goes with the version (retention and `DeleteModel` delete
+the first reader that registers COMPLETE, from bytes verified against the publisher's chunk
+checksums (by it, or by the holders it read them from); a PARTIAL holder records none. It
+is no lease's, and goes with the version (retention and `DeleteModel` delete
 `lb/{model}/{version}/` in the transaction that deletes the version). A holder key is its
 session's (lease): release, lease expiry and session close remove it.
 """

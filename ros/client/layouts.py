@@ -4,23 +4,29 @@ in another layout"; `Hub.fetch_slices(layout=...)`).
 A worker's blocks (one box of each global tensor it takes) form a `BlockSet`: a layout of
 their own (each block one tensor, sorted by name, in the publisher's chunk size) and an id,
 a digest of the boxes, dtypes and chunk size, so that every worker taking the same blocks
-names them alike. A reader in a layout:
+names them alike. A reader in a layout, pipelined as a reader of a whole version is:
 
-1. asks the hub for the holders of its block set (`ResolveLayout`: at most a few, nearest
-   first) and the checksums its first reader recorded;
-2. reads its blocks from them (`read_round`, TCP), each chunk checked against those
-   checksums, for a bounded number of rounds, dropping a holder that fails or sends bad
-   bytes;
+1. serves its blocks' memory at once, as a PARTIAL holder of its block set
+   (`start_holding`, `RegisterLayoutHolder`): a chunk is served from the moment every byte
+   of it is verified, with the xxh3-64 computed then;
+2. asks the hub for the holders of its block set (`ResolveLayout`: at most a few, nearest
+   first) and the checksums recorded for it, and reads its blocks from ONE of those
+   registered before it (`transport.planner.pipeline_sources`: chains, as for whole
+   versions; the first registrant has none and reads from the trainer), each chunk checked
+   against the recorded checksums, or, before any exist, against the checksum its holder
+   computed when it verified that chunk; a holder that fails or sends bad bytes is dropped,
+   for a bounded number of rounds (`read_from_peers`);
 3. reads what is still missing (every block a missing chunk touches: no holder, a holder
    killed mid-read, bad bytes) from the trainer's shards, checked against the publisher's
-   chunk checksums (`ros.client.slices`);
-4. serves its blocks, from the slices' own memory, through the client's holder server, and
-   registers as their COMPLETE holder (`RegisterLayoutHolder`) with the checksums of its
-   chunks; the first reader's become the record, and a reader whose bytes differ from the
-   record serves nothing (logged).
+   chunk checksums (`ros.client.slices`), marking each chunk present as the blocks it
+   touches are complete (`settle`);
+4. registers as the COMPLETE holder (`finish_holding`) with the checksums of its chunks;
+   the first reader's become the record, and a reader whose bytes differ from the record
+   serves nothing from then on (logged).
 
 So every byte a reader ends with was checked against the publisher: directly (the trainer's
-shards) or through checksums that a reader derived only from bytes it checked so.
+shards), or through checksums derived only from bytes checked so, by a reader (the record)
+or by the holder it read from (a chunk's checksum in its CHUNK frame, docs/security.md).
 `release_blocks` (or `close()`, or the session's lease) ends the holding; the version's
 retention deletes its block sets' keys with it.
 """
@@ -37,7 +43,7 @@ from itertools import pairwise
 
 import torch
 
-from ros.client.deadline import Deadline
+from ros.client.deadline import MIN_CALL, Deadline
 from ros.client.holdings import Holdings
 from ros.client.hooks import RoundReader
 from ros.client.identity import Identity
@@ -54,7 +60,7 @@ from transport.boxes import Box
 from transport.layout import Layout, dtype_name
 from transport.outcome import FetchStats
 from transport.pace import DEFAULT_RATE_FLOOR
-from transport.planner import Source
+from transport.planner import Candidate, Source, pipeline_sources
 from transport.selection import choose
 from transport.store import HeldVersion
 from transport.topology import Topology
@@ -65,6 +71,11 @@ log = logging.getLogger(__name__)
 PEER_ROUNDS = 3
 """Rounds of reading from a block set's holders (each with a fresh ResolveLayout, less the
 holders that failed) before what is missing is read from the trainer's shards."""
+
+PIPELINE_STEPS = 8
+"""A first reader reads its blocks from the trainer's shards in about this many steps of
+whole blocks (at most `ros.client.slices.STAGING_BUDGET` bytes each), so that the readers
+chained behind it get chunks after the first step, not after its whole read."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +126,7 @@ class _Holding:
     key: tuple[str, str, int]
     sums: list[int] = field(default_factory=list)
     description: bytes = b""
+    complete: bool = False  # PARTIAL while its reader reads (`start_holding`)
 
 
 @dataclass
@@ -155,7 +167,8 @@ class LayoutPeers:
 @dataclass
 class PeerRead:
     """What reading from a block set's holders did: the bytes per holder, the holders
-    given up on (and why), and the checksums its first reader recorded (empty: none)."""
+    given up on (and why), the checksums recorded for the block set (empty: none yet) and
+    the blocks not read whole from them."""
 
     stats: FetchStats = field(default_factory=FetchStats)
     sums: list[int] = field(default_factory=list)
@@ -218,6 +231,68 @@ def sources_of(holders: list[pb.Holder], suspects: Mapping[str, object]) -> list
     return out
 
 
+def predecessors(
+    me: Identity, fence: int, holders: list[pb.Holder], suspects: Mapping[str, object]
+) -> list[Source]:
+    """The holders to read from, of those not given up on: every COMPLETE one (the chunks
+    spread over them), else ONE of the PARTIAL ones registered before us (`fence`), chosen
+    as for whole versions (`transport.planner.pipeline_sources`: chains), never one after
+    us (no cycle). [] when there is none: the first registrant reads from the trainer's
+    shards."""
+    usable = [h for h in holders if h.name != me.holder_name]
+    by_name = {s.holder_id: s for s in sources_of(usable, suspects)}
+    complete = [by_name[h.name] for h in usable if h.name in by_name and h.state == pb.COMPLETE]
+    if complete:
+        return complete
+    candidates = [
+        Candidate(by_name[h.name], int(h.fence), False) for h in usable if h.name in by_name
+    ]
+    return pipeline_sources(me.topology, fence, candidates)
+
+
+def start_holding(
+    peers: LayoutPeers,
+    me: Identity,
+    model: str,
+    version: int,
+    layout: str,
+    blocks: BlockSet,
+    deadline: Deadline,
+) -> tuple[HeldVersion, int]:
+    """Serve `blocks`' memory as a PARTIAL holder before any byte arrives (each chunk from
+    the moment it is verified) and register so (no checksums yet); (what is served, our
+    record's fence). `release` undoes it."""
+    dest = HeldVersion.reader(me.tenant, model, version, blocks.layout, blocks.tensors)
+    peers.serving.start()
+    peers.holdings.hold_layout(dest)
+    request = pb.RegisterLayoutHolderRequest(
+        model=model, version=version, layout=layout, block_set=blocks.id,
+        holder=peers.records.record(False), blocks=blocks.description,
+    )  # fmt: skip
+    try:
+        answer = peers.rpc("RegisterLayoutHolder", request, deadline.work(me.timeout))
+    except BaseException:
+        peers.holdings.drop(dest.key, 1.0)
+        raise
+    peers.held.put(model, version, _Holding(layout, blocks.id, dest.key, [], blocks.description))
+    return dest, int(answer.fence)
+
+
+def settle(dest: HeldVersion, done: set[str]) -> int:
+    """Mark present every missing chunk of `dest` whose blocks are all in `done` (every byte
+    of them verified and in place), with its xxh3-64 computed now, over those bytes (in GPU
+    memory: when first served, or at `finish_holding`); from then on it is served. How many."""
+    names = [spec.name for spec in dest.layout.tensors]
+    marked = 0
+    for index in dest.missing():
+        if all(names[seg.tensor] in done for seg in dest.segments(index)):
+            dest.mark_present(index, None)
+            if not dest.on_cuda:
+                dest.checksum(index)
+            marked += 1
+    return marked
+
+
 def read_from_peers(
     peers: LayoutPeers,
     me: Identity,
@@ -225,32 +300,29 @@ def read_from_peers(
     version: int,
     layout: str,
     blocks: BlockSet,
+    dest: HeldVersion,
+    fence: int,
     token: RenewingToken,
     deadline: Deadline,
     rate_floor: float = DEFAULT_RATE_FLOOR,
 ) -> PeerRead:
-    """Read `blocks` from the holders of their block set (module docstring, step 2); the
-    blocks not read whole from them are in `missing_blocks` (all of them when there is no
-    holder, or no checksums to check their bytes against)."""
+    """Read `blocks` into `dest` from the holders of their block set (module docstring,
+    step 2); the blocks not read whole from them are in `missing_blocks` (all of them when
+    no holder was registered before us)."""
     out = PeerRead()
-    answer = _resolve(peers, me, model, version, layout, blocks, deadline)
-    out.sums = list(answer.block_sums)
-    every = set(blocks.tensors)
-    if not answer.holders or len(out.sums) != blocks.layout.num_chunks:
-        out.missing_blocks = every
-        return out
-    dest = HeldVersion.reader(me.tenant, model, version, blocks.layout, blocks.tensors)
     suspects: dict[str, BaseException] = {}
-    for attempt in range(PEER_ROUNDS):
-        if attempt:
-            answer = _resolve(peers, me, model, version, layout, blocks, deadline)
-        sources = sources_of(list(answer.holders), suspects)
+    for _ in range(PEER_ROUNDS):
+        answer = _resolve(peers, me, model, version, layout, blocks, deadline)
+        out.sums = list(answer.block_sums)
+        recorded = len(out.sums) == blocks.layout.num_chunks
+        sources = predecessors(me, fence, list(answer.holders), suspects)
         if not sources:
             break
         done = peers.read(
             me.tenant, model, version, blocks.layout, dest, sources, token=token,
-            deadline=deadline.work_end, me=me.topology, expected=out.sums, checksum=XXH3,
-            tls=me.tls, stats=out.stats, readers=peers.readers, rate_floor=rate_floor,
+            deadline=deadline.work_end, me=me.topology, expected=out.sums if recorded else None,
+            checksum=XXH3, tls=me.tls, stats=out.stats, readers=peers.readers,
+            rate_floor=rate_floor,
         )  # fmt: skip
         suspects.update(done.failures)
         if done.done:
@@ -263,28 +335,28 @@ def read_from_peers(
     return out
 
 
-def serve_blocks(
+def finish_holding(
     peers: LayoutPeers,
     me: Identity,
     model: str,
     version: int,
     layout: str,
     blocks: BlockSet,
+    dest: HeldVersion,
     recorded: list[int],
     deadline: Deadline,
 ) -> bool:
-    """Hold and serve `blocks` (every byte checked against the publisher by now) and
-    register as their COMPLETE holder; whether it serves. Blocks whose checksums differ
-    from the ones recorded are not served (logged): the reader keeps its verified bytes."""
-    held = HeldVersion.publisher(me.tenant, model, version, blocks.tensors, layout=blocks.layout)
-    held.precompute_checksums()  # in GPU memory: over staged host bytes
-    mine = [held.checksum(i) for i in range(blocks.layout.num_chunks)]
+    """Register as the COMPLETE holder of `blocks` (every byte in `dest` checked against the
+    publisher by now, directly or through checksums derived from such bytes), with the
+    checksums of its chunks; whether it serves. Blocks whose checksums differ from the
+    ones recorded are not served from then on (logged): the reader keeps its bytes."""
+    dest.precompute_checksums()  # in GPU memory: over staged host bytes
+    mine = [dest.checksum(i) for i in range(blocks.layout.num_chunks)]
     what = f"{model}@{version} layout {layout!r} blocks {blocks.id}"
     if recorded and recorded != mine:
         log.error("%s: our verified bytes differ from the recorded checksums; not serving", what)
+        release(peers, me, model, version, cleanup_time(me, deadline))
         return False
-    peers.serving.start()
-    peers.holdings.hold_layout(held)
     request = pb.RegisterLayoutHolderRequest(
         model=model, version=version, layout=layout, block_set=blocks.id,
         holder=peers.records.record(True), block_sums=mine, blocks=blocks.description,
@@ -292,17 +364,14 @@ def serve_blocks(
     try:
         answer = peers.rpc("RegisterLayoutHolder", request, deadline.work(me.timeout))
     except QuotaExceeded as exc:  # the reader keeps its verified bytes; it serves none
-        peers.holdings.drop(held.key, 1.0)
+        release(peers, me, model, version, cleanup_time(me, deadline))
         log.warning("%s: not served: %s", what, exc)
         return False
-    except BaseException:
-        peers.holdings.drop(held.key, 1.0)
-        raise
-    holding = _Holding(layout, blocks.id, held.key, mine, blocks.description)
+    holding = _Holding(layout, blocks.id, dest.key, mine, blocks.description, complete=True)
     peers.held.put(model, version, holding)
     if list(answer.block_sums) != mine:  # another reader recorded different ones meanwhile
         log.error("%s: the recorded checksums differ from our verified bytes; not serving", what)
-        release(peers, me, model, version, deadline.work(me.timeout))
+        release(peers, me, model, version, cleanup_time(me, deadline))
         return False
     return True
 
@@ -315,9 +384,16 @@ def reregister(peers: LayoutPeers, me: Identity, model: str, version: int) -> No
         return
     request = pb.RegisterLayoutHolderRequest(
         model=model, version=version, layout=holding.layout, block_set=holding.block_set,
-        holder=peers.records.record(True), block_sums=holding.sums, blocks=holding.description,
+        holder=peers.records.record(holding.complete), block_sums=holding.sums,
+        blocks=holding.description,
     )  # fmt: skip
     peers.rpc("RegisterLayoutHolder", request, me.timeout)
+
+
+def cleanup_time(me: Identity, deadline: Deadline) -> float:
+    """Seconds a release at the end of a read may take: what is left of the deadline (at
+    most the client's call timeout), else a last short try (the lease removes the rest)."""
+    return deadline.finish(me.timeout) or MIN_CALL
 
 
 def release(peers: LayoutPeers, me: Identity, model: str, version: int, timeout: float) -> bool:

@@ -10,9 +10,11 @@ them against the publisher's checksums, and copies the intersection into place.
 Source shards are read one at a time into a staging copy of that shard's layout, of which
 only the needed chunks are filled; the peak extra memory is one source shard. A reader of
 slices becomes a holder of its blocks when it names their layout (`layout=`,
-`ros.client.layouts`): it reads them first from the other holders of the same blocks,
-checked against the checksums that their first reader derived from publisher-verified
-bytes, reads only what they did not give from the trainer's shards, and then serves them.
+`ros.client.layouts`): it serves them as a PARTIAL holder from the start, reads them first
+from the other holders of the same blocks (pipelined: from one registered before it, as
+that one reads them), checked against checksums derived from publisher-verified bytes,
+reads only what they did not give from the trainer's shards, in steps of whole blocks
+whose chunks it serves as each step ends, and then registers as their COMPLETE holder.
 Without `layout`, it holds nothing; readers in the publisher's own layout use
 `fetch(shard=i)`.
 
@@ -48,6 +50,7 @@ from ros.client.orchestrator import Orchestrator, ProgressCallback, Target
 from ros.client.pins import Pins
 from ros.client.read_token import RenewingToken
 from ros.client.slice import Slice
+from ros.client.slice_carry import Carry
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import DeadlineExceeded, InvalidArgument, OutOfMemory, TensorHubError
 from tensorhub.names import validate_name, validate_version
@@ -146,30 +149,127 @@ def fetch_slices(
     pin_id = f"slices-{secrets.token_hex(6)}"
     pins.pin(model, found, pin_id, deadline.work(me.timeout))
     try:
-        recorded: list[int] = []
         if blocks is not None and peers is not None and layout is not None:
-            token = _renewing_token(runs, model, found, resolved, deadline)
-            recorded = _from_holders(
-                peers, me, model, found, layout, cover, blocks, slices, token, deadline,
-                rate_floor, result,
+            _read_layout(
+                runs, peers, me, model, found, layout, cover, blocks, slices, parts,
+                resolved, deadline, rate_floor, progress, result,
             )  # fmt: skip
-            todo = {name: slices[name] for name in sorted(result.from_trainer)}
-            plan = _plan(model, found, parts, todo) if todo else {}
-        for index, copies in plan.items():
-            shard = index if resolved.shards else None
-            # the holders of this shard (a Resolve answers candidates of one shard only)
-            holders = resolved if shard is None else runs.holders(model, found, shard, deadline)
-            _read_part(
-                me, runs, model, found, shard, holders, parts[index], copies, slices,
-                deadline, result, rate_floor, progress, deltas,
-            )  # fmt: skip
-        if blocks is not None and peers is not None and layout is not None:
-            result.served = layouts.serve_blocks(
-                peers, me, model, found, layout, blocks, recorded, deadline
-            )
+        else:
+            for index, copies in plan.items():
+                _read_part(
+                    me, runs, model, found, _shard(resolved, index),
+                    _holders(runs, model, found, resolved, index, deadline), parts[index],
+                    copies, slices, deadline, result, rate_floor, progress, deltas,
+                )  # fmt: skip
     finally:
         _unpin(pins, me, model, found, pin_id, deadline)
     return result
+
+
+def _shard(resolved: pb.ResolveResponse, index: int) -> int | None:
+    return index if resolved.shards else None
+
+
+def _holders(
+    runs: Orchestrator,
+    model: str,
+    version: int,
+    resolved: pb.ResolveResponse,
+    index: int,
+    deadline: Deadline,
+) -> pb.ResolveResponse:
+    """The holders of source shard `index` (a Resolve answers candidates of one shard only)."""
+    shard = _shard(resolved, index)
+    return resolved if shard is None else runs.holders(model, version, shard, deadline)
+
+
+def _read_layout(
+    runs: Orchestrator,
+    peers: layouts.LayoutPeers,
+    me: Identity,
+    model: str,
+    version: int,
+    layout: str,
+    cover: Sequence[str],
+    blocks: layouts.BlockSet,
+    slices: Mapping[str, Slice],
+    parts: list[pb.Manifest],
+    resolved: pb.ResolveResponse,
+    deadline: Deadline,
+    rate_floor: float,
+    progress: ProgressCallback | None,
+    result: SliceFetch,
+) -> None:
+    """A reader in a layout (`ros.client.layouts`): serve the blocks as a PARTIAL holder,
+    read them from the holders registered before us and the `cover` layouts, the rest from
+    the trainer's shards in steps of whole blocks (each step's chunks served as it ends),
+    then register COMPLETE. A failure stops the serving and deletes our record."""
+    token = _renewing_token(runs, model, version, resolved, deadline)
+    dest, fence = layouts.start_holding(peers, me, model, version, layout, blocks, deadline)
+    try:
+        recorded = _from_holders(
+            peers, me, model, version, layout, cover, blocks, dest, fence, slices, token,
+            deadline, rate_floor, result,
+        )  # fmt: skip
+        done = set(slices) - result.from_trainer
+        layouts.settle(dest, done)
+        todo = {name: slices[name] for name in sorted(result.from_trainer)}
+        plan = _plan(model, version, parts, todo) if todo else {}
+        holders: dict[int, pb.ResolveResponse] = {}
+        steps = _steps(plan, blocks)
+        carry = Carry()
+        for step in steps:
+            for index, copies in step.items():
+                layout_i = layout_of(parts[index])
+                specs = {spec.name: spec for spec in layout_i.tensors}
+                carry.plan(_shard(resolved, index), _needed(copies, layout_i, specs))
+        for step in steps:
+            for index, copies in step.items():
+                if index not in holders:
+                    holders[index] = _holders(runs, model, version, resolved, index, deadline)
+                _read_part(
+                    me, runs, model, version, _shard(resolved, index), holders[index],
+                    parts[index], copies, slices, deadline, result, rate_floor, progress,
+                    carry=carry,
+                )  # fmt: skip
+            done.update(c.name for copies in step.values() for c in copies)
+            layouts.settle(dest, done)
+        result.served = layouts.finish_holding(
+            peers, me, model, version, layout, blocks, dest, recorded, deadline
+        )
+    except BaseException:
+        layouts.release(peers, me, model, version, layouts.cleanup_time(me, deadline))
+        raise
+
+
+def _steps(
+    plan: Mapping[int, list[_Copy]], blocks: layouts.BlockSet
+) -> list[dict[int, list[_Copy]]]:
+    """`plan` in steps of whole blocks, in the block set's order (that of its chunks), each
+    of about 1/`layouts.PIPELINE_STEPS` of the blocks' bytes (at most `STAGING_BUDGET`; a
+    block larger than that, alone): after each step, every block of it is complete, so its
+    chunks are served to the readers chained behind this one."""
+    sizes = {spec.name: spec.nbytes for spec in blocks.layout.tensors}
+    total = sum(sizes.values())
+    budget = min(STAGING_BUDGET, max(blocks.layout.chunk_size, total // layouts.PIPELINE_STEPS))
+    wanted = {c.name for copies in plan.values() for c in copies}
+    groups: list[set[str]] = [set()]
+    size = 0
+    for spec in blocks.layout.tensors:
+        if spec.name not in wanted:
+            continue
+        if groups[-1] and size + sizes[spec.name] > budget:
+            groups.append(set())
+            size = 0
+        groups[-1].add(spec.name)
+        size += sizes[spec.name]
+    steps = []
+    for group in groups:
+        step = {
+            index: [c for c in copies if c.name in group] for index, copies in sorted(plan.items())
+        }
+        steps.append({index: copies for index, copies in step.items() if copies})
+    return [step for step in steps if step]
 
 
 def _from_holders(
@@ -180,17 +280,19 @@ def _from_holders(
     layout: str,
     cover: Sequence[str],
     blocks: layouts.BlockSet,
+    dest: HeldVersion,
+    fence: int,
     slices: Mapping[str, Slice],
     token: RenewingToken,
     deadline: Deadline,
     rate_floor: float,
     result: SliceFetch,
 ) -> list[int]:
-    """Read the blocks from the holders of the same blocks, then from the block sets of the
-    `cover` layouts; the blocks neither gave go into `result.from_trainer`. Returns the
-    checksums the block set's first reader recorded (empty: none yet)."""
+    """Read the blocks into `dest` from the holders of the same blocks, then from the block
+    sets of the `cover` layouts; the blocks neither gave go into `result.from_trainer`.
+    Returns the checksums recorded for the block set (empty: none yet)."""
     peer = layouts.read_from_peers(
-        peers, me, model, version, layout, blocks, token, deadline, rate_floor
+        peers, me, model, version, layout, blocks, dest, fence, token, deadline, rate_floor
     )
     _count(result, peer.stats)
     missing = set(peer.missing_blocks)
@@ -251,9 +353,12 @@ def _read_part(
     rate_floor: float,
     progress: ProgressCallback | None,
     deltas: DeltaReader | None = None,
+    carry: Carry | None = None,
 ) -> None:
     """Fetch the chunks of one source shard that `copies` need (and only those: the others
-    of the staging copy stay missing), then copy the intersections out, in place.
+    of the staging copy stay missing), then copy the intersections out, in place. With
+    `carry` (a layout reader's steps), the chunks a step before read are copied from it,
+    not read again, and those a later step needs are kept for it (`ros.client.slice_carry`).
 
     The staging copy lives where the destinations are (`_staging_device`): for slices in GPU
     memory it is on their device, so the bytes take the transports' path into GPU memory
@@ -266,15 +371,11 @@ def _read_part(
         for group in groups:  # one staging copy at a time (`STAGING_BUDGET`)
             _read_part(
                 me, runs, model, version, shard, holders, manifest, group, slices,
-                deadline, result, rate_floor, progress,
+                deadline, result, rate_floor, progress, carry=carry,
             )  # fmt: skip
             give_back_freed()  # its staging, freed as it returned: resident no more
         return
-    needed: set[int] = set()
-    for c in copies:
-        spec = specs[c.name]
-        first, end = byte_span(c.source, c.part, torch_dtype(spec.dtype).itemsize)
-        needed.update(chunks_for(layout, spec, first, end))
+    needed = _needed(copies, layout, specs)
     device = _staging_device([slices[c.name].tensor for c in copies])
     base = deltas.staged.take(model, shard) if deltas is not None else None
     if base is not None and not _fits(base, layout, needed, device):
@@ -290,9 +391,15 @@ def _read_part(
             model, shard, manifest, staging, base.version, deadline, needed, hold=False
         )
         result.deltas[shard] = applied.stats
+    if carry is not None:
+        carry.restore(shard, staging, needed)
     target = Target(model, version, shard, staging, manifest, chunks=needed, holder=False)
     try:
-        stats = runs.run(target, holders, deadline, rate_floor=rate_floor, progress=progress)
+        stats = (
+            runs.run(target, holders, deadline, rate_floor=rate_floor, progress=progress)
+            if carry is None or any(not staging.is_present(i) for i in needed)
+            else FetchStats()  # every chunk carried over from a step before
+        )
     except BaseException:
         if base is not None:
             base.drop()
@@ -307,6 +414,18 @@ def _read_part(
         deltas.staged.put(model, shard, kept)
     _count(result, stats)
     _copy_parts(copies, staging.tensors, slices)
+    if carry is not None:
+        carry.keep(shard, staging, needed)
+
+
+def _needed(copies: Sequence[_Copy], layout: Layout, specs: Mapping[str, TensorSpec]) -> set[int]:
+    """The chunks of a source shard's `layout` that hold the parts `copies` take."""
+    needed: set[int] = set()
+    for c in copies:
+        spec = specs[c.name]
+        first, end = byte_span(c.source, c.part, torch_dtype(spec.dtype).itemsize)
+        needed.update(chunks_for(layout, spec, first, end))
+    return needed
 
 
 def _staging_groups(

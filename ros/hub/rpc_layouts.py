@@ -76,12 +76,14 @@ class LayoutRPCs:
     def RegisterLayoutHolder(
         self, request: pb.RegisterLayoutHolderRequest, context: CallContext
     ) -> pb.RegisterLayoutHolderResponse:
-        """A COMPLETE holder of a block set, under the caller's session; its checksums are
-        recorded if no reader recorded them first (the answer says which are)."""
+        """A holder of a block set, under the caller's session: PARTIAL (a reader that
+        serves its chunks as they arrive, with no checksums to record yet) or COMPLETE,
+        whose checksums are recorded if no reader recorded them first (the answer says
+        which are). Registering again under the same name keeps the record's fence."""
         at = self._at(context, request)
         holder = holder_from_pb(request.holder)
-        if not holder.complete:
-            raise InvalidArgument("a layout holder registers COMPLETE: it serves verified bytes")
+        if not holder.complete and request.block_sums:
+            raise InvalidArgument("a PARTIAL layout holder records no checksums")
         if holder.shard is not None:
             raise InvalidArgument("a layout holder holds a block set, not a shard")
         blocks = bytes(request.blocks)
@@ -131,8 +133,11 @@ class LayoutRPCs:
                     block_set=s.block_set,
                     blocks=s.blocks,
                     block_sums=s.sums,
-                    holders=[
-                        holder_to_pb(h) for h in _nearest(s.holders, topology, request.holder)
+                    holders=[  # COMPLETE only: a cover is read in one pass, not pipelined
+                        holder_to_pb(h)
+                        for h in _nearest(
+                            [h for h in s.holders if h.complete], topology, request.holder
+                        )
                     ],
                 )
                 for s in found

@@ -8,12 +8,17 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from itertools import count
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,6 +31,7 @@ from ros.client.layouts import block_set
 from ros.hub.server import HubServer
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tests.ros.layout_model import CHUNK, block_bytes, expected, publish_tp, slices_for
+from transport.wire import ChunkHeader
 
 
 def _same(got: dict[str, torch.Tensor], rank: int, ranks: int) -> None:
@@ -60,11 +66,15 @@ PROC = Path(__file__).with_name("layout_holder_proc.py")
 class Holder:
     """A reader in a layout in a process of its own (tests/ros/layout_holder_proc.py)."""
 
-    def __init__(self, hub: HubServer, token: str, *args: str) -> None:
+    def __init__(self, hub: HubServer, token: str, *args: str, wait: bool = True) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, str(PROC), hub.address, TENANT, token, *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
+        self.report: dict[str, Any] = {}
+        self.name = ""
+        if not wait:  # it is still reading: the test names it from the hub's record
+            return
         line = self.line()
         while line == "sent":  # not before its own read: it reads, then serves
             line = self.line()
@@ -116,8 +126,8 @@ def clients(hub_server: HubServer, token: str) -> Iterator[Callable[..., ros.Hub
 def holders(hub_server: HubServer, token: str) -> Iterator[Callable[..., Holder]]:
     started: list[Holder] = []
 
-    def start(*args: str) -> Holder:
-        holder = Holder(hub_server, token, *args)
+    def start(*args: str, wait: bool = True) -> Holder:
+        holder = Holder(hub_server, token, *args, wait=wait)
         started.append(holder)
         return holder
 
@@ -394,3 +404,154 @@ def test_a_reader_past_the_layouts_bound_keeps_its_bytes_and_serves_none(
     _same(out, 1, 2)
     assert not got.served
     assert _offered(clients(), "tp2", 1, 2) == 0
+
+
+# -- readers that start together: pipelined --------------------------------------------------
+
+
+@dataclass
+class Gate(Fault):
+    """A trainer's sender that sends its first `first` chunks, then none until `opened`
+    (at most 20 s): so a test knows the first reader is still reading."""
+
+    first: int = 0
+    opened: threading.Event = field(default_factory=threading.Event)
+    _sent: Iterator[int] = field(default_factory=count)
+
+    def __call__(
+        self, conn: socket.socket, header: ChunkHeader, views: list[memoryview], complete: bool
+    ) -> None:
+        if next(self._sent) >= self.first:
+            self.opened.wait(20)
+        super().__call__(conn, header, views, complete)
+
+
+def _gated(clients: Callable[..., ros.Hub], first: int = 0) -> tuple[list[ros.Hub], Gate]:
+    gate = Gate(first=first)
+    return publish_tp(lambda: clients(hooks=ClientHooks(send=gate)), 2), gate
+
+
+def _holders_of(reader: ros.Hub, at_least: int) -> list[pb.Holder]:
+    """The holders of TP-2 rank 0's blocks, once at least `at_least` are registered."""
+    blocks = block_set(slices_for(0, 2)[1], CHUNK)
+    request = pb.ResolveLayoutRequest(model="policy", version=1, layout="tp2", block_set=blocks.id)
+    deadline = time.monotonic() + 15
+    while len(found := list(reader._rpc("ResolveLayout", request).holders)) < at_least:
+        assert time.monotonic() < deadline, f"{len(found)} holders registered, not {at_least}"
+        time.sleep(0.05)
+    return sorted(found, key=lambda h: h.fence)
+
+
+def test_readers_that_start_together_read_from_each_other_while_the_first_reads(
+    clients: Callable[..., ros.Hub],
+) -> None:
+    trainers, gate = _gated(clients)
+    watcher = clients()
+    readers = [clients() for _ in range(3)]
+    outs, slices = zip(*(slices_for(0, 2) for _ in readers), strict=True)
+    with ThreadPoolExecutor(3) as pool:
+        fetches = []
+        for n, (reader, wanted) in enumerate(zip(readers, slices, strict=True)):
+            fetches.append(
+                pool.submit(reader.fetch_slices, "policy", 1, slices=wanted, layout="tp2")
+            )
+            held = _holders_of(watcher, n + 1)  # each registers PARTIAL before it reads
+        assert [h.state for h in held] == [pb.PARTIAL] * 3
+        assert not any(f.done() for f in fetches)  # the trainer has sent nothing yet
+        gate.opened.set()
+        got = [f.result(timeout=60) for f in fetches]
+    for out in outs:
+        _same(out, 0, 2)
+    first, second, third = got
+    assert first.from_trainer == set(slices[0])
+    assert _trainer_bytes(first, trainers) == first.total_bytes
+    # a chain, as for whole versions: each later reader reads every byte from the one
+    # registered just before it, as that one reads them
+    assert second.bytes_per_source == {readers[0].holder_name: block_bytes(0, 2)}
+    assert third.bytes_per_source == {readers[1].holder_name: block_bytes(0, 2)}
+    assert second.from_trainer == third.from_trainer == set()
+    assert all(g.served for g in got)
+    assert [h.state for h in _holders_of(watcher, 3)] == [pb.COMPLETE] * 3
+
+
+@pytest.mark.slow  # a holder process of its own
+def test_a_partial_holder_killed_mid_read_leaves_only_its_missing_blocks_to_the_trainer(
+    clients: Callable[..., ros.Hub], holders: Callable[..., Holder]
+) -> None:
+    trainers, gate = _gated(clients, first=12)  # then the holder's own read waits
+    watcher = clients()
+    slow = holders("--chunk-delay", "0.05", wait=False)
+    (record,) = _holders_of(watcher, 1)
+    slow.name = record.name
+    reader = clients()
+    out, slices = slices_for(0, 2)
+    with ThreadPoolExecutor(1) as pool:
+        fetching = pool.submit(
+            reader.fetch_slices, "policy", 1, slices=slices, layout="tp2", timeout=30
+        )
+        _holders_of(watcher, 2)
+        for _ in range(3):  # a few chunks sent, then the holder dies mid-read (its own)
+            assert slow.line() == "sent"
+        assert _holders_of(watcher, 2)[0].state == pb.PARTIAL
+        slow.proc.kill()
+        gate.opened.set()
+        got = fetching.result(timeout=60)
+    _same(out, 0, 2)
+    assert 0 < got.bytes_per_source.get(slow.name, 0) < block_bytes(0, 2)  # kept
+    assert slow.name in got.failed_sources
+    assert got.from_trainer
+    assert got.from_trainer != set(slices)
+    assert 0 < _trainer_bytes(got, trainers) < block_bytes(0, 2)
+    assert got.served
+
+
+@pytest.mark.slow  # a holder process of its own
+def test_a_partial_holder_serving_corrupt_bytes_is_caught_by_its_chunks_checksums(
+    clients: Callable[..., ros.Hub], holders: Callable[..., Holder]
+) -> None:
+    trainers, gate = _gated(clients)
+    watcher = clients()
+    holders("--corrupt", wait=False)  # its bytes are right; what it sends is not
+    (record,) = _holders_of(watcher, 1)
+    reader = clients()
+    out, slices = slices_for(0, 2)
+    with ThreadPoolExecutor(1) as pool:
+        fetching = pool.submit(
+            reader.fetch_slices, "policy", 1, slices=slices, layout="tp2", timeout=30
+        )
+        _holders_of(watcher, 2)  # no checksums recorded yet: those in its CHUNK frames
+        gate.opened.set()
+        got = fetching.result(timeout=60)
+    _same(out, 0, 2)  # the publisher's bytes, whoever sent them
+    assert record.name in got.failed_sources
+    assert "Integrity" in got.failed_sources[record.name]
+    assert got.bytes_per_source.get(record.name, 0) == 0  # no byte of it was kept
+    assert got.from_trainer == set(slices)
+    assert _trainer_bytes(got, trainers) == got.total_bytes
+    assert got.served
+
+
+def test_a_partial_holder_records_no_checksums_and_covers_no_one(
+    clients: Callable[..., ros.Hub],
+) -> None:
+    publish_tp(clients, 2)
+    first = clients()
+    first.fetch_slices("policy", 1, slices=slices_for(0, 2)[1], layout="tp2", timeout=30)
+    other = clients()
+    other._layouts.serving.start()  # a record names the endpoints it serves on
+    blocks = block_set(slices_for(0, 2)[1], CHUNK)
+
+    def partial(sums: list[int]) -> pb.RegisterLayoutHolderRequest:
+        return pb.RegisterLayoutHolderRequest(
+            model="policy", version=1, layout="tp2", block_set=blocks.id,
+            holder=other._layouts.records.record(False), block_sums=sums,
+            blocks=blocks.description,
+        )  # fmt: skip
+
+    with pytest.raises(ros.InvalidArgument, match="PARTIAL"):
+        other._rpc("RegisterLayoutHolder", partial([1] * blocks.layout.num_chunks))
+    other._rpc("RegisterLayoutHolder", partial([]))
+    assert _offered(clients(), "tp2", 0, 2) == 2
+    request = pb.ResolveLayoutCoverRequest(model="policy", version=1, layout="tp2")
+    (covering,) = clients()._rpc("ResolveLayoutCover", request).block_sets
+    assert [h.name for h in covering.holders] == [first.holder_name]  # COMPLETE ones only
