@@ -67,22 +67,28 @@ class Encoded:
     def __init__(self, section: pb.Delta, tensors: Mapping[str, torch.Tensor]) -> None:
         self._data = tensors.get(TENSOR)
         self._starts = list(itertools.accumulate(section.encoded_bytes, initial=0))
+        self.digests = list(section.encoded_xxh3)  # each encoded chunk's, as the manifest's
+        self._bytes: memoryview | None = None  # the companion's bytes once their size checked
 
     def span(self, index: int) -> tuple[int, int]:
         """Where chunk `index`'s encoding lies in the companion's bytes: [start, stop)."""
         return self._starts[index], self._starts[index + 1]
 
     def of(self, index: int) -> memoryview:
-        """Chunk `index`'s encoding; `IntegrityError` if the companion does not hold it
-        (`DeltaRefused` if it is not exactly as large as the section says)."""
-        start, stop = self.span(index)
-        if self._data is None:
-            raise IntegrityError(f"the companion holds no bytes {start}..{stop}")
-        if self._data.numel() != self._starts[-1]:
-            raise DeltaRefused(
-                f"the companion is {self._data.numel()} bytes, its section {self._starts[-1]}"
-            )
-        return self._data[start:stop].numpy().data
+        """Chunk `index`'s encoding (a view of the companion's memory, no copy);
+        `IntegrityError` if the companion does not hold it (`DeltaRefused` if it is not
+        exactly as large as the section says)."""
+        start, stop = self._starts[index], self._starts[index + 1]
+        found = self._bytes
+        if found is None:
+            if self._data is None:
+                raise IntegrityError(f"the companion holds no bytes {start}..{stop}")
+            if self._data.numel() != self._starts[-1]:
+                raise DeltaRefused(
+                    f"the companion is {self._data.numel()} bytes, its section {self._starts[-1]}"
+                )
+            found = self._bytes = self._data.numpy().data  # one view, sliced for each chunk
+        return found[start:stop]
 
 
 def apply_one(
@@ -109,10 +115,11 @@ def apply_one(
     try:
         for link, encoded in zip(links, blobs, strict=True):
             blob = encoded.of(index)
-            if codec.digest(blob) != link.manifest.delta.encoded_xxh3[index]:
+            if codec.digest(blob) != encoded.digests[index]:
                 raise IntegrityError(f"encoded chunk {index} of {link.version}: digest")
-            codec.apply(parts, blob, link.manifest.delta.encoding)
-            done.append((blob, link.manifest.delta.encoding))
+            encoding = link.manifest.delta.encoding
+            codec.apply(parts, blob, encoding)
+            done.append((blob, encoding))
         known = _check_result(dest, index, kind, links[-1].version, final)
     except Exception as exc:  # any failure of one chunk: that chunk alone reads whole
         log.warning("delta chunk %d: %s; reading it whole", index, _why(exc))

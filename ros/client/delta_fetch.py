@@ -156,10 +156,11 @@ class DeltaReader:
         version = dest.key[2]
         try:
             wanted = set(range(len(manifest.chunk_xxh3)) if chunks is None else chunks)
-            links = self._chain(
+            links, usable = self._chain(
                 model, shard, version, dest.layout, manifest, base, deadline, wanted
             )
-            kept = self._apply_links(shard, links, dest, stats, deadline, wanted, hold, companion)
+            kept = self._apply_links(shard, links, usable, dest, stats, deadline, wanted, hold,
+                                     companion)  # fmt: skip
         except _NoDelta as why:
             stats.fallback = str(why)
             stats.whole_chunks = len(_missing(dest, chunks))
@@ -191,9 +192,10 @@ class DeltaReader:
         base: int,
         deadline: Deadline,
         wanted: set[int],
-    ) -> list[Link]:
-        """The links from `base` to `version`, oldest first; `_NoDelta` if there is none or
-        it would move as many bytes as the whole version."""
+    ) -> tuple[list[Link], list[int]]:
+        """The links from `base` to `version`, oldest first, and the wanted chunks every link
+        encodes (in order); `_NoDelta` if there is none or it would move as many bytes as
+        the whole version."""
         if base >= version:
             raise _NoDelta(f"the destination holds {base}, not an earlier version")
         links = [Link(version, manifest)]
@@ -227,25 +229,23 @@ class DeltaReader:
                 f"{version} is checksummed with {manifest.checksum}, which is linear, and its "
                 "delta records no xxh3-64 of each chunk it makes"
             )
-        usable = self._usable(links, wanted)
-        encoded = sum(link.manifest.delta.encoded_bytes[i] for link in links for i in usable)
-        whole = sum(layout.payload_bytes(i) for i in wanted - usable)
+        # each link's sizes as a list, once: it indexes faster than a repeated field
+        sizes = [list(link.manifest.delta.encoded_bytes) for link in links]
+        usable = _usable(sizes, wanted)
+        encoded = sum(n[i] for n in sizes for i in usable)
+        whole = sum(layout.payload_bytes(i) for i in wanted.difference(usable))
         if encoded + whole >= sum(layout.payload_bytes(i) for i in wanted):
             raise _NoDelta(
                 f"{len(links)} deltas ({encoded} bytes, and {whole} whole) move no fewer bytes "
                 "than the whole version"
             )
-        return links
-
-    @staticmethod
-    def _usable(links: list[Link], wanted: set[int]) -> set[int]:
-        """The wanted chunks every link encodes (one sent whole by any link is read whole)."""
-        return {i for i in wanted if all(k.manifest.delta.encoded_bytes[i] for k in links)}
+        return links, usable
 
     def _apply_links(
         self,
         shard: int | None,
         links: list[Link],
+        usable: list[int],
         dest: HeldVersion,
         stats: DeltaStats,
         deadline: Deadline,
@@ -257,7 +257,6 @@ class DeltaReader:
         left, and apply the chain to the usable chunks (as they land, for one link); the
         companion of the last link kept (served) when it fits in `hold_bytes`."""
         kind = links[-1].manifest.checksum or KINDS[0]
-        usable = sorted(self._usable(links, wanted))
         is_base = BaseCheck(dest, links[0].manifest.delta.base_checksum, kind, stats.count_mismatch)
         # one chunk sampled: memory that is not the base at all is found before anything
         # is read (each chunk applied is checked by its result, which the base must give)
@@ -365,6 +364,15 @@ class DeltaReader:
 
 class _NoDelta(Exception):
     """Why a delta cannot be used: the version is read whole (never raised out of here)."""
+
+
+def _usable(sizes: list[list[int]], wanted: set[int]) -> list[int]:
+    """The wanted chunks (in order) every link encodes, given each link's encoded sizes (a
+    chunk one link sends whole, size 0, is read whole)."""
+    if len(sizes) == 1:
+        only = sizes[0]
+        return [i for i in sorted(wanted) if only[i]]
+    return [i for i in sorted(wanted) if all(n[i] for n in sizes)]
 
 
 def _missing(dest: HeldVersion, wanted: Collection[int] | None) -> list[int]:
