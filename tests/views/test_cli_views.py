@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,7 +19,6 @@ from safetensors.torch import save_file
 import ros
 from ros.cli import main
 from ros.cli.carry import encode
-from ros.hub.server import HubServer
 from ros.views import META_CONFIG, make_view
 from tests.views.test_publish_views import llama
 
@@ -27,18 +26,9 @@ CONFIG = {"model_type": "llama", "hidden_size": 128, "num_hidden_layers": 2}
 
 
 @pytest.fixture
-def cli(hub_server: HubServer, make_tenant: Callable[[str], str]) -> Iterator[dict[str, str]]:
+def cli(cli_as: Callable[[str], dict[str, str]]) -> dict[str, str]:
     """The CLI's hub, tenant and token in this process's environment."""
-    env = {"TENSORHUB_HUB": hub_server.address, "TENSORHUB_TENANT": "views-cli",
-           "TENSORHUB_TOKEN": make_tenant("views-cli")}  # fmt: skip
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    yield env
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    return cli_as("views-cli")
 
 
 def test_fetch_view_writes_what_an_fp8_loader_reads(

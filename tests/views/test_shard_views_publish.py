@@ -9,7 +9,6 @@ whole state dict. A rank that fails mid-publish leaves neither the version nor a
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -82,17 +81,9 @@ def check_views(out: Path, model: str, version: int = 1) -> None:
 
 
 @pytest.fixture
-def cli(hub_server: HubServer, make_tenant: Callable[[str], str]) -> Iterator[dict[str, str]]:
-    env = {"TENSORHUB_HUB": hub_server.address, "TENSORHUB_TENANT": "views-shards",
-           "TENSORHUB_TOKEN": make_tenant("views-shards")}  # fmt: skip
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    yield env
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+def cli(cli_as: Callable[[str], dict[str, str]]) -> dict[str, str]:
+    """The CLI's hub, tenant and token in this process's environment."""
+    return cli_as("views-shards")
 
 
 @pytest.mark.timeout(240)
