@@ -232,6 +232,7 @@ def _read_layout(
                     parts[index], copies, slices, deadline, result, rate_floor, progress,
                     carry=carry,
                 )  # fmt: skip
+                give_back_freed()  # its staging, freed as it returned: resident no more
             done.update(c.name for copies in step.values() for c in copies)
             layouts.settle(dest, done)
         result.served = layouts.finish_holding(

@@ -1,6 +1,6 @@
 """Host memory and bytes of each vLLM worker per update at TP 2, blocks against whole
 versions (issue 34): `python -m tests.engines.vllm_cpu.memory [--updates 3]
-[--modes whole,blocks]`.
+[--modes whole,blocks] [--second]`.
 
 A Llama of about 300 MB in fp32 (`CONFIG`: 16 query heads and one KV head, so the KV head
 is replicated on both ranks; tied embeddings), a real etcd and hub started here, a trainer
@@ -14,7 +14,12 @@ a process of its own updates to each version:
 - `blocks` (the default at TP > 1): each worker reads only its blocks, learned from vLLM's
   loaders, loads them and serves them (`ros.integrations.vllm_blocks`).
 
-Per worker and update: `read`, the bytes its fetch read; `blocks`, its blocks' bytes (the
+With `--second`, each mode runs a second TP-2 vLLM beside the first, which updates to each
+version after the first has (its rows are `MODE-2`): in `blocks`, its workers read their
+blocks from the first instance's workers while those serve them.
+
+Per worker and update: `read`, the bytes its fetch read; `trainer`, those of them read from
+the trainer; `blocks`, its blocks' bytes (the
 checkpoint's, in `whole`); `kept`, what the engine keeps between updates (`held_bytes` +
 `base_bytes`); `fetch`, the peak resident memory during the fetch over the resident memory
 before the update (VmHWM reset through /proc/self/clear_refs); `load`, the peak during
@@ -69,47 +74,60 @@ def child(mode: str, hub: str, token: str, checkpoint: str, model: str, updates:
         sys.stdin.readline()  # the trainer published it
         update_vllm(llm, version)
         print(json.dumps(tiny.statuses(llm)), flush=True)
+    sys.stdin.read()  # serve the last version until every instance updated to it
     llm.shutdown_weight_transfer_engine()
 
 
 def run(
     mode: str, hub: str, token: str, checkpoint: str, model: str, trainer: Any,
-    tensors: dict[str, torch.Tensor], updates: int,
-) -> list[list[dict[str, Any]]]:  # fmt: skip
-    """A vLLM process of `mode` through `updates` versions of `model`: its statuses."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.engines.vllm_cpu.memory", "--child", mode, "--hub", hub,
-         "--token", token, "--checkpoint", checkpoint, "--model", model,
-         "--updates", str(updates)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert proc.stdin is not None
-    assert proc.stdout is not None
-    out = []
+    tensors: dict[str, torch.Tensor], updates: int, instances: int = 1,
+) -> list[list[list[dict[str, Any]]]]:  # fmt: skip
+    """`instances` vLLM processes of `mode` through `updates` versions of `model`, each
+    updating after the one before it: their statuses, per instance and update."""
+    argv = [sys.executable, "-m", "tests.engines.vllm_cpu.memory", "--child", mode, "--hub",
+            hub, "--token", token, "--checkpoint", checkpoint, "--model", model,
+            "--updates", str(updates)]  # fmt: skip
+    procs = [
+        subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for _ in range(instances)
+    ]
+    out: list[list[list[dict[str, Any]]]] = [[] for _ in procs]
     try:
         for version in range(1, updates + 1):
             for t in tensors.values():
                 t.add_(1e-3)  # an RL-sized step: every byte changes a little
             held = trainer.publish(model, version, tensors, delta=True)
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-            line = ""
-            while not line.startswith("["):
-                line = proc.stdout.readline()
-                if not line:
-                    raise RuntimeError(f"{mode}: the vLLM process ended")
-            out.append(json.loads(line))
+            for proc, statuses in zip(procs, out, strict=True):
+                statuses.append(_update(proc, mode))
             held.release()
     finally:
-        proc.stdin.close()
-        proc.wait(120)
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.close()
+        for proc in procs:
+            proc.wait(120)
     return out
+
+
+def _update(proc: subprocess.Popen[str], mode: str) -> list[dict[str, Any]]:
+    """Tell one vLLM process the next version is out; its workers' statuses after it."""
+    assert proc.stdin is not None
+    assert proc.stdout is not None
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    line = ""
+    while not line.startswith("["):
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{mode}: the vLLM process ended")
+    return list(json.loads(line))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--updates", type=int, default=3)
     ap.add_argument("--modes", default="whole,blocks")
+    ap.add_argument("--second", action="store_true", help="a second instance after the first")
     ap.add_argument("--child")
     ap.add_argument("--hub")
     ap.add_argument("--token")
@@ -142,25 +160,31 @@ def main() -> int:
                 name = f"trainer-{mode}"
                 trainer = ros.connect(hub.address, tenant=TENANT, token=token, name=name)
                 try:
-                    figures[mode] = run(mode, hub.address, token, str(Path(tmp) / "v0"),
-                                        f"policy-{i}", trainer, tensors, args.updates)  # fmt: skip
+                    runs = run(mode, hub.address, token, str(Path(tmp) / "v0"), f"policy-{i}",
+                               trainer, tensors, args.updates, 2 if args.second else 1)  # fmt: skip
+                    for n, statuses in enumerate(runs):
+                        figures[mode if n == 0 else f"{mode}-{n + 1}"] = statuses
                 finally:
                     trainer.close()
         finally:
             hub.stop(grace=0.2)
     print(f"checkpoint {whole / MiB:.1f} MiB")
-    print(f"{'mode':7} {'upd':>3} {'rank':>4} {'read':>7} {'blocks':>7} {'kept':>7} "
+    print(f"{'mode':8} {'upd':>3} {'rank':>4} {'read':>7} {'trainer':>7} {'blocks':>7} "
+          f"{'kept':>7} "
           f"{'fetch':>7} {'load':>7} {'peak':>7} {'growth':>7} {'bound':>7}  (MiB)")  # fmt: skip
     for mode, steps in figures.items():
         for step, workers in enumerate(steps, start=1):
             for rank, w in enumerate(workers):
                 mem = w["last_update_memory"]
-                read = sum(w["last_fetch"]["bytes_per_source"].values())
+                sources = w["last_fetch"]["bytes_per_source"]
+                read = sum(sources.values())
+                trained = sum(b for name, b in sources.items() if name.startswith("trainer-"))
                 blocks = w.get("block_bytes", whole)
                 kept = w["held_bytes"] + w["base_bytes"]
                 before, load_start = mem["rss_before"], mem["rss_load_start"]
-                print(f"{mode:7} {step:>3} {rank:>4} {read / MiB:7.1f} {blocks / MiB:7.1f} "
-                      f"{kept / MiB:7.1f} {(mem['rss_fetch_peak'] - before) / MiB:7.1f} "
+                print(f"{mode:8} {step:>3} {rank:>4} {read / MiB:7.1f} {trained / MiB:7.1f} "
+                      f"{blocks / MiB:7.1f} {kept / MiB:7.1f} "
+                      f"{(mem['rss_fetch_peak'] - before) / MiB:7.1f} "
                       f"{(mem['rss_load_peak'] - load_start) / MiB:7.1f} "
                       f"{(mem['rss_peak'] - before) / MiB:7.1f} "
                       f"{(mem['rss_after'] - before) / MiB:7.1f} "
