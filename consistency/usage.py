@@ -57,6 +57,7 @@ from etcd3 import etcdrpc
 from consistency import ops
 from consistency.etcd import Etcd
 from consistency.keys import Keys
+from consistency.layout_tally import LayoutTally
 from consistency.records import PartHeader, ShardRecord
 from tensorhub.errors import QuotaExceeded
 from tensorhub.lru import SizedLru
@@ -336,13 +337,16 @@ def release_version(
         [
             ops.get(keys.manifest(tenant, model, version)),
             ops.get(keys.shards(tenant, model, version), prefix=True),
+            ops.get(keys.layout_charge(tenant, model, version)),
             ops.get(key),
         ],
         timeout=timeout,
     )
-    top, shards, held = (r.response_range.kvs for r in result.responses)
-    charged = sum(_charge("manifest", bytes(kv.value)) for kv in top) + sum(
-        _charge("shard", bytes(kv.value)) for kv in shards
+    top, shards, tally, held = (r.response_range.kvs for r in result.responses)
+    charged = (
+        sum(_charge("manifest", bytes(kv.value)) for kv in top)
+        + sum(_charge("shard", bytes(kv.value)) for kv in shards)
+        + layouts_charge(tally)
     )
     return _released(key, held, charged)
 
@@ -363,11 +367,19 @@ def release_models(
         versions = keys.versions(tenant, model)
         listing = etcdrpc.RangeRequest(key=ops.b(versions), range_end=ops.prefix_end(versions))
         listings.append(etcdrpc.RequestOp(request_range=listing))
+        listings.append(ops.get(keys.layout_charges(tenant, model), prefix=True))
     result = etcd.txn([], [*listings, ops.get(key)], timeout=timeout)
     *listed, held = (r.response_range.kvs for r in result.responses)
-    pairs = zip(models, listed, strict=True)
+    pairs = zip(models, listed[::2], strict=True)
     charged = sum(versions_charge(keys, tenant, m, kvs) for m, kvs in pairs)
+    charged += sum(layouts_charge(tallies) for tallies in listed[1::2])
     return _released(key, held, charged)
+
+
+def layouts_charge(tallies: Iterable[Any]) -> int:
+    """What the layout tally keys `tallies` (as read, each with its `value`) were charged:
+    the block sets their versions' readers recorded (`consistency.layout_tally`)."""
+    return sum(LayoutTally.decode(bytes(kv.value)).charged for kv in tallies)
 
 
 def versions_charge(keys: Keys, tenant: str, model: str, kvs: Iterable[Any]) -> int:
