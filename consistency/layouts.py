@@ -18,8 +18,12 @@ The block set's key (its description and chunk checksums) is written once (creat
 the first reader that registers COMPLETE, from bytes verified against the publisher's chunk
 checksums (by it, or by the holders it read them from); a PARTIAL holder records none. It
 is no lease's, and goes with the version (retention and `DeleteModel` delete
-`lb/{model}/{version}/` in the transaction that deletes the version). A holder key is its
-session's (lease): release, lease expiry and session close remove it.
+`lb/{model}/{version}/` in the transaction that deletes the version). The transaction that
+creates it charges it to the tenant's etcd budget (`consistency.usage`) and counts it in the
+version's tally (`consistency.layout_tally`), against which `MAX_LAYOUTS_PER_VERSION` and
+`MAX_BLOCK_SETS_PER_LAYOUT` are checked before the write; the release of the version or
+model gives the tally's bytes back. A holder key is its session's (lease): release, lease
+expiry and session close remove it.
 """
 
 from __future__ import annotations
