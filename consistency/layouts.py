@@ -36,7 +36,7 @@ from consistency.etcd import Etcd, TxnResult
 from consistency.keys import Keys
 from consistency.layout_tally import LayoutTally
 from consistency.records import HolderRecord
-from consistency.retry import USAGE_RACES, LostRace
+from consistency.retry import LAYOUT_RACES, LostRace
 from consistency.usage import RECORD_BYTES, TenantBudget
 from tensorhub.errors import (
     InvalidArgument,
@@ -196,9 +196,9 @@ class LayoutRegistry:
         def attempt() -> tuple[int, int, list[int]]:
             return self._create(at, record, encode_block_set(blocks, sums), session_key, timeout)
 
-        return USAGE_RACES.compare_and_set(
+        return LAYOUT_RACES.compare_and_set(
             attempt,
-            None,  # each etcd call has its own timeout; the races are bounded by count
+            None if timeout is None else LAYOUT_RACES.deadline(timeout),
             lambda: Unavailable(
                 f"recording blocks {at.block_set} of {at.model}@{at.version}: the tenant's "
                 "etcd usage kept changing"
