@@ -201,7 +201,7 @@ class LayoutRegistry:
             None if timeout is None else LAYOUT_RACES.deadline(timeout),
             lambda: Unavailable(
                 f"recording blocks {at.block_set} of {at.model}@{at.version}: the tenant's "
-                "etcd usage kept changing"
+                "etcd usage or the version's layout tally kept changing"
             ),
         )
 
