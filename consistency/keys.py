@@ -12,6 +12,7 @@ here, nowhere else.
 {p}/t/{tenant}/mp/{model}/{version:020d}/arrived       (shard counter: count, arrived)
 {p}/t/{tenant}/lb/{model}/{version:020d}/{layout}/s/{block_set}   (its blocks and checksums)
 {p}/t/{tenant}/lb/{model}/{version:020d}/{layout}/h/{block_set}/{holder}
+{p}/t/{tenant}/lb/{model}/charged/{version:020d}       (its layouts' block sets, bytes charged)
 {p}/t/{tenant}/s/{session:x}                           (marks a lease as the tenant's)
 {p}/t/{tenant}/quota/{what}                            (fence of a counted create: models, sessions)
 {p}/tenants/{tenant}
@@ -174,6 +175,15 @@ class Keys:
     def version_layouts(self, tenant: str, model: str, version: int) -> str:
         """Every layout block set of one version: retention deletes it with the version."""
         return f"{self.model_layouts(tenant, model)}{validate_version(version):020d}/"
+
+    def layout_charges(self, tenant: str, model: str) -> str:
+        """The tallies of every version's layout block sets (`consistency.layout_tally`):
+        beside the versions' own prefixes (20 digits), so one range reads a model's."""
+        return f"{self.model_layouts(tenant, model)}charged/"
+
+    def layout_charge(self, tenant: str, model: str, version: int) -> str:
+        """One version's tally: its layouts' block sets and the bytes charged for them."""
+        return f"{self.layout_charges(tenant, model)}{validate_version(version):020d}"
 
     def layout(self, tenant: str, model: str, version: int, layout: str) -> str:
         """One layout of one version: its block sets and their holders."""

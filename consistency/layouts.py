@@ -18,8 +18,12 @@ The block set's key (its description and chunk checksums) is written once (creat
 the first reader that registers COMPLETE, from bytes verified against the publisher's chunk
 checksums (by it, or by the holders it read them from); a PARTIAL holder records none. It
 is no lease's, and goes with the version (retention and `DeleteModel` delete
-`lb/{model}/{version}/` in the transaction that deletes the version). A holder key is its
-session's (lease): release, lease expiry and session close remove it.
+`lb/{model}/{version}/` in the transaction that deletes the version). The transaction that
+creates it charges it to the tenant's etcd budget (`consistency.usage`) and counts it in the
+version's tally (`consistency.layout_tally`), against which `MAX_LAYOUTS_PER_VERSION` and
+`MAX_BLOCK_SETS_PER_LAYOUT` are checked before the write; the release of the version or
+model gives the tally's bytes back. A holder key is its session's (lease): release, lease
+expiry and session close remove it.
 """
 
 from __future__ import annotations
@@ -28,14 +32,18 @@ import struct
 from dataclasses import dataclass
 
 from consistency import ops
-from consistency.etcd import Etcd
+from consistency.etcd import Etcd, TxnResult
 from consistency.keys import Keys
+from consistency.layout_tally import LayoutTally
 from consistency.records import HolderRecord
+from consistency.retry import LAYOUT_RACES, LostRace
+from consistency.usage import RECORD_BYTES, TenantBudget
 from tensorhub.errors import (
     InvalidArgument,
     PermissionDenied,
     QuotaExceeded,
     SessionExpired,
+    Unavailable,
     VersionNotFound,
 )
 
@@ -52,6 +60,14 @@ MAX_BLOCK_SETS_PER_LAYOUT = 4096
 the bound on a version's shards); a reader whose block set would pass it is refused with
 `QuotaExceeded`."""
 
+MAX_LAYOUTS_PER_VERSION = 16
+"""The most layouts whose block sets one version records: an RL job's rollouts take a few
+layouts (a TP per rollout size, one per engine), and an elastic job that changes TP adds
+one each time, all within a version's life of a few steps. A reader whose block set would
+open one more is refused with `QuotaExceeded` (it keeps its bytes and serves none). With
+`MAX_BLOCK_SETS_PER_LAYOUT`, it bounds a version's block-set keys; the tenant's etcd budget
+bounds their bytes."""
+
 MAX_BLOCK_SETS_READ = 64
 """How many block sets of a layout a reader covered by it is told of (a TP-64 layout)."""
 
@@ -63,6 +79,9 @@ MAX_BLOCKS_BYTES = 256 * 1024
 
 _SUM = struct.Struct(">Q")
 _LEN = struct.Struct(">I")
+
+MAX_BLOCK_SET_BYTES = _LEN.size + MAX_BLOCKS_BYTES + _SUM.size * MAX_BLOCK_SUMS
+"""The longest value of a block set's key (about 768 KiB)."""
 
 
 def encode_sums(sums: list[int]) -> bytes:
@@ -126,9 +145,12 @@ class LayoutHolders:
 class LayoutRegistry:
     """Register, find and release holders of layout blocks, within one tenant's prefix."""
 
-    def __init__(self, etcd: Etcd, keys: Keys) -> None:
+    def __init__(self, etcd: Etcd, keys: Keys, budget: TenantBudget | None = None) -> None:
+        """`budget`: the tenant's, charged for each block set's key it creates (None: no
+        charge; the tally still counts them, charged 0)."""
         self.etcd = etcd
         self.keys = keys
+        self.budget = budget
 
     def _keys(self, at: BlockSetKey) -> tuple[str, str, str]:
         args = (at.tenant, at.model, at.version, at.layout, at.block_set)
@@ -153,8 +175,11 @@ class LayoutRegistry:
         the version's manifest and the tenant's record of the session; (fence, revision,
         the checksums recorded).
 
-        `VersionNotFound`: the version is not published (or was retired); `SessionExpired`:
-        the lease is no live session of the tenant."""
+        A registration that creates the block set's key charges it to the tenant's budget
+        and counts it in the version's tally (`_create`); `QuotaExceeded`, with nothing
+        written (not the holder key either), past the budget, `MAX_LAYOUTS_PER_VERSION` or
+        `MAX_BLOCK_SETS_PER_LAYOUT`. `VersionNotFound`: the version is not published (or
+        was retired); `SessionExpired`: the lease is no live session of the tenant."""
         if record.session <= 0:
             raise InvalidArgument("a layout holder record needs its session (lease) id")
         if len(sums) > MAX_BLOCK_SUMS:
@@ -165,53 +190,142 @@ class LayoutRegistry:
             raise InvalidArgument(
                 f"a block set described in {len(blocks)} bytes: at most {MAX_BLOCKS_BYTES}"
             )
-        manifest_key, sums_key, holders = self._keys(at)
-        key = self.keys.layout_holder(
-            at.tenant, at.model, at.version, at.layout, at.block_set, record.holder
+        if not sums:
+            return self._hold(at, record, session_key, timeout)
+
+        def attempt() -> tuple[int, int, list[int]]:
+            return self._create(at, record, encode_block_set(blocks, sums), session_key, timeout)
+
+        return LAYOUT_RACES.compare_and_set(
+            attempt,
+            None if timeout is None else LAYOUT_RACES.deadline(timeout),
+            lambda: Unavailable(
+                f"recording blocks {at.block_set} of {at.model}@{at.version}: the tenant's "
+                "etcd usage or the version's layout tally kept changing"
+            ),
         )
-        assert key.startswith(holders)
-        record_sums = [
-            ops.nested([ops.absent(sums_key)], [ops.put(sums_key, encode_block_set(blocks, sums))])
-        ]
+
+    def _hold(
+        self, at: BlockSetKey, record: HolderRecord, session_key: str, timeout: float | None
+    ) -> tuple[int, int, list[int]]:
+        """Put the holder's key, and nothing else (its block set's key exists, or it
+        records none): no charge."""
+        manifest_key, sums_key, _ = self._keys(at)
+        key = self._holder_key(at, record.holder)
         result = self.etcd.txn(
             [ops.exists(manifest_key), ops.exists(session_key)],
-            [
-                ops.put(key, record.encode(), lease=record.session),
-                *(record_sums if sums else []),
-                ops.get(key),
-                ops.get(sums_key),
-            ],
+            [ops.put(key, record.encode(), lease=record.session), ops.get(key), ops.get(sums_key)],
             [ops.get(manifest_key, count_only=True)],
             timeout=timeout,
         )
-        if not result.succeeded:
-            if not int(result.responses[0].response_range.count):
-                raise VersionNotFound(f"{at.model}@{at.version} is not published; cannot hold it")
-            raise SessionExpired(
-                f"session {record.session:x} has expired or was revoked: open a new one"
-            )
-        created = bool(sums) and bool(result.responses[1].response_txn.succeeded)
-        if created:
-            self._check_count(at, sums_key, key, timeout)
+        self._refused(at, record, result)
         held, found = result.responses[-2].response_range, result.responses[-1].response_range
-        fence = int(held.kvs[0].create_revision)
         recorded = decode_block_set(bytes(found.kvs[0].value))[1] if found.kvs else []
-        return fence, result.revision, recorded
+        return int(held.kvs[0].create_revision), result.revision, recorded
 
-    def _check_count(
-        self, at: BlockSetKey, created: str, holder: str, timeout: float | None
-    ) -> None:
-        """After creating a block set: past `MAX_BLOCK_SETS_PER_LAYOUT` block sets of its
-        layout, take it (and its holder) back and refuse (`QuotaExceeded`). Racing
-        creators of the last ones may both be refused; the count never stays past the bound."""
-        sets = self.keys.layout_block_sets(at.tenant, at.model, at.version, at.layout)
-        if self.etcd.count(sets, timeout=timeout) <= MAX_BLOCK_SETS_PER_LAYOUT:
-            return
-        self.etcd.txn([], [ops.delete(created), ops.delete(holder)], timeout=timeout)
-        raise QuotaExceeded(
-            f"layout {at.layout!r} of {at.model}@{at.version} has {MAX_BLOCK_SETS_PER_LAYOUT} "
-            "block sets: no more are recorded"
+    def _create(
+        self,
+        at: BlockSetKey,
+        record: HolderRecord,
+        value: bytes,
+        session_key: str,
+        timeout: float | None,
+    ) -> tuple[int, int, list[int]]:
+        """One try at registering a holder whose block set may have no key yet: read (at one
+        revision) whether it has one, the version's tally and the tenant's usage. A key
+        there (another reader created it): `_hold`, no charge. Else check the bounds and
+        the budget, then create the key with the holder, the tally and the charge, comparing
+        the tally's and the usage's mod_revision as read and the key's absence: a failed
+        compare (another reader's create, a publish, a release) is a `LostRace`, read again."""
+        manifest_key, sums_key, _ = self._keys(at)
+        tally_key = self.keys.layout_charge(at.tenant, at.model, at.version)
+        budget = self.budget
+        reads = [ops.get(sums_key, count_only=True), ops.get(tally_key)]
+        if budget is not None:
+            reads.append(ops.get(budget.key))
+        read = self.etcd.txn([], reads, timeout=timeout)
+        if int(read.responses[0].response_range.count):
+            return self._hold(at, record, session_key, timeout)  # someone else created it
+        tallied = read.responses[1].response_range.kvs
+        tally = LayoutTally.decode(bytes(tallied[0].value)) if tallied else LayoutTally()
+        self._check_bounds(at, tally)
+        charged = 0
+        compares: list[ops.Cmp] = []
+        puts: list[ops.Op] = []
+        if budget is not None:
+            usage = read.responses[2].response_range.kvs
+            admitted, compares, puts, refusal = budget.charge_read(
+                [len(value)], usage[0] if usage else None, publishes=0.0
+            )
+            if not admitted:
+                assert refusal is not None
+                raise QuotaExceeded(
+                    f"layout {at.layout!r} blocks {at.block_set} of {at.model}@{at.version} "
+                    f"are not recorded: {refusal}"
+                )
+            charged = len(value) + RECORD_BYTES
+        key = self._holder_key(at, record.holder)
+        seen = int(tallied[0].mod_revision) if tallied else 0
+        result = self.etcd.txn(
+            [
+                ops.exists(manifest_key),
+                ops.exists(session_key),
+                ops.absent(sums_key),
+                ops.mod(tally_key, "==", seen),
+                *compares,
+            ],
+            [
+                ops.put(key, record.encode(), lease=record.session),
+                ops.put(sums_key, value),
+                ops.put(tally_key, tally.add(at.layout, charged).encode()),
+                *puts,
+                ops.get(key),
+            ],
+            [ops.get(manifest_key, count_only=True), ops.get(session_key, count_only=True)],
+            timeout=timeout,
         )
+        if budget is not None:
+            budget.committed(result.revision if result.succeeded else None)
+        if not result.succeeded:
+            if all(int(r.response_range.count) for r in result.responses):
+                raise LostRace(f"the usage of tenant {at.tenant} or its layout tally moved")
+            self._refused(at, record, result)
+        held = result.responses[-1].response_range
+        return int(held.kvs[0].create_revision), result.revision, decode_block_set(value)[1]
+
+    @staticmethod
+    def _refused(at: BlockSetKey, record: HolderRecord, result: TxnResult) -> None:
+        """Name why a registration's transaction did not commit (its failure branch read
+        the manifest's count first): `VersionNotFound` or `SessionExpired`."""
+        if result.succeeded:
+            return
+        if not int(result.responses[0].response_range.count):
+            raise VersionNotFound(f"{at.model}@{at.version} is not published; cannot hold it")
+        raise SessionExpired(
+            f"session {record.session:x} has expired or was revoked: open a new one"
+        )
+
+    @staticmethod
+    def _check_bounds(at: BlockSetKey, tally: LayoutTally) -> None:
+        """`QuotaExceeded` if one more block set of `at.layout` would pass
+        `MAX_BLOCK_SETS_PER_LAYOUT`, or a new layout `MAX_LAYOUTS_PER_VERSION`."""
+        if at.layout not in tally.layouts and len(tally.layouts) >= MAX_LAYOUTS_PER_VERSION:
+            raise QuotaExceeded(
+                f"{at.model}@{at.version} has {MAX_LAYOUTS_PER_VERSION} layouts: layout "
+                f"{at.layout!r} is not recorded"
+            )
+        if tally.sets(at.layout) >= MAX_BLOCK_SETS_PER_LAYOUT:
+            raise QuotaExceeded(
+                f"layout {at.layout!r} of {at.model}@{at.version} has "
+                f"{MAX_BLOCK_SETS_PER_LAYOUT} block sets: no more are recorded"
+            )
+
+    def _holder_key(self, at: BlockSetKey, holder: str) -> str:
+        key = self.keys.layout_holder(
+            at.tenant, at.model, at.version, at.layout, at.block_set, holder
+        )
+        assert key.startswith(self._keys(at)[2])
+        return key
 
     def resolve(self, at: BlockSetKey, *, timeout: float | None = None) -> LayoutHolders:
         """The block set's holders (the first `MAX_LAYOUT_HOLDERS_READ` keys) and checksums,

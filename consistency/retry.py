@@ -348,6 +348,12 @@ USAGE_RACES = replace(CAS_POLICY, tries=8)
 """A tenant's usage key changed under a write that also charges it (a version collected,
 a model deleted): publishes of the same tenant move it meanwhile; 8 tries."""
 
+LAYOUT_RACES = replace(CAS_POLICY, tries=64)
+"""A registration that records a layout block set (`consistency.layouts`) lost the compare
+on its version's tally or its tenant's usage key: every worker of a layout that finishes at
+once creates a block set of the same version, each round commits at least one of them, so
+the tries are many (64 rounds), and the call's deadline bounds them in time."""
+
 COMPACTION_RACES = replace(CAS_POLICY, tries=3)
 """Loading a model's holder index (`ros.hub.holder_index`): the compactor may pass the
 revision it read meanwhile; 3 tries."""

@@ -5,8 +5,9 @@ one tenant publishing big manifests could take writes away from all of them. Eac
 therefore has one usage key (`Keys.quota_fence(tenant, "usage")`) holding
 
 - `bytes`: the manifest bytes (plus `RECORD_BYTES` per version or shard record) of the
-  tenant's versions that etcd holds now: charged by the publish that writes them, released by
-  the transaction that deletes them (retention, model deletion);
+  tenant's versions that etcd holds now, and its layout block sets' keys (below): charged by
+  the write that creates them, released by the transaction that deletes them (retention,
+  model deletion);
 - `tokens` and `at`: a token bucket of publishes, refilled at `publishes_per_minute / 60`
   per second up to `publishes_per_minute`. A whole version's publish takes one token; a
   model-parallel version of N shards takes ceil(N / `SHARDS_PER_TOKEN`) in all, one for each
@@ -40,6 +41,14 @@ again only after a transaction that failed (or whose outcome is unknown). Anothe
 replica's charge in between only fails that compare, so the cache costs no guarantee, and
 a steady publisher reads its usage once, not twice per publish.
 
+A layout block set's key (`consistency.layouts`: a reader in another layout's description
+and checksums of its blocks, up to about 768 KiB, no lease's) is charged the same way by the
+registration that creates it: its value's length plus `RECORD_BYTES`, live and in the
+history bucket, no token, with the same compare on the usage key's mod_revision, in the
+transaction that creates it. The version's tally (`consistency.layout_tally`) records what
+was charged, and the releases read it with the version's keys: `release_version` the
+version's tally, `release_models` a model's tallies (one range, one key per version).
+
 Holder, pin and session records are not charged here: they are small, bounded in size, and
 bounded in number by the session quota (each lives under its session's lease).
 """
@@ -57,6 +66,7 @@ from etcd3 import etcdrpc
 from consistency import ops
 from consistency.etcd import Etcd
 from consistency.keys import Keys
+from consistency.layout_tally import LayoutTally
 from consistency.records import PartHeader, ShardRecord
 from tensorhub.errors import QuotaExceeded
 from tensorhub.lru import SizedLru
@@ -324,7 +334,8 @@ def release_version(
     etcd: Etcd, keys: Keys, tenant: str, model: str, version: int, timeout: float | None
 ) -> Guard:
     """The compare and put that give back what `model@version` was charged, in the
-    transaction that deletes it. The charge (its header and shard records) and the usage key
+    transaction that deletes it. The charge (its header and shard records, and its layout
+    block sets as its tally records them) and the usage key
     are read in one read-only transaction, at one revision, and the usage key's mod revision
     is compared: a publish, a model deletion or another replica's retention that changed
     either since fails the compare, and the caller calls again. So no charge is given back
@@ -336,13 +347,16 @@ def release_version(
         [
             ops.get(keys.manifest(tenant, model, version)),
             ops.get(keys.shards(tenant, model, version), prefix=True),
+            ops.get(keys.layout_charge(tenant, model, version)),
             ops.get(key),
         ],
         timeout=timeout,
     )
-    top, shards, held = (r.response_range.kvs for r in result.responses)
-    charged = sum(_charge("manifest", bytes(kv.value)) for kv in top) + sum(
-        _charge("shard", bytes(kv.value)) for kv in shards
+    top, shards, tally, held = (r.response_range.kvs for r in result.responses)
+    charged = (
+        sum(_charge("manifest", bytes(kv.value)) for kv in top)
+        + sum(_charge("shard", bytes(kv.value)) for kv in shards)
+        + layouts_charge(tally)
     )
     return _released(key, held, charged)
 
@@ -363,11 +377,19 @@ def release_models(
         versions = keys.versions(tenant, model)
         listing = etcdrpc.RangeRequest(key=ops.b(versions), range_end=ops.prefix_end(versions))
         listings.append(etcdrpc.RequestOp(request_range=listing))
+        listings.append(ops.get(keys.layout_charges(tenant, model), prefix=True))
     result = etcd.txn([], [*listings, ops.get(key)], timeout=timeout)
     *listed, held = (r.response_range.kvs for r in result.responses)
-    pairs = zip(models, listed, strict=True)
+    pairs = zip(models, listed[::2], strict=True)
     charged = sum(versions_charge(keys, tenant, m, kvs) for m, kvs in pairs)
+    charged += sum(layouts_charge(tallies) for tallies in listed[1::2])
     return _released(key, held, charged)
+
+
+def layouts_charge(tallies: Iterable[Any]) -> int:
+    """What the layout tally keys `tallies` (as read, each with its `value`) were charged:
+    the block sets their versions' readers recorded (`consistency.layout_tally`)."""
+    return sum(LayoutTally.decode(bytes(kv.value)).charged for kv in tallies)
 
 
 def versions_charge(keys: Keys, tenant: str, model: str, kvs: Iterable[Any]) -> int:

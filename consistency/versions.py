@@ -426,6 +426,7 @@ class VersionRegistry:
                     ops.delete(self.keys.version(tenant, model, version), prefix=True),
                     ops.delete(self.keys.manifest_pages(tenant, model, version), prefix=True),
                     ops.delete(self.keys.version_layouts(tenant, model, version), prefix=True),
+                    ops.delete(self.keys.layout_charge(tenant, model, version)),
                     *put,
                 ],
                 [ops.get(pins, prefix=True, count_only=True)],

@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from consistency import Etcd, Keys, ops
+from consistency.layouts import MAX_BLOCK_SET_BYTES
 from consistency.manifests import INLINE_BYTES, SHARD_INLINE_BYTES
 from consistency.publishing import Admit, Charge
 from consistency.quota import CountedCreate
@@ -59,6 +60,23 @@ def _budget(
         history_bytes=tenant.quotas.max_history_bytes,
         history_period=history_period,
         inline=SHARD_INLINE_BYTES if sharded else INLINE_BYTES,
+        cache=cache,
+    )  # fmt: skip
+
+
+def layout_budget(
+    etcd: Etcd, keys: Keys, tenant: Tenant, history_period: float, cache: UsageCache
+) -> TenantBudget:
+    """The tenant's budget as the layout registry charges it for each block set's key it
+    creates (`consistency.layouts`): the key's bytes plus `RECORD_BYTES`, live and in the
+    history bucket (the key is written once: `inline` past any block set), no publish token."""
+    return TenantBudget(
+        etcd, keys, tenant.name,
+        max_bytes=tenant.quotas.max_etcd_bytes,
+        publishes_per_minute=tenant.quotas.max_publishes_per_minute,
+        history_bytes=tenant.quotas.max_history_bytes,
+        history_period=history_period,
+        inline=MAX_BLOCK_SET_BYTES,
         cache=cache,
     )  # fmt: skip
 

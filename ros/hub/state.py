@@ -22,7 +22,7 @@ from consistency.keepalive import LeaseKeeper
 from consistency.layouts import LayoutRegistry
 from consistency.sessions import SessionRecords
 from consistency.usage import DEFAULT_HISTORY_PERIOD, UsageCache
-from ros.hub.budget import Budgets
+from ros.hub.budget import Budgets, layout_budget
 from ros.hub.call import ADMIN, MAX_CALL_SECONDS, CallContext, Caller, as_named, bearer, same
 from ros.hub.fanout import WatchFanout
 from ros.hub.holder_index import HolderIndex
@@ -241,7 +241,9 @@ class HubState:
     def layouts(self, tenant: Tenant) -> LayoutRegistry:
         """The tenant's layout holder registry (`consistency.layouts`), its writes fenced on
         the tenant's record as the other registries' are."""
-        return LayoutRegistry(self.etcd_for(tenant), self.keys)
+        etcd = self.etcd_for(tenant)
+        budget = layout_budget(etcd, self.keys, tenant, self.history_period, self.usage_cache)
+        return LayoutRegistry(etcd, self.keys, budget)
 
     def etcd_for(self, tenant: Tenant) -> Etcd:
         """The etcd connection for writes made on `tenant`'s behalf: each compares that the

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from consistency import Etcd, Keys, ops
 from consistency.records import HolderRecord, PartHeader, ShardRecord
-from consistency.usage import Usage, versions_charge
+from consistency.usage import RECORD_BYTES, Usage, versions_charge
 from consistency.versions import VersionRegistry
 
 
@@ -172,9 +172,27 @@ def usage_held(etcd: Etcd, keys: Keys, tenant: str) -> int:
 
 def model_charge(etcd: Etcd, keys: Keys, tenant: str, model: str, timeout: float | None) -> int:
     """What every version of `model` was charged, as the delete that releases the model
-    counts it (`consistency.usage.versions_charge` over one range read of its version keys)."""
+    counts it (`consistency.usage.versions_charge` over one range read of its version keys),
+    plus its layout block sets' keys, each its value's length and `RECORD_BYTES`, counted
+    from the keys themselves (not from the tallies the hub releases them by)."""
     result = etcd.range(keys.versions(tenant, model), prefix=True, timeout=timeout)
-    return versions_charge(keys, tenant, model, result.kvs)
+    return versions_charge(keys, tenant, model, result.kvs) + block_sets_charge(
+        etcd, keys, tenant, model, timeout
+    )
+
+
+def block_sets_charge(
+    etcd: Etcd, keys: Keys, tenant: str, model: str, timeout: float | None
+) -> int:
+    """The layout block sets' keys of `model` (`lb/{model}/{version}/{layout}/s/{id}`),
+    each its value's length plus `RECORD_BYTES`."""
+    prefix = keys.model_layouts(tenant, model)
+    found = etcd.range(prefix, prefix=True, timeout=timeout)
+    return sum(
+        len(bytes(kv.value)) + RECORD_BYTES
+        for kv in found.kvs
+        if bytes(kv.key).decode()[len(prefix) :].split("/")[2:3] == ["s"]
+    )
 
 
 def charged_by_keys(etcd: Etcd, keys: Keys, tenant: str) -> int:
