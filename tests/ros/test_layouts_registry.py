@@ -147,7 +147,7 @@ def test_a_cover_lists_a_layouts_block_sets_with_a_few_holders_each(
     assert registry.cover("t", "m", 1, "tp4")[0] == []  # a layout nobody declared
 
 
-def test_a_block_set_past_the_layouts_bound_is_refused_and_taken_back(
+def test_a_block_set_past_the_layouts_bound_is_refused_with_nothing_written(
     registry: LayoutRegistry, keys: Keys, session: Session, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(layouts_module, "MAX_BLOCK_SETS_PER_LAYOUT", 2)
