@@ -50,16 +50,18 @@ def _budget(
     keys: Keys,
     tenant: Tenant,
     history_period: float,
-    sharded: bool,
+    inline: int,
     cache: UsageCache | None = None,
 ) -> TenantBudget:
+    """The tenant's quotas as a `TenantBudget`; `inline`: the manifest size up to which a
+    charge writes it once into etcd's history (`consistency.usage.history_cost`)."""
     return TenantBudget(
         etcd, keys, tenant.name,
         max_bytes=tenant.quotas.max_etcd_bytes,
         publishes_per_minute=tenant.quotas.max_publishes_per_minute,
         history_bytes=tenant.quotas.max_history_bytes,
         history_period=history_period,
-        inline=SHARD_INLINE_BYTES if sharded else INLINE_BYTES,
+        inline=inline,
         cache=cache,
     )  # fmt: skip
 
@@ -70,15 +72,7 @@ def layout_budget(
     """The tenant's budget as the layout registry charges it for each block set's key it
     creates (`consistency.layouts`): the key's bytes plus `RECORD_BYTES`, live and in the
     history bucket (the key is written once: `inline` past any block set), no publish token."""
-    return TenantBudget(
-        etcd, keys, tenant.name,
-        max_bytes=tenant.quotas.max_etcd_bytes,
-        publishes_per_minute=tenant.quotas.max_publishes_per_minute,
-        history_bytes=tenant.quotas.max_history_bytes,
-        history_period=history_period,
-        inline=MAX_BLOCK_SET_BYTES,
-        cache=cache,
-    )  # fmt: skip
+    return _budget(etcd, keys, tenant, history_period, MAX_BLOCK_SET_BYTES, cache)
 
 
 def publish_charge(
@@ -100,7 +94,8 @@ def publish_charge(
     history budget refills; `cache`: the replica's usage cache
     (`consistency.usage.UsageCache`): the check and the charge read the usage key only when
     it holds no copy, or after a failed transaction."""
-    budget = _budget(etcd, keys, tenant, history_period, bool(shard_count), cache)
+    inline = SHARD_INLINE_BYTES if shard_count else INLINE_BYTES
+    budget = _budget(etcd, keys, tenant, history_period, inline, cache)
     tokens = float(shard_tokens(arrived, 1)) if shard_count else 1.0
     charge = _Counted(budget.charge_for(size, tokens))
     charge(timeout)
@@ -191,7 +186,7 @@ class BatchBudget:
     of N shards takes ceil(N / `SHARDS_PER_TOKEN`) however they are batched."""
 
     def __init__(self, etcd: Etcd, keys: Keys, tenant: Tenant, history_period: float) -> None:
-        self._budget = _budget(etcd, keys, tenant, history_period, True)
+        self._budget = _budget(etcd, keys, tenant, history_period, SHARD_INLINE_BYTES)
         self.key = self._budget.key
 
     def charge(
