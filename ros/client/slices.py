@@ -232,7 +232,6 @@ def _read_layout(
                     parts[index], copies, slices, deadline, result, rate_floor, progress,
                     carry=carry,
                 )  # fmt: skip
-                give_back_freed()  # its staging, freed as it returned: resident no more
             done.update(c.name for copies in step.values() for c in copies)
             layouts.settle(dest, done)
         result.served = layouts.finish_holding(
@@ -368,14 +367,37 @@ def _read_part(
     through host memory and no tensor in GPU memory is viewed as numpy."""
     layout = layout_of(manifest)
     specs = {s.name: s for s in layout.tensors}
-    if deltas is None and len(groups := _staging_groups(copies, layout, specs)) > 1:
-        for group in groups:  # one staging copy at a time (`STAGING_BUDGET`)
-            _read_part(
-                me, runs, model, version, shard, holders, manifest, group, slices,
-                deadline, result, rate_floor, progress, carry=carry,
-            )  # fmt: skip
-            give_back_freed()  # its staging, freed as it returned: resident no more
-        return
+    groups = _staging_groups(copies, layout, specs) if deltas is None else [copies]
+    for group in groups:  # one staging copy at a time (`STAGING_BUDGET`)
+        _read_group(
+            me, runs, model, version, shard, holders, manifest, layout, specs, group,
+            slices, deadline, result, rate_floor, progress, deltas, carry,
+        )  # fmt: skip
+        give_back_freed()  # its staging, freed as it returned: resident no more
+
+
+def _read_group(
+    me: Identity,
+    runs: Orchestrator,
+    model: str,
+    version: int,
+    shard: int | None,
+    holders: pb.ResolveResponse,
+    manifest: pb.Manifest,
+    layout: Layout,
+    specs: Mapping[str, TensorSpec],
+    copies: list[_Copy],
+    slices: Mapping[str, Slice],
+    deadline: Deadline,
+    result: SliceFetch,
+    rate_floor: float,
+    progress: ProgressCallback | None,
+    deltas: DeltaReader | None,
+    carry: Carry | None,
+) -> None:
+    """`_read_part` for one staging copy: the chunks `copies` need, into a staging copy of
+    the shard's `layout` allocated here (or the delta base kept from the last call), then
+    the intersections copied out."""
     needed = _needed(copies, layout, specs)
     device = _staging_device([slices[c.name].tensor for c in copies])
     base = deltas.staged.take(model, shard) if deltas is not None else None
