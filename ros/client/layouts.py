@@ -74,8 +74,9 @@ holders that failed) before what is missing is read from the trainer's shards.""
 
 PIPELINE_STEPS = 8
 """A first reader reads its blocks from the trainer's shards in about this many steps of
-whole blocks (at most `ros.client.slices.STAGING_BUDGET` bytes each), so that the readers
-chained behind it get chunks after the first step, not after its whole read."""
+whole blocks (at most `ros.client.slices.STAGING_BUDGET` bytes each), the source shards at
+once, each block served as soon as it is in place, so that the readers chained behind it
+get chunks as its read goes, not after it."""
 
 
 @dataclass(frozen=True)

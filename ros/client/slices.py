@@ -8,13 +8,16 @@ of each source shard, only the chunks that contain its intersection with that bl
 them against the publisher's checksums, and copies the intersection into place.
 
 Source shards are read one at a time into a staging copy of that shard's layout, of which
-only the needed chunks are filled; the peak extra memory is one source shard. A reader of
+only the needed chunks are filled; the peak extra memory is one source shard (a reader in a
+layout stages one step's part of each source shard at once, and holds one staging copy in
+GPU memory at a time). A reader of
 slices becomes a holder of its blocks when it names their layout (`layout=`,
 `ros.client.layouts`): it serves them as a PARTIAL holder from the start, reads them first
 from the other holders of the same blocks (pipelined: from one registered before it, as
 that one reads them), checked against checksums derived from publisher-verified bytes,
-reads only what they did not give from the trainer's shards, in steps of whole blocks
-whose chunks it serves as each step ends, and then registers as their COMPLETE holder.
+reads only what they did not give from the trainer's shards, in steps of whole blocks (a
+pipeline per source shard, the shards read at once, each block served as soon as every
+part of it is in place), and then registers as their COMPLETE holder.
 Without `layout`, it holds nothing; readers in the publisher's own layout use
 `fetch(shard=i)`.
 
@@ -33,7 +36,9 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -202,8 +207,8 @@ def _read_layout(
 ) -> None:
     """A reader in a layout (`ros.client.layouts`): serve the blocks as a PARTIAL holder,
     read them from the holders registered before us and the `cover` layouts, the rest from
-    the trainer's shards in steps of whole blocks (each step's chunks served as it ends),
-    then register COMPLETE. A failure stops the serving and deletes our record."""
+    the trainer's shards in steps of whole blocks (`_read_steps`: each block served as soon
+    as it is in place), then register COMPLETE. A failure stops the serving and deletes our record."""
     token = _renewing_token(runs, model, version, resolved, deadline)
     dest, fence = layouts.start_holding(peers, me, model, version, layout, blocks, deadline)
     try:
@@ -215,31 +220,96 @@ def _read_layout(
         layouts.settle(dest, done)
         todo = {name: slices[name] for name in sorted(result.from_trainer)}
         plan = _plan(model, version, parts, todo) if todo else {}
-        holders: dict[int, pb.ResolveResponse] = {}
-        steps = _steps(plan, blocks)
-        carry = Carry()
-        for step in steps:
-            for index, copies in step.items():
-                layout_i = layout_of(parts[index])
-                specs = {spec.name: spec for spec in layout_i.tensors}
-                carry.plan(_shard(resolved, index), _needed(copies, layout_i, specs))
-        for step in steps:
-            for index, copies in step.items():
-                if index not in holders:
-                    holders[index] = _holders(runs, model, version, resolved, index, deadline)
-                _read_part(
-                    me, runs, model, version, _shard(resolved, index), holders[index],
-                    parts[index], copies, slices, deadline, result, rate_floor, progress,
-                    carry=carry,
-                )  # fmt: skip
-            done.update(c.name for copies in step.values() for c in copies)
-            layouts.settle(dest, done)
+        _read_steps(
+            runs, me, model, version, resolved, parts, _steps(plan, blocks), slices, dest,
+            done, deadline, result, rate_floor, progress,
+        )  # fmt: skip
         result.served = layouts.finish_holding(
             peers, me, model, version, layout, blocks, dest, recorded, deadline
         )
     except BaseException:
         layouts.release(peers, me, model, version, layouts.cleanup_time(me, deadline))
         raise
+
+
+def _read_steps(
+    runs: Orchestrator,
+    me: Identity,
+    model: str,
+    version: int,
+    resolved: pb.ResolveResponse,
+    parts: list[pb.Manifest],
+    steps: list[dict[int, list[_Copy]]],
+    slices: Mapping[str, Slice],
+    dest: HeldVersion,
+    done: set[str],
+    deadline: Deadline,
+    result: SliceFetch,
+    rate_floor: float,
+    progress: ProgressCallback | None,
+) -> None:
+    """Read `steps` from the trainer's shards: one pipeline per source shard, all at once,
+    each reading its part of step after step (`_read_part`, with the chunks that steps
+    share carried over: `Carry`); a block is served (`layouts.settle`) as soon as every
+    shard's part of it is in place, not when the whole step is. So the reader's link takes
+    the shards' bytes at once, with no round trip between one shard's read and the next,
+    and it serves its blocks at about the rate they arrive, not in bursts at step ends
+    (docs/design-notes.md, "Readers in another layout")."""
+    carry = Carry()
+    pipelines: dict[int, list[list[_Copy]]] = {}
+    left: dict[str, int] = {}  # per block: the source shards' parts not in place yet
+    for step in steps:
+        for index, copies in step.items():
+            layout_i = layout_of(parts[index])
+            specs = {spec.name: spec for spec in layout_i.tensors}
+            carry.plan(_shard(resolved, index), _needed(copies, layout_i, specs))
+            pipelines.setdefault(index, []).append(copies)
+            for c in copies:
+                left[c.name] = left.get(c.name, 0) + 1
+    if not pipelines:
+        return
+    lock = threading.Lock()
+    gpu = threading.Lock()  # one staging copy in GPU memory at a time, as a plain read
+    failed = threading.Event()
+
+    def pipeline(index: int) -> SliceFetch:
+        mine = SliceFetch(version)
+        holders = _holders(runs, model, version, resolved, index, deadline)
+        for copies in pipelines[index]:
+            if failed.is_set():  # another pipeline failed: the read fails with its error
+                break
+            try:
+                _read_part(
+                    me, runs, model, version, _shard(resolved, index), holders, parts[index],
+                    copies, slices, deadline, mine, rate_floor, progress, carry=carry,
+                    gpu=gpu,
+                )  # fmt: skip
+            except BaseException:
+                failed.set()
+                raise
+            with lock:
+                for c in copies:
+                    left[c.name] -= 1
+                    if left[c.name] == 0:
+                        done.add(c.name)
+                layouts.settle(dest, done)
+        return mine
+
+    with ThreadPoolExecutor(len(pipelines), thread_name_prefix="slices-shard") as pool:
+        futures = [pool.submit(pipeline, index) for index in sorted(pipelines)]
+        wait(futures)
+    for future in futures:  # the first failure, once every pipeline has stopped
+        _merge(result, future.result())
+
+
+def _merge(result: SliceFetch, part: SliceFetch) -> None:
+    """Add what one source shard's pipeline read to `result`."""
+    moved = FetchStats()
+    moved.bytes_per_source.update(part.bytes_per_source)
+    moved.chunks = part.chunks
+    moved.failed_sources.update(part.failed_sources)
+    moved.slow_sources.update(part.slow_sources)
+    _count(result, moved)
 
 
 def _steps(
@@ -354,11 +424,14 @@ def _read_part(
     progress: ProgressCallback | None,
     deltas: DeltaReader | None = None,
     carry: Carry | None = None,
+    gpu: threading.Lock | None = None,
 ) -> None:
     """Fetch the chunks of one source shard that `copies` need (and only those: the others
     of the staging copy stay missing), then copy the intersections out, in place. With
     `carry` (a layout reader's steps), the chunks a step before read are copied from it,
     not read again, and those a later step needs are kept for it (`ros.client.slice_carry`).
+    `gpu`, held while a staging copy in GPU memory is in use, keeps reads that run at once
+    to one such copy at a time (the layout steps' pipelines: `_read_steps`).
 
     The staging copy lives where the destinations are (`_staging_device`): for slices in GPU
     memory it is on their device, so the bytes take the transports' path into GPU memory
@@ -371,7 +444,7 @@ def _read_part(
     for group in groups:  # one staging copy at a time (`STAGING_BUDGET`)
         _read_group(
             me, runs, model, version, shard, holders, manifest, layout, specs, group,
-            slices, deadline, result, rate_floor, progress, deltas, carry,
+            slices, deadline, result, rate_floor, progress, deltas, carry, gpu,
         )  # fmt: skip
         give_back_freed()  # its staging, freed as it returned: resident no more
 
@@ -394,12 +467,47 @@ def _read_group(
     progress: ProgressCallback | None,
     deltas: DeltaReader | None,
     carry: Carry | None,
+    gpu: threading.Lock | None = None,
 ) -> None:
     """`_read_part` for one staging copy: the chunks `copies` need, into a staging copy of
     the shard's `layout` allocated here (or the delta base kept from the last call), then
     the intersections copied out."""
-    needed = _needed(copies, layout, specs)
     device = _staging_device([slices[c.name].tensor for c in copies])
+    if gpu is None or device.type != "cuda":
+        _stage_group(
+            me, runs, model, version, shard, holders, manifest, layout, specs, copies, slices,
+            deadline, result, rate_floor, progress, deltas, carry, device,
+        )  # fmt: skip
+        return
+    with gpu:
+        _stage_group(
+            me, runs, model, version, shard, holders, manifest, layout, specs, copies, slices,
+            deadline, result, rate_floor, progress, deltas, carry, device,
+        )  # fmt: skip
+
+
+def _stage_group(
+    me: Identity,
+    runs: Orchestrator,
+    model: str,
+    version: int,
+    shard: int | None,
+    holders: pb.ResolveResponse,
+    manifest: pb.Manifest,
+    layout: Layout,
+    specs: Mapping[str, TensorSpec],
+    copies: list[_Copy],
+    slices: Mapping[str, Slice],
+    deadline: Deadline,
+    result: SliceFetch,
+    rate_floor: float,
+    progress: ProgressCallback | None,
+    deltas: DeltaReader | None,
+    carry: Carry | None,
+    device: torch.device,
+) -> None:
+    """`_read_group`'s work, with its staging copy on `device`."""
+    needed = _needed(copies, layout, specs)
     base = deltas.staged.take(model, shard) if deltas is not None else None
     if base is not None and not _fits(base, layout, needed, device):
         base.drop()
