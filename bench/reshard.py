@@ -65,6 +65,7 @@ class Config:
     readers: tuple[int, ...] = READERS
     steps: int = STEPS
     rate_floor: float = DEFAULT_RATE_FLOOR
+    fair_queues: bool = False
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -80,6 +81,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="the workers' fetch_slices rate floor (bytes/s per connection; "
                     "0: off): a one-host trainer's link shared by 8 or 16 readers can give a "
                     "reader less")  # fmt: skip
+    ap.add_argument("--fair-queues", action="store_true",
+                    help="each host's upload queue fair across the hosts it sends to (as "
+                    "a Linux host's fq_codel), not one FIFO: bench.emu.netns")  # fmt: skip
 
 
 def config(args: argparse.Namespace) -> Config:
@@ -89,7 +93,7 @@ def config(args: argparse.Namespace) -> Config:
         raise InvalidArgument(f"--readers {args.readers!r}: {exc}") from exc
     if not readers or min(readers) < 1 or args.steps < 1 or args.rate_floor < 0:
         raise InvalidArgument("--readers and --steps take positive numbers, --rate-floor >= 0")
-    return Config(args.trainer_hosts, readers, args.steps, args.rate_floor)
+    return Config(args.trainer_hosts, readers, args.steps, args.rate_floor, args.fair_queues)
 
 
 def steps(cfg: Config) -> int:
@@ -127,13 +131,15 @@ def run(
     flags = opts.flags() + ("" if cfg.trainer_hosts == 4 else " --trainer-hosts 1")
     if cfg.rate_floor != DEFAULT_RATE_FLOOR:
         flags += f" --rate-floor {cfg.rate_floor:g}"
+    if cfg.fair_queues:
+        flags += " --fair-queues"
     res = Result("reshard", "tensorhub bench reshard" + flags)
     done = progress or (lambda what: None)
     recorded = load()
     bench = bench_model(recorded, TP, layers_for(recorded, opts.nbytes))
     hosts = cfg.trainer_hosts + TP * max(cfg.readers)
     started = time.monotonic()
-    with Cluster({1: hosts}, opts.rate_mbit) as c:
+    with Cluster({1: hosts}, opts.rate_mbit, fair=cfg.fair_queues) as c:
         trainer, pool = c.parts[: cfg.trainer_hosts], c.parts[cfg.trainer_hosts :]
         sat = c.saturation(c.parts, opts.nbytes)
         names = broadcast(c.parts, "reshard_setup", 60, tp=TP, layers=len(_layers(bench)))
@@ -167,6 +173,7 @@ def run(
         "block_bytes": [bench.block_bytes(k) for k in range(TP)],
         "trainer_hosts": cfg.trainer_hosts,
         "rate_mbit": opts.rate_mbit,
+        "fair_queues": cfg.fair_queues,
         "T": {p: {r: _median_T(s) for r, s in by_r.items()} for p, by_r in measured.items()},
         "steps": {
             p: {r: [s.to_dict() for s in steps_] for r, steps_ in by_r.items()}

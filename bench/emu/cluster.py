@@ -166,10 +166,11 @@ class Cluster:
         hub: bool = True,
         replicas: int = 1,
         transport: str = "tcp",
+        fair: bool = False,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport {transport!r}: expected one of {TRANSPORTS}")
-        self.emu = Emulation(hosts_per_dc, rate_mbit, wan_mbit)
+        self.emu = Emulation(hosts_per_dc, rate_mbit, wan_mbit, fair=fair)
         self.want_hub = hub
         self.transport = transport
         self.env = participant_env(transport)

@@ -11,6 +11,8 @@ A host's upload is shaped on its own `eth0`, its download on the bridge-side end
 veth; the inter-dc link is shaped on both router interfaces. Services the harness runs in
 the root namespace (etcd stays on loopback; hub replicas) listen on the bridge addresses.
 The kernel here has no netem, so there is no added latency: links differ in rate only.
+Each tbf holds one FIFO of 20 ms; with `fair=True`, a host's upload queue is instead a
+queue per address it sends to, served in turn (`_shape`), as a Linux host's own qdisc is.
 
 Everything is named after the creating process (`thb-{pid}-…`), so a later run removes
 what a crashed (SIGKILLed) run left behind; a normal exit, an exception, Ctrl-C or SIGTERM
@@ -24,6 +26,7 @@ import os
 import re
 import signal
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import FrameType, TracebackType
 
@@ -96,12 +99,46 @@ def _remove_run(pid: int) -> None:
             _sh("ip", "link", "del", name, check=False)
 
 
-def _shape(ns: str | None, dev: str, mbit: float) -> None:
-    """tbf on `dev`'s egress: `mbit` Mbit/s, a burst of 10 ms (>= 64 KiB), 20 ms of queue."""
+def _shape(ns: str | None, dev: str, mbit: float, fair_to: Sequence[str] = ()) -> None:
+    """tbf on `dev`'s egress: `mbit` Mbit/s, a burst of 10 ms (>= 64 KiB), 20 ms of queue.
+
+    With `fair_to` (the addresses this link sends to), the queue under the tbf is a fair
+    one: a queue per address (the others share one), each of tbf's 20 ms, served in turn a
+    frame at a time (htb classes of one priority, far above the link's rate, so only the
+    tbf limits; deficit round robin). That is what the Linux default qdisc a host's NIC has
+    (fq_codel, a queue per flow, sparse flows first) does to a host's own traffic: its
+    ACKs and requests to one host do not wait behind the bytes it sends to another. The
+    kernel here has no fq_codel or sfq, so the queues are per address, not per flow."""
     burst = max(int(mbit * 1e6 / 8 / 100), 64 * 1024)
-    cmd = ["tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit"]
-    cmd += ["burst", str(burst), "latency", "20ms"]
-    _sh(*(["ip", "netns", "exec", ns] if ns else []), *cmd)
+    ex = ["ip", "netns", "exec", ns] if ns else []
+    cmd = ["tc", "qdisc", "replace", "dev", dev, "root", "handle", "1:", "tbf"]
+    cmd += ["rate", f"{mbit}mbit", "burst", str(burst), "latency", "20ms"]
+    _sh(*ex, *cmd)
+    if not fair_to:
+        return
+    limit = int(mbit * 1e6 / 8 * 0.02) + burst  # what tbf's own queue holds: 20 ms + burst
+    lines = [f"qdisc add dev {dev} parent 1:1 handle 10: htb default {len(fair_to) + 1:x}"]
+    for k in range(1, len(fair_to) + 2):
+        lines.append(
+            f"class add dev {dev} parent 10: classid 10:{k:x} htb rate {mbit * 10}mbit "
+            f"quantum {_FRAME} prio 0"
+        )
+        lines.append(f"qdisc add dev {dev} parent 10:{k:x} bfifo limit {limit}")
+    for k, addr in enumerate(fair_to, start=1):
+        lines.append(
+            f"filter add dev {dev} parent 10: protocol ip prio 1 u32 match ip dst {addr}/32 "
+            f"flowid 10:{k:x}"
+        )
+    batch = subprocess.run(
+        [*ex, "tc", "-batch", "-"], input="\n".join(lines) + "\n", capture_output=True,
+        text=True, timeout=30, check=False,
+    )  # fmt: skip
+    if batch.returncode != 0:
+        raise HarnessError(f"fair queue on {dev}: {batch.stderr.strip() or batch.returncode}")
+
+
+_FRAME = 1514
+"""An Ethernet frame's bytes: the quantum each queue of a fair queue sends in its turn."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +164,7 @@ class Emulation:
     hosts_per_dc: dict[int, int]
     rate_mbit: float
     wan_mbit: float | None = None
+    fair: bool = False  # each host's upload queue is fair across the hosts it sends to
     hosts: list[Host] = field(default_factory=list)
     _old_term: object = None
 
@@ -138,6 +176,14 @@ class Emulation:
     def gateway(self, dc: int) -> str:
         """The root namespace's address on dc's bridge (where hub replicas listen)."""
         return f"10.{self.net}.{dc}.254"
+
+    def _addresses(self) -> list[str]:
+        """Every address a host sends to: each host's, each datacenter's gateway."""
+        out = []
+        for dc, count in sorted(self.hosts_per_dc.items()):
+            out += [f"10.{self.net}.{dc}.{i + 1}" for i in range(count)]
+            out.append(self.gateway(dc))
+        return out
 
     def router_ns(self) -> str:
         return f"{PREFIX}{self.pid}-router"
@@ -193,7 +239,7 @@ class Emulation:
         _sh(*ex, "ip", "link", "set", "eth0", "up")
         _sh(*ex, "ip", "link", "set", "lo", "up")
         _sh(*ex, "ip", "route", "add", f"10.{self.net}.0.0/16", "via", f"10.{self.net}.{dc}.253")
-        _shape(ns, "eth0", self.rate_mbit)  # upload
+        _shape(ns, "eth0", self.rate_mbit, self._addresses() if self.fair else ())  # upload
         _shape(None, peer, self.rate_mbit)  # download
         return Host(f"d{dc}h{i}", ns, ip, dc, peer)
 

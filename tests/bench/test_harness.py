@@ -36,6 +36,30 @@ def test_namespaces_created_shaped_and_removed() -> None:
 
 
 @root
+def test_a_fair_upload_queues_each_address_apart_under_the_tbf() -> None:
+    with Emulation({1: 2}, 100.0, fair=True) as emu:
+        a, b = emu.hosts
+        tc = ["ip", "netns", "exec", a.ns, "tc"]
+        qdisc = subprocess.run([*tc, "qdisc", "show", "dev", "eth0"], capture_output=True,
+                               text=True, check=True).stdout  # fmt: skip
+        assert "qdisc tbf 1: root" in qdisc
+        assert "qdisc htb 10: parent 1:1" in qdisc
+        probe = f"import socket; socket.create_connection(('{b.ip}', 9), 2)"
+        subprocess.run(emu.exec_argv(a, ["python3", "-c", probe]), capture_output=True, check=False)
+        classes = subprocess.run([*tc, "-s", "class", "show", "dev", "eth0"],
+                                 capture_output=True, text=True, check=True).stdout  # fmt: skip
+        sent = {
+            block.split()[0]: int(block.split("Sent ")[1].split()[0])
+            for block in classes.split("class htb ")[1:]
+        }
+        # a's, b's, the gateway's queue, and one for any other address; the SYN went to b's
+        assert sorted(sent) == ["10:1", "10:2", "10:3", "10:4"]
+        assert sent["10:2"] > 0
+        assert sent["10:1"] == 0
+    assert _mine() == []
+
+
+@root
 def test_removed_after_an_exception() -> None:
     seen: list[int] = []
 
