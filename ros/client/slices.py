@@ -208,7 +208,8 @@ def _read_layout(
     """A reader in a layout (`ros.client.layouts`): serve the blocks as a PARTIAL holder,
     read them from the holders registered before us and the `cover` layouts, the rest from
     the trainer's shards in steps of whole blocks (`_read_steps`: each block served as soon
-    as it is in place), then register COMPLETE. A failure stops the serving and deletes our record."""
+    as it is in place), then register COMPLETE. A failure stops the serving and deletes our
+    record."""
     token = _renewing_token(runs, model, version, resolved, deadline)
     dest, fence = layouts.start_holding(peers, me, model, version, layout, blocks, deadline)
     try:
@@ -479,11 +480,15 @@ def _read_group(
             deadline, result, rate_floor, progress, deltas, carry, device,
         )  # fmt: skip
         return
-    with gpu:
+    if not gpu.acquire(timeout=deadline.work(float("inf"))):
+        raise DeadlineExceeded(f"{deadline.what}: deadline passed waiting for GPU staging")
+    try:
         _stage_group(
             me, runs, model, version, shard, holders, manifest, layout, specs, copies, slices,
             deadline, result, rate_floor, progress, deltas, carry, device,
         )  # fmt: skip
+    finally:
+        gpu.release()
 
 
 def _stage_group(
