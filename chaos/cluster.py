@@ -64,8 +64,18 @@ class HubProcess:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    @property
+    def ready_path(self) -> Path:
+        return self.root / f"hub{self.index}.ready"
+
     def start(self, timeout: float = HUB_START_TIMEOUT) -> HubProcess:
-        ready = self.root / f"hub{self.index}.ready"
+        """`spawn()` and `wait_ready()`."""
+        self.spawn()
+        return self.wait_ready(timeout)
+
+    def spawn(self) -> None:
+        """Start the process (it binds, then writes its ready file; `wait_ready` reads it)."""
+        ready = self.ready_path
         ready.unlink(missing_ok=True)
         # `--admin-token=VALUE`, not two words: a token may begin with "-" (token_urlsafe
         # does one time in 64), and argparse then takes it for an option and exits.
@@ -80,9 +90,16 @@ class HubProcess:
             self.process = subprocess.Popen(
                 args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
             )
+
+    def wait_ready(self, timeout: float = HUB_START_TIMEOUT) -> HubProcess:
+        """Wait for the spawned process's ready file and take the port it bound; a process
+        that exits or is not ready in `timeout` seconds is killed and named."""
+        proc = self.process
+        if proc is None:
+            raise TensorHubError(f"hub {self.index} was not spawned")
         deadline = time.monotonic() + timeout
-        while (port := _bound_port(ready)) is None:
-            code = self.process.poll()
+        while (port := _bound_port(self.ready_path)) is None:
+            code = proc.poll()
             if code is not None or time.monotonic() > deadline:
                 self.kill()
                 how = f"exited with {code}" if code is not None else f"not ready in {timeout:.0f}s"
@@ -133,13 +150,15 @@ class ChaosCluster:
         tenants.hub_secret()
         for name in (self.TENANT, self.INTRUDER):
             self.tokens[name] = tenants.create(name)
-        for i in range(self._n_hubs):
+        for i in range(self._n_hubs):  # started at once: each takes a second to import
             hub = HubProcess(
                 i, self.etcd.endpoints, self.admin, self.prefix, self.root,
                 etcd_password_file=self.etcd.password_file(),
             )  # fmt: skip
             self.hubs.append(hub)
-            hub.start()
+            hub.spawn()
+        for hub in self.hubs:
+            hub.wait_ready()
             self.hub_proxies.append(Proxy(("127.0.0.1", 0), ("127.0.0.1", hub.port)).start())
         return self
 

@@ -22,7 +22,6 @@ own local memory), then serves until its stdin closes.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import ros
-from tests.gloo_ranks import rank_session, say_and_serve
+from tests.gloo_ranks import leave, rank_session, say_and_serve
 
 CONFIG: dict[str, Any] = {
     "vocab_size": 130,  # 4 ranks split it 33, 33, 33, 31: uneven last shards
@@ -136,4 +135,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

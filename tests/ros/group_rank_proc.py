@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -29,7 +28,7 @@ import torch.distributed as dist
 
 import ros
 from tensorhub.errors import TensorHubError
-from tests.gloo_ranks import rank_session, say_and_serve
+from tests.gloo_ranks import leave, rank_session, say_and_serve
 
 
 def tensors_of(rank: int) -> dict[str, torch.Tensor]:
@@ -83,4 +82,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

@@ -204,9 +204,20 @@ def with_metadata(**metadata: str) -> pb.Manifest:
 def fetch_refused(env: dict[str, str], tmp: Path, model: str, *phrases: str) -> None:
     """`tensorhub fetch MODEL@1` exits 1 with `InvalidManifest` naming the cause, and leaves
     no directory (nothing was fetched: the planted holder is never dialled)."""
+    refused_fetch(start_fetch(env, tmp, model), *phrases)
+
+
+def start_fetch(env: dict[str, str], tmp: Path, model: str) -> tuple[Cli, Path]:
+    """`tensorhub fetch MODEL@1` started, to run beside other CLI processes (each imports
+    torch: a second or two of CPU), and the directory it was told to write."""
     out = tmp / f"{model}-out"
-    ran = cli(env, tmp, "fetch", f"{model}@1", "-o", str(out), "--timeout", "5")
-    refused_by_name(ran, "InvalidManifest", *phrases)
+    return Cli(env, tmp, "fetch", f"{model}@1", "-o", str(out), "--timeout", "5"), out
+
+
+def refused_fetch(started: tuple[Cli, Path], *phrases: str) -> None:
+    """The started fetch is refused as `fetch_refused` says."""
+    fetch, out = started
+    refused_by_name(fetch.finish(), "InvalidManifest", *phrases)
     assert not out.exists()
     assert partial_dirs(out) == []
 
@@ -281,18 +292,10 @@ def test_hostile_names_and_left_entries_are_named_errors(
     nul = FILE_KEY + "config.json\0x"
     assert_hub_refuses(raw_publish(stub, client, "nul", with_metadata(**{nul: z64(b"{}")})))
     plant(hub_server, client, "nul", with_metadata(**{nul: z64(b"{}")}))
-    fetch_refused(env, tmp_path, "nul", "config.json\\x00x")
     # tensorhub.files.left is informational, but a publisher writes it: nested 30,000 deep
     # (a RecursionError on 292ed20), with a 5,000-digit size, or naming a file off the list
     deep = "[" * 30_000 + "]" * 30_000  # within the 64 KiB of metadata
     plant(hub_server, client, "deep", with_metadata(**{LEFT_KEY: deep}))
-    fetch_refused(env, tmp_path, "deep", "'tensorhub.files.left': ")
-    lefts = (('{"tokenizer.json": 1' + "0" * 5000 + "}", "an integer of 5001 digits"),
-             ('{"../x": 1}', "a version carries only the files"),
-             ('{"vocab.json": -1}', "not an object of file names to sizes"))  # fmt: skip
-    for left, phrase in lefts:
-        with pytest.raises(InvalidManifest, match=phrase):
-            decode({LEFT_KEY: left})
     # a checkpoint's index naming a file with a NUL byte (JSON can say \u0000)
     ckpt = tmp_path / "nul-index"
     ckpt.mkdir()
@@ -300,8 +303,18 @@ def test_hostile_names_and_left_entries_are_named_errors(
     (ckpt / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"w": "model-1.safetensors\u0000.x"}})
     )
-    ran = cli(env, tmp_path, "publish", "nulidx@1", str(ckpt))
-    refused_by_name(ran, "InvalidArgument", "model.safetensors.index.json: names")
+    # the three CLI runs are independent: at once
+    fetch_nul, fetch_deep = start_fetch(env, tmp_path, "nul"), start_fetch(env, tmp_path, "deep")
+    publish = Cli(env, tmp_path, "publish", "nulidx@1", str(ckpt))
+    refused_fetch(fetch_nul, "config.json\\x00x")
+    refused_fetch(fetch_deep, "'tensorhub.files.left': ")
+    lefts = (('{"tokenizer.json": 1' + "0" * 5000 + "}", "an integer of 5001 digits"),
+             ('{"../x": 1}', "a version carries only the files"),
+             ('{"vocab.json": -1}', "not an object of file names to sizes"))  # fmt: skip
+    for left, phrase in lefts:
+        with pytest.raises(InvalidManifest, match=phrase):
+            decode({LEFT_KEY: left})
+    refused_by_name(publish.finish(), "InvalidArgument", "model.safetensors.index.json: names")
     hub_has_no(client, "nulidx")
 
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 import ros
 from tensorhub.errors import TensorHubError
-from tests.gloo_ranks import rank_session, say_and_serve
+from tests.gloo_ranks import leave, rank_session, say_and_serve
 
 FORMATS = ("fp8-block128", "mxfp8")
 
@@ -157,4 +157,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())
