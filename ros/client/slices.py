@@ -37,8 +37,9 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -474,19 +475,24 @@ def _read_group(
     the shard's `layout` allocated here (or the delta base kept from the last call), then
     the intersections copied out."""
     device = _staging_device([slices[c.name].tensor for c in copies])
-    if gpu is None or device.type != "cuda":
+    with _gpu_slot(gpu if device.type == "cuda" else None, deadline):
         _stage_group(
             me, runs, model, version, shard, holders, manifest, layout, specs, copies, slices,
             deadline, result, rate_floor, progress, deltas, carry, device,
         )  # fmt: skip
+
+
+@contextmanager
+def _gpu_slot(gpu: threading.Lock | None, deadline: Deadline) -> Iterator[None]:
+    """Hold `gpu` (when given) within the deadline: one staging copy in GPU memory at a
+    time across the layout steps' pipelines."""
+    if gpu is None:
+        yield
         return
     if not gpu.acquire(timeout=deadline.work(float("inf"))):
         raise DeadlineExceeded(f"{deadline.what}: deadline passed waiting for GPU staging")
     try:
-        _stage_group(
-            me, runs, model, version, shard, holders, manifest, layout, specs, copies, slices,
-            deadline, result, rate_floor, progress, deltas, carry, device,
-        )  # fmt: skip
+        yield
     finally:
         gpu.release()
 
