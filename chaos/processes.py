@@ -3,11 +3,16 @@
 A worker restarted after a kill is a new incarnation (`name#gen`), with a new holder name
 and session, like a rollout worker that a scheduler brings back. The incarnation log
 (start, end, how it ended) is what the checker uses to know which holder was alive when.
+
+A worker outside a network namespace is forked from a fork server that has imported
+`chaos.roles` (torch, about 1.4 s of CPU a process, 8-20 processes a run on two cores) once
+per test process; each is still a process of its own, signalled by its pid.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -15,13 +20,84 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from chaos.netns import Namespace
-from consistency.embedded import stop_process
 
 # they serve what they hold
 HOLDER_ROLES = ("publisher", "reader", "rank", "shard-reader", "layout-reader")
+
+
+class Process(Protocol):
+    """What the run needs of a worker's process: `subprocess.Popen`'s calls."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+class Forked:
+    """A worker forked from the fork server, with `subprocess.Popen`'s calls (`wait`
+    raises `subprocess.TimeoutExpired`), so that `stop_process` and the faults treat it
+    as any child process."""
+
+    def __init__(self, argv: list[str], log: Path, env: dict[str, str]) -> None:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["chaos.roles"])
+        self.argv = argv
+        self._proc = ctx.Process(target=_forked_main, args=(argv, str(log), env), daemon=False)
+        self._proc.start()
+
+    @property
+    def pid(self) -> int:
+        pid = self._proc.pid
+        assert pid is not None  # started in __init__
+        return pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        code = self._proc.exitcode
+        if code is None:
+            raise subprocess.TimeoutExpired(self.argv, timeout or 0.0)
+        return code
+
+    def terminate(self) -> None:
+        self._proc.terminate()
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+
+def _forked_main(argv: list[str], log: str, env: dict[str, str]) -> None:
+    """The forked worker: its output to its log, as a spawned one's, then `chaos.roles`."""
+    from chaos import roles
+
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.close(null)
+    os.environ.update(env)
+    roles._exit(roles.main(argv))
 
 
 @dataclass
@@ -43,7 +119,7 @@ class WorkerProcess:
     netns: Namespace | None = None
     env: dict[str, str] = field(default_factory=dict)
     gen: int = 0
-    process: subprocess.Popen[bytes] | None = None
+    process: Process | None = None
     incarnations: list[Incarnation] = field(default_factory=list)
     paused: bool = False
 
@@ -71,13 +147,16 @@ class WorkerProcess:
         self.gen += 1
         spec = {**self.spec, "name": self.name, "gen": self.gen, "role": self.role}
         argv = [sys.executable, "-m", "chaos.roles", json.dumps(spec)]
-        if self.netns is not None:
+        log_path = self.root / f"{self.name}.log"
+        if self.netns is None:
+            self.process = Forked(argv[3:], log_path, self.env)
+        else:  # entered by `ip netns exec`: a process of its own making
             argv = self.netns.prefix() + argv
-        env = {**os.environ, **self.env}
-        with (self.root / f"{self.name}.log").open("ab") as log:
-            self.process = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
-            )
+            env = {**os.environ, **self.env}
+            with log_path.open("ab") as log:
+                self.process = subprocess.Popen(
+                    argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+                )
         self.paused = False
         self.incarnations.append(Incarnation(self.client, time.monotonic()))
 
@@ -122,7 +201,7 @@ class WorkerProcess:
             return
         except subprocess.TimeoutExpired:
             pass
-        self._ended(f"{stop_process(proc)} at the end")
+        self._ended(f"{_stop(proc)} at the end")
 
     def reap(self) -> None:
         """Note an incarnation that died by itself (a crash is reported, never hidden)."""
@@ -131,3 +210,18 @@ class WorkerProcess:
 
     def history_path(self) -> Path:
         return Path(self.spec["history"])
+
+
+def _stop(proc: Process, grace: float = 5.0) -> str:
+    """`consistency.embedded.stop_process` for either kind of worker process: SIGTERM, then
+    SIGKILL after `grace` seconds; returns "exited", "SIGTERM" or "SIGKILL"."""
+    if proc.poll() is not None:
+        return "exited"
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace)
+        return "SIGTERM"
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=5)
+        return "SIGKILL"
