@@ -96,6 +96,7 @@ def _forked_main(argv: list[str], log: str, env: dict[str, str]) -> None:
     os.dup2(fd, 2)
     os.close(fd)
     os.close(null)
+    os.environ.clear()  # the caller's environment at start, not the fork server's
     os.environ.update(env)
     roles._exit(roles.main(argv))
 
@@ -148,11 +149,11 @@ class WorkerProcess:
         spec = {**self.spec, "name": self.name, "gen": self.gen, "role": self.role}
         argv = [sys.executable, "-m", "chaos.roles", json.dumps(spec)]
         log_path = self.root / f"{self.name}.log"
+        env = {**os.environ, **self.env}
         if self.netns is None:
-            self.process = Forked(argv[3:], log_path, self.env)
+            self.process = Forked(argv[3:], log_path, env)
         else:  # entered by `ip netns exec`: a process of its own making
             argv = self.netns.prefix() + argv
-            env = {**os.environ, **self.env}
             with log_path.open("ab") as log:
                 self.process = subprocess.Popen(
                     argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
