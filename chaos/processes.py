@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from chaos.netns import Namespace
+from consistency.embedded import stop_process
 
 # they serve what they hold
 HOLDER_ROLES = ("publisher", "reader", "rank", "shard-reader", "layout-reader")
@@ -202,7 +203,7 @@ class WorkerProcess:
             return
         except subprocess.TimeoutExpired:
             pass
-        self._ended(f"{_stop(proc)} at the end")
+        self._ended(f"{stop_process(proc)} at the end")
 
     def reap(self) -> None:
         """Note an incarnation that died by itself (a crash is reported, never hidden)."""
@@ -211,18 +212,3 @@ class WorkerProcess:
 
     def history_path(self) -> Path:
         return Path(self.spec["history"])
-
-
-def _stop(proc: Process, grace: float = 5.0) -> str:
-    """`consistency.embedded.stop_process` for either kind of worker process: SIGTERM, then
-    SIGKILL after `grace` seconds; returns "exited", "SIGTERM" or "SIGKILL"."""
-    if proc.poll() is not None:
-        return "exited"
-    proc.terminate()
-    try:
-        proc.wait(timeout=grace)
-        return "SIGTERM"
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=5)
-        return "SIGKILL"

@@ -48,7 +48,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from consistency.etcd import Etcd
@@ -391,7 +391,20 @@ class EtcdCluster:
             stop_process(proc)
 
 
-def stop_process(proc: subprocess.Popen[Any], grace: float = 5.0) -> str:
+class Stoppable(Protocol):
+    """What `stop_process` needs of a child process: `subprocess.Popen`'s calls (a chaos
+    worker forked from a fork server has them too)."""
+
+    def poll(self) -> int | None: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+def stop_process(proc: Stoppable, grace: float = 5.0) -> str:
     """SIGTERM, then SIGKILL if it has not exited after `grace` seconds (every wait bounded).
 
     Returns how it ended: "exited" (before we asked), "SIGTERM" or "SIGKILL".

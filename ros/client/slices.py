@@ -476,10 +476,46 @@ def _read_group(
     the intersections copied out."""
     device = _staging_device([slices[c.name].tensor for c in copies])
     with _gpu_slot(gpu if device.type == "cuda" else None, deadline):
-        _stage_group(
-            me, runs, model, version, shard, holders, manifest, layout, specs, copies, slices,
-            deadline, result, rate_floor, progress, deltas, carry, device,
+        needed = _needed(copies, layout, specs)
+        base = deltas.staged.take(model, shard) if deltas is not None else None
+        if base is not None and not _fits(base, layout, needed, device):
+            base.drop()
+            base = None
+        tensors = base.tensors if base is not None else _allocate_staging(
+            layout, device, model, version, shard
         )  # fmt: skip
+        staging = HeldVersion.reader(me.tenant, model, version, layout, tensors)
+        applied = None
+        if deltas is not None and base is not None and manifest.HasField("delta"):
+            applied = deltas.apply(
+                model, shard, manifest, staging, base.version, deadline, needed, hold=False
+            )
+            result.deltas[shard] = applied.stats
+        if carry is not None:
+            carry.restore(shard, staging, needed)
+        target = Target(model, version, shard, staging, manifest, chunks=needed, holder=False)
+        try:
+            stats = (
+                runs.run(target, holders, deadline, rate_floor=rate_floor, progress=progress)
+                if carry is None or any(not staging.is_present(i) for i in needed)
+                else FetchStats()  # every chunk carried over from a step before
+            )
+        except BaseException:
+            if base is not None:
+                base.drop()
+            if applied is not None and applied.keep is not None:
+                applied.keep.release(force=True)
+            raise
+        if deltas is not None:
+            companion = applied.keep if applied is not None else None
+            if base is not None and companion is None:
+                base.drop()
+            kept = Staged(version, layout, tensors, frozenset(needed), companion)
+            deltas.staged.put(model, shard, kept)
+        _count(result, stats)
+        _copy_parts(copies, staging.tensors, slices)
+        if carry is not None:
+            carry.keep(shard, staging, needed)
 
 
 @contextmanager
@@ -495,69 +531,6 @@ def _gpu_slot(gpu: threading.Lock | None, deadline: Deadline) -> Iterator[None]:
         yield
     finally:
         gpu.release()
-
-
-def _stage_group(
-    me: Identity,
-    runs: Orchestrator,
-    model: str,
-    version: int,
-    shard: int | None,
-    holders: pb.ResolveResponse,
-    manifest: pb.Manifest,
-    layout: Layout,
-    specs: Mapping[str, TensorSpec],
-    copies: list[_Copy],
-    slices: Mapping[str, Slice],
-    deadline: Deadline,
-    result: SliceFetch,
-    rate_floor: float,
-    progress: ProgressCallback | None,
-    deltas: DeltaReader | None,
-    carry: Carry | None,
-    device: torch.device,
-) -> None:
-    """`_read_group`'s work, with its staging copy on `device`."""
-    needed = _needed(copies, layout, specs)
-    base = deltas.staged.take(model, shard) if deltas is not None else None
-    if base is not None and not _fits(base, layout, needed, device):
-        base.drop()
-        base = None
-    tensors = base.tensors if base is not None else _allocate_staging(
-        layout, device, model, version, shard
-    )  # fmt: skip
-    staging = HeldVersion.reader(me.tenant, model, version, layout, tensors)
-    applied = None
-    if deltas is not None and base is not None and manifest.HasField("delta"):
-        applied = deltas.apply(
-            model, shard, manifest, staging, base.version, deadline, needed, hold=False
-        )
-        result.deltas[shard] = applied.stats
-    if carry is not None:
-        carry.restore(shard, staging, needed)
-    target = Target(model, version, shard, staging, manifest, chunks=needed, holder=False)
-    try:
-        stats = (
-            runs.run(target, holders, deadline, rate_floor=rate_floor, progress=progress)
-            if carry is None or any(not staging.is_present(i) for i in needed)
-            else FetchStats()  # every chunk carried over from a step before
-        )
-    except BaseException:
-        if base is not None:
-            base.drop()
-        if applied is not None and applied.keep is not None:
-            applied.keep.release(force=True)
-        raise
-    if deltas is not None:
-        companion = applied.keep if applied is not None else None
-        if base is not None and companion is None:
-            base.drop()
-        kept = Staged(version, layout, tensors, frozenset(needed), companion)
-        deltas.staged.put(model, shard, kept)
-    _count(result, stats)
-    _copy_parts(copies, staging.tensors, slices)
-    if carry is not None:
-        carry.keep(shard, staging, needed)
 
 
 def _needed(copies: Sequence[_Copy], layout: Layout, specs: Mapping[str, TensorSpec]) -> set[int]:
