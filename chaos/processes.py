@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from chaos.netns import Namespace
 from consistency.embedded import stop_process
+from tensorhub.process_exit import exit_now
 
 # they serve what they hold
 HOLDER_ROLES = ("publisher", "reader", "rank", "shard-reader", "layout-reader")
@@ -99,7 +100,7 @@ def _forked_main(argv: list[str], log: str, env: dict[str, str]) -> None:
     os.close(null)
     os.environ.clear()  # the caller's environment at start, not the fork server's
     os.environ.update(env)
-    roles._exit(roles.main(argv))
+    exit_now(roles.main(argv))
 
 
 @dataclass

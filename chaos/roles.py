@@ -9,7 +9,6 @@ do not make a circle of imports with the table that picks them.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Callable
 
@@ -19,6 +18,7 @@ from chaos.layout_readers import layout_reader
 from chaos.shards import rank, shard_reader
 from chaos.worker import Worker, poller, publisher, reader, watcher
 from tensorhub.errors import TensorHubError
+from tensorhub.process_exit import exit_now
 
 
 def main(argv: list[str]) -> int:
@@ -40,16 +40,5 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _exit(code: int) -> None:
-    """Leave at once, without the interpreter's finalization: its last garbage collection
-    over torch's objects costs a second or two of CPU per process, which a run's 18 or more
-    workers ending together on two cores turned into 10-15 s between the run's end and its
-    check. Everything worth keeping is written by then (the history is flushed per line and
-    closed, the hub connection closed)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
-    _exit(main(sys.argv[1:]))
+    exit_now(main(sys.argv[1:]))

@@ -19,7 +19,9 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager, suppress
 from datetime import timedelta
-from typing import IO, Any, NoReturn
+from typing import IO, Any
+
+from tensorhub.process_exit import exit_now
 
 RANK_SECONDS = 120.0  # how long a rank may take to print its line (a slow 2-core machine)
 GROUP_TIMEOUT = timedelta(seconds=60)  # gloo's own deadline on each collective
@@ -112,14 +114,7 @@ def rank_session() -> Iterator[tuple[int, int]]:
         dist.destroy_process_group()
 
 
-def leave(code: int) -> NoReturn:
-    """End a rank process with `code` at once, without the interpreter's finalization: its
-    last garbage collection over torch's (and transformers') objects costs a second or more
-    of CPU per rank, which the test waits for when it stops the ranks (as `chaos.roles`
-    does). Call it after `main()` returned: the group is left and the hub closed by then."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+leave = exit_now  # a rank process ends so once main() returned (group left, hub closed)
 
 
 def say_and_serve(said: Mapping[str, Any]) -> None:

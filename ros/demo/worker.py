@@ -7,12 +7,11 @@ the tenant token never shows up in `ps`.
 from __future__ import annotations
 
 import logging
-import os
 import sys
-from typing import NoReturn
 
 from ros.demo.config import DemoConfig
 from tensorhub.errors import TensorHubError
+from tensorhub.process_exit import exit_now
 
 
 def main(argv: list[str]) -> int:
@@ -38,15 +37,5 @@ def main(argv: list[str]) -> int:
     return 2
 
 
-def _exit(code: int) -> NoReturn:
-    """Leave at once, without the interpreter's finalization: its last garbage collection
-    over torch's objects costs a second or two of CPU per worker, and the driver waits for
-    every worker to exit at the end of each demo. Everything is done by then (the hub
-    connection closed, the driver told; its socket is sent whole by the kernel)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
-    _exit(main(sys.argv[1:]))
+    exit_now(main(sys.argv[1:]))
