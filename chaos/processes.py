@@ -23,29 +23,22 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from chaos.netns import Namespace
-from consistency.embedded import stop_process
+from consistency.embedded import Stoppable, stop_process
 from tensorhub.process_exit import exit_now
 
 # they serve what they hold
 HOLDER_ROLES = ("publisher", "reader", "rank", "shard-reader", "layout-reader")
 
 
-class Process(Protocol):
-    """What the run needs of a worker's process: `subprocess.Popen`'s calls."""
+class Process(Stoppable, Protocol):
+    """What the run needs of a worker's process: `stop_process`'s calls, its pid (the
+    faults signal it) and its exit code, as `subprocess.Popen` has them."""
 
     @property
     def pid(self) -> int: ...
 
     @property
     def returncode(self) -> int | None: ...
-
-    def poll(self) -> int | None: ...
-
-    def wait(self, timeout: float | None = None) -> int: ...
-
-    def terminate(self) -> None: ...
-
-    def kill(self) -> None: ...
 
 
 class Forked:
