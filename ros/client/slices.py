@@ -52,7 +52,7 @@ from ros.client.delta_fetch import DeltaReader, DeltaStats
 from ros.client.fetching import DEFAULT_FETCH_TIMEOUT
 from ros.client.identity import Identity
 from ros.client.manifest import layout_of, placement_of
-from ros.client.orchestrator import Orchestrator, ProgressCallback, Target
+from ros.client.orchestrator import Orchestrator, Progress, ProgressCallback, Target
 from ros.client.pins import Pins
 from ros.client.read_token import RenewingToken
 from ros.client.slice import Slice
@@ -273,6 +273,7 @@ def _read_steps(
     lock = threading.Lock()
     gpu = threading.Lock()  # one staging copy in GPU memory at a time, as a plain read
     failed = threading.Event()
+    progress = _one_at_a_time(progress)
 
     def pipeline(index: int) -> SliceFetch:
         mine = SliceFetch(version)
@@ -302,6 +303,21 @@ def _read_steps(
         wait(futures)
     for future in futures:  # the first failure, once every pipeline has stopped
         _merge(result, future.result())
+
+
+def _one_at_a_time(progress: ProgressCallback | None) -> ProgressCallback | None:
+    """`progress`, called by one shard's pipeline at a time: the pipelines run in threads,
+    and a callback written for `fetch` (one thread) need not be thread-safe."""
+    if progress is None:
+        return None
+    lock = threading.Lock()
+    call = progress
+
+    def serialized(p: Progress) -> None:
+        with lock:
+            call(p)
+
+    return serialized
 
 
 def _merge(result: SliceFetch, part: SliceFetch) -> None:

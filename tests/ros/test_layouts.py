@@ -58,6 +58,29 @@ def test_second_reader_of_a_layout_reads_every_byte_from_the_first(
     assert got2.served
 
 
+def test_progress_is_called_from_one_pipeline_at_a_time(connect: Callable[..., ros.Hub]) -> None:
+    """The first reader reads both source shards at once, in threads; the caller's callback,
+    written as for `fetch`, is never entered by two of them together."""
+    publish_tp(connect, 2)
+    inside, overlaps, calls = [0], [0], [0]
+
+    def progress(_: object) -> None:
+        inside[0] += 1
+        overlaps[0] += inside[0] > 1
+        calls[0] += 1
+        time.sleep(0.002)  # long enough for another pipeline's chunk to arrive meanwhile
+        inside[0] -= 1
+
+    out, slices = slices_for(0, 1)
+    got = connect().fetch_slices(
+        "policy", 1, slices=slices, layout="tp1", timeout=30, progress=progress
+    )
+    _same(out, 0, 1)
+    assert len(got.bytes_per_source) == 2  # both source shards were read
+    assert calls[0] > 2
+    assert overlaps[0] == 0
+
+
 # -- holders in processes of their own -------------------------------------------------------
 
 PROC = Path(__file__).with_name("layout_holder_proc.py")
