@@ -110,10 +110,24 @@ def decode(encoded: bytes | memoryview, words: int) -> tuple[np.ndarray, np.ndar
     positions = _positions(body[: 4 * count], count)
     if count and int(positions[-1]) >= words:
         raise IntegrityError(f"changed-words delta chunk: a position past word {words}")
-    values = np.empty((count, 2), dtype=np.uint8)  # the 2 planes back to words
-    values[:, 0] = body[4 * count : 5 * count]
-    values[:, 1] = body[5 * count :]
-    return positions, values.reshape(-1).view(np.uint16)
+    return positions, _words(body[4 * count :], count)
+
+
+def _words(planes: np.ndarray, count: int) -> np.ndarray:
+    """The `count` 2-byte words (uint16, raw byte order) whose first and second bytes are
+    the two planes of `planes`. On a little-endian host, the second plane widened, shifted
+    and ORed with the first: three vectorized passes, 1.0-1.1 ms for a `bench delta` step's
+    0.85-1.5 M words here, against 1.1-1.6 ms to write the two planes into the columns of a
+    (count, 2) array (the fallback)."""
+    if _LITTLE:
+        words = planes[count:].astype(np.uint16)
+        words <<= 8
+        words |= planes[:count]
+        return words
+    values = np.empty((count, 2), dtype=np.uint8)
+    values[:, 0] = planes[:count]
+    values[:, 1] = planes[count:]
+    return values.reshape(-1).view(np.uint16)
 
 
 # from this many gaps up, torch's running sum in place beats numpy's (here 1.9 against

@@ -6,6 +6,7 @@ building positions (gaps under 2**24, and any gap) agree with the format."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -179,3 +180,22 @@ def test_changed_word_positions_decode_with_gaps_of_any_size(idx: list[int]) -> 
     twice = np.array([*idx[:-1], idx[-2]], dtype=np.int64)
     with pytest.raises(IntegrityError, match="out of order"):
         delta_words.decode(delta_words.encode(words, twice, values, 1), words)
+
+
+@pytest.mark.parametrize("little", [True, False])
+def test_changed_words_decode_from_their_planes_either_way(
+    little: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The XOR words come back as the bytes the encoder planed, whether built by shifting
+    the second plane over the first (little-endian hosts) or by writing both planes into
+    the columns of a copy (any host)."""
+    if little and sys.byteorder != "little":
+        pytest.skip("the shifted planes are a little-endian host's words")
+    monkeypatch.setattr(delta_words, "_LITTLE", little)
+    words = 1 << 17
+    positions = np.array([3, 4, 900, 131_071], dtype=np.int64)
+    values = np.array([[1, 0], [0, 255], [0xAB, 0xCD], [7, 9]], dtype=np.uint8)
+    got, xor = delta_words.decode(delta_words.encode(words, positions, values, 1), words)
+    assert got.tolist() == positions.tolist()
+    assert xor.dtype == np.uint16
+    assert xor.tobytes() == values.tobytes()
