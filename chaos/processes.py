@@ -12,7 +12,6 @@ per test process; each is still a process of its own, signalled by its pid.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -24,6 +23,7 @@ from typing import Any, Protocol
 
 from chaos.netns import Namespace
 from consistency.embedded import Stoppable, stop_process
+from tensorhub.fork_server import fork_context
 from tensorhub.process_exit import exit_now
 
 # they serve what they hold
@@ -47,8 +47,7 @@ class Forked:
     as any child process."""
 
     def __init__(self, argv: list[str], log: Path, env: dict[str, str]) -> None:
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["chaos.roles"])
+        ctx = fork_context("chaos.roles")
         self.argv = argv
         self._proc = ctx.Process(target=_forked_main, args=(argv, str(log), env), daemon=False)
         self._proc.start()

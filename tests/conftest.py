@@ -13,6 +13,12 @@ from collections.abc import Iterator
 import pytest
 
 from consistency import Etcd, EtcdCluster, HolderRegistry, Keys, VersionRegistry
+from tensorhub.fork_server import fork_context
+from tests.gloo_ranks import PRELOAD
+
+# One fork server serves the chaos workers and the trainer ranks of a test process, and it
+# imports only what was named when it started: name both before either starts it.
+fork_context("chaos.roles", *PRELOAD)
 
 _counter = itertools.count()
 

@@ -1,30 +1,43 @@
 """Both ends of the tests that run a trainer's ranks as real processes in a gloo group.
 
-The test side, `launch`: start `world` processes of a rank module (`python -m MODULE ARGS`)
-with torch.distributed's environment on loopback, read the one JSON line each prints once
-its publish returned, and stop them when the block ends (closing their stdin, then killing
-what has not exited). The rank side, `rank_session` and `say_and_serve`: join the group,
+The test side, `launch`: start `world` processes of a rank module with torch.distributed's
+environment on loopback, read the one JSON line each prints once its publish returned, and
+stop them when the block ends (closing their stdin, then killing what has not exited). Each
+rank is forked from the process's fork server (`tensorhub.fork_server`), which imported the
+rank modules, torch and transformers once (`PRELOAD`): 2-4 s of CPU a rank otherwise, and a
+test starts 2-4 ranks at once on two cores. Its stdin and stdout are one end of a socket
+pair, its stderr a file. The rank side, `rank_session` and `say_and_serve`: join the group,
 connect to the hub, and serve the rank's memory until the test closes stdin.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager, suppress
 from datetime import timedelta
+from multiprocessing.process import BaseProcess
 from typing import IO, Any
 
+from tensorhub.fork_server import fork_context
 from tensorhub.process_exit import exit_now
 
 RANK_SECONDS = 120.0  # how long a rank may take to print its line (a slow 2-core machine)
 GROUP_TIMEOUT = timedelta(seconds=60)  # gloo's own deadline on each collective
+# What the fork server imports once for every rank (tests/conftest.py names them too).
+PRELOAD = (
+    "tests.gloo_ranks",
+    "tests.ros.dtensor_rank_proc",
+    "tests.ros.group_rank_proc",
+    "tests.views.shard_publish_proc",
+    "transformers.models.llama.modeling_llama",
+)
 
 
 def free_port() -> int:
@@ -34,15 +47,65 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def readline(proc: subprocess.Popen[str], seconds: float) -> str:
-    """The process's next stdout line, or "" after `seconds` or at its end."""
-    line: list[str] = []
-    assert proc.stdout is not None
-    stream = proc.stdout
-    reader = threading.Thread(target=lambda: line.append(stream.readline()), daemon=True)
-    reader.start()
-    reader.join(seconds)
-    return line[0] if line else ""
+class Rank:
+    """One rank process: its pid and exit code, its stdout read a line at a time, and its
+    stdin, which the test closes to end its serving."""
+
+    def __init__(self, module: str, args: Sequence[str], env: Mapping[str, str], err: str):
+        mine, theirs = socket.socketpair()
+        self._channel = mine
+        self._lines = mine.makefile("r", encoding="utf-8")
+        self._process: BaseProcess = fork_context(*PRELOAD).Process(
+            target=_rank_main, args=(module, list(args), dict(env), theirs, err), daemon=False
+        )
+        self._process.start()
+        theirs.close()
+
+    def readline(self, seconds: float) -> str:
+        """Its next stdout line, or "" after `seconds` or at its end."""
+        line: list[str] = []
+        reader = threading.Thread(target=lambda: line.append(self._lines.readline()), daemon=True)
+        reader.start()
+        reader.join(seconds)
+        return line[0] if line else ""
+
+    def close_stdin(self) -> None:
+        with suppress(OSError):
+            self._channel.shutdown(socket.SHUT_WR)
+
+    def wait(self, seconds: float) -> int | None:
+        """Its exit code, or None if it is still running after `seconds`."""
+        self._process.join(seconds)
+        return self._process.exitcode
+
+    def kill(self) -> None:
+        self._process.kill()
+
+    def close(self) -> None:
+        self._lines.close()
+        self._channel.close()
+
+
+def _rank_main(module: str, args: list[str], env: dict[str, str], channel: socket.socket,
+               err: str) -> None:  # fmt: skip
+    """The forked rank: `channel` as its stdin and stdout, `err` as its stderr, the test's
+    environment, then `python -m module args`'s `main()`."""
+    log = os.open(err, os.O_WRONLY | os.O_APPEND)
+    os.dup2(channel.fileno(), 0)
+    os.dup2(channel.fileno(), 1)
+    os.dup2(log, 2)
+    channel.close()
+    os.close(log)
+    sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115 (the process's own)
+    sys.stdout = open(1, "w", encoding="utf-8", closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", encoding="utf-8", buffering=1, closefd=False)  # noqa: SIM115
+    os.environ.clear()  # the test's environment, not the fork server's
+    os.environ.update(env)
+    import torch  # imported by the fork server already, before OMP_NUM_THREADS was set
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    sys.argv = [module, *args]
+    exit_now(importlib.import_module(module).main())
 
 
 @contextmanager
@@ -56,49 +119,38 @@ def launch(
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
             "OMP_NUM_THREADS": "1", **(env or {})}  # fmt: skip
     with ExitStack() as stack:
-        errs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(world)]
-        procs = [
-            subprocess.Popen(
-                [sys.executable, "-m", module, *args],
-                env={**base, "RANK": str(rank)},
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=errs[rank],  # a file, never a full pipe
-                text=True,
-            )
+        errs = [stack.enter_context(tempfile.NamedTemporaryFile("w+")) for _ in range(world)]
+        ranks = [
+            Rank(module, args, {**base, "RANK": str(rank)}, errs[rank].name)
             for rank in range(world)
         ]
         try:
-            yield [_said(proc, err) for proc, err in zip(procs, errs, strict=True)]
+            yield [_said(rank, err) for rank, err in zip(ranks, errs, strict=True)]
         finally:
-            _stop(procs)
+            _stop(ranks)
 
 
-def _said(proc: subprocess.Popen[str], err: IO[str]) -> dict[str, Any]:
+def _said(rank: Rank, err: IO[str]) -> dict[str, Any]:
     """The rank's JSON line, or how it ended without one."""
-    line = readline(proc, RANK_SECONDS)
+    line = rank.readline(RANK_SECONDS)
     if line:
         return dict(json.loads(line))
-    try:
-        code = proc.wait(timeout=10)  # its stdout ended: it is exiting
-    except subprocess.TimeoutExpired:
-        raise AssertionError(f"a rank said nothing in {RANK_SECONDS}s") from None
+    code = rank.wait(10)  # its stdout ended: it is exiting
+    if code is None:
+        raise AssertionError(f"a rank said nothing in {RANK_SECONDS}s")
     err.seek(0)
     return {"exit": code, "stderr": err.read()[-3000:]}
 
 
-def _stop(procs: Sequence[subprocess.Popen[str]]) -> None:
+def _stop(ranks: Sequence[Rank]) -> None:
     """Close every rank's stdin (each then ends its serving), then kill the ones still up."""
-    for proc in procs:
-        if proc.stdin is not None and not proc.stdin.closed:
-            with suppress(BrokenPipeError):
-                proc.stdin.close()
-    for proc in procs:
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+    for rank in ranks:
+        rank.close_stdin()
+    for rank in ranks:
+        if rank.wait(30) is None:
+            rank.kill()
+            rank.wait(10)
+        rank.close()
 
 
 @contextmanager
