@@ -8,7 +8,9 @@ wire bytes with two fields retyped as `bytes` (same numbers, no change to the wi
 so the bytes pass through as they came:
 
 - `RawPublishRequest`: `PublishRequest` whose `manifest` (field 3) is the manifest's bytes;
-  every other field (the holder, the views) parses as `PublishRequest`'s does.
+  its `shards` (field 8: the shards a message of a `PublishShards` stream carries) are
+  `RawPublishRequest`s too, so a message of many shards parses in one call; every other
+  field (the holder, the views) parses as `PublishRequest`'s does.
 - `ManifestHead`: `Manifest` whose `tensors` (field 1) are each entry's bytes; its other
   fields (sizes, checksums, metadata, delta) parse as `Manifest`'s do, strings checked as
   UTF-8, so the manifest's rules read them (`ros.manifest_check.check_manifest_bytes`) and
@@ -58,6 +60,8 @@ def _views() -> dict[str, Any]:
                 field.ClearField("type_name")
             elif field.type_name.startswith(own):  # a nested type (the metadata map's entry)
                 field.type_name = f".{_PACKAGE}.{message.name}.{field.type_name[len(own) :]}"
+            elif field.type_name == own[:-1]:  # the message itself (a request's `shards`)
+                field.type_name = f".{_PACKAGE}.{message.name}"
     pool = descriptor_pool.DescriptorPool()
     pool.Add(schema)
     pool.Add(views)

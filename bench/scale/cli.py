@@ -82,6 +82,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="tensors in each shard's manifest in the group cases (a transformer layer's)",
     )
     ap.add_argument(
+        "--group-frame",
+        type=int,
+        default=32,
+        help="shards a message of the group cases' call (1: one a message, what a hub "
+        "without PublishRequest.shards reads, e.g. with --hub-tree of such a tree)",
+    )
+    ap.add_argument(
         "--shard-cases",
         default="ranks,inflight,sequential,group-shards,group-ranks",
         help="cases of the shards part (default %(default)s)",
@@ -569,8 +576,9 @@ def _shards(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"unknown shard cases: {', '.join(sorted(unknown))}")
     return shards.run(
         args.shards, args.ranks, args.inflight, _replicas(args), sequential=args.sequential,
-        group_tensors=args.group_tensors, cases=cases, workers=args.workers,
-        timeout=args.shard_timeout, tree=args.hub_tree, limits=_etcd_limits(args), log=_log,
+        group_tensors=args.group_tensors, group_frame=args.group_frame, cases=cases,
+        workers=args.workers, timeout=args.shard_timeout, tree=args.hub_tree,
+        limits=_etcd_limits(args), log=_log,
     )  # fmt: skip
 
 
@@ -627,6 +635,7 @@ def results(args: argparse.Namespace) -> list[Result]:
         "shards": (
             f"{cmd}shards --shards {args.shards} --inflight {args.inflight} --ranks {args.ranks}"
             f" --sequential {args.sequential} --group-tensors {args.group_tensors}"
+            f" --group-frame {args.group_frame}"
             f" --shard-cases {args.shard_cases}"
             f" --replicas {args.replicas}{limits}{tree}",
             lambda: _shards(args),

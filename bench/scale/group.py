@@ -4,6 +4,9 @@ call (`publish(..., group=PG)`: the ranks gather their requests, one rank sends 
 Only the hub's side is measured here: the gather runs in the trainer's own process group, and
 is measured apart (tests/ros/test_group_publish.py; docs/design-notes.md, "One hub call per
 version"). One client streams every shard's PublishRequest, as the group's first rank does:
+the requests as the ranks serialized them, `frame` (32) a message
+(`ros.client.shard_frames`; 1: a message each, as a hub without `PublishRequest.shards` reads
+them):
 
 - group-shards: N shards (4,096) under a few sessions (4);
 - group-ranks: N ranks (1,024), each shard under its own session (a rank's own lease), all
@@ -35,6 +38,7 @@ import grpc
 from bench.scale.procs import thread_cpu
 from bench.scale.rpc import Hub, first_error, holder
 from bench.scale.world import World
+from ros.client.shard_frames import FRAME_SHARDS, frames, publish_shards
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 
 GROUP_SESSIONS = 4  # group-shards: the sessions its shards are spread over
@@ -95,16 +99,19 @@ async def _open(address: str, token: str, count: int) -> list[int]:
 
 async def _call(
     address: str, token: str, model: str, count: int, sessions: list[int], tensors: int,
-    timeout: float,
+    timeout: float, frame: int,
 ) -> tuple[pb.PublishShardsResponse, float, int, int]:  # fmt: skip
     """The one PublishShards call: its answer, its seconds, Latest before and after."""
     hub = Hub(address, token)
     try:
         before = int((await hub.call("Latest", pb.LatestRequest(model=model))).version)
-        requests = list(_requests(model, count, sessions, tensors))  # each rank's own work
+        requests = [  # each rank's own work: its request, serialized for the gather
+            r.SerializeToString() for r in _requests(model, count, sessions, tensors)
+        ]
+        call = publish_shards(hub.channel)
         t0 = time.monotonic()
-        answer = await hub.stub.PublishShards(
-            iter(requests), metadata=hub.metadata, timeout=timeout
+        answer = await call(  # the leader's part: frame the bytes gathered, send them
+            frames(requests, frame), metadata=hub.metadata, timeout=timeout
         )
         seconds = time.monotonic() - t0
         after = int((await hub.call("Latest", pb.LatestRequest(model=model))).version)
@@ -113,12 +120,16 @@ async def _call(
         await hub.close()
 
 
-def group_case(world: World, case: str, count: int, tensors: int, timeout: float) -> dict[str, Any]:
-    """One group call of `count` shards (`case`: group-shards or group-ranks)."""
+def group_case(
+    world: World, case: str, count: int, tensors: int, timeout: float, frame: int = FRAME_SHARDS
+) -> dict[str, Any]:
+    """One group call of `count` shards (`case`: group-shards or group-ranks), `frame`
+    shards a message."""
     per_rank = case == "group-ranks"
     model = case
     out: dict[str, Any] = {
         "case": case, "shards": count, "tensors": tensors, "replicas": len(world.hubs),
+        "frame_shards": frame,
         "sessions": count if per_rank else GROUP_SESSIONS,
         "manifest_bytes": layer_manifest(0, tensors).ByteSize(),
     }  # fmt: skip
@@ -128,7 +139,7 @@ def group_case(world: World, case: str, count: int, tensors: int, timeout: float
     threads0 = thread_cpu(world.hub.pid if world.hub is not None else 0)
     try:
         answer, seconds, before, after = asyncio.run(
-            _call(world.address, world.token, model, count, sessions, tensors, timeout)
+            _call(world.address, world.token, model, count, sessions, tensors, timeout, frame)
         )
     except grpc.aio.AioRpcError as exc:
         out.update(ok=False, failed=first_error([exc]))
@@ -162,7 +173,8 @@ def summary(r: dict[str, Any]) -> str:
     """One human line for a group case."""
     what = (
         f"{r.get('shards')} {'ranks' if r.get('case') == 'group-ranks' else 'shards'} in one "
-        f"group call ({r.get('tensors')} tensors, {r.get('manifest_bytes')} B a manifest)"
+        f"group call ({r.get('tensors')} tensors, {r.get('manifest_bytes')} B a manifest, "
+        f"{r.get('frame_shards')} a message)"
     )
     if "failed" in r:
         return f"  {what} x{r.get('replicas')}: FAILED {r['failed']}"

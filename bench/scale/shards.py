@@ -53,6 +53,7 @@ from bench.scale.clients import Fleet, WorkerLost, serve_pipe
 from bench.scale.procs import ServerStartError, ceiling_server
 from bench.scale.rpc import OPTIONS, Hub, first_error, holder, tiny_manifest
 from bench.scale.world import EtcdLimits, World
+from ros.client.shard_frames import FRAME_SHARDS
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
 
@@ -534,6 +535,7 @@ def run(
     *,
     sequential: int = 4096,
     group_tensors: int = 200,
+    group_frame: int = FRAME_SHARDS,
     cases: tuple[str, ...] = CASES,
     workers: int = 4,
     singles: int = 5,
@@ -576,7 +578,9 @@ def run(
                             res = sequential_case(world, sequential, SEQUENTIAL_SESSIONS, timeout)
                         else:
                             n = ranks if name == "group-ranks" else shards
-                            res = group.group_case(world, name, n, group_tensors, timeout)
+                            res = group.group_case(
+                                world, name, n, group_tensors, timeout, group_frame
+                            )
                     except WorkerLost as exc:
                         res = {"case": name, "replicas": r, "failed": str(exc), "ok": False}
                         fleet.close()

@@ -7,7 +7,8 @@ a rank that dies stops being offered to readers when its lease expires, within t
 a rank that publishes alone does (docs/design-notes.md, "One hub call per version"). Only
 the sending changes: the ranks gather their requests (serialized, a few KB each) over their
 `torch.distributed` group to the group's first rank, which streams them all to the hub in one
-`PublishShards` call (`ros.hub.shard_group`) and scatters each rank its own shard's outcome.
+`PublishShards` call (`ros.hub.shard_group`), framed many a message as the ranks serialized
+them (`ros.client.shard_frames`), and scatters each rank its own shard's outcome.
 Each rank then finishes its publish as if its own Publish had answered: a `Publication`, or
 the named error its shard was refused with. Since every rank returns after the whole call,
 each one's `Publication.visible` says whether the version is visible by then (its revision
@@ -32,6 +33,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from ros.client.rpc import Rpc
+from ros.client.shard_frames import frames
 from ros.errors import ERROR_METADATA_KEY, FIELDS_METADATA_KEY, error_metadata, from_outcome
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import (
@@ -102,9 +104,9 @@ def _send_all(
     answers: list[tuple[bytes | None, int]] = [(None, 0)] * len(gathered)
     if not sent:
         return answers
-    requests = [pb.PublishRequest.FromString(gathered[i] or b"") for i in sent]
-    try:
-        answer = rpc("PublishShards", iter(requests), timeout)
+    requests = [gathered[i] or b"" for i in sent]
+    try:  # the requests as the ranks serialized them, many a message (`shard_frames`)
+        answer = rpc("PublishShards", frames(requests), timeout)
         if len(answer.outcomes) != len(sent):
             raise OutcomeUnknown(
                 f"the hub answered {len(answer.outcomes)} outcomes for {len(sent)} shards"
@@ -112,7 +114,7 @@ def _send_all(
     except TensorHubError as exc:
         error = exc
         if isinstance(exc, Unavailable | DeadlineExceeded | OutcomeUnknown):
-            first = requests[0]
+            first = pb.PublishRequest.FromString(requests[0])
             error = OutcomeUnknown(
                 f"the group publish of {first.model}@{first.version} was not confirmed "
                 f"({type(exc).__name__}: {exc}); publish again: shards that landed are "

@@ -31,7 +31,7 @@ import torch
 from consistency.floor import RevisionFloor
 from consistency.records import HolderRecord
 from consistency.retry import DEFAULT_POLICY, RetryPolicy
-from ros.client import fetching
+from ros.client import fetching, shard_frames
 from ros.client import slices as reshard
 from ros.client.channel import open_channel, parse_address
 from ros.client.delta_fetch import DEFAULT_HOLD_BYTES, DeltaReader
@@ -120,6 +120,8 @@ class Hub:
         self._metadata = (("authorization", f"Bearer {token}"), ("tensorhub-tenant", me.tenant))
         self._channel = open_channel(addresses, tls=tls)
         self._stub = hub_pb2_grpc.TensorHubStub(self._channel)  # type: ignore[no-untyped-call]
+        # a group's leader sends its ranks' requests framed as they were serialized
+        self._stub.PublishShards = shard_frames.publish_shards(self._channel)
         self.floor = hooks.floor(RevisionFloor())  # invariant 3 (chaos may wrap it)
         self.holdings = Holdings(me.tenant)  # what this client serves: the one owner of it
         self.session = Session(

@@ -50,7 +50,7 @@ class Rpc(Protocol):
     def __call__(
         self,
         method: Literal["PublishShards"],
-        request: Iterator[pb.PublishRequest],
+        request: Iterator[pb.PublishRequest | bytes],  # bytes: `ros.client.shard_frames`
         timeout: float | None = None,
     ) -> pb.PublishShardsResponse: ...
 

@@ -184,6 +184,11 @@ class VersionRPCs:
         the request's manifest as serialized by the caller (a shard's), else serialized here."""
         tenant = call.tenant()
         timeout = self.hub.timeout(call)
+        if request.shards:  # a message of a PublishShards stream carries them, none else
+            raise InvalidArgument(
+                "a publish carries no `shards` of its own (a PublishShards message carries "
+                "either its own shard or its shards)"
+            )
         model = validate_name(request.model, "model")
         version = validate_version(request.version)
         # bounds first: a limit answers before any work

@@ -2,7 +2,8 @@
 
 A trainer's ranks gather their shards' PublishRequests over their own process group, and one
 rank streams them all to the hub in one `PublishShards` call (a client stream: no message
-bound on how many, nor on their manifests together). The hub treats each shard as its own
+bound on how many, nor on their manifests together; a message carries one shard, or
+several in its `shards`, as many as the sender framed). The hub treats each shard as its own
 `Publish`: checked as it arrives, on the event loop, then staged `CHUNK` (61, a full batch)
 at a time in one worker (a manifest over `SHARD_INLINE_BYTES`, up to `SHARD_PACK_BYTES`,
 hashed and compressed for its batch's pack, `consistency.manifest_packs`, instead of paged
@@ -18,12 +19,13 @@ the tenant's quotas (the batches charge the publish rate by arrival: N shards ta
 `consistency.usage.shard_tokens(0, N)` however they arrive).
 
 The answer lists one `ShardOutcome` per shard, in the order sent. A call is refused whole
-(`InvalidArgument`) when it carries no shard, when its first message has no shard count, or
-when it carries more messages than its version has shards (at most `MAX_SHARDS`): a stream
-is bounded by the count its first shard states. The shards it carried before that were
-committed or withdrawn as those of a Publish whose caller left; sent again, they are
-recognized. A shard of another model, version or shard count than the first is refused
-alone.
+(`InvalidArgument`) when it carries no shard, when its first shard has no shard count, when
+a message sets both `shards` and a field of its own, or when it carries more shards than
+its version has (at most `MAX_SHARDS`: a stream is bounded by the count its first shard
+states). The shards it carried before that were committed or withdrawn as those of a
+Publish whose caller left; sent again, they are recognized. A shard of another model,
+version or shard count than the first is refused alone, as is a shard that carries
+`shards` of its own.
 """
 
 from __future__ import annotations
@@ -67,27 +69,28 @@ async def publish_shards(
     handing: list[asyncio.Future[None]] = []
     loop = asyncio.get_running_loop()
     try:
-        async for request in requests:
-            this = (request.model, request.version, request.shard_count)
-            if first is None:
-                if not request.shard_count:
-                    raise InvalidArgument("PublishShards carries shards: set shard_count")
-                first = this
-            if len(outcomes) >= min(first[2], MAX_SHARDS):
-                raise InvalidArgument(
-                    f"PublishShards carries at most one message per shard of its version "
-                    f"({min(first[2], MAX_SHARDS)} here)"
-                )
-            indices.append(request.shard_index)
-            if this != first:
-                outcomes.append(_refused(_mismatch(first, this)))
-                continue
-            outcome: asyncio.Future[Published] = loop.create_future()
-            outcomes.append(outcome)
-            chunk.append((asyncio.ensure_future(check(request)), outcome))
-            if len(chunk) >= CHUNK:
-                handing.append(asyncio.ensure_future(_hand_in(chunk, stage, commit)))
-                chunk = []
+        async for message in requests:
+            for request in _carried(message):
+                this = (request.model, request.version, request.shard_count)
+                if first is None:
+                    if not request.shard_count:
+                        raise InvalidArgument("PublishShards carries shards: set shard_count")
+                    first = this
+                if len(outcomes) >= min(first[2], MAX_SHARDS):
+                    raise InvalidArgument(
+                        f"PublishShards carries at most one request per shard of its version "
+                        f"({min(first[2], MAX_SHARDS)} here)"
+                    )
+                indices.append(request.shard_index)
+                if this != first:
+                    outcomes.append(_refused(_mismatch(first, this)))
+                    continue
+                outcome: asyncio.Future[Published] = loop.create_future()
+                outcomes.append(outcome)
+                chunk.append((asyncio.ensure_future(check(request)), outcome))
+                if len(chunk) >= CHUNK:
+                    handing.append(asyncio.ensure_future(_hand_in(chunk, stage, commit)))
+                    chunk = []
         if chunk:
             handing.append(asyncio.ensure_future(_hand_in(chunk, stage, commit)))
         if not outcomes:
@@ -105,6 +108,20 @@ async def publish_shards(
         version=version,
         outcomes=[_outcome(i, o) for i, o in zip(indices, results, strict=True)],
     )
+
+
+def _carried(message: pb.PublishRequest) -> Sequence[pb.PublishRequest]:
+    """The shards one message of the stream carries: its `shards`, or itself (a message
+    that sets `shards` and any other field is refused, with the whole call: a stream
+    whose framing is broken says nothing sure of its shards)."""
+    shards = message.shards
+    if not shards:
+        return (message,)
+    if len(message.ListFields()) > 1:
+        raise InvalidArgument(
+            "a PublishShards message carries its own shard or its `shards`, not both"
+        )
+    return shards
 
 
 async def _hand_in(

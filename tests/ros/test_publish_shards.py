@@ -16,6 +16,8 @@ import pytest
 from consistency.manifests import SHARD_INLINE_BYTES
 from consistency.shard_commit import FULL_BATCH
 from consistency.usage import SHARDS_PER_TOKEN, shard_tokens
+from ros.client import shard_frames
+from ros.client.shard_frames import frames
 from ros.errors import from_outcome, from_rpc_error
 from ros.hub.server import HubServer
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
@@ -27,7 +29,14 @@ from tensorhub.errors import (
     SessionExpired,
     TensorHubError,
 )
-from tests.ros.test_hostile_publishers import Metadata, raw_client, shard, shard_written, tenant
+from tests.ros.test_hostile_publishers import (
+    Metadata,
+    publish,
+    raw_client,
+    shard,
+    shard_written,
+    tenant,
+)
 
 
 def publish_shards(
@@ -283,3 +292,101 @@ def test_manifests_pass_as_sent_bytes_and_bad_bytes_are_refused_alone(
             pb.ResolveRequest(model="mp", version=1, shard=2), metadata=metadata, timeout=10
         )
         assert resolved.manifest == head
+
+
+def test_shards_framed_many_a_message_are_each_their_own_publish(hub_server: HubServer) -> None:
+    """Shards sent many a message (`PublishRequest.shards`, as `ros.client.shard_frames`
+    frames the bytes the ranks serialized) are each treated as their own Publish: inside a
+    message of 4, a shard whose manifest breaks a rule is refused alone with
+    `InvalidManifest`, one of another version's count with `InvalidArgument`, and one that
+    carries shards of its own with `InvalidArgument`; nothing is visible. Fixed and framed
+    otherwise (3 a message, plain messages among them), the call lands whole in its batches;
+    sent again, it answers the same commits and writes nothing."""
+    count = 70
+    token = tenant(hub_server, "framed")
+    with raw_client(hub_server, token) as (stub, metadata, session):
+        requests = [layer_shard(i, count, session) for i in range(count)]
+        bad = [pb.PublishRequest() for _ in range(3)]
+        for copy, index in zip(bad, (5, 6, 7), strict=True):
+            copy.CopyFrom(requests[index])
+        bad[0].manifest.tensors[2].nbytes = 17  # inside the message of shards 4-7
+        bad[1].shard_count = count + 1
+        bad[2].shards.append(requests[7])
+        sent = [r.SerializeToString() for r in requests[:5]]
+        sent += [b.SerializeToString() for b in bad]
+        sent += [r.SerializeToString() for r in requests[8:]]
+        framed = list(frames(sent, shards=4))
+        assert len(framed) == math.ceil(count / 4)
+        assert len(pb.PublishRequest.FromString(framed[1]).shards) == 4
+        with grpc.insecure_channel(hub_server.address) as channel:
+            call = shard_frames.publish_shards(channel)
+            answer = call(iter(framed), metadata=metadata, timeout=30)
+            found = errors(answer)
+            assert isinstance(found[5], InvalidManifest), found[5]
+            assert isinstance(found[6], InvalidArgument), found[6]
+            assert isinstance(found[7], InvalidArgument), found[7]
+            assert "shards" in str(found[7])
+            assert [f for i, f in enumerate(found) if i not in (5, 6, 7)] == [None] * (count - 3)
+            assert [o.shard_index for o in answer.outcomes] == list(range(count))
+            assert not any(o.visible for o in answer.outcomes)
+            assert latest(stub, metadata) == 0
+            assert not shard_written(hub_server, "framed", "mp", 1, 5)
+            fixed = [r.SerializeToString() for r in requests]
+            mixed = [*frames(fixed[:30], shards=3), *fixed[30:40], *frames(fixed[40:])]
+            before = hub_server.etcd.get("/probe")[1]
+            again = call(iter(mixed), metadata=metadata, timeout=30)
+            after = hub_server.etcd.get("/probe")[1]
+            assert errors(again) == [None] * count
+            assert latest(stub, metadata) == 1
+            assert after - before <= math.ceil(count / FULL_BATCH)
+            last = max(o.revision for o in again.outcomes)
+            assert all(o.visible for o in again.outcomes if o.revision == last)
+            retried = call(iter(frames(fixed)), metadata=metadata, timeout=30)
+            assert errors(retried) == [None] * count
+            assert [o.revision for o in retried.outcomes] == [o.revision for o in again.outcomes]
+            assert hub_server.etcd.get("/probe")[1] == after
+        resolved = stub.Resolve(  # type: ignore[attr-defined]
+            pb.ResolveRequest(model="mp", version=1, shard=5), metadata=metadata, timeout=10
+        )
+        assert resolved.manifest == requests[5].manifest
+
+
+def test_shards_outside_a_publishshards_message_of_their_own_are_refused(
+    hub_server: HubServer,
+) -> None:
+    """`shards` is a PublishShards message's framing only: a message that sets it and a
+    field of its own refuses the call whole (`InvalidArgument`), and so does a Publish
+    that sets it; neither writes anything."""
+    token = tenant(hub_server, "frame-rules")
+    with raw_client(hub_server, token) as (stub, metadata, session):
+        both = shard("mp", 1, 0, 2, session)
+        both.shards.append(shard("mp", 1, 1, 2, session))
+        with pytest.raises(grpc.RpcError) as refused:
+            publish_shards(stub, [both], metadata)
+        assert isinstance(from_rpc_error(refused.value, "PublishShards"), InvalidArgument)
+        whole = pb.PublishRequest()
+        whole.CopyFrom(both)
+        whole.ClearField("shard_count")
+        whole.ClearField("shard_index")
+        whole.holder.ClearField("shard")
+        for request in (both, whole):
+            assert isinstance(publish(stub, request, metadata), InvalidArgument)
+        assert latest(stub, metadata) == 0
+        assert not shard_written(hub_server, "frame-rules", "mp", 1, 0)
+
+
+def test_frames_carry_the_requests_as_they_came_within_their_bounds() -> None:
+    """`frames` is a join: each message parses back to the requests it carries, in order,
+    at most `shards` of them and `max_bytes` of their bytes (a request larger than that
+    alone); one shard a message is the requests as they are."""
+    requests = [layer_shard(i, 9, 1, tensors=1 + i).SerializeToString() for i in range(9)]
+    for shards, max_bytes in ((4, 1 << 20), (9, 3 * len(requests[4])), (2, 1)):
+        framed = list(frames(requests, shards=shards, max_bytes=max_bytes))
+        carried = [pb.PublishRequest.FromString(f).shards for f in framed]
+        assert [s.SerializeToString() for c in carried for s in c] == requests
+        for one in carried:
+            assert 1 <= len(one) <= shards
+            assert len(one) == 1 or sum(s.ByteSize() for s in one) <= max_bytes
+    assert list(frames(requests, shards=1)) == requests
+    with pytest.raises(InvalidArgument):
+        list(frames(requests, shards=0))

@@ -164,7 +164,7 @@ class CloseSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("model", "version", "manifest", "holder", "shard_index", "shard_count", "views")
+    __slots__ = ("model", "version", "manifest", "holder", "shard_index", "shard_count", "views", "shards")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +172,7 @@ class PublishRequest(_message.Message):
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
     VIEWS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     manifest: Manifest
@@ -179,7 +180,8 @@ class PublishRequest(_message.Message):
     shard_index: int
     shard_count: int
     views: _containers.RepeatedCompositeFieldContainer[PublishView]
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., views: _Optional[_Iterable[_Union[PublishView, _Mapping]]] = ...) -> None: ...
+    shards: _containers.RepeatedCompositeFieldContainer[PublishRequest]
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., views: _Optional[_Iterable[_Union[PublishView, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[PublishRequest, _Mapping]]] = ...) -> None: ...
 
 class PublishView(_message.Message):
     __slots__ = ("format", "manifest")
