@@ -191,7 +191,7 @@ class LayoutRegistry:
                 f"a block set described in {len(blocks)} bytes: at most {MAX_BLOCKS_BYTES}"
             )
         if not sums:
-            return self._hold(at, record, session_key, timeout)
+            return self._hold(at, record, session_key, timeout)[:3]
 
         def attempt() -> tuple[int, int, list[int]]:
             return self._create(at, record, encode_block_set(blocks, sums), session_key, timeout)
@@ -205,23 +205,60 @@ class LayoutRegistry:
             ),
         )
 
+    def register_partial(
+        self,
+        at: BlockSetKey,
+        record: HolderRecord,
+        *,
+        session_key: str,
+        timeout: float | None = None,
+    ) -> tuple[int, LayoutHolders]:
+        """Put `record` (a PARTIAL holder: no checksums, no charge) under its lease and read,
+        in the same transaction (so at its revision), what `resolve` reads: the block set's
+        holders (the first `MAX_LAYOUT_HOLDERS_READ` keys, this one among them) and its
+        recorded checksums; (our fence, what was found). A reader so learns the holders
+        registered before it without a second call, and none registered after it can be
+        among them (a revision sees no later create). `VersionNotFound` and
+        `SessionExpired` as `register`."""
+        if record.session <= 0:
+            raise InvalidArgument("a layout holder record needs its session (lease) id")
+        fence, revision, sums, holders = self._hold(at, record, session_key, timeout, resolve=True)
+        return fence, LayoutHolders(holders, sums, revision)
+
     def _hold(
-        self, at: BlockSetKey, record: HolderRecord, session_key: str, timeout: float | None
-    ) -> tuple[int, int, list[int]]:
+        self,
+        at: BlockSetKey,
+        record: HolderRecord,
+        session_key: str,
+        timeout: float | None,
+        resolve: bool = False,
+    ) -> tuple[int, int, list[int], list[HolderRecord]]:
         """Put the holder's key, and nothing else (its block set's key exists, or it
-        records none): no charge."""
-        manifest_key, sums_key, _ = self._keys(at)
+        records none): no charge. With `resolve`, also read the block set's holders (as
+        `resolve` does, at the transaction's revision; else [])."""
+        manifest_key, sums_key, holders = self._keys(at)
         key = self._holder_key(at, record.holder)
+        reads = [ops.get(key), ops.get(sums_key)]
+        if resolve:
+            reads.append(ops.page(holders, "", MAX_LAYOUT_HOLDERS_READ))
         result = self.etcd.txn(
             [ops.exists(manifest_key), ops.exists(session_key)],
-            [ops.put(key, record.encode(), lease=record.session), ops.get(key), ops.get(sums_key)],
+            [ops.put(key, record.encode(), lease=record.session), *reads],
             [ops.get(manifest_key, count_only=True)],
             timeout=timeout,
         )
         self._refused(at, record, result)
-        held, found = result.responses[-2].response_range, result.responses[-1].response_range
+        held, found = result.responses[1].response_range, result.responses[2].response_range
         recorded = decode_block_set(bytes(found.kvs[0].value))[1] if found.kvs else []
-        return int(held.kvs[0].create_revision), result.revision, recorded
+        records = (
+            [
+                HolderRecord.decode(bytes(kv.value), int(kv.create_revision))
+                for kv in result.responses[3].response_range.kvs
+            ]
+            if resolve
+            else []
+        )
+        return int(held.kvs[0].create_revision), result.revision, recorded, records
 
     def _create(
         self,
@@ -245,7 +282,7 @@ class LayoutRegistry:
             reads.append(ops.get(budget.key))
         read = self.etcd.txn([], reads, timeout=timeout)
         if int(read.responses[0].response_range.count):
-            return self._hold(at, record, session_key, timeout)  # someone else created it
+            return self._hold(at, record, session_key, timeout)[:3]  # another created it
         tallied = read.responses[1].response_range.kvs
         tally = LayoutTally.decode(bytes(tallied[0].value)) if tallied else LayoutTally()
         self._check_bounds(at, tally)

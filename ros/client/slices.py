@@ -38,7 +38,8 @@ import logging
 import secrets
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -46,7 +47,7 @@ import torch
 
 from ros.cli.rss import give_back_freed
 from ros.client import layout_cover, layouts
-from ros.client.deadline import Deadline
+from ros.client.deadline import MIN_CALL, Deadline
 from ros.client.delta_bases import Staged
 from ros.client.delta_fetch import DeltaReader, DeltaStats
 from ros.client.fetching import DEFAULT_FETCH_TIMEOUT
@@ -153,23 +154,41 @@ def fetch_slices(
     # A reader of slices is no holder, so it pins the version itself; the pin is its
     # own (not the holder name, whose pin a concurrent fetch of the version may hold).
     pin_id = f"slices-{secrets.token_hex(6)}"
+    if blocks is not None and peers is not None and layout is not None:
+        # The pin and the layout registration are independent hub calls: both in one
+        # round trip, and no byte is read before both are done (`_read_layout`).
+        with ThreadPoolExecutor(1, thread_name_prefix="slices-pin") as pool:
+            pinning = pool.submit(pins.pin, model, found, pin_id, deadline.work(me.timeout))
+            try:
+                _read_layout(
+                    runs, peers, me, model, found, layout, cover, blocks, slices, parts,
+                    resolved, deadline, rate_floor, progress, result, pinning,
+                )  # fmt: skip
+            finally:
+                if _pinned(pinning, me):
+                    _unpin(pins, me, model, found, pin_id, deadline)
+        return result
     pins.pin(model, found, pin_id, deadline.work(me.timeout))
     try:
-        if blocks is not None and peers is not None and layout is not None:
-            _read_layout(
-                runs, peers, me, model, found, layout, cover, blocks, slices, parts,
-                resolved, deadline, rate_floor, progress, result,
+        for index, copies in plan.items():
+            _read_part(
+                me, runs, model, found, _shard(resolved, index),
+                _holders(runs, model, found, resolved, index, deadline), parts[index],
+                copies, slices, deadline, result, rate_floor, progress, deltas,
             )  # fmt: skip
-        else:
-            for index, copies in plan.items():
-                _read_part(
-                    me, runs, model, found, _shard(resolved, index),
-                    _holders(runs, model, found, resolved, index, deadline), parts[index],
-                    copies, slices, deadline, result, rate_floor, progress, deltas,
-                )  # fmt: skip
     finally:
         _unpin(pins, me, model, found, pin_id, deadline)
     return result
+
+
+def _pinned(pinning: Future[None], me: Identity) -> bool:
+    """Whether the pin taken in `pinning` is in place (waiting for its call, which its own
+    timeout bounds, at most the client's call timeout more); one still in flight then is
+    left to the session's lease."""
+    try:
+        return pinning.exception(timeout=me.timeout + MIN_CALL) is None
+    except FutureTimeout:
+        return False
 
 
 def _shard(resolved: pb.ResolveResponse, index: int) -> int | None:
@@ -205,17 +224,24 @@ def _read_layout(
     rate_floor: float,
     progress: ProgressCallback | None,
     result: SliceFetch,
+    pinning: Future[None],
 ) -> None:
-    """A reader in a layout (`ros.client.layouts`): serve the blocks as a PARTIAL holder,
-    read them from the holders registered before us and the `cover` layouts, the rest from
-    the trainer's shards in steps of whole blocks (`_read_steps`: each block served as soon
-    as it is in place), then register COMPLETE. A failure stops the serving and deletes our
-    record."""
+    """A reader in a layout (`ros.client.layouts`): serve the blocks as a PARTIAL holder
+    (registered while `pinning` takes the version's pin; nothing is read before both are
+    done), read them from the holders registered before us and the `cover` layouts, the
+    rest from the trainer's shards in steps of whole blocks (`_read_steps`: each block
+    served as soon as it is in place), then register COMPLETE. A failure (the pin's
+    included) stops the serving and deletes our record."""
     token = _renewing_token(runs, model, version, resolved, deadline)
-    dest, fence = layouts.start_holding(peers, me, model, version, layout, blocks, deadline)
+    held = layouts.start_holding(peers, me, model, version, layout, blocks, deadline)
+    dest = held.dest
     try:
+        try:  # bounded by its call's own timeout: this wait is a backstop
+            pinning.result(timeout=me.timeout + MIN_CALL)
+        except FutureTimeout as exc:
+            raise DeadlineExceeded(f"{deadline.what}: the version's pin did not answer") from exc
         recorded = _from_holders(
-            peers, me, model, version, layout, cover, blocks, dest, fence, slices, token,
+            peers, me, model, version, layout, cover, blocks, held, slices, token,
             deadline, rate_floor, result,
         )  # fmt: skip
         done = set(slices) - result.from_trainer
@@ -368,8 +394,7 @@ def _from_holders(
     layout: str,
     cover: Sequence[str],
     blocks: layouts.BlockSet,
-    dest: HeldVersion,
-    fence: int,
+    held: layouts.Holding,
     slices: Mapping[str, Slice],
     token: RenewingToken,
     deadline: Deadline,
@@ -380,7 +405,7 @@ def _from_holders(
     sets of the `cover` layouts; the blocks neither gave go into `result.from_trainer`.
     Returns the checksums recorded for the block set (empty: none yet)."""
     peer = layouts.read_from_peers(
-        peers, me, model, version, layout, blocks, dest, fence, token, deadline, rate_floor
+        peers, me, model, version, layout, blocks, held, token, deadline, rate_floor
     )
     _count(result, peer.stats)
     missing = set(peer.missing_blocks)
