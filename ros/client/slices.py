@@ -38,8 +38,7 @@ import logging
 import secrets
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -47,7 +46,7 @@ import torch
 
 from ros.cli.rss import give_back_freed
 from ros.client import layout_cover, layouts
-from ros.client.deadline import MIN_CALL, Deadline
+from ros.client.deadline import Deadline
 from ros.client.delta_bases import Staged
 from ros.client.delta_fetch import DeltaReader, DeltaStats
 from ros.client.fetching import DEFAULT_FETCH_TIMEOUT
@@ -151,23 +150,17 @@ def fetch_slices(
             raise InvalidArgument("fetch_slices: a layout is read by its client, without delta")
         blocks = layouts.block_set(slices, int(parts[0].chunk_size))
         layouts.check_free(peers, me, model, blocks, found)
-    # A reader of slices is no holder, so it pins the version itself; the pin is its
-    # own (not the holder name, whose pin a concurrent fetch of the version may hold).
-    pin_id = f"slices-{secrets.token_hex(6)}"
     if blocks is not None and peers is not None and layout is not None:
-        # The pin and the layout registration are independent hub calls: both in one
-        # round trip, and no byte is read before both are done (`_read_layout`).
-        with ThreadPoolExecutor(1, thread_name_prefix="slices-pin") as pool:
-            pinning = pool.submit(pins.pin, model, found, pin_id, deadline.work(me.timeout))
-            try:
-                _read_layout(
-                    runs, peers, me, model, found, layout, cover, blocks, slices, parts,
-                    resolved, deadline, rate_floor, progress, result, pinning,
-                )  # fmt: skip
-            finally:
-                if _pinned(pinning, me):
-                    _unpin(pins, me, model, found, pin_id, deadline)
+        # Its PARTIAL registration pins the version, in the same transaction, until it
+        # registers COMPLETE or releases (`consistency.layouts`): no Pin or Unpin call.
+        _read_layout(
+            runs, peers, me, model, found, layout, cover, blocks, slices, parts, resolved,
+            deadline, rate_floor, progress, result,
+        )  # fmt: skip
         return result
+    # A reader of slices that is no holder pins the version itself; the pin is its own
+    # (not the holder name, whose pin a concurrent fetch of the version may hold).
+    pin_id = f"slices-{secrets.token_hex(6)}"
     pins.pin(model, found, pin_id, deadline.work(me.timeout))
     try:
         for index, copies in plan.items():
@@ -179,16 +172,6 @@ def fetch_slices(
     finally:
         _unpin(pins, me, model, found, pin_id, deadline)
     return result
-
-
-def _pinned(pinning: Future[None], me: Identity) -> bool:
-    """Whether the pin taken in `pinning` is in place (waiting for its call, which its own
-    timeout bounds, at most the client's call timeout more); one still in flight then is
-    left to the session's lease."""
-    try:
-        return pinning.exception(timeout=me.timeout + MIN_CALL) is None
-    except FutureTimeout:
-        return False
 
 
 def _shard(resolved: pb.ResolveResponse, index: int) -> int | None:
@@ -224,22 +207,17 @@ def _read_layout(
     rate_floor: float,
     progress: ProgressCallback | None,
     result: SliceFetch,
-    pinning: Future[None],
 ) -> None:
     """A reader in a layout (`ros.client.layouts`): serve the blocks as a PARTIAL holder
-    (registered while `pinning` takes the version's pin; nothing is read before both are
-    done), read them from the holders registered before us and the `cover` layouts, the
-    rest from the trainer's shards in steps of whole blocks (`_read_steps`: each block
-    served as soon as it is in place), then register COMPLETE. A failure (the pin's
-    included) stops the serving and deletes our record."""
+    (a registration that also pins the version), read them from the holders registered
+    before us and the `cover` layouts, the rest from the trainer's shards in steps of whole
+    blocks (`_read_steps`: each block served as soon as it is in place), then register
+    COMPLETE (which drops the pin). A failure stops the serving and deletes our record
+    and its pin."""
     token = _renewing_token(runs, model, version, resolved, deadline)
     held = layouts.start_holding(peers, me, model, version, layout, blocks, deadline)
     dest = held.dest
     try:
-        try:  # bounded by its call's own timeout: this wait is a backstop
-            pinning.result(timeout=me.timeout + MIN_CALL)
-        except FutureTimeout as exc:
-            raise DeadlineExceeded(f"{deadline.what}: the version's pin did not answer") from exc
         recorded = _from_holders(
             peers, me, model, version, layout, cover, blocks, held, slices, token,
             deadline, rate_floor, result,

@@ -29,6 +29,7 @@ import ros
 from chaos.holder_faults import Fault
 from ros.client.hooks import ClientHooks
 from ros.client.layouts import block_set
+from ros.client.pins import Pins
 from ros.hub.server import HubServer
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tests.ros.layout_model import CHUNK, block_bytes, expected, publish_tp, slices_for
@@ -643,7 +644,9 @@ def test_a_reader_reads_from_the_holders_its_registration_answered(
     clients: Callable[..., ros.Hub],
 ) -> None:
     """The registration's answer is the first round's: a reader whose holders give every
-    block asks no ResolveLayout (one hub call fewer before its first byte)."""
+    block asks no ResolveLayout, and its registration pins the version, so it calls no
+    Pin or Unpin either (three hub calls fewer than a Resolve, Pin, RegisterLayoutHolder,
+    ResolveLayout, RegisterLayoutHolder and Unpin)."""
     trainers = publish_tp(clients, 2)
     first = clients()
     first.fetch_slices("policy", 1, slices=slices_for(0, 2)[1], layout="tp2", timeout=30)
@@ -656,10 +659,10 @@ def test_a_reader_reads_from_the_holders_its_registration_answered(
         return rpc(method, request, timeout)  # type: ignore[call-overload]
 
     second._layouts = dataclasses.replace(second._layouts, rpc=counting)
+    second._pins = Pins(counting, second.session)  # type: ignore[arg-type]
     out, slices = slices_for(0, 2)
     got = second.fetch_slices("policy", 1, slices=slices, layout="tp2", timeout=30)
     _same(out, 0, 2)
     assert got.bytes_per_source == {first.holder_name: block_bytes(0, 2)}
     assert not set(got.bytes_per_source) & {t.holder_name for t in trainers}
-    assert calls.count("RegisterLayoutHolder") == 2  # PARTIAL, then COMPLETE
-    assert "ResolveLayout" not in calls
+    assert calls == ["RegisterLayoutHolder", "RegisterLayoutHolder"]  # PARTIAL, COMPLETE
