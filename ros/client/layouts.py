@@ -7,7 +7,8 @@ a digest of the boxes, dtypes and chunk size, so that every worker taking the sa
 names them alike. A reader in a layout, pipelined as a reader of a whole version is:
 
 1. serves its blocks' memory at once, as a PARTIAL holder of its block set
-   (`start_holding`, `RegisterLayoutHolder`): a chunk is served from the moment every byte
+   (`start_holding`, `RegisterLayoutHolder`, whose transaction also pins the version until
+   the COMPLETE registration or the release): a chunk is served from the moment every byte
    of it is verified, with the xxh3-64 computed then;
 2. learns, from that registration's answer (what a `ResolveLayout` at its revision would
    answer; each later round asks `ResolveLayout`), the holders of its block set (at most a

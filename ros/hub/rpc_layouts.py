@@ -77,11 +77,12 @@ class LayoutRPCs:
         self, request: pb.RegisterLayoutHolderRequest, context: CallContext
     ) -> pb.RegisterLayoutHolderResponse:
         """A holder of a block set, under the caller's session: PARTIAL (a reader that
-        serves its chunks as they arrive, with no checksums to record yet; the answer
-        carries what a ResolveLayout at the registration's revision would, from the
-        holder's topology) or COMPLETE, whose checksums are recorded if no reader recorded
-        them first (the answer says which are). Registering again under the same name
-        keeps the record's fence."""
+        serves its chunks as they arrive, with no checksums to record yet; its
+        registration pins the version, and the answer carries what a ResolveLayout at the
+        registration's revision would, from the holder's topology) or COMPLETE (which
+        drops that pin), whose checksums are recorded if no reader recorded them first
+        (the answer says which are). Registering again under the same name keeps the
+        record's fence."""
         at = self._at(context, request)
         holder = holder_from_pb(request.holder)
         if not holder.complete and request.block_sums:
