@@ -22,7 +22,11 @@ returned (every byte checked against the publisher's checksums, then against the
 the orchestrator computes of that worker's blocks of the version); each R is the median
 of `--steps` steps. Bytes are the host links' counters (frames included) over the step: out of the
 trainer's hosts per model, into each worker's host per its blocks' bytes; each worker's
-`bytes_per_source` counts what the SDK read, and from which holder.
+`bytes_per_source` counts what the SDK read, and from which holder. Per worker, the step
+also records when its fetch ended (from the first publish call) and its start delay: from
+its fetch call to its first request for chunks (the hub calls before it); the run reports
+the start delays of the chained readers (those that read no byte from the trainer) at
+the highest R.
 
 `--plot FILE.png` (`plot`) draws T against R for both paths.
 """
@@ -112,6 +116,8 @@ class Step:
     worker_read: list[float]
     from_trainer: list[float]
     by_source: list[dict[str, int]]  # per worker: bytes read from each holder (the SDK's)
+    ends: list[float]  # per worker: its fetch's return, seconds from the first publish call
+    start_delays: list[float | None]  # per worker: fetch call to first chunk request
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -121,7 +127,16 @@ class Step:
             "worker_read_per_blocks": [round(x, 4) for x in self.worker_read],
             "worker_from_trainer_per_blocks": [round(x, 4) for x in self.from_trainer],
             "worker_bytes_by_source": self.by_source,
+            "worker_end_s": [round(x, 4) for x in self.ends],
+            "worker_start_delay_s": [None if x is None else round(x, 4) for x in self.start_delays],
         }
+
+    def chained_delays(self) -> list[float]:
+        """The start delays of the workers that read no byte from the trainer's shards."""
+        return [
+            d for d, t in zip(self.start_delays, self.from_trainer, strict=True)
+            if d is not None and t == 0
+        ]  # fmt: skip
 
 
 def run(
@@ -222,7 +237,10 @@ def _step(
     after = c.link_bytes()
     for k in range(TP):
         verify(expected[k], got[k::TP], f"{layout or 'slices'} v{version} TP rank {k}")
-    seconds = max(g["t1"] for g in got) - min(p["t0"] for p in published)
+    origin = min(p["t0"] for p in published)
+    seconds = max(g["t1"] for g in got) - origin
+    ends = [g["t1"] - origin for g in got]
+    delays = [None if g["read_start"] is None else g["read_start"] - g["t0"] for g in got]
     out = sum(after[p.host.name][1] - before[p.host.name][1] for p in trainer)
     into, read, direct, sources = [], [], [], []
     for w, g in zip(workers, got, strict=True):
@@ -233,7 +251,7 @@ def _step(
         direct.append(sum(n for s, n in per_source.items() if s in trainer_names) / blocks)
         sources.append(dict(per_source))
     broadcast([*workers, *trainer], "reshard_release", 60, model=MODEL, version=version)
-    return Step(seconds, out / bench.nbytes, into, read, direct, sources)
+    return Step(seconds, out / bench.nbytes, into, read, direct, sources, ends, delays)
 
 
 def _median_T(steps_: list[Step]) -> float:  # noqa: N802
@@ -271,6 +289,11 @@ def _figures(
         res.add(f"{STAGGERED}: trainer hosts' bytes out per step / model at R={hi}", out(one))
         res.add(f"{STAGGERED}: T({hi}) / layout T({lo})", T[STAGGERED][hi] / T["layout"][lo])
     res.add(f"layout T({lo}) / one transfer of the model", T["layout"][lo] / one_transfer)
+    chained = sorted(d for st in lay[hi] for d in st.chained_delays())
+    if chained:
+        res.add(f"layout: chained readers' start delay at R={hi}, median",
+                statistics.median(chained), unit="s")  # fmt: skip
+        res.add(f"layout: chained readers' start delay at R={hi}, highest", chained[-1], unit="s")
     res.add("workers whose blocks differ from the trainer's", 0, "<= 0", "workers")
     res.add(f"layout T({hi})", T["layout"][hi], unit="s")
     res.add(f"slices T({hi})", T["slices"][hi], unit="s")

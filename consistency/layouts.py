@@ -18,7 +18,10 @@ The block set's key (its description and chunk checksums) is written once (creat
 the first reader that registers COMPLETE, from bytes verified against the publisher's chunk
 checksums (by it, or by the holders it read them from); a PARTIAL holder records none. It
 is no lease's, and goes with the version (retention and `DeleteModel` delete
-`lb/{model}/{version}/` in the transaction that deletes the version). The transaction that
+`lb/{model}/{version}/` in the transaction that deletes the version). A PARTIAL holder also
+pins the version while it reads (`{tenant}/.../pin/lb-{digest of its name}`, on its lease,
+put in its registration's transaction), as a PARTIAL holder of a whole version does;
+its COMPLETE registration and its release delete that pin. The transaction that
 creates it charges it to the tenant's etcd budget (`consistency.usage`) and counts it in the
 version's tally (`consistency.layout_tally`), against which `MAX_LAYOUTS_PER_VERSION` and
 `MAX_BLOCK_SETS_PER_LAYOUT` are checked before the write; the release of the version or
@@ -28,6 +31,7 @@ expiry and session close remove it.
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from dataclasses import dataclass
 
@@ -82,6 +86,13 @@ _LEN = struct.Struct(">I")
 
 MAX_BLOCK_SET_BYTES = _LEN.size + MAX_BLOCKS_BYTES + _SUM.size * MAX_BLOCK_SUMS
 """The longest value of a block set's key (about 768 KiB)."""
+
+
+def layout_pin_id(holder: str) -> str:
+    """The id of the pin a PARTIAL layout holder takes on its version: apart from the
+    `pin/{holder}` of a PARTIAL holder of the whole version (another path of the same
+    client), and a valid name whatever the holder's length."""
+    return "lb-" + hashlib.sha256(holder.encode()).hexdigest()[:32]
 
 
 def encode_sums(sums: list[int]) -> bytes:
@@ -173,7 +184,8 @@ class LayoutRegistry:
         """Put `record` under its lease, and the block set's description `blocks` with its
         checksums `sums` if no reader recorded them yet, in one transaction that compares
         the version's manifest and the tenant's record of the session; (fence, revision,
-        the checksums recorded).
+        the checksums recorded). A PARTIAL record also pins the version in that transaction
+        (`layout_pin_id`, under its lease) and a COMPLETE one drops that pin.
 
         A registration that creates the block set's key charges it to the tenant's budget
         and counts it in the version's tally (`_create`); `QuotaExceeded`, with nothing
@@ -191,7 +203,7 @@ class LayoutRegistry:
                 f"a block set described in {len(blocks)} bytes: at most {MAX_BLOCKS_BYTES}"
             )
         if not sums:
-            return self._hold(at, record, session_key, timeout)
+            return self._hold(at, record, session_key, timeout)[:3]
 
         def attempt() -> tuple[int, int, list[int]]:
             return self._create(at, record, encode_block_set(blocks, sums), session_key, timeout)
@@ -205,23 +217,61 @@ class LayoutRegistry:
             ),
         )
 
+    def register_partial(
+        self,
+        at: BlockSetKey,
+        record: HolderRecord,
+        *,
+        session_key: str,
+        timeout: float | None = None,
+    ) -> tuple[int, LayoutHolders]:
+        """Put `record` (a PARTIAL holder: no checksums, no charge) under its lease and read,
+        in the same transaction (so at its revision), what `resolve` reads: the block set's
+        holders (the first `MAX_LAYOUT_HOLDERS_READ` keys, this one among them) and its
+        recorded checksums; (our fence, what was found). A reader so learns the holders
+        registered before it without a second call, and none registered after it can be
+        among them (a revision sees no later create). `VersionNotFound` and
+        `SessionExpired` as `register`."""
+        if record.session <= 0:
+            raise InvalidArgument("a layout holder record needs its session (lease) id")
+        fence, revision, sums, holders = self._hold(at, record, session_key, timeout, resolve=True)
+        return fence, LayoutHolders(holders, sums, revision)
+
     def _hold(
-        self, at: BlockSetKey, record: HolderRecord, session_key: str, timeout: float | None
-    ) -> tuple[int, int, list[int]]:
+        self,
+        at: BlockSetKey,
+        record: HolderRecord,
+        session_key: str,
+        timeout: float | None,
+        resolve: bool = False,
+    ) -> tuple[int, int, list[int], list[HolderRecord]]:
         """Put the holder's key, and nothing else (its block set's key exists, or it
-        records none): no charge."""
-        manifest_key, sums_key, _ = self._keys(at)
+        records none): no charge. With `resolve`, also read the block set's holders (as
+        `resolve` does, at the transaction's revision; else [])."""
+        manifest_key, sums_key, holders = self._keys(at)
         key = self._holder_key(at, record.holder)
+        writes = [ops.put(key, record.encode(), lease=record.session), self._pinning(at, record)]
+        reads = [ops.get(key), ops.get(sums_key)]
+        if resolve:
+            reads.append(ops.page(holders, "", MAX_LAYOUT_HOLDERS_READ))
         result = self.etcd.txn(
             [ops.exists(manifest_key), ops.exists(session_key)],
-            [ops.put(key, record.encode(), lease=record.session), ops.get(key), ops.get(sums_key)],
+            [*writes, *reads],
             [ops.get(manifest_key, count_only=True)],
             timeout=timeout,
         )
         self._refused(at, record, result)
-        held, found = result.responses[-2].response_range, result.responses[-1].response_range
+        held, found = result.responses[2].response_range, result.responses[3].response_range
         recorded = decode_block_set(bytes(found.kvs[0].value))[1] if found.kvs else []
-        return int(held.kvs[0].create_revision), result.revision, recorded
+        records = (
+            [
+                HolderRecord.decode(bytes(kv.value), int(kv.create_revision))
+                for kv in result.responses[4].response_range.kvs
+            ]
+            if resolve
+            else []
+        )
+        return int(held.kvs[0].create_revision), result.revision, recorded, records
 
     def _create(
         self,
@@ -245,7 +295,7 @@ class LayoutRegistry:
             reads.append(ops.get(budget.key))
         read = self.etcd.txn([], reads, timeout=timeout)
         if int(read.responses[0].response_range.count):
-            return self._hold(at, record, session_key, timeout)  # someone else created it
+            return self._hold(at, record, session_key, timeout)[:3]  # another created it
         tallied = read.responses[1].response_range.kvs
         tally = LayoutTally.decode(bytes(tallied[0].value)) if tallied else LayoutTally()
         self._check_bounds(at, tally)
@@ -276,6 +326,7 @@ class LayoutRegistry:
             ],
             [
                 ops.put(key, record.encode(), lease=record.session),
+                self._pinning(at, record),
                 ops.put(sums_key, value),
                 ops.put(tally_key, tally.add(at.layout, charged).encode()),
                 *puts,
@@ -319,6 +370,19 @@ class LayoutRegistry:
                 f"layout {at.layout!r} of {at.model}@{at.version} has "
                 f"{MAX_BLOCK_SETS_PER_LAYOUT} block sets: no more are recorded"
             )
+
+    def _pin_key(self, at: BlockSetKey, holder: str) -> str:
+        """The pin a PARTIAL holder of a block set of the version takes (`layout_pin_id`)."""
+        return self.keys.pin(at.tenant, at.model, at.version, layout_pin_id(holder))
+
+    def _pinning(self, at: BlockSetKey, record: HolderRecord) -> ops.Op:
+        """A PARTIAL record pins its version (under its lease: retention keeps the version
+        while the reader fills its blocks, with no Pin and Unpin calls of its own); a
+        COMPLETE one drops that pin, as a holder of a whole version's does."""
+        pin = self._pin_key(at, record.holder)
+        if record.complete:
+            return ops.delete(pin)
+        return ops.put(pin, b"", lease=record.session)
 
     def _holder_key(self, at: BlockSetKey, holder: str) -> str:
         key = self.keys.layout_holder(
@@ -390,7 +454,7 @@ class LayoutRegistry:
     def release(
         self, at: BlockSetKey, holder: str, session: int, *, timeout: float | None = None
     ) -> int:
-        """Delete the holder's key if `session` owns it (gone already: done);
+        """Delete the holder's key and its pin if `session` owns it (gone already: done);
         `PermissionDenied` if another session's lease holds it."""
         _, _, holders = self._keys(at)
         key = self.keys.layout_holder(
@@ -399,7 +463,7 @@ class LayoutRegistry:
         assert key.startswith(holders)
         result = self.etcd.txn(
             [ops.lease(key, "==", session)],
-            [ops.delete(key)],
+            [ops.delete(key), ops.delete(self._pin_key(at, holder))],
             [ops.get(key, count_only=True)],
             timeout=timeout,
         )

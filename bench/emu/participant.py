@@ -24,9 +24,10 @@ import ros
 from bench.emu import baseline_ops, commands
 from bench.emu.delta_ops import DeltaRole
 from bench.emu.model import digest, make_model
-from bench.emu.reshard_ops import ReshardRole
+from bench.emu.reshard_ops import ReadStarts, ReshardRole
 from consistency.events import EventKind
 from ros.client.handles import Held, Publication
+from ros.client.hooks import ClientHooks
 from ros.client.watch import HubWatch
 from tensorhub.errors import EngineNotReady
 
@@ -42,6 +43,7 @@ class Participant:
         self.seen: list[tuple[int, float]] = []
         self.watches: list[HubWatch] = []
         self.lock = threading.Lock()
+        self.read_starts = ReadStarts()  # each version's first read round (bench reshard)
 
     def _hub(self) -> ros.Hub:
         if self.hub is None:
@@ -61,7 +63,7 @@ class Participant:
         agents are made, are in this process's environment from its start."""
         self.hub = ros.connect(
             hub, tenant=tenant, token=token, topology=topology, listen=f"{self.ip}:0",
-            transports=transports,
+            transports=transports, hooks=ClientHooks(read=self.read_starts.hook),
         )  # fmt: skip
         return {"holder": self.hub.holder_name}
 
@@ -178,7 +180,7 @@ def main() -> int:
     deltas = DeltaRole(me._hub)
     for name in ("train_init", "train_step", "publish_plain", "fetch_into", "drop"):
         ops[name] = getattr(deltas, name)
-    reshard = ReshardRole(me._hub)
+    reshard = ReshardRole(me._hub, me.read_starts)
     for name in ("reshard_setup", "shard_publish", "read_blocks", "reshard_release"):
         ops[name] = getattr(reshard, name)
     for name in ("plain_listen", "plain_recv", "serve", "tfetch", "gloo"):

@@ -5,13 +5,16 @@ its TP rank) with `fetch_slices`, in its layout (a holder of its blocks) or with
 (today's readers of slices, which hold nothing).
 
 Timing is taken in the participant's own process: a publish from the call to its return
-(the version visible), a read from the call to its return (every byte verified). The
+(the version visible), a read from the call to its return (every byte verified), and the
+read's first round of chunk requests (`ReadStarts`: what the read spent before it, in hub
+calls, is its start delay). The
 model's bytes are drawn from a seed per version (`tensors`), so the orchestrator can
 compute the digest each worker's blocks must have.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -22,6 +25,7 @@ import ros
 from bench.emu.model import digest
 from bench.reshard_layout import BenchModel, bench_model, load, trainer_placements
 from ros.client.handles import Publication
+from ros.client.hooks import RoundReader
 from transport.boxes import Box
 
 
@@ -43,11 +47,34 @@ def block_digest(model: Mapping[str, torch.Tensor], boxes: Mapping[str, Box]) ->
     return digest(cut)
 
 
+class ReadStarts:
+    """When this participant's client first asked a holder for chunks of each version (its
+    first read round, from a peer or the trainer's shards, after every hub call before
+    it): the client's read hook (`ros.client.hooks.ClientHooks.read`)."""
+
+    def __init__(self) -> None:
+        self._first: dict[tuple[str, int], float] = {}
+        self._lock = threading.Lock()
+
+    def hook(self, read: RoundReader) -> RoundReader:
+        def timed(tenant: str, model: str, version: int, *args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                self._first.setdefault((model, version), time.monotonic())
+            return read(tenant, model, version, *args, **kwargs)
+
+        return timed
+
+    def take(self, model: str, version: int) -> float | None:
+        with self._lock:
+            return self._first.pop((model, version), None)
+
+
 class ReshardRole:
     """One participant's part in `bench reshard`: a trainer rank or a rollout worker."""
 
-    def __init__(self, hub: Callable[[], ros.Hub]) -> None:
+    def __init__(self, hub: Callable[[], ros.Hub], starts: ReadStarts | None = None) -> None:
         self._hub = hub
+        self._starts = starts or ReadStarts()
         self._model: BenchModel | None = None
         self._pubs: dict[int, Publication] = {}
         self._held: set[int] = set()
@@ -91,15 +118,18 @@ class ReshardRole:
             n: ros.Slice(torch.empty(b.shape, dtype=torch.float32), b.offsets, bench.shapes[n])
             for n, b in sorted(boxes.items())
         }
+        self._starts.take(model, version)
         start = time.monotonic()
         got = self._hub().fetch_slices(model, version, slices=slices, layout=layout,
                                        timeout=timeout, rate_floor=rate_floor)  # fmt: skip
         end = time.monotonic()
+        first_read = self._starts.take(model, version)
         if layout is not None:
             self._held.add(version)
         return {
             "t0": start,
             "t1": end,
+            "read_start": first_read,  # None: no chunk was asked for
             "digest": digest({n: slices[n].tensor for n in sorted(slices)}),
             "bytes_per_source": got.bytes_per_source,
             "from_trainer": sorted(got.from_trainer),

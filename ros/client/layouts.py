@@ -7,10 +7,12 @@ a digest of the boxes, dtypes and chunk size, so that every worker taking the sa
 names them alike. A reader in a layout, pipelined as a reader of a whole version is:
 
 1. serves its blocks' memory at once, as a PARTIAL holder of its block set
-   (`start_holding`, `RegisterLayoutHolder`): a chunk is served from the moment every byte
+   (`start_holding`, `RegisterLayoutHolder`, whose transaction also pins the version until
+   the COMPLETE registration or the release): a chunk is served from the moment every byte
    of it is verified, with the xxh3-64 computed then;
-2. asks the hub for the holders of its block set (`ResolveLayout`: at most a few, nearest
-   first) and the checksums recorded for it, and reads its blocks from ONE of those
+2. learns, from that registration's answer (what a `ResolveLayout` at its revision would
+   answer; each later round asks `ResolveLayout`), the holders of its block set (at most a
+   few, nearest first) and the checksums recorded for it, and reads its blocks from ONE of those
    registered before it (`transport.planner.pipeline_sources`: chains, as for whole
    versions; the first registrant has none and reads from the trainer), each chunk checked
    against the recorded checksums, or, before any exist, against the checksum its holder
@@ -251,6 +253,17 @@ def predecessors(
     return pipeline_sources(me.topology, fence, candidates)
 
 
+@dataclass(frozen=True)
+class Holding:
+    """What `start_holding` started: the memory served, our record's fence, and the hub's
+    answer to the registration as a `ResolveLayout` answer (the holders and checksums at
+    the registration's revision), the first round's of `read_from_peers`."""
+
+    dest: HeldVersion
+    fence: int
+    found: pb.ResolveLayoutResponse
+
+
 def start_holding(
     peers: LayoutPeers,
     me: Identity,
@@ -259,10 +272,10 @@ def start_holding(
     layout: str,
     blocks: BlockSet,
     deadline: Deadline,
-) -> tuple[HeldVersion, int]:
+) -> Holding:
     """Serve `blocks`' memory as a PARTIAL holder before any byte arrives (each chunk from
-    the moment it is verified) and register so (no checksums yet); (what is served, our
-    record's fence). `release` undoes it."""
+    the moment it is verified) and register so (no checksums yet); the registration
+    answers the block set's holders too. `release` undoes it."""
     dest = HeldVersion.reader(me.tenant, model, version, blocks.layout, blocks.tensors)
     peers.serving.start()
     peers.holdings.hold_layout(dest)
@@ -276,7 +289,11 @@ def start_holding(
         peers.holdings.drop(dest.key, 1.0)
         raise
     peers.held.put(model, version, _Holding(layout, blocks.id, dest.key, [], blocks.description))
-    return dest, int(answer.fence)
+    found = pb.ResolveLayoutResponse(
+        holders=answer.holders, block_sums=answer.block_sums, revision=answer.revision,
+        total_holders=answer.total_holders,
+    )  # fmt: skip
+    return Holding(dest, int(answer.fence), found)
 
 
 def settle(dest: HeldVersion, done: set[str]) -> int:
@@ -301,19 +318,24 @@ def read_from_peers(
     version: int,
     layout: str,
     blocks: BlockSet,
-    dest: HeldVersion,
-    fence: int,
+    held: Holding,
     token: RenewingToken,
     deadline: Deadline,
     rate_floor: float = DEFAULT_RATE_FLOOR,
 ) -> PeerRead:
-    """Read `blocks` into `dest` from the holders of their block set (module docstring,
-    step 2); the blocks not read whole from them are in `missing_blocks` (all of them when
-    no holder was registered before us)."""
+    """Read `blocks` into `held.dest` from the holders of their block set (module
+    docstring, step 2): the first round from the registration's answer (`held.found`),
+    each later one from a fresh `ResolveLayout`; the blocks not read whole from them are
+    in `missing_blocks` (all of them when no holder was registered before us)."""
     out = PeerRead()
+    dest, fence = held.dest, held.fence
     suspects: dict[str, BaseException] = {}
-    for _ in range(PEER_ROUNDS):
-        answer = _resolve(peers, me, model, version, layout, blocks, deadline)
+    for round_ in range(PEER_ROUNDS):
+        answer = (
+            held.found
+            if round_ == 0
+            else _resolve(peers, me, model, version, layout, blocks, deadline)
+        )
         out.sums = list(answer.block_sums)
         recorded = len(out.sums) == blocks.layout.num_chunks
         sources = predecessors(me, fence, list(answer.holders), suspects)

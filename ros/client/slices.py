@@ -150,23 +150,25 @@ def fetch_slices(
             raise InvalidArgument("fetch_slices: a layout is read by its client, without delta")
         blocks = layouts.block_set(slices, int(parts[0].chunk_size))
         layouts.check_free(peers, me, model, blocks, found)
-    # A reader of slices is no holder, so it pins the version itself; the pin is its
-    # own (not the holder name, whose pin a concurrent fetch of the version may hold).
+    if blocks is not None and peers is not None and layout is not None:
+        # Its PARTIAL registration pins the version, in the same transaction, until it
+        # registers COMPLETE or releases (`consistency.layouts`): no Pin or Unpin call.
+        _read_layout(
+            runs, peers, me, model, found, layout, cover, blocks, slices, parts, resolved,
+            deadline, rate_floor, progress, result,
+        )  # fmt: skip
+        return result
+    # A reader of slices that is no holder pins the version itself; the pin is its own
+    # (not the holder name, whose pin a concurrent fetch of the version may hold).
     pin_id = f"slices-{secrets.token_hex(6)}"
     pins.pin(model, found, pin_id, deadline.work(me.timeout))
     try:
-        if blocks is not None and peers is not None and layout is not None:
-            _read_layout(
-                runs, peers, me, model, found, layout, cover, blocks, slices, parts,
-                resolved, deadline, rate_floor, progress, result,
+        for index, copies in plan.items():
+            _read_part(
+                me, runs, model, found, _shard(resolved, index),
+                _holders(runs, model, found, resolved, index, deadline), parts[index],
+                copies, slices, deadline, result, rate_floor, progress, deltas,
             )  # fmt: skip
-        else:
-            for index, copies in plan.items():
-                _read_part(
-                    me, runs, model, found, _shard(resolved, index),
-                    _holders(runs, model, found, resolved, index, deadline), parts[index],
-                    copies, slices, deadline, result, rate_floor, progress, deltas,
-                )  # fmt: skip
     finally:
         _unpin(pins, me, model, found, pin_id, deadline)
     return result
@@ -206,16 +208,18 @@ def _read_layout(
     progress: ProgressCallback | None,
     result: SliceFetch,
 ) -> None:
-    """A reader in a layout (`ros.client.layouts`): serve the blocks as a PARTIAL holder,
-    read them from the holders registered before us and the `cover` layouts, the rest from
-    the trainer's shards in steps of whole blocks (`_read_steps`: each block served as soon
-    as it is in place), then register COMPLETE. A failure stops the serving and deletes our
-    record."""
+    """A reader in a layout (`ros.client.layouts`): serve the blocks as a PARTIAL holder
+    (a registration that also pins the version), read them from the holders registered
+    before us and the `cover` layouts, the rest from the trainer's shards in steps of whole
+    blocks (`_read_steps`: each block served as soon as it is in place), then register
+    COMPLETE (which drops the pin). A failure stops the serving and deletes our record
+    and its pin."""
     token = _renewing_token(runs, model, version, resolved, deadline)
-    dest, fence = layouts.start_holding(peers, me, model, version, layout, blocks, deadline)
+    held = layouts.start_holding(peers, me, model, version, layout, blocks, deadline)
+    dest = held.dest
     try:
         recorded = _from_holders(
-            peers, me, model, version, layout, cover, blocks, dest, fence, slices, token,
+            peers, me, model, version, layout, cover, blocks, held, slices, token,
             deadline, rate_floor, result,
         )  # fmt: skip
         done = set(slices) - result.from_trainer
@@ -368,8 +372,7 @@ def _from_holders(
     layout: str,
     cover: Sequence[str],
     blocks: layouts.BlockSet,
-    dest: HeldVersion,
-    fence: int,
+    held: layouts.Holding,
     slices: Mapping[str, Slice],
     token: RenewingToken,
     deadline: Deadline,
@@ -380,7 +383,7 @@ def _from_holders(
     sets of the `cover` layouts; the blocks neither gave go into `result.from_trainer`.
     Returns the checksums recorded for the block set (empty: none yet)."""
     peer = layouts.read_from_peers(
-        peers, me, model, version, layout, blocks, dest, fence, token, deadline, rate_floor
+        peers, me, model, version, layout, blocks, held, token, deadline, rate_floor
     )
     _count(result, peer.stats)
     missing = set(peer.missing_blocks)

@@ -77,9 +77,12 @@ class LayoutRPCs:
         self, request: pb.RegisterLayoutHolderRequest, context: CallContext
     ) -> pb.RegisterLayoutHolderResponse:
         """A holder of a block set, under the caller's session: PARTIAL (a reader that
-        serves its chunks as they arrive, with no checksums to record yet) or COMPLETE,
-        whose checksums are recorded if no reader recorded them first (the answer says
-        which are). Registering again under the same name keeps the record's fence."""
+        serves its chunks as they arrive, with no checksums to record yet; its
+        registration pins the version, and the answer carries what a ResolveLayout at the
+        registration's revision would, from the holder's topology) or COMPLETE (which
+        drops that pin), whose checksums are recorded if no reader recorded them first
+        (the answer says which are). Registering again under the same name keeps the
+        record's fence."""
         at = self._at(context, request)
         holder = holder_from_pb(request.holder)
         if not holder.complete and request.block_sums:
@@ -89,9 +92,22 @@ class LayoutRPCs:
         blocks = bytes(request.blocks)
         if blocks and hashlib.sha256(blocks).hexdigest()[:32] != at.block_set:
             raise InvalidArgument("the block set's id is not the digest of its description")
+        session_key = self.hub.sessions.key(at.tenant, holder.session)
+        timeout = self.hub.timeout(context)
+        if not holder.complete:
+            # What a ResolveLayout would answer, read in the registration's transaction:
+            # the reader picks its predecessor among these without a second call.
+            fence, found = self._registry(context).register_partial(
+                at, holder, session_key=session_key, timeout=timeout
+            )
+            chosen = _nearest(found.holders, holder.topology, holder.holder)
+            return pb.RegisterLayoutHolderResponse(
+                fence=fence, revision=found.revision, block_sums=found.sums,
+                holders=[holder_to_pb(h) for h in chosen], total_holders=len(found.holders),
+            )  # fmt: skip
         fence, revision, sums = self._registry(context).register(
-            at, holder, list(request.block_sums), timeout=self.hub.timeout(context),
-            session_key=self.hub.sessions.key(at.tenant, holder.session), blocks=blocks,
+            at, holder, list(request.block_sums), timeout=timeout,
+            session_key=session_key, blocks=blocks,
         )  # fmt: skip
         return pb.RegisterLayoutHolderResponse(fence=fence, revision=revision, block_sums=sums)
 

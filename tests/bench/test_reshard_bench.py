@@ -90,7 +90,7 @@ def test_a_short_run_accounts_for_every_byte() -> None:
     blocks, its host's link carried at least what it read, the trainer's link carried at
     least what the workers read from it, readers without a layout read only from it, and
     of two instances one after another the second read exactly its blocks, none of them
-    from the trainer."""
+    from the trainer; each worker's start delay and end are recorded."""
     cfg = reshard.Config(trainer_hosts=1, readers=(1, 2), steps=1)
     res = reshard.run(Options(rate_mbit=400, size_mb=8), cfg)
     d = res.details
@@ -104,6 +104,9 @@ def test_a_short_run_accounts_for_every_byte() -> None:
             direct = step["worker_from_trainer_per_blocks"]
             assert all(x >= 1.0 for x in read), (path, r, step)
             assert all(i >= x for i, x in zip(step["worker_in_per_blocks"], read, strict=True))
+            # every worker asked for chunks after its fetch's call, and ended within T
+            assert all(d is not None and d >= 0 for d in step["worker_start_delay_s"]), step
+            assert max(step["worker_end_s"]) == pytest.approx(step["T_s"], abs=1e-3)
             from_trainer = sum(x * blocks[k % 2] for k, x in enumerate(direct))
             assert step["trainer_out_per_model"] * model >= from_trainer
             if path == "slices":

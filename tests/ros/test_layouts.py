@@ -4,6 +4,7 @@ processes; every reader ends on the publisher's bytes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import select
@@ -28,6 +29,7 @@ import ros
 from chaos.holder_faults import Fault
 from ros.client.hooks import ClientHooks
 from ros.client.layouts import block_set
+from ros.client.pins import Pins
 from ros.hub.server import HubServer
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tests.ros.layout_model import CHUNK, block_bytes, expected, publish_tp, slices_for
@@ -578,3 +580,89 @@ def test_a_partial_holder_records_no_checksums_and_covers_no_one(
     request = pb.ResolveLayoutCoverRequest(model="policy", version=1, layout="tp2")
     (covering,) = clients()._rpc("ResolveLayoutCover", request).block_sets
     assert [h.name for h in covering.holders] == [first.holder_name]  # COMPLETE ones only
+
+
+def test_a_partial_registration_answers_what_resolve_layout_would(
+    clients: Callable[..., ros.Hub],
+) -> None:
+    """A PARTIAL registration's answer is ResolveLayout's at the registration's revision,
+    from the registrant's topology: the holders registered before it, nearest first (never
+    itself, never one registered after it: no cycle), and the recorded checksums."""
+    publish_tp(clients, 2)
+    blocks = block_set(slices_for(0, 2)[1], CHUNK)
+    hosts = {"a": "h1", "b": "h2", "c": "h2", "d": "h3"}
+    hub = {name: clients(topology={"host": host}) for name, host in hosts.items()}
+
+    def register(name: str, sums: list[int] | None = None) -> pb.RegisterLayoutHolderResponse:
+        client = hub[name]
+        client._layouts.serving.start()  # a record names the endpoints it serves on
+        request = pb.RegisterLayoutHolderRequest(
+            model="policy", version=1, layout="tp2", block_set=blocks.id,
+            holder=client._layouts.records.record(sums is not None), block_sums=sums or [],
+            blocks=blocks.description,
+        )  # fmt: skip
+        return client._rpc("RegisterLayoutHolder", request)
+
+    def resolve(name: str) -> pb.ResolveLayoutResponse:
+        request = pb.ResolveLayoutRequest(
+            model="policy", version=1, layout="tp2", block_set=blocks.id,
+            topology={"host": hosts[name]}, holder=hub[name].holder_name,
+        )  # fmt: skip
+        return hub[name]._rpc("ResolveLayout", request)
+
+    def same(registered: pb.RegisterLayoutHolderResponse, name: str) -> list[str]:
+        resolved = resolve(name)
+        assert list(registered.holders) == list(resolved.holders)
+        assert list(registered.block_sums) == list(resolved.block_sums)
+        assert registered.total_holders == resolved.total_holders
+        assert registered.revision <= resolved.revision
+        return [h.name for h in registered.holders]
+
+    a = register("a")
+    assert same(a, "a") == []  # itself only: it reads the trainer's shards
+    assert a.total_holders == 1
+    b = register("b")
+    assert same(b, "b") == [hub["a"].holder_name]
+    c = register("c")  # b shares its host: nearest first, before the older a
+    assert same(c, "c") == [hub["b"].holder_name, hub["a"].holder_name]
+    assert all(h.fence < c.fence for h in c.holders)
+    # b's answer was read at its own revision: c, registered after, is not in it, though
+    # a ResolveLayout now offers c to b (the reader's fence then keeps it out)
+    assert hub["c"].holder_name not in {h.name for h in b.holders}
+    later = {h.name: h.fence for h in resolve("b").holders}
+    assert later[hub["c"].holder_name] > b.fence
+    # once a COMPLETE holder recorded checksums, a PARTIAL registration answers them
+    recorded = [7] * blocks.layout.num_chunks
+    assert list(register("a", recorded).block_sums) == recorded
+    d = register("d")
+    assert list(d.block_sums) == recorded
+    assert same(d, "d")[0] == hub["a"].holder_name  # all elsewhere: the oldest first
+    assert [h.state for h in d.holders] == [pb.COMPLETE, pb.PARTIAL, pb.PARTIAL]
+
+
+def test_a_reader_reads_from_the_holders_its_registration_answered(
+    clients: Callable[..., ros.Hub],
+) -> None:
+    """The registration's answer is the first round's: a reader whose holders give every
+    block asks no ResolveLayout, and its registration pins the version, so it calls no
+    Pin or Unpin either (three hub calls fewer than a Resolve, Pin, RegisterLayoutHolder,
+    ResolveLayout, RegisterLayoutHolder and Unpin)."""
+    trainers = publish_tp(clients, 2)
+    first = clients()
+    first.fetch_slices("policy", 1, slices=slices_for(0, 2)[1], layout="tp2", timeout=30)
+    second = clients()
+    calls: list[str] = []
+    rpc = second._layouts.rpc
+
+    def counting(method: str, request: Any, timeout: float | None = None) -> Any:
+        calls.append(method)
+        return rpc(method, request, timeout)  # type: ignore[call-overload]
+
+    second._layouts = dataclasses.replace(second._layouts, rpc=counting)
+    second._pins = Pins(counting, second.session)  # type: ignore[arg-type]
+    out, slices = slices_for(0, 2)
+    got = second.fetch_slices("policy", 1, slices=slices, layout="tp2", timeout=30)
+    _same(out, 0, 2)
+    assert got.bytes_per_source == {first.holder_name: block_bytes(0, 2)}
+    assert not set(got.bytes_per_source) & {t.holder_name for t in trainers}
+    assert calls == ["RegisterLayoutHolder", "RegisterLayoutHolder"]  # PARTIAL, COMPLETE

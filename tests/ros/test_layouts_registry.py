@@ -1,11 +1,12 @@
 """The layout holder registry over a real etcd (`consistency/layouts.py`): a Resolve of a
 block set is bounded whatever the number of its holders, the checksums are recorded once,
-a release is its owner's, and nothing is registered for a version that is not published or
-under a lease that is no session of the tenant."""
+a release is its owner's, a PARTIAL holder pins its version, and nothing is registered
+for a version that is not published or under a lease that is no session of the tenant."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 
@@ -16,6 +17,7 @@ from consistency.layouts import (
     MAX_LAYOUT_HOLDERS_READ,
     BlockSetKey,
     LayoutRegistry,
+    layout_pin_id,
 )
 from ros.hub.rpc_layouts import MAX_LAYOUT_CANDIDATES, _nearest
 from tensorhub.errors import PermissionDenied, QuotaExceeded, SessionExpired, VersionNotFound
@@ -163,3 +165,31 @@ def test_a_block_set_past_the_layouts_bound_is_refused_with_nothing_written(
     registry.register(  # a new holder of a recorded block set is no new block set
         BlockSetKey("t", "m", 1, "tp2", "set0"), rec(session, "h3"), [0], session_key=mark
     )
+
+
+def test_a_partial_holder_pins_its_version_until_it_completes_or_releases(
+    etcd: Etcd, registry: LayoutRegistry, keys: Keys, session: Session
+) -> None:
+    """The PARTIAL registration pins the version in its own transaction (so a reader in a
+    layout calls no Pin): retention keeps it while the reader fills its blocks, and the
+    COMPLETE registration or the release drops the pin, after which it is collected."""
+    mark = keys.session("t", session.id)
+    versions = VersionRegistry(etcd, keys, retain=1)
+
+    def pins() -> dict[str, int]:
+        found = etcd.range(keys.pins("t", "m", 1), prefix=True)
+        return {bytes(kv.key).decode().rsplit("/", 1)[1]: int(kv.lease) for kv in found.kvs}
+
+    partial = replace(rec(session, "a"), state=HolderState.PARTIAL)
+    fence, found = registry.register_partial(AT, partial, session_key=mark)
+    assert pins() == {layout_pin_id("a"): session.id}  # on the holder's lease
+    assert [(h.holder, h.revision) for h in found.holders] == [("a", fence)]
+    versions.publish("t", "m", 2, b"manifest", rec(session, "trainer"))
+    assert versions.collect("t", "m") == []  # pinned by the reader of its blocks
+    registry.register(AT, rec(session, "a"), [1], session_key=mark)  # COMPLETE
+    assert pins() == {}
+    registry.register_partial(AT, replace(partial, holder="b"), session_key=mark)
+    assert set(pins()) == {layout_pin_id("b")}
+    registry.release(AT, "b", session.id)
+    assert pins() == {}
+    assert versions.collect("t", "m") == [1]

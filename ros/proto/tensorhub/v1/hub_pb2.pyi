@@ -575,14 +575,18 @@ class RegisterLayoutHolderRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., layout: _Optional[str] = ..., block_set: _Optional[str] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., block_sums: _Optional[_Iterable[int]] = ..., blocks: _Optional[bytes] = ...) -> None: ...
 
 class RegisterLayoutHolderResponse(_message.Message):
-    __slots__ = ("fence", "revision", "block_sums")
+    __slots__ = ("fence", "revision", "block_sums", "holders", "total_holders")
     FENCE_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SUMS_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_HOLDERS_FIELD_NUMBER: _ClassVar[int]
     fence: int
     revision: int
     block_sums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, fence: _Optional[int] = ..., revision: _Optional[int] = ..., block_sums: _Optional[_Iterable[int]] = ...) -> None: ...
+    holders: _containers.RepeatedCompositeFieldContainer[Holder]
+    total_holders: int
+    def __init__(self, fence: _Optional[int] = ..., revision: _Optional[int] = ..., block_sums: _Optional[_Iterable[int]] = ..., holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., total_holders: _Optional[int] = ...) -> None: ...
 
 class ResolveLayoutRequest(_message.Message):
     __slots__ = ("model", "version", "layout", "block_set", "topology", "holder")
