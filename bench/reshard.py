@@ -56,6 +56,13 @@ STEPS = 5
 TP = 2
 SIZE_MB = 16
 RATE_MBIT = 100.0
+# The trainer's chunk. A worker reads whole trainer chunks, and every trainer rank holds the
+# one KV head's k and v (128 KiB each here), which a worker takes from one rank only: a
+# chunk of another rank that holds its rows beside those copies is read whole. At 256 KiB
+# (the other benches' chunk, twice such a tensor) the first worker of a block set read 1.17x
+# its blocks, at 64 KiB 1.05x (`--readers 1,8 --steps 3`); the chunks' own costs (a request,
+# a checksum) stay small at 64 KiB, about 5 ms of a 100 Mbit/s link each.
+CHUNK_KB = 64
 PATHS: dict[str, str | None] = {"layout": f"vllm-tp{TP}", "slices": None}
 STAGGERED = "layout, one instance after another"  # measured at the highest R only
 SERIES = {"layout (readers hold their blocks)": "layout", "slices (readers hold nothing)": "slices"}
@@ -74,7 +81,7 @@ class Config:
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     add_options(ap, SIZE_MB)
-    ap.set_defaults(rate_mbit=RATE_MBIT)
+    ap.set_defaults(rate_mbit=RATE_MBIT, chunk_kb=CHUNK_KB)
     ap.add_argument("--trainer-hosts", type=int, choices=(1, 4), default=4,
                     help="4: a TP-4 trainer, one rank per host; 1: one host publishes the "
                     "whole model")  # fmt: skip
