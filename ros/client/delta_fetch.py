@@ -64,6 +64,7 @@ from ros.client.delta_chunks import BaseCheck, Link, check_companion, companion_
 from ros.client.delta_stats import DeltaStats
 from ros.client.handles import Handles, Held
 from ros.client.holdings import Holdings
+from ros.client.layout_delta import LayoutBases
 from ros.client.manifest import layout_of
 from ros.client.orchestrator import Orchestrator, Target, manifest_of_shard
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
@@ -124,6 +125,7 @@ class DeltaReader:
         self.hold_bytes = hold_bytes
         self.bases = BaseMemory()
         self.staged = StagedBases()  # fetch_slices(delta=True): each source shard's base
+        self.layout_bases = LayoutBases()  # fetch_slices(layout=, delta=True): blocks' bases
         self._kept: list[Held] = []  # companions served now (pruned as they are released)
         self._lock = threading.Lock()
 

@@ -396,6 +396,7 @@ class Hub:
             validate_name(model, "model")
         self._publisher.drop_bases(model)
         self._deltas.staged.drop(model)
+        self._deltas.layout_bases.drop(model)
 
     def delta_memory(self) -> dict[str, int]:
         """Bytes this client keeps now for delta versions: `base_copies` (its publishes'

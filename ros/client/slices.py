@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ros.cli.rss import give_back_freed
-from ros.client import layout_cover, layouts
+from ros.client import layout_cover, layout_delta, layouts
 from ros.client.deadline import Deadline
 from ros.client.delta_bases import Staged
 from ros.client.delta_fetch import DeltaReader, DeltaStats
@@ -146,8 +146,8 @@ def fetch_slices(
         raise InvalidArgument("fetch_slices: `cover` needs the reader's own `layout`")
     if layout is not None:
         validate_name(layout, "layout")
-        if peers is None or deltas is not None:
-            raise InvalidArgument("fetch_slices: a layout is read by its client, without delta")
+        if peers is None:
+            raise InvalidArgument("fetch_slices: a layout is read by its client")
         blocks = layouts.block_set(slices, int(parts[0].chunk_size))
         layouts.check_free(peers, me, model, blocks, found)
     if blocks is not None and peers is not None and layout is not None:
@@ -155,7 +155,7 @@ def fetch_slices(
         # registers COMPLETE or releases (`consistency.layouts`): no Pin or Unpin call.
         _read_layout(
             runs, peers, me, model, found, layout, cover, blocks, slices, parts, resolved,
-            deadline, rate_floor, progress, result,
+            deadline, rate_floor, progress, result, deltas,
         )  # fmt: skip
         return result
     # A reader of slices that is no holder pins the version itself; the pin is its own
@@ -207,17 +207,29 @@ def _read_layout(
     rate_floor: float,
     progress: ProgressCallback | None,
     result: SliceFetch,
+    deltas: DeltaReader | None = None,
 ) -> None:
     """A reader in a layout (`ros.client.layouts`): serve the blocks as a PARTIAL holder
     (a registration that also pins the version), read them from the holders registered
     before us and the `cover` layouts, the rest from the trainer's shards in steps of whole
     blocks (`_read_steps`: each block served as soon as it is in place), then register
     COMPLETE (which drops the pin). A failure stops the serving and deletes our record
-    and its pin."""
+    and its pin. With `deltas`, blocks that hold the version remembered for them first
+    get the changes that fall inside them (`ros.client.layout_delta`), and the blocks
+    served at the end are remembered as the base of the next read."""
     token = _renewing_token(runs, model, version, resolved, deadline)
+    base = deltas.layout_bases.take(model, blocks) if deltas is not None else None
     held = layouts.start_holding(peers, me, model, version, layout, blocks, deadline)
     dest = held.dest
     try:
+        if base is not None:
+            applied = layout_delta.apply_deltas(
+                runs, me.tenant, model, version, parts, lambda i: _shard(resolved, i),
+                _plan(model, version, parts, slices), slices, blocks, dest, base,
+                list(held.found.block_sums), deadline, rate_floor,
+            )  # fmt: skip
+            result.deltas.update(applied.stats)
+            _count(result, applied.moved)
         recorded = _from_holders(
             peers, me, model, version, layout, cover, blocks, held, slices, token,
             deadline, rate_floor, result,
@@ -233,6 +245,8 @@ def _read_layout(
         result.served = layouts.finish_holding(
             peers, me, model, version, layout, blocks, dest, recorded, deadline
         )
+        if deltas is not None and result.served:
+            deltas.layout_bases.remember(model, blocks, version, dest)
     except BaseException:
         layouts.release(peers, me, model, version, layouts.cleanup_time(me, deadline))
         raise

@@ -1,0 +1,421 @@
+"""Deltas for layout holders: a reader in a layout whose blocks hold version u reads only
+v's changes that fall inside them (`Hub.fetch_slices(layout=..., delta=True)`;
+docs/design-notes.md, "Deltas for layout holders").
+
+A layout reader with `delta=True` that registered COMPLETE for u remembers, per block set,
+u and the xxh3-64 of each chunk of its block set's layout (`LayoutBases`: derived from
+bytes verified against the publisher, and equal to the block set's record). When it
+fetches v, published with a delta against u, before it reads from peers or the trainer
+(`apply_deltas`, a step of the same fetch, under its one `Deadline`):
+
+1. **Plan.** For each source shard, the trainer chunks that hold parts of its blocks. A
+   block is applied from the delta only when every such chunk, of every source shard, is
+   encoded (a chunk sent whole, a shard without a delta against u, or a chain: its blocks
+   are read whole, from the block set's holders or the trainer, as without delta).
+2. **Check the base.** Each chunk of the block set's layout whose blocks are all to be
+   applied must hold exactly u: its xxh3-64 is the one remembered for u. A chunk that
+   differs (memory changed between the fetches) is counted (`DeltaStats.base_mismatch`)
+   and left missing: it is read whole.
+3. **Read the encoded chunks** of the trainer chunks the checked chunks' blocks need, from
+   the companion version (`{model}.delta`@v, of the same shard) as targets of the fetch's
+   `Orchestrator` (unheld: from the trainer and every client that holds the companion),
+   in groups of at most `STAGING_BUDGET` encoded bytes, each checked against the
+   companion manifest's checksums by the transport and against the encoded digest of v's
+   manifest before it is decoded, within the first half of the work time left.
+4. **Apply**: each changed byte of a trainer chunk that lies inside a block is XORed into
+   the block's own memory, in place (no staging of the trainer's chunks).
+5. **Mark present** each checked chunk whose blocks got every change, with its xxh3-64
+   computed over the result (when the block set of v already has recorded checksums, the
+   result must equal them too); from then on it is served. The rest stays missing, and the
+   fetch reads it as it reads a layout without delta.
+
+Why the bytes are v's: the base is u's (checked against sums derived from publisher-verified
+bytes), and the changes are the publisher's (the companion's chunks checked against the
+checksums the publisher's ranks computed, each encoded chunk against v's manifest). Their
+XOR is v, as the publisher stated it. Anything that stops the delta (no companion holder,
+a companion of the wrong size, the deadline of its part, a chunk that fails a check) leaves
+those chunks missing for the rounds that follow: slower, never wrong.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from ros.cli.rss import give_back_freed
+from ros.client.deadline import Deadline
+from ros.client.delta_chunks import check_companion, companion_bytes
+from ros.client.delta_stats import DeltaStats
+from ros.client.layouts import BlockSet
+from ros.client.manifest import layout_of
+from ros.client.orchestrator import Orchestrator, Target, manifest_of_shard
+from ros.client.slice import Slice
+from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from tensorhub.checksum_kinds import XXH3
+from tensorhub.delta_rules import ENCODINGS, PLANES, TENSOR
+from tensorhub.errors import IntegrityError, TensorHubError
+from transport import delta as codec
+from transport import delta_words
+from transport.boxes import Box, byte_span, chunks_for
+from transport.layout import Layout, TensorSpec, torch_dtype
+from transport.outcome import FetchStats
+from transport.pace import DEFAULT_RATE_FLOOR
+from transport.store import HeldVersion
+
+log = logging.getLogger(__name__)
+
+STAGING_BUDGET = 64 * 1024 * 1024
+"""Encoded bytes of a companion staged at once: its chunks are read in groups of at most
+this (with the companion chunks they lie in), each group freed once applied."""
+
+COMPANION_SHARE = 0.5  # of the work time left: the most the companions' reads may take
+
+
+class Part(Protocol):
+    """One source shard's part of a block (`ros.client.slices._Copy`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def source(self) -> Box: ...  # the block the source shard holds
+
+    @property
+    def part(self) -> Box: ...  # the intersection the reader takes
+
+
+@dataclass(frozen=True)
+class LayoutBase:
+    """What a layout reader's blocks held when it last registered COMPLETE: the version,
+    the xxh3-64 of each chunk of its block set's layout, and where the blocks were."""
+
+    version: int
+    sums: tuple[int, ...]
+    where: tuple[tuple[str, str, int], ...]
+
+
+def _where(blocks: BlockSet) -> tuple[tuple[str, str, int], ...]:
+    return tuple((n, str(t.device), t.data_ptr()) for n, t in blocks.tensors.items())
+
+
+class LayoutBases:
+    """The bases of a client's layout reads with `delta=True`, per (model, block set).
+    Thread-safe."""
+
+    def __init__(self) -> None:
+        self._bases: dict[tuple[str, str], LayoutBase] = {}
+        self._lock = threading.Lock()
+
+    def remember(self, model: str, blocks: BlockSet, version: int, dest: HeldVersion) -> None:
+        """`dest` (the blocks of model@version, every chunk present and verified) is the
+        base of the next delta read of these blocks."""
+        sums = tuple(dest.checksum(i) for i in range(blocks.layout.num_chunks))
+        with self._lock:
+            self._bases[(model, blocks.id)] = LayoutBase(version, sums, _where(blocks))
+
+    def take(self, model: str, blocks: BlockSet) -> LayoutBase | None:
+        """The base remembered for these blocks in this memory, forgotten (the read that
+        takes it writes the memory; it remembers the next one when it completes)."""
+        with self._lock:
+            base = self._bases.pop((model, blocks.id), None)
+        return base if base is not None and base.where == _where(blocks) else None
+
+    def drop(self, model: str | None = None) -> None:
+        with self._lock:
+            for key in [k for k in self._bases if model is None or k[0] == model]:
+                del self._bases[key]
+
+
+@dataclass
+class BlockDelta:
+    """What `apply_deltas` did: per source shard read (None: a version published whole),
+    its `DeltaStats`; and what the companions' reads moved."""
+
+    stats: dict[int | None, DeltaStats] = field(default_factory=dict)
+    moved: FetchStats = field(default_factory=FetchStats)
+
+
+def apply_deltas(
+    runs: Orchestrator,
+    tenant: str,
+    model: str,
+    version: int,
+    parts: Sequence[pb.Manifest],
+    shard_of: Callable[[int], int | None],
+    plan: Mapping[int, Sequence[Part]],
+    slices: Mapping[str, Slice],
+    blocks: BlockSet,
+    dest: HeldVersion,
+    base: LayoutBase,
+    recorded: Sequence[int],
+    deadline: Deadline,
+    rate_floor: float = DEFAULT_RATE_FLOOR,
+) -> BlockDelta:
+    """Make what chunks of `dest` (the blocks' memory, holding `base`) it can into
+    model@`version`'s from the deltas of the source shards (`parts`, read as `plan` says),
+    and mark them present (module docstring); `recorded`: the block set's checksums for
+    `version` when it has them (else empty). Never raises for a delta that cannot be used:
+    the reason is in the stats, and those chunks stay missing."""
+    out = BlockDelta()
+    for index in plan:
+        out.stats[shard_of(index)] = DeltaStats(base=base.version)
+    names = [spec.name for spec in blocks.layout.tensors]
+    touched = [
+        {names[s.tensor] for s in blocks.layout.segments(j)}
+        for j in range(blocks.layout.num_chunks)
+    ]
+    chunks = _trainer_chunks(parts, plan)
+    usable = set(slices)
+    for index, copies in plan.items():
+        why = _refusal(parts[index], base.version)
+        sizes = list(parts[index].delta.encoded_bytes)
+        for c in copies:
+            if why or any(not sizes[k] for k in chunks[index][c.name]):
+                usable.discard(c.name)
+        stats = out.stats[shard_of(index)]
+        stats.fallback = why or ""
+    # 2. the base: every chunk whose blocks the delta can give must hold exactly u
+    checked: list[int] = []
+    for j, names_j in enumerate(touched):
+        if not names_j or not names_j <= usable:
+            continue
+        if codec.chunk_checksum(dest, j, XXH3) == base.sums[j]:
+            checked.append(j)
+            continue
+        for index, copies in plan.items():  # counted for each shard whose parts it holds
+            if names_j & {c.name for c in copies}:
+                out.stats[shard_of(index)].count_mismatch()
+    apply = set().union(*(touched[j] for j in checked)) if checked else set()
+    # 3. and 4. the encoded chunks those blocks need, read and applied shard by shard
+    companions = deadline.part(COMPANION_SHARE, "the encoded chunks of its blocks")
+    failed: set[str] = set()
+    for index, copies in sorted(plan.items()):
+        mine = {c.name: c for c in copies if c.name in apply}
+        need = sorted(set().union(*(chunks[index][n] for n in mine)) if mine else set())
+        if not need:
+            continue
+        stats = out.stats[shard_of(index)]
+        stats.links = 1
+        done = _read_and_apply(
+            runs, tenant, model, version, shard_of(index), parts[index], need, mine, slices,
+            blocks, companions, rate_floor, stats, out.moved,
+        )  # fmt: skip
+        stats.chunks += len(done)
+        stats.whole_chunks += len(need) - len(done)
+        for name in mine:
+            if not chunks[index][name] <= done:
+                failed.add(name)
+    # 5. the chunks whose blocks got every change: served from now on
+    full = len(recorded) == blocks.layout.num_chunks
+    for j in checked:
+        if not touched[j] <= apply - failed:
+            continue
+        known = codec.chunk_checksum(dest, j, XXH3)
+        if full and known != recorded[j]:
+            log.warning("%s@%d blocks %s: chunk %d differs from the record after its delta; "
+                        "reading it whole", model, version, blocks.id, j)  # fmt: skip
+            continue
+        dest.mark_present(j, known)
+    for stats in out.stats.values():
+        if stats.whole_chunks and not stats.fallback:
+            stats.fallback = f"{stats.whole_chunks} encoded chunks not applied: read whole"
+    return out
+
+
+def _refusal(manifest: pb.Manifest, base: int) -> str | None:
+    """Why a source shard's delta cannot make its blocks from `base` (None: it can)."""
+    if not manifest.HasField("delta"):
+        return "published without a delta: read whole"
+    if manifest.delta.base != base:
+        return f"its delta is against {manifest.delta.base}, the blocks hold {base}: read whole"
+    if manifest.delta.encoding not in ENCODINGS:
+        return f"unknown encoding {manifest.delta.encoding!r}: read whole"
+    return None
+
+
+def _trainer_chunks(
+    parts: Sequence[pb.Manifest], plan: Mapping[int, Sequence[Part]]
+) -> dict[int, dict[str, set[int]]]:
+    """Per source shard and block: the shard's chunks that hold the block's part."""
+    out: dict[int, dict[str, set[int]]] = {}
+    for index, copies in plan.items():
+        layout = layout_of(parts[index])
+        specs = {spec.name: spec for spec in layout.tensors}
+        out[index] = {c.name: _chunks_of(c, layout, specs[c.name]) for c in copies}
+    return out
+
+
+def _chunks_of(c: Part, layout: Layout, spec: TensorSpec) -> set[int]:
+    first, end = byte_span(c.source, c.part, torch_dtype(spec.dtype).itemsize)
+    return set(chunks_for(layout, spec, first, end))
+
+
+def _groups(need: Sequence[int], sizes: Sequence[int]) -> list[list[int]]:
+    """`need` (trainer chunks, in order) in groups of at most `STAGING_BUDGET` encoded bytes
+    (a chunk over it alone)."""
+    groups: list[list[int]] = [[]]
+    size = 0
+    for k in need:
+        if groups[-1] and size + sizes[k] > STAGING_BUDGET:
+            groups.append([])
+            size = 0
+        groups[-1].append(k)
+        size += sizes[k]
+    return groups
+
+
+def _read_and_apply(
+    runs: Orchestrator,
+    tenant: str,
+    model: str,
+    version: int,
+    shard: int | None,
+    manifest: pb.Manifest,
+    need: list[int],
+    copies: Mapping[str, Part],
+    slices: Mapping[str, Slice],
+    blocks: BlockSet,
+    deadline: Deadline,
+    rate_floor: float,
+    stats: DeltaStats,
+    moved: FetchStats,
+) -> set[int]:
+    """Read the encoded chunks `need` of one source shard from its companion and apply the
+    changes inside `copies`' blocks; the trainer chunks applied. A companion that cannot
+    be read stops here (the reason in `stats.fallback`): what was applied stays."""
+    section = manifest.delta
+    companion = section.companion
+    what = f"{companion}@{version}" + ("" if shard is None else f" shard {shard}")
+    sizes = [int(n) for n in section.encoded_bytes]
+    starts = list(itertools.accumulate(sizes, initial=0))
+    layout = layout_of(manifest)
+    done: set[int] = set()
+    try:
+        resolved = runs.resolve(companion, version, shard, deadline)
+        found = manifest_of_shard(companion, version, resolved, shard)
+        check_companion(found, companion_bytes(section), what)
+        staged = layout_of(found)
+        spec = staged.tensors[0]
+        for group in _groups(need, sizes):
+            want: set[int] = set()
+            for k in group:
+                want.update(chunks_for(staged, spec, starts[k], starts[k + 1]))
+            tensors = staged.allocate()  # only the chunks read are ever written (resident)
+            held = HeldVersion.reader(tenant, companion, version, staged, tensors)
+            target = Target(companion, version, shard, held, found, chunks=want, holder=False)
+            got = runs.run(target, resolved, deadline, rate_floor=rate_floor)
+            _add(moved, got)
+            stats.count(got.total_bytes, got.bytes_per_source)
+            data = tensors[TENSOR].numpy().data
+            for k in group:
+                if _apply_one(data[starts[k] : starts[k + 1]], section, layout, k, copies,
+                              slices, blocks):  # fmt: skip
+                    done.add(k)
+            del tensors, held, data
+            give_back_freed()
+    except TensorHubError as exc:
+        stats.fallback = f"{what} could not be read ({type(exc).__name__}: {exc}): read whole"
+        log.info("fetch_slices %s@%d: %s", model, version, stats.fallback)
+    return done
+
+
+def _add(moved: FetchStats, got: FetchStats) -> None:
+    for source, nbytes in got.bytes_per_source.items():
+        moved.bytes_per_source[source] = moved.bytes_per_source.get(source, 0) + nbytes
+    moved.chunks += got.chunks
+    moved.failed_sources.update(got.failed_sources)
+    moved.slow_sources.update(got.slow_sources)
+
+
+def _apply_one(
+    blob: memoryview,
+    section: pb.Delta,
+    layout: Layout,
+    k: int,
+    copies: Mapping[str, Part],
+    slices: Mapping[str, Slice],
+    blocks: BlockSet,
+) -> bool:
+    """Check trainer chunk `k`'s encoding against v's manifest, decode it, and XOR the
+    changed bytes that lie in `copies`' blocks into them; False (logged) if it failed a
+    check or its decoding raised (nothing of it written then: it is decoded whole first)."""
+    try:
+        if codec.digest(blob) != section.encoded_xxh3[k]:
+            raise IntegrityError(f"encoded chunk {k}: digest")
+        at, values = changes(blob, section.encoding, layout.payload_bytes(k))
+    except Exception as exc:  # a hostile or torn encoding fails its chunk alone
+        log.warning("layout delta: trainer chunk %d: %s; its blocks are read whole", k, exc)
+        return False
+    start = 0
+    for seg in layout.segments(k):
+        lo, hi = np.searchsorted(at, [start, start + seg.length]).tolist()
+        spec = layout.tensors[seg.tensor]
+        c = copies.get(spec.name)
+        if c is not None and hi > lo:
+            offsets = at[lo:hi] - start + seg.start
+            _xor_into(offsets, values[lo:hi], spec, c, slices[c.name], blocks.tensors[c.name])
+        start += seg.length
+    return True
+
+
+def changes(blob: memoryview, encoding: str, payload: int) -> tuple[np.ndarray, np.ndarray]:
+    """The bytes a chunk's encoding changes: their positions in the chunk's payload
+    (int64, increasing) and their XOR (uint8, not zero). The changed-words form is decoded
+    as it is; the byte-planes form through a zeroed chunk (one chunk's payload)."""
+    if encoding != PLANES and bytes(blob[:1]) == codec.WORDS and payload % 2 == 0:
+        words_at, words = delta_words.decode(blob[1:], payload // 2)
+        at = np.stack([2 * words_at, 2 * words_at + 1], axis=1).reshape(-1)
+        values = words.view(np.uint8).reshape(-1)  # each word's bytes, as in memory
+    else:
+        xor = torch.zeros(payload, dtype=torch.uint8)
+        codec.apply([xor], blob, encoding)
+        flat = xor.numpy()
+        at = flat.nonzero()[0].astype(np.int64)
+        values = flat[at]
+    keep = values != 0
+    return at[keep], values[keep]
+
+
+def _xor_into(
+    offsets: np.ndarray,
+    values: np.ndarray,
+    spec: TensorSpec,
+    c: Part,
+    want: Slice,
+    block: torch.Tensor,
+) -> None:
+    """XOR `values` into the bytes at `offsets` of the source shard's tensor `spec` (which
+    holds `c.source`) where they fall inside the reader's block `c.part`, at their place in
+    `block` (the reader's memory for `want.box`, contiguous, in place on its device)."""
+    itemsize = torch_dtype(spec.dtype).itemsize
+    element, within = np.divmod(offsets, itemsize)
+    inside = np.ones(element.shape, dtype=bool)
+    local: list[np.ndarray] = []
+    if c.source.shape:
+        coords = np.unravel_index(element, c.source.shape)
+        for d, coord in enumerate(coords):
+            g = coord + c.source.offsets[d]
+            inside &= (g >= c.part.offsets[d]) & (g < c.part.offsets[d] + c.part.shape[d])
+            local.append(g - want.box.offsets[d])
+    if not inside.any():
+        return
+    if local:
+        flat = np.ravel_multi_index(tuple(x[inside] for x in local), want.box.shape)
+    else:
+        flat = np.zeros(int(inside.sum()), dtype=np.int64)
+    at = flat.astype(np.int64) * itemsize + within[inside]
+    data = block.reshape(-1).view(torch.uint8)
+    if data.device.type == "cpu":
+        array = data.numpy()
+        array[at] ^= values[inside]
+    else:
+        where = torch.from_numpy(at).to(data.device)
+        xor = torch.from_numpy(np.ascontiguousarray(values[inside])).to(data.device)
+        data[where] = data[where] ^ xor
