@@ -368,12 +368,15 @@ class Hub:
         encoded changes of the chunks it needs, applies and verifies them there, and copies
         the blocks out (`SliceFetch.deltas`). `Hub.drop_bases` frees the copies.
 
-        `layout="name"` (not with `delta`): this client becomes a holder of its blocks in
-        that layout (docs/sdk.md, "Readers in another layout"): it reads them from the
-        holders of the same blocks first, the rest from the trainer's shards, and serves
-        them from the slices' memory (contiguous) until `release_blocks`. `cover=("tp2",)`:
-        blocks that no holder of the same blocks gave are read from the holders of those
-        layouts' block sets that cover them (a TP-1 reader from TP-2 holders).
+        `layout="name"`: this client becomes a holder of its blocks in that layout
+        (docs/sdk.md, "Readers in another layout"): it reads them from the holders of the
+        same blocks first, the rest from the trainer's shards, and serves them from the
+        slices' memory (contiguous) until `release_blocks`. With `delta=True` too, no copy
+        is kept: blocks that hold the version this client last served them at take the
+        changes of the next version that fall inside them (`ros.client.layout_delta`).
+        `cover=("tp2",)`: blocks that no holder of the same blocks gave are read from the
+        holders of those layouts' block sets that cover them (a TP-1 reader from TP-2
+        holders).
         """
         return reshard.fetch_slices(
             self._fetches, self._pins, self._me, model, version, slices=slices, timeout=timeout,
