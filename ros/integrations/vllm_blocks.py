@@ -22,8 +22,11 @@ into the model (docs/integrations.md has the figures). A fetch that fails
 raises its named error before the model is touched: the model stays on its version (the
 blocks' memory may then hold part of the new one, and serves nothing).
 
-Deltas: a reader in a layout reads every block whole (`fetch_slices` refuses `delta` with a
-`layout`), so a version published as a delta moves its blocks whole here.
+Deltas (`delta`, on unless the init info turns it off): the blocks are the base, no copy
+is kept. A version published with a delta against the one the blocks hold moves only the
+encoded changes of the trainer chunks that hold them, applied to the blocks in place and
+checked (`fetch_slices(layout=..., delta=True)`, `ros.client.layout_delta`); what the delta
+cannot give is read whole as above.
 """
 
 from __future__ import annotations
@@ -34,10 +37,12 @@ from typing import Any
 
 import torch
 
+from ros.client.delta_stats import DeltaStats
 from ros.client.hub import Hub
 from ros.client.manifest import placement_of
 from ros.client.slice import Slice
 from ros.client.slices import SliceFetch
+from ros.integrations.vllm import _summed
 from ros.integrations.vllm_plan import TensorInfo, learn_blocks, load_blocks
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import InvalidArgument
@@ -80,6 +85,7 @@ class BlockReceiver:
         layout: str,
         cover: Sequence[str] = (),
         serve: bool = True,
+        delta: bool = False,
         timeout: float,
     ) -> None:
         self.hub = hub
@@ -87,6 +93,7 @@ class BlockReceiver:
         self.layout = layout
         self.cover = tuple(cover)
         self.serve = serve
+        self.delta = delta
         self.timeout = timeout
         self.version = 0  # the version last loaded (0: none yet)
         self._infos: list[TensorInfo] = []
@@ -95,6 +102,7 @@ class BlockReceiver:
         self._holding: int | None = None  # the version whose blocks this worker serves
         self.last_stats: FetchStats | None = None
         self.last_fetch: SliceFetch | None = None
+        self.last_delta: DeltaStats | None = None  # what its delta did (None: read whole)
 
     @property
     def held_bytes(self) -> int:
@@ -129,10 +137,11 @@ class BlockReceiver:
         }
         got = self.hub.fetch_slices(
             self.model, number, slices=slices, timeout=self.timeout,
-            layout=self.layout, cover=self.cover,
+            layout=self.layout, cover=self.cover, delta=self.delta,
         )  # fmt: skip
         self._holding = number if got.served else None
         self.last_fetch = got
+        self.last_delta = _summed(got.deltas)
         self.last_stats = FetchStats(
             bytes_per_source=dict(got.bytes_per_source), chunks=got.chunks,
             failed_sources=dict(got.failed_sources), slow_sources=dict(got.slow_sources),

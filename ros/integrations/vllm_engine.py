@@ -35,7 +35,8 @@ reads only the block of each checkpoint tensor its loaders consume, learned from
 `load_weights` (`ros.integrations.vllm_blocks`), as a reader in the instance's layout
 (`vllm-tp2`: the same rank of another instance reads them from it), loads them through the
 layerwise reload and serves them until the next update. No host copy of the checkpoint;
-deltas do not apply to blocks (every block is read whole).
+with `"delta"` a version published with a delta against the blocks' version moves only
+the changes inside them, applied to the blocks in place (they are the base: no copy).
 
 vLLM is untyped where mypy runs (it is not installed there), so its base classes are Any.
 """
@@ -125,7 +126,7 @@ class TensorHubWeightTransferEngine(WeightTransferEngine):  # type: ignore[misc]
         if init_info.slices if init_info.slices is not None else tp > 1:
             self.receiver = BlockReceiver(
                 hub, init_info.model, layout=init_info.layout or layout_name(tp, pp),
-                cover=init_info.cover, serve=True,
+                cover=init_info.cover, serve=True, delta=init_info.delta,
                 timeout=init_info.timeout,
             )  # fmt: skip
             return

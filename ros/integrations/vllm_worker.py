@@ -103,19 +103,21 @@ class TensorHubWorkerExtension:
 
 def _block_status(receiver: BlockReceiver) -> dict[str, Any]:
     """`tensorhub_status` of a worker that reads its blocks only: the fields of the
-    whole-version status (`base_bytes` 0: no delta base), plus the layout, the bytes of its
-    blocks, the box of each tensor it consumes ((offsets, shape)), the blocks its last fetch
-    read from the trainer's shards, and whether it serves them, and its process's resident
-    memory now and at its highest (bytes, from /proc)."""
+    whole-version status (`base_bytes` 0: the blocks are the delta base, no copy), plus
+    the layout, the bytes of its blocks, the box of each tensor it consumes ((offsets,
+    shape)), the blocks its last fetch read from the trainer's shards, and whether it
+    serves them, and its process's resident memory now and at its highest (bytes, from
+    /proc)."""
     stats = receiver.last_stats
     got = receiver.last_fetch
+    delta = receiver.last_delta
     return {
         "pid": os.getpid(),
         "version": receiver.version,
         "held_bytes": receiver.held_bytes,
         "base_bytes": 0,
         "last_fetch": None if stats is None else _plain(stats),
-        "last_delta": None,
+        "last_delta": None if delta is None else dataclasses.asdict(delta),
         "layout": receiver.layout,
         "block_bytes": receiver.block_bytes,
         "boxes": {n: (list(b.offsets), list(b.shape)) for n, b in receiver.boxes.items()},

@@ -165,18 +165,29 @@ def test_tp2_workers_read_their_blocks_and_a_second_instance_reads_them_from_the
                 client.close()
 
         # an update after a delta version: v4 and v5 published with delta=True, v5 as 1 % of
-        # v4's elements changed (so with its delta); the first instance's workers read
-        # their blocks of v5 whole (deltas do not apply to blocks) and generate its tokens
+        # v4's elements changed (so with its delta); the first instance's workers read their
+        # blocks of v4 whole (its delta, if any, is against no version they hold), then only
+        # v5's changes inside their blocks, applied to them in place, and generate its tokens
         v4 = tiny.weights(4)
         v5 = nudged(v4, 5)
         trainer.publish(MODEL, 4, v4, chunk_size=CHUNK, delta=True)
         assert trainer.publish(MODEL, 5, v5, chunk_size=CHUNK, delta=True).companion
+        update_vllm(first, 4)
+        for w in tiny.statuses(first):
+            assert w["version"] == 4
+            assert sum(w["last_fetch"]["bytes_per_source"].values()) >= w["block_bytes"]
         update_vllm(first, 5)
         assert tiny.vllm_greedy(first) == hf_greedy_of(v5) != tiny.hf_greedy(2)
-        for w in tiny.statuses(first):
+        for rank, w in enumerate(tiny.statuses(first)):
+            moved = sum(w["last_fetch"]["bytes_per_source"].values())
+            print(f"first instance, rank {rank}: v5 from v4's blocks moved {moved} B of its "
+                  f"{w['block_bytes']} B of blocks, delta {w['last_delta']}")  # fmt: skip
             assert w["version"] == 5
-            assert w["last_delta"] is None
-            assert sum(w["last_fetch"]["bytes_per_source"].values()) >= w["block_bytes"]
+            assert w["last_delta"] is not None
+            assert w["last_delta"]["chunks"] > 0
+            assert w["last_delta"]["base_mismatch"] == 0
+            assert moved < w["block_bytes"] / 2
+            assert w["served"]
 
         # a worker killed mid-update: v6 is served by a slow holder alone, and the second
         # instance's rank 1 is SIGKILLed once a few of its chunks went out. vLLM stops the
