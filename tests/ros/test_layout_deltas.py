@@ -162,4 +162,25 @@ def test_a_companion_served_corrupt_is_rejected_and_the_blocks_read_whole(
     assert same(out, blocks_of(w2, 1, 2))
     assert got.deltas[None].chunks == 0
     assert "could not be read" in got.deltas[None].fallback, got.deltas[None]
+    assert "failed its checksum" in got.deltas[None].fallback  # the companion manifest's
     assert got.served
+
+
+def test_blocks_two_versions_behind_are_read_whole(connect: Callable[..., ros.Hub]) -> None:
+    """Version 3's delta is against 2, and the blocks hold 1: no chain is followed, the
+    blocks are read whole, and the stats say why."""
+    trainers = [connect(), connect()]
+    reader = connect()
+    w1 = global_model()
+    publish_shards(trainers, 1, w1)
+    out, slices = slices_for(0, 2)
+    reader.fetch_slices(MODEL, 1, slices=slices, layout="tp2", delta=True, timeout=30)
+    reader.release_blocks(MODEL, 1)
+    w3 = step(step(w1, 5), 6)
+    publish_shards(trainers, 2, step(w1, 5))
+    publish_shards(trainers, 3, w3)
+    got = reader.fetch_slices(MODEL, 3, slices=slices, layout="tp2", delta=True, timeout=30)
+    assert same(out, blocks_of(w3, 0, 2))
+    assert got.deltas[0].chunks == 0
+    assert "against 2" in got.deltas[0].fallback, got.deltas[0]
+    assert got.total_bytes >= nbytes(out)
