@@ -203,16 +203,20 @@ def _apply(
         {names[s.tensor] for s in blocks.layout.segments(j)}
         for j in range(blocks.layout.num_chunks)
     ]
+    # 1. the plan: a block is taken from the delta when every trainer chunk it needs is encoded
     chunks = _trainer_chunks(parts, plan)
     usable = set(slices)
     for index, copies in plan.items():
-        why = _refusal(parts[index], base.version)
-        sizes = list(parts[index].delta.encoded_bytes)
-        for c in copies:
-            if why or any(not sizes[k] for k in chunks[index][c.name]):
-                usable.discard(c.name)
         stats = out.stats[shard_of(index)]
-        stats.fallback = why or ""
+        why = _refusal(parts[index], base.version)
+        if why:
+            stats.fallback = why
+            usable.difference_update(c.name for c in copies)
+            continue
+        sizes = list(parts[index].delta.encoded_bytes)
+        whole = {k for c in copies for k in chunks[index][c.name] if not sizes[k]}
+        stats.whole_chunks += len(whole)  # sent whole: their blocks are read whole
+        usable.difference_update(c.name for c in copies if chunks[index][c.name] & whole)
     # 2. the base: every chunk whose blocks the delta can give must hold exactly u
     checked: list[int] = []
     for j, names_j in enumerate(touched):
@@ -259,7 +263,7 @@ def _apply(
         dest.mark_present(j, known)
     for stats in out.stats.values():
         if stats.whole_chunks and not stats.fallback:
-            stats.fallback = f"{stats.whole_chunks} encoded chunks not applied: read whole"
+            stats.fallback = f"{stats.whole_chunks} trainer chunks not applied: read whole"
 
 
 def _refusal(manifest: pb.Manifest, base: int) -> str | None:
