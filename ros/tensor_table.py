@@ -38,6 +38,7 @@ bytes as `pb.Manifest` does.
 from __future__ import annotations
 
 import functools
+import operator
 from array import array
 from collections.abc import Collection, Sequence
 from typing import Any
@@ -92,6 +93,7 @@ _VIEWS = _views()
 _Layout, _Name, _Names, _Items = (_VIEWS[n] for n in ("Layout", "Name", "Names", "Items"))
 _NAME_TAG = 0x0A  # field 1 (a tensor's name), length-delimited
 _LONG = 0x80  # a name's length that takes more than one byte
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)  # an entry's bytes
 _SPLIT_KEY = b"\x00"  # starts `split`'s keys; a serialized Layout starts with a tag, never 0
 _layouts: SizedLru[tuple[bytes, int], int] = SizedLru(LAYOUT_CACHE_BYTES, lambda size: size)
 
@@ -125,17 +127,18 @@ def split(serialized: bytes, total: int) -> tuple[tuple[bytes, int], list[bytes]
     parse or an entry does not start with its name of at most 127 bytes (the caller then
     uses `layout_key` and `names`)."""
     try:
-        items: Sequence[bytes] = _Items.FromString(serialized).tensors
+        items: list[bytes] = list(_Items.FromString(serialized).tensors)
     except DecodeError:
         return None
-    found: list[bytes] = []
-    rests: list[bytes] = []
-    for item in items:
-        size = item[1] if len(item) > 1 and item[0] == _NAME_TAG else _LONG
-        if size >= _LONG:
-            return None
-        found.append(item[2 : 2 + size])
-        rests.append(item[2 + size :])
+    try:  # each entry's first two bytes, in C: an entry shorter than that has no name
+        tags = bytes(map(_FIRST, items))
+        sizes = bytes(map(_SECOND, items))
+    except IndexError:
+        return None
+    if tags.count(_NAME_TAG) != len(items) or (sizes and max(sizes) >= _LONG):
+        return None  # an entry that does not start with its name, or a long name
+    found = [item[2 : 2 + size] for item, size in zip(items, sizes, strict=True)]
+    rests = [item[2 + size :] for item, size in zip(items, sizes, strict=True)]
     lengths = array("I", map(len, rests))  # where each entry's rest ends
     head = _SPLIT_KEY + len(rests).to_bytes(4, "little")
     return (head + lengths.tobytes() + b"".join(rests), total), found
