@@ -424,8 +424,8 @@ def test_topology_labels_are_bounded() -> None:
 
 
 def _split_entry_by_entry(serialized: bytes, total: int) -> object:
-    """`tensor_table.split` as an entry-by-entry loop (the reference the C-level split is
-    held to): the same parse, each entry's name and rest sliced in Python."""
+    """`tensor_table.split`'s result as its rules state it (the reference it is held to):
+    the entries of one parse, each entry's name and rest sliced in turn."""
     from array import array
 
     try:
@@ -469,13 +469,13 @@ _ITEM = st.one_of(
     tail=st.binary(max_size=8),
     total=st.integers(0, 1 << 20),
 )
-def test_the_split_in_c_splits_as_the_entry_by_entry_loop(
+def test_the_split_from_the_bytes_or_the_heads_entries_is_the_reference_split(
     items: list[bytes], tail: bytes, total: int
 ) -> None:
-    """`tensor_table.split` reads each entry's first bytes and slices them with work in C;
-    on tables of well-formed, malformed and unsplittable entries, and on bytes that do not
-    parse (a random tail), it gives what the entry-by-entry loop gives: the same key and
-    names, or None."""
+    """`tensor_table.split` of a manifest's bytes, and of the entries its `ManifestHead`
+    parsed (a group call's check, which parses each manifest once): on tables of
+    well-formed, malformed and unsplittable entries, and on bytes that do not parse (a
+    random tail), both give what the reference gives: the same key and names, or None."""
     table = b"".join(tensor_table._Items(tensors=[item]).SerializeToString() for item in items)
     for serialized in (table, table + tail):
         expected = _split_entry_by_entry(serialized, total)
