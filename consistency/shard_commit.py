@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import operator
 import secrets
 import time
 from collections.abc import Callable, Sequence
@@ -79,6 +80,7 @@ from tensorhub.names import validate_name
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops, which we never ask an operator to raise
 FIXED_OPS = 5  # per batch: the counter, the usage, the model fence, `latest`, the header
 MAX_BATCH = (MAX_TXN_OPS - 3) // 2  # the opening read: 2 gets per shard, 3 for the batch
+MIN_OPS = 2  # the fewest operations a shard adds to a batch (`ShardEntry.ops`)
 PACK_BYTES = manifest_packs.PACK_BYTES  # a batch's packed manifests, at most
 FULL_BATCH = (MAX_TXN_OPS - FIXED_OPS - 1) // 2  # shards of a batch with a pack (61), at most
 
@@ -121,7 +123,8 @@ class ShardEntry:
     def ops(self) -> int:
         """The operations this shard adds to a batch's largest list (its puts and its view
         shards'; the pack its manifest goes in is the batch's one more)."""
-        return 2 + self.staged.header.pages + sum(view.ops for view in self.views)
+        own = 2 + self.staged.header.pages
+        return own + sum(view.ops for view in self.views) if self.views else own
 
     @property
     def view_models(self) -> list[str]:
@@ -151,13 +154,18 @@ def take(queue: list[ShardEntry]) -> list[ShardEntry]:
     """The next batch from `queue`, oldest first, within etcd's operation limit (a pack is
     one operation more) and `PACK_BYTES` of packed manifests, with at most one entry per
     shard index (a second publish of an index waits for the next batch, where it finds the
-    first one's record). Removes what it takes from `queue`."""
+    first one's record). Removes what it takes from `queue`. The scan stops where the batch
+    is full (`MAX_BATCH` entries, or no room for the smallest entry's `MIN_OPS`): a burst
+    queues thousands of shards, and each batch looks at about its own."""
     batch: list[ShardEntry] = []
     indices: set[int] = set()
     used = FIXED_OPS + view_ops(queue)
     packed = 0
     rest: list[ShardEntry] = []
-    for entry in queue:
+    for at, entry in enumerate(queue):
+        if len(batch) >= MAX_BATCH or used + MIN_OPS > MAX_TXN_OPS:
+            rest += queue[at:]  # nothing more fits: the rest stays, in order
+            break
         more = entry.ops + (1 if entry.packed and not packed else 0)
         if (
             len(batch) < MAX_BATCH
@@ -178,7 +186,10 @@ def take(queue: list[ShardEntry]) -> list[ShardEntry]:
 def view_ops(entries: Sequence[ShardEntry]) -> int:
     """The operations a batch of `entries` may add for its views beyond each entry's own:
     each view's header and `latest`, in the batch that completes the version."""
-    return 2 * max((len(e.views) for e in entries), default=0)
+    return 2 * max(map(len, map(_views_of, entries)), default=0)  # in C: bursts queue thousands
+
+
+_views_of = operator.attrgetter("views")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from google.protobuf.message import DecodeError
 
@@ -136,12 +137,13 @@ def check_manifest_bytes(
     check_manifest(manifest, what, model=model, version=version, serialized=serialized)
 
 
-def _known_table_passes(parsed: pb.Manifest, serialized: bytes) -> bool:
-    """Whether the tensor table of `serialized` (whose `ManifestHead` is `parsed`) has a
+def _known_table_passes(parsed: Any, serialized: bytes) -> bool:
+    """Whether the tensor table of `serialized` (whose `ManifestHead` is `parsed`: its
+    entries as bytes, read by `tensor_table.split` without a parse of its own) has a
     layout that passed before and names that pass, valid UTF-8 each (a `ManifestHead`
     reads the entries as bytes, so nothing checked them). False sends the manifest to the
     whole check, which names the rule broken, if any."""
-    parts = tensor_table.split(serialized, parsed.total_bytes)
+    parts = tensor_table.split(serialized, parsed.total_bytes, parsed.tensors)  # parsed once
     if parts is None or not tensor_table.passed(parts[0]):
         return False
     found = parts[1]

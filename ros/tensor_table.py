@@ -21,13 +21,14 @@ The table's rules split in two, both decided from the manifest's bytes:
 Both from one parse (`split`), for bytes as `SerializeToString` makes them: each entry's
 name is its first field, written once (an empty name, a proto3 default, is not written, so
 that entry starts with another field), followed by the entry's other fields. An entry's
-bytes (`Items`, in C) then split at its name with a slice each: the names, and the rest of
-every entry with the entries' lengths, which is the layout's key (`split`'s, told apart
-from `layout_key`'s by its first byte; the lengths keep two entries from reading as one).
-That is one parse and a loop of slices instead of four parses, two discards and two
-serializations (a 200-tensor shard's check: about 100 us of CPU instead of 140 here). An
-entry whose name is not first, or is 128 bytes or more (its length then takes two bytes),
-leaves `split` to the views above.
+bytes (`Items`, in C, or a `ManifestHead`'s entries where the caller parsed them) then
+split at its name with a slice each: the names, and the rest of every entry with the
+entries' lengths, which is the layout's key (`split`'s, told apart from `layout_key`'s by
+its first byte; the lengths keep two entries from reading as one). That is one parse and a
+loop of slices instead of four parses, two discards and two serializations (a 200-tensor
+shard's check: about 100 us of CPU instead of 140 here). An entry whose name is not first,
+or is 128 bytes or more (its length then takes two bytes), leaves `split` to the views
+above.
 
 The views are messages of their own descriptor pool, declared here (no change to the
 wire's schema): `Layout` (TensorEntry's fields 2 to 7), `Name` (field 1) and `Items` (each
@@ -118,14 +119,17 @@ def remember(key: tuple[bytes, int]) -> None:
     _layouts.put(key, len(key[0]) + 1)
 
 
-def split(serialized: bytes, total: int) -> tuple[tuple[bytes, int], list[bytes]] | None:
+def split(
+    serialized: bytes, total: int, entries: Sequence[bytes] | None = None
+) -> tuple[tuple[bytes, int], list[bytes]] | None:
     """The key of the tensor table's layout in `serialized` (a `pb.Manifest` as
     `SerializeToString` makes it) with `total_bytes` `total`, and each tensor's name as its
     UTF-8 bytes, in order, from one parse (module docstring); None if the bytes do not
     parse or an entry does not start with its name of at most 127 bytes (the caller then
-    uses `layout_key` and `names`)."""
+    uses `layout_key` and `names`). `entries`: the table's entries as bytes where the caller
+    parsed them already (a `raw_manifest.ManifestHead`'s `tensors`), instead of a parse."""
     try:
-        items: Sequence[bytes] = _Items.FromString(serialized).tensors
+        items = _Items.FromString(serialized).tensors if entries is None else entries
     except DecodeError:
         return None
     found: list[bytes] = []

@@ -25,6 +25,7 @@ from consistency import EtcdCluster, Keys
 from consistency.compactor import DEFAULT_INTERVAL as DEFAULT_COMPACT_INTERVAL
 from consistency.credentials import add_etcd_arguments, credentials_from_args
 from consistency.keys import DEFAULT_PREFIX
+from ros.hub import collector
 from ros.hub.guard import DEFAULT_FIRST_MESSAGE_SECONDS
 from ros.hub.limits import (
     DEFAULT_MAX_PRIVATE_WATCHES,
@@ -283,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
             first_message_seconds=args.first_message_timeout,
             max_streams_per_connection=args.max_streams_per_connection,
         ).start()  # fmt: skip
+        collector.tune()  # a burst's garbage is short-lived (ros/hub/collector.py)
         ready: dict[str, object] = {"address": server.address, "etcd": endpoints}
         if metrics is not None:
             metrics.start()

@@ -134,8 +134,7 @@ class GroupCommit(Generic[K, E, R]):
         """The next batch after a transaction: at once, unless two writes or more gathered
         while it ran and `linger` expects more (then a linger, `_lull`)."""
         queue.took = loop.time() - queue.started
-        live = sum(1 for w in queue.waiting if not w.future.done())
-        cap = self._wait_for(key, queue) if live >= 2 else 0.0
+        cap = self._wait_for(key, queue) if _live_at_least(queue.waiting, 2) else 0.0
         if cap <= 0:
             self._next(key, queue, loop)
             return
@@ -160,15 +159,21 @@ class GroupCommit(Generic[K, E, R]):
     def _next(self, key: K, queue: _Queue[E, R], loop: asyncio.AbstractEventLoop) -> None:
         """Start the next batch of `key`, or retire its queue if nothing live is waiting."""
         queue.lingering = None
-        gone = [w.entry for w in queue.waiting if w.future.done()]
-        live = [w for w in queue.waiting if not w.future.done()]
+        live: list[_Waiting[E, R]] = []
+        gone: list[E] = []
+        for w in queue.waiting:
+            if w.future.done():
+                gone.append(w.entry)
+            else:
+                live.append(w)
         if gone and self._abandon is not None:
             loop.run_in_executor(self._executor, self._abandon, key, gone)
-        entries = [w.entry for w in live]
-        batch = self._take(entries)
-        left = {id(e) for e in entries}
-        queue.waiting = [w for w in live if id(w.entry) in left]
-        taken = [w for w in live if id(w.entry) not in left]
+        batch = self._take([w.entry for w in live])
+        chosen = {id(e) for e in batch}
+        queue.waiting = []
+        taken: list[_Waiting[E, R]] = []
+        for w in live:  # both in the queue's order (`take` keeps it)
+            (taken if id(w.entry) in chosen else queue.waiting).append(w)
         if not taken:
             queue.busy = False
             if not queue.waiting:
@@ -203,3 +208,13 @@ class GroupCommit(Generic[K, E, R]):
             else:
                 waiting.future.set_result(outcome)
         self._after_commit(key, queue, loop)
+
+
+def _live_at_least(waiting: Sequence[_Waiting[E, R]], count: int) -> bool:
+    """Whether `count` of `waiting` or more still wait (looks no further than that)."""
+    for w in waiting:
+        if not w.future.done():
+            count -= 1
+            if count <= 0:
+                return True
+    return count <= 0

@@ -124,8 +124,10 @@ def _linger(jobs: list[ShardJob], submitted: int) -> float:
 
 def _take(jobs: list[ShardJob]) -> list[ShardJob]:
     """`consistency.shard_commit.take` over jobs: one etcd transaction's worth."""
-    by_entry: dict[int, ShardJob] = {id(job.entry): job for job in jobs}
-    entries = [job.entry for job in jobs]
-    batch = take(entries)
-    jobs[:] = [by_entry[id(e)] for e in entries]
-    return [by_entry[id(e)] for e in batch]
+    chosen = {id(e) for e in take([job.entry for job in jobs])}
+    taken: list[ShardJob] = []
+    kept: list[ShardJob] = []
+    for job in jobs:  # both in the queue's order (`take` keeps it)
+        (taken if id(job.entry) in chosen else kept).append(job)
+    jobs[:] = kept
+    return taken

@@ -7,6 +7,8 @@ import math
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from consistency import Etcd, HolderRecord, Session, VersionRegistry
 from consistency.manifests import PAGE_BYTES
@@ -220,3 +222,74 @@ def test_a_restarted_rank_holds_the_shard_its_dead_predecessor_committed(
         last = publish_shard(versions, "t", "again", 1, 1, 2, b"p1", rec(restarted.id, "rank1"))
         assert last.visible  # counted once: the second shard completes it
         assert versions.manifest("t", "again", 1, 0) == paged
+
+
+def _take_scanning_all(queue: list[ShardEntry]) -> list[ShardEntry]:
+    """`take` as its rules state it, looking at every entry of the queue (the reference the
+    scan that stops where the batch is full is held to)."""
+    from consistency.shard_commit import PACK_BYTES, view_ops
+
+    batch: list[ShardEntry] = []
+    indices: set[int] = set()
+    used = FIXED_OPS + view_ops(queue)
+    packed = 0
+    rest: list[ShardEntry] = []
+    for entry in queue:
+        more = entry.ops + (1 if entry.packed and not packed else 0)
+        if (
+            len(batch) < MAX_BATCH
+            and entry.index not in indices
+            and used + more <= MAX_TXN_OPS
+            and (not entry.packed or packed + len(entry.packed) <= PACK_BYTES)
+        ):
+            batch.append(entry)
+            indices.add(entry.index)
+            used += more
+            packed += len(entry.packed)
+        else:
+            rest.append(entry)
+    queue[:] = rest
+    return batch
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    shapes=st.lists(
+        st.tuples(
+            st.integers(0, 40),  # shard index (repeats: a second publish of an index)
+            st.sampled_from([0, 0, 0, 1, 5, 30]),  # pages written before the batch
+            st.sampled_from([0, 0, 600, 300_000]),  # packed manifest bytes
+            st.sampled_from([0, 0, 0, 1, 2]),  # view shards
+        ),
+        max_size=300,
+    )
+)
+def test_take_stops_where_the_batch_is_full_and_takes_what_a_whole_scan_takes(
+    shapes: list[tuple[int, int, int, int]],
+) -> None:
+    """A burst queues thousands of shards and `take` looks no further than where its batch
+    is full: on queues of repeated indices, paged, packed and view-carrying shards it takes
+    the same batch, in the same order, and leaves the same queue, as a scan of the whole
+    queue."""
+    from types import SimpleNamespace
+    from typing import cast
+
+    from consistency.manifests import Staged
+    from consistency.shard_commit import ViewShard
+
+    def entry(index: int, pages: int, packed: int, views: int) -> ShardEntry:
+        staged = cast(Staged, SimpleNamespace(header=SimpleNamespace(pages=pages)))
+        shards = [cast(ViewShard, SimpleNamespace(ops=2 + v)) for v in range(views)]
+        return ShardEntry(
+            index, 64, rec(1, f"rank{index}"), staged, b"", 1, 0.0, packed=b"p" * packed,
+            views=shards,
+        )  # fmt: skip
+
+    queue = [entry(*shape) for shape in shapes]
+    reference = list(queue)
+    while queue or reference:
+        batch, expected = take(queue), _take_scanning_all(reference)
+        assert [id(e) for e in batch] == [id(e) for e in expected]
+        assert [id(e) for e in queue] == [id(e) for e in reference]
+        if not batch:
+            break

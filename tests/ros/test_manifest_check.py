@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import transport.layout as layout_module
-from ros import tensor_table
+from ros import raw_manifest, tensor_table
 from ros.client.manifest import layout_of
 from ros.manifest_check import (
     ALIGN,
@@ -25,6 +25,7 @@ from ros.manifest_check import (
     MAX_TENSOR_NAME_BYTES,
     MAX_TOPOLOGY_LABELS,
     MIN_CHUNK,
+    RESERVED_TENSOR_NAMES,
     _tensors_pass,
     _walk_tensors,
     check_manifest,
@@ -420,3 +421,103 @@ def test_topology_labels_are_bounded() -> None:
         check_topology({"k" * 64: "v"})
     with pytest.raises(InvalidArgument, match="must be 1 to"):
         check_topology({"": "v"})
+
+
+def _split_entry_by_entry(serialized: bytes, total: int) -> object:
+    """`tensor_table.split`'s result as its rules state it (the reference it is held to):
+    the entries of one parse, each entry's name and rest sliced in turn."""
+    from array import array
+
+    try:
+        items = tensor_table._Items.FromString(serialized).tensors
+    except Exception:
+        return None
+    found: list[bytes] = []
+    rests: list[bytes] = []
+    for item in items:
+        size = item[1] if len(item) > 1 and item[0] == 0x0A else 0x80
+        if size >= 0x80:
+            return None
+        found.append(item[2 : 2 + size])
+        rests.append(item[2 + size :])
+    lengths = array("I", map(len, rests))
+    head = b"\x00" + len(rests).to_bytes(4, "little")
+    return (head + lengths.tobytes() + b"".join(rests), total), found
+
+
+_ITEM = st.one_of(
+    st.binary(max_size=6),  # empty, one byte, or no name tag: not split
+    st.builds(  # a name's tag, its length (128 or more: not split) and arbitrary bytes
+        lambda size, body: b"\x0a" + bytes([size]) + body,
+        st.integers(0, 255),
+        st.binary(max_size=40),
+    ),
+    st.builds(  # a well-formed entry with a random name
+        lambda name, dtype, shape: pb.TensorEntry(
+            name=name, dtype=dtype, shape=shape, nbytes=4 * len(shape)
+        ).SerializeToString(),
+        st.text(max_size=70),
+        st.sampled_from(["float32", "", "bfloat16"]),
+        st.lists(st.integers(0, 1 << 40), max_size=3),
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    items=st.lists(_ITEM, max_size=12),
+    tail=st.binary(max_size=8),
+    total=st.integers(0, 1 << 20),
+)
+def test_the_split_from_the_bytes_or_the_heads_entries_is_the_reference_split(
+    items: list[bytes], tail: bytes, total: int
+) -> None:
+    """`tensor_table.split` of a manifest's bytes, and of the entries its `ManifestHead`
+    parsed (a group call's check, which parses each manifest once): on tables of
+    well-formed, malformed and unsplittable entries, and on bytes that do not parse (a
+    random tail), both give what the reference gives: the same key and names, or None."""
+    table = b"".join(tensor_table._Items(tensors=[item]).SerializeToString() for item in items)
+    for serialized in (table, table + tail):
+        expected = _split_entry_by_entry(serialized, total)
+        assert tensor_table.split(serialized, total) == expected
+        head = raw_manifest.head(serialized)  # the entries as a group call's check has them
+        if head is not None:
+            assert tensor_table.split(serialized, total, head.tensors) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    names=st.lists(
+        st.one_of(
+            st.sampled_from(
+                ["a", "b", "", "__metadata__", "x" * 128, "x" * 1025, "é" * 63, "b\x00"]
+            ),
+            st.text(max_size=20),
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    shift=st.integers(0, 1),
+    nbytes=st.sampled_from([4096, 4000]),
+)
+def test_the_check_from_bytes_refuses_random_tables_as_the_message_check(
+    names: list[str], shift: int, nbytes: int
+) -> None:
+    """Random names (empty, repeated, reserved, too long, multi-byte) on a layout that
+    passed before or a broken one: the check from the bytes refuses exactly as the check
+    of the message, with the same message, which names the tensor."""
+    m = pb.Manifest(total_bytes=4096 * len(names) + 4096 * shift, chunk_size=4096)
+    for at, name in enumerate(names):
+        m.tensors.add(name=name, dtype="float32", shape=[1024], offset=4096 * at, nbytes=nbytes)
+    m.chunk_xxh3[:] = [1] * (-(-m.total_bytes // 4096))
+    refusal = _same_from_bytes(m)
+    valid = [
+        n
+        for n in names
+        if n and n not in RESERVED_TENSOR_NAMES and len(n.encode()) <= MAX_TENSOR_NAME_BYTES
+    ]
+    if refusal:
+        assert "tensor" in refusal or "name" in refusal, refusal
+    else:
+        assert nbytes == 4096
+        assert len(set(valid)) == len(names)
