@@ -31,3 +31,22 @@ class DeltaStats:
         self.encoded_bytes += nbytes
         for source, sent in sources.items():
             self.bytes_per_source[source] = self.bytes_per_source.get(source, 0) + sent
+
+
+def summed(deltas: Mapping[int | None, DeltaStats]) -> DeltaStats | None:
+    """What the deltas of a `fetch_slices`'s source shards did, together (None: every
+    shard was read whole): counts and seconds added, the oldest base, the longest chain,
+    each shard's `fallback` named by its shard."""
+    if not deltas:
+        return None
+    every = list(deltas.values())
+    return DeltaStats(
+        base=min(d.base for d in every),
+        links=max(d.links for d in every),
+        chunks=sum(d.chunks for d in every),
+        encoded_bytes=sum(d.encoded_bytes for d in every),
+        whole_chunks=sum(d.whole_chunks for d in every),
+        base_mismatch=sum(d.base_mismatch for d in every),
+        seconds=sum(d.seconds for d in every),
+        fallback="; ".join(f"shard {s}: {d.fallback}" for s, d in deltas.items() if d.fallback),
+    )

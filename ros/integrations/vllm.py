@@ -43,7 +43,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ros.client.delta_fetch import DeltaStats
+from ros.client.delta_stats import DeltaStats, summed
 from ros.client.handles import Held
 from ros.client.hub import Hub
 from ros.client.manifest import layout_of, placement_of
@@ -200,7 +200,7 @@ class VersionReceiver:
             bytes_per_source=dict(got.bytes_per_source), chunks=got.chunks,
             failed_sources=dict(got.failed_sources), slow_sources=dict(got.slow_sources),
         )  # fmt: skip
-        self.last_delta = _summed(got.deltas)
+        self.last_delta = summed(got.deltas)
         return list(whole.items())
 
     def _drop_staged(self) -> None:
@@ -253,25 +253,6 @@ class VersionReceiver:
 
 def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-def _summed(deltas: dict[int | None, DeltaStats]) -> DeltaStats | None:
-    """What the deltas of a `fetch_slices`'s source shards did, together (None: every
-    shard was read whole): counts and seconds added, the oldest base, the longest chain,
-    each shard's `fallback` named by its shard."""
-    if not deltas:
-        return None
-    every = list(deltas.values())
-    return DeltaStats(
-        base=min(d.base for d in every),
-        links=max(d.links for d in every),
-        chunks=sum(d.chunks for d in every),
-        encoded_bytes=sum(d.encoded_bytes for d in every),
-        whole_chunks=sum(d.whole_chunks for d in every),
-        base_mismatch=sum(d.base_mismatch for d in every),
-        seconds=sum(d.seconds for d in every),
-        fallback="; ".join(f"shard {s}: {d.fallback}" for s, d in deltas.items() if d.fallback),
-    )
 
 
 def _fits(tensors: dict[str, torch.Tensor], manifest: pb.Manifest) -> bool:

@@ -37,12 +37,11 @@ from typing import Any
 
 import torch
 
-from ros.client.delta_stats import DeltaStats
+from ros.client.delta_stats import DeltaStats, summed
 from ros.client.hub import Hub
 from ros.client.manifest import placement_of
 from ros.client.slice import Slice
 from ros.client.slices import SliceFetch
-from ros.integrations.vllm import _summed
 from ros.integrations.vllm_plan import TensorInfo, learn_blocks, load_blocks
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import InvalidArgument
@@ -141,7 +140,7 @@ class BlockReceiver:
         )  # fmt: skip
         self._holding = number if got.served else None
         self.last_fetch = got
-        self.last_delta = _summed(got.deltas)
+        self.last_delta = summed(got.deltas)
         self.last_stats = FetchStats(
             bytes_per_source=dict(got.bytes_per_source), chunks=got.chunks,
             failed_sources=dict(got.failed_sources), slow_sources=dict(got.slow_sources),
