@@ -16,8 +16,9 @@ slices becomes a holder of its blocks when it names their layout (`layout=`,
 from the other holders of the same blocks (pipelined: from one registered before it, as
 that one reads them), checked against checksums derived from publisher-verified bytes,
 reads only what they did not give from the trainer's shards, in steps of whole blocks (a
-pipeline per source shard, the shards read at once, each block served as soon as every
-part of it is in place), and then registers as their COMPLETE holder.
+pipeline per source shard, the shards read at once, each chunk of its blocks served as soon
+as its own bytes are in place: `ros.client.slice_fill`), and then registers as their
+COMPLETE holder.
 Without `layout`, it holds nothing; readers in the publisher's own layout use
 `fetch(shard=i)`.
 
@@ -211,7 +212,7 @@ def _read_layout(
     """A reader in a layout (`ros.client.layouts`): serve the blocks as a PARTIAL holder
     (a registration that also pins the version), read them from the holders registered
     before us and the `cover` layouts, the rest from the trainer's shards in steps of whole
-    blocks (`_read_steps`: each block served as soon as it is in place), then register
+    blocks (`_read_steps`: each chunk served as soon as its bytes are in place), then register
     COMPLETE (which drops the pin). A failure stops the serving and deletes our record
     and its pin."""
     token = _renewing_token(runs, model, version, resolved, deadline)
@@ -343,8 +344,9 @@ def _steps(
 ) -> list[dict[int, list[_Copy]]]:
     """`plan` in steps of whole blocks, in the block set's order (that of its chunks), each
     of about 1/`layouts.PIPELINE_STEPS` of the blocks' bytes (at most `STAGING_BUDGET`; a
-    block larger than that, alone): after each step, every block of it is complete, so its
-    chunks are served to the readers chained behind this one."""
+    block larger than that, alone): the block set's chunks complete about in its order (each
+    served as its bytes are in place: `slice_fill`), the order the readers chained behind
+    this one ask for them in."""
     sizes = {spec.name: spec.nbytes for spec in blocks.layout.tensors}
     total = sum(sizes.values())
     budget = min(STAGING_BUDGET, max(blocks.layout.chunk_size, total // layouts.PIPELINE_STEPS))
