@@ -110,9 +110,9 @@ class Part(Protocol):
 
 class Fill:
     """The chunks of a first reader's block set (`dest`) still missing and the bytes each
-    still awaits from the trainer's shards; `blocks` (by name: the box each holds) are the
-    blocks read from the trainer. Thread-safe: staging copies of several shards, read by
-    several connections each, report chunks at once."""
+    still awaits from the trainer's shards, for the blocks `todo` read from them (`boxes`:
+    by name, the box of the global tensor each holds). Thread-safe: staging copies of
+    several shards, read by several connections each, report chunks at once."""
 
     def __init__(self, dest: HeldVersion, boxes: Mapping[str, Box], todo: Iterable[str]) -> None:
         self._dest = dest
@@ -137,8 +137,12 @@ class Fill:
         whose chunks, each as it is marked present (verified), have their `parts` copied
         out into `dest`."""
         tenant, model, version = self._dest.key
-        staging = FillStaging(tenant, model, version, layout, tensors, next(self._serials))
-        staging.on_present = lambda index: self.arrived(staging, index, parts)
+        with self._lock:
+            serial = next(self._serials)
+        staging = FillStaging(tenant, model, version, layout, tensors, serial)
+        # the hook is handed the staging copy: a closure over it would be a reference cycle,
+        # and its tensors would outlive the read until the cyclic collector ran
+        staging.on_present = lambda held, index: self.arrived(held, index, parts)
         return staging
 
     def arrived(self, staging: FillStaging, index: int, parts: Sequence[Part]) -> None:
@@ -157,6 +161,7 @@ class Fill:
     def finish(self, staging: FillStaging, needed: Iterable[int], parts: Sequence[Part]) -> None:
         """After a staging copy's read returned: copy out any of its `needed` chunks not
         copied yet (present, but reported by no hook), and raise what a copy raised."""
+        staging.on_present = None
         for index in sorted(needed):
             if staging.is_present(index):
                 self.arrived(staging, index, parts)
@@ -232,7 +237,7 @@ class FillStaging(HeldVersion):
     """A staging copy whose chunks, each as it is marked present (verified by the
     transport, or carried over from a step before), are told to `on_present`."""
 
-    on_present: Callable[[int], None] | None = None
+    on_present: Callable[[FillStaging, int], None] | None = None
 
     def __init__(
         self,
@@ -250,4 +255,4 @@ class FillStaging(HeldVersion):
         super().mark_present(index, checksum)
         hook = self.on_present
         if hook is not None:
-            hook(index)
+            hook(self, index)
