@@ -20,8 +20,9 @@ names them alike. A reader in a layout, pipelined as a reader of a whole version
    for a bounded number of rounds (`read_from_peers`);
 3. reads what is still missing (every block a missing chunk touches: no holder, a holder
    killed mid-read, bad bytes) from the trainer's shards, checked against the publisher's
-   chunk checksums (`ros.client.slices`), marking each chunk present as the blocks it
-   touches are complete (`settle`);
+   chunk checksums (`ros.client.slices`), marking each chunk present as soon as its own
+   bytes are in place, each written from a verified trainer chunk (`ros.client.slice_fill`;
+   `settle` marks those no trainer byte goes into);
 4. registers as the COMPLETE holder (`finish_holding`) with the checksums of its chunks;
    the first reader's become the record, and a reader whose bytes differ from the record
    serves nothing from then on (logged).
@@ -77,8 +78,9 @@ holders that failed) before what is missing is read from the trainer's shards.""
 PIPELINE_STEPS = 8
 """A first reader reads its blocks from the trainer's shards in about this many steps of
 whole blocks (at most `ros.client.slices.STAGING_BUDGET` bytes each), the source shards at
-once, each block served as soon as it is in place, so that the readers chained behind it
-get chunks as its read goes, not after it."""
+once, each chunk of its block set served as soon as its own bytes are in place: the steps
+keep the chunks completing in the block set's order (a reader chained behind it asks for
+them in that order) and bound a step's staging copies."""
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,9 @@ slices becomes a holder of its blocks when it names their layout (`layout=`,
 from the other holders of the same blocks (pipelined: from one registered before it, as
 that one reads them), checked against checksums derived from publisher-verified bytes,
 reads only what they did not give from the trainer's shards, in steps of whole blocks (a
-pipeline per source shard, the shards read at once, each block served as soon as every
-part of it is in place), and then registers as their COMPLETE holder.
+pipeline per source shard, the shards read at once, each chunk of its blocks served as soon
+as its own bytes are in place: `ros.client.slice_fill`), and then registers as their
+COMPLETE holder.
 Without `layout`, it holds nothing; readers in the publisher's own layout use
 `fetch(shard=i)`.
 
@@ -45,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ros.cli.rss import give_back_freed
-from ros.client import layout_cover, layout_delta, layouts
+from ros.client import layout_cover, layout_delta, layouts, slice_fill
 from ros.client.deadline import Deadline
 from ros.client.delta_bases import Staged
 from ros.client.delta_fetch import DeltaReader, DeltaStats
@@ -212,7 +213,7 @@ def _read_layout(
     """A reader in a layout (`ros.client.layouts`): serve the blocks as a PARTIAL holder
     (a registration that also pins the version), read them from the holders registered
     before us and the `cover` layouts, the rest from the trainer's shards in steps of whole
-    blocks (`_read_steps`: each block served as soon as it is in place), then register
+    blocks (`_read_steps`: each chunk served as soon as its bytes are in place), then register
     COMPLETE (which drops the pin). A failure stops the serving and deletes our record
     and its pin. With `deltas`, blocks that hold the version remembered for them first
     get the changes that fall inside them (`ros.client.layout_delta`), and the blocks
@@ -238,9 +239,10 @@ def _read_layout(
         layouts.settle(dest, done)
         todo = {name: slices[name] for name in sorted(result.from_trainer)}
         plan = _plan(model, version, parts, todo) if todo else {}
+        fill = slice_fill.Fill(dest, {name: want.box for name, want in todo.items()}, todo)
         _read_steps(
             runs, me, model, version, resolved, parts, _steps(plan, blocks), slices, dest,
-            done, deadline, result, rate_floor, progress,
+            done, deadline, result, rate_floor, progress, fill,
         )  # fmt: skip
         result.served = layouts.finish_holding(
             peers, me, model, version, layout, blocks, dest, recorded, deadline
@@ -267,14 +269,17 @@ def _read_steps(
     result: SliceFetch,
     rate_floor: float,
     progress: ProgressCallback | None,
+    fill: slice_fill.Fill,
 ) -> None:
     """Read `steps` from the trainer's shards: one pipeline per source shard, all at once,
     each reading its part of step after step (`_read_part`, with the chunks that steps
-    share carried over: `Carry`); a block is served (`layouts.settle`) as soon as every
-    shard's part of it is in place, not when the whole step is. So the reader's link takes
-    the shards' bytes at once, with no round trip between one shard's read and the next,
-    and it serves its blocks at about the rate they arrive, not in bursts at step ends
-    (docs/design-notes.md, "Readers in another layout")."""
+    share carried over: `Carry`); each trainer chunk's parts are copied into `dest` as it
+    is verified, and each chunk of `dest` is served as soon as its own bytes are in place
+    (`fill`), not when its blocks or the step are (`layouts.settle`, after each step, marks
+    what no trainer byte goes into). So the reader's link takes the shards' bytes at once,
+    with no round trip between one shard's read and the next, and it serves its chunks at
+    the rate they arrive, not in bursts (docs/design-notes.md, "Readers in another
+    layout")."""
     carry = Carry()
     pipelines: dict[int, list[list[_Copy]]] = {}
     left: dict[str, int] = {}  # per block: the source shards' parts not in place yet
@@ -303,7 +308,7 @@ def _read_steps(
                 _read_part(
                     me, runs, model, version, _shard(resolved, index), holders, parts[index],
                     copies, slices, deadline, mine, rate_floor, progress, carry=carry,
-                    gpu=gpu,
+                    gpu=gpu, fill=fill,
                 )  # fmt: skip
             except BaseException:
                 failed.set()
@@ -353,8 +358,9 @@ def _steps(
 ) -> list[dict[int, list[_Copy]]]:
     """`plan` in steps of whole blocks, in the block set's order (that of its chunks), each
     of about 1/`layouts.PIPELINE_STEPS` of the blocks' bytes (at most `STAGING_BUDGET`; a
-    block larger than that, alone): after each step, every block of it is complete, so its
-    chunks are served to the readers chained behind this one."""
+    block larger than that, alone): the block set's chunks complete about in its order (each
+    served as its bytes are in place: `slice_fill`), the order the readers chained behind
+    this one ask for them in."""
     sizes = {spec.name: spec.nbytes for spec in blocks.layout.tensors}
     total = sum(sizes.values())
     budget = min(STAGING_BUDGET, max(blocks.layout.chunk_size, total // layouts.PIPELINE_STEPS))
@@ -460,11 +466,14 @@ def _read_part(
     deltas: DeltaReader | None = None,
     carry: Carry | None = None,
     gpu: threading.Lock | None = None,
+    fill: slice_fill.Fill | None = None,
 ) -> None:
     """Fetch the chunks of one source shard that `copies` need (and only those: the others
     of the staging copy stay missing), then copy the intersections out, in place. With
     `carry` (a layout reader's steps), the chunks a step before read are copied from it,
     not read again, and those a later step needs are kept for it (`ros.client.slice_carry`).
+    With `fill` (a layout reader's), each chunk's intersections are copied out as it is
+    verified, and the block set's chunks served as their bytes are in place.
     `gpu`, held while a staging copy in GPU memory is in use, keeps reads that run at once
     to one such copy at a time (the layout steps' pipelines: `_read_steps`).
 
@@ -479,7 +488,7 @@ def _read_part(
     for group in groups:  # one staging copy at a time (`STAGING_BUDGET`)
         _read_group(
             me, runs, model, version, shard, holders, manifest, layout, specs, group,
-            slices, deadline, result, rate_floor, progress, deltas, carry, gpu,
+            slices, deadline, result, rate_floor, progress, deltas, carry, gpu, fill,
         )  # fmt: skip
         give_back_freed()  # its staging, freed as it returned: resident no more
 
@@ -503,6 +512,7 @@ def _read_group(
     deltas: DeltaReader | None,
     carry: Carry | None,
     gpu: threading.Lock | None = None,
+    fill: slice_fill.Fill | None = None,
 ) -> None:
     """`_read_part` for one staging copy: the chunks `copies` need, into a staging copy of
     the shard's `layout` allocated here (or the delta base kept from the last call), then
@@ -517,7 +527,8 @@ def _read_group(
         tensors = base.tensors if base is not None else _allocate_staging(
             layout, device, model, version, shard
         )  # fmt: skip
-        staging = HeldVersion.reader(me.tenant, model, version, layout, tensors)
+        filling = None if fill is None else fill.staging(layout, tensors, copies)
+        staging = filling or HeldVersion.reader(me.tenant, model, version, layout, tensors)
         applied = None
         if deltas is not None and base is not None and manifest.HasField("delta"):
             applied = deltas.apply(
@@ -546,7 +557,10 @@ def _read_group(
             kept = Staged(version, layout, tensors, frozenset(needed), companion)
             deltas.staged.put(model, shard, kept)
         _count(result, stats)
-        _copy_parts(copies, staging.tensors, slices)
+        if fill is None or filling is None:
+            _copy_parts(copies, staging.tensors, slices)
+        else:  # copied out as each chunk was verified
+            fill.finish(filling, needed, copies)
         if carry is not None:
             carry.keep(shard, staging, needed)
 

@@ -499,6 +499,70 @@ def test_readers_that_start_together_read_from_each_other_while_the_first_reads(
     assert [h.state for h in _holders_of(watcher, 3)] == [pb.COMPLETE] * 3
 
 
+@dataclass
+class Sent(Gate):
+    """A `Gate` that records the index of every chunk it let through, once sent."""
+
+    indices: list[int] = field(default_factory=list)
+
+    def __call__(
+        self, conn: socket.socket, header: ChunkHeader, views: list[memoryview], complete: bool
+    ) -> None:
+        super().__call__(conn, header, views, complete)
+        self.indices.append(header.index)
+
+
+def test_a_chained_reader_gets_a_chunk_before_the_first_reader_has_its_whole_block(
+    clients: Callable[..., ros.Hub],
+) -> None:
+    """The first reader serves each chunk of its block set as soon as that chunk's own bytes
+    are verified and in place (`ros.client.slice_fill`), not once every block it touches is
+    complete: with the trainer stopped after one of the four chunks of block l0.qkv, the
+    reader chained behind it already holds that chunk, and the block's other chunks are
+    missing everywhere."""
+    gate = Sent(first=3)  # l0.o's two chunks (the first step), then one of l0.qkv's
+    trainers = publish_tp(lambda: clients(hooks=ClientHooks(send=gate)), 2)
+    watcher = clients()
+    seen: list[Any] = []  # the chained reader's block set, as it reads it
+
+    def capture(read: Callable[..., Any]) -> Callable[..., Any]:
+        def reading(*args: Any, **kwargs: Any) -> Any:
+            seen.append(args[4])  # read_round(tenant, model, version, layout, dest, ...)
+            return read(*args, **kwargs)
+
+        return reading
+
+    first, chained = clients(), clients(hooks=ClientHooks(read=capture))
+    outs, slices = zip(*(slices_for(0, 2) for _ in range(2)), strict=True)
+    blocks = block_set(slices[0], CHUNK)
+    spec = next(t for t in blocks.layout.tensors if t.name == "l0.qkv.weight")
+    assert spec.offset % CHUNK == 0  # whole chunks of that block only
+    ours = range(spec.offset // CHUNK, (spec.offset + spec.nbytes) // CHUNK)
+    assert len(ours) == 4
+    with ThreadPoolExecutor(2) as pool:
+        fetches = [pool.submit(first.fetch_slices, "policy", 1, slices=slices[0], layout="tp2")]
+        _holders_of(watcher, 1)
+        fetches.append(
+            pool.submit(chained.fetch_slices, "policy", 1, slices=slices[1], layout="tp2")
+        )
+        deadline = time.monotonic() + 20
+        while not (seen and any(seen[0].is_present(i) for i in ours)):
+            assert time.monotonic() < deadline, "no chunk of l0.qkv reached the chained reader"
+            time.sleep(0.02)
+        held = [i for i in ours if seen[0].is_present(i)]
+        assert len(gate.indices) == 3  # the trainer is stopped: l0.qkv is not whole anywhere
+        assert len(held) == 1
+        assert not any(f.done() for f in fetches)
+        gate.opened.set()
+        got = [f.result(timeout=60) for f in fetches]
+    for out in outs:
+        _same(out, 0, 2)
+    assert got[0].from_trainer == set(slices[0])
+    assert _trainer_bytes(got[0], trainers) == got[0].total_bytes
+    assert got[1].bytes_per_source == {first.holder_name: block_bytes(0, 2)}
+    assert all(g.served for g in got)
+
+
 @pytest.mark.slow  # a holder process of its own
 def test_a_partial_holder_killed_mid_read_leaves_only_its_missing_blocks_to_the_trainer(
     clients: Callable[..., ros.Hub], holders: Callable[..., Holder]
