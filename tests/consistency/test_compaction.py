@@ -256,10 +256,12 @@ def test_compaction_past_a_disconnected_watch_loses_and_repeats_nothing(
 
 @pytest.mark.timeout(30)
 def test_one_compactor_leads_and_another_takes_over(etcd: Etcd, keys: Keys) -> None:
-    replica = Session(etcd, ttl=1)
+    # TTLs of 3 s, not 1: a 1 s session on 2 loaded cores (load average 5) lost its lease
+    # before the leader's first compaction, and the test waited for one that never came
+    replica = Session(etcd, ttl=3)
     first = Compactor(etcd, keys, interval=0.2, poll=0.05, session=replica, name="a").start()
-    second = Compactor(etcd, keys, interval=0.2, poll=0.05, ttl=1, name="b")
-    third = Compactor(etcd, keys, interval=0.2, poll=0.05, ttl=1, name="c")
+    second = Compactor(etcd, keys, interval=0.2, poll=0.05, ttl=3, name="b")
+    third = Compactor(etcd, keys, interval=0.2, poll=0.05, ttl=3, name="c")
     try:
         wait_until("a leads", lambda: first.status().leader)
         second.start()
