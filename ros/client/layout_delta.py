@@ -11,7 +11,9 @@ fetches v, published with a delta against u, before it reads from peers or the t
 1. **Plan.** For each source shard, the trainer chunks that hold parts of its blocks. A
    block is applied from the delta only when every such chunk, of every source shard, is
    encoded (a chunk sent whole, a shard without a delta against u, or a chain: its blocks
-   are read whole, from the block set's holders or the trainer, as without delta).
+   are read whole, from the block set's holders or the trainer, as without delta). When
+   the encoded chunks those blocks need come to more than `WORTH` of the blocks' own bytes
+   (a step that changes most words), every block is read whole.
 2. **Check the base.** Each chunk of the block set's layout whose blocks are all to be
    applied must hold exactly u: its xxh3-64 is the one remembered for u. A chunk that
    differs (memory changed between the fetches) is counted (`DeltaStats.base_mismatch`)
@@ -77,6 +79,10 @@ STAGING_BUDGET = 64 * 1024 * 1024
 this (with the companion chunks they lie in), each group freed once applied."""
 
 COMPANION_SHARE = 0.5  # of the work time left: the most the companions' reads may take
+
+WORTH = 0.5
+"""The most encoded bytes a block set's delta may read, as a share of the blocks it makes
+(`_not_worth`); past it every block is read whole."""
 
 
 class Part(Protocol):
@@ -217,6 +223,11 @@ def _apply(
         whole = {k for c in copies for k in chunks[index][c.name] if not sizes[k]}
         stats.whole_chunks += len(whole)  # sent whole: their blocks are read whole
         usable.difference_update(c.name for c in copies if chunks[index][c.name] & whole)
+    why = _not_worth(parts, plan, chunks, usable, blocks)
+    if why:
+        for index in plan:
+            out.stats[shard_of(index)].fallback = why
+        usable.clear()
     # 2. the base: every chunk whose blocks the delta can give must hold exactly u
     checked: list[int] = []
     for j, names_j in enumerate(touched):
@@ -264,6 +275,31 @@ def _apply(
     for stats in out.stats.values():
         if stats.whole_chunks and not stats.fallback:
             stats.fallback = f"{stats.whole_chunks} trainer chunks not applied: read whole"
+
+
+def _not_worth(
+    parts: Sequence[pb.Manifest],
+    plan: Mapping[int, Sequence[Part]],
+    chunks: Mapping[int, Mapping[str, set[int]]],
+    usable: set[str],
+    blocks: BlockSet,
+) -> str | None:
+    """Why the delta would cost more than it saves (None: it saves): the encoded chunks
+    the `usable` blocks need come to more than `WORTH` of those blocks' own bytes. A
+    trainer chunk holds other workers' parts too and its encoding is read whole, so a
+    delta of a step that changes most words (the dense form, up to 0.8 of each chunk) can
+    move more than the blocks, besides its decode and the base's check."""
+    need: dict[int, set[int]] = {}
+    for index, copies in plan.items():
+        for c in copies:
+            if c.name in usable:
+                need.setdefault(index, set()).update(chunks[index][c.name])
+    encoded = sum(int(parts[i].delta.encoded_bytes[k]) for i, ks in need.items() for k in ks)
+    made = sum(spec.nbytes for spec in blocks.layout.tensors if spec.name in usable)
+    if made and encoded > WORTH * made:
+        return (f"its encoded chunks ({encoded} B) are over {WORTH:.0%} of the blocks they "
+                f"make ({made} B): read whole")  # fmt: skip
+    return None
 
 
 def _refusal(manifest: pb.Manifest, base: int) -> str | None:

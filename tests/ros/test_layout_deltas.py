@@ -184,3 +184,25 @@ def test_blocks_two_versions_behind_are_read_whole(connect: Callable[..., ros.Hu
     assert got.deltas[0].chunks == 0
     assert "against 2" in got.deltas[0].fallback, got.deltas[0]
     assert got.total_bytes >= nbytes(out)
+
+
+def test_a_delta_that_changes_most_words_is_not_read(connect: Callable[..., ros.Hub]) -> None:
+    """A step that nudges every element (its delta in the dense form, chunks encoded up to
+    0.8 of their size) would read more encoded bytes than half the blocks they make: the
+    blocks are read whole, the fallback says why, and no companion byte is read."""
+    trainers = [connect(), connect()]
+    reader = connect()
+    w1 = global_model()
+    publish_shards(trainers, 1, w1)
+    out, slices = slices_for(0, 2)
+    reader.fetch_slices(MODEL, 1, slices=slices, layout="tp2", delta=True, timeout=30)
+    assert reader.release_blocks(MODEL, 1)
+    w2 = {n: (t + 1e-3).to(t.dtype) if t.is_floating_point() else t for n, t in w1.items()}
+    publish_shards(trainers, 2, w2)
+    got = reader.fetch_slices(MODEL, 2, slices=slices, layout="tp2", delta=True, timeout=30)
+    assert same(out, blocks_of(w2, 0, 2))
+    assert got.deltas, "the delta's stats say why it was not used"
+    for stats in got.deltas.values():
+        assert stats.chunks == 0 and stats.encoded_bytes == 0
+        assert "of the blocks they make" in stats.fallback, stats.fallback
+    assert got.total_bytes >= nbytes(out)
