@@ -53,6 +53,7 @@ FOREIGN_FLAGS = {
     "--updates": "python -m tests.engines.vllm_cpu.memory",
     "--modes": "python -m tests.engines.vllm_cpu.memory",
     "--second": "python -m tests.engines.vllm_cpu.memory",
+    "--changed": "python -m tests.engines.vllm_cpu.memory",
 }
 # Flags the docs name to say that they do not exist (security.md: no password on a command line).
 ABSENT_FLAGS = {"--etcd-password"}

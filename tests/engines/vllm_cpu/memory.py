@@ -1,12 +1,13 @@
 """Host memory and bytes of each vLLM worker per update at TP 2, blocks against whole
 versions (issue 34): `python -m tests.engines.vllm_cpu.memory [--updates 3]
-[--modes whole,blocks] [--second]`.
+[--modes whole,blocks] [--second] [--changed 0.01]`.
 
 A Llama of about 300 MB in fp32 (`CONFIG`: 16 query heads and one KV head, so the KV head
 is replicated on both ranks; tied embeddings), a real etcd and hub started here, a trainer
 here publishing `--updates` versions (each a small change of the one before, published with
-its delta); per mode, a fresh TP-2 vLLM (CPU build, `mp` executor, one core per worker) in
-a process of its own updates to each version:
+its delta: every element by default, a share of them with `--changed`); per mode, a fresh
+TP-2 vLLM (CPU build, `mp` executor, one core per worker) in a process of its own updates
+to each version:
 
 - `whole`: the engine's whole-version path (`"slices": False`, `"delta": True`, its
   default at TP 1): each worker reads the whole version and keeps its host copy as the next
@@ -80,7 +81,7 @@ def child(mode: str, hub: str, token: str, checkpoint: str, model: str, updates:
 
 def run(
     mode: str, hub: str, token: str, checkpoint: str, model: str, trainer: Any,
-    tensors: dict[str, torch.Tensor], updates: int, instances: int = 1,
+    tensors: dict[str, torch.Tensor], updates: int, instances: int = 1, changed: float = 1.0,
 ) -> list[list[list[dict[str, Any]]]]:  # fmt: skip
     """`instances` vLLM processes of `mode` through `updates` versions of `model`, each
     updating after the one before it: their statuses, per instance and update."""
@@ -94,8 +95,12 @@ def run(
     out: list[list[list[dict[str, Any]]]] = [[] for _ in procs]
     try:
         for version in range(1, updates + 1):
+            g = torch.Generator().manual_seed(version)
             for t in tensors.values():
-                t.add_(1e-3)  # an RL-sized step: every byte changes a little
+                if changed >= 1.0:
+                    t.add_(1e-3)  # every element changes a little
+                else:  # a share of the elements, as an RL step at a small learning rate
+                    t.add_(1e-3 * (torch.rand(t.shape, generator=g) < changed).to(t.dtype))
             held = trainer.publish(model, version, tensors, delta=True)
             for proc, statuses in zip(procs, out, strict=True):
                 statuses.append(_update(proc, mode))
@@ -128,6 +133,8 @@ def main() -> int:
     ap.add_argument("--updates", type=int, default=3)
     ap.add_argument("--modes", default="whole,blocks")
     ap.add_argument("--second", action="store_true", help="a second instance after the first")
+    ap.add_argument("--changed", type=float, default=1.0,
+                    help="share of the elements each version changes (1: every one)")  # fmt: skip
     ap.add_argument("--child")
     ap.add_argument("--hub")
     ap.add_argument("--token")
@@ -161,7 +168,8 @@ def main() -> int:
                 trainer = ros.connect(hub.address, tenant=TENANT, token=token, name=name)
                 try:
                     runs = run(mode, hub.address, token, str(Path(tmp) / "v0"), f"policy-{i}",
-                               trainer, tensors, args.updates, 2 if args.second else 1)  # fmt: skip
+                               trainer, tensors, args.updates, 2 if args.second else 1,
+                               args.changed)  # fmt: skip
                     for n, statuses in enumerate(runs):
                         figures[mode if n == 0 else f"{mode}-{n + 1}"] = statuses
                 finally:
