@@ -203,6 +203,7 @@ def test_a_delta_that_changes_most_words_is_not_read(connect: Callable[..., ros.
     assert same(out, blocks_of(w2, 0, 2))
     assert got.deltas, "the delta's stats say why it was not used"
     for stats in got.deltas.values():
-        assert stats.chunks == 0 and stats.encoded_bytes == 0
+        assert stats.chunks == 0
+        assert stats.encoded_bytes == 0
         assert "of the blocks they make" in stats.fallback, stats.fallback
     assert got.total_bytes >= nbytes(out)
