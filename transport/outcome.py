@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tensorhub.errors import (
     DeadlineExceeded,
@@ -108,3 +109,23 @@ def final_error(failures: Mapping[str, BaseException], what: str) -> TensorHubEr
     if reasons and all(isinstance(e, DeadlineExceeded) for e in reasons):
         return DeadlineExceeded(f"{what}: deadline passed ({summary})")
     return VersionUnavailable(f"{what}: no holder left ({summary})")
+
+
+class Moved(Protocol):
+    """What counts the bytes a read moved: a `FetchStats`, or a total over several reads
+    (`ros.client.slices.SliceFetch`)."""
+
+    bytes_per_source: dict[str, int]
+    chunks: int
+    failed_sources: dict[str, str]
+    slow_sources: dict[str, float]
+
+
+def add_moved(into: Moved, got: FetchStats) -> None:
+    """Add what one read moved to `into`: bytes per holder, chunks, the holders given up
+    on and the slow ones."""
+    for source, nbytes in got.bytes_per_source.items():
+        into.bytes_per_source[source] = into.bytes_per_source.get(source, 0) + nbytes
+    into.chunks += got.chunks
+    into.failed_sources.update(got.failed_sources)
+    into.slow_sources.update(got.slow_sources)

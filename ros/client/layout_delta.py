@@ -68,7 +68,7 @@ from transport import delta as codec
 from transport import delta_words
 from transport.boxes import Box, byte_span, chunks_for
 from transport.layout import Layout, TensorSpec, torch_dtype
-from transport.outcome import FetchStats
+from transport.outcome import FetchStats, add_moved
 from transport.pace import DEFAULT_RATE_FLOOR
 from transport.store import HeldVersion
 
@@ -384,7 +384,7 @@ def _read_and_apply(
             held = HeldVersion.reader(tenant, companion, version, staged, tensors)
             target = Target(companion, version, shard, held, found, chunks=want, holder=False)
             got = runs.run(target, resolved, deadline, rate_floor=rate_floor)
-            _add(moved, got)
+            add_moved(moved, got)
             stats.count(got.total_bytes, got.bytes_per_source)
             data = tensors[TENSOR].numpy().data
             for k in group:
@@ -397,14 +397,6 @@ def _read_and_apply(
         stats.fallback = f"{what} could not be read ({type(exc).__name__}: {exc}): read whole"
         log.info("fetch_slices %s@%d: %s", model, version, stats.fallback)
     return done
-
-
-def _add(moved: FetchStats, got: FetchStats) -> None:
-    for source, nbytes in got.bytes_per_source.items():
-        moved.bytes_per_source[source] = moved.bytes_per_source.get(source, 0) + nbytes
-    moved.chunks += got.chunks
-    moved.failed_sources.update(got.failed_sources)
-    moved.slow_sources.update(got.slow_sources)
 
 
 def _apply_one(

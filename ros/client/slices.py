@@ -63,7 +63,7 @@ from tensorhub.errors import DeadlineExceeded, InvalidArgument, OutOfMemory, Ten
 from tensorhub.names import validate_name, validate_version
 from transport.boxes import Box, byte_span, chunks_for
 from transport.layout import Layout, TensorSpec, dtype_name, torch_dtype
-from transport.outcome import FetchStats
+from transport.outcome import FetchStats, add_moved
 from transport.pace import DEFAULT_RATE_FLOOR
 from transport.store import HeldVersion
 
@@ -230,7 +230,7 @@ def _read_layout(
                 list(held.found.block_sums), deadline, rate_floor,
             )  # fmt: skip
             result.deltas.update(applied.stats)
-            _count(result, applied.moved)
+            add_moved(result, applied.moved)
         recorded = _from_holders(
             peers, me, model, version, layout, cover, blocks, held, slices, token,
             deadline, rate_floor, result,
@@ -350,7 +350,7 @@ def _merge(result: SliceFetch, part: SliceFetch) -> None:
     moved.chunks = part.chunks
     moved.failed_sources.update(part.failed_sources)
     moved.slow_sources.update(part.slow_sources)
-    _count(result, moved)
+    add_moved(result, moved)
 
 
 def _steps(
@@ -405,7 +405,7 @@ def _from_holders(
     peer = layouts.read_from_peers(
         peers, me, model, version, layout, blocks, held, token, deadline, rate_floor
     )
-    _count(result, peer.stats)
+    add_moved(result, peer.stats)
     missing = set(peer.missing_blocks)
     for other in cover:
         if not missing:
@@ -415,7 +415,7 @@ def _from_holders(
             peers, me, model, version, other, slices, missing, token, deadline, moved,
             blocks.layout.chunk_size, rate_floor,
         )  # fmt: skip
-        _count(result, moved)
+        add_moved(result, moved)
     result.from_trainer = missing
     return peer.sums
 
@@ -556,7 +556,7 @@ def _read_group(
                 base.drop()
             kept = Staged(version, layout, tensors, frozenset(needed), companion)
             deltas.staged.put(model, shard, kept)
-        _count(result, stats)
+        add_moved(result, stats)
         if fill is None or filling is None:
             _copy_parts(copies, staging.tensors, slices)
         else:  # copied out as each chunk was verified
@@ -609,15 +609,6 @@ def _staging_groups(
         groups[-1].append(c)
         size += mine
     return groups
-
-
-def _count(result: SliceFetch, stats: FetchStats) -> None:
-    """Add what one read moved (bytes per holder, chunks, the holders given up on)."""
-    for source, nbytes in stats.bytes_per_source.items():
-        result.bytes_per_source[source] = result.bytes_per_source.get(source, 0) + nbytes
-    result.chunks += stats.chunks
-    result.failed_sources.update(stats.failed_sources)
-    result.slow_sources.update(stats.slow_sources)
 
 
 def _fits(base: Staged, layout: Layout, needed: set[int], device: torch.device) -> bool:
