@@ -20,7 +20,11 @@ answer (every shard committed by then), against a one-shard publish in the same 
 shards per second; `hub_cpu_s`, the CPU seconds the hub process used over the call (its
 two Latest reads included), which a loaded machine moves far less than the wall time, and
 `hub_loop_cpu_s`, those of its busiest thread (its event loop, which reads and checks
-every shard: with the GIL, the call's critical path).
+every shard: with the GIL, the call's critical path); `client_cpu_s`, the CPU the sending
+process used over the call (framing and sending, as the group's first rank does), and
+`etcd_cpu_s` and `etcd_write_mb`, etcd's CPU and the bytes it wrote to disk over the call
+(`/proc/<pid>/io`): all three processes share the machine's cores, so the wall time is
+where their CPU goes.
 Checked: every shard committed, exactly the last batch says visible, Latest
 0 before and 1 after. `etcd_writes`: the revisions etcd used during the call (the sessions
 were opened before).
@@ -31,11 +35,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
 
-from bench.scale.procs import thread_cpu
+from bench.scale.procs import etcd_pid, thread_cpu
 from bench.scale.rpc import Hub, first_error, holder
 from bench.scale.world import World
 from ros.client.shard_frames import FRAME_SHARDS, frames, publish_shards
@@ -100,8 +105,9 @@ async def _open(address: str, token: str, count: int) -> list[int]:
 async def _call(
     address: str, token: str, model: str, count: int, sessions: list[int], tensors: int,
     timeout: float, frame: int,
-) -> tuple[pb.PublishShardsResponse, float, int, int]:  # fmt: skip
-    """The one PublishShards call: its answer, its seconds, Latest before and after."""
+) -> tuple[pb.PublishShardsResponse, float, float, int, int]:  # fmt: skip
+    """The one PublishShards call: its answer, its seconds, this process's CPU seconds
+    over it, Latest before and after."""
     hub = Hub(address, token)
     try:
         before = int((await hub.call("Latest", pb.LatestRequest(model=model))).version)
@@ -109,13 +115,13 @@ async def _call(
             r.SerializeToString() for r in _requests(model, count, sessions, tensors)
         ]
         call = publish_shards(hub.channel)
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), time.process_time()
         answer = await call(  # the leader's part: frame the bytes gathered, send them
             frames(requests, frame), metadata=hub.metadata, timeout=timeout
         )
-        seconds = time.monotonic() - t0
+        seconds, cpu = time.monotonic() - t0, time.process_time() - cpu0
         after = int((await hub.call("Latest", pb.LatestRequest(model=model))).version)
-        return answer, seconds, before, after
+        return answer, seconds, cpu, before, after
     finally:
         await hub.close()
 
@@ -135,20 +141,22 @@ def group_case(
     }  # fmt: skip
     sessions = asyncio.run(_open(world.address, world.token, out["sessions"]))
     rev0 = world.status()["revision"]
-    cpu0 = world.hub_stats().cpu_s
+    cpu0, etcd0, written0 = world.hub_stats().cpu_s, world.etcd_stats(), written(world)
     threads0 = thread_cpu(world.hub.pid if world.hub is not None else 0)
     try:
-        answer, seconds, before, after = asyncio.run(
+        answer, seconds, client_cpu, before, after = asyncio.run(
             _call(world.address, world.token, model, count, sessions, tensors, timeout, frame)
         )
     except grpc.aio.AioRpcError as exc:
         out.update(ok=False, failed=first_error([exc]))
         return out
     out["hub_cpu_s"] = world.hub_stats().cpu_s - cpu0
+    out["client_cpu_s"] = client_cpu
+    out["etcd_cpu_s"] = world.etcd_stats().cpu_s - etcd0.cpu_s
+    out["etcd_write_mb"] = (written(world) - written0) / 2**20
     threads = thread_cpu(world.hub.pid if world.hub is not None else 0)
-    out["hub_loop_cpu_s"] = max(
-        (used - threads0.get(tid, 0.0) for tid, used in threads.items()), default=0.0
-    )
+    spent = {tid: used - threads0.get(tid, 0.0) for tid, used in threads.items()}
+    out["hub_loop_cpu_s"] = max(spent.values(), default=0.0)
     out["etcd_writes"] = world.status()["revision"] - rev0
     errors = [o for o in answer.outcomes if o.error]
     visible = {o.revision for o in answer.outcomes if o.visible}
@@ -169,6 +177,17 @@ def group_case(
     return out
 
 
+def written(world: World) -> int:
+    """The bytes etcd's process has written to storage so far (`write_bytes` of
+    /proc/<pid>/io; 0 where the kernel does not say)."""
+    try:
+        io = Path(f"/proc/{etcd_pid(world.etcd_endpoint)}/io").read_text()
+    except OSError:
+        return 0
+    fields = dict(line.split(":", 1) for line in io.splitlines() if ":" in line)
+    return int(fields.get("write_bytes", "0").strip() or 0)
+
+
 def summary(r: dict[str, Any]) -> str:
     """One human line for a group case."""
     what = (
@@ -183,7 +202,8 @@ def summary(r: dict[str, Any]) -> str:
         f"  {what} x{r['replicas']}: visible after {r['seconds']:.2f}s "
         f"({'-' if ratio is None else f'{ratio:.0f}'}x one shard, "
         f"{r['shards_per_second']:.0f} shards/s, hub CPU {r.get('hub_cpu_s', 0):.2f}s, its "
-        f"loop {r.get('hub_loop_cpu_s', 0):.2f}s), "
+        f"loop {r.get('hub_loop_cpu_s', 0):.2f}s; client CPU {r.get('client_cpu_s', 0):.2f}s; "
+        f"etcd CPU {r.get('etcd_cpu_s', 0):.2f}s, {r.get('etcd_write_mb', 0):.1f} MB written), "
         f"etcd revisions {r.get('etcd_writes')}, "
         f"published {r.get('published')}, Latest {r.get('latest_before')}->"
         f"{r.get('latest_after')}, failures {r.get('failures')}"

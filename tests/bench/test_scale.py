@@ -53,6 +53,10 @@ def test_shards_bursts_smoke() -> None:
         assert case["ok"], case
         if case["case"].startswith("group-"):  # the busiest thread is one of the process's
             assert 0.0 <= case["hub_loop_cpu_s"] <= case["hub_cpu_s"] + 0.05, case
+            # the other processes of the call: the sender and etcd (it wrote the batches)
+            assert case["client_cpu_s"] > 0.0, case
+            assert case["etcd_cpu_s"] >= 0.0, case
+            assert case["etcd_write_mb"] >= 0.0, case
         if case["case"] not in ("ranks", "inflight"):
             continue  # the sequential and group cases: timed and counted by their own keys
         assert case["seconds"] > 0
