@@ -34,6 +34,7 @@ same transaction as `v/{version}/`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from tensorhub.errors import InvalidArgument
@@ -223,16 +224,28 @@ class Keys:
         break a read of its version until the lease takes it (docs/design-notes.md, "The
         cross-dc seed"). Raises InvalidArgument for keys outside that shape.
         """
+        return _parse_version_key(self.versions(tenant, model), key)
+
+    def parse_version_keys(
+        self, tenant: str, model: str, keys: Iterable[str]
+    ) -> Iterator[tuple[int, str, str]]:
+        """`parse_version_key` of each of `keys`, in order, with the model's prefix made
+        once (a scan of a version's thousands of shard and holder records)."""
         base = self.versions(tenant, model)
-        if not key.startswith(base):
-            raise InvalidArgument(f"key {key!r} is not under {base!r}")
-        parts = key[len(base) :].split("/")
-        try:
-            version = int(parts[0])
-        except ValueError as exc:
-            raise InvalidArgument(f"key {key!r} has no version") from exc
-        if len(parts) == 2 and parts[1] == "manifest":
-            return version, "manifest", ""
-        if len(parts) == 3 and parts[1] in ("shard", "h", "seed", "pin"):
-            return version, parts[1], parts[2]
-        raise InvalidArgument(f"key {key!r} is not a version key")
+        return (_parse_version_key(base, key) for key in keys)
+
+
+def _parse_version_key(base: str, key: str) -> tuple[int, str, str]:
+    """`Keys.parse_version_key` of `key` under a model's `v/` prefix `base`."""
+    if not key.startswith(base):
+        raise InvalidArgument(f"key {key!r} is not under {base!r}")
+    parts = key[len(base) :].split("/")
+    try:
+        version = int(parts[0])
+    except ValueError as exc:
+        raise InvalidArgument(f"key {key!r} has no version") from exc
+    if len(parts) == 2 and parts[1] == "manifest":
+        return version, "manifest", ""
+    if len(parts) == 3 and parts[1] in ("shard", "h", "seed", "pin"):
+        return version, parts[1], parts[2]
+    raise InvalidArgument(f"key {key!r} is not a version key")

@@ -110,14 +110,12 @@ class VersionRegistry:
 
     def _scan(self, tenant: str, model: str, timeout: float | None) -> tuple[dict[int, bool], int]:
         """Every version that has keys: version -> has a manifest (is published)."""
-        result = self.etcd.range(
-            self.keys.versions(tenant, model), prefix=True, keys_only=True, timeout=timeout
-        )
+        keys, revision = self.etcd.range_keys(self.keys.versions(tenant, model), timeout=timeout)
         found: dict[int, bool] = {}
-        for kv in result.kvs:
-            version, kind, _ = self.keys.parse_version_key(tenant, model, kv.key.decode())
+        parsed = self.keys.parse_version_keys(tenant, model, map(bytes.decode, keys))
+        for version, kind, _ in parsed:  # a version's shard and holder records too: thousands
             found[version] = found.get(version, False) or kind == "manifest"
-        return found, result.revision
+        return found, revision
 
     def models(self, tenant: str, *, timeout: float | None = None) -> list[str]:
         """Models of a tenant that have a `latest` key."""

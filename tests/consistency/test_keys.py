@@ -89,3 +89,22 @@ def test_parse_round_trip() -> None:
 def test_bad_prefix(prefix: str) -> None:
     with pytest.raises(InvalidArgument):
         Keys(prefix)
+
+
+def test_parse_version_keys_is_parse_version_key_of_each() -> None:
+    """The scan's parse (the model's prefix made once) answers as one parse a key, and
+    refuses a key outside the shape as it does."""
+    k = Keys()
+    keys = [
+        k.manifest("t", "m", 5),
+        k.shard("t", "m", 5, 3),
+        k.holder("t", "m", 5, "h"),
+        k.pin("t", "m", 7, "p"),
+        f"{k.version('t', 'm', 5)}seed/dc1",
+    ]
+    assert list(k.parse_version_keys("t", "m", keys)) == [
+        k.parse_version_key("t", "m", key) for key in keys
+    ]
+    for bad in (k.latest("t", "m"), f"{k.versions('t', 'm')}x/manifest", k.manifest("t", "n", 5)):
+        with pytest.raises(InvalidArgument):
+            list(k.parse_version_keys("t", "m", [k.manifest("t", "m", 1), bad]))

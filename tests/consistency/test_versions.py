@@ -146,6 +146,25 @@ def test_retention_keeps_the_newest_n(versions: VersionRegistry, session: Sessio
         versions.describe("t", "m", 3)
 
 
+def test_retention_counts_sharded_versions_through_their_records(
+    etcd: Etcd, versions: VersionRegistry, session: Session
+) -> None:
+    """Retention's scan reads a model's keys alone (`Etcd.range_keys`): each sharded
+    version's shard and holder records name it once, an incomplete one is not published,
+    and the versions kept and deleted are those of a scan that decodes every record."""
+    for v in (1, 2, 3):
+        for index in range(3):
+            publish_shard(versions, "t", "s", v, index, 3, b"shard", rec(session, f"r{index}"))
+    publish_shard(versions, "t", "s", 4, 0, 3, b"shard", rec(session, "r0"))  # not whole
+    keys, revision = etcd.range_keys(versions.keys.versions("t", "s"))
+    assert keys == [kv.key for kv in etcd.range(versions.keys.versions("t", "s"), prefix=True).kvs]
+    assert revision >= max(kv.mod_revision for kv in etcd.range(keys[0]).kvs)
+    assert versions.versions("t", "s") == [2, 3]  # retain 2: version 1 went
+    assert versions.collect("t", "s") == []
+    with pytest.raises(VersionNotFound):
+        versions.describe("t", "s", 1)
+
+
 def test_pinned_versions_are_not_collected(
     versions: VersionRegistry, holders: HolderRegistry, session: Session
 ) -> None:

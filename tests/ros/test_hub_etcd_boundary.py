@@ -10,10 +10,11 @@ from pathlib import Path
 HUB = Path(__file__).resolve().parents[2] / "ros" / "hub"
 # etcd client calls (consistency.etcd.Etcd) and request builders (consistency.ops)
 REQUESTS = {
-    "range", "txn", "count", "lease_grant", "lease_revoke", "lease_ttl", "compact",
+    "range", "range_keys", "txn", "count", "lease_grant", "lease_revoke", "lease_ttl",
+    "compact",
 }  # fmt: skip
 OPS = {"put", "get", "delete", "absent", "exists"}
-DECODING = {"parse_version_key", "decode"}
+DECODING = {"parse_version_key", "parse_version_keys", "decode"}
 
 
 def _names_etcd(owner: ast.expr) -> bool:
