@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, Protocol
 
-from consistency import HolderRecord, HolderState
+from consistency import HolderRecord, HolderState, VersionRegistry
 from consistency.manifests import (
     MAX_MANIFEST_BYTES,
     MAX_SHARDS,
@@ -106,10 +106,13 @@ class VersionRPCs:
         """The shards of one version a process group gathered, in one call: each committed
         as its own `Publish` would be (`ros.hub.shard_group`): checked on the loop, staged a
         chunk at a time in a worker. Each request is a `RawPublishRequest`, its manifest
-        the bytes it came as (`ros.raw_manifest`; the server reads this call's messages so)."""
+        the bytes it came as (`ros.raw_manifest`; the server reads this call's messages so).
+        What every shard of the call shares (its model and version checked, their
+        registry and admission, each session's key) is worked out once (`_CallChecks`)."""
+        shared = _CallChecks()
         return await publish_shards(
             requests,
-            lambda request: self._checked_group_shard(request, call),
+            lambda request: self._checked_group_shard(request, call, shared),
             lambda stagings: self.hub.blocking(_stage_all, stagings, deadline_of=call),
             self.hub.shard_batches.publish_all,
         )
@@ -139,7 +142,9 @@ class VersionRPCs:
             self._stage_shard, request, call, False, manifest, deadline_of=call
         )
 
-    def _checked_group_shard(self, raw: Any, call: CallContext) -> asyncio.Future[Staging]:
+    def _checked_group_shard(
+        self, raw: Any, call: CallContext, shared: _CallChecks
+    ) -> asyncio.Future[Staging]:
         """A group call's shard (a `RawPublishRequest`: its manifest as the bytes it came,
         `ros.raw_manifest`) checked (as `_staged_shard`), with its staging left for its
         chunk's worker (`_stage_all`): its manifest ready for its batch's pack
@@ -155,7 +160,7 @@ class VersionRPCs:
         ):
             checked: asyncio.Future[Staging] = asyncio.get_running_loop().create_future()
             try:
-                checked.set_result(self._check_shard(raw, call, True, manifest))
+                checked.set_result(self._check_shard(raw, call, True, manifest, shared))
             except Exception as exc:  # its refusal, the shard's outcome
                 checked.set_exception(exc)
             return checked
@@ -176,12 +181,15 @@ class VersionRPCs:
         *,
         session: bool,
         manifest: bytes | None = None,
+        shared: _CallChecks | None = None,
     ) -> tuple[Tenant, float, str, int, bytes, HolderRecord, Admit]:
         """What every publish checks first: the caller, the bounds, its session (with
         `session`; else the batch's own transaction does); and the model quota's admission.
         The callers check the budget next (one etcd read: a refusal costs little) and then
         every manifest rule (a walk over every tensor), all before any write. `manifest`:
-        the request's manifest as serialized by the caller (a shard's), else serialized here."""
+        the request's manifest as serialized by the caller (a shard's), else serialized here.
+        `shared`: what the shards of one group call share, checked by its first shard (a
+        shard with views or of a companion is not checked with it: its checks read them)."""
         tenant = call.tenant()
         timeout = self.hub.timeout(call)
         if request.shards:  # a message of a PublishShards stream carries them, none else
@@ -189,6 +197,16 @@ class VersionRPCs:
                 "a publish carries no `shards` of its own (a PublishShards message carries "
                 "either its own shard or its shards)"
             )
+        known = shared.version.get((request.model, request.version)) if shared else None
+        if known is not None:  # a shard of the version its call's first shard checked
+            _check_publish_limits(request, None if manifest is None else len(manifest))
+            holder = holder_from_pb(request.holder, default_state=HolderState.COMPLETE)
+            if session:
+                self.hub.sessions.own(tenant.name, holder.session, timeout)
+            if manifest is None:
+                manifest = request.manifest.SerializeToString()
+            model, version, admit = known
+            return tenant, timeout, model, version, manifest, holder, admit
         model = validate_name(request.model, "model")
         version = validate_version(request.version)
         # bounds first: a limit answers before any work
@@ -203,6 +221,8 @@ class VersionRPCs:
         if session:
             self.hub.sessions.own(tenant.name, holder.session, timeout)
         admit = self.hub.budgets.admission(tenant, self.hub.versions(tenant), model)
+        if shared is not None:
+            shared.version[(request.model, request.version)] = (model, version, admit)
         return tenant, timeout, model, version, manifest, holder, admit
 
     def _publish_whole(self, request: pb.PublishRequest, call: CallContext) -> Published:
@@ -247,7 +267,12 @@ class VersionRPCs:
         return self._check_shard(request, call, group, serialized)()
 
     def _check_shard(
-        self, request: pb.PublishRequest, call: CallContext, group: bool, serialized: bytes
+        self,
+        request: pb.PublishRequest,
+        call: CallContext,
+        group: bool,
+        serialized: bytes,
+        shared: _CallChecks | None = None,
     ) -> Staging:
         """A shard publish checked, every rule before any write; its staging (of its
         manifest, `serialized`) to run next: a job for its version's next batch. Its session
@@ -257,7 +282,7 @@ class VersionRPCs:
         views = checked_views(request) if request.views else []  # docs/views.md
         paged = written_before_batch(len(serialized), group) or bool(views)
         tenant, timeout, model, version, manifest, holder, admit = self._publish_checks(
-            request, call, session=paged, manifest=serialized
+            request, call, session=paged, manifest=serialized, shared=shared
         )
         if views:
             check_shard_pages(len(manifest), views)
@@ -275,13 +300,17 @@ class VersionRPCs:
                 request.manifest, _what(request), model=request.model,
                 version=request.version, serialized=manifest,
             )  # fmt: skip
-        versions = self.hub.versions(tenant)
+        versions = shared.versions(self.hub, tenant) if shared else self.hub.versions(tenant)
         if views:  # the model quota's admission of the model and its view models
             admit = self.hub.budgets.admission_of(
                 tenant, versions, [model, *(name for name, _ in views)]
             )
         index, count = request.shard_index, request.shard_count
-        session_key = self.hub.sessions.key(tenant.name, holder.session)
+        session_key = (
+            shared.session_key(self.hub.sessions, tenant.name, holder.session)
+            if shared
+            else self.hub.sessions.key(tenant.name, holder.session)
+        )
         deadline = time.monotonic() + timeout
 
         def staging() -> tuple[str, int, ShardJob]:
@@ -558,6 +587,34 @@ class VersionRPCs:
 
 HUB_PUBLISH_LIMIT.labels("manifest_bytes").set(MAX_MANIFEST_BYTES)
 HUB_PUBLISH_LIMIT.labels("shards").set(MAX_SHARDS)
+
+
+class _CallChecks:
+    """What the shards of one `PublishShards` call share, worked out for its first shard
+    and reused by the rest (thousands of shards of one version): the model and version as
+    checked, with the model quota's admission, by the (model, version) the request named
+    (the rest of a call's shards of another version are refused by `ros.hub.shard_group`
+    before their checks); the tenant's version registry; each session's key. Only what
+    passed is kept, so a refused shard's successor is checked in full again; what depends
+    on the shard itself (its limits, its holder, its manifest) is checked every time."""
+
+    def __init__(self) -> None:
+        self.version: dict[tuple[str, int], tuple[str, int, Admit]] = {}
+        self._versions: tuple[Tenant, VersionRegistry] | None = None
+        self._sessions: dict[tuple[str, int], str] = {}
+
+    def versions(self, hub: VersionHub, tenant: Tenant) -> VersionRegistry:
+        """`hub.versions(tenant)`, looked up once a call (a call's caller is one tenant)."""
+        if self._versions is None or self._versions[0] is not tenant:
+            self._versions = (tenant, hub.versions(tenant))
+        return self._versions[1]
+
+    def session_key(self, sessions: SessionRecords, tenant: str, session: int) -> str:
+        """`sessions.key(tenant, session)`, made once a session."""
+        key = self._sessions.get((tenant, session))
+        if key is None:
+            key = self._sessions[(tenant, session)] = sessions.key(tenant, session)
+        return key
 
 
 def _check_publish_limits(request: pb.PublishRequest, size: int | None = None) -> None:

@@ -115,6 +115,33 @@ def test_a_bad_shard_is_refused_alone_and_nothing_partial_is_visible(
         assert {o.revision for o in once_more.outcomes} <= {o.revision for o in again.outcomes}
 
 
+def test_what_a_calls_shards_share_is_checked_once_and_each_shards_own_every_time(
+    hub_server: HubServer,
+) -> None:
+    """A call's shards share their model and version, checked with its first shard that
+    passed and reused by the rest (`_CallChecks`); what is each shard's own is still checked
+    for each: a first shard refused for its holder leaves the next checked in full, and a
+    later shard's bad endpoint, foreign session or invalid manifest is refused alone."""
+    count = 6
+    token = tenant(hub_server, "shared-checks")
+    with raw_client(hub_server, token) as (stub, metadata, session):
+        requests = [shard("mp", 1, i, count, session) for i in range(count)]
+        requests[0].holder.name = "Not A Name"  # refused before anything is shared
+        requests[2].holder.endpoints["tcp"] = "nowhere"  # not host:port
+        requests[3].holder.session_id = session + 1  # no session of this tenant
+        requests[4].manifest.tensors[0].nbytes = 17  # not 4 float32s
+        found = errors(publish_shards(stub, requests, metadata))
+        assert isinstance(found[0], InvalidArgument), found
+        assert isinstance(found[2], InvalidArgument), found
+        assert isinstance(found[3], SessionExpired), found
+        assert isinstance(found[4], InvalidManifest), found
+        assert [found[1], found[5]] == [None, None], found
+        assert latest(stub, metadata) == 0
+        again = [shard("mp", 1, i, count, session) for i in range(count)]
+        assert errors(publish_shards(stub, again, metadata)) == [None] * count
+        assert latest(stub, metadata) == 1
+
+
 @pytest.mark.timeout(60)
 def test_a_group_call_of_n_shards_takes_shard_tokens_0_n(hub_server: HubServer) -> None:
     """A publish-rate quota of 2 a minute pays for one group call of 2·K shards
