@@ -51,8 +51,9 @@ class ShardBatches:
         # wrote the counter (other replicas' batches included): what a linger still expects
         self._counted: SizedLru[Key, int] = SizedLru(MAX_KEYS_COUNTED, lambda _: 1)
         self.group: GroupCommit[Key, ShardJob, Published] = GroupCommit(
-            executor, self._commit, _take, self._abandon, kind="shards", linger=self._linger
-        )
+            executor, self._commit, _take, self._abandon, kind="shards", linger=self._linger,
+            window=WINDOW,
+        )  # fmt: skip
 
     async def publish(self, model: str, version: int, job: ShardJob) -> Published:
         """Commit `job` in its version's next batch; its outcome, raised if an error."""
@@ -108,6 +109,7 @@ def _expired(entry: ShardEntry) -> ShardEntry:
 
 
 LINGER = 0.05  # the most a batch with room left waits for more shards of its version
+WINDOW = 2 * MAX_BATCH  # the oldest waiting shards a batch is taken from (`GroupCommit`)
 
 
 def _linger(jobs: list[ShardJob], submitted: int) -> float:
@@ -115,7 +117,7 @@ def _linger(jobs: list[ShardJob], submitted: int) -> float:
     replica has seen fewer shards of the version than it has (more may still come); else go
     now: the batch that carries the version's last shard never waits. `GroupCommit` asks
     only of a batch that gathered while a transaction ran, and ends the wait at a lull."""
-    entries = [job.entry for job in jobs]
+    entries = [job.entry for job in jobs[: MAX_BATCH + 1]]  # more than one batch holds
     if submitted >= entries[0].count or len(take(list(entries))) < len(entries):
         return 0.0  # every shard is here, or the waiting ones fill more than a batch
     room = MAX_TXN_OPS - FIXED_OPS - sum(e.ops for e in entries)

@@ -83,6 +83,46 @@ def _group(
     return GroupCommit(pool, door.commit, take, kind="test", linger=linger)
 
 
+def test_a_batch_is_taken_from_its_window_of_the_oldest_and_the_rest_keep_their_order(
+    pool: ThreadPoolExecutor,
+) -> None:
+    """With `window`, `take` is shown only the oldest live entries (a burst queues thousands,
+    a batch holds a few dozen): batches still go oldest first, each write exactly once, in
+    the order written; an entry whose caller left is abandoned, the window's or not."""
+    door = Door()
+    shown: list[int] = []
+    abandoned: list[str] = []
+
+    def take(entries: list[str]) -> list[str]:
+        shown.append(len(entries))
+        batch = entries[:2]  # a batch holds two
+        del entries[:2]
+        return batch
+
+    group: GroupCommit[str, str, str] = GroupCommit(
+        pool, door.commit, take, lambda key, gone: abandoned.extend(gone), kind="test",
+        window=3,
+    )  # fmt: skip
+
+    async def main() -> list[str]:
+        door.hold()
+        first = asyncio.ensure_future(group.submit("k", "w0"))
+        await asyncio.to_thread(door.wait_entered)
+        waiting = group.submit_all("k", [f"w{i}" for i in range(1, 10)])
+        waiting[1].cancel()  # w2 (in the first window) leaves
+        waiting[7].cancel()  # w8 (beyond it) leaves
+        door.release()
+        done = await asyncio.wait_for(asyncio.gather(first, *waiting, return_exceptions=True), 20)
+        return [d for d in done if isinstance(d, str)]
+
+    assert asyncio.run(main()) == [f"done w{i}" for i in range(10) if i not in (2, 8)]
+    assert [e for b in door.batches for e in b] == [f"w{i}" for i in range(10) if i not in (2, 8)]
+    assert all(len(b) <= 2 for b in door.batches)
+    assert max(shown) <= 3, shown  # never more than the window
+    wait_until("both abandoned (in the pool)", lambda: len(abandoned) == 2)
+    assert sorted(abandoned) == ["w2", "w8"]
+
+
 def test_writes_one_after_another_never_linger(pool: ThreadPoolExecutor) -> None:
     """Each write finds nothing in flight and commits at once, although `linger` asks every
     batch to wait for more (as a version's early shards do)."""
