@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
@@ -204,6 +204,7 @@ class VersionRegistry:
         session_key: str | None = None,
         views: Sequence[tuple[str, bytes]] = (),
         admit_views: Admit | None = None,
+        declared: tuple[Callable[[float], list[ops.Cmp]], list[ops.Op]] | None = None,
     ) -> Published:
         """Publish `version` with its manifest and the publisher as first (COMPLETE) holder.
 
@@ -221,7 +222,9 @@ class VersionRegistry:
         manifest) are committed as version `version` of those models in the same
         transaction (`consistency.view_publish`), with `admit_views` (the model quota's
         admission of the model and its view models, in place of `admit_model`: one fence
-        put per transaction) asked at every attempt.
+        put per transaction) asked at every attempt. `declared` (`DeclaredLayouts.publish_ops`:
+        the compare of the model's declared layouts, asked before each attempt, and the puts
+        of their publisher checksums) joins the transaction too.
         """
         validate_version(version)
         check_manifest_size(len(manifest))
@@ -232,7 +235,7 @@ class VersionRegistry:
         if views:
             return self._publish_with_views(
                 tenant, model, version, manifest, holder, timeout, deadline, admit_model,
-                charge, serial, session_key, views, admit_views,
+                charge, serial, session_key, views, admit_views, declared,
             )  # fmt: skip
         staged = self.manifests.stage(
             tenant, model, version, None, manifest, holder.session, timeout=timeout,
@@ -241,8 +244,10 @@ class VersionRegistry:
         return self._publisher.publish_staged(
             tenant, model, version, holder, staged, self.keys.manifest(tenant, model, version),
             replace(staged.header, session=holder.session).encode(),
-            [ops.put(self.keys.latest(tenant, model), str(version))], [],
-            deadline, admit_model, charge=charge, serial=serial, session_key=session_key,
+            [ops.put(self.keys.latest(tenant, model), str(version)),
+             *(declared[1] if declared else [])], [],
+            deadline, admit_model, None if declared is None else declared[0],
+            charge=charge, serial=serial, session_key=session_key,
         )  # fmt: skip
 
     def _publish_with_views(
@@ -260,6 +265,7 @@ class VersionRegistry:
         session_key: str | None,
         views: Sequence[tuple[str, bytes]],
         admit_views: Admit | None,
+        declared: tuple[Callable[[float], list[ops.Cmp]], list[ops.Op]] | None,
     ) -> Published:
         """`publish` with views: each view's manifest staged, and its writes, compares,
         quota admission and charge joined to the version's transaction
@@ -277,8 +283,9 @@ class VersionRegistry:
                 tenant, model, version, holder, staged, self.keys.manifest(tenant, model, version),
                 replace(staged.header, session=holder.session).encode(),
                 [ops.put(self.keys.latest(tenant, model), str(version)),
-                 *staged_views.writes(holder)],
+                 *staged_views.writes(holder), *(declared[1] if declared else [])],
                 [], deadline, None if admit_views is not None else admit_model,
+                None if declared is None else declared[0],
                 charge=ViewsCharge(charge, admit_views, staged_views),
                 serial=serial, session_key=session_key,
             )  # fmt: skip

@@ -23,6 +23,7 @@ from ros.client.handles import Handles, Publication
 from ros.client.holdings import Holdings
 from ros.client.identity import Identity
 from ros.client.manifest import Placements, manifest_of
+from ros.client.publisher_sums import DeclaredCache, layout_sums
 from ros.client.reads import FreshReads
 from ros.client.records import HolderRecords
 from ros.client.rpc import Rpc
@@ -41,6 +42,7 @@ from ros.views.shard_view import abstain, make_shard_views
 from tensorhub.errors import (
     DeadlineExceeded,
     InvalidArgument,
+    LayoutsChanged,
     OutcomeUnknown,
     StaleVersion,
     TensorHubError,
@@ -59,6 +61,10 @@ class _Resend(Exception):
     nothing of it was written, so the next attempt is a fresh publish. A signal to
     `PUBLISH_RESEND` only: it is never raised out of its loop."""
 
+
+DECLARED_TRIES = 3
+"""Sends of one whole publish, each after reading the model's declared layouts again (a
+declaration or retirement between the read and the publish: `LayoutsChanged`)."""
 
 PUBLISH_RESEND = RetryPolicy(tries=2, retry_on=lambda e: isinstance(e, _Resend))
 """A publish is sent at most twice, the second only after `_Resend`."""
@@ -89,6 +95,7 @@ class Publisher:
         self._handles = handles
         self._policy = policy
         self._bases = BaseCopies(me.tenant)  # delta=True: what each model's next encodes against
+        self._declared = DeclaredCache()  # per model: its declared layouts, as last read
         # Versions whose publish ended OutcomeUnknown: still served (it may have landed)
         # until this client publishes them again, which replaces what it holds.
         self._in_doubt: set[tuple[str, str, int]] = set()
@@ -286,9 +293,12 @@ class Publisher:
         for view in views:
             request.views.append(pb.PublishView(format=view.fmt, manifest=view.manifest))
         try:
-            response = (
-                self._publish_rpc(request, timeout) if send is None else send(request, timeout)
-            )
+            if send is not None:
+                response = send(request, timeout)
+            elif shard is None:  # a whole publish: with its declared layouts' checksums
+                response = self._publish_declared(request, held, timeout)
+            else:
+                response = self._publish_rpc(request, timeout)
         except OutcomeUnknown:
             # It may have landed: its holder record would then name this client, so keep
             # serving the tensors (until it publishes again, or closes); a landed shard of a
@@ -311,6 +321,31 @@ class Publisher:
                 view.held.key[1], version, view.held.tensors, revision, visible, index
             )
         return publication
+
+    def _publish_declared(
+        self, request: pb.PublishRequest, held: HeldVersion, timeout: float | None
+    ) -> pb.PublishResponse:
+        """A whole publish with the publisher's checksums of its model's declared layouts
+        (`ros.client.publisher_sums`), for the declarations this client last read; if the
+        hub has others (`LayoutsChanged`: nothing was written), they are read again and the
+        publish sent again, at most `DECLARED_TRIES` times in all."""
+        model = request.model
+        for attempt in range(DECLARED_TRIES):
+            revision, declared = self._declared.get(model)
+            request.declared_revision = revision
+            del request.layout_sums[:]
+            if declared:
+                request.layout_sums.extend(
+                    layout_sums(declared, held.tensors, held.layout.chunk_size)
+                )
+            try:
+                return self._publish_rpc(request, timeout)
+            except LayoutsChanged:
+                if attempt == DECLARED_TRIES - 1:
+                    raise
+                read = pb.DeclaredLayoutsRequest(model=model)
+                self._declared.put(model, self._rpc("DeclaredLayouts", read, timeout))
+        raise AssertionError("unreachable")  # the loop returns or raises
 
     def _publish_rpc(self, request: pb.PublishRequest, timeout: float | None) -> pb.PublishResponse:
         """Publish; if the reply is lost, find out from the hub whether it landed.

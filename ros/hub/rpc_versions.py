@@ -15,6 +15,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, Protocol
 
 from consistency import HolderRecord, HolderState
+from consistency.declared_layouts import MAX_PUBLISHER_SUMS, DeclaredLayouts
 from consistency.manifests import (
     MAX_MANIFEST_BYTES,
     MAX_SHARDS,
@@ -76,6 +77,8 @@ class VersionHub(Registries, Protocol):
     streams: StreamLimits
     tenants: TenantStore
     read_token_ttl: float
+
+    def declared_layouts(self, tenant: Tenant) -> DeclaredLayouts: ...
 
 
 class VersionRPCs:
@@ -191,6 +194,8 @@ class VersionRPCs:
             )
         model = validate_name(request.model, "model")
         version = validate_version(request.version)
+        if request.shard_count and (request.layout_sums or request.HasField("declared_revision")):
+            raise InvalidArgument("publisher checksums of declared layouts ride whole publishes")
         # bounds first: a limit answers before any work
         _check_publish_limits(request, None if manifest is None else len(manifest))
         check_companion(  # a reserved name: only a delta publish's own companion
@@ -219,8 +224,15 @@ class VersionRPCs:
         check_manifest(  # every rule, before any write
             request.manifest, _what(request), model=request.model, version=request.version
         )
+        declared = (
+            self.hub.declared_layouts(tenant).publish_ops(
+                tenant.name, model, version, request.declared_revision, _layout_sums(request)
+            )
+            if request.HasField("declared_revision")
+            else None
+        )
         published = self.hub.versions(tenant).publish(
-            tenant.name, model, version, manifest, holder, timeout=timeout,
+            tenant.name, model, version, manifest, holder, timeout=timeout, declared=declared,
             admit_model=admit, charge=charge, serial=model_serial(tenant.name, model),
             session_key=self.hub.sessions.key(tenant.name, holder.session), views=views,
             admit_views=(
@@ -574,6 +586,25 @@ def _check_publish_limits(request: pb.PublishRequest, size: int | None = None) -
     except InvalidArgument:
         HUB_PUBLISHES_REFUSED.labels(limit).inc()
         raise
+
+
+def _layout_sums(request: pb.PublishRequest) -> dict[str, dict[str, list[int]]]:
+    """A whole publish's checksums of its declared layouts' block sets, checked: names,
+    each block set once, at most `MAX_PUBLISHER_SUMS` in all (`InvalidArgument`)."""
+    out: dict[str, dict[str, list[int]]] = {}
+    total = 0
+    for entry in request.layout_sums:
+        sets = out.setdefault(validate_name(entry.layout, "layout"), {})
+        block_set = validate_name(entry.block_set, "block set")
+        if block_set in sets or len(block_set) != 32:
+            raise InvalidArgument(
+                f"publisher checksums of block set {block_set!r}: one 32-digit id, once"
+            )
+        total += len(entry.sums)
+        if total > MAX_PUBLISHER_SUMS:
+            raise InvalidArgument(f"over {MAX_PUBLISHER_SUMS} publisher checksums in one publish")
+        sets[block_set] = list(entry.sums)
+    return out
 
 
 def _what(request: pb.PublishRequest) -> str:

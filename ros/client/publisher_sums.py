@@ -1,0 +1,188 @@
+"""Publish-time checksums of declared layouts (docs/design-notes.md, "Publish-time checksums
+of declared layouts"): the rollout's side declares its block sets (`rows_of`), the
+publisher's side computes, for each declared block set, the wsum64 of every chunk of the
+block set's layout from the bytes it publishes (`layout_sums`).
+
+A block set's layout is the one its readers serve (`ros.client.layouts.block_set`: each
+block one tensor, sorted by name, in the publisher's chunk size), and its id the digest of
+the same description, so the sums a publisher computes are the ones a reader of those
+blocks looks up. `wsum64` is linear in the bytes, so a publisher that holds only some of a
+chunk's bytes could add its part (the others zero) and the parts would add up; a whole
+publish holds them all.
+
+`DeclaredCache` keeps, per model, the declarations this client last read and their
+revision: a publish names that revision, and the hub refuses it (`LayoutsChanged`, nothing
+written) if the declarations moved since; the publisher then reads them again and computes
+again. A client that never saw a declaration names revision 0 (none), so a model with none
+costs no extra call.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from itertools import pairwise
+
+import torch
+
+from ros.client.layouts import describe, digest_of
+from ros.client.slice import Slice
+from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from tensorhub.errors import InvalidArgument
+from transport.boxes import Box
+from transport.checksums import multipliers, wsum64_of_segments
+from transport.layout import Layout, dtype_name
+
+log = logging.getLogger(__name__)
+
+MAX_PUBLISHER_SUMS = 1 << 16
+"""The most chunk checksums one publish carries (the hub's bound,
+`consistency.declared_layouts.MAX_PUBLISHER_SUMS`); past it a publisher sends none."""
+
+
+def rows_of(slices: Mapping[str, Slice]) -> bytes:
+    """One worker's blocks as declared: JSON rows [name, dtype, global shape, offsets,
+    shape], sorted by name (the description `ros.client.layouts.describe` makes, less the
+    chunk size, which is the publisher's)."""
+    rows = [
+        [name, dtype_name(want.tensor.dtype), [int(d) for d in want.global_shape],
+         list(want.box.offsets), list(want.box.shape)]
+        for name, want in sorted(slices.items())
+    ]  # fmt: skip
+    return json.dumps(rows, separators=(",", ":")).encode()
+
+
+def _blocks(
+    rows: list[list[object]], tensors: Mapping[str, torch.Tensor]
+) -> dict[str, tuple[str, tuple[int, ...], Box]] | None:
+    """The declared blocks of one block set, if the published `tensors` (whole) hold every
+    one of them with its dtype and global shape; else None."""
+    out: dict[str, tuple[str, tuple[int, ...], Box]] = {}
+    for name, dtype, glob, offsets, shape in rows:
+        tensor = tensors.get(str(name))
+        glob_t = tuple(int(d) for d in glob)  # type: ignore[attr-defined]
+        if tensor is None or dtype_name(tensor.dtype) != dtype or tuple(tensor.shape) != glob_t:
+            return None
+        box = Box(tuple(int(o) for o in offsets), tuple(int(s) for s in shape))  # type: ignore[attr-defined]
+        out[str(name)] = (str(dtype), glob_t, box)
+    return out
+
+
+GROUP_BYTES = 64 * 1024 * 1024
+"""Bytes of a block set's layout summed in one pass (a multiple of the chunk size): the
+publisher's extra memory is one such buffer and one block's contiguous copy."""
+
+
+def block_set_sums(
+    blocks: Mapping[str, tuple[str, tuple[int, ...], Box]],
+    tensors: Mapping[str, torch.Tensor],
+    chunk_size: int,
+) -> tuple[str, list[int]]:
+    """(id, the wsum64 of every chunk) of the block set `blocks` of the whole `tensors`, in
+    chunks of `chunk_size`, computed where the tensors are. When the block set's layout has
+    no padding between its tensors (each block's bytes a multiple of `ALIGN`, as a model's
+    almost always are), a chunk's bytes are one range of the layout: the blocks are copied
+    into a buffer of whole chunks, `GROUP_BYTES` at a time, and each group's chunks summed
+    in one multiply and one reduction. Else each chunk is summed over its segments."""
+    specs = {
+        name: torch.empty(box.shape, dtype=tensors[name].dtype, device="meta")
+        for name, (_, _, box) in sorted(blocks.items())
+    }
+    layout = Layout.from_tensors(specs, chunk_size=chunk_size)
+    block_set = digest_of(describe(blocks, chunk_size))
+
+    def view(name: str) -> torch.Tensor:
+        glob = blocks[name][1]
+        return tensors[name][blocks[name][2].slices_in(Box((0,) * len(glob), glob))]
+
+    gapless = all(a.offset + a.nbytes == b.offset for a, b in pairwise(layout.tensors))
+    if not gapless:
+        copies = {spec.name: view(spec.name).contiguous() for spec in layout.tensors}
+        flats = [copies[spec.name].reshape(-1).view(torch.uint8) for spec in layout.tensors]
+        return block_set, [
+            wsum64_of_segments(flats, layout.segments(i)) for i in range(layout.num_chunks)
+        ]
+    device = next(iter(tensors.values())).device
+    words = chunk_size // 8
+    per = max(1, GROUP_BYTES // chunk_size)
+    weights = multipliers(words, device)
+    sums: list[int] = []
+    cached: tuple[str, torch.Tensor] | None = None
+    for first in range(0, layout.num_chunks, per):
+        count = min(per, layout.num_chunks - first)
+        lo, hi = first * chunk_size, (first + count) * chunk_size
+        buf = torch.empty(count * chunk_size, dtype=torch.uint8, device=device)
+        end = min(hi, layout.total_bytes)
+        buf[end - lo :].zero_()  # the last chunk's tail: zeros, as wsum64 pads
+        for spec in layout.tensors:
+            a, b = max(lo, spec.offset), min(hi, spec.offset + spec.nbytes)
+            if a >= b:
+                continue
+            if (a, b) == (spec.offset, spec.offset + spec.nbytes):  # whole: one strided copy
+                dest = buf[a - lo : b - lo].view(specs[spec.name].dtype)
+                dest.view(specs[spec.name].shape).copy_(view(spec.name))
+                continue
+            if cached is None or cached[0] != spec.name:  # split by a group's edge
+                cached = (spec.name, view(spec.name).contiguous().reshape(-1).view(torch.uint8))
+            buf[a - lo : b - lo] = cached[1][a - spec.offset : b - spec.offset]
+        rows = buf.view(torch.int64).view(count, words)
+        rows.mul_(weights)  # in place: the buffer is ours, and read no more
+        sums.extend(int(x) & 0xFFFF_FFFF_FFFF_FFFF for x in rows.sum(dim=1).tolist())
+    return block_set, sums
+
+
+def layout_sums(
+    declared: Mapping[str, Sequence[bytes]],
+    tensors: Mapping[str, torch.Tensor],
+    chunk_size: int,
+) -> list[pb.LayoutSums]:
+    """The checksums of every declared block set the whole `tensors` hold, in chunks of
+    `chunk_size`; a block set they do not hold (another model's names, dtypes or shapes)
+    is skipped (logged): its readers take the reader-derived path. None at all past
+    `MAX_PUBLISHER_SUMS` (logged)."""
+    out: list[pb.LayoutSums] = []
+    total = 0
+    for layout, sets in sorted(declared.items()):
+        for raw in sets:
+            blocks = _blocks(json.loads(raw), tensors)
+            if blocks is None:
+                log.warning("declared layout %r: a block set this publish does not hold", layout)
+                continue
+            block_set, sums = block_set_sums(blocks, tensors, chunk_size)
+            total += len(sums)
+            if total > MAX_PUBLISHER_SUMS:
+                log.warning("over %d publisher checksums: none sent", MAX_PUBLISHER_SUMS)
+                return []
+            out.append(pb.LayoutSums(layout=layout, block_set=block_set, sums=sums))
+    return out
+
+
+class DeclaredCache:
+    """Per model, the declared layouts this client last read and their revision (0: none
+    seen). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._known: dict[str, tuple[int, dict[str, list[bytes]]]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, model: str) -> tuple[int, dict[str, list[bytes]]]:
+        with self._lock:
+            return self._known.get(model, (0, {}))
+
+    def put(self, model: str, answer: pb.DeclaredLayoutsResponse) -> None:
+        layouts = {d.layout: list(d.block_sets) for d in answer.layouts}
+        with self._lock:
+            self._known[model] = (int(answer.revision), layouts)
+
+
+def check_declaration(
+    model: str, layout: str, workers: Sequence[Mapping[str, Slice]]
+) -> list[bytes]:
+    """The declared rows of each worker's slices (`InvalidArgument` for none)."""
+    if not workers or any(not slices for slices in workers):
+        raise InvalidArgument(
+            f"declare_layout {model} {layout!r}: name each worker's slices (at least one)"
+        )
+    return [rows_of(slices) for slices in workers]
