@@ -70,9 +70,16 @@ def _blocks(
     return out
 
 
-GROUP_BYTES = 64 * 1024 * 1024
-"""Bytes of a block set's layout summed in one pass (a multiple of the chunk size): the
-publisher's extra memory is one such buffer and one block's contiguous copy."""
+GROUP_BYTES = 4 * 1024 * 1024
+"""Bytes of a block set's layout summed in one pass in host memory (whole chunks, at least
+one): the publisher's extra memory is one such buffer and one block's contiguous copy. Small
+enough to stay in the CPU's cache between the copy and the sum: with the bench reshard
+model (70 MiB of blocks, 64 KiB chunks) 4 MiB took 56 ms at best where 64 MiB took 172 ms
+(2 cores, loaded)."""
+
+DEVICE_GROUP_BYTES = 256 * 1024 * 1024
+"""The same in GPU memory, where each pass is a few kernel launches and one copy of the
+group's sums to the host: larger groups, fewer launches and waits."""
 
 
 def block_set_sums(
@@ -106,14 +113,15 @@ def block_set_sums(
         ]
     device = next(iter(tensors.values())).device
     words = chunk_size // 8
-    per = max(1, GROUP_BYTES // chunk_size)
+    per = max(1, (GROUP_BYTES if device.type == "cpu" else DEVICE_GROUP_BYTES) // chunk_size)
     weights = multipliers(words, device)
     sums: list[int] = []
     cached: tuple[str, torch.Tensor] | None = None
+    whole = torch.empty(min(per, layout.num_chunks) * chunk_size, dtype=torch.uint8, device=device)
     for first in range(0, layout.num_chunks, per):
         count = min(per, layout.num_chunks - first)
         lo, hi = first * chunk_size, (first + count) * chunk_size
-        buf = torch.empty(count * chunk_size, dtype=torch.uint8, device=device)
+        buf = whole[: count * chunk_size]  # one buffer for every group: its pages once
         end = min(hi, layout.total_bytes)
         buf[end - lo :].zero_()  # the last chunk's tail: zeros, as wsum64 pads
         for spec in layout.tensors:
