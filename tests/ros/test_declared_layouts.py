@@ -27,6 +27,7 @@ from ros.client.layouts import block_set
 from ros.hub.server import HubServer
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tests.ros.layout_model import CHUNK, expected, global_model, slices_for
+from tests.ros.test_layout_deltas import same, step
 from transport.boxes import Box
 from transport.checksums import wsum64_reference
 from transport.layout import Layout, dtype_name
@@ -276,3 +277,43 @@ def test_a_block_sets_sums_are_the_wsum64_of_its_chunks_whatever_its_padding(gap
         for name, (o, s) in boxes.items()
     }
     assert block_id == block_set(slices, chunk).id  # the id its readers compute
+
+
+def test_a_delta_reader_of_a_declared_layout_ends_on_the_publishers_sums(
+    clients: Callable[..., ros.Hub],
+) -> None:
+    """Whole publishes with deltas: a TP-2 worker at version 1 takes version 2's changes
+    inside its blocks, each result chunk checked against the record and the publisher's
+    wsum64 (`layout_delta`), serves them, and the next reader of those blocks reads every
+    byte from it, checked against the publisher's sums."""
+    trainer, rollout = clients(), clients()
+    reader, second = clients(), clients()
+    w1 = global_model()
+    trainer.publish("policy", 1, w1, chunk_size=CHUNK, delta=True)
+    rollout.declare_layout("policy", "tp2", _workers(2))
+    out, slices = slices_for(0, 2)
+    assert reader.fetch_slices(
+        "policy", 1, slices=slices, layout="tp2", delta=True, timeout=30
+    ).served
+    assert reader.release_blocks("policy", 1)
+    w2 = step(w1, 2)
+    trainer.publish("policy", 2, w2, chunk_size=CHUNK, delta=True)
+    assert len(_resolve(rollout, "tp2", 0, 2, 2).publisher_sums) > 0
+    got = reader.fetch_slices("policy", 2, slices=slices, layout="tp2", delta=True, timeout=30)
+    want = {
+        name: w2[name][
+            slices[name].box.slices_in(Box((0,) * w2[name].dim(), tuple(w2[name].shape)))
+        ]
+        for name in w2
+    }
+    assert same(out, {n: t.contiguous() for n, t in want.items()})
+    assert got.served
+    assert sum(s.chunks for s in got.deltas.values()) > 0
+    assert all(s.base_mismatch == 0 for s in got.deltas.values())
+    blocks = sum(t.numel() * t.element_size() for t in out.values())
+    assert got.total_bytes < blocks / 4  # its results passed both checks: none read whole
+    out2, slices2 = slices_for(0, 2)
+    again = second.fetch_slices("policy", 2, slices=slices2, layout="tp2", timeout=30)
+    assert same(out2, {n: t.contiguous() for n, t in want.items()})
+    assert set(again.bytes_per_source) == {reader.holder_name}
+    assert again.served
