@@ -82,6 +82,16 @@ DEVICE_GROUP_BYTES = 256 * 1024 * 1024
 group's sums to the host: larger groups, fewer launches and waits."""
 
 
+def _specs(
+    blocks: Mapping[str, tuple[str, tuple[int, ...], Box]], tensors: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Each block as a tensor without memory (its dtype and shape), sorted by name."""
+    return {
+        name: torch.empty(box.shape, dtype=tensors[name].dtype, device="meta")
+        for name, (_, _, box) in sorted(blocks.items())
+    }
+
+
 def block_set_sums(
     blocks: Mapping[str, tuple[str, tuple[int, ...], Box]],
     tensors: Mapping[str, torch.Tensor],
@@ -93,10 +103,7 @@ def block_set_sums(
     almost always are), a chunk's bytes are one range of the layout: the blocks are copied
     into a buffer of whole chunks, `GROUP_BYTES` at a time, and each group's chunks summed
     in one multiply and one reduction. Else each chunk is summed over its segments."""
-    specs = {
-        name: torch.empty(box.shape, dtype=tensors[name].dtype, device="meta")
-        for name, (_, _, box) in sorted(blocks.items())
-    }
+    specs = _specs(blocks, tensors)
     layout = Layout.from_tensors(specs, chunk_size=chunk_size)
     block_set = digest_of(describe(blocks, chunk_size))
 
@@ -150,7 +157,7 @@ def layout_sums(
     `chunk_size`; a block set they do not hold (another model's names, dtypes or shapes)
     is skipped (logged): its readers take the reader-derived path. None at all past
     `MAX_PUBLISHER_SUMS` (logged)."""
-    out: list[pb.LayoutSums] = []
+    planned: list[tuple[str, dict[str, tuple[str, tuple[int, ...], Box]]]] = []
     total = 0
     for layout, sets in sorted(declared.items()):
         for raw in sets:
@@ -158,12 +165,15 @@ def layout_sums(
             if blocks is None:
                 log.warning("declared layout %r: a block set this publish does not hold", layout)
                 continue
-            block_set, sums = block_set_sums(blocks, tensors, chunk_size)
-            total += len(sums)
-            if total > MAX_PUBLISHER_SUMS:
+            total += Layout.from_tensors(_specs(blocks, tensors), chunk_size).num_chunks
+            if total > MAX_PUBLISHER_SUMS:  # counted before any byte is summed
                 log.warning("over %d publisher checksums: none sent", MAX_PUBLISHER_SUMS)
                 return []
-            out.append(pb.LayoutSums(layout=layout, block_set=block_set, sums=sums))
+            planned.append((layout, blocks))
+    out = []
+    for layout, blocks in planned:
+        block_set, sums = block_set_sums(blocks, tensors, chunk_size)
+        out.append(pb.LayoutSums(layout=layout, block_set=block_set, sums=sums))
     return out
 
 

@@ -317,3 +317,20 @@ def test_a_delta_reader_of_a_declared_layout_ends_on_the_publishers_sums(
     assert same(out2, {n: t.contiguous() for n, t in want.items()})
     assert set(again.bytes_per_source) == {reader.holder_name}
     assert again.served
+
+
+def test_a_publisher_sums_what_it_holds_within_the_bound_and_nothing_past_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A declared block set the published tensors do not hold (another dtype) is skipped;
+    past `MAX_PUBLISHER_SUMS` chunks in all, none is sent, counted before any is summed."""
+    tensors = global_model()
+    declared = {"tp2": [publisher_sums.rows_of(w) for w in _workers(2)]}
+    sums = publisher_sums.layout_sums(declared, tensors, CHUNK)
+    assert [list(s.sums) for s in sums] == [_wsum64_of_blocks(r, 2) for r in range(2)]
+    assert [s.block_set for s in sums] == [block_set(w, CHUNK).id for w in _workers(2)]
+    other = dict(tensors, **{"norm.weight": tensors["norm.weight"].double()})
+    assert len(publisher_sums.layout_sums(declared, other, CHUNK)) == 0
+    chunks = sum(len(s.sums) for s in sums)
+    monkeypatch.setattr(publisher_sums, "MAX_PUBLISHER_SUMS", chunks - 1)
+    assert publisher_sums.layout_sums(declared, tensors, CHUNK) == []
