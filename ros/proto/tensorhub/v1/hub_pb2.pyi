@@ -164,7 +164,7 @@ class CloseSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("model", "version", "manifest", "holder", "shard_index", "shard_count", "views", "shards", "declared_revision", "layout_sums")
+    __slots__ = ("model", "version", "manifest", "holder", "shard_index", "shard_count", "views", "shards", "declared_revision", "layout_sums", "layout_parts")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,7 @@ class PublishRequest(_message.Message):
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     DECLARED_REVISION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_SUMS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_PARTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     manifest: Manifest
@@ -185,7 +186,8 @@ class PublishRequest(_message.Message):
     shards: _containers.RepeatedCompositeFieldContainer[PublishRequest]
     declared_revision: int
     layout_sums: _containers.RepeatedCompositeFieldContainer[LayoutSums]
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., views: _Optional[_Iterable[_Union[PublishView, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[PublishRequest, _Mapping]]] = ..., declared_revision: _Optional[int] = ..., layout_sums: _Optional[_Iterable[_Union[LayoutSums, _Mapping]]] = ...) -> None: ...
+    layout_parts: _containers.RepeatedCompositeFieldContainer[LayoutPart]
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., views: _Optional[_Iterable[_Union[PublishView, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[PublishRequest, _Mapping]]] = ..., declared_revision: _Optional[int] = ..., layout_sums: _Optional[_Iterable[_Union[LayoutSums, _Mapping]]] = ..., layout_parts: _Optional[_Iterable[_Union[LayoutPart, _Mapping]]] = ...) -> None: ...
 
 class PublishView(_message.Message):
     __slots__ = ("format", "manifest")
@@ -757,3 +759,21 @@ class DeclaredLayoutsResponse(_message.Message):
     layouts: _containers.RepeatedCompositeFieldContainer[DeclaredLayout]
     revision: int
     def __init__(self, layouts: _Optional[_Iterable[_Union[DeclaredLayout, _Mapping]]] = ..., revision: _Optional[int] = ...) -> None: ...
+
+class LayoutPart(_message.Message):
+    __slots__ = ("layout", "block_set", "tensor", "offsets", "shape", "chunks", "sums")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SET_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    SUMS_FIELD_NUMBER: _ClassVar[int]
+    layout: str
+    block_set: str
+    tensor: str
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    chunks: _containers.RepeatedScalarFieldContainer[int]
+    sums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layout: _Optional[str] = ..., block_set: _Optional[str] = ..., tensor: _Optional[str] = ..., offsets: _Optional[_Iterable[int]] = ..., shape: _Optional[_Iterable[int]] = ..., chunks: _Optional[_Iterable[int]] = ..., sums: _Optional[_Iterable[int]] = ...) -> None: ...
