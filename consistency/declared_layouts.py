@@ -52,6 +52,14 @@ MAX_PUBLISHER_SUMS = 1 << 16
 """The most chunk checksums one publish may carry for its declared layouts (512 KiB in
 etcd); a publisher with more sends none (its readers take the reader-derived path)."""
 
+MAX_PARTS_SHARDS = 64
+"""The most shards whose parts of the publisher's checksums a version records (a reader's
+resolve reads one key a shard, so it stays bounded); the ranks of a version with more send
+none, and its layout readers take the reader-derived path."""
+
+MAX_PART_SUMS = 1 << 15
+"""The most chunk checksums one shard's parts may carry (in all its parts)."""
+
 _ID = 32  # a block set's id: 128 bits in hex (`ros.client.layouts.block_set`)
 _HEAD = struct.Struct(">I")
 _SUM = struct.Struct(">Q")
@@ -136,6 +144,58 @@ def decode_publisher_sums(raw: bytes, block_set: str) -> list[int]:
             return [s for (s,) in _SUM.iter_unpack(raw[start:end])]
         at = end
     return []
+
+
+@dataclass(frozen=True)
+class Part:
+    """One shard's part of a declared block set's chunk checksums: the wsum64 of each chunk
+    in `chunks` with only the bytes of `tensor` in the rank's `box` (offsets, shape) in
+    place and every other byte zero."""
+
+    layout: str
+    block_set: str
+    tensor: str
+    box: tuple[tuple[int, ...], tuple[int, ...]]
+    chunks: tuple[int, ...]
+    sums: tuple[int, ...]
+
+
+def encode_parts(revision: int, count: int, parts: Sequence[Part]) -> bytes:
+    """A shard's parts as written with its shard (`Keys.publisher_part`), with the
+    declarations' revision its rank computed them for and the version's shard count."""
+    rows = [
+        [p.layout, p.block_set, p.tensor, list(p.box[0]), list(p.box[1]), list(p.chunks),
+         [str(s) for s in p.sums]]
+        for p in parts
+    ]  # fmt: skip
+    return json.dumps({"revision": revision, "count": count, "parts": rows}).encode()
+
+
+def add_parts(values: Sequence[bytes], layout: str, block_set: str) -> list[int]:
+    """The chunk checksums of `block_set` of `layout` from the shards' parts (`values`, one
+    a shard), or [] unless every shard of the version wrote its parts, for one revision of
+    the declarations: parts with the same tensor and box (replicas) count once, the others
+    add up modulo 2**64. A chunk no part touches leaves them incomplete: []."""
+    decoded = [json.loads(v) for v in values]
+    if not decoded or len({(d["revision"], d["count"]) for d in decoded}) != 1:
+        return []
+    if len(decoded) != int(decoded[0]["count"]):
+        return []
+    seen: set[tuple[str, str, str]] = set()
+    sums: dict[int, int] = {}
+    for d in decoded:
+        for lay, bs, tensor, offsets, shape, chunks, part in d["parts"]:
+            if (lay, bs) != (layout, block_set):
+                continue
+            key = (tensor, json.dumps(offsets), json.dumps(shape))
+            if key in seen:
+                continue
+            seen.add(key)
+            for chunk, value in zip(chunks, part, strict=True):
+                sums[int(chunk)] = (sums.get(int(chunk), 0) + int(value)) % (1 << 64)
+    if not sums or sorted(sums) != list(range(len(sums))):
+        return []
+    return [sums[i] for i in range(len(sums))]
 
 
 class DeclaredLayouts:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from consistency import ops
-from consistency.declared_layouts import decode_publisher_sums
+from consistency.declared_layouts import MAX_PARTS_SHARDS, add_parts, decode_publisher_sums
 from consistency.etcd import Etcd, TxnResult
 from consistency.keys import Keys
 from consistency.layout_tally import LayoutTally
@@ -159,9 +159,12 @@ class LayoutHolders:
     publisher_sums: list[int] = field(default_factory=list)  # declared before the publish
 
 
-def _publisher_sums(kvs: Sequence[Any], block_set: str) -> list[int]:
-    """`block_set`'s publisher checksums in the layout's key as read ([]: none)."""
-    return decode_publisher_sums(bytes(kvs[0].value), block_set) if kvs else []
+def _publisher_sums(whole: Sequence[Any], parts: Sequence[Any], at: BlockSetKey) -> list[int]:
+    """The block set's publisher checksums as read: from its layout's key (a whole
+    publish), else added up from the shards' parts (`add_parts`); []: none."""
+    if whole:
+        return decode_publisher_sums(bytes(whole[0].value), at.block_set)
+    return add_parts([bytes(kv.value) for kv in parts], at.layout, at.block_set)
 
 
 class LayoutRegistry:
@@ -269,6 +272,7 @@ class LayoutRegistry:
         if resolve:
             reads.append(ops.page(holders, "", MAX_LAYOUT_HOLDERS_READ))
             reads.append(ops.get(self._published_key(at)))
+            reads.append(ops.page(self._parts_prefix(at), "", MAX_PARTS_SHARDS))
         result = self.etcd.txn(
             [ops.exists(manifest_key), ops.exists(session_key)],
             [*writes, *reads],
@@ -287,7 +291,11 @@ class LayoutRegistry:
             else []
         )
         published = (
-            _publisher_sums(result.responses[5].response_range.kvs, at.block_set) if resolve else []
+            _publisher_sums(
+                result.responses[5].response_range.kvs, result.responses[6].response_range.kvs, at
+            )
+            if resolve
+            else []
         )
         return int(held.kvs[0].create_revision), result.revision, recorded, records, published
 
@@ -403,6 +411,10 @@ class LayoutRegistry:
             return ops.delete(pin)
         return ops.put(pin, b"", lease=record.session)
 
+    def _parts_prefix(self, at: BlockSetKey) -> str:
+        """The shards' parts of the publisher's checksums of the version's declared layouts."""
+        return self.keys.publisher_parts(at.tenant, at.model, at.version)
+
     def _published_key(self, at: BlockSetKey) -> str:
         """The publisher's checksums of the layout's block sets (one key per layout)."""
         return self.keys.publisher_sums(at.tenant, at.model, at.version, at.layout)
@@ -425,6 +437,7 @@ class LayoutRegistry:
                 ops.get(sums_key),
                 ops.page(holders, "", MAX_LAYOUT_HOLDERS_READ),
                 ops.get(self._published_key(at)),
+                ops.page(self._parts_prefix(at), "", MAX_PARTS_SHARDS),
             ],
             timeout=timeout,
         )
@@ -436,7 +449,9 @@ class LayoutRegistry:
             HolderRecord.decode(bytes(kv.value), int(kv.create_revision))
             for kv in result.responses[2].response_range.kvs
         ]
-        published = _publisher_sums(result.responses[3].response_range.kvs, at.block_set)
+        published = _publisher_sums(
+            result.responses[3].response_range.kvs, result.responses[4].response_range.kvs, at
+        )
         return LayoutHolders(records, sums, result.revision, published)
 
     def cover(

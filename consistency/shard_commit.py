@@ -118,12 +118,13 @@ class ShardEntry:
     ambiguous: bool = field(default=False, compare=False)
     packed: bytes = field(default=b"", repr=False)  # its manifest for the batch's pack
     views: list[ViewShard] = field(default_factory=list)  # its shards of the version's views
+    extra: list[ops.Op] = field(default_factory=list)  # its other puts (publisher parts)
 
     @property
     def ops(self) -> int:
         """The operations this shard adds to a batch's largest list (its puts and its view
         shards'; the pack its manifest goes in is the batch's one more)."""
-        own = 2 + self.staged.header.pages
+        own = 2 + self.staged.header.pages + len(self.extra)
         return own + sum(view.ops for view in self.views) if self.views else own
 
     @property
@@ -358,6 +359,7 @@ class ShardCommitter:
                 ops.put(self._shard_key(entry), records.get(id(entry), entry.record)),
                 ops.put(self._holder_key(entry), entry.holder.encode(), lease=entry.holder.session),
                 *entry.staged.commits,
+                *entry.extra,
             ]
             view_compares, view_puts = self._view_writes(entry)
             compares += view_compares

@@ -22,18 +22,20 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from itertools import pairwise
 
 import torch
 
 from ros.client.layouts import describe, digest_of
+from ros.client.manifest import placement_of
 from ros.client.slice import Slice
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import InvalidArgument
 from transport.boxes import Box
 from transport.checksums import multipliers, wsum64_of_segments
-from transport.layout import Layout, dtype_name
+from transport.layout import Layout, dtype_name, torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -177,12 +179,103 @@ def layout_sums(
     return out
 
 
+def layout_parts(
+    declared: Mapping[str, Sequence[bytes]],
+    tensors: Mapping[str, torch.Tensor],
+    manifest: pb.Manifest,
+    chunk_size: int,
+) -> list[pb.LayoutPart] | None:
+    """A shard's parts of the checksums of every declared block set (`LayoutPart`): for
+    each block of a block set whose tensor this rank holds a box of (its manifest's
+    placement, or the whole tensor), the wsum64 of each chunk the block touches with only
+    the bytes of that box in place and every other byte zero. The parts of the ranks add up
+    to the chunks' sums (`wsum64` is linear; a word that straddles two ranks' bytes splits
+    by byte), parts of replicas (the same box) counting once. A block set whose layout has
+    padding between its blocks gets none (the same on every rank: it depends only on the
+    declaration). None (logged), so that the shard sends no parts at all and the version
+    records no sums (`consistency.declared_layouts.add_parts` needs every shard's): a
+    declared block whose dtype or global shape is not the published one, or more than
+    `MAX_PUBLISHER_SUMS` sums in all."""
+    held = {entry.name: placement_of(entry) for entry in manifest.tensors}
+    out: list[pb.LayoutPart] = []
+    total = 0
+    for layout_name, sets in sorted(declared.items()):
+        for raw in sets:
+            rows = json.loads(raw)
+            blocks = {
+                str(name): (str(dtype), tuple(int(d) for d in glob),
+                             Box(tuple(int(o) for o in offsets), tuple(int(n) for n in shape)))
+                for name, dtype, glob, offsets, shape in rows
+            }  # fmt: skip
+            for name, (dtype, glob, _) in blocks.items():
+                tensor = tensors.get(name)
+                if tensor is not None and (
+                    dtype_name(tensor.dtype) != dtype or held[name][0] != glob
+                ):
+                    log.warning(
+                        "declared layout %r: block %r is not as published", layout_name, name
+                    )
+                    return None
+            specs = {
+                name: torch.empty(box.shape, dtype=torch_dtype(dtype), device="meta")
+                for name, (dtype, _, box) in sorted(blocks.items())
+            }
+            layout = Layout.from_tensors(specs, chunk_size=chunk_size)
+            if any(a.offset + a.nbytes != b.offset for a, b in pairwise(layout.tensors)):
+                continue  # padding between blocks: no parts, on any rank
+            block_set = digest_of(describe(blocks, chunk_size))
+            for spec in layout.tensors:
+                if spec.name not in tensors:
+                    continue
+                glob, box = held[spec.name]
+                part = _part(spec.offset, spec.nbytes, specs[spec.name], blocks[spec.name][2],
+                             box, tensors[spec.name], chunk_size)  # fmt: skip
+                if part is None:
+                    continue
+                chunks, sums = part
+                total += len(sums)
+                if total > MAX_PUBLISHER_SUMS:
+                    log.warning("over %d publisher checksums: none sent", MAX_PUBLISHER_SUMS)
+                    return None
+                out.append(pb.LayoutPart(
+                    layout=layout_name, block_set=block_set, tensor=spec.name,
+                    offsets=list(box.offsets), shape=list(box.shape), chunks=chunks, sums=sums,
+                ))  # fmt: skip
+    return out
+
+
+def _part(
+    offset: int,
+    nbytes: int,
+    spec: torch.Tensor,
+    block: Box,
+    box: Box,
+    tensor: torch.Tensor,
+    chunk_size: int,
+) -> tuple[list[int], list[int]] | None:
+    """(chunks, sums) of one block at `offset` in a gapless block set layout, with only the
+    elements of the rank's `box` (held as `tensor`) in place: None if they do not meet."""
+    common = block.intersect(box)
+    if common is None or common.volume == 0:
+        return None
+    first, last = offset // chunk_size, (offset + nbytes - 1) // chunk_size
+    buf = torch.zeros((last - first + 1) * chunk_size, dtype=torch.uint8, device=tensor.device)
+    start = offset - first * chunk_size
+    region = buf[start : start + nbytes].view(spec.dtype).view(spec.shape)
+    region[common.slices_in(block)].copy_(tensor[common.slices_in(box)])
+    rows = buf.view(torch.int64).view(last - first + 1, chunk_size // 8)
+    rows.mul_(multipliers(chunk_size // 8, buf.device))
+    sums = [int(x) & 0xFFFF_FFFF_FFFF_FFFF for x in rows.sum(dim=1).tolist()]
+    return list(range(first, last + 1)), sums
+
+
 class DeclaredCache:
     """Per model, the declared layouts this client last read and their revision (0: none
     seen). Thread-safe."""
 
     def __init__(self) -> None:
         self._known: dict[str, tuple[int, dict[str, list[bytes]]]] = {}
+        self._read: dict[str, float] = {}
         self._lock = threading.Lock()
 
     def get(self, model: str) -> tuple[int, dict[str, list[bytes]]]:
@@ -193,6 +286,13 @@ class DeclaredCache:
         layouts = {d.layout: list(d.block_sets) for d in answer.layouts}
         with self._lock:
             self._known[model] = (int(answer.revision), layouts)
+            self._read[model] = time.monotonic()
+
+    def age(self, model: str) -> float:
+        """Seconds since the declarations of `model` were last read (inf: never)."""
+        with self._lock:
+            read = self._read.get(model)
+        return float("inf") if read is None else time.monotonic() - read
 
 
 def check_declaration(

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from consistency.declared_layouts import MAX_PARTS_SHARDS
 from consistency.floor import RevisionFloor
 from consistency.retry import RetryPolicy
 from ros.client.delta_publish import WHERE, BaseCopies
@@ -23,7 +24,7 @@ from ros.client.handles import Handles, Publication
 from ros.client.holdings import Holdings
 from ros.client.identity import Identity
 from ros.client.manifest import Placements, manifest_of
-from ros.client.publisher_sums import DeclaredCache, layout_sums
+from ros.client.publisher_sums import DeclaredCache, layout_parts, layout_sums
 from ros.client.reads import FreshReads
 from ros.client.records import HolderRecords
 from ros.client.rpc import Rpc
@@ -65,6 +66,11 @@ class _Resend(Exception):
 DECLARED_TRIES = 3
 """Sends of one whole publish, each after reading the model's declared layouts again (a
 declaration or retirement between the read and the publish: `LayoutsChanged`)."""
+
+DECLARED_TTL = 10.0
+"""Seconds a shard's publisher uses the declared layouts it read before reading them again
+(one `DeclaredLayouts` call a rank per this time): a layout declared this long before a
+sharded publish has its checksums recorded with it."""
 
 PUBLISH_RESEND = RetryPolicy(tries=2, retry_on=lambda e: isinstance(e, _Resend))
 """A publish is sent at most twice, the second only after `_Resend`."""
@@ -297,7 +303,8 @@ class Publisher:
                 response = send(request, timeout)
             elif shard is None:  # a whole publish: with its declared layouts' checksums
                 response = self._publish_declared(request, held, timeout)
-            else:
+            else:  # a shard: with its parts of them
+                self._add_parts(request, held, manifest, shard[1], timeout)
                 response = self._publish_rpc(request, timeout)
         except OutcomeUnknown:
             # It may have landed: its holder record would then name this client, so keep
@@ -346,6 +353,40 @@ class Publisher:
                 read = pb.DeclaredLayoutsRequest(model=model)
                 self._declared.put(model, self._rpc("DeclaredLayouts", read, timeout))
         raise AssertionError("unreachable")  # the loop returns or raises
+
+    def _add_parts(
+        self,
+        request: pb.PublishRequest,
+        held: HeldVersion,
+        manifest: pb.Manifest,
+        count: int,
+        timeout: float | None,
+    ) -> None:
+        """Add this shard's parts of the checksums of its model's declared layouts
+        (`ros.client.publisher_sums.layout_parts`), for the declarations as read at most
+        `DECLARED_TTL` ago (read again past it). None for a version of more than
+        `MAX_PARTS_SHARDS` shards, a model with none declared, or declarations that could
+        not be read (logged): the version then records no sums, as when a shard sends none."""
+        model = request.model
+        if count > MAX_PARTS_SHARDS:
+            return
+        if self._declared.age(model) > DECLARED_TTL:
+            read = pb.DeclaredLayoutsRequest(model=model)
+            try:
+                self._declared.put(model, self._rpc("DeclaredLayouts", read, timeout))
+            except TensorHubError as exc:
+                log.warning(
+                    "%s: declared layouts not read (%s): no publisher checksums", model, exc
+                )
+                return
+        revision, declared = self._declared.get(model)
+        if not revision:
+            return
+        parts = layout_parts(declared, held.tensors, manifest, held.layout.chunk_size)
+        if parts is None:
+            return
+        request.declared_revision = revision
+        request.layout_parts.extend(parts)
 
     def _publish_rpc(self, request: pb.PublishRequest, timeout: float | None) -> pb.PublishResponse:
         """Publish; if the reply is lost, find out from the hub whether it landed.

@@ -14,8 +14,15 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, Protocol
 
-from consistency import HolderRecord, HolderState
-from consistency.declared_layouts import MAX_PUBLISHER_SUMS, DeclaredLayouts
+from consistency import HolderRecord, HolderState, ops
+from consistency.declared_layouts import (
+    MAX_PART_SUMS,
+    MAX_PARTS_SHARDS,
+    MAX_PUBLISHER_SUMS,
+    DeclaredLayouts,
+    Part,
+    encode_parts,
+)
 from consistency.manifests import (
     MAX_MANIFEST_BYTES,
     MAX_SHARDS,
@@ -194,8 +201,10 @@ class VersionRPCs:
             )
         model = validate_name(request.model, "model")
         version = validate_version(request.version)
-        if request.shard_count and (request.layout_sums or request.HasField("declared_revision")):
-            raise InvalidArgument("publisher checksums of declared layouts ride whole publishes")
+        if request.shard_count and request.layout_sums:
+            raise InvalidArgument("a shard carries its parts of the publisher's checksums")
+        if not request.shard_count and request.layout_parts:
+            raise InvalidArgument("a whole publish carries the publisher's checksums whole")
         # bounds first: a limit answers before any work
         _check_publish_limits(request, None if manifest is None else len(manifest))
         check_companion(  # a reserved name: only a delta publish's own companion
@@ -293,6 +302,14 @@ class VersionRPCs:
                 tenant, versions, [model, *(name for name, _ in views)]
             )
         index, count = request.shard_index, request.shard_count
+        parts = (
+            [ops.put(
+                self.hub.versions(tenant).keys.publisher_part(tenant.name, model, version, index),
+                _layout_parts(request),
+            )]
+            if request.HasField("declared_revision")
+            else []
+        )  # fmt: skip
         session_key = self.hub.sessions.key(tenant.name, holder.session)
         deadline = time.monotonic() + timeout
 
@@ -300,7 +317,7 @@ class VersionRPCs:
             entry = versions.stage_shard(
                 tenant.name, model, version, index, count, manifest, holder,
                 timeout=max(deadline - time.monotonic(), 0.0), session_key=session_key,
-                pack=group, views=views,
+                pack=group, views=views, extra=parts,
             )  # fmt: skip
             return model, version, ShardJob(tenant, versions, admit, entry)
 
@@ -605,6 +622,30 @@ def _layout_sums(request: pb.PublishRequest) -> dict[str, dict[str, list[int]]]:
             raise InvalidArgument(f"over {MAX_PUBLISHER_SUMS} publisher checksums in one publish")
         sets[block_set] = list(entry.sums)
     return out
+
+
+def _layout_parts(request: pb.PublishRequest) -> bytes:
+    """A shard's parts of the publisher's checksums of declared layouts, checked (names,
+    lengths, at most `MAX_PART_SUMS` sums, at most `MAX_PARTS_SHARDS` shards) and encoded
+    with the declarations' revision its rank read (`InvalidArgument`)."""
+    if request.shard_count > MAX_PARTS_SHARDS:
+        raise InvalidArgument(
+            f"parts of publisher checksums from {request.shard_count} shards: at most "
+            f"{MAX_PARTS_SHARDS}"
+        )
+    parts = []
+    total = 0
+    for p in request.layout_parts:
+        if len(p.chunks) != len(p.sums) or len(p.offsets) != len(p.shape):
+            raise InvalidArgument("a part of publisher checksums names as many chunks as sums")
+        total += len(p.sums)
+        if total > MAX_PART_SUMS:
+            raise InvalidArgument(f"over {MAX_PART_SUMS} publisher checksums in one shard")
+        parts.append(Part(
+            validate_name(p.layout, "layout"), validate_name(p.block_set, "block set"),
+            p.tensor, (tuple(p.offsets), tuple(p.shape)), tuple(p.chunks), tuple(p.sums),
+        ))  # fmt: skip
+    return encode_parts(request.declared_revision, request.shard_count, parts)
 
 
 def _what(request: pb.PublishRequest) -> str:

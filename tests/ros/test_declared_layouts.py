@@ -21,7 +21,7 @@ import xxhash
 import ros
 from chaos.holder_faults import Fault
 from consistency.declared_layouts import MAX_DECLARED_LAYOUTS
-from ros.client import publisher_sums
+from ros.client import publisher_sums, publishing
 from ros.client.hooks import ClientHooks
 from ros.client.layouts import block_set
 from ros.hub.server import HubServer
@@ -334,3 +334,88 @@ def test_a_publisher_sums_what_it_holds_within_the_bound_and_nothing_past_it(
     chunks = sum(len(s.sums) for s in sums)
     monkeypatch.setattr(publisher_sums, "MAX_PUBLISHER_SUMS", chunks - 1)
     assert publisher_sums.layout_sums(declared, tensors, CHUNK) == []
+
+
+def _reference_sums(blocks: dict[str, torch.Tensor]) -> list[int]:
+    """The wsum64 of every chunk of the block set `blocks` (each one tensor, sorted by
+    name), in plain numpy."""
+    ordered = {name: t.contiguous() for name, t in sorted(blocks.items())}
+    layout = Layout.from_tensors(ordered, chunk_size=CHUNK)
+    flats = [ordered[s.name].reshape(-1).view(torch.uint8).numpy() for s in layout.tensors]
+    return [
+        wsum64_reference(
+            b"".join(
+                flats[s.tensor][s.start : s.start + s.length].tobytes() for s in layout.segments(i)
+            )
+        )
+        for i in range(layout.num_chunks)
+    ]
+
+
+def test_shards_of_two_ranks_add_up_to_the_publishers_sums_a_straddling_word_included(
+    clients: Callable[..., ros.Hub], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two trainer ranks publish their shards: split tensors (one split inside an 8-byte
+    word: bf16 columns 0-6 and 7-15, so byte 14 of each row starts rank 1's bytes) and
+    replicated ones (both ranks' parts the same: counted once). The hub's sums for a
+    declared TP-1 layout are the wsum64 of the whole model's chunks, and a TP-1 reader
+    reads every byte from the first, checked against them."""
+    g = torch.Generator().manual_seed(5)
+    model = dict(
+        global_model(), **{"odd.weight": torch.randn(4, 16, generator=g).to(torch.bfloat16)}
+    )
+    cols = {0: (0, 7), 1: (7, 16)}
+
+    def shard(
+        rank: int,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[tuple[int, ...], tuple[int, ...]]]]:
+        from tests.ros.layout_model import block
+
+        tensors, placements = {}, {}
+        for name, tensor in model.items():
+            if name == "odd.weight":
+                lo, hi = cols[rank]
+                tensors[name] = tensor[:, lo:hi].contiguous()
+                placements[name] = (tuple(tensor.shape), (0, lo))
+                continue
+            offsets, shape = block(name, rank, 2)
+            index = tuple(slice(o, o + s) for o, s in zip(offsets, shape, strict=True))
+            tensors[name] = tensor[index].contiguous()
+            if name.endswith(("qkv.weight", "o.weight")):
+                placements[name] = (tuple(tensor.shape), offsets)
+        return tensors, placements
+
+    # a rank reads the declarations at most every DECLARED_TTL: here at every publish
+    monkeypatch.setattr(publishing, "DECLARED_TTL", 0.0)
+    ranks = [clients(), clients()]
+    for rank, trainer in enumerate(ranks):
+        tensors, placements = shard(rank)
+        trainer.publish(
+            "policy", 1, tensors, shard=(rank, 2), placements=placements, chunk_size=CHUNK
+        )
+    out1 = {n: torch.empty_like(t) for n, t in model.items()}
+    whole = {n: ros.Slice(out1[n], (0,) * t.dim(), tuple(t.shape)) for n, t in model.items()}
+    rollout = clients()
+    rollout.declare_layout("policy", "tp1", [whole])
+    for rank, trainer in enumerate(ranks):
+        tensors, placements = shard(rank)
+        trainer.publish(
+            "policy", 2, tensors, shard=(rank, 2), placements=placements, chunk_size=CHUNK
+        )
+    request = pb.ResolveLayoutRequest(
+        model="policy", version=2, layout="tp1", block_set=block_set(whole, CHUNK).id
+    )
+    sums = list(rollout._rpc("ResolveLayout", request).publisher_sums)
+    assert sums == _reference_sums(model)
+    request.version = 1  # published before the declaration
+    assert list(rollout._rpc("ResolveLayout", request).publisher_sums) == []
+    first, second = clients(), clients()
+    got1 = first.fetch_slices("policy", 2, slices=whole, layout="tp1", timeout=30)
+    assert got1.served
+    out2 = {n: torch.empty_like(t) for n, t in model.items()}
+    slices2 = {n: ros.Slice(out2[n], (0,) * t.dim(), tuple(t.shape)) for n, t in model.items()}
+    got2 = second.fetch_slices("policy", 2, slices=slices2, layout="tp1", timeout=30)
+    assert set(got2.bytes_per_source) == {first.holder_name}  # checked against the sums
+    for name, want in model.items():
+        assert torch.equal(out1[name], want), name
+        assert torch.equal(out2[name], want), name
