@@ -310,7 +310,7 @@ class VersionRegistry:
         session_key: str = "",
         pack: bool = False,
         views: Sequence[tuple[str, bytes]] = (),
-        extra: Sequence[ops.Op] = (),
+        extra: Sequence[tuple[str, bytes]] = (),
     ) -> ShardEntry:
         """Check one rank's shard publish and write its manifest's pages (if any) under its
         session: a `ShardEntry` ready for a batch (`shard_committer`). With `session_key`,
@@ -320,8 +320,8 @@ class VersionRegistry:
         nothing is written here. `views` (view model, manifest bytes): the rank's shard of
         each view of the version, staged likewise (never packed) and committed with it
         (`consistency.shard_commit`, `ViewShard`); what was staged is discarded if any fails.
-        `extra`: puts committed with the shard (its parts of the publisher's checksums of
-        declared layouts, `consistency.declared_layouts`)."""
+        `extra`: (key, value) puts committed with the shard (its parts of the publisher's
+        checksums of declared layouts, `consistency.declared_layouts`)."""
         validate_version(version)
         check_shard_count(count)
         if not 0 <= index < count:
@@ -367,7 +367,8 @@ class VersionRegistry:
         size = len(manifest) + sum(len(m) + usage.RECORD_BYTES for _, m in views)
         return ShardEntry(
             index, count, holder, staged, record, size, deadline, session_key,
-            packed=packed, views=made, extra=list(extra),
+            packed=packed, views=made, extra=[ops.put(k, v) for k, v in extra],
+            extra_bytes=sum(len(v) for _, v in extra),
         )  # fmt: skip
 
     def shard_committer(

@@ -28,6 +28,7 @@ from itertools import pairwise
 
 import torch
 
+from consistency.declared_layouts import MAX_PARTS_BYTES, Part, encode_parts
 from ros.client.layouts import describe, digest_of
 from ros.client.manifest import placement_of
 from ros.client.slice import Slice
@@ -195,7 +196,8 @@ def layout_parts(
     declaration). None (logged), so that the shard sends no parts at all and the version
     records no sums (`consistency.declared_layouts.add_parts` needs every shard's): a
     declared block whose dtype or global shape is not the published one, or more than
-    `MAX_PUBLISHER_SUMS` sums in all."""
+    `MAX_PUBLISHER_SUMS` sums in all, or parts that would take over `MAX_PARTS_BYTES` as
+    the hub writes them."""
     held = {entry.name: placement_of(entry) for entry in manifest.tensors}
     out: list[pb.LayoutPart] = []
     total = 0
@@ -241,6 +243,14 @@ def layout_parts(
                     layout=layout_name, block_set=block_set, tensor=spec.name,
                     offsets=list(box.offsets), shape=list(box.shape), chunks=chunks, sums=sums,
                 ))  # fmt: skip
+    as_written = [
+        Part(p.layout, p.block_set, p.tensor, (tuple(p.offsets), tuple(p.shape)),
+             tuple(p.chunks), tuple(p.sums))
+        for p in out
+    ]  # fmt: skip
+    if len(encode_parts(0, 0, as_written)) + 64 > MAX_PARTS_BYTES:  # 64: revision, count
+        log.warning("parts of publisher checksums over %d bytes: none sent", MAX_PARTS_BYTES)
+        return None
     return out
 
 

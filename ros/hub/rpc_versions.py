@@ -14,9 +14,10 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, Protocol
 
-from consistency import HolderRecord, HolderState, ops
+from consistency import HolderRecord, HolderState
 from consistency.declared_layouts import (
     MAX_PART_SUMS,
+    MAX_PARTS_BYTES,
     MAX_PARTS_SHARDS,
     MAX_PUBLISHER_SUMS,
     DeclaredLayouts,
@@ -303,7 +304,7 @@ class VersionRPCs:
             )
         index, count = request.shard_index, request.shard_count
         parts = (
-            [ops.put(
+            [(
                 self.hub.versions(tenant).keys.publisher_part(tenant.name, model, version, index),
                 _layout_parts(request),
             )]
@@ -645,7 +646,13 @@ def _layout_parts(request: pb.PublishRequest) -> bytes:
             validate_name(p.layout, "layout"), validate_name(p.block_set, "block set"),
             p.tensor, (tuple(p.offsets), tuple(p.shape)), tuple(p.chunks), tuple(p.sums),
         ))  # fmt: skip
-    return encode_parts(request.declared_revision, request.shard_count, parts)
+    encoded = encode_parts(request.declared_revision, request.shard_count, parts)
+    if len(encoded) > MAX_PARTS_BYTES:
+        raise InvalidArgument(
+            f"a shard's parts of publisher checksums take {len(encoded)} bytes: at most "
+            f"{MAX_PARTS_BYTES}"
+        )
+    return encoded
 
 
 def _what(request: pb.PublishRequest) -> str:
