@@ -13,6 +13,9 @@ here, nowhere else.
 {p}/t/{tenant}/lb/{model}/{version:020d}/{layout}/s/{block_set}   (its blocks and checksums)
 {p}/t/{tenant}/lb/{model}/{version:020d}/{layout}/h/{block_set}/{holder}
 {p}/t/{tenant}/lb/{model}/charged/{version:020d}       (its layouts' block sets, bytes charged)
+{p}/t/{tenant}/lb/{model}/declared                     (its declared layouts)
+{p}/t/{tenant}/lb/{model}/{version:020d}/{layout}/p    (the publisher's checksums of its block sets)
+{p}/t/{tenant}/lb/{model}/{version:020d}/_parts/{i:06d}  (shard i's parts of those checksums)
 {p}/t/{tenant}/s/{session:x}                           (marks a lease as the tenant's)
 {p}/t/{tenant}/quota/{what}                            (fence of a counted create: models, sessions)
 {p}/tenants/{tenant}
@@ -185,6 +188,25 @@ class Keys:
     def layout_charge(self, tenant: str, model: str, version: int) -> str:
         """One version's tally: its layouts' block sets and the bytes charged for them."""
         return f"{self.layout_charges(tenant, model)}{validate_version(version):020d}"
+
+    def declared_layouts(self, tenant: str, model: str) -> str:
+        """The model's declared layouts (`consistency.declared_layouts`), one key: beside
+        the versions' prefixes, so `DeleteModel` removes it with them."""
+        return f"{self.model_layouts(tenant, model)}declared"
+
+    def publisher_sums(self, tenant: str, model: str, version: int, layout: str) -> str:
+        """The publisher's checksums of a declared layout's block sets for one version,
+        written by the transaction that publishes it; retention deletes it with them."""
+        return f"{self.layout(tenant, model, version, layout)}p"
+
+    def publisher_parts(self, tenant: str, model: str, version: int) -> str:
+        """The shards' parts of the publisher's checksums of a version's declared layouts,
+        one key a shard (`_parts/{i:06d}`): beside the version's layouts (no layout name
+        starts with `_`), so retention deletes them with them."""
+        return f"{self.version_layouts(tenant, model, version)}_parts/"
+
+    def publisher_part(self, tenant: str, model: str, version: int, shard: int) -> str:
+        return f"{self.publisher_parts(tenant, model, version)}{shard:06d}"
 
     def layout(self, tenant: str, model: str, version: int, layout: str) -> str:
         """One layout of one version: its block sets and their holders."""

@@ -33,9 +33,12 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from consistency import ops
+from consistency.declared_layouts import MAX_PARTS_SHARDS, add_parts, decode_publisher_sums
 from consistency.etcd import Etcd, TxnResult
 from consistency.keys import Keys
 from consistency.layout_tally import LayoutTally
@@ -146,11 +149,22 @@ class CoverSet:
 @dataclass(frozen=True)
 class LayoutHolders:
     """What a Resolve of a block set finds: its holders (at most the range's limit), their
-    recorded checksums (empty: none yet) and the revision it read at."""
+    recorded checksums (empty: none yet), the revision it read at, and the publisher's
+    checksums of the block set (`consistency.declared_layouts`; empty: its layout was not
+    declared before the version's publish)."""
 
     holders: list[HolderRecord]
     sums: list[int]
     revision: int
+    publisher_sums: list[int] = field(default_factory=list)  # declared before the publish
+
+
+def _publisher_sums(whole: Sequence[Any], parts: Sequence[Any], at: BlockSetKey) -> list[int]:
+    """The block set's publisher checksums as read: from its layout's key (a whole
+    publish), else added up from the shards' parts (`add_parts`); []: none."""
+    if whole:
+        return decode_publisher_sums(bytes(whole[0].value), at.block_set)
+    return add_parts([bytes(kv.value) for kv in parts], at.layout, at.block_set)
 
 
 class LayoutRegistry:
@@ -203,7 +217,8 @@ class LayoutRegistry:
                 f"a block set described in {len(blocks)} bytes: at most {MAX_BLOCKS_BYTES}"
             )
         if not sums:
-            return self._hold(at, record, session_key, timeout)[:3]
+            fence, revision, recorded, _, _ = self._hold(at, record, session_key, timeout)
+            return fence, revision, recorded
 
         def attempt() -> tuple[int, int, list[int]]:
             return self._create(at, record, encode_block_set(blocks, sums), session_key, timeout)
@@ -234,8 +249,10 @@ class LayoutRegistry:
         `SessionExpired` as `register`."""
         if record.session <= 0:
             raise InvalidArgument("a layout holder record needs its session (lease) id")
-        fence, revision, sums, holders = self._hold(at, record, session_key, timeout, resolve=True)
-        return fence, LayoutHolders(holders, sums, revision)
+        fence, revision, sums, holders, published = self._hold(
+            at, record, session_key, timeout, resolve=True
+        )
+        return fence, LayoutHolders(holders, sums, revision, published)
 
     def _hold(
         self,
@@ -244,16 +261,18 @@ class LayoutRegistry:
         session_key: str,
         timeout: float | None,
         resolve: bool = False,
-    ) -> tuple[int, int, list[int], list[HolderRecord]]:
+    ) -> tuple[int, int, list[int], list[HolderRecord], list[int]]:
         """Put the holder's key, and nothing else (its block set's key exists, or it
-        records none): no charge. With `resolve`, also read the block set's holders (as
-        `resolve` does, at the transaction's revision; else [])."""
+        records none): no charge. With `resolve`, also read the block set's holders and its
+        publisher checksums (as `resolve` does, at the transaction's revision; else [])."""
         manifest_key, sums_key, holders = self._keys(at)
         key = self._holder_key(at, record.holder)
         writes = [ops.put(key, record.encode(), lease=record.session), self._pinning(at, record)]
         reads = [ops.get(key), ops.get(sums_key)]
         if resolve:
             reads.append(ops.page(holders, "", MAX_LAYOUT_HOLDERS_READ))
+            reads.append(ops.get(self._published_key(at)))
+            reads.append(ops.page(self._parts_prefix(at), "", MAX_PARTS_SHARDS))
         result = self.etcd.txn(
             [ops.exists(manifest_key), ops.exists(session_key)],
             [*writes, *reads],
@@ -271,7 +290,14 @@ class LayoutRegistry:
             if resolve
             else []
         )
-        return int(held.kvs[0].create_revision), result.revision, recorded, records
+        published = (
+            _publisher_sums(
+                result.responses[5].response_range.kvs, result.responses[6].response_range.kvs, at
+            )
+            if resolve
+            else []
+        )
+        return int(held.kvs[0].create_revision), result.revision, recorded, records, published
 
     def _create(
         self,
@@ -295,7 +321,8 @@ class LayoutRegistry:
             reads.append(ops.get(budget.key))
         read = self.etcd.txn([], reads, timeout=timeout)
         if int(read.responses[0].response_range.count):
-            return self._hold(at, record, session_key, timeout)[:3]  # another created it
+            fence, revision, recorded, _, _ = self._hold(at, record, session_key, timeout)
+            return fence, revision, recorded  # another created it
         tallied = read.responses[1].response_range.kvs
         tally = LayoutTally.decode(bytes(tallied[0].value)) if tallied else LayoutTally()
         self._check_bounds(at, tally)
@@ -384,6 +411,14 @@ class LayoutRegistry:
             return ops.delete(pin)
         return ops.put(pin, b"", lease=record.session)
 
+    def _parts_prefix(self, at: BlockSetKey) -> str:
+        """The shards' parts of the publisher's checksums of the version's declared layouts."""
+        return self.keys.publisher_parts(at.tenant, at.model, at.version)
+
+    def _published_key(self, at: BlockSetKey) -> str:
+        """The publisher's checksums of the layout's block sets (one key per layout)."""
+        return self.keys.publisher_sums(at.tenant, at.model, at.version, at.layout)
+
     def _holder_key(self, at: BlockSetKey, holder: str) -> str:
         key = self.keys.layout_holder(
             at.tenant, at.model, at.version, at.layout, at.block_set, holder
@@ -401,6 +436,8 @@ class LayoutRegistry:
                 ops.get(manifest_key, count_only=True),
                 ops.get(sums_key),
                 ops.page(holders, "", MAX_LAYOUT_HOLDERS_READ),
+                ops.get(self._published_key(at)),
+                ops.page(self._parts_prefix(at), "", MAX_PARTS_SHARDS),
             ],
             timeout=timeout,
         )
@@ -412,7 +449,10 @@ class LayoutRegistry:
             HolderRecord.decode(bytes(kv.value), int(kv.create_revision))
             for kv in result.responses[2].response_range.kvs
         ]
-        return LayoutHolders(records, sums, result.revision)
+        published = _publisher_sums(
+            result.responses[3].response_range.kvs, result.responses[4].response_range.kvs, at
+        )
+        return LayoutHolders(records, sums, result.revision, published)
 
     def cover(
         self, tenant: str, model: str, version: int, layout: str, *, timeout: float | None = None

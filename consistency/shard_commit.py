@@ -81,6 +81,10 @@ MAX_TXN_OPS = 128  # etcd's default --max-txn-ops, which we never ask an operato
 FIXED_OPS = 5  # per batch: the counter, the usage, the model fence, `latest`, the header
 MAX_BATCH = (MAX_TXN_OPS - 3) // 2  # the opening read: 2 gets per shard, 3 for the batch
 MIN_OPS = 2  # the fewest operations a shard adds to a batch (`ShardEntry.ops`)
+EXTRA_OP_BYTES = 8 * 1024
+"""A shard's other puts (`ShardEntry.extra`: its parts of publisher checksums) count as one
+more operation of its batch per this many bytes of their values, so the operation limit
+also bounds a batch's bytes of them (128 such: 1 MiB, under etcd's 1.5 MiB request)."""
 PACK_BYTES = manifest_packs.PACK_BYTES  # a batch's packed manifests, at most
 FULL_BATCH = (MAX_TXN_OPS - FIXED_OPS - 1) // 2  # shards of a batch with a pack (61), at most
 
@@ -118,12 +122,15 @@ class ShardEntry:
     ambiguous: bool = field(default=False, compare=False)
     packed: bytes = field(default=b"", repr=False)  # its manifest for the batch's pack
     views: list[ViewShard] = field(default_factory=list)  # its shards of the version's views
+    extra: list[ops.Op] = field(default_factory=list)  # its other puts (publisher parts)
+    extra_bytes: int = 0  # their values' bytes (`EXTRA_OP_BYTES`)
 
     @property
     def ops(self) -> int:
         """The operations this shard adds to a batch's largest list (its puts and its view
-        shards'; the pack its manifest goes in is the batch's one more)."""
-        own = 2 + self.staged.header.pages
+        shards', its other puts weighed by their bytes; the pack its manifest goes in is
+        the batch's one more)."""
+        own = 2 + self.staged.header.pages + len(self.extra) + self.extra_bytes // EXTRA_OP_BYTES
         return own + sum(view.ops for view in self.views) if self.views else own
 
     @property
@@ -358,6 +365,7 @@ class ShardCommitter:
                 ops.put(self._shard_key(entry), records.get(id(entry), entry.record)),
                 ops.put(self._holder_key(entry), entry.holder.encode(), lease=entry.holder.session),
                 *entry.staged.commits,
+                *entry.extra,
             ]
             view_compares, view_puts = self._view_writes(entry)
             compares += view_compares

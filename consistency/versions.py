@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
@@ -202,6 +202,7 @@ class VersionRegistry:
         session_key: str | None = None,
         views: Sequence[tuple[str, bytes]] = (),
         admit_views: Admit | None = None,
+        declared: tuple[Callable[[float], list[ops.Cmp]], list[ops.Op]] | None = None,
     ) -> Published:
         """Publish `version` with its manifest and the publisher as first (COMPLETE) holder.
 
@@ -219,7 +220,9 @@ class VersionRegistry:
         manifest) are committed as version `version` of those models in the same
         transaction (`consistency.view_publish`), with `admit_views` (the model quota's
         admission of the model and its view models, in place of `admit_model`: one fence
-        put per transaction) asked at every attempt.
+        put per transaction) asked at every attempt. `declared` (`DeclaredLayouts.publish_ops`:
+        the compare of the model's declared layouts, asked before each attempt, and the puts
+        of their publisher checksums) joins the transaction too.
         """
         validate_version(version)
         check_manifest_size(len(manifest))
@@ -230,7 +233,7 @@ class VersionRegistry:
         if views:
             return self._publish_with_views(
                 tenant, model, version, manifest, holder, timeout, deadline, admit_model,
-                charge, serial, session_key, views, admit_views,
+                charge, serial, session_key, views, admit_views, declared,
             )  # fmt: skip
         staged = self.manifests.stage(
             tenant, model, version, None, manifest, holder.session, timeout=timeout,
@@ -239,8 +242,10 @@ class VersionRegistry:
         return self._publisher.publish_staged(
             tenant, model, version, holder, staged, self.keys.manifest(tenant, model, version),
             replace(staged.header, session=holder.session).encode(),
-            [ops.put(self.keys.latest(tenant, model), str(version))], [],
-            deadline, admit_model, charge=charge, serial=serial, session_key=session_key,
+            [ops.put(self.keys.latest(tenant, model), str(version)),
+             *(declared[1] if declared else [])], [],
+            deadline, admit_model, None if declared is None else declared[0],
+            charge=charge, serial=serial, session_key=session_key,
         )  # fmt: skip
 
     def _publish_with_views(
@@ -258,6 +263,7 @@ class VersionRegistry:
         session_key: str | None,
         views: Sequence[tuple[str, bytes]],
         admit_views: Admit | None,
+        declared: tuple[Callable[[float], list[ops.Cmp]], list[ops.Op]] | None,
     ) -> Published:
         """`publish` with views: each view's manifest staged, and its writes, compares,
         quota admission and charge joined to the version's transaction
@@ -275,8 +281,9 @@ class VersionRegistry:
                 tenant, model, version, holder, staged, self.keys.manifest(tenant, model, version),
                 replace(staged.header, session=holder.session).encode(),
                 [ops.put(self.keys.latest(tenant, model), str(version)),
-                 *staged_views.writes(holder)],
+                 *staged_views.writes(holder), *(declared[1] if declared else [])],
                 [], deadline, None if admit_views is not None else admit_model,
+                None if declared is None else declared[0],
                 charge=ViewsCharge(charge, admit_views, staged_views),
                 serial=serial, session_key=session_key,
             )  # fmt: skip
@@ -301,6 +308,7 @@ class VersionRegistry:
         session_key: str = "",
         pack: bool = False,
         views: Sequence[tuple[str, bytes]] = (),
+        extra: Sequence[tuple[str, bytes]] = (),
     ) -> ShardEntry:
         """Check one rank's shard publish and write its manifest's pages (if any) under its
         session: a `ShardEntry` ready for a batch (`shard_committer`). With `session_key`,
@@ -309,7 +317,9 @@ class VersionRegistry:
         (`consistency.manifest_packs`) is compressed instead, and its batch writes it: then
         nothing is written here. `views` (view model, manifest bytes): the rank's shard of
         each view of the version, staged likewise (never packed) and committed with it
-        (`consistency.shard_commit`, `ViewShard`); what was staged is discarded if any fails."""
+        (`consistency.shard_commit`, `ViewShard`); what was staged is discarded if any fails.
+        `extra`: (key, value) puts committed with the shard (its parts of the publisher's
+        checksums of declared layouts, `consistency.declared_layouts`)."""
         validate_version(version)
         check_shard_count(count)
         if not 0 <= index < count:
@@ -355,7 +365,8 @@ class VersionRegistry:
         size = len(manifest) + sum(len(m) + usage.RECORD_BYTES for _, m in views)
         return ShardEntry(
             index, count, holder, staged, record, size, deadline, session_key,
-            packed=packed, views=made,
+            packed=packed, views=made, extra=[ops.put(k, v) for k, v in extra],
+            extra_bytes=sum(len(v) for _, v in extra),
         )  # fmt: skip
 
     def shard_committer(

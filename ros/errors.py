@@ -32,8 +32,11 @@ FIELDS_METADATA_KEY = "tensorhub-error-fields"
 # Methods that change nothing in etcd: an UNKNOWN answer to one of them is no lost write.
 # Every other method of the service is a write (a test checks the proto has no third kind).
 READ_METHODS = frozenset(
-    {"Latest", "Resolve", "Inspect", "ListModels", "Watch", "ResolveLayout", "ResolveLayoutCover"}
-)
+    {
+        "Latest", "Resolve", "Inspect", "ListModels", "Watch", "ResolveLayout",
+        "ResolveLayoutCover", "DeclaredLayouts",
+    }
+)  # fmt: skip
 
 _CODES: dict[str, grpc.StatusCode] = {code.name: code for code in grpc.StatusCode}
 _CLASSES = errors_module.registered()  # by name: every class of tensorhub.errors

@@ -163,6 +163,19 @@ class QuotaExceeded(TensorHubError):
     """A tenant quota (models, retained versions, sessions) would be exceeded."""
 
 
+@_code("RESOURCE_EXHAUSTED")
+class TooManyDeclaredLayouts(QuotaExceeded):
+    """A model has as many declared layouts as it may (`MAX_DECLARED_LAYOUTS`): retire one
+    (`Hub.retire_layout`) before declaring another. Nothing was written."""
+
+
+@_code("ABORTED")
+class LayoutsChanged(TensorHubError):
+    """A whole publish carried checksums for other declared layouts than the model has now
+    (one was declared or retired since the publisher read them). Nothing was written; the
+    SDK reads the declarations again and publishes once more."""
+
+
 # Without a class name a RESOURCE_EXHAUSTED is not the hub's quota refusal (that always
 # names its class) but gRPC's own: its concurrent-call limit, or a message too large.
 # Overloaded, so the SDK backs off and retries instead of reporting a quota it did not reach.

@@ -47,6 +47,7 @@ from ros.client.layouts import reregister as reregister_layout
 from ros.client.manifest import Placements
 from ros.client.orchestrator import Orchestrator, ProgressCallback
 from ros.client.pins import Pins
+from ros.client.publisher_sums import check_declaration
 from ros.client.publishing import Publisher
 from ros.client.reads import FreshReads
 from ros.client.records import HolderRecords
@@ -383,6 +384,44 @@ class Hub:
             rate_floor=rate_floor, progress=progress, deltas=self._deltas if delta else None,
             layout=layout, peers=self._layouts, cover=cover,
         )  # fmt: skip
+
+    def declare_layout(
+        self,
+        model: str,
+        layout: str,
+        workers: Sequence[Mapping[str, Slice]],
+        *,
+        timeout: float | None = None,
+    ) -> int:
+        """Declare `layout` of `model` to the hub: `workers` are the slices of each worker of
+        one instance (their tensors' dtypes and shapes, offsets and global shapes; their
+        memory is not read). Every whole version of the model published from then on
+        carries the publisher's checksums of each worker's blocks, and the readers of those
+        blocks in `layout` check every chunk a peer sends against them (docs/sdk.md,
+        "Declared layouts"). Declaring it again replaces it. The model must have a version;
+        at most `MAX_DECLARED_LAYOUTS` (4) layouts a model (`TooManyDeclaredLayouts`:
+        `retire_layout` one first). The commit revision."""
+        validate_name(model, "model")
+        validate_name(layout, "layout")
+        request = pb.DeclareLayoutRequest(
+            model=model, layout=layout, block_sets=check_declaration(model, layout, workers)
+        )
+        return int(self._rpc("DeclareLayout", request, timeout).revision)
+
+    def retire_layout(self, model: str, layout: str, *, timeout: float | None = None) -> bool:
+        """Retire a declared layout: versions published from then on carry no checksums for
+        it (those published before keep theirs, with their version). Whether it was
+        declared."""
+        validate_name(model, "model")
+        validate_name(layout, "layout")
+        request = pb.RetireLayoutRequest(model=model, layout=layout)
+        return bool(self._rpc("RetireLayout", request, timeout).retired)
+
+    def declared_layouts(self, model: str, *, timeout: float | None = None) -> dict[str, int]:
+        """The layouts declared for `model`, each with its number of block sets."""
+        validate_name(model, "model")
+        answer = self._rpc("DeclaredLayouts", pb.DeclaredLayoutsRequest(model=model), timeout)
+        return {d.layout: len(d.block_sets) for d in answer.layouts}
 
     def release_blocks(self, model: str, version: int, *, timeout: float = 5.0) -> bool:
         """Stop holding this client's blocks of model@version (`fetch_slices(layout=)`):

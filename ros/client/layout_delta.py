@@ -28,8 +28,9 @@ fetches v, published with a delta against u, before it reads from peers or the t
    the block's own memory, in place (no staging of the trainer's chunks).
 5. **Mark present** each checked chunk whose blocks got every change, with its xxh3-64
    computed over the result (when the block set of v already has recorded checksums, the
-   result must equal them too); from then on it is served. The rest stays missing, and the
-   fetch reads it as it reads a layout without delta.
+   result must equal them too, and when its layout was declared before v's publish, the
+   result's wsum64 must equal the publisher's); from then on it is served. The rest stays
+   missing, and the fetch reads it as it reads a layout without delta.
 
 Why the bytes are v's: the base is u's (checked against sums derived from publisher-verified
 bytes), and the changes are the publisher's (the companion's chunks checked against the
@@ -61,7 +62,7 @@ from ros.client.manifest import layout_of
 from ros.client.orchestrator import Orchestrator, Target, manifest_of_shard
 from ros.client.slice import Slice
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
-from tensorhub.checksum_kinds import XXH3
+from tensorhub.checksum_kinds import WSUM64, XXH3
 from tensorhub.delta_rules import ENCODINGS, PLANES, TENSOR
 from tensorhub.errors import IntegrityError, TensorHubError
 from transport import delta as codec
@@ -164,19 +165,21 @@ def apply_deltas(
     recorded: Sequence[int],
     deadline: Deadline,
     rate_floor: float = DEFAULT_RATE_FLOOR,
+    published: Sequence[int] = (),
 ) -> BlockDelta:
     """Make what chunks of `dest` (the blocks' memory, holding `base`) it can into
     model@`version`'s from the deltas of the source shards (`parts`, read as `plan` says),
     and mark them present (module docstring); `recorded`: the block set's checksums for
-    `version` when it has them (else empty). Never raises for a delta that cannot be used:
-    the reason is in the stats, and those chunks stay missing."""
+    `version` when it has them (else empty); `published`: the publisher's wsum64 of them
+    (a layout declared before `version`'s publish; else empty). Never raises for a delta
+    that cannot be used: the reason is in the stats, and those chunks stay missing."""
     out = BlockDelta()
     for index in plan:
         out.stats[shard_of(index)] = DeltaStats(base=base.version)
     try:
         _apply(
             runs, tenant, model, version, parts, shard_of, plan, slices, blocks, dest, base,
-            recorded, deadline, rate_floor, out,
+            recorded, published, deadline, rate_floor, out,
         )  # fmt: skip
     except Exception as exc:  # what a malformed section made raise: the rest reads whole
         log.warning("fetch_slices %s@%d: layout delta failed", model, version, exc_info=True)
@@ -198,6 +201,7 @@ def _apply(
     dest: HeldVersion,
     base: LayoutBase,
     recorded: Sequence[int],
+    published: Sequence[int],
     deadline: Deadline,
     rate_floor: float,
     out: BlockDelta,
@@ -263,13 +267,17 @@ def _apply(
                 failed.add(name)
     # 5. the chunks whose blocks got every change: served from now on
     full = len(recorded) == blocks.layout.num_chunks
+    ours = len(published) == blocks.layout.num_chunks  # the publisher's wsum64 of each
     for j in checked:
         if not touched[j] <= apply - failed:
             continue
         known = codec.chunk_checksum(dest, j, XXH3)
-        if full and known != recorded[j]:
-            log.warning("%s@%d blocks %s: chunk %d differs from the record after its delta; "
-                        "reading it whole", model, version, blocks.id, j)  # fmt: skip
+        if (full and known != recorded[j]) or (
+            ours and codec.chunk_checksum(dest, j, WSUM64) != published[j]
+        ):
+            log.warning("%s@%d blocks %s: chunk %d differs from the record or the publisher's "
+                        "checksum after its delta; reading it whole",
+                        model, version, blocks.id, j)  # fmt: skip
             continue
         dest.mark_present(j, known)
     for stats in out.stats.values():

@@ -15,9 +15,11 @@ names them alike. A reader in a layout, pipelined as a reader of a whole version
    few, nearest first) and the checksums recorded for it, and reads its blocks from ONE of those
    registered before it (`transport.planner.pipeline_sources`: chains, as for whole
    versions; the first registrant has none and reads from the trainer), each chunk checked
-   against the recorded checksums, or, before any exist, against the checksum its holder
-   computed when it verified that chunk; a holder that fails or sends bad bytes is dropped,
-   for a bounded number of rounds (`read_from_peers`);
+   against the publisher's wsum64 of it when the layout was declared before the version's
+   publish (`ros.client.publisher_sums`), else against the recorded checksums, or, before
+   any exist, against the checksum its holder computed when it verified that chunk
+   (`checked_against`); a holder that fails or sends bad bytes is dropped, for a bounded
+   number of rounds (`read_from_peers`);
 3. reads what is still missing (every block a missing chunk touches: no holder, a holder
    killed mid-read, bad bytes) from the trainer's shards, checked against the publisher's
    chunk checksums (`ros.client.slices`), marking each chunk present as soon as its own
@@ -28,8 +30,9 @@ names them alike. A reader in a layout, pipelined as a reader of a whole version
    serves nothing from then on (logged).
 
 So every byte a reader ends with was checked against the publisher: directly (the trainer's
-shards), or through checksums derived only from bytes checked so, by a reader (the record)
-or by the holder it read from (a chunk's checksum in its CHUNK frame, docs/security.md).
+shards, or a declared layout's publisher checksums), or through checksums derived only from
+bytes checked so, by a reader (the record) or by the holder it read from (a chunk's
+checksum in its CHUNK frame, docs/security.md).
 `release_blocks` (or `close()`, or the session's lease) ends the holding; the version's
 retention deletes its block sets' keys with it.
 """
@@ -56,7 +59,7 @@ from ros.client.rpc import Rpc
 from ros.client.serving import Serving
 from ros.client.slice import Slice
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
-from tensorhub.checksum_kinds import XXH3
+from tensorhub.checksum_kinds import WSUM64, XXH3
 from tensorhub.errors import AlreadyExists, InvalidArgument, QuotaExceeded, TensorHubError
 from transport.backend import TransportKind
 from transport.boxes import Box
@@ -119,7 +122,7 @@ def block_set(slices: Mapping[str, Slice], chunk_size: int) -> BlockSet:
     if any(start < end for (_, end), (start, _) in pairwise(spans)):
         raise InvalidArgument("the slices of a reader in a layout must not share memory")
     description = describe(boxes, chunk_size)
-    digest = hashlib.sha256(description).hexdigest()[:32]
+    digest = digest_of(description)
     layout = Layout.from_tensors(tensors, chunk_size=chunk_size)
     return BlockSet(digest, layout, tensors, description)
 
@@ -178,6 +181,7 @@ class PeerRead:
     stats: FetchStats = field(default_factory=FetchStats)
     sums: list[int] = field(default_factory=list)
     missing_blocks: set[str] = field(default_factory=set)
+    published: bool = False  # peers' chunks were checked against the publisher's sums
 
 
 def describe(blocks: Mapping[str, tuple[str, tuple[int, ...], Box]], chunk_size: int) -> bytes:
@@ -188,6 +192,11 @@ def describe(blocks: Mapping[str, tuple[str, tuple[int, ...], Box]], chunk_size:
         for name, (dtype, glob, box) in sorted(blocks.items())
     ]
     return json.dumps({"chunk_size": chunk_size, "blocks": rows}, separators=(",", ":")).encode()
+
+
+def digest_of(description: bytes) -> str:
+    """A block set's id: the first 128 bits of SHA-256 over its description, in hex."""
+    return hashlib.sha256(description).hexdigest()[:32]
 
 
 def check_free(
@@ -293,7 +302,7 @@ def start_holding(
     peers.held.put(model, version, _Holding(layout, blocks.id, dest.key, [], blocks.description))
     found = pb.ResolveLayoutResponse(
         holders=answer.holders, block_sums=answer.block_sums, revision=answer.revision,
-        total_holders=answer.total_holders,
+        total_holders=answer.total_holders, publisher_sums=answer.publisher_sums,
     )  # fmt: skip
     return Holding(dest, int(answer.fence), found)
 
@@ -339,14 +348,15 @@ def read_from_peers(
             else _resolve(peers, me, model, version, layout, blocks, deadline)
         )
         out.sums = list(answer.block_sums)
-        recorded = len(out.sums) == blocks.layout.num_chunks
+        expected, checksum = checked_against(blocks, out.sums, list(answer.publisher_sums))
+        out.published = checksum == WSUM64
         sources = predecessors(me, fence, list(answer.holders), suspects)
         if not sources:
             break
         done = peers.read(
             me.tenant, model, version, blocks.layout, dest, sources, token=token,
-            deadline=deadline.work_end, me=me.topology, expected=out.sums if recorded else None,
-            checksum=XXH3, tls=me.tls, stats=out.stats, readers=peers.readers,
+            deadline=deadline.work_end, me=me.topology, expected=expected,
+            checksum=checksum, tls=me.tls, stats=out.stats, readers=peers.readers,
             rate_floor=rate_floor,
         )  # fmt: skip
         suspects.update(done.failures)
@@ -358,6 +368,21 @@ def read_from_peers(
     for index in dest.missing():
         out.missing_blocks.update(names[s.tensor] for s in blocks.layout.segments(index))
     return out
+
+
+def checked_against(
+    blocks: BlockSet, recorded: list[int], published: list[int]
+) -> tuple[list[int] | None, str]:
+    """What a chunk from a peer is checked against, and by which algorithm: the publisher's
+    wsum64 of every chunk (a layout declared before the version's publish), else the
+    record's xxh3-64 (the first COMPLETE reader's), else nothing beyond the checksum in the
+    holder's CHUNK frame (None)."""
+    chunks = blocks.layout.num_chunks
+    if len(published) == chunks:
+        return published, WSUM64
+    if len(recorded) == chunks:
+        return recorded, XXH3
+    return None, XXH3
 
 
 def finish_holding(

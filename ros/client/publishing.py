@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from consistency.declared_layouts import MAX_PARTS_SHARDS
 from consistency.floor import RevisionFloor
 from consistency.retry import RetryPolicy
 from ros.client.delta_publish import WHERE, BaseCopies
@@ -23,6 +24,7 @@ from ros.client.handles import Handles, Publication
 from ros.client.holdings import Holdings
 from ros.client.identity import Identity
 from ros.client.manifest import Placements, manifest_of
+from ros.client.publisher_sums import DeclaredCache, layout_parts, layout_sums
 from ros.client.reads import FreshReads
 from ros.client.records import HolderRecords
 from ros.client.rpc import Rpc
@@ -41,6 +43,7 @@ from ros.views.shard_view import abstain, make_shard_views
 from tensorhub.errors import (
     DeadlineExceeded,
     InvalidArgument,
+    LayoutsChanged,
     OutcomeUnknown,
     StaleVersion,
     TensorHubError,
@@ -59,6 +62,15 @@ class _Resend(Exception):
     nothing of it was written, so the next attempt is a fresh publish. A signal to
     `PUBLISH_RESEND` only: it is never raised out of its loop."""
 
+
+DECLARED_TRIES = 3
+"""Sends of one whole publish, each after reading the model's declared layouts again (a
+declaration or retirement between the read and the publish: `LayoutsChanged`)."""
+
+DECLARED_TTL = 10.0
+"""Seconds a shard's publisher uses the declared layouts it read before reading them again
+(one `DeclaredLayouts` call a rank per this time): a layout declared this long before a
+sharded publish has its checksums recorded with it."""
 
 PUBLISH_RESEND = RetryPolicy(tries=2, retry_on=lambda e: isinstance(e, _Resend))
 """A publish is sent at most twice, the second only after `_Resend`."""
@@ -89,6 +101,7 @@ class Publisher:
         self._handles = handles
         self._policy = policy
         self._bases = BaseCopies(me.tenant)  # delta=True: what each model's next encodes against
+        self._declared = DeclaredCache()  # per model: its declared layouts, as last read
         # Versions whose publish ended OutcomeUnknown: still served (it may have landed)
         # until this client publishes them again, which replaces what it holds.
         self._in_doubt: set[tuple[str, str, int]] = set()
@@ -286,9 +299,13 @@ class Publisher:
         for view in views:
             request.views.append(pb.PublishView(format=view.fmt, manifest=view.manifest))
         try:
-            response = (
-                self._publish_rpc(request, timeout) if send is None else send(request, timeout)
-            )
+            if send is not None:
+                response = send(request, timeout)
+            elif shard is None:  # a whole publish: with its declared layouts' checksums
+                response = self._publish_declared(request, held, timeout)
+            else:  # a shard: with its parts of them
+                self._add_parts(request, held, manifest, shard[1], timeout)
+                response = self._publish_rpc(request, timeout)
         except OutcomeUnknown:
             # It may have landed: its holder record would then name this client, so keep
             # serving the tensors (until it publishes again, or closes); a landed shard of a
@@ -311,6 +328,65 @@ class Publisher:
                 view.held.key[1], version, view.held.tensors, revision, visible, index
             )
         return publication
+
+    def _publish_declared(
+        self, request: pb.PublishRequest, held: HeldVersion, timeout: float | None
+    ) -> pb.PublishResponse:
+        """A whole publish with the publisher's checksums of its model's declared layouts
+        (`ros.client.publisher_sums`), for the declarations this client last read; if the
+        hub has others (`LayoutsChanged`: nothing was written), they are read again and the
+        publish sent again, at most `DECLARED_TRIES` times in all."""
+        model = request.model
+        for attempt in range(DECLARED_TRIES):
+            revision, declared = self._declared.get(model)
+            request.declared_revision = revision
+            del request.layout_sums[:]
+            if declared:
+                request.layout_sums.extend(
+                    layout_sums(declared, held.tensors, held.layout.chunk_size)
+                )
+            try:
+                return self._publish_rpc(request, timeout)
+            except LayoutsChanged:
+                if attempt == DECLARED_TRIES - 1:
+                    raise
+                read = pb.DeclaredLayoutsRequest(model=model)
+                self._declared.put(model, self._rpc("DeclaredLayouts", read, timeout))
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    def _add_parts(
+        self,
+        request: pb.PublishRequest,
+        held: HeldVersion,
+        manifest: pb.Manifest,
+        count: int,
+        timeout: float | None,
+    ) -> None:
+        """Add this shard's parts of the checksums of its model's declared layouts
+        (`ros.client.publisher_sums.layout_parts`), for the declarations as read at most
+        `DECLARED_TTL` ago (read again past it). None for a version of more than
+        `MAX_PARTS_SHARDS` shards, a model with none declared, or declarations that could
+        not be read (logged): the version then records no sums, as when a shard sends none."""
+        model = request.model
+        if count > MAX_PARTS_SHARDS:
+            return
+        if self._declared.age(model) > DECLARED_TTL:
+            read = pb.DeclaredLayoutsRequest(model=model)
+            try:
+                self._declared.put(model, self._rpc("DeclaredLayouts", read, timeout))
+            except TensorHubError as exc:
+                log.warning(
+                    "%s: declared layouts not read (%s): no publisher checksums", model, exc
+                )
+                return
+        revision, declared = self._declared.get(model)
+        if not revision:
+            return
+        parts = layout_parts(declared, held.tensors, manifest, held.layout.chunk_size)
+        if parts is None:
+            return
+        request.declared_revision = revision
+        request.layout_parts.extend(parts)
 
     def _publish_rpc(self, request: pb.PublishRequest, timeout: float | None) -> pb.PublishResponse:
         """Publish; if the reply is lost, find out from the hub whether it landed.

@@ -151,6 +151,30 @@ class Rpc(Protocol):
         timeout: float | None = None,
     ) -> pb.ReleaseLayoutHolderResponse: ...
 
+    @overload
+    def __call__(
+        self,
+        method: Literal["DeclareLayout"],
+        request: pb.DeclareLayoutRequest,
+        timeout: float | None = None,
+    ) -> pb.DeclareLayoutResponse: ...
+
+    @overload
+    def __call__(
+        self,
+        method: Literal["RetireLayout"],
+        request: pb.RetireLayoutRequest,
+        timeout: float | None = None,
+    ) -> pb.RetireLayoutResponse: ...
+
+    @overload
+    def __call__(
+        self,
+        method: Literal["DeclaredLayouts"],
+        request: pb.DeclaredLayoutsRequest,
+        timeout: float | None = None,
+    ) -> pb.DeclaredLayoutsResponse: ...
+
 
 class SessionExpiry(Protocol):
     """What a call needs of the lease it runs under: to declare it lost."""
@@ -169,6 +193,7 @@ IDEMPOTENT = frozenset({
     "OpenSession", "CloseSession", "Latest", "Resolve", "RegisterHolder", "UpdateHolder",
     "ReleaseHolder", "Pin", "Unpin", "ListModels", "Inspect",
     "RegisterLayoutHolder", "ResolveLayout", "ResolveLayoutCover", "ReleaseLayoutHolder",
+    "DeclareLayout", "RetireLayout", "DeclaredLayouts",
 })  # fmt: skip
 
 

@@ -228,6 +228,7 @@ def _read_layout(
                 runs, me.tenant, model, version, parts, lambda i: _shard(resolved, i),
                 _plan(model, version, parts, slices), slices, blocks, dest, base,
                 list(held.found.block_sums), deadline, rate_floor,
+                list(held.found.publisher_sums),
             )  # fmt: skip
             result.deltas.update(applied.stats)
             add_moved(result, applied.moved)

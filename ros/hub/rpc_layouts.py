@@ -7,6 +7,7 @@ import hashlib
 from collections.abc import Mapping
 from typing import Protocol
 
+from consistency.declared_layouts import DeclaredLayouts
 from consistency.layouts import BlockSetKey, LayoutRegistry
 from consistency.records import HolderRecord
 from consistency.sessions import SessionRecords
@@ -44,13 +45,16 @@ def _nearest(
 
 class LayoutHub(Runs, Protocol):
     """What the layout handlers use of a replica besides running calls: their timeout, the
-    session records (a registration names its session) and the tenant's layout registry."""
+    session records (a registration names its session), the tenant's layout registry and
+    its declared layouts."""
 
     sessions: SessionRecords
 
     def timeout(self, context: CallContext) -> float: ...
 
     def layouts(self, tenant: Tenant) -> LayoutRegistry: ...
+
+    def declared_layouts(self, tenant: Tenant) -> DeclaredLayouts: ...
 
 
 class LayoutRPCs:
@@ -104,6 +108,7 @@ class LayoutRPCs:
             return pb.RegisterLayoutHolderResponse(
                 fence=fence, revision=found.revision, block_sums=found.sums,
                 holders=[holder_to_pb(h) for h in chosen], total_holders=len(found.holders),
+                publisher_sums=found.publisher_sums,
             )  # fmt: skip
         fence, revision, sums = self._registry(context).register(
             at, holder, list(request.block_sums), timeout=timeout,
@@ -116,7 +121,8 @@ class LayoutRPCs:
         self, request: pb.ResolveLayoutRequest, context: CallContext
     ) -> pb.ResolveLayoutResponse:
         """The nearest holders of a block set (a bounded range read: O(1) in the number of
-        holders) and the checksums its first reader recorded."""
+        holders), the checksums its first reader recorded and, for a layout declared before
+        the version's publish, the publisher's."""
         at = self._at(context, request)
         check_topology(request.topology, "topology of the caller")
         found = self._registry(context).resolve(at, timeout=self.hub.timeout(context))
@@ -126,6 +132,7 @@ class LayoutRPCs:
             block_sums=found.sums,
             revision=found.revision,
             total_holders=len(found.holders),
+            publisher_sums=found.publisher_sums,
         )
 
     @unary
@@ -171,6 +178,50 @@ class LayoutRPCs:
             at, holder, request.session_id, timeout=self.hub.timeout(context)
         )
         return pb.ReleaseLayoutHolderResponse(revision=revision)
+
+    @unary
+    def DeclareLayout(
+        self, request: pb.DeclareLayoutRequest, context: CallContext
+    ) -> pb.DeclareLayoutResponse:
+        """Declare (or replace) a rollout layout of a model: its versions published from
+        now on carry the publisher's checksums of its block sets."""
+        tenant = context.tenant()
+        revision = self.hub.declared_layouts(tenant).declare(
+            tenant.name, validate_name(request.model, "model"),
+            validate_name(request.layout, "layout"), list(request.block_sets),
+            timeout=self.hub.timeout(context),
+        )  # fmt: skip
+        return pb.DeclareLayoutResponse(revision=revision)
+
+    @unary
+    def RetireLayout(
+        self, request: pb.RetireLayoutRequest, context: CallContext
+    ) -> pb.RetireLayoutResponse:
+        """Retire a declared layout: later publishes compute no checksums for it."""
+        tenant = context.tenant()
+        revision = self.hub.declared_layouts(tenant).retire(
+            tenant.name, validate_name(request.model, "model"),
+            validate_name(request.layout, "layout"), timeout=self.hub.timeout(context),
+        )  # fmt: skip
+        return pb.RetireLayoutResponse(revision=revision, retired=bool(revision))
+
+    @unary
+    def DeclaredLayouts(
+        self, request: pb.DeclaredLayoutsRequest, context: CallContext
+    ) -> pb.DeclaredLayoutsResponse:
+        """A model's declared layouts and their mod revision (what a publisher computes
+        checksums for, and names in its Publish)."""
+        tenant = context.tenant()
+        found = self.hub.declared_layouts(tenant).read(
+            tenant.name, validate_name(request.model, "model"), timeout=self.hub.timeout(context)
+        )
+        return pb.DeclaredLayoutsResponse(
+            layouts=[
+                pb.DeclaredLayout(layout=name, block_sets=sets)
+                for name, sets in sorted(found.layouts.items())
+            ],
+            revision=found.revision,
+        )
 
 
 _Named = pb.RegisterLayoutHolderRequest | pb.ResolveLayoutRequest | pb.ReleaseLayoutHolderRequest

@@ -15,6 +15,15 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, Protocol
 
 from consistency import HolderRecord, HolderState, VersionRegistry
+from consistency.declared_layouts import (
+    MAX_PART_SUMS,
+    MAX_PARTS_BYTES,
+    MAX_PARTS_SHARDS,
+    MAX_PUBLISHER_SUMS,
+    DeclaredLayouts,
+    Part,
+    encode_parts,
+)
 from consistency.manifests import (
     MAX_MANIFEST_BYTES,
     MAX_SHARDS,
@@ -76,6 +85,8 @@ class VersionHub(Registries, Protocol):
     streams: StreamLimits
     tenants: TenantStore
     read_token_ttl: float
+
+    def declared_layouts(self, tenant: Tenant) -> DeclaredLayouts: ...
 
 
 class VersionRPCs:
@@ -197,6 +208,10 @@ class VersionRPCs:
                 "a publish carries no `shards` of its own (a PublishShards message carries "
                 "either its own shard or its shards)"
             )
+        if request.shard_count and request.layout_sums:
+            raise InvalidArgument("a shard carries its parts of the publisher's checksums")
+        if not request.shard_count and request.layout_parts:
+            raise InvalidArgument("a whole publish carries the publisher's checksums whole")
         known = shared.version.get((request.model, request.version)) if shared else None
         if known is not None:  # a shard of the version its call's first shard checked
             _check_publish_limits(request, None if manifest is None else len(manifest))
@@ -239,8 +254,15 @@ class VersionRPCs:
         check_manifest(  # every rule, before any write
             request.manifest, _what(request), model=request.model, version=request.version
         )
+        declared = (
+            self.hub.declared_layouts(tenant).publish_ops(
+                tenant.name, model, version, request.declared_revision, _layout_sums(request)
+            )
+            if request.HasField("declared_revision")
+            else None
+        )
         published = self.hub.versions(tenant).publish(
-            tenant.name, model, version, manifest, holder, timeout=timeout,
+            tenant.name, model, version, manifest, holder, timeout=timeout, declared=declared,
             admit_model=admit, charge=charge, serial=model_serial(tenant.name, model),
             session_key=self.hub.sessions.key(tenant.name, holder.session), views=views,
             admit_views=(
@@ -306,6 +328,14 @@ class VersionRPCs:
                 tenant, versions, [model, *(name for name, _ in views)]
             )
         index, count = request.shard_index, request.shard_count
+        parts = (
+            [(
+                self.hub.versions(tenant).keys.publisher_part(tenant.name, model, version, index),
+                _layout_parts(request),
+            )]
+            if request.HasField("declared_revision")
+            else []
+        )  # fmt: skip
         session_key = (
             shared.session_key(self.hub.sessions, tenant.name, holder.session)
             if shared
@@ -317,7 +347,7 @@ class VersionRPCs:
             entry = versions.stage_shard(
                 tenant.name, model, version, index, count, manifest, holder,
                 timeout=max(deadline - time.monotonic(), 0.0), session_key=session_key,
-                pack=group, views=views,
+                pack=group, views=views, extra=parts,
             )  # fmt: skip
             return model, version, ShardJob(tenant, versions, admit, entry)
 
@@ -631,6 +661,55 @@ def _check_publish_limits(request: pb.PublishRequest, size: int | None = None) -
     except InvalidArgument:
         HUB_PUBLISHES_REFUSED.labels(limit).inc()
         raise
+
+
+def _layout_sums(request: pb.PublishRequest) -> dict[str, dict[str, list[int]]]:
+    """A whole publish's checksums of its declared layouts' block sets, checked: names,
+    each block set once, at most `MAX_PUBLISHER_SUMS` in all (`InvalidArgument`)."""
+    out: dict[str, dict[str, list[int]]] = {}
+    total = 0
+    for entry in request.layout_sums:
+        sets = out.setdefault(validate_name(entry.layout, "layout"), {})
+        block_set = validate_name(entry.block_set, "block set")
+        if block_set in sets or len(block_set) != 32:
+            raise InvalidArgument(
+                f"publisher checksums of block set {block_set!r}: one 32-digit id, once"
+            )
+        total += len(entry.sums)
+        if total > MAX_PUBLISHER_SUMS:
+            raise InvalidArgument(f"over {MAX_PUBLISHER_SUMS} publisher checksums in one publish")
+        sets[block_set] = list(entry.sums)
+    return out
+
+
+def _layout_parts(request: pb.PublishRequest) -> bytes:
+    """A shard's parts of the publisher's checksums of declared layouts, checked (names,
+    lengths, at most `MAX_PART_SUMS` sums, at most `MAX_PARTS_SHARDS` shards) and encoded
+    with the declarations' revision its rank read (`InvalidArgument`)."""
+    if request.shard_count > MAX_PARTS_SHARDS:
+        raise InvalidArgument(
+            f"parts of publisher checksums from {request.shard_count} shards: at most "
+            f"{MAX_PARTS_SHARDS}"
+        )
+    parts = []
+    total = 0
+    for p in request.layout_parts:
+        if len(p.chunks) != len(p.sums) or len(p.offsets) != len(p.shape):
+            raise InvalidArgument("a part of publisher checksums names as many chunks as sums")
+        total += len(p.sums)
+        if total > MAX_PART_SUMS:
+            raise InvalidArgument(f"over {MAX_PART_SUMS} publisher checksums in one shard")
+        parts.append(Part(
+            validate_name(p.layout, "layout"), validate_name(p.block_set, "block set"),
+            p.tensor, (tuple(p.offsets), tuple(p.shape)), tuple(p.chunks), tuple(p.sums),
+        ))  # fmt: skip
+    encoded = encode_parts(request.declared_revision, request.shard_count, parts)
+    if len(encoded) > MAX_PARTS_BYTES:
+        raise InvalidArgument(
+            f"a shard's parts of publisher checksums take {len(encoded)} bytes: at most "
+            f"{MAX_PARTS_BYTES}"
+        )
+    return encoded
 
 
 def _what(request: pb.PublishRequest) -> str:

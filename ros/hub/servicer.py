@@ -163,6 +163,21 @@ class HubServicer(hub_pb2_grpc.TensorHubServicer):
     ) -> pb.ReleaseLayoutHolderResponse:
         return await self.layout_rpcs.ReleaseLayoutHolder(request, context)
 
+    async def DeclareLayout(
+        self, request: pb.DeclareLayoutRequest, context: AioContext
+    ) -> pb.DeclareLayoutResponse:
+        return await self.layout_rpcs.DeclareLayout(request, context)
+
+    async def RetireLayout(
+        self, request: pb.RetireLayoutRequest, context: AioContext
+    ) -> pb.RetireLayoutResponse:
+        return await self.layout_rpcs.RetireLayout(request, context)
+
+    async def DeclaredLayouts(
+        self, request: pb.DeclaredLayoutsRequest, context: AioContext
+    ) -> pb.DeclaredLayoutsResponse:
+        return await self.layout_rpcs.DeclaredLayouts(request, context)
+
     async def CreateTenant(
         self, request: pb.CreateTenantRequest, context: AioContext
     ) -> pb.CreateTenantResponse:

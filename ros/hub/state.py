@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from consistency import Etcd, HolderRegistry, Keys, VersionRegistry
+from consistency.declared_layouts import DeclaredLayouts
 from consistency.keepalive import LeaseKeeper
 from consistency.layouts import LayoutRegistry
 from consistency.sessions import SessionRecords
@@ -244,6 +245,11 @@ class HubState:
         etcd = self.etcd_for(tenant)
         budget = layout_budget(etcd, self.keys, tenant, self.history_period, self.usage_cache)
         return LayoutRegistry(etcd, self.keys, budget)
+
+    def declared_layouts(self, tenant: Tenant) -> DeclaredLayouts:
+        """The tenant's declared layouts (`consistency.declared_layouts`), its writes fenced
+        on the tenant's record."""
+        return DeclaredLayouts(self.etcd_for(tenant), self.keys)
 
     def etcd_for(self, tenant: Tenant) -> Etcd:
         """The etcd connection for writes made on `tenant`'s behalf: each compares that the

@@ -293,3 +293,33 @@ def test_take_stops_where_the_batch_is_full_and_takes_what_a_whole_scan_takes(
         assert [id(e) for e in queue] == [id(e) for e in reference]
         if not batch:
             break
+
+
+def test_a_shards_parts_of_publisher_checksums_weigh_in_its_batch_by_their_bytes() -> None:
+    """A shard's other puts (its parts of declared layouts' publisher checksums) count one
+    operation more per `EXTRA_OP_BYTES` of their values, so a batch of shards with large
+    parts stays under etcd's request size: two shards of 256 KiB of parts (33 operations
+    each, with their own two) fit a batch; 128 shards of it would not."""
+    from types import SimpleNamespace
+    from typing import cast
+
+    from consistency import ops
+    from consistency.declared_layouts import MAX_PARTS_BYTES
+    from consistency.manifests import Staged
+    from consistency.shard_commit import EXTRA_OP_BYTES, MAX_TXN_OPS
+
+    def entry(index: int, nbytes: int) -> ShardEntry:
+        staged = cast(Staged, SimpleNamespace(header=SimpleNamespace(pages=0)))
+        return ShardEntry(
+            index, 64, rec(1, f"rank{index}"), staged, b"x", 1, 0.0,
+            extra=[ops.put(f"/k/{index}", b"v" * nbytes)], extra_bytes=nbytes,
+        )  # fmt: skip
+
+    assert entry(0, 0).ops == 3
+    heavy = entry(0, MAX_PARTS_BYTES)
+    assert heavy.ops == 3 + MAX_PARTS_BYTES // EXTRA_OP_BYTES
+    queue = [entry(i, MAX_PARTS_BYTES) for i in range(8)]
+    batch = take(queue)
+    assert 0 < len(batch) < 8
+    assert sum(e.ops for e in batch) <= MAX_TXN_OPS
+    assert sum(e.extra_bytes for e in batch) <= MAX_TXN_OPS * EXTRA_OP_BYTES

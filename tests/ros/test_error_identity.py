@@ -54,7 +54,8 @@ ROOT = Path(__file__).resolve().parents[2]
 WRITE_METHODS = frozenset({
     "OpenSession", "KeepAlive", "CloseSession", "Publish", "PublishShards", "RegisterHolder",
     "UpdateHolder", "ReleaseHolder", "Pin", "Unpin", "DeleteModel", "CreateTenant",
-    "DeleteTenant", "RegisterLayoutHolder", "ReleaseLayoutHolder",
+    "DeleteTenant", "RegisterLayoutHolder", "ReleaseLayoutHolder", "DeclareLayout",
+    "RetireLayout",
 })  # fmt: skip
 PACKAGES = ("consistency", "transport", "ros", "tensorhub")
 

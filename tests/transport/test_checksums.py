@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import time
+from itertools import pairwise
 
 import pytest
 import torch
@@ -57,6 +58,23 @@ def test_lengths_alignment_and_a_chunk_split_across_views() -> None:
     assert wsum64(unaligned) == wsum64_reference(data)
     views = [memoryview(data[:3]), memoryview(data[3:5000]), memoryview(data[5000:])]
     assert wsum64_of_views(views) == wsum64_reference(data)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(min_size=1, max_size=4096), st.data())
+def test_the_sum_is_linear_so_parts_split_inside_a_word_add_up(
+    data: bytes, draw: st.DataObject
+) -> None:
+    """What publish-time checksums of declared layouts rest on (docs/design-notes.md,
+    "Publish-time checksums of declared layouts"): the bytes of a chunk split between
+    holders at any byte, each part summed with the others' bytes zeroed, add up modulo
+    2**64 to the chunk's sum, a word that straddles a cut included."""
+    cuts = sorted([min(5, len(data)), *draw.draw(st.lists(st.integers(0, len(data)), max_size=3))])
+    edges = [0, *cuts, len(data)]
+    parts = [bytes(a) + data[a:b] + bytes(len(data) - b) for a, b in pairwise(edges)]
+    assert all(len(p) == len(data) for p in parts)
+    total = sum(wsum64_reference(p) for p in parts) % (1 << 64)
+    assert total == wsum64_reference(data)
 
 
 def test_every_multiplier_is_odd_so_any_one_word_change_is_caught() -> None:

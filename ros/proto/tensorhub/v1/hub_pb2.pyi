@@ -164,7 +164,7 @@ class CloseSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("model", "version", "manifest", "holder", "shard_index", "shard_count", "views", "shards")
+    __slots__ = ("model", "version", "manifest", "holder", "shard_index", "shard_count", "views", "shards", "declared_revision", "layout_sums", "layout_parts")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +173,9 @@ class PublishRequest(_message.Message):
     SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
     VIEWS_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
+    DECLARED_REVISION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_SUMS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_PARTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     manifest: Manifest
@@ -181,7 +184,10 @@ class PublishRequest(_message.Message):
     shard_count: int
     views: _containers.RepeatedCompositeFieldContainer[PublishView]
     shards: _containers.RepeatedCompositeFieldContainer[PublishRequest]
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., views: _Optional[_Iterable[_Union[PublishView, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[PublishRequest, _Mapping]]] = ...) -> None: ...
+    declared_revision: int
+    layout_sums: _containers.RepeatedCompositeFieldContainer[LayoutSums]
+    layout_parts: _containers.RepeatedCompositeFieldContainer[LayoutPart]
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., views: _Optional[_Iterable[_Union[PublishView, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[PublishRequest, _Mapping]]] = ..., declared_revision: _Optional[int] = ..., layout_sums: _Optional[_Iterable[_Union[LayoutSums, _Mapping]]] = ..., layout_parts: _Optional[_Iterable[_Union[LayoutPart, _Mapping]]] = ...) -> None: ...
 
 class PublishView(_message.Message):
     __slots__ = ("format", "manifest")
@@ -575,18 +581,20 @@ class RegisterLayoutHolderRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., layout: _Optional[str] = ..., block_set: _Optional[str] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., block_sums: _Optional[_Iterable[int]] = ..., blocks: _Optional[bytes] = ...) -> None: ...
 
 class RegisterLayoutHolderResponse(_message.Message):
-    __slots__ = ("fence", "revision", "block_sums", "holders", "total_holders")
+    __slots__ = ("fence", "revision", "block_sums", "holders", "total_holders", "publisher_sums")
     FENCE_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SUMS_FIELD_NUMBER: _ClassVar[int]
     HOLDERS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHER_SUMS_FIELD_NUMBER: _ClassVar[int]
     fence: int
     revision: int
     block_sums: _containers.RepeatedScalarFieldContainer[int]
     holders: _containers.RepeatedCompositeFieldContainer[Holder]
     total_holders: int
-    def __init__(self, fence: _Optional[int] = ..., revision: _Optional[int] = ..., block_sums: _Optional[_Iterable[int]] = ..., holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., total_holders: _Optional[int] = ...) -> None: ...
+    publisher_sums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, fence: _Optional[int] = ..., revision: _Optional[int] = ..., block_sums: _Optional[_Iterable[int]] = ..., holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., total_holders: _Optional[int] = ..., publisher_sums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ResolveLayoutRequest(_message.Message):
     __slots__ = ("model", "version", "layout", "block_set", "topology", "holder")
@@ -612,16 +620,18 @@ class ResolveLayoutRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., layout: _Optional[str] = ..., block_set: _Optional[str] = ..., topology: _Optional[_Mapping[str, str]] = ..., holder: _Optional[str] = ...) -> None: ...
 
 class ResolveLayoutResponse(_message.Message):
-    __slots__ = ("holders", "block_sums", "revision", "total_holders")
+    __slots__ = ("holders", "block_sums", "revision", "total_holders", "publisher_sums")
     HOLDERS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SUMS_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     TOTAL_HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHER_SUMS_FIELD_NUMBER: _ClassVar[int]
     holders: _containers.RepeatedCompositeFieldContainer[Holder]
     block_sums: _containers.RepeatedScalarFieldContainer[int]
     revision: int
     total_holders: int
-    def __init__(self, holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., block_sums: _Optional[_Iterable[int]] = ..., revision: _Optional[int] = ..., total_holders: _Optional[int] = ...) -> None: ...
+    publisher_sums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., block_sums: _Optional[_Iterable[int]] = ..., revision: _Optional[int] = ..., total_holders: _Optional[int] = ..., publisher_sums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ResolveLayoutCoverRequest(_message.Message):
     __slots__ = ("model", "version", "layout", "topology", "holder")
@@ -685,3 +695,85 @@ class ReleaseLayoutHolderResponse(_message.Message):
     REVISION_FIELD_NUMBER: _ClassVar[int]
     revision: int
     def __init__(self, revision: _Optional[int] = ...) -> None: ...
+
+class LayoutSums(_message.Message):
+    __slots__ = ("layout", "block_set", "sums")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SET_FIELD_NUMBER: _ClassVar[int]
+    SUMS_FIELD_NUMBER: _ClassVar[int]
+    layout: str
+    block_set: str
+    sums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layout: _Optional[str] = ..., block_set: _Optional[str] = ..., sums: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DeclareLayoutRequest(_message.Message):
+    __slots__ = ("model", "layout", "block_sets")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SETS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    layout: str
+    block_sets: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, model: _Optional[str] = ..., layout: _Optional[str] = ..., block_sets: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class DeclareLayoutResponse(_message.Message):
+    __slots__ = ("revision",)
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    revision: int
+    def __init__(self, revision: _Optional[int] = ...) -> None: ...
+
+class RetireLayoutRequest(_message.Message):
+    __slots__ = ("model", "layout")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    layout: str
+    def __init__(self, model: _Optional[str] = ..., layout: _Optional[str] = ...) -> None: ...
+
+class RetireLayoutResponse(_message.Message):
+    __slots__ = ("revision", "retired")
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    RETIRED_FIELD_NUMBER: _ClassVar[int]
+    revision: int
+    retired: bool
+    def __init__(self, revision: _Optional[int] = ..., retired: bool = ...) -> None: ...
+
+class DeclaredLayoutsRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class DeclaredLayout(_message.Message):
+    __slots__ = ("layout", "block_sets")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SETS_FIELD_NUMBER: _ClassVar[int]
+    layout: str
+    block_sets: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, layout: _Optional[str] = ..., block_sets: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class DeclaredLayoutsResponse(_message.Message):
+    __slots__ = ("layouts", "revision")
+    LAYOUTS_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    layouts: _containers.RepeatedCompositeFieldContainer[DeclaredLayout]
+    revision: int
+    def __init__(self, layouts: _Optional[_Iterable[_Union[DeclaredLayout, _Mapping]]] = ..., revision: _Optional[int] = ...) -> None: ...
+
+class LayoutPart(_message.Message):
+    __slots__ = ("layout", "block_set", "tensor", "offsets", "shape", "chunks", "sums")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SET_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    SUMS_FIELD_NUMBER: _ClassVar[int]
+    layout: str
+    block_set: str
+    tensor: str
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    chunks: _containers.RepeatedScalarFieldContainer[int]
+    sums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layout: _Optional[str] = ..., block_set: _Optional[str] = ..., tensor: _Optional[str] = ..., offsets: _Optional[_Iterable[int]] = ..., shape: _Optional[_Iterable[int]] = ..., chunks: _Optional[_Iterable[int]] = ..., sums: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -144,6 +144,21 @@ class TensorHubStub(object):
                 request_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeleteTenantRequest.SerializeToString,
                 response_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeleteTenantResponse.FromString,
                 _registered_method=True)
+        self.DeclareLayout = channel.unary_unary(
+                '/tensorhub.v1.TensorHub/DeclareLayout',
+                request_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeclareLayoutRequest.SerializeToString,
+                response_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeclareLayoutResponse.FromString,
+                _registered_method=True)
+        self.RetireLayout = channel.unary_unary(
+                '/tensorhub.v1.TensorHub/RetireLayout',
+                request_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.RetireLayoutRequest.SerializeToString,
+                response_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.RetireLayoutResponse.FromString,
+                _registered_method=True)
+        self.DeclaredLayouts = channel.unary_unary(
+                '/tensorhub.v1.TensorHub/DeclaredLayouts',
+                request_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeclaredLayoutsRequest.SerializeToString,
+                response_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeclaredLayoutsResponse.FromString,
+                _registered_method=True)
 
 
 class TensorHubServicer(object):
@@ -283,6 +298,26 @@ class TensorHubServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeclareLayout(self, request, context):
+        """Declared rollout layouts: the publisher computes their chunks' checksums at publish
+        (docs/design-notes.md, "Publish-time checksums").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RetireLayout(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeclaredLayouts(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TensorHubServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -395,6 +430,21 @@ def add_TensorHubServicer_to_server(servicer, server):
                     servicer.DeleteTenant,
                     request_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeleteTenantRequest.FromString,
                     response_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeleteTenantResponse.SerializeToString,
+            ),
+            'DeclareLayout': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeclareLayout,
+                    request_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeclareLayoutRequest.FromString,
+                    response_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeclareLayoutResponse.SerializeToString,
+            ),
+            'RetireLayout': grpc.unary_unary_rpc_method_handler(
+                    servicer.RetireLayout,
+                    request_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.RetireLayoutRequest.FromString,
+                    response_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.RetireLayoutResponse.SerializeToString,
+            ),
+            'DeclaredLayouts': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeclaredLayouts,
+                    request_deserializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeclaredLayoutsRequest.FromString,
+                    response_serializer=ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeclaredLayoutsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -991,6 +1041,87 @@ class TensorHub(object):
             '/tensorhub.v1.TensorHub/DeleteTenant',
             ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeleteTenantRequest.SerializeToString,
             ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeleteTenantResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeclareLayout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorhub.v1.TensorHub/DeclareLayout',
+            ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeclareLayoutRequest.SerializeToString,
+            ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeclareLayoutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RetireLayout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorhub.v1.TensorHub/RetireLayout',
+            ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.RetireLayoutRequest.SerializeToString,
+            ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.RetireLayoutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeclaredLayouts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tensorhub.v1.TensorHub/DeclaredLayouts',
+            ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeclaredLayoutsRequest.SerializeToString,
+            ros_dot_proto_dot_tensorhub_dot_v1_dot_hub__pb2.DeclaredLayoutsResponse.FromString,
             options,
             channel_credentials,
             insecure,
