@@ -48,12 +48,9 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
-
-import numpy as np
-import torch
 
 from ros.cli.rss import give_back_freed
+from ros.client.block_xor import Part, apply_chunk
 from ros.client.deadline import Deadline
 from ros.client.delta_chunks import check_companion, companion_bytes
 from ros.client.delta_stats import DeltaStats
@@ -63,11 +60,10 @@ from ros.client.orchestrator import Orchestrator, Target, manifest_of_shard
 from ros.client.slice import Slice
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.checksum_kinds import WSUM64, XXH3
-from tensorhub.delta_rules import ENCODINGS, PLANES, TENSOR
-from tensorhub.errors import IntegrityError, TensorHubError
+from tensorhub.delta_rules import ENCODINGS, TENSOR
+from tensorhub.errors import TensorHubError
 from transport import delta as codec
-from transport import delta_words
-from transport.boxes import Box, byte_span, chunks_for
+from transport.boxes import byte_span, chunks_for
 from transport.layout import Layout, TensorSpec, torch_dtype
 from transport.outcome import FetchStats, add_moved
 from transport.pace import DEFAULT_RATE_FLOOR
@@ -84,19 +80,6 @@ COMPANION_SHARE = 0.5  # of the work time left: the most the companions' reads m
 WORTH = 0.5
 """The most encoded bytes a block set's delta may read, as a share of the blocks it makes
 (`_not_worth`); past it every block is read whole."""
-
-
-class Part(Protocol):
-    """One source shard's part of a block (`ros.client.slices._Copy`)."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def source(self) -> Box: ...  # the block the source shard holds
-
-    @property
-    def part(self) -> Box: ...  # the intersection the reader takes
 
 
 @dataclass(frozen=True)
@@ -141,6 +124,25 @@ class LayoutBases:
                 del self._bases[key]
 
 
+@dataclass(frozen=True)
+class BlockRead:
+    """The layout reader's fetch that `apply_deltas` is a step of: model@`version` for
+    `tenant`, its source shards' manifests (`parts`; `shard_of` an index's shard, None for
+    a version published whole), the blocks it reads (`slices`, `blocks`) into `dest`, and
+    the fetch's `Orchestrator` and rate floor."""
+
+    runs: Orchestrator
+    tenant: str
+    model: str
+    version: int
+    parts: Sequence[pb.Manifest]
+    shard_of: Callable[[int], int | None]
+    slices: Mapping[str, Slice]
+    blocks: BlockSet
+    dest: HeldVersion
+    rate_floor: float = DEFAULT_RATE_FLOOR
+
+
 @dataclass
 class BlockDelta:
     """What `apply_deltas` did: per source shard read (None: a version published whole),
@@ -151,21 +153,12 @@ class BlockDelta:
 
 
 def apply_deltas(
-    runs: Orchestrator,
-    tenant: str,
-    model: str,
-    version: int,
-    parts: Sequence[pb.Manifest],
-    shard_of: Callable[[int], int | None],
+    read: BlockRead,
     plan: Mapping[int, Sequence[Part]],
-    slices: Mapping[str, Slice],
-    blocks: BlockSet,
-    dest: HeldVersion,
     base: LayoutBase,
     recorded: Sequence[int],
+    published: Sequence[int],
     deadline: Deadline,
-    rate_floor: float = DEFAULT_RATE_FLOOR,
-    published: Sequence[int] = (),
 ) -> BlockDelta:
     """Make what chunks of `dest` (the blocks' memory, holding `base`) it can into
     model@`version`'s from the deltas of the source shards (`parts`, read as `plan` says),
@@ -175,39 +168,29 @@ def apply_deltas(
     that cannot be used: the reason is in the stats, and those chunks stay missing."""
     out = BlockDelta()
     for index in plan:
-        out.stats[shard_of(index)] = DeltaStats(base=base.version)
+        out.stats[read.shard_of(index)] = DeltaStats(base=base.version)
     try:
-        _apply(
-            runs, tenant, model, version, parts, shard_of, plan, slices, blocks, dest, base,
-            recorded, published, deadline, rate_floor, out,
-        )  # fmt: skip
+        _apply(read, plan, base, recorded, published, deadline, out)
     except Exception as exc:  # what a malformed section made raise: the rest reads whole
-        log.warning("fetch_slices %s@%d: layout delta failed", model, version, exc_info=True)
+        log.warning("fetch_slices %s@%d: layout delta failed", read.model, read.version,
+                    exc_info=True)  # fmt: skip
         for stats in out.stats.values():
             stats.fallback = f"the delta failed ({type(exc).__name__}: {exc}): read whole"
     return out
 
 
 def _apply(
-    runs: Orchestrator,
-    tenant: str,
-    model: str,
-    version: int,
-    parts: Sequence[pb.Manifest],
-    shard_of: Callable[[int], int | None],
+    read: BlockRead,
     plan: Mapping[int, Sequence[Part]],
-    slices: Mapping[str, Slice],
-    blocks: BlockSet,
-    dest: HeldVersion,
     base: LayoutBase,
     recorded: Sequence[int],
     published: Sequence[int],
     deadline: Deadline,
-    rate_floor: float,
     out: BlockDelta,
 ) -> None:
     """`apply_deltas`' steps (module docstring); a chunk is marked present only in the last,
     so whatever raises before leaves every chunk to the reads that follow."""
+    parts, shard_of, blocks, dest = read.parts, read.shard_of, read.blocks, read.dest
     names = [spec.name for spec in blocks.layout.tensors]
     touched = [
         {names[s.tensor] for s in blocks.layout.segments(j)}
@@ -215,7 +198,7 @@ def _apply(
     ]
     # 1. the plan: a block is taken from the delta when every trainer chunk it needs is encoded
     chunks = _trainer_chunks(parts, plan)
-    usable = set(slices)
+    usable = set(read.slices)
     for index, copies in plan.items():
         stats = out.stats[shard_of(index)]
         why = _refusal(parts[index], base.version)
@@ -255,10 +238,7 @@ def _apply(
         stats = out.stats[shard_of(index)]
         stats.links = 1
         start = time.monotonic()
-        done = _read_and_apply(
-            runs, tenant, model, version, shard_of(index), parts[index], need, mine, slices,
-            blocks, companions, rate_floor, stats, out.moved,
-        )  # fmt: skip
+        done = _read_and_apply(read, index, need, mine, companions, stats, out.moved)
         stats.seconds += time.monotonic() - start  # its companion's read and apply
         stats.chunks += len(done)
         stats.whole_chunks += len(need) - len(done)
@@ -277,7 +257,7 @@ def _apply(
         ):
             log.warning("%s@%d blocks %s: chunk %d differs from the record or the publisher's "
                         "checksum after its delta; reading it whole",
-                        model, version, blocks.id, j)  # fmt: skip
+                        read.model, read.version, blocks.id, j)  # fmt: skip
             continue
         dest.mark_present(j, known)
     for stats in out.stats.values():
@@ -353,24 +333,19 @@ def _groups(need: Sequence[int], sizes: Sequence[int]) -> list[list[int]]:
 
 
 def _read_and_apply(
-    runs: Orchestrator,
-    tenant: str,
-    model: str,
-    version: int,
-    shard: int | None,
-    manifest: pb.Manifest,
+    read: BlockRead,
+    index: int,
     need: list[int],
     copies: Mapping[str, Part],
-    slices: Mapping[str, Slice],
-    blocks: BlockSet,
     deadline: Deadline,
-    rate_floor: float,
     stats: DeltaStats,
     moved: FetchStats,
 ) -> set[int]:
-    """Read the encoded chunks `need` of one source shard from its companion and apply the
+    """Read the encoded chunks `need` of source shard `index` from its companion and apply the
     changes inside `copies`' blocks; the trainer chunks applied. A companion that cannot
     be read stops here (the reason in `stats.fallback`): what was applied stays."""
+    manifest, shard = read.parts[index], read.shard_of(index)
+    runs, version = read.runs, read.version
     section = manifest.delta
     companion = section.companion
     what = f"{companion}@{version}" + ("" if shard is None else f" shard {shard}")
@@ -389,106 +364,19 @@ def _read_and_apply(
             for k in group:
                 want.update(chunks_for(staged, spec, starts[k], starts[k + 1]))
             tensors = staged.allocate()  # only the chunks read are ever written (resident)
-            held = HeldVersion.reader(tenant, companion, version, staged, tensors)
+            held = HeldVersion.reader(read.tenant, companion, version, staged, tensors)
             target = Target(companion, version, shard, held, found, chunks=want, holder=False)
-            got = runs.run(target, resolved, deadline, rate_floor=rate_floor)
+            got = runs.run(target, resolved, deadline, rate_floor=read.rate_floor)
             add_moved(moved, got)
             stats.count(got.total_bytes, got.bytes_per_source)
             data = tensors[TENSOR].numpy().data
             for k in group:
-                if _apply_one(data[starts[k] : starts[k + 1]], section, layout, k, copies,
-                              slices, blocks):  # fmt: skip
+                if apply_chunk(data[starts[k] : starts[k + 1]], section, layout, k, copies,
+                               read.slices, read.blocks):  # fmt: skip
                     done.add(k)
             del tensors, held, data
             give_back_freed()
     except TensorHubError as exc:
         stats.fallback = f"{what} could not be read ({type(exc).__name__}: {exc}): read whole"
-        log.info("fetch_slices %s@%d: %s", model, version, stats.fallback)
+        log.info("fetch_slices %s@%d: %s", read.model, version, stats.fallback)
     return done
-
-
-def _apply_one(
-    blob: memoryview,
-    section: pb.Delta,
-    layout: Layout,
-    k: int,
-    copies: Mapping[str, Part],
-    slices: Mapping[str, Slice],
-    blocks: BlockSet,
-) -> bool:
-    """Check trainer chunk `k`'s encoding against v's manifest, decode it, and XOR the
-    changed bytes that lie in `copies`' blocks into them; False (logged) if it failed a
-    check or its decoding raised (nothing of it written then: it is decoded whole first)."""
-    try:
-        if codec.digest(blob) != section.encoded_xxh3[k]:
-            raise IntegrityError(f"encoded chunk {k}: digest")
-        at, values = changes(blob, section.encoding, layout.payload_bytes(k))
-    except Exception as exc:  # a hostile or torn encoding fails its chunk alone
-        log.warning("layout delta: trainer chunk %d: %s; its blocks are read whole", k, exc)
-        return False
-    start = 0
-    for seg in layout.segments(k):
-        lo, hi = np.searchsorted(at, [start, start + seg.length]).tolist()
-        spec = layout.tensors[seg.tensor]
-        c = copies.get(spec.name)
-        if c is not None and hi > lo:
-            offsets = at[lo:hi] - start + seg.start
-            _xor_into(offsets, values[lo:hi], spec, c, slices[c.name], blocks.tensors[c.name])
-        start += seg.length
-    return True
-
-
-def changes(blob: memoryview, encoding: str, payload: int) -> tuple[np.ndarray, np.ndarray]:
-    """The bytes a chunk's encoding changes: their positions in the chunk's payload
-    (int64, increasing) and their XOR (uint8, not zero). The changed-words form is decoded
-    as it is; the byte-planes form through a zeroed chunk (one chunk's payload)."""
-    if encoding != PLANES and bytes(blob[:1]) == codec.WORDS and payload % 2 == 0:
-        words_at, words = delta_words.decode(blob[1:], payload // 2)
-        at = np.stack([2 * words_at, 2 * words_at + 1], axis=1).reshape(-1)
-        values = words.view(np.uint8).reshape(-1)  # each word's bytes, as in memory
-    else:
-        xor = torch.zeros(payload, dtype=torch.uint8)
-        codec.apply([xor], blob, encoding)
-        flat = xor.numpy()
-        at = flat.nonzero()[0].astype(np.int64)
-        values = flat[at]
-    keep = values != 0
-    return at[keep], values[keep]
-
-
-def _xor_into(
-    offsets: np.ndarray,
-    values: np.ndarray,
-    spec: TensorSpec,
-    c: Part,
-    want: Slice,
-    block: torch.Tensor,
-) -> None:
-    """XOR `values` into the bytes at `offsets` of the source shard's tensor `spec` (which
-    holds `c.source`) where they fall inside the reader's block `c.part`, at their place in
-    `block` (the reader's memory for `want.box`, contiguous, in place on its device)."""
-    itemsize = torch_dtype(spec.dtype).itemsize
-    element, within = np.divmod(offsets, itemsize)
-    inside = np.ones(element.shape, dtype=bool)
-    local: list[np.ndarray] = []
-    if c.source.shape:
-        coords = np.unravel_index(element, c.source.shape)
-        for d, coord in enumerate(coords):
-            g = coord + c.source.offsets[d]
-            inside &= (g >= c.part.offsets[d]) & (g < c.part.offsets[d] + c.part.shape[d])
-            local.append(g - want.box.offsets[d])
-    if not inside.any():
-        return
-    if local:
-        flat = np.ravel_multi_index(tuple(x[inside] for x in local), want.box.shape)
-    else:
-        flat = np.zeros(int(inside.sum()), dtype=np.int64)
-    at = flat.astype(np.int64) * itemsize + within[inside]
-    data = block.reshape(-1).view(torch.uint8)
-    if data.device.type == "cpu":
-        array = data.numpy()
-        array[at] ^= values[inside]
-    else:
-        where = torch.from_numpy(at).to(data.device)
-        xor = torch.from_numpy(np.ascontiguousarray(values[inside])).to(data.device)
-        data[where] = data[where] ^ xor

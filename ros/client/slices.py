@@ -224,11 +224,13 @@ def _read_layout(
     dest = held.dest
     try:
         if base is not None:
+            read = layout_delta.BlockRead(
+                runs, me.tenant, model, version, parts, lambda i: _shard(resolved, i), slices,
+                blocks, dest, rate_floor,
+            )  # fmt: skip
             applied = layout_delta.apply_deltas(
-                runs, me.tenant, model, version, parts, lambda i: _shard(resolved, i),
-                _plan(model, version, parts, slices), slices, blocks, dest, base,
-                list(held.found.block_sums), deadline, rate_floor,
-                list(held.found.publisher_sums),
+                read, _plan(model, version, parts, slices), base, list(held.found.block_sums),
+                list(held.found.publisher_sums), deadline,
             )  # fmt: skip
             result.deltas.update(applied.stats)
             add_moved(result, applied.moved)
