@@ -93,6 +93,9 @@ class SliceFetch:
     # of the same blocks), and whether this reader serves its blocks now
     from_trainer: set[str] = field(default_factory=set)
     served: bool = False
+    # layout=...: the chunks read from peers that were checked against the publisher's
+    # checksums (a layout declared before the version's publish; 0: the reader-derived ones)
+    publisher_checked: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -409,6 +412,8 @@ def _from_holders(
         peers, me, model, version, layout, blocks, held, token, deadline, rate_floor
     )
     add_moved(result, peer.stats)
+    if peer.published:
+        result.publisher_checked += peer.stats.chunks
     missing = set(peer.missing_blocks)
     for other in cover:
         if not missing:

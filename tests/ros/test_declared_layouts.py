@@ -202,9 +202,18 @@ def test_a_layout_declared_after_the_publish_takes_the_reader_derived_path(
     for out in (out1, out2):
         for name, want in expected(1, 2).items():
             assert torch.equal(out[name], want), name
+    assert got2.publisher_checked == 0  # v1 was published before the declaration
     assert list(_resolve(first, "tp2", 1, 2, 1).publisher_sums) == []
     trainer.publish("policy", 2, global_model(), chunk_size=CHUNK)
     assert list(_resolve(first, "tp2", 1, 2, 2).publisher_sums) == _wsum64_of_blocks(1, 2)
+    # v2, published after it: a peer's every chunk is checked against the publisher's sums
+    first.fetch_slices("policy", 2, slices=slices_for(1, 2)[1], layout="tp2", timeout=30)
+    out3, slices3 = slices_for(1, 2)
+    got3 = second.fetch_slices("policy", 2, slices=slices3, layout="tp2", timeout=30)
+    assert set(got3.bytes_per_source) == {first.holder_name}
+    assert got3.publisher_checked == got3.chunks == len(_wsum64_of_blocks(1, 2)) > 0
+    for name, want in expected(1, 2).items():
+        assert torch.equal(out3[name], want), name
 
 
 def test_declared_layouts_past_the_bound_are_refused_by_name(
