@@ -30,9 +30,10 @@ more per extra shard), and none of the checkpoint. With `delta=False` and withou
 nothing is kept between updates and every version is read whole; turning `delta` off, or
 `close`, frees what was kept (the staging copies through `Hub.drop_bases`).
 
-`update_vllm(llm, version)` is the trainer-side driver of one update, and `reload_weights`
-the thin path for set-ups without a weight-transfer engine (one process only: tensors do not
-cross `collective_rpc` to worker processes).
+`update_vllm(llm, version)` is the trainer-side driver of one update, `declare_layout(llm,
+hub)` declares its workers' blocks to the hub (publisher-checked reads from peers), and
+`reload_weights` the thin path for set-ups without a weight-transfer engine (one process
+only: tensors do not cross `collective_rpc` to worker processes).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from ros.client.hub import Hub
 from ros.client.manifest import layout_of, placement_of
 from ros.client.slice import Slice
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
-from tensorhub.errors import InvalidArgument, RetentionViolation
+from tensorhub.errors import EngineNotReady, InvalidArgument, RetentionViolation
 from transport.layout import torch_dtype
 from transport.outcome import FetchStats
 
@@ -73,6 +74,10 @@ class WeightSyncEngine(Protocol):
 ABORT = "tensorhub_abort_update"
 """The worker-extension method (`ros.integrations.vllm_worker`) that ends a failed update's
 session on the workers whose part of it succeeded."""
+
+BLOCKS = "tensorhub_blocks"
+"""The worker-extension method that answers a worker's model, layout and blocks as plain
+data (`declare_layout`)."""
 
 
 class VersionReceiver:
@@ -296,6 +301,50 @@ def _abort(llm: WeightSyncEngine) -> None:
             "the failed update's sessions were not ended on the workers (%s): a worker whose "
             "part succeeded refuses the next update until its session ends", exc,
         )  # fmt: skip
+
+
+def declare_layout(llm: WeightSyncEngine, hub: Hub, *, timeout: float | None = None) -> str:
+    """Declare the layout of `llm`'s workers (each reading its blocks: `"slices"`, the
+    default at tensor-parallel size > 1) to `hub`, so that every whole version the trainer
+    publishes from then on carries its checksums of each worker's blocks, and the workers
+    of every instance of this layout check each chunk they read from a peer against them
+    (`Hub.declare_layout`; docs/sdk.md, "Declared layouts"). Call it after the first
+    update, where the workers learn their blocks (`EngineNotReady` before; the `LLM` needs
+    `worker_extension_cls=WORKER_EXTENSION`), and again if the checkpoint's tensors
+    change. `hub` is any client of the tenant: it reads no weights. The layout's name."""
+    answers = [dict(a) for a in llm.collective_rpc(BLOCKS)]
+    if not answers or any(a["model"] is None for a in answers):
+        raise EngineNotReady("init_weight_transfer_engine first: the workers have no model")
+    models = {str(a["model"]) for a in answers}
+    layouts = {a["layout"] for a in answers}
+    if len(models) != 1 or None in layouts or len(layouts) != 1:
+        raise InvalidArgument(
+            f"declare_layout: the workers read {sorted(models)} in layouts "
+            f"{sorted(map(str, layouts))}: one model, each worker reading its blocks in one "
+            'layout ("slices") is what a layout declares'
+        )
+    if any(not a["blocks"] for a in answers):
+        raise EngineNotReady(
+            "declare_layout before the first update: the workers learn their blocks there"
+        )
+    [model], [layout] = models, layouts
+    workers = [_declared_slices(a["blocks"]) for a in answers]
+    hub.declare_layout(model, str(layout), workers, timeout=timeout)
+    return str(layout)
+
+
+def _declared_slices(blocks: dict[str, list[Any]]) -> dict[str, Slice]:
+    """One worker's blocks (`BLOCKS`' rows: dtype, global shape, offsets, shape) as the
+    slices `Hub.declare_layout` takes; their tensors have no memory (only their dtypes and
+    shapes are read)."""
+    return {
+        name: Slice(
+            torch.empty(tuple(shape), dtype=torch_dtype(dtype), device="meta"),
+            tuple(int(o) for o in offsets),
+            tuple(int(d) for d in glob),
+        )
+        for name, (dtype, glob, offsets, shape) in blocks.items()
+    }
 
 
 def reload_weights(llm: Any, receiver: VersionReceiver, version: int | str = "latest") -> int:

@@ -46,7 +46,7 @@ from ros.integrations.vllm_plan import TensorInfo, learn_blocks, load_blocks
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import InvalidArgument
 from transport.boxes import Box
-from transport.layout import torch_dtype
+from transport.layout import dtype_name, torch_dtype
 from transport.outcome import FetchStats
 
 log = logging.getLogger(__name__)
@@ -117,6 +117,17 @@ class BlockReceiver:
     def boxes(self) -> dict[str, Box]:
         """The block of each checkpoint tensor this worker consumes."""
         return dict(self._boxes)
+
+    def declaration(self) -> dict[str, tuple[str, list[int], list[int], list[int]]]:
+        """Each block this worker consumes as plain data, for `Hub.declare_layout` from the
+        driver (`ros.integrations.vllm.declare_layout`): name -> (dtype, global shape,
+        offsets, shape). Empty before the first update (the blocks are learned there)."""
+        return {
+            info.name: (dtype_name(info.dtype), list(info.shape), list(box.offsets),
+                        list(box.shape))
+            for info in self._infos
+            if (box := self._boxes.get(info.name)) is not None
+        }  # fmt: skip
 
     def receive(self, vllm_model: Any, version: int | str = "latest") -> int:
         """Read this worker's blocks of `version` (default: the latest) into its block

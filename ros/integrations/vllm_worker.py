@@ -9,6 +9,7 @@ class when the `LLM` names it:
               worker_extension_cls=WORKER_EXTENSION)
     llm.collective_rpc(STATUS)   # one dict per worker
     llm.collective_rpc(DIGEST)   # what each worker's model was last loaded from
+    llm.collective_rpc(BLOCKS)   # each worker's blocks (`vllm.declare_layout` declares them)
 
 The answer is plain data (numbers, strings, dicts of them): vLLM hands a worker's result back
 to its client without type information unless insecure serialization is on, so a dataclass
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 import xxhash
 
-from ros.integrations.vllm import ABORT, VersionReceiver
+from ros.integrations.vllm import ABORT, BLOCKS, VersionReceiver
 from ros.integrations.vllm_blocks import BlockReceiver
 from ros.integrations.vllm_engine import TensorHubWeightTransferEngine
 from ros.integrations.vllm_memory import resident
@@ -35,7 +36,7 @@ from transport.outcome import FetchStats
 WORKER_EXTENSION = f"{__name__}.TensorHubWorkerExtension"
 STATUS = "tensorhub_status"  # the methods' names, for `collective_rpc`
 DIGEST = "tensorhub_digest"
-__all__ = ["ABORT", "DIGEST", "STATUS", "WORKER_EXTENSION", "TensorHubWorkerExtension"]
+__all__ = ["ABORT", "BLOCKS", "DIGEST", "STATUS", "WORKER_EXTENSION", "TensorHubWorkerExtension"]
 
 
 class TensorHubWorkerExtension:
@@ -84,6 +85,18 @@ class TensorHubWorkerExtension:
             self._weight_update_active = False  # vLLM's worker: its session flag
         return active
 
+    def tensorhub_blocks(self) -> dict[str, Any]:
+        """What `ros.integrations.vllm.declare_layout` declares for this worker: its model,
+        its layout (None when it reads whole versions, not blocks) and its blocks, name ->
+        [dtype, global shape, offsets, shape] (empty before its first update, where it
+        learns them; none for a worker whose engine was not initialised: model None)."""
+        receiver = _receiver(self)
+        if not isinstance(receiver, BlockReceiver):
+            model = None if receiver is None else receiver.model
+            return {"model": model, "layout": None, "blocks": {}}
+        blocks = {name: list(row) for name, row in receiver.declaration().items()}
+        return {"model": receiver.model, "layout": receiver.layout, "blocks": blocks}
+
     def tensorhub_digest(self) -> dict[str, Any]:
         """The version this worker's model runs and an xxh3-64 over the names and bytes of
         the host copy it was loaded from, in checkpoint order (None when no copy is left:
@@ -105,8 +118,10 @@ def _block_status(receiver: BlockReceiver) -> dict[str, Any]:
     """`tensorhub_status` of a worker that reads its blocks only: the fields of the
     whole-version status (`base_bytes` 0: the blocks are the delta base, no copy), plus
     the layout, the bytes of its blocks, the box of each tensor it consumes ((offsets,
-    shape)), the blocks its last fetch read from the trainer's shards, and whether it
-    serves them, and its process's resident memory now and at its highest (bytes, from
+    shape)), the blocks its last fetch read from the trainer's shards, whether it
+    serves them, how many chunks it read from peers were checked against the publisher's
+    checksums (`publisher_checked`: a declared layout, `ros.integrations.vllm.declare_layout`),
+    and its process's resident memory now and at its highest (bytes, from
     /proc)."""
     stats = receiver.last_stats
     got = receiver.last_fetch
@@ -123,6 +138,7 @@ def _block_status(receiver: BlockReceiver) -> dict[str, Any]:
         "boxes": {n: (list(b.offsets), list(b.shape)) for n, b in receiver.boxes.items()},
         "from_trainer": None if got is None else sorted(got.from_trainer),
         "served": None if got is None else got.served,
+        "publisher_checked": None if got is None else got.publisher_checked,
         **resident(),
     }
 

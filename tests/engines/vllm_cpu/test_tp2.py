@@ -7,7 +7,9 @@ same way, from the trainer's shards, and a TP-1 instance beside them reads all o
 the TP-2 workers' blocks (`"cover": ["vllm-tp2"]`). An update in which one worker's fetch
 fails raises a named error and leaves every worker's model on the previous version; one in
 which a worker is killed ends the instance (vLLM's EngineDeadError) with no rank on the new
-version, and the other instance keeps generating its own."""
+version, and the other instance keeps generating its own. Once the instance declares its
+layout (`declare_layout`), a version published after it reaches its workers from peers with
+every chunk checked against the trainer's checksums."""
 
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ import torch
 
 import ros
 from ros.hub.server import HubServer
-from ros.integrations.vllm import update_vllm
+from ros.integrations.vllm import declare_layout, update_vllm
+from tensorhub.errors import EngineNotReady
 from tests.engines.vllm_cpu import tiny
 from tests.engines.vllm_cpu.test_delta import hf_greedy as hf_greedy_of
 from tests.engines.vllm_cpu.test_delta import nudged
@@ -62,6 +65,8 @@ def test_tp2_workers_read_their_blocks_and_a_second_instance_reads_them_from_the
     try:
         checkpoint = tiny.save(0, tmp_path / "v0")
         first = start(checkpoint, hub_server.address, token)
+        with pytest.raises(EngineNotReady, match="before the first update"):
+            declare_layout(first, trainer)  # the workers learn their blocks at the first
         whole = checkpoint_bytes(1)
         published = trainer.publish(MODEL, 1, tiny.weights(1), chunk_size=CHUNK)
         update_vllm(first, 1)
@@ -94,6 +99,7 @@ def test_tp2_workers_read_their_blocks_and_a_second_instance_reads_them_from_the
             assert mine["from_trainer"] == []
             assert "trainer" not in read
             assert sum(read.values()) == mine["block_bytes"] == theirs["block_bytes"]
+            assert mine["publisher_checked"] == 0  # no layout declared: the record's sums
             assert mine["boxes"] == theirs["boxes"]
 
         # v2 from two trainer ranks (TP 2): each worker reads its blocks from their shards
@@ -217,6 +223,43 @@ def test_tp2_workers_read_their_blocks_and_a_second_instance_reads_them_from_the
         finally:
             slow.kill()
             slow.wait(10)
+
+        # the first instance declares its layout: v7, published after it, carries the
+        # trainer's checksums of each rank's blocks. Two plain readers of those blocks read
+        # them from the trainer, which then lets go, so the workers read every chunk from
+        # them, each checked against the trainer's checksums
+        assert declare_layout(first, trainer) == "vllm-tp2"
+        assert trainer.declared_layouts(MODEL) == {"vllm-tp2": 2}
+        v7 = tiny.weights(7)
+        published = trainer.publish(MODEL, 7, v7, chunk_size=CHUNK)
+        peers = [
+            ros.connect(hub_server.address, tenant=TENANT, token=token, name=f"peer-{rank}")
+            for rank in range(2)
+        ]
+        try:
+            for peer, w in zip(peers, tiny.statuses(first), strict=True):
+                slices = {
+                    n: ros.Slice(torch.empty(shape), offsets, tuple(v7[n].shape))
+                    for n, (offsets, shape) in w["boxes"].items()
+                }
+                assert peer.fetch_slices(
+                    MODEL, 7, slices=slices, layout="vllm-tp2", timeout=30
+                ).served
+            published.release()  # the peers are the only holders left
+            update_vllm(first, 7)
+            assert tiny.vllm_greedy(first) == tiny.hf_greedy(7) != hf_greedy_of(v5)
+            for rank, w in enumerate(tiny.statuses(first)):
+                read = w["last_fetch"]["bytes_per_source"]
+                checked = w["publisher_checked"]
+                print(f"first instance, rank {rank}: v7 read {read}, {checked} chunks "
+                      "checked against the trainer's sums")  # fmt: skip
+                assert w["version"] == 7
+                assert w["from_trainer"] == []
+                assert set(read) == {peers[rank].holder_name}
+                assert w["publisher_checked"] == w["last_fetch"]["chunks"] > 0
+        finally:
+            for peer in peers:
+                peer.close()
     finally:
         for llm in (first, second):
             if llm is not None:
