@@ -9,8 +9,9 @@ them against the publisher's checksums, and copies the intersection into place.
 
 Source shards are read one at a time into a staging copy of that shard's layout, of which
 only the needed chunks are filled; the peak extra memory is one source shard (a reader in a
-layout stages one step's part of each source shard at once, and holds one staging copy in
-GPU memory at a time). A reader of
+layout stages one step's part of each source shard at once, and the next step's while that
+one arrives when both fit `STAGING_BUDGET`: `ros.client.slice_ahead`; it holds one staging
+copy in GPU memory at a time). A reader of
 slices becomes a holder of its blocks when it names their layout (`layout=`,
 `ros.client.layouts`): it serves them as a PARTIAL holder from the start, reads them first
 from the other holders of the same blocks (pipelined: from one registered before it, as
@@ -273,13 +274,15 @@ def _read_steps(
 ) -> None:
     """Read `steps` from the trainer's shards: one pipeline per source shard, all at once,
     each reading its part of step after step (`_read_part`, with the chunks that steps
-    share carried over: `Carry`); each trainer chunk's parts are copied into `dest` as it
-    is verified, and each chunk of `dest` is served as soon as its own bytes are in place
-    (`fill`), not when its blocks or the step are (`layouts.settle`, after each step, marks
-    what no trainer byte goes into). So the reader's link takes the shards' bytes at once,
-    with no round trip between one shard's read and the next, and it serves its chunks at
-    the rate they arrive, not in bursts (docs/design-notes.md, "Readers in another
-    layout")."""
+    share carried over: `Carry`), the next step's request out once the step before has
+    half its chunks (`slice_ahead`: one step ahead at most, within `STAGING_BUDGET`; the
+    first failure cuts every request still out); each trainer chunk's parts are copied
+    into `dest` as it is verified, and each chunk of `dest` is served as soon as its own
+    bytes are in place (`fill`), not when its blocks or the step are (`layouts.settle`,
+    after each step, marks what no trainer byte goes into). So the reader's link takes
+    the shards' bytes at once, with no round trip between one shard's read and the next
+    nor between one step's and the next, and it serves its chunks at the rate they
+    arrive, not in bursts (docs/design-notes.md, "Readers in another layout")."""
     carry = Carry()
     pipelines: dict[int, list[list[_Copy]]] = {}
     left: dict[str, int] = {}  # per block: the source shards' parts not in place yet
