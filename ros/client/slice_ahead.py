@@ -9,7 +9,8 @@ the trainer queue behind the chunks it serves. So a pipeline starts step k+1 onc
 has `AHEAD_AT` of the chunks it asked for (`Step.landed`): at most one step ahead, and only
 while the staging of the steps in flight of every pipeline stays within the read's budget
 (`Window`, `slices.STAGING_BUDGET`): a step that does not fit waits for the one before it,
-as it would without this.
+as it would without this, and so does a step staged in GPU memory (one staging copy there
+at a time).
 
 What a step reads that the step in flight before it reads too (a trainer chunk both need),
 it does not ask for: it waits for that step to end and takes the chunk from its carry
@@ -30,9 +31,12 @@ from collections.abc import Collection
 from ros.client.deadline import Deadline
 from tensorhub.errors import DeadlineExceeded, TransportError
 
-AHEAD_AT = 0.5
+AHEAD_AT = 0.8
 """The share of the chunks a step asked for that have landed when the next step of its
-source shard asks for its own."""
+source shard asks for its own (at the latest with one chunk left: `Step.landed`). Late in
+the step, so that the two overlap about a round trip: run longer side by side, two
+steps' connections to one trainer host share its link, the block set's chunks complete
+out of order, and the readers chained behind (who ask for them in order) wait."""
 
 
 class Stop:
@@ -117,7 +121,8 @@ class Step:
         """A chunk this step asked for is verified and in its staging."""
         with self._lock:
             self._landed += 1
-            if self._last and self._landed >= math.ceil(AHEAD_AT * self._asked):
+            due = max(1, min(self._asked - 1, math.ceil(AHEAD_AT * self._asked)))
+            if self._last and self._landed >= due:
                 self._go.set()
 
     def end(self, *, ok: bool) -> None:

@@ -275,7 +275,7 @@ def _read_steps(
     """Read `steps` from the trainer's shards: one pipeline per source shard, all at once,
     each reading its part of step after step (`_read_part`, with the chunks that steps
     share carried over: `Carry`), the next step's request out once the step before has
-    half its chunks (`slice_ahead`: one step ahead at most, within `STAGING_BUDGET`; the
+    most of its chunks (`slice_ahead`: one step ahead at most, within `STAGING_BUDGET`; the
     first failure cuts every request still out); each trainer chunk's parts are copied
     into `dest` as it is verified, and each chunk of `dest` is served as soon as its own
     bytes are in place (`fill`), not when its blocks or the step are (`layouts.settle`,

@@ -29,22 +29,25 @@ TENANT = "rl"
 @dataclass
 class Recorder(Fault):
     """A trainer rank's sender that waits `chunk_delay` before each chunk, records each
-    chunk it sent (its server's port, the reader's port of the connection, the chunk)
-    and, from its `corrupt_after`-th chunk on, sends corrupt bytes."""
+    chunk it sent (its server's port, the reader's port of the connection, the chunk, when
+    the server began it and when it was sent) and, from its `corrupt_after`-th chunk on,
+    sends corrupt bytes."""
 
-    sent: list[tuple[int, int, int]] = field(default_factory=list)
+    sent: list[tuple[int, int, int, float, float]] = field(default_factory=list)
     corrupt_after: int | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __call__(
         self, conn: socket.socket, header: ChunkHeader, views: list[memoryview], complete: bool
     ) -> None:
+        began = time.monotonic()
         with self.lock:
             if self.corrupt_after is not None and len(self.sent) >= self.corrupt_after:
                 self.corrupt = True
         super().__call__(conn, header, views, complete)
         with self.lock:
-            self.sent.append((conn.getsockname()[1], conn.getpeername()[1], header.index))
+            at, peer = conn.getsockname()[1], conn.getpeername()[1]
+            self.sent.append((at, peer, header.index, began, time.monotonic()))
 
 
 @pytest.fixture
@@ -70,38 +73,41 @@ def _trainers(clients: Callable[..., ros.Hub], senders: list[Recorder]) -> list[
     return publish_tp(lambda: clients(hooks=ClientHooks(send=next(ranks))), 2)
 
 
-def _runs(sent: list[tuple[int, int, int]], port: int) -> list[int]:
-    """The connections to the server on `port`, in the order of the chunks it sent."""
-    return [conn for at, conn, _ in sent if at == port]
+def _overlaps(sent: list[tuple[int, int, int, float, float]]) -> int:
+    """How many times a connection's first chunk was begun (its GET had arrived) before the
+    last chunk of the connection begun before it was sent."""
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    for _, peer, _, began, done in sent:
+        first[peer] = min(first.get(peer, began), began)
+        last[peer] = max(last.get(peer, done), done)
+    conns = sorted(first, key=first.__getitem__)
+    assert len(conns) > 2  # a round per step
+    return sum(1 for a, b in pairwise(conns) if first[b] < last[a])
 
 
 def test_the_next_step_asks_for_its_chunks_before_the_step_before_has_arrived(
     clients: Callable[..., ros.Hub],
 ) -> None:
-    """Each step of a source shard is a round of its own (one connection, one GET). A trainer
-    rank that takes 20 ms a chunk sends chunks of a later step's connection before the last
-    chunk of the step before it: that step's request was out while the one before was
-    still arriving. Each trainer chunk is still sent once (what two steps share is
-    carried, not asked for twice), and the reader ends on the trainer's bytes."""
+    """Each step of a source shard is a round of its own (one connection, one GET). With
+    trainer ranks that take 20 ms a chunk, a later step's GET reaches a rank (it begins
+    that connection's first chunk) before the last chunk of the step before it has left:
+    that step's request was out while the one before was still arriving. Each trainer
+    chunk is still sent once (what two steps share is carried, not asked for twice), and
+    the reader ends on the trainer's bytes."""
     senders = [Recorder(chunk_delay=0.02), Recorder(chunk_delay=0.02)]
     trainers = _trainers(clients, senders)
     out, slices = slices_for(0, 1)  # the whole model: both source shards, in steps
     got = clients().fetch_slices("policy", 1, slices=slices, layout="tp1", timeout=60)
     for name, want in expected(0, 1).items():
         assert torch.equal(out[name], want), name
-    interleaved = 0
+    overlaps = 0
     for s in senders:
-        ports = {at for at, _, _ in s.sent}
-        assert len(ports) == 1  # one server per rank
-        runs = _runs(s.sent, ports.pop())
-        conns = list(dict.fromkeys(runs))  # in the order each one began
-        assert len(conns) > 2  # a round per step
-        # a connection that sends again after a later one began: the later step's
-        # request went out before this step's chunks had all arrived
-        interleaved += sum(1 for a, b in pairwise(runs) if conns.index(b) < conns.index(a))
-        indices = [index for _, _, index in s.sent]
+        assert len({sent[0] for sent in s.sent}) == 1  # one server per rank
+        overlaps += _overlaps(s.sent)
+        indices = [sent[2] for sent in s.sent]
         assert len(indices) == len(set(indices))  # no trainer chunk read twice
-    assert interleaved > 0
+    assert overlaps > 0
     assert set(got.bytes_per_source) == {t.holder_name for t in trainers}
     assert got.from_trainer == set(slices)
     assert got.served
