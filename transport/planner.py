@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 from transport.kinds import TransportKind
 from transport.topology import Topology, distance
 
+STOP_POLL = 0.05
+"""How often a round's wait looks at its `stop` event (`ChunkScheduler.wait`)."""
+
 
 @dataclass(frozen=True)
 class Source:
@@ -169,15 +172,16 @@ class ChunkScheduler:
                 self._queues[h].extend(assigned)
             self._cond.notify_all()
 
-    def wait(self, timeout: float) -> bool:
-        """Wait until every chunk arrived or no holder is live; True if all arrived."""
+    def wait(self, timeout: float, stop: threading.Event | None = None) -> bool:
+        """Wait until every chunk arrived, no holder is live, or `stop` is set (looked at
+        every `STOP_POLL` s); True if all arrived."""
         end = time.monotonic() + timeout
         with self._cond:
-            while self._pending and self._live:
+            while self._pending and self._live and not (stop is not None and stop.is_set()):
                 left = end - time.monotonic()
                 if left <= 0:
                     break
-                self._cond.wait(left)
+                self._cond.wait(left if stop is None else min(left, STOP_POLL))
             return not self._pending
 
     def wake(self) -> None:

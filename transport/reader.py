@@ -258,6 +258,7 @@ def read_round(
     busy: BusyRetry | None = None,
     readers: ReaderBackends | None = None,
     digests: Sequence[int] | None = None,
+    stop: threading.Event | None = None,
 ) -> Round:
     """One round: read the chunks of `chunks` (default: every chunk) that `dest` misses, of
     tenant/model@version, from `sources`, before `deadline` (a time.monotonic() value), and
@@ -276,7 +277,10 @@ def read_round(
     retry policy); None: a BUSY holder is suspected like any other failure. `readers` are
     the caller's reader backends (a client's own); None: the round builds its own and
     closes them when it ends. `digests`: under a linear `checksum` (wsum64), the xxh3-64 of
-    every chunk that the manifest's delta section records (`result_xxh3`), checked too."""
+    every chunk that the manifest's delta section records (`result_xxh3`), checked too.
+    `stop`, once set, ends the round as the deadline would (its connections cut, the
+    chunks not yet in left missing, no holder blamed): a caller's read that failed
+    elsewhere, or ended, takes back the request it had out."""
     validate_name(tenant, "tenant")
     validate_name(model, "model")
     validate_version(version)
@@ -317,7 +321,7 @@ def read_round(
     for t in threads:
         t.start()
     try:
-        sched.wait(deadline - time.monotonic())
+        sched.wait(deadline - time.monotonic(), stop)
     finally:
         f.abort()  # this round's state only: a late worker can start nothing new
         ended.set()

@@ -56,6 +56,7 @@ from tensorhub.errors import (
     IntegrityError,
     InvalidArgument,
     TensorHubError,
+    TransportError,
     VersionUnavailable,
 )
 from transport.backend import TransportKind
@@ -265,10 +266,14 @@ class Orchestrator:
         rate_floor: float = DEFAULT_RATE_FLOOR,
         progress: ProgressCallback | None = None,
         landed: Landed | None = None,
+        stop: threading.Event | None = None,
     ) -> FetchStats:
         """Fill `target` from the holders `resolved` names (a Resolve of its version and
         shard), as the module docstring says; its stats, or the last round's named error.
-        `landed` is told each chunk's index as it is committed."""
+        `landed` is told each chunk's index as it is committed. `stop`, once set, ends the
+        run: the round in flight is cut (`transport.reader.read_round`), no other starts,
+        and the run raises `TransportError` (a caller whose read failed elsewhere takes
+        back what it asked for here)."""
         if target.holder:
             self._serving.start()
             self._holdings.hold(target.dest, target.shard)
@@ -282,7 +287,7 @@ class Orchestrator:
             return FetchStats(duration=time.monotonic() - start)
         try:
             counter = _Counter(target, progress, landed)
-            stats = self._rounds(target, resolved, deadline, rate_floor, counter)
+            stats = self._rounds(target, resolved, deadline, rate_floor, counter, stop)
             if target.holder:
                 self._complete(target, deadline)
         except BaseException:
@@ -301,6 +306,7 @@ class Orchestrator:
         deadline: Deadline,
         rate_floor: float,
         counter: _Counter,
+        stop: threading.Event | None = None,
     ) -> FetchStats:
         me, dest = self._me, target.dest
         model, version, shard = target.model, target.version, target.shard
@@ -320,8 +326,13 @@ class Orchestrator:
         wanted = target.wanted()
         digests = result_digests(target.manifest)
 
+        def stopped() -> bool:
+            return stop is not None and stop.is_set()
+
         def one_round() -> None:
             nonlocal candidates
+            if stopped():
+                raise TransportError(f"{what}: stopped with {len(dest.missing())} chunks missing")
             if stats.rounds:  # failover: who holds it now, and a fresh plan by the same policy
                 again = self.holders(model, version, shard, deadline)
                 tokens.offer(bytes(again.read_token), int(again.token_expiry_unix))
@@ -335,18 +346,25 @@ class Orchestrator:
                 token=tokens, deadline=deadline.work_end, me=me.topology, chunks=wanted,
                 expected=list(target.manifest.chunk_xxh3), tls=me.tls, rate_floor=rate_floor,
                 stats=stats, on_chunk=counter, checksum=target.manifest.checksum,
-                busy=self._busy, readers=self._readers, digests=digests,
+                busy=self._busy, readers=self._readers, digests=digests, stop=stop,
             )  # fmt: skip
             suspects.update(result.failures)
             if result.done:
                 return
+            if stopped():
+                raise TransportError(f"{what}: stopped with {len(result.missing)} chunks missing")
             if time.monotonic() >= deadline.work_end:
                 raise DeadlineExceeded(
                     f"{what}: deadline passed with {len(result.missing)} chunks missing"
                 )
             raise final_error(result.failures, what)
 
-        self._policy.retrying(deadline.work_end)(one_round)
+        retrying = (
+            self._policy.retrying(deadline.work_end)
+            if stop is None
+            else self._policy.retrying(deadline.work_end, stop=stop.is_set, sleep=stop.wait)
+        )
+        retrying(one_round)
         for name, reason in skipped.items():
             stats.failed_sources.setdefault(name, reason)
         return stats

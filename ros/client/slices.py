@@ -9,8 +9,9 @@ them against the publisher's checksums, and copies the intersection into place.
 
 Source shards are read one at a time into a staging copy of that shard's layout, of which
 only the needed chunks are filled; the peak extra memory is one source shard (a reader in a
-layout stages one step's part of each source shard at once, and holds one staging copy in
-GPU memory at a time). A reader of
+layout stages one step's part of each source shard at once, and the next step's while that
+one arrives when both fit `STAGING_BUDGET`: `ros.client.slice_ahead`; it holds one staging
+copy in GPU memory at a time). A reader of
 slices becomes a holder of its blocks when it names their layout (`layout=`,
 `ros.client.layouts`): it serves them as a PARTIAL holder from the start, reads them first
 from the other holders of the same blocks (pipelined: from one registered before it, as
@@ -39,14 +40,14 @@ import logging
 import secrets
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
 from ros.cli.rss import give_back_freed
-from ros.client import layout_cover, layout_delta, layouts, slice_fill
+from ros.client import layout_cover, layout_delta, layouts, slice_ahead, slice_fill
 from ros.client.deadline import Deadline
 from ros.client.delta_bases import Staged
 from ros.client.delta_fetch import DeltaReader, DeltaStats
@@ -279,13 +280,15 @@ def _read_steps(
 ) -> None:
     """Read `steps` from the trainer's shards: one pipeline per source shard, all at once,
     each reading its part of step after step (`_read_part`, with the chunks that steps
-    share carried over: `Carry`); each trainer chunk's parts are copied into `dest` as it
-    is verified, and each chunk of `dest` is served as soon as its own bytes are in place
-    (`fill`), not when its blocks or the step are (`layouts.settle`, after each step, marks
-    what no trainer byte goes into). So the reader's link takes the shards' bytes at once,
-    with no round trip between one shard's read and the next, and it serves its chunks at
-    the rate they arrive, not in bursts (docs/design-notes.md, "Readers in another
-    layout")."""
+    share carried over: `Carry`), the next step's request out once the step before has
+    most of its chunks (`slice_ahead`: one step ahead at most, within `STAGING_BUDGET`; the
+    first failure cuts every request still out); each trainer chunk's parts are copied
+    into `dest` as it is verified, and each chunk of `dest` is served as soon as its own
+    bytes are in place (`fill`), not when its blocks or the step are (`layouts.settle`,
+    after each step, marks what no trainer byte goes into). So the reader's link takes
+    the shards' bytes at once, with no round trip between one shard's read and the next
+    nor between one step's and the next, and it serves its chunks at the rate they
+    arrive, not in bursts (docs/design-notes.md, "Readers in another layout")."""
     carry = Carry()
     pipelines: dict[int, list[list[_Copy]]] = {}
     left: dict[str, int] = {}  # per block: the source shards' parts not in place yet
@@ -301,36 +304,85 @@ def _read_steps(
         return
     lock = threading.Lock()
     gpu = threading.Lock()  # one staging copy in GPU memory at a time, as a plain read
-    failed = threading.Event()
+    stop = slice_ahead.Stop()  # the first failure stops every step still out
+    window = slice_ahead.Window(STAGING_BUDGET)  # the staging of the steps in flight
     progress = _one_at_a_time(progress)
 
+    def read(
+        index: int, holders: pb.ResolveResponse, copies: list[_Copy], step: slice_ahead.Step
+    ) -> SliceFetch:
+        """One step of source shard `index` (in a thread of its pipeline's)."""
+        mine = SliceFetch(version)
+        try:
+            _read_part(
+                me, runs, model, version, _shard(resolved, index), holders, parts[index],
+                copies, slices, deadline, mine, rate_floor, progress, carry=carry,
+                gpu=gpu, fill=fill, step=step,
+            )  # fmt: skip
+        except BaseException as exc:
+            stop.fail(exc)
+            step.end(ok=False)
+            raise
+        step.end(ok=True)
+        return mine
+
     def pipeline(index: int) -> SliceFetch:
+        """Source shard `index`'s steps in order, each started once the one before it has
+        `slice_ahead.AHEAD_AT` of its chunks (at most one step ahead, within `window`)."""
         mine = SliceFetch(version)
         holders = _holders(runs, model, version, resolved, index, deadline)
-        for copies in pipelines[index]:
-            if failed.is_set():  # another pipeline failed: the read fails with its error
-                break
+        layout_i = layout_of(parts[index])
+        specs = {spec.name: spec for spec in layout_i.tensors}
+        running: list[tuple[slice_ahead.Step, Future[SliceFetch], list[_Copy], int]] = []
+
+        def settle() -> None:
+            """Wait for the oldest step in flight; count its blocks' parts as in place."""
+            _, future, copies, size = running.pop(0)
             try:
-                _read_part(
-                    me, runs, model, version, _shard(resolved, index), holders, parts[index],
-                    copies, slices, deadline, mine, rate_floor, progress, carry=carry,
-                    gpu=gpu, fill=fill,
-                )  # fmt: skip
-            except BaseException:
-                failed.set()
-                raise
+                _merge(mine, future.result())
+            finally:
+                window.give(size)
             with lock:
                 for c in copies:
                     left[c.name] -= 1
                     if left[c.name] == 0:
                         done.add(c.name)
                 layouts.settle(dest, done)
+
+        with ThreadPoolExecutor(2, thread_name_prefix="slices-step") as ahead:
+            try:
+                for copies in pipelines[index]:
+                    if stop.event.is_set():  # another step failed: the read fails with it
+                        break
+                    needed = _needed(copies, layout_i, specs)
+                    size = len(needed) * layout_i.chunk_size
+                    on_gpu = _staging_device([slices[c.name].tensor for c in copies]).type
+                    before = running[-1][0] if running else None
+                    if before is not None:
+                        before.wait_go(deadline)
+                        if on_gpu == "cuda" or before.ended or not window.try_take(size):
+                            settle()  # not ahead: after the step before, as it fits
+                            before = None
+                    if before is None:
+                        window.take(size)
+                    step = slice_ahead.Step(needed, before, stop)
+                    running.append(
+                        (step, ahead.submit(read, index, holders, copies, step), copies, size)
+                    )
+                    while len(running) > 1:  # at most one step ahead
+                        settle()
+                while running:
+                    settle()
+            except BaseException as exc:
+                stop.fail(exc)  # the steps still out are cut before the pool is left
+                raise
         return mine
 
     with ThreadPoolExecutor(len(pipelines), thread_name_prefix="slices-shard") as pool:
         futures = [pool.submit(pipeline, index) for index in sorted(pipelines)]
         wait(futures)
-    for future in futures:  # the first failure, once every pipeline has stopped
+    stop.raise_first()  # the first failure, once every pipeline and step has stopped
+    for future in futures:
         _merge(result, future.result())
 
 
@@ -475,6 +527,7 @@ def _read_part(
     carry: Carry | None = None,
     gpu: threading.Lock | None = None,
     fill: slice_fill.Fill | None = None,
+    step: slice_ahead.Step | None = None,
 ) -> None:
     """Fetch the chunks of one source shard that `copies` need (and only those: the others
     of the staging copy stay missing), then copy the intersections out, in place. With
@@ -483,7 +536,9 @@ def _read_part(
     With `fill` (a layout reader's), each chunk's intersections are copied out as it is
     verified, and the block set's chunks served as their bytes are in place.
     `gpu`, held while a staging copy in GPU memory is in use, keeps reads that run at once
-    to one such copy at a time (the layout steps' pipelines: `_read_steps`).
+    to one such copy at a time (the layout steps' pipelines: `_read_steps`). `step` (a
+    layout reader's) is told what each round asks for and what lands, so that the next
+    step can ask for its own before this one has arrived (`ros.client.slice_ahead`).
 
     The staging copy lives where the destinations are (`_staging_device`): for slices in GPU
     memory it is on their device, so the bytes take the transports' path into GPU memory
@@ -493,10 +548,11 @@ def _read_part(
     layout = layout_of(manifest)
     specs = {s.name: s for s in layout.tensors}
     groups = _staging_groups(copies, layout, specs) if deltas is None else [copies]
-    for group in groups:  # one staging copy at a time (`STAGING_BUDGET`)
+    for n, group in enumerate(groups):  # one staging copy at a time (`STAGING_BUDGET`)
         _read_group(
             me, runs, model, version, shard, holders, manifest, layout, specs, group,
             slices, deadline, result, rate_floor, progress, deltas, carry, gpu, fill,
+            step, n == len(groups) - 1,
         )  # fmt: skip
         give_back_freed()  # its staging, freed as it returned: resident no more
 
@@ -521,10 +577,14 @@ def _read_group(
     carry: Carry | None,
     gpu: threading.Lock | None = None,
     fill: slice_fill.Fill | None = None,
+    step: slice_ahead.Step | None = None,
+    last: bool = True,
 ) -> None:
     """`_read_part` for one staging copy: the chunks `copies` need, into a staging copy of
     the shard's `layout` allocated here (or the delta base kept from the last call), then
-    the intersections copied out."""
+    the intersections copied out. With `step` (`last`: the step's last staging copy), the
+    chunks the step in flight before it reads too are not asked for: they are taken from
+    `carry` once that step ended (`slice_ahead.Step.later`)."""
     device = _staging_device([slices[c.name].tensor for c in copies])
     with _gpu_slot(gpu if device.type == "cuda" else None, deadline):
         needed = _needed(copies, layout, specs)
@@ -545,13 +605,31 @@ def _read_group(
             result.deltas[shard] = applied.stats
         if carry is not None:
             carry.restore(shard, staging, needed)
-        target = Target(model, version, shard, staging, manifest, chunks=needed, holder=False)
+        missing = [i for i in sorted(needed) if not staging.is_present(i)]
+        later = step.later(missing) if step is not None and carry is not None else set()
+        ask = [i for i in missing if i not in later]
+        if step is not None:
+            step.asking(len(ask), last=last)
+        landed, stop = (step.landed, step.stop.event) if step is not None else (None, None)
+        target = Target(
+            model, version, shard, staging, manifest,
+            chunks=needed if step is None else ask, holder=False,
+        )  # fmt: skip
         try:
-            stats = (
-                runs.run(target, holders, deadline, rate_floor=rate_floor, progress=progress)
-                if carry is None or any(not staging.is_present(i) for i in needed)
-                else FetchStats()  # every chunk carried over from a step before
-            )
+            stats = FetchStats()  # every chunk carried over from a step before
+            if carry is None or ask:
+                stats = runs.run(
+                    target, holders, deadline, rate_floor=rate_floor, progress=progress,
+                    landed=landed, stop=stop,
+                )  # fmt: skip
+            if later and step is not None and carry is not None:  # read by the step before
+                step.wait_before(deadline)
+                carry.restore(shard, staging, later)
+                rest = [i for i in later if not staging.is_present(i)]
+                if rest:  # not kept for us (never: `Carry.plan` counts every step)
+                    again = Target(model, version, shard, staging, manifest, rest, False)
+                    more = runs.run(again, holders, deadline, rate_floor=rate_floor, stop=stop)
+                    add_moved(result, more)
         except BaseException:
             if base is not None:
                 base.drop()
