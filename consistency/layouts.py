@@ -38,13 +38,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from consistency import ops
-from consistency.declared_layouts import MAX_PARTS_SHARDS, add_parts, decode_publisher_sums
 from consistency.etcd import Etcd, TxnResult
 from consistency.keys import Keys
 from consistency.layout_tally import LayoutTally
 from consistency.records import HolderRecord
 from consistency.retry import LAYOUT_RACES, LostRace
 from consistency.usage import RECORD_BYTES, TenantBudget
+from tensorhub.declared_records import MAX_PARTS_SHARDS, add_parts, decode_publisher_sums
 from tensorhub.errors import (
     InvalidArgument,
     PermissionDenied,

@@ -28,11 +28,11 @@ from itertools import pairwise
 
 import torch
 
-from consistency.declared_layouts import MAX_PARTS_BYTES, Part, encode_parts
 from ros.client.layouts import describe, digest_of
 from ros.client.manifest import placement_of
 from ros.client.slice import Slice
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from tensorhub.declared_records import MAX_PARTS_BYTES, Part, encode_parts
 from tensorhub.errors import InvalidArgument
 from transport.boxes import Box
 from transport.checksums import multipliers, wsum64_of_segments

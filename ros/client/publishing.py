@@ -14,7 +14,6 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from consistency.declared_layouts import MAX_PARTS_SHARDS
 from consistency.floor import RevisionFloor
 from consistency.retry import RetryPolicy
 from ros.client.delta_publish import WHERE, BaseCopies
@@ -40,6 +39,7 @@ from ros.manifest_check import check_manifest
 from ros.metrics import SDK_PUBLISH_SECONDS
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.views.shard_view import abstain, make_shard_views
+from tensorhub.declared_records import MAX_PARTS_SHARDS
 from tensorhub.errors import (
     DeadlineExceeded,
     InvalidArgument,

@@ -15,15 +15,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, Protocol
 
 from consistency import HolderRecord, HolderState, VersionRegistry
-from consistency.declared_layouts import (
-    MAX_PART_SUMS,
-    MAX_PARTS_BYTES,
-    MAX_PARTS_SHARDS,
-    MAX_PUBLISHER_SUMS,
-    DeclaredLayouts,
-    Part,
-    encode_parts,
-)
+from consistency.declared_layouts import DeclaredLayouts
 from consistency.manifests import (
     MAX_MANIFEST_BYTES,
     MAX_SHARDS,
@@ -58,6 +50,14 @@ from ros.metrics import HUB_PUBLISH_LIMIT, HUB_PUBLISHES_REFUSED, HUB_WATCHES
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.raw_manifest import full_request
 from ros.tokens import issue_read_token
+from tensorhub.declared_records import (
+    MAX_PART_SUMS,
+    MAX_PARTS_BYTES,
+    MAX_PARTS_SHARDS,
+    MAX_PUBLISHER_SUMS,
+    Part,
+    encode_parts,
+)
 from tensorhub.delta_rules import is_companion
 from tensorhub.errors import InvalidArgument, TensorHubError, VersionNotFound
 from tensorhub.names import validate_name, validate_version

@@ -304,9 +304,9 @@ def test_a_shards_parts_of_publisher_checksums_weigh_in_its_batch_by_their_bytes
     from typing import cast
 
     from consistency import ops
-    from consistency.declared_layouts import MAX_PARTS_BYTES
     from consistency.manifests import Staged
     from consistency.shard_commit import EXTRA_OP_BYTES, MAX_TXN_OPS
+    from tensorhub.declared_records import MAX_PARTS_BYTES
 
     def entry(index: int, nbytes: int) -> ShardEntry:
         staged = cast(Staged, SimpleNamespace(header=SimpleNamespace(pages=0)))
