@@ -6,10 +6,11 @@ etcd and sockets."""
 
 from __future__ import annotations
 
+import functools
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from itertools import pairwise
@@ -20,12 +21,11 @@ import xxhash
 
 import ros
 from chaos.holder_faults import Fault
-from consistency.declared_layouts import MAX_DECLARED_LAYOUTS
 from ros.client import publisher_sums, publishing
 from ros.client.hooks import ClientHooks
 from ros.client.layouts import block_set
-from ros.hub.server import HubServer
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from tensorhub.declared_records import MAX_DECLARED_LAYOUTS
 from tests.ros.layout_model import CHUNK, expected, global_model, slices_for
 from tests.ros.test_layout_deltas import same, step
 from transport.boxes import Box
@@ -38,20 +38,9 @@ TENANT = "rl"
 
 
 @pytest.fixture
-def clients(
-    hub_server: HubServer, make_tenant: Callable[[str], str]
-) -> Iterator[Callable[..., ros.Hub]]:
-    token = make_tenant(TENANT)
-    opened: list[ros.Hub] = []
-
-    def open_client(**kwargs: object) -> ros.Hub:
-        client = ros.connect(hub_server.address, tenant=TENANT, token=token, **kwargs)  # type: ignore[arg-type]
-        opened.append(client)
-        return client
-
-    yield open_client
-    for client in opened:
-        client.close()
+def clients(connect: Callable[..., ros.Hub]) -> Callable[..., ros.Hub]:
+    """Clients of tenant `TENANT` (tests/ros/conftest.py's `connect`: closed at the end)."""
+    return functools.partial(connect, TENANT)
 
 
 def _workers(ranks: int) -> list[dict[str, ros.Slice]]:
@@ -71,17 +60,7 @@ def _resolve(
 def _wsum64_of_blocks(rank: int, ranks: int) -> list[int]:
     """The wsum64 of every chunk of a TP-`ranks` worker's block set, from the global model's
     bytes, in plain numpy (`wsum64_reference`): each block one tensor, sorted by name."""
-    blocks = {name: t.contiguous() for name, t in sorted(expected(rank, ranks).items())}
-    layout = Layout.from_tensors(blocks, chunk_size=CHUNK)
-    flats = [blocks[spec.name].reshape(-1).view(torch.uint8).numpy() for spec in layout.tensors]
-    return [
-        wsum64_reference(
-            b"".join(
-                flats[s.tensor][s.start : s.start + s.length].tobytes() for s in layout.segments(i)
-            )
-        )
-        for i in range(layout.num_chunks)
-    ]
+    return _reference_sums(expected(rank, ranks))
 
 
 def test_the_hub_records_the_publishers_wsum64_of_each_declared_chunk_with_the_version(

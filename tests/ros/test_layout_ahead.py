@@ -4,10 +4,11 @@ had out: through the SDK, against a real hub, etcd and trainer ranks that serve 
 
 from __future__ import annotations
 
+import functools
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -18,7 +19,6 @@ import torch
 import ros
 from chaos.holder_faults import Fault
 from ros.client.hooks import ClientHooks
-from ros.hub.server import HubServer
 from tensorhub.errors import IntegrityError
 from tests.ros.layout_model import expected, publish_tp, slices_for
 from transport.wire import ChunkHeader
@@ -51,20 +51,9 @@ class Recorder(Fault):
 
 
 @pytest.fixture
-def clients(
-    hub_server: HubServer, make_tenant: Callable[[str], str]
-) -> Iterator[Callable[..., ros.Hub]]:
-    token = make_tenant(TENANT)
-    opened: list[ros.Hub] = []
-
-    def open_client(**kwargs: object) -> ros.Hub:
-        client = ros.connect(hub_server.address, tenant=TENANT, token=token, **kwargs)  # type: ignore[arg-type]
-        opened.append(client)
-        return client
-
-    yield open_client
-    for client in opened:
-        client.close()
+def clients(connect: Callable[..., ros.Hub]) -> Callable[..., ros.Hub]:
+    """Clients of tenant `TENANT` (tests/ros/conftest.py's `connect`: closed at the end)."""
+    return functools.partial(connect, TENANT)
 
 
 def _trainers(clients: Callable[..., ros.Hub], senders: list[Recorder]) -> list[ros.Hub]:
