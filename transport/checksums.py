@@ -46,6 +46,7 @@ __all__ = [
     "XXH3",
     "kind_of",
     "wsum64",
+    "wsum64_of_rows",
     "wsum64_of_segments",
     "wsum64_of_views",
     "wsum64_reference",
@@ -108,6 +109,16 @@ def wsum64(data: torch.Tensor) -> int:
     words = data.view(torch.int64)
     total = torch.sum(words * multipliers(words.numel(), data.device))
     return int(total.item()) & 0xFFFF_FFFF_FFFF_FFFF
+
+
+def wsum64_of_rows(buf: torch.Tensor, chunk_size: int) -> list[int]:
+    """wsum64 of each `chunk_size` bytes of the 1-D uint8 tensor `buf` (whole chunks, on any
+    device; `chunk_size` a multiple of 8), in one multiply and one reduction. `buf` is
+    overwritten: the caller's scratch buffer, read no more."""
+    words = chunk_size // 8
+    rows = buf.view(torch.int64).view(-1, words)
+    rows.mul_(multipliers(words, buf.device))  # in place: no second buffer of the group
+    return [int(x) & 0xFFFF_FFFF_FFFF_FFFF for x in rows.sum(dim=1).tolist()]
 
 
 def wsum64_of_segments(flats: Sequence[torch.Tensor], segments: Sequence[Segment]) -> int:

@@ -32,17 +32,13 @@ from ros.client.layouts import describe, digest_of
 from ros.client.manifest import placement_of
 from ros.client.slice import Slice
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
-from tensorhub.declared_records import MAX_PARTS_BYTES, Part, encode_parts
+from tensorhub.declared_records import MAX_PARTS_BYTES, MAX_PUBLISHER_SUMS, Part, encode_parts
 from tensorhub.errors import InvalidArgument
 from transport.boxes import Box
-from transport.checksums import multipliers, wsum64_of_segments
+from transport.checksums import wsum64_of_rows, wsum64_of_segments
 from transport.layout import Layout, dtype_name, torch_dtype
 
 log = logging.getLogger(__name__)
-
-MAX_PUBLISHER_SUMS = 1 << 16
-"""The most chunk checksums one publish carries (the hub's bound,
-`consistency.declared_layouts.MAX_PUBLISHER_SUMS`); past it a publisher sends none."""
 
 
 def rows_of(slices: Mapping[str, Slice]) -> bytes:
@@ -57,20 +53,28 @@ def rows_of(slices: Mapping[str, Slice]) -> bytes:
     return json.dumps(rows, separators=(",", ":")).encode()
 
 
-def _blocks(
-    rows: list[list[object]], tensors: Mapping[str, torch.Tensor]
-) -> dict[str, tuple[str, tuple[int, ...], Box]] | None:
+Blocks = dict[str, tuple[str, tuple[int, ...], Box]]
+"""A declared block set: per tensor name, its dtype's name, its global shape and its box."""
+
+
+def _parse(raw: bytes) -> Blocks:
+    """A declared block set's JSON rows [name, dtype, global shape, offsets, shape]."""
+    return {
+        str(name): (str(dtype), tuple(int(d) for d in glob),
+                    Box(tuple(int(o) for o in offsets), tuple(int(n) for n in shape)))
+        for name, dtype, glob, offsets, shape in json.loads(raw)
+    }  # fmt: skip
+
+
+def _blocks(raw: bytes, tensors: Mapping[str, torch.Tensor]) -> Blocks | None:
     """The declared blocks of one block set, if the published `tensors` (whole) hold every
     one of them with its dtype and global shape; else None."""
-    out: dict[str, tuple[str, tuple[int, ...], Box]] = {}
-    for name, dtype, glob, offsets, shape in rows:
-        tensor = tensors.get(str(name))
-        glob_t = tuple(int(d) for d in glob)  # type: ignore[attr-defined]
-        if tensor is None or dtype_name(tensor.dtype) != dtype or tuple(tensor.shape) != glob_t:
+    blocks = _parse(raw)
+    for name, (dtype, glob, _) in blocks.items():
+        tensor = tensors.get(name)
+        if tensor is None or dtype_name(tensor.dtype) != dtype or tuple(tensor.shape) != glob:
             return None
-        box = Box(tuple(int(o) for o in offsets), tuple(int(s) for s in shape))  # type: ignore[attr-defined]
-        out[str(name)] = (str(dtype), glob_t, box)
-    return out
+    return blocks
 
 
 GROUP_BYTES = 4 * 1024 * 1024
@@ -122,9 +126,7 @@ def block_set_sums(
             wsum64_of_segments(flats, layout.segments(i)) for i in range(layout.num_chunks)
         ]
     device = next(iter(tensors.values())).device
-    words = chunk_size // 8
     per = max(1, (GROUP_BYTES if device.type == "cpu" else DEVICE_GROUP_BYTES) // chunk_size)
-    weights = multipliers(words, device)
     sums: list[int] = []
     cached: tuple[str, torch.Tensor] | None = None
     whole = torch.empty(min(per, layout.num_chunks) * chunk_size, dtype=torch.uint8, device=device)
@@ -145,9 +147,7 @@ def block_set_sums(
             if cached is None or cached[0] != spec.name:  # split by a group's edge
                 cached = (spec.name, view(spec.name).contiguous().reshape(-1).view(torch.uint8))
             buf[a - lo : b - lo] = cached[1][a - spec.offset : b - spec.offset]
-        rows = buf.view(torch.int64).view(count, words)
-        rows.mul_(weights)  # in place: the buffer is ours, and read no more
-        sums.extend(int(x) & 0xFFFF_FFFF_FFFF_FFFF for x in rows.sum(dim=1).tolist())
+        sums.extend(wsum64_of_rows(buf, chunk_size))  # the buffer is ours, read no more
     return block_set, sums
 
 
@@ -160,11 +160,11 @@ def layout_sums(
     `chunk_size`; a block set they do not hold (another model's names, dtypes or shapes)
     is skipped (logged): its readers take the reader-derived path. None at all past
     `MAX_PUBLISHER_SUMS` (logged)."""
-    planned: list[tuple[str, dict[str, tuple[str, tuple[int, ...], Box]]]] = []
+    planned: list[tuple[str, Blocks]] = []
     total = 0
     for layout, sets in sorted(declared.items()):
         for raw in sets:
-            blocks = _blocks(json.loads(raw), tensors)
+            blocks = _blocks(raw, tensors)
             if blocks is None:
                 log.warning("declared layout %r: a block set this publish does not hold", layout)
                 continue
@@ -194,7 +194,7 @@ def layout_parts(
     by byte), parts of replicas (the same box) counting once. A block set whose layout has
     padding between its blocks gets none (the same on every rank: it depends only on the
     declaration). None (logged), so that the shard sends no parts at all and the version
-    records no sums (`consistency.declared_layouts.add_parts` needs every shard's): a
+    records no sums (`tensorhub.declared_records.add_parts` needs every shard's): a
     declared block whose dtype or global shape is not the published one, or more than
     `MAX_PUBLISHER_SUMS` sums in all, or parts that would take over `MAX_PARTS_BYTES` as
     the hub writes them."""
@@ -203,12 +203,7 @@ def layout_parts(
     total = 0
     for layout_name, sets in sorted(declared.items()):
         for raw in sets:
-            rows = json.loads(raw)
-            blocks = {
-                str(name): (str(dtype), tuple(int(d) for d in glob),
-                             Box(tuple(int(o) for o in offsets), tuple(int(n) for n in shape)))
-                for name, dtype, glob, offsets, shape in rows
-            }  # fmt: skip
+            blocks = _parse(raw)
             for name, (dtype, glob, _) in blocks.items():
                 tensor = tensors.get(name)
                 if tensor is not None and (
@@ -273,10 +268,7 @@ def _part(
     start = offset - first * chunk_size
     region = buf[start : start + nbytes].view(spec.dtype).view(spec.shape)
     region[common.slices_in(block)].copy_(tensor[common.slices_in(box)])
-    rows = buf.view(torch.int64).view(last - first + 1, chunk_size // 8)
-    rows.mul_(multipliers(chunk_size // 8, buf.device))
-    sums = [int(x) & 0xFFFF_FFFF_FFFF_FFFF for x in rows.sum(dim=1).tolist()]
-    return list(range(first, last + 1)), sums
+    return list(range(first, last + 1)), wsum64_of_rows(buf, chunk_size)
 
 
 class DeclaredCache:
