@@ -47,6 +47,11 @@ class Deadline:
         """When the work (everything but completion and cleanup) must stop."""
         return self.end - self.reserve
 
+    def left(self) -> float:
+        """Seconds until `end`, 0 once it passed: the most a wait within this deadline may
+        block."""
+        return max(self.end - time.monotonic(), 0.0)
+
     def work(self, cap: float) -> float:
         """Seconds one call of the work may take: what is left before the reserve, at most
         `cap`. Raises `DeadlineExceeded` when too little is left to start one."""

@@ -468,9 +468,7 @@ class Orchestrator:
         (and the pin it held). What does not fit in time is left to the session's lease."""
         model, version = target.model, target.version
         try:  # forgets its fence and shard too
-            self._holdings.drop(
-                target.dest.key, min(1.0, max(deadline.end - time.monotonic(), 0.0))
-            )
+            self._holdings.drop(target.dest.key, min(1.0, deadline.left()))
         except TensorHubError as exc:
             log.warning("abandoning %s@%d: %s", model, version, exc)
         budget = deadline.finish(self._me.timeout)

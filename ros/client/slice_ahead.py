@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 from collections.abc import Collection
 
 from ros.client.deadline import Deadline
@@ -86,11 +85,6 @@ class Window:
         with self._lock:
             self._used -= nbytes
 
-    @property
-    def used(self) -> int:
-        with self._lock:
-            return self._used
-
 
 class Step:
     """One step of one source shard's pipeline: the chunks of the shard it reads
@@ -137,7 +131,7 @@ class Step:
     def wait_go(self, deadline: Deadline) -> None:
         """Until the next step may start: `AHEAD_AT` of this step's last round landed, or
         the step ended; within `deadline`."""
-        if not self._go.wait(timeout=max(deadline.end - time.monotonic(), 0.0)):
+        if not self._go.wait(timeout=deadline.left()):
             raise DeadlineExceeded(f"{deadline.what}: deadline passed within a step")
 
     def later(self, missing: Collection[int]) -> set[int]:
@@ -154,7 +148,7 @@ class Step:
         before = self.before
         if before is None:
             return
-        if not before._ended.wait(timeout=max(deadline.end - time.monotonic(), 0.0)):
+        if not before._ended.wait(timeout=deadline.left()):
             raise DeadlineExceeded(f"{deadline.what}: deadline passed waiting for a step")
         if not before.ok:
             raise TransportError(f"{deadline.what}: the step before this one failed")
