@@ -271,8 +271,7 @@ class LayoutRegistry:
         reads = [ops.get(key), ops.get(sums_key)]
         if resolve:
             reads.append(ops.page(holders, "", MAX_LAYOUT_HOLDERS_READ))
-            reads.append(ops.get(self._published_key(at)))
-            reads.append(ops.page(self._parts_prefix(at), "", MAX_PARTS_SHARDS))
+            reads += self._publisher_reads(at)
         result = self.etcd.txn(
             [ops.exists(manifest_key), ops.exists(session_key)],
             [*writes, *reads],
@@ -411,13 +410,15 @@ class LayoutRegistry:
             return ops.delete(pin)
         return ops.put(pin, b"", lease=record.session)
 
-    def _parts_prefix(self, at: BlockSetKey) -> str:
-        """The shards' parts of the publisher's checksums of the version's declared layouts."""
-        return self.keys.publisher_parts(at.tenant, at.model, at.version)
-
-    def _published_key(self, at: BlockSetKey) -> str:
-        """The publisher's checksums of the layout's block sets (one key per layout)."""
-        return self.keys.publisher_sums(at.tenant, at.model, at.version, at.layout)
+    def _publisher_reads(self, at: BlockSetKey) -> list[Any]:
+        """The reads `_publisher_sums` decodes, in its order: the publisher's checksums of
+        the layout's block sets (one key per layout, a whole publish's), and the shards'
+        parts of them (a sharded publish's)."""
+        keys = self.keys
+        return [
+            ops.get(keys.publisher_sums(at.tenant, at.model, at.version, at.layout)),
+            ops.page(keys.publisher_parts(at.tenant, at.model, at.version), "", MAX_PARTS_SHARDS),
+        ]
 
     def _holder_key(self, at: BlockSetKey, holder: str) -> str:
         key = self.keys.layout_holder(
@@ -436,8 +437,7 @@ class LayoutRegistry:
                 ops.get(manifest_key, count_only=True),
                 ops.get(sums_key),
                 ops.page(holders, "", MAX_LAYOUT_HOLDERS_READ),
-                ops.get(self._published_key(at)),
-                ops.page(self._parts_prefix(at), "", MAX_PARTS_SHARDS),
+                *self._publisher_reads(at),
             ],
             timeout=timeout,
         )

@@ -329,10 +329,8 @@ class VersionRPCs:
             )
         index, count = request.shard_index, request.shard_count
         parts = (
-            [(
-                self.hub.versions(tenant).keys.publisher_part(tenant.name, model, version, index),
-                _layout_parts(request),
-            )]
+            [(versions.keys.publisher_part(tenant.name, model, version, index),
+              _layout_parts(request))]
             if request.HasField("declared_revision")
             else []
         )  # fmt: skip
