@@ -13,6 +13,7 @@ import os
 import random
 import signal
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from chaos.cluster import ChaosCluster
@@ -46,7 +47,10 @@ class Env:
         return rng.choice(live)
 
 
-class Failpoint:
+class Failpoint(ABC):
+    """One kind of fault (module docstring): `name` as the run's report names it, `scope`
+    whom it may hurt, and `reason` why it cannot run here ("" when it can)."""
+
     name = ""
     scope = "global"
     reason = ""
@@ -58,11 +62,13 @@ class Failpoint:
     def available(self) -> bool:
         return not self.reason
 
+    @abstractmethod
     def inject(self, rng: random.Random) -> str:
-        raise NotImplementedError
+        """Break a target picked with `rng`; its name."""
 
+    @abstractmethod
     def recover(self) -> None:
-        raise NotImplementedError
+        """Undo what `inject` broke."""
 
 
 class KillHolder(Failpoint):
@@ -210,10 +216,14 @@ class KillHub(Failpoint):
 
 
 class _ProxyFault(Failpoint):
+    """A fault made by the proxy in front of a link: `mode` (with `delay`) on the link
+    `_pick` chooses, until `recover` sets it back to pass."""
+
     mode, delay = "blackhole", 0.0
 
+    @abstractmethod
     def _pick(self, rng: random.Random) -> tuple[str, Proxy]:
-        raise NotImplementedError
+        """The target's name and the proxy in front of its link."""
 
     def inject(self, rng: random.Random) -> str:
         self.target, self.proxy = self._pick(rng)
