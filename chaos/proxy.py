@@ -65,6 +65,8 @@ class Proxy:
     def stop(self) -> None:
         self._stopped.set()
         self.cut()
+        with contextlib.suppress(OSError):  # wakes the thread in accept() now, not at its timeout
+            self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
         self._thread.join(timeout=2)
 

@@ -97,6 +97,8 @@ class Driver:
 
     def close(self) -> None:
         self._closed = True
+        with contextlib.suppress(OSError):  # wakes the thread blocked in accept()
+            self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
         with self._lock:
             peers = list(self._peers.values())
