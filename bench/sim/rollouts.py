@@ -199,7 +199,8 @@ def calibrate_reshard(doc: Mapping[str, Any]) -> list[Check]:
     (every worker reads its blocks from the trainer's shards): one uplink per holder a
     worker read from and one downlink per worker, at the run's link rate, and each worker
     reading from each holder what that run counted (`worker_bytes_by_source`, the SDK's
-    bytes per source: the chunks its blocks lie in, from the holder the planner chose).
+    bytes per source: the chunks its blocks lie in, from the holder the planner chose), all
+    at once, as `fetch_slices` reads up to four source shards (the bench's trainer hosts).
     Measured: T (the first publish to the last worker verified, median of the steps), so
     the publish is in it and not in the sim."""
     d = doc.get("details", doc)

@@ -63,6 +63,7 @@ from transport.backend import TransportKind
 from transport.outcome import FetchStats, final_error
 from transport.pace import DEFAULT_RATE_FLOOR
 from transport.planner import Candidate, Source, pipeline_sources
+from transport.reader import DEFAULT_PARALLEL
 from transport.selection import choose
 from transport.store import HeldVersion
 from transport.topology import Topology
@@ -267,13 +268,15 @@ class Orchestrator:
         progress: ProgressCallback | None = None,
         landed: Landed | None = None,
         stop: threading.Event | None = None,
+        parallel: int = DEFAULT_PARALLEL,
     ) -> FetchStats:
         """Fill `target` from the holders `resolved` names (a Resolve of its version and
         shard), as the module docstring says; its stats, or the last round's named error.
         `landed` is told each chunk's index as it is committed. `stop`, once set, ends the
         run: the round in flight is cut (`transport.reader.read_round`), no other starts,
         and the run raises `TransportError` (a caller whose read failed elsewhere takes
-        back what it asked for here)."""
+        back what it asked for here). `parallel`: each round's connections (a caller that
+        runs several at once gives each its share of `DEFAULT_PARALLEL`)."""
         if target.holder:
             self._serving.start()
             self._holdings.hold(target.dest, target.shard)
@@ -287,7 +290,7 @@ class Orchestrator:
             return FetchStats(duration=time.monotonic() - start)
         try:
             counter = _Counter(target, progress, landed)
-            stats = self._rounds(target, resolved, deadline, rate_floor, counter, stop)
+            stats = self._rounds(target, resolved, deadline, rate_floor, counter, stop, parallel)
             if target.holder:
                 self._complete(target, deadline)
         except BaseException:
@@ -307,6 +310,7 @@ class Orchestrator:
         rate_floor: float,
         counter: _Counter,
         stop: threading.Event | None = None,
+        parallel: int = DEFAULT_PARALLEL,
     ) -> FetchStats:
         me, dest = self._me, target.dest
         model, version, shard = target.model, target.version, target.shard
@@ -347,6 +351,7 @@ class Orchestrator:
                 expected=list(target.manifest.chunk_xxh3), tls=me.tls, rate_floor=rate_floor,
                 stats=stats, on_chunk=counter, checksum=target.manifest.checksum,
                 busy=self._busy, readers=self._readers, digests=digests, stop=stop,
+                parallel=parallel,
             )  # fmt: skip
             suspects.update(result.failures)
             if result.done:

@@ -7,11 +7,12 @@ block it wants of each global tensor (`Slice`), and `fetch_slices` reads, from t
 of each source shard, only the chunks that contain its intersection with that block, checks
 them against the publisher's checksums, and copies the intersection into place.
 
-Source shards are read one at a time into a staging copy of that shard's layout, of which
-only the needed chunks are filled; the peak extra memory is one source shard (a reader in a
-layout stages one step's part of each source shard at once, and the next step's while that
-one arrives when both fit `STAGING_BUDGET`: `ros.client.slice_ahead`; it holds one staging
-copy in GPU memory at a time). A reader of
+Source shards are read `SHARDS_AT_ONCE` at a time, each into a staging copy of that shard's
+layout of which only the needed chunks are filled, in groups that together stay within
+`STAGING_BUDGET` (a read with deltas: one shard at a time, each shard's staging kept as the
+next read's base; a reader in a layout stages one step's part of each source shard at once,
+and the next step's while that one arrives when both fit `STAGING_BUDGET`:
+`ros.client.slice_ahead`); either holds one staging copy in GPU memory at a time. A reader of
 slices becomes a holder of its blocks when it names their layout (`layout=`,
 `ros.client.layouts`): it serves them as a PARTIAL holder from the start, reads them first
 from the other holders of the same blocks (pipelined: from one registered before it, as
@@ -40,7 +41,7 @@ import logging
 import secrets
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -66,6 +67,7 @@ from transport.boxes import Box, byte_span, chunks_for
 from transport.layout import Layout, TensorSpec, dtype_name, torch_dtype
 from transport.outcome import FetchStats, add_moved
 from transport.pace import DEFAULT_RATE_FLOOR
+from transport.reader import DEFAULT_PARALLEL
 from transport.store import HeldVersion
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,11 @@ Each group's staging is handed back to the system once its blocks are copied out
 (`ros.cli.rss.give_back_freed`): glibc keeps freed pages of blocks this size resident once
 its mmap threshold has risen, and the next group's staging then takes new pages, so without
 it the resident peak of a read grows by a group's chunks with every group."""
+
+SHARDS_AT_ONCE = 4
+"""Source shards a reader that is no holder reads at once, without deltas (`_read_parts`):
+each in its own thread, over its own connections, staged in groups of its share of
+`STAGING_BUDGET`."""
 
 
 @dataclass
@@ -168,15 +175,84 @@ def fetch_slices(
     pin_id = f"slices-{secrets.token_hex(6)}"
     pins.pin(model, found, pin_id, deadline.work(me.timeout))
     try:
-        for index, copies in plan.items():
-            _read_part(
-                me, runs, model, found, _shard(resolved, index),
-                _holders(runs, model, found, resolved, index, deadline), parts[index],
-                copies, slices, deadline, result, rate_floor, progress, deltas,
+        if deltas is not None or len(plan) == 1:  # a delta's bases: one shard at a time
+            for index, copies in plan.items():
+                _read_part(
+                    me, runs, model, found, _shard(resolved, index),
+                    _holders(runs, model, found, resolved, index, deadline), parts[index],
+                    copies, slices, deadline, result, rate_floor, progress, deltas,
+                )  # fmt: skip
+        else:
+            _read_parts(
+                me, runs, model, found, resolved, parts, plan, slices, deadline, result,
+                rate_floor, progress,
             )  # fmt: skip
     finally:
         _unpin(pins, me, model, found, pin_id, deadline)
     return result
+
+
+def _read_parts(
+    me: Identity,
+    runs: Orchestrator,
+    model: str,
+    version: int,
+    resolved: pb.ResolveResponse,
+    parts: list[pb.Manifest],
+    plan: Mapping[int, list[_Copy]],
+    slices: Mapping[str, Slice],
+    deadline: Deadline,
+    result: SliceFetch,
+    rate_floor: float,
+    progress: ProgressCallback | None,
+) -> None:
+    """The source shards of a reader that is no holder (without deltas), `SHARDS_AT_ONCE`
+    at a time, from a random one on (`_shard_order`), each staged in groups of its share of
+    `STAGING_BUDGET` (so the peak extra memory stays one budget), over its share of the
+    read's `DEFAULT_PARALLEL` connections (so the holders see as many as from a read of one
+    shard) and in GPU memory one staging copy at a time. Read one after another, every
+    reader of a version asked the first shard's holders first, all at once, and the other
+    shards' holders sat idle (`bench reshard`'s slices series: the trainer links about half
+    busy); at once, each holder's link carries its share of every reader's bytes from the
+    start. The first failure cancels the shards not yet started; it is raised once the
+    started ones end (their reads stop at the deadline), so the caller's pin outlives every
+    read."""
+    order = _shard_order(plan)
+    at_once = min(SHARDS_AT_ONCE, len(order))
+    budget = max(1, STAGING_BUDGET // at_once)
+    parallel = max(1, DEFAULT_PARALLEL // at_once)
+    gpu = threading.Lock()
+    serialized = _one_at_a_time(progress)
+
+    def read(index: int) -> SliceFetch:
+        mine = SliceFetch(version)
+        _read_part(
+            me, runs, model, version, _shard(resolved, index),
+            _holders(runs, model, version, resolved, index, deadline), parts[index],
+            plan[index], slices, deadline, mine, rate_floor, serialized, gpu=gpu, budget=budget,
+            parallel=parallel,
+        )  # fmt: skip
+        return mine
+
+    with ThreadPoolExecutor(at_once, thread_name_prefix="slices-shard") as pool:
+        futures = [pool.submit(read, index) for index in order]
+        wait(futures, return_when=FIRST_EXCEPTION)
+        for future in futures:
+            future.cancel()  # those not started yet; a failure's shards stop here
+    for future in futures:
+        failed = None if future.cancelled() else future.exception()
+        if failed is not None:
+            raise failed
+    for future in futures:
+        _merge(result, future.result())
+
+
+def _shard_order(plan: Mapping[int, list[_Copy]]) -> list[int]:
+    """The source shards of `plan` in order, from a random one on: readers that start at
+    once start on different shards when there are more than `SHARDS_AT_ONCE`."""
+    order = sorted(plan)
+    first = secrets.randbelow(len(order))
+    return order[first:] + order[:first]
 
 
 def _shard(resolved: pb.ResolveResponse, index: int) -> int | None:
@@ -528,6 +604,8 @@ def _read_part(
     gpu: threading.Lock | None = None,
     fill: slice_fill.Fill | None = None,
     step: slice_ahead.Step | None = None,
+    budget: int | None = None,
+    parallel: int = DEFAULT_PARALLEL,
 ) -> None:
     """Fetch the chunks of one source shard that `copies` need (and only those: the others
     of the staging copy stay missing), then copy the intersections out, in place. With
@@ -547,12 +625,12 @@ def _read_part(
     through host memory and no tensor in GPU memory is viewed as numpy."""
     layout = layout_of(manifest)
     specs = {s.name: s for s in layout.tensors}
-    groups = _staging_groups(copies, layout, specs) if deltas is None else [copies]
+    groups = _staging_groups(copies, layout, specs, budget) if deltas is None else [copies]
     for n, group in enumerate(groups):  # one staging copy at a time (`STAGING_BUDGET`)
         _read_group(
             me, runs, model, version, shard, holders, manifest, layout, specs, group,
             slices, deadline, result, rate_floor, progress, deltas, carry, gpu, fill,
-            step, n == len(groups) - 1,
+            step, n == len(groups) - 1, parallel,
         )  # fmt: skip
         give_back_freed()  # its staging, freed as it returned: resident no more
 
@@ -579,6 +657,7 @@ def _read_group(
     fill: slice_fill.Fill | None = None,
     step: slice_ahead.Step | None = None,
     last: bool = True,
+    parallel: int = DEFAULT_PARALLEL,
 ) -> None:
     """`_read_part` for one staging copy: the chunks `copies` need, into a staging copy of
     the shard's `layout` allocated here (or the delta base kept from the last call), then
@@ -620,7 +699,7 @@ def _read_group(
             if carry is None or ask:
                 stats = runs.run(
                     target, holders, deadline, rate_floor=rate_floor, progress=progress,
-                    landed=landed, stop=stop,
+                    landed=landed, stop=stop, parallel=parallel,
                 )  # fmt: skip
             if later and step is not None and carry is not None:  # read by the step before
                 step.wait_before(deadline)
@@ -628,7 +707,10 @@ def _read_group(
                 rest = [i for i in later if not staging.is_present(i)]
                 if rest:  # not kept for us (never: `Carry.plan` counts every step)
                     again = Target(model, version, shard, staging, manifest, rest, False)
-                    more = runs.run(again, holders, deadline, rate_floor=rate_floor, stop=stop)
+                    more = runs.run(
+                        again, holders, deadline, rate_floor=rate_floor, stop=stop,
+                        parallel=parallel,
+                    )  # fmt: skip
                     add_moved(result, more)
         except BaseException:
             if base is not None:
@@ -677,19 +759,23 @@ def _needed(copies: Sequence[_Copy], layout: Layout, specs: Mapping[str, TensorS
 
 
 def _staging_groups(
-    copies: Sequence[_Copy], layout: Layout, specs: Mapping[str, TensorSpec]
+    copies: Sequence[_Copy],
+    layout: Layout,
+    specs: Mapping[str, TensorSpec],
+    budget: int | None = None,
 ) -> list[list[_Copy]]:
-    """`copies` in groups whose chunks of the source shard add up to at most
-    `STAGING_BUDGET` bytes (a copy whose own chunks exceed it, alone), in order: a read
-    without deltas stages one group at a time, so its peak extra memory is one group's
+    """`copies` in groups whose chunks of the source shard add up to at most `budget`
+    bytes (None: `STAGING_BUDGET`; a copy whose own chunks exceed it, alone), in order: a
+    read without deltas stages one group at a time, so its peak extra memory is one group's
     chunks, not every chunk of the shard its slices touch."""
+    limit = STAGING_BUDGET if budget is None else budget
     groups: list[list[_Copy]] = [[]]
     size = 0
     for c in copies:
         spec = specs[c.name]
         first, end = byte_span(c.source, c.part, torch_dtype(spec.dtype).itemsize)
         mine = len(chunks_for(layout, spec, first, end)) * layout.chunk_size
-        if groups[-1] and size + mine > STAGING_BUDGET:
+        if groups[-1] and size + mine > limit:
             groups.append([])
             size = 0
         groups[-1].append(c)
