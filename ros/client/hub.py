@@ -320,7 +320,8 @@ class Hub:
 
         `rate_floor` (bytes/s per connection, 0: off) suspects a holder that sends chunks it
         has slower than that for the stall window, and reads them elsewhere; such a holder
-        shows in `stats.slow_sources` (docs/transport.md, "Rate floor").
+        shows in `stats.slow_sources` (docs/transport.md, "Rate floor"). When only such
+        holders are left, each gets one more round under a floor 4 times lower.
 
         `progress`, when given, is called with a `Progress` (chunks and bytes so far, of the
         total) after every chunk is verified, from the thread that received it.

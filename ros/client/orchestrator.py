@@ -21,8 +21,10 @@ fetch's one `Deadline`:
 4. **failover**: a round that left chunks missing because holders failed or sent bad bytes
    (`VersionUnavailable`, `IntegrityError`) is followed, after the policy's backoff, by a
    Resolve without the manifest (who holds it now) and a fresh plan by the same policy, less
-   every suspect. The rounds end when the chunks are in, the policy's tries are spent, no
-   usable holder is left, or the deadline passes.
+   every suspect (when only holders suspected for being slower than the rate floor are
+   left, each gets one more round under a lower floor: `_slow_ones`). The rounds end when
+   the chunks are in, the policy's tries are spent, no usable holder is left, or the
+   deadline passes.
 5. **COMPLETE** (holders only): UpdateHolder marks our record complete (and drops the pin
    it held). A failure anywhere before that stops serving and deletes the PARTIAL record,
    within the deadline (the session's lease removes what does not fit).
@@ -55,6 +57,7 @@ from tensorhub.errors import (
     HolderBusy,
     IntegrityError,
     InvalidArgument,
+    SlowHolder,
     TensorHubError,
     TransportError,
     VersionUnavailable,
@@ -81,6 +84,10 @@ def _another_round(exc: BaseException) -> bool:
 FETCH_ROUNDS = RetryPolicy(initial=0.05, maximum=1.0, tries=6, retry_on=_another_round)
 """The rounds of one fetch: up to 6, backing off 50 ms doubling to 1 s (full jitter),
 within the fetch's deadline."""
+
+SLOW_ONLY_DIVISOR = 4
+"""The rate floor of a round whose only holders were judged slow is the fetch's divided by
+this (`Orchestrator._slow_ones`): 64 KiB/s for the default floor."""
 
 HOLDER_BUSY = RetryPolicy(initial=0.05, maximum=1.0, retry_on=lambda e: isinstance(e, HolderBusy))
 """A holder that answered BUSY, asked again inside the round: backing off 50 ms doubling to
@@ -327,6 +334,7 @@ class Orchestrator:
         stats = FetchStats()
         suspects: dict[str, BaseException] = {}  # every holder given up on, in any round
         skipped: dict[str, str] = {}  # holders whose endpoints we cannot use: why
+        relaxed: set[str] = set()  # slow holders given their round under a lower floor
         wanted = target.wanted()
         digests = result_digests(target.manifest)
 
@@ -342,13 +350,17 @@ class Orchestrator:
                 tokens.offer(bytes(again.read_token), int(again.token_expiry_unix))
                 candidates = holders_of(again, shard)
             sources = self._plan(candidates, fence, suspects, skipped, target)
+            floor = rate_floor
+            if not sources:  # only the slow may be left: a slow read beats none
+                sources = self._slow_ones(candidates, fence, suspects, relaxed, skipped, target)
+                floor = rate_floor / SLOW_ONLY_DIVISOR
             if not sources:
                 raise _nobody_left(what, suspects, skipped)
             stats.rounds += 1
             result = self._read(
                 me.tenant, model, version, dest.layout, dest, sources,
                 token=tokens, deadline=deadline.work_end, me=me.topology, chunks=wanted,
-                expected=list(target.manifest.chunk_xxh3), tls=me.tls, rate_floor=rate_floor,
+                expected=list(target.manifest.chunk_xxh3), tls=me.tls, rate_floor=floor,
                 stats=stats, on_chunk=counter, checksum=target.manifest.checksum,
                 busy=self._busy, readers=self._readers, digests=digests, stop=stop,
                 parallel=parallel,
@@ -400,6 +412,41 @@ class Orchestrator:
             if first:
                 return first
         return [c.source for c in usable]
+
+    def _slow_ones(
+        self,
+        holders: Sequence[pb.Holder],
+        fence: int,
+        suspects: dict[str, BaseException],
+        relaxed: set[str],
+        skipped: dict[str, str],
+        target: Target,
+    ) -> list[Source]:
+        """The sources of a round when every usable holder is a suspect: those suspected
+        only for being slower than the rate floor (`SlowHolder`), once each (added to
+        `relaxed`), read under the floor divided by `SLOW_ONLY_DIVISOR`. The floor is there
+        to move a reader off a trickler onto a holder that has the bytes; with no other
+        holder left, failing the fetch helps nobody, while a link shared by many readers
+        (16 connections on a 40 Mbit/s trainer link in `bench reshard`) can put an honest
+        holder's connections under it. A trickler (far below the floor) is still caught."""
+        slow = {
+            holder
+            for holder, why in suspects.items()
+            if isinstance(why, SlowHolder) and holder not in relaxed
+        }
+        if not slow:
+            return []
+        others = {holder for holder in suspects if holder not in slow}
+        sources = [
+            s for s in self._plan(holders, fence, others, skipped, target) if s.holder_id in slow
+        ]
+        relaxed.update(s.holder_id for s in sources)
+        if sources:
+            log.info(
+                "only holders slower than the rate floor are left (%s): reading them at a "
+                "floor %d times lower", ", ".join(s.holder_id for s in sources), SLOW_ONLY_DIVISOR,
+            )  # fmt: skip
+        return sources
 
     def _candidates(
         self, holders: Sequence[pb.Holder], skipped: dict[str, str], *, device_memory: bool
