@@ -240,7 +240,8 @@ def test_frames_decoded_together_give_what_each_gives_alone(
     """`decode_many` over frames of gaps of any size, with empty ones between them, gives
     each frame's positions and words as `decode` does alone (on any host: elsewhere than
     little-endian it decodes each alone); a frame with a repeated position, or one past
-    its chunk, is refused as alone, and the others still decode."""
+    its chunk, is refused as alone, and the others still decode; so too in batches of two
+    and one (too few to join: each decoded alone)."""
     if little and sys.byteorder != "little":
         pytest.skip("the joined planes are a little-endian host's")
     monkeypatch.setattr(delta_words, "_LITTLE", little)
@@ -257,7 +258,18 @@ def test_frames_decoded_together_give_what_each_gives_alone(
     frames.append(frame([3, words - 1], size=words + 8))  # a chunk larger than its own
     frames.append(frame([3, words + 5]))  # a position past its chunk
     sizes = [words] * len(frames)
-    got = delta_words.decode_many(frames, sizes)
+    for batch in (len(frames), 2, 1):  # together, and in batches too small to join
+        got = [
+            decoded
+            for k in range(0, len(frames), batch)
+            for decoded in delta_words.decode_many(frames[k : k + batch], sizes[k : k + batch])
+        ]
+        _decoded_as_alone(frames, sizes, got)
+
+
+def _decoded_as_alone(
+    frames: list[bytes], sizes: list[int], got: list[delta_words.Decoded | IntegrityError]
+) -> None:
     assert len(got) == len(frames)
     for blob, size, decoded in zip(frames, sizes, got, strict=True):
         if isinstance(decoded, IntegrityError):
