@@ -40,8 +40,8 @@ from transport import delta_words, zstd_contexts
 from transport.checksums import WSUM64, wsum64_of_segments
 from transport.store import HeldVersion
 
-__all__ = ["ENCODING", "ENCODINGS", "PLANES", "WHOLE_RATIO", "apply", "chunk_checksum",
-           "digest", "encode", "payload"]  # fmt: skip
+__all__ = ["ENCODING", "ENCODINGS", "PLANES", "WHOLE_RATIO", "apply", "apply_words",
+           "chunk_checksum", "decode_words", "digest", "encode", "payload"]  # fmt: skip
 
 LEVEL = 1  # zstd level: 0.05-0.15 s per 53 MiB here, within 10 % of level 3's size
 WORDS, DENSE = b"\x01", b"\x00"  # an `xor-adaptive-zstd1` chunk's first byte: its form
@@ -146,6 +146,39 @@ def apply(
         delta_words.apply(dest, *delta_words.decode(body, size // 2))
     else:
         raise IntegrityError(f"delta chunk of form {form!r} for a chunk of {size} bytes")
+
+
+def decode_words(
+    encoded: Sequence[bytes | memoryview], sizes: Sequence[int]
+) -> list[delta_words.Decoded | IntegrityError]:
+    """For chunks of `sizes[k]` bytes, each encoding's changed words (positions and XOR
+    words, `delta_words.decode`), decoded together (`delta_words.decode_many`: what a
+    reader applying hundreds of chunks does); for one that is not of `ENCODING`'s
+    changed-words form for a chunk of its size, or that `apply` refuses, its
+    `IntegrityError` (`DeltaRefused`), found by the same checks before anything is
+    decoded or written. Apply the rest with `apply_words`."""
+    out: list[delta_words.Decoded | IntegrityError | None] = [None] * len(encoded)
+    bodies: list[memoryview] = []
+    words: list[int] = []
+    where: list[int] = []
+    for k, (blob, size) in enumerate(zip(encoded, sizes, strict=True)):
+        view = memoryview(blob)
+        if size % 2 or bytes(view[:1]) != WORDS:
+            out[k] = IntegrityError(f"delta chunk of form {bytes(view[:1])!r}: not changed words")
+            continue
+        bodies.append(view[1:])
+        words.append(size // 2)
+        where.append(k)
+    for k, got in zip(where, delta_words.decode_many(bodies, words), strict=True):
+        out[k] = got
+    return [got for got in out if got is not None]
+
+
+def apply_words(dest: Sequence[memoryview], decoded: delta_words.Decoded) -> None:
+    """XOR a chunk's changed words (`decode_words`) into `dest`, the chunk in host memory
+    as its segments' writable byte views, each of whole words (`HeldVersion.source_views`),
+    in place; applied again, the chunk is back as it was."""
+    delta_words.xor_host(dest, *decoded)
 
 
 def _apply_planes(dest: Sequence[torch.Tensor], encoded: memoryview) -> None:

@@ -30,7 +30,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class Codec:
-    """Seconds spent in `transport.delta`'s encode, apply and chunk_checksum in this process
+    """Seconds spent in `transport.delta`'s encode, apply (with decode_words and apply_words,
+    which apply a reader's chunks together) and chunk_checksum in this process
     since the last `take()` (installed once per process: `install`)."""
 
     _lock: ClassVar[threading.Lock] = threading.Lock()
@@ -44,6 +45,8 @@ class Codec:
                 return
             codec.encode = cls._timed("encode", codec.encode)
             codec.apply = cls._timed("apply", codec.apply)
+            codec.decode_words = cls._timed("apply", codec.decode_words)  # chunks together
+            codec.apply_words = cls._timed("apply", codec.apply_words)
             codec.chunk_checksum = cls._timed("chunk_checksum", codec.chunk_checksum)
             cls._installed = True
 

@@ -1,6 +1,6 @@
 """`Applier`: applies a chain of deltas to the chunks of a destination on threads of its
-own, each chunk once its encoded bytes are in (`ros.client.delta_chunks.apply_one`
-does one chunk, with its checks).
+own, each chunk once its encoded bytes are in (`ros.client.delta_chunks.apply_many`
+applies the chunks a thread takes from the queue together, each with its checks).
 
 Why threads of its own: the thread that receives the companion only queues what has
 landed, so the companion's transfer and its COMPLETE call are not held up behind the
@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ros.client.delta_chunks import BaseCheck, Encoded, Link, apply_one, landed
+from ros.client.delta_chunks import BaseCheck, Encoded, Link, apply_many, landed
 from ros.client.orchestrator import Landed
 from transport.store import HeldVersion
 
@@ -43,6 +43,10 @@ def _cores() -> int:
 # 0.1-0.2 s for one in `bench delta`); one thread still takes the applying off the thread
 # that receives the companion.
 THREADS = max(1, min(4, _cores() // 4))
+# chunks one thread applies together: their changed words are decoded at once
+# (`delta_chunks.apply_many`), at most this many, so that `close` and a deadline wait for
+# no more than a few milliseconds of work
+BATCH = 32
 # the most `close` waits for the chunks being applied: each is one chunk's CPU work
 # (milliseconds), so only a stopped process takes this long
 DRAIN_S = 30.0
@@ -148,6 +152,17 @@ class Applier:
                 self._pool.submit(self._drain)
                 self._running += 1
 
+    def _take(self) -> tuple[list[int], list[Encoded]]:
+        """The next chunks of the queue to apply together (held `_cond`, the queue not
+        empty): those of the same links' bytes, at most `BATCH`, and no more than this
+        thread's share of the queue, so that every thread has some."""
+        blobs = self._queue[0][1]
+        most = min(BATCH, -(-len(self._queue) // self._threads))
+        batch: list[int] = []
+        while self._queue and self._queue[0][1] is blobs and len(batch) < most:
+            batch.append(self._queue.popleft()[0])
+        return batch, blobs
+
     def _drain(self) -> None:
         """Apply queued chunks until none is left, or the applier is stopped."""
         try:
@@ -155,13 +170,11 @@ class Applier:
                 with self._cond:
                     if not self._queue or self._stopped:
                         return
-                    index, blobs = self._queue.popleft()
-                ok = apply_one(self._links, blobs, self._dest, index, self._kind, self._base)
+                    batch, blobs = self._take()
+                made = apply_many(self._links, blobs, self._dest, batch, self._kind, self._base)
                 with self._cond:
-                    if ok:
-                        self.done += 1
-                    else:
-                        self.failed += 1
+                    self.done += made
+                    self.failed += len(batch) - made
         finally:
             with self._cond:
                 self._running -= 1

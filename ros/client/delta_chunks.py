@@ -24,9 +24,10 @@ import torch
 
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.checksum_kinds import LINEAR, XXH3
-from tensorhub.delta_rules import TENSOR
+from tensorhub.delta_rules import ENCODING, TENSOR
 from tensorhub.errors import DeltaRefused, IntegrityError
 from transport import delta as codec
+from transport import delta_words
 from transport.store import HeldVersion
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,85 @@ def apply_one(
     except Exception as exc:  # any failure of one chunk: that chunk alone reads whole
         log.warning("delta chunk %d: %s; reading it whole", index, _why(exc))
         if _undo(parts, done, index) and base is not None:
+            base(index)  # counts a destination that was not the base
+        return False
+    dest.mark_present(index, known)
+    return True
+
+
+def apply_many(
+    links: list[Link],
+    blobs: list[Encoded],
+    dest: HeldVersion,
+    indices: Sequence[int],
+    kind: str,
+    base: BaseCheck | None = None,
+) -> int:
+    """`apply_one` of each chunk of `indices` (its checks, outcome and undo); how many were
+    made. Where the chunks are host memory and one link of `ENCODING` changes them in its
+    changed-words form (every chunk of a `bench delta` step at lr 1e-6), their encodings
+    are decoded together (`transport.delta.decode_words`): a step's hundreds of small
+    chunks otherwise cost a dozen numpy calls each to decode, as much as their work. Each
+    chunk's digest is checked before it is decoded and its result after it is applied, as
+    `apply_one` does; any other chunk, and any the joint decode refuses, goes through
+    `apply_one` itself (which refuses it again, logs it, and checks it against the base)."""
+    if len(links) > 1 or dest.on_cuda or links[0].manifest.delta.encoding != ENCODING:
+        return sum(apply_one(links, blobs, dest, i, kind, base) for i in indices)
+    encoded = blobs[0]
+    alone: list[int] = []  # each applied by apply_one
+    found: list[tuple[int, list[memoryview]]] = []
+    chunks: list[memoryview] = []
+    for index in indices:
+        try:
+            views = dest.source_views(index)
+            blob = encoded.of(index)
+            if any(len(v) % 2 for v in views) or codec.digest(blob) != encoded.digests[index]:
+                alone.append(index)
+                continue
+        except Exception:  # apply_one raises it again, and says why
+            alone.append(index)
+            continue
+        found.append((index, views))
+        chunks.append(blob)
+    try:
+        decoded = codec.decode_words(chunks, [sum(len(v) for v in views) for _, views in found])
+    except Exception:  # no refusal (each is the chunk's own): each chunk alone
+        decoded = [IntegrityError("not decoded")] * len(found)
+    made = 0
+    final = links[-1]
+    for (index, views), got in zip(found, decoded, strict=True):
+        if isinstance(got, IntegrityError):
+            alone.append(index)
+        else:
+            made += _apply_words(dest, index, views, got, kind, final, base)
+    return made + sum(apply_one(links, blobs, dest, i, kind, base) for i in alone)
+
+
+def _apply_words(
+    dest: HeldVersion,
+    index: int,
+    views: list[memoryview],
+    decoded: delta_words.Decoded,
+    kind: str,
+    link: Link,
+    base: BaseCheck | None,
+) -> bool:
+    """`apply_one`'s apply, check and undo of chunk `index` (in host memory: `views`) from
+    its decoded changed words: True once marked present."""
+    applied = False
+    try:
+        codec.apply_words(views, decoded)
+        applied = True
+        known = _check_result(dest, index, kind, link.version, link.manifest)
+    except Exception as exc:  # as apply_one: that chunk alone reads whole
+        log.warning("delta chunk %d: %s; reading it whole", index, _why(exc))
+        try:
+            if applied:  # the XOR again: the chunk holds what it held before
+                codec.apply_words(views, decoded)
+        except Exception as undo:
+            log.warning("delta chunk %d: undoing it: %s", index, _why(undo))
+            return False
+        if base is not None:
             base(index)  # counts a destination that was not the base
         return False
     dest.mark_present(index, known)

@@ -23,7 +23,8 @@ under the fetch's one `Deadline`. Then, chunk by chunk:
    version. A companion whose manifest is not exactly the size that u's manifest gives its
    encoded chunks is not read at all (`DeltaRefused`, before a byte of it moves). One this
    client holds already (the same model, version and shard) is used as it is.
-4. **Apply and verify** (`ros.client.delta_chunks.apply_one`): each encoded chunk's digest
+4. **Apply and verify** (`ros.client.delta_chunks.apply_one`; `apply_many` for chunks
+   applied together, their changed words decoded at once): each encoded chunk's digest
    is checked, it is XORed into T in place on T's device (`transport.delta`, which refuses
    a zstd frame that declares another size than its chunk's before decoding it), and the
    result must have v's checksum (under a linear checksum, wsum64, also the xxh3-64 v's

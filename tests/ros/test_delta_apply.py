@@ -199,3 +199,85 @@ def test_changed_words_decode_from_their_planes_either_way(
     assert got.tolist() == positions.tolist()
     assert xor.dtype == np.uint16
     assert xor.tobytes() == values.tobytes()
+
+
+def test_chunks_applied_together_decode_their_changed_words_at_once(
+    model: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On one thread, the chunks queued together are decoded in one `decode_words` call
+    (not one `codec.apply` each), and end on the version's bytes, each marked present."""
+    layout, old, new, manifest, companion = model
+    calls: list[int] = []
+    real = codec.decode_words
+
+    def decode_words(
+        encoded: list[memoryview], sizes: list[int]
+    ) -> list[delta_words.Decoded | IntegrityError]:
+        calls.append(len(encoded))
+        return real(encoded, sizes)
+
+    def apply(*_: object) -> None:
+        raise AssertionError("a chunk of the changed-words form applied alone")
+
+    monkeypatch.setattr(codec, "decode_words", decode_words)
+    monkeypatch.setattr(codec, "apply", apply)
+    dest = _dest(layout, old)
+    check, mismatches = _checker(dest, manifest)
+    todo = list(range(layout.num_chunks))
+    with Applier([Link(2, manifest)], dest, todo, XXH3, check, threads=1) as applier:
+        applier.finish([{TENSOR: companion}], end=time.monotonic() + 60)
+    assert (applier.done, applier.failed, mismatches) == (len(todo), 0, [])
+    assert sum(calls) == len(todo)
+    assert max(calls) > 1
+    for name, t in new.items():
+        assert torch.equal(dest.tensors[name].view(torch.int16), t.view(torch.int16)), name
+
+
+@pytest.mark.parametrize("little", [True, False])
+def test_frames_decoded_together_give_what_each_gives_alone(
+    little: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`decode_many` over frames of gaps of any size, with empty ones between them, gives
+    each frame's positions and words as `decode` does alone (on any host: elsewhere than
+    little-endian it decodes each alone); a frame with a repeated position, or one past
+    its chunk, is refused as alone, and the others still decode; so too in batches of two
+    and one (too few to join: each decoded alone)."""
+    if little and sys.byteorder != "little":
+        pytest.skip("the joined planes are a little-endian host's")
+    monkeypatch.setattr(delta_words, "_LITTLE", little)
+    words = 1 << 25
+    lists = [[0, 1, 2, 70_000], [], [5, (1 << 24) + 9, (1 << 25) - 1], [(1 << 24) - 1, 1 << 24],
+             [], [3], [7, 7], [words - 1]]  # fmt: skip
+
+    def frame(idx: list[int], size: int = words) -> bytes:
+        positions = np.array(idx, dtype=np.int64)
+        values = (np.arange(2 * len(idx), dtype=np.int64) % 251 + 1).astype(np.uint8)
+        return delta_words.encode(size, positions, values.reshape(-1, 2), 1)
+
+    frames = [frame(idx) for idx in lists]
+    frames.append(frame([3, words - 1], size=words + 8))  # a chunk larger than its own
+    frames.append(frame([3, words + 5]))  # a position past its chunk
+    sizes = [words] * len(frames)
+    for batch in (len(frames), 2, 1):  # together, and in batches too small to join
+        got = [
+            decoded
+            for k in range(0, len(frames), batch)
+            for decoded in delta_words.decode_many(frames[k : k + batch], sizes[k : k + batch])
+        ]
+        _decoded_as_alone(frames, sizes, got)
+
+
+def _decoded_as_alone(
+    frames: list[bytes], sizes: list[int], got: list[delta_words.Decoded | IntegrityError]
+) -> None:
+    assert len(got) == len(frames)
+    for blob, size, decoded in zip(frames, sizes, got, strict=True):
+        if isinstance(decoded, IntegrityError):
+            with pytest.raises(IntegrityError) as alone:
+                delta_words.decode(blob, size)
+            assert type(alone.value) is type(decoded)
+            continue
+        want = delta_words.decode(blob, size)
+        assert decoded[0].tolist() == want[0].tolist()
+        assert decoded[1].tolist() == want[1].tolist()
+    assert [isinstance(d, IntegrityError) for d in got] == [False] * 6 + [True, False, True, True]

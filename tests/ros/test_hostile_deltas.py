@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 import ros
 from ros.client import delta_publish
 from ros.client.deadline import Deadline
-from ros.client.delta_chunks import Encoded, Link, apply_one
+from ros.client.delta_chunks import Encoded, Link, apply_many, apply_one
 from ros.client.delta_publish import BaseCopies
 from ros.hub.server import HubServer
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
@@ -48,6 +48,7 @@ from tensorhub.delta_rules import ENCODING, TENSOR, companion_of
 from tensorhub.errors import IntegrityError
 from tests.transport._zstd_frames import frame, words_head
 from transport import delta as codec
+from transport import delta_words
 from transport.checksums import multipliers_np, wsum64_reference
 from transport.layout import Layout
 from transport.store import HeldVersion
@@ -252,16 +253,26 @@ def test_row2_whatever_a_chunk_raises_it_fails_alone(
 ) -> None:
     """Applying chunk `BAD` raises (memory, a codec's error, a runtime error): that chunk is
     read whole, the others applied, and the fetch ends on the publisher's bytes (on
-    292ed20 only an IntegrityError was caught: the fetch raised the others)."""
-    real, calls = codec.apply, [0]
+    292ed20 only an IntegrityError was caught: the fetch raised the others). A chunk is
+    applied alone (`codec.apply`) or from its changed words decoded with others'
+    (`codec.apply_words`): the one that raises is the `BAD`+1-th of either."""
+    real, real_words, calls = codec.apply, codec.apply_words, [0]
 
-    def apply(dest: Parts, encoded: bytes | memoryview, encoding: str = ENCODING) -> None:
+    def fail_once() -> None:
         calls[0] += 1
         if calls[0] == BAD + 1:
             raise error
+
+    def apply(dest: Parts, encoded: bytes | memoryview, encoding: str = ENCODING) -> None:
+        fail_once()
         real(dest, encoded, encoding)
 
+    def apply_words(dest: Sequence[memoryview], decoded: delta_words.Decoded) -> None:
+        fail_once()
+        real_words(dest, decoded)
+
     monkeypatch.setattr(codec, "apply", apply)
+    monkeypatch.setattr(codec, "apply_words", apply_words)
     again, w2 = publish_and_read(connect, None, hostile)
     assert same(again.tensors, w2)
     assert again.delta is not None
@@ -537,6 +548,54 @@ def test_fuzz_hostile_chunks_end_on_the_publishers_bytes_within_bounded_memory(
         assert dest.is_present(0)
     else:
         assert not dest.is_present(0)  # left to be read whole: the publisher's bytes
+
+
+@settings(
+    max_examples=150, deadline=None, derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)  # fmt: skip
+@given(blob=hostile_chunks(), kind=st.sampled_from([XXH3, WSUM64]))
+def test_fuzz_a_hostile_chunk_decoded_with_honest_ones_fails_alone(blob: bytes, kind: str) -> None:
+    """The reader's path for chunks applied together (`apply_many`: their changed words
+    decoded at once) against the same hostile chunks, between two honest ones: it never
+    raises; the honest chunks end on the publisher's bytes; the hostile one is applied
+    exactly when `apply_one` applies it alone, and ends on the publisher's chunk, or on the
+    base and missing (to be read whole); all within the same memory bound."""
+    layout = Layout.from_tensors({"w": torch.cat([BASE] * 3)}, FUZZ_CHUNK)
+    dest = HeldVersion.reader("t", "m", 2, layout, {"w": torch.cat([BASE] * 3)})
+    blobs = [HONEST, blob, HONEST]
+    single = Layout.from_tensors({"w": BASE}, FUZZ_CHUNK)
+    sums = [codec.chunk_checksum(_held(BASE, single), 0, kind)] * 3
+    want = [codec.chunk_checksum(_held(NEW, single), 0, kind)] * 3
+    section = pb.Delta(
+        base=1, encoding=ENCODING, encoded_bytes=[len(b) for b in blobs],
+        encoded_xxh3=[codec.digest(b) for b in blobs], base_checksum=sums, companion="m.delta",
+    )  # fmt: skip
+    if kind == WSUM64:
+        section.result_xxh3.extend([xxhash.xxh3_64_intdigest(NEW.numpy())] * 3)
+    manifest = pb.Manifest(
+        chunk_size=FUZZ_CHUNK, chunk_xxh3=want, checksum="" if kind == XXH3 else kind,
+        delta=section,
+    )  # fmt: skip
+    joined = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8)
+    encoded = [Encoded(section, {TENSOR: joined})]
+    tracemalloc.start()
+    try:
+        start = tracemalloc.get_traced_memory()[0]
+        made = apply_many([Link(2, manifest)], encoded, dest, [0, 1, 2], kind)
+        peak = tracemalloc.get_traced_memory()[1] - start
+    finally:
+        tracemalloc.stop()
+    assert peak < FUZZ_CHUNK + SLACK, f"{peak >> 20} MiB"
+    chunks = dest.tensors["w"].view(torch.uint8).reshape(3, -1)
+    for i in (0, 2):
+        assert dest.is_present(i)
+        assert torch.equal(chunks[i], NEW)
+    applied = dest.is_present(1)
+    assert made == 2 + applied
+    assert torch.equal(chunks[1], NEW if applied else BASE)
+    alone = HeldVersion.reader("t", "m", 2, layout, {"w": torch.cat([BASE] * 3)})
+    assert apply_one([Link(2, manifest)], encoded, alone, 1, kind) == applied
 
 
 def _held(data: torch.Tensor, layout: Layout) -> HeldVersion:

@@ -10,6 +10,7 @@ shows here (peak within the chunk's size plus 64 MiB)."""
 
 from __future__ import annotations
 
+import itertools
 import tracemalloc
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -193,3 +194,85 @@ def test_a_whole_reader_of_a_wsum64_delta_version_checks_its_xxh3_too() -> None:
     assert (
         ChunkVerifier(digest, XXH3, STRICT, [0]).check(0, HostBytes([memoryview(honest)])) is None
     )
+
+
+def _lying_words(total: int, gaps: list[int], count: int | None = None) -> bytes:
+    """A changed-words encoding of a chunk of `total` words listing `gaps` (XOR words of
+    ones), stating `count` changed words (default: as many as the gaps)."""
+    g = np.array(gaps, dtype="<i4")
+    body = np.concatenate([g.view(np.uint8).reshape(-1, 4).T.reshape(-1),
+                           np.ones(2 * len(gaps), dtype=np.uint8)])  # fmt: skip
+    n = len(gaps) if count is None else count
+    return delta.WORDS + words_head(total, n) + zstandard.ZstdCompressor().compress(body.tobytes())
+
+
+LIES: dict[str, Callable[[], bytes]] = {
+    **{f"bomb: {name}": make for name, make in BOMBS.items()},
+    "another chunk's size": lambda: _lying_words(CHUNK // 2 + 1, [1, 5, 7]),
+    "a repeated position": lambda: _lying_words(CHUNK // 2, [1, 0, 7]),
+    "backwards": lambda: _lying_words(CHUNK // 2, [1, -3, 7]),
+    "a gap of 2**24 to a repeated position": lambda: _lying_words(CHUNK // 2, [1 << 24, 0]),
+    "past the end": lambda: _lying_words(CHUNK // 2, [1, 5, CHUNK // 2]),
+    "one word past the end": lambda: _lying_words(CHUNK // 2, [CHUNK // 2 + 1]),
+    "a count the frame does not hold": lambda: _lying_words(CHUNK // 2, [1, 5, 7], count=4),
+    "no header": lambda: delta.WORDS + b"\x01\x02",
+    "an unknown form": lambda: b"\x07" + _lying_words(CHUNK // 2, [1, 5])[1:],
+}
+
+
+def _honest(seed: int, share: float) -> tuple[torch.Tensor, torch.Tensor, bytes]:
+    base = bf16(CHUNK // 2, seed)
+    mask = torch.rand(base.shape, generator=torch.Generator().manual_seed(seed + 1)) < share
+    new = torch.where(mask, (base.float() * 1.01).to(torch.bfloat16), base)
+    encoded = delta.encode([u8(base)], [u8(new)])
+    assert encoded is not None
+    assert encoded[:1] == delta.WORDS
+    return u8(base), u8(new), encoded
+
+
+@pytest.mark.parametrize("name", list(LIES))
+def test_decoding_chunks_together_refuses_what_apply_refuses_alone(name: str) -> None:
+    """`decode_words` (a reader's chunks decoded together) between honest chunks: a lie of
+    the changed-words form gets the error type `apply` raises for it alone (`DeltaRefused`
+    for every bomb, within the same memory bound), one of another form an `IntegrityError`
+    before it is decoded; the honest chunks decode to what they decode to alone, whatever
+    the lie's place among them."""
+    lie = LIES[name]()
+    dest = u8(bf16(CHUNK // 2, 1))
+    with pytest.raises(IntegrityError) as alone:
+        delta.apply([dest.clone()], lie)
+    honest = [_honest(seed, share) for seed, share in ((10, 0.01), (20, 0.0), (30, 0.05))]
+    for at in range(len(honest) + 1):
+        blobs = [h[2] for h in honest]
+        blobs.insert(at, lie)
+        with peak() as used:
+            got = delta.decode_words(blobs, [CHUNK] * len(blobs))
+        assert used[0] < 2 * CHUNK + SLACK, f"{name}: {used[0] >> 20} MiB"
+        if lie[:1] == delta.WORDS:
+            assert type(got[at]) is type(alone.value), (name, got[at])
+        else:  # not decoded at all: a reader applies it alone (`apply`), which refuses it
+            assert isinstance(got[at], IntegrityError), (name, got[at])
+        for k, (base, new, blob) in enumerate(honest):
+            decoded = got[k + (k >= at)]
+            assert not isinstance(decoded, IntegrityError), decoded
+            positions, values = delta_words.decode(memoryview(blob)[1:], CHUNK // 2)
+            assert decoded[0].tolist() == positions.tolist()
+            assert decoded[1].tolist() == values.tolist()
+            chunk = base.clone()
+            delta.apply_words([chunk.numpy().data.cast("B")], decoded)
+            assert torch.equal(chunk, new)
+
+
+def test_changed_words_applied_in_segments_as_alone() -> None:
+    """`apply_words` on a chunk given as several segments' views (whole words each) writes
+    what `apply` writes on the chunk joined; applied again, the chunk is the base."""
+    base, new, blob = _honest(40, 0.02)
+    (decoded,) = delta.decode_words([blob], [CHUNK])
+    assert not isinstance(decoded, IntegrityError)
+    chunk = base.clone()
+    cuts = [0, 2, 4096, 4098, CHUNK // 2, CHUNK]
+    views = [chunk[a:b].numpy().data.cast("B") for a, b in itertools.pairwise(cuts)]
+    delta.apply_words(views, decoded)
+    assert torch.equal(chunk, new)
+    delta.apply_words(views, decoded)
+    assert torch.equal(chunk, base)
