@@ -157,21 +157,20 @@ def decode_words(
     changed-words form for a chunk of its size, or that `apply` refuses, its
     `IntegrityError` (`DeltaRefused`), found by the same checks before anything is
     decoded or written. Apply the rest with `apply_words`."""
-    out: list[delta_words.Decoded | IntegrityError | None] = [None] * len(encoded)
+    refused: dict[int, IntegrityError] = {}  # by position in `encoded`
     bodies: list[memoryview] = []
     words: list[int] = []
-    where: list[int] = []
     for k, (blob, size) in enumerate(zip(encoded, sizes, strict=True)):
         view = memoryview(blob)
         if size % 2 or bytes(view[:1]) != WORDS:
-            out[k] = IntegrityError(f"delta chunk of form {bytes(view[:1])!r}: not changed words")
+            refused[k] = IntegrityError(
+                f"delta chunk of form {bytes(view[:1])!r}: not changed words"
+            )
             continue
         bodies.append(view[1:])
         words.append(size // 2)
-        where.append(k)
-    for k, got in zip(where, delta_words.decode_many(bodies, words), strict=True):
-        out[k] = got
-    return [got for got in out if got is not None]
+    read = iter(delta_words.decode_many(bodies, words))  # one for each body, in order
+    return [refused[k] if k in refused else next(read) for k in range(len(encoded))]
 
 
 def apply_words(dest: Sequence[memoryview], decoded: delta_words.Decoded) -> None:

@@ -146,22 +146,25 @@ def decode_many(
     chunk's arrays are views of the joined ones; fewer than `JOINT` frames are decoded
     each alone). A frame the joint checks refuse is decoded again alone, whose error is
     the one given: both ways refuse the same chunks."""
-    out: list[Decoded | IntegrityError | None] = [None] * len(encoded)
+    refused: dict[int, IntegrityError] = {}  # by position in `encoded`
     found: list[tuple[int, int, bytes]] = []  # (k, count, frame decoded) of those read
     for k, (enc, n) in enumerate(zip(encoded, words, strict=True)):
         try:
             count, raw = _frame(enc, n)
         except IntegrityError as exc:  # DeltaRefused is one
-            out[k] = exc
+            refused[k] = exc
             continue
         found.append((k, count, raw))
     if len(found) < JOINT:
-        for k, count, raw in found:
-            out[k] = _alone(count, raw, words[k])
-    elif found:
-        for (k, count, raw), joint in zip(found, _decode_bodies(found, words), strict=True):
-            out[k] = joint if joint is not None else _alone(count, raw, words[k])
-    return [got for got in out if got is not None]
+        decoded = [_alone(count, raw, words[k]) for k, count, raw in found]
+    else:
+        joints = _decode_bodies(found, words)
+        decoded = [
+            joint if joint is not None else _alone(count, raw, words[k])
+            for (k, count, raw), joint in zip(found, joints, strict=True)
+        ]
+    read = iter(decoded)  # in the order of `found`: the encodings not refused
+    return [refused[k] if k in refused else next(read) for k in range(len(encoded))]
 
 
 def _alone(count: int, raw: bytes, words: int) -> Decoded | IntegrityError:

@@ -243,7 +243,7 @@ def test_frames_decoded_together_give_what_each_gives_alone(
     its chunk, is refused as alone, and the others still decode; so too in batches of two
     and one (too few to join: each decoded alone)."""
     if little and sys.byteorder != "little":
-        pytest.skip("the joined planes are a little-endian host's")
+        pytest.skip("needs a little-endian host: the joined planes are read as its words")
     monkeypatch.setattr(delta_words, "_LITTLE", little)
     words = 1 << 25
     lists = [[0, 1, 2, 70_000], [], [5, (1 << 24) + 9, (1 << 25) - 1], [(1 << 24) - 1, 1 << 24],
