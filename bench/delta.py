@@ -15,9 +15,11 @@ as `bench fanout` (one trainer, `--readers` readers, every host link shaped):
   (encoding included) to the last reader's fetch returned (verified). Wire bytes: what the
   readers' host links delivered to them meanwhile (interface counters, frames included,
   hub traffic too), per reader;
-- at the first and the last step, after that step's delta, the same weights are published
-  again without a delta (model `{model}-full`) and every reader fetches them whole into
-  memory of its own: the update time of a full fetch, same run, same readers, same bytes;
+- at the first, the middle and the last step, after that step's delta, the same weights
+  are published again without a delta (model `{model}-full`) and every reader fetches them
+  whole into memory of its own, written before the clock starts as a reader's own weights
+  are (new pages would add their faults to the fetch): the update time of a full fetch,
+  same run, same readers, same bytes;
 - every reader's bytes are hashed at every fetch against the trainer's (`digest`).
 
 Figures per learning rate: wire bytes per step / model bytes (the mean over the steps);
@@ -84,8 +86,10 @@ class Config:
 
     @property
     def full_at(self) -> tuple[int, ...]:
-        """The steps also published and fetched whole (the reference)."""
-        return tuple(sorted({1, self.steps}))
+        """The steps also published and fetched whole (the reference): the first, the middle
+        and the last, so that its median is of three fetches (one fetch of the whole
+        model varies by half from one step to the next here)."""
+        return tuple(sorted({1, (self.steps + 1) // 2, self.steps}))
 
     def flags(self) -> str:
         out = []
@@ -264,7 +268,7 @@ def _train_and_read(
             pub = trainer.call("publish_plain", 120, model=full, version=version,
                                chunk=opts.chunk)  # fmt: skip
             got = broadcast(pool, "fetch_into", FETCH_TIMEOUT, model=full, version=version,
-                            delta=False)  # fmt: skip
+                            delta=False, like=model)  # fmt: skip
             whole = _phase(step, pub, got, c, before, readers, trainer.host.name)
             out["full"].append(whole)
             done(f"{label(lr)} step {step} whole: {whole['update_s']:.2f}s")

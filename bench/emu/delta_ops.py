@@ -134,14 +134,27 @@ class DeltaRole:
 
     # -- a reader ------------------------------------------------------------------------
 
-    def fetch_into(self, model: str, version: int, delta: bool = True, timeout: float = 300) -> Any:
+    def fetch_into(
+        self,
+        model: str,
+        version: int,
+        delta: bool = True,
+        timeout: float = 300,
+        like: str | None = None,
+    ) -> Any:
         """Fetch `version` of `model` into the memory of the version of it this reader holds
-        (released first), or into new memory if it holds none; `delta=False` reads it whole."""
+        (released first), or else into new memory: shaped as what it holds of `like` and
+        written before the clock starts, if given (a whole fetch into memory that is mapped
+        already, as a reader's own weights are: its first writes of new pages would
+        otherwise count page faults, not the fetch), else allocated by the fetch;
+        `delta=False` reads it whole."""
         prev = self.helds.pop(model, None)
         into = None
         if prev is not None:
             prev.release(force=True)
             into = prev.tensors
+        elif like is not None and like in self.helds:
+            into = {name: torch.zeros_like(t) for name, t in self.helds[like].tensors.items()}
         Codec.take()
         start = time.monotonic()
         held = self._hub().fetch(model, version, into=into, delta=delta, timeout=timeout)

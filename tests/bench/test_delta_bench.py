@@ -27,7 +27,7 @@ def test_delta_is_a_bench_of_its_own_and_of_all() -> None:
     args = cli._parse("delta", ["--tiny", "--steps", "3", "--readers", "2", "--lrs", "1e-6"])
     cfg = delta.config(args)
     assert cfg == delta.Config(3, 2, (1e-6,), training.TINY)
-    assert cfg.full_at == (1, 3)
+    assert cfg.full_at == (1, 2, 3)
     assert cfg.flags() == " --steps 3 --readers 2 --lrs 1e-06 --tiny"
     assert delta.config(cli._parse("delta", [])) == delta.Config()
     with pytest.raises(SystemExit):
