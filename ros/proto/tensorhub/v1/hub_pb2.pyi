@@ -655,16 +655,18 @@ class ResolveLayoutCoverRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., layout: _Optional[str] = ..., topology: _Optional[_Mapping[str, str]] = ..., holder: _Optional[str] = ...) -> None: ...
 
 class LayoutBlockSet(_message.Message):
-    __slots__ = ("block_set", "blocks", "block_sums", "holders")
+    __slots__ = ("block_set", "blocks", "block_sums", "holders", "publisher_sums")
     BLOCK_SET_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SUMS_FIELD_NUMBER: _ClassVar[int]
     HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHER_SUMS_FIELD_NUMBER: _ClassVar[int]
     block_set: str
     blocks: bytes
     block_sums: _containers.RepeatedScalarFieldContainer[int]
     holders: _containers.RepeatedCompositeFieldContainer[Holder]
-    def __init__(self, block_set: _Optional[str] = ..., blocks: _Optional[bytes] = ..., block_sums: _Optional[_Iterable[int]] = ..., holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ...) -> None: ...
+    publisher_sums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_set: _Optional[str] = ..., blocks: _Optional[bytes] = ..., block_sums: _Optional[_Iterable[int]] = ..., holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., publisher_sums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ResolveLayoutCoverResponse(_message.Message):
     __slots__ = ("block_sets", "revision")
