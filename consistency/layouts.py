@@ -34,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from consistency import ops
@@ -144,6 +144,7 @@ class CoverSet:
     blocks: bytes
     sums: list[int]
     holders: list[HolderRecord]
+    publisher_sums: list[int] = field(default_factory=list)  # declared before the publish
 
 
 @dataclass(frozen=True)
@@ -458,8 +459,9 @@ class LayoutRegistry:
         self, tenant: str, model: str, version: int, layout: str, *, timeout: float | None = None
     ) -> tuple[list[CoverSet], int]:
         """The block sets of `layout` of model@version (at most `MAX_BLOCK_SETS_READ`) with
-        at most `COVER_HOLDERS_EACH` holders of each, and the revision read at, in two
-        bounded reads; `VersionNotFound` if the version is not published."""
+        at most `COVER_HOLDERS_EACH` holders of each and the publisher's checksums of each
+        (a layout declared before the publish; else none), and the revision read at, in
+        two bounded reads; `VersionNotFound` if the version is not published."""
         manifest_key = self.keys.manifest(tenant, model, version)
         sets = self.keys.layout_block_sets(tenant, model, version, layout)
         first = self.etcd.txn(
@@ -481,14 +483,18 @@ class LayoutRegistry:
                      COVER_HOLDERS_EACH)
             for name, _, _ in described
         ]  # fmt: skip
-        second = self.etcd.txn([], ranges, timeout=timeout)
+        at = BlockSetKey(tenant, model, version, layout, "")
+        second = self.etcd.txn([], [*ranges, *self._publisher_reads(at)], timeout=timeout)
+        answers = second.responses[: len(ranges)]
+        whole, parts = (r.response_range.kvs for r in second.responses[len(ranges) :])
         out = []
-        for (name, blocks, sums), answer in zip(described, second.responses, strict=True):
+        for (name, blocks, sums), answer in zip(described, answers, strict=True):
             holders = [
                 HolderRecord.decode(bytes(kv.value), int(kv.create_revision))
                 for kv in answer.response_range.kvs
             ]
-            out.append(CoverSet(name, blocks, sums, holders))
+            published = _publisher_sums(whole, parts, replace(at, block_set=name))
+            out.append(CoverSet(name, blocks, sums, holders, published))
         return out, second.revision
 
     def release(

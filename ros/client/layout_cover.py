@@ -2,12 +2,15 @@
 in another layout"): a TP-1 reader takes each tensor from the blocks of two TP-2 workers.
 
 `fetch_slices(layout=..., cover=("tp2",))` asks the hub for the block sets of each layout it
-names (`ResolveLayoutCover`: their descriptions, recorded checksums and a few holders of
-each), plans which of its blocks those block sets cover exactly, and reads, from each block
-set's holders, only the chunks of that block set's own layout that contain the parts it
-needs, into a staging copy of it (the peak extra memory is one block set), each chunk
-checked against the block set's recorded checksums. A block is filled from the cover only
-when every part of it arrived; the others are left to the trainer's shards.
+names (`ResolveLayoutCover`: their descriptions, recorded checksums, the publisher's
+checksums where their layout was declared before the version's publish, and a few holders
+of each), plans which of its blocks those block sets cover exactly, and reads, from each
+block set's holders, only the chunks of that block set's own layout that contain the parts
+it needs, into a staging copy of it (the peak extra memory is one block set). Each chunk is
+checked against the publisher's wsum64 of it where the answer has one for every chunk,
+else against the block set's recorded checksums (its first COMPLETE reader's). A block is
+filled from the cover only when every part of it arrived; the others are left to the
+trainer's shards.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from ros.client.layouts import PEER_ROUNDS, LayoutPeers, sources_of
 from ros.client.read_token import RenewingToken
 from ros.client.slice import Slice
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
-from tensorhub.checksum_kinds import XXH3
+from tensorhub.checksum_kinds import WSUM64, XXH3
 from tensorhub.errors import InvalidArgument
 from transport.boxes import Box, byte_span, chunks_for
 from transport.layout import Layout, dtype_name, torch_dtype
@@ -40,13 +43,24 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class _Described:
     """A block set of the covering layout: its layout, the box of each of its blocks (by
-    global tensor name), its checksums and holders."""
+    global tensor name), what each of its chunks is checked against (`expected`, of
+    `checksum`'s kind) and its holders."""
 
     id: str
     layout: Layout
     boxes: dict[str, tuple[str, tuple[int, ...], Box]]  # name -> (dtype, global shape, box)
-    sums: list[int]
+    expected: list[int]
+    checksum: str  # WSUM64: the publisher's checksums; XXH3: the record's
     holders: list[pb.Holder]
+
+
+@dataclass
+class Covered:
+    """What a cover filled: the blocks (by name) and how many of the chunks read for them
+    were checked against the publisher's checksums (the rest against the records')."""
+
+    names: set[str]
+    publisher_checked: int = 0
 
 
 @dataclass(frozen=True)
@@ -57,9 +71,11 @@ class _Part:
 
 
 def _parse(answer: pb.LayoutBlockSet, chunk_size: int) -> _Described | None:
-    """The block set an answer describes, in chunks of `chunk_size` (the version's); None
-    (logged) when it cannot be read: malformed, another chunk size, a block outside its
-    global tensor, checksums that do not match its chunks."""
+    """The block set an answer describes, in chunks of `chunk_size` (the version's), checked
+    against the publisher's checksums where the answer has them for every chunk, else
+    against the record's; None (logged) when it cannot be read: malformed, another chunk
+    size, a block outside its global tensor, recorded checksums that do not match its
+    chunks."""
     try:
         data: Any = json.loads(bytes(answer.blocks))
         if int(data["chunk_size"]) != chunk_size:
@@ -77,10 +93,13 @@ def _parse(answer: pb.LayoutBlockSet, chunk_size: int) -> _Described | None:
     except (KeyError, TypeError, ValueError, InvalidArgument) as exc:
         log.warning("block set %s: unreadable description (%s); not read", answer.block_set, exc)
         return None
-    sums = list(answer.block_sums)
+    sums, published = list(answer.block_sums), list(answer.publisher_sums)
     if len(sums) != layout.num_chunks:
         return None
-    return _Described(answer.block_set, layout, boxes, sums, list(answer.holders))
+    holders = list(answer.holders)
+    if len(published) == layout.num_chunks:
+        return _Described(answer.block_set, layout, boxes, published, WSUM64, holders)
+    return _Described(answer.block_set, layout, boxes, sums, XXH3, holders)
 
 
 def _plan(
@@ -120,9 +139,9 @@ def read_from_cover(
     stats: FetchStats,
     chunk_size: int,
     rate_floor: float = DEFAULT_RATE_FLOOR,
-) -> set[str]:
+) -> Covered:
     """Fill the blocks of `todo` that `layout`'s block sets (in the version's `chunk_size`)
-    cover from their holders (module docstring); the names filled."""
+    cover from their holders (module docstring); what it filled."""
     request = pb.ResolveLayoutCoverRequest(
         model=model, version=version, layout=layout, holder=me.holder_name,
         topology=me.topology.labels(),
@@ -137,15 +156,21 @@ def read_from_cover(
         for d, part in covering:
             by_set.setdefault(d.id, []).append(part)
     arrived: set[tuple[str, str]] = set()
+    checked = 0
     for set_id, needed in by_set.items():
+        covering_set = described[set_id]
+        before = stats.chunks
         got = _read_set(
-            peers, me, model, version, described[set_id], needed, slices, token, deadline, stats,
+            peers, me, model, version, covering_set, needed, slices, token, deadline, stats,
             rate_floor,
         )  # fmt: skip
+        if covering_set.checksum == WSUM64:
+            checked += stats.chunks - before
         arrived.update((set_id, name) for name in got)
-    return {
+    filled = {
         name for name, covering in plan.items() if all((d.id, name) in arrived for d, _ in covering)
     }
+    return Covered(filled, checked)
 
 
 def _read_set(
@@ -179,8 +204,9 @@ def _read_set(
             break
         done = peers.read(
             me.tenant, model, version, s.layout, staging, sources, token=token,
-            deadline=deadline.work_end, me=me.topology, chunks=wanted, expected=s.sums,
-            checksum=XXH3, tls=me.tls, stats=stats, readers=peers.readers, rate_floor=rate_floor,
+            deadline=deadline.work_end, me=me.topology, chunks=wanted, expected=s.expected,
+            checksum=s.checksum, tls=me.tls, stats=stats, readers=peers.readers,
+            rate_floor=rate_floor,
         )  # fmt: skip
         suspects.update(done.failures)
         if done.done:

@@ -101,8 +101,9 @@ class SliceFetch:
     # of the same blocks), and whether this reader serves its blocks now
     from_trainer: set[str] = field(default_factory=set)
     served: bool = False
-    # layout=...: the chunks read from peers that were checked against the publisher's
-    # checksums (a layout declared before the version's publish; 0: the reader-derived ones)
+    # layout=...: the chunks read from peers (holders of the same blocks, or of a cover's
+    # block sets) that were checked against the publisher's checksums (a layout declared
+    # before the version's publish; 0: all against the reader-derived ones)
     publisher_checked: int = 0
 
     @property
@@ -547,10 +548,12 @@ def _from_holders(
         if not missing:
             break
         moved = FetchStats()
-        missing -= layout_cover.read_from_cover(
+        covered = layout_cover.read_from_cover(
             peers, me, model, version, other, slices, missing, token, deadline, moved,
             blocks.layout.chunk_size, rate_floor,
         )  # fmt: skip
+        missing -= covered.names
+        result.publisher_checked += covered.publisher_checked
         add_moved(result, moved)
     result.from_trainer = missing
     return peer.sums

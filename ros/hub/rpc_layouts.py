@@ -156,6 +156,7 @@ class LayoutRPCs:
                     block_set=s.block_set,
                     blocks=s.blocks,
                     block_sums=s.sums,
+                    publisher_sums=s.publisher_sums,
                     holders=[  # COMPLETE only: a cover is read in one pass, not pipelined
                         holder_to_pb(h)
                         for h in _nearest(

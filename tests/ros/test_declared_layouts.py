@@ -195,6 +195,34 @@ def test_a_layout_declared_after_the_publish_takes_the_reader_derived_path(
         assert torch.equal(out3[name], want), name
 
 
+def test_a_cover_is_checked_against_the_publishers_sums_of_the_block_sets_it_reads(
+    clients: Callable[..., ros.Hub],
+) -> None:
+    """A TP-1 reader covered by TP-2 holders checks each chunk of their block sets against
+    the publisher's wsum64 where "tp2" was declared before the version's publish (v2), and
+    against the block sets' records where it was not (v1); its bytes are the trainer's."""
+    trainer = clients()
+    trainer.publish("policy", 1, global_model(), chunk_size=CHUNK)
+    clients().declare_layout("policy", "tp2", _workers(2))
+    trainer.publish("policy", 2, global_model(), chunk_size=CHUNK)
+    tp2 = [clients(), clients()]
+    for version in (1, 2):
+        for rank, worker in enumerate(tp2):
+            slices = slices_for(rank, 2)[1]
+            assert worker.fetch_slices("policy", version, slices=slices, layout="tp2").served
+    for version, published in ((1, False), (2, True)):
+        out, slices = slices_for(0, 1)
+        got = clients().fetch_slices(
+            "policy", version, slices=slices, layout="tp1", cover=("tp2",), timeout=30
+        )
+        assert got.from_trainer == set()
+        assert set(got.bytes_per_source) == {w.holder_name for w in tp2}
+        assert got.chunks > 0
+        assert got.publisher_checked == (got.chunks if published else 0)
+        for name, want in expected(0, 1).items():
+            assert torch.equal(out[name], want), name
+
+
 def test_declared_layouts_past_the_bound_are_refused_by_name(
     clients: Callable[..., ros.Hub],
 ) -> None:
