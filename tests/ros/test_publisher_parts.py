@@ -1,11 +1,15 @@
 """Shards' parts of the publisher's checksums of a declared layout (docs/design-notes.md,
-"Sharded publishes: parts that add up") where a version has more shards than one page of
-part keys (80, from one process): the hub adds them up to the sums a whole publish of the
-same bytes records, and a layout reader ends on the trainer's bytes. Against a real hub,
-etcd and sockets."""
+"Sharded publishes: parts that add up") where a version's shards come through a process
+group's one call (`publish(..., group=PG)`: 2 gloo ranks as real processes,
+tests/ros/group_rank_proc.py) and where a version has more shards than one page of part
+keys (80, from one process): the hub adds them up to the sums a whole publish of the same
+bytes records, and a layout reader ends on bytes checked against them. Ranks that read two
+revisions of the declarations make a version without sums, never with wrong ones. Against a
+real hub, etcd and sockets."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import pytest
@@ -17,7 +21,9 @@ from ros.client.layouts import block_set
 from ros.hub.server import HubServer
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.declared_records import PARTS_PAGE
-from tests.ros.layout_model import CHUNK
+from tests.gloo_ranks import launch
+from tests.ros.group_rank_proc import whole_slices
+from tests.ros.layout_model import CHUNK, global_model
 from tests.ros.test_declared_layouts import _reference_sums
 
 TENANT = "team-a"
@@ -29,6 +35,66 @@ def _sums(client: ros.Hub, model: str, version: int, slices: dict[str, ros.Slice
         model=model, version=version, layout="tp1", block_set=block_set(slices, CHUNK).id
     )
     return list(client._rpc("ResolveLayout", request).publisher_sums)
+
+
+def _read_twice(clients: Callable[[], ros.Hub], model: str, want: dict[str, torch.Tensor]) -> None:
+    """A first `tp1` reader of model@2 reads it from the trainer's shards, a second one
+    every byte from the first (checked against the publisher's sums); both end on `want`."""
+    first, second = clients(), clients()
+    outs = []
+    for reader in (first, second):
+        slices = whole_slices()
+        got = reader.fetch_slices(model, 2, slices=slices, layout="tp1", timeout=60)
+        outs.append((got, slices))
+    assert outs[0][0].served
+    assert set(outs[1][0].bytes_per_source) == {first.holder_name}
+    for _, slices in outs:
+        for name, tensor in want.items():
+            assert torch.equal(slices[name].tensor, tensor), name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["layout", "skewed"])
+def test_a_group_publishes_its_ranks_parts_and_a_layout_reader_gets_the_publishers_sums(
+    mode: str, hub_server: HubServer, make_tenant: Callable[[str], str]
+) -> None:
+    """TP-2 ranks publish policy@2 through their gloo group's one call, with `tp1` (each
+    tensor whole) declared after policy@1: the hub adds their parts up to the wsum64 of the
+    whole model's chunks, and two `tp1` readers end on the trainer's bytes. `skewed`: rank 1
+    declares `tp1` again after rank 0 read the declarations, so their parts name two
+    revisions: no sums, and the readers take the reader-derived path to the same bytes."""
+    token = make_tenant(TENANT)
+    opened: list[ros.Hub] = []
+
+    def clients() -> ros.Hub:
+        opened.append(ros.connect(hub_server.address, tenant=TENANT, token=token))
+        return opened[-1]
+
+    model = f"group-parts-{mode}"
+    try:
+        trainer, rollout = clients(), clients()
+        trainer.publish(model, 1, global_model(), chunk_size=CHUNK)
+        rollout.declare_layout(model, "tp1", [whole_slices()])
+        args = [hub_server.address, TENANT, token, model, mode]
+        with launch("tests.ros.group_rank_proc", args, 2) as ranks:
+            assert [r.get("error") for r in ranks] == [None, None], ranks
+            assert all(r["visible"] for r in ranks), ranks
+            prefix = hub_server.keys.publisher_parts(TENANT, model, 2)
+            written = hub_server.etcd.range(prefix, prefix=True).kvs
+            revisions = [json.loads(kv.value)["revision"] for kv in written]
+            assert len(revisions) == 2  # each rank's shard wrote its parts
+            sums = _sums(rollout, model, 2, whole_slices())
+            if mode == "layout":
+                assert len(set(revisions)) == 1
+                assert sums == _reference_sums(global_model())
+            else:
+                assert len(set(revisions)) == 2
+                assert sums == []  # two revisions: none, never wrong ones
+            _read_twice(clients, model, global_model())
+    finally:
+        for client in opened:
+            client.close()
 
 
 SHARDS = 80
