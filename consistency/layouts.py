@@ -171,9 +171,9 @@ class LayoutRegistry:
         parts: PartsSums | None = None,
     ) -> None:
         """`budget`: the tenant's, charged for each block set's key it creates (None: no
-        charge; the tally still counts them, charged 0). `parts`: the hub's publisher
-        checksums of versions of more than `PARTS_PAGE` shards, as added up before (None:
-        added up at each resolve)."""
+        charge; the tally still counts them, charged 0). `parts`: what the hub's sharded
+        versions' parts of the publisher checksums added up to before (None: added up at
+        each resolve)."""
         self.etcd = etcd
         self.keys = keys
         self.budget = budget

@@ -36,9 +36,9 @@ the reader-derived path."""
 
 PARTS_PAGE = 64
 """Part keys a resolve reads at a time (one key a shard, at most `MAX_PARTS_BYTES` each: 16
-MiB a page at most, under the etcd client's 64 MiB message bound). A version of at most
-this many shards has its parts read in the resolve's own transaction; one of more has them
-read page by page once and their sums kept (`consistency.parts_sums`)."""
+MiB a page at most, under the etcd client's 64 MiB message bound). A resolve reads the
+first page in its own transaction; a version of more shards has the others read page by
+page, once: the hub keeps what a version's parts add up to (`consistency.parts_sums`)."""
 
 MAX_PARTS_READ_BYTES = 64 * 1024 * 1024
 """The most bytes of parts a hub reads to add up one version's publisher checksums; a
