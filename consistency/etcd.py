@@ -282,6 +282,23 @@ class Etcd:
         response = self.call(lambda m, t: m.kv.Range(request, timeout=t), timeout=timeout)
         return RangeResult([KV.from_pb(kv) for kv in response.kvs], int(response.header.revision))
 
+    def page(
+        self,
+        prefix: str,
+        after: str,
+        limit: int,
+        *,
+        revision: int = 0,
+        timeout: float | None = None,
+    ) -> tuple[list[KV], bool]:
+        """At most `limit` keys under `prefix` that sort after `prefix + after` (`ops.page`'s
+        range, outside a transaction), read at `revision` (0: now), and whether more follow:
+        a long prefix read a page at a time, every page at one revision."""
+        request = ops.page(prefix, after, limit).request_range
+        request.revision = revision
+        response = self.call(lambda m, t: m.kv.Range(request, timeout=t), timeout=timeout)
+        return [KV.from_pb(kv) for kv in response.kvs], bool(response.more)
+
     def range_keys(
         self, prefix: str | bytes, *, timeout: float | None = None
     ) -> tuple[list[bytes], int]:

@@ -41,10 +41,11 @@ from consistency import ops
 from consistency.etcd import Etcd, TxnResult
 from consistency.keys import Keys
 from consistency.layout_tally import LayoutTally
+from consistency.parts_sums import PartsSums, block_set_sums
 from consistency.records import HolderRecord
 from consistency.retry import LAYOUT_RACES, LostRace
 from consistency.usage import RECORD_BYTES, TenantBudget
-from tensorhub.declared_records import MAX_PARTS_SHARDS, add_parts, decode_publisher_sums
+from tensorhub.declared_records import PARTS_PAGE, decode_publisher_sums
 from tensorhub.errors import (
     InvalidArgument,
     PermissionDenied,
@@ -160,23 +161,24 @@ class LayoutHolders:
     publisher_sums: list[int] = field(default_factory=list)  # declared before the publish
 
 
-def _publisher_sums(whole: Sequence[Any], parts: Sequence[Any], at: BlockSetKey) -> list[int]:
-    """The block set's publisher checksums as read: from its layout's key (a whole
-    publish), else added up from the shards' parts (`add_parts`); []: none."""
-    if whole:
-        return decode_publisher_sums(bytes(whole[0].value), at.block_set)
-    return add_parts([bytes(kv.value) for kv in parts], at.layout, at.block_set)
-
-
 class LayoutRegistry:
     """Register, find and release holders of layout blocks, within one tenant's prefix."""
 
-    def __init__(self, etcd: Etcd, keys: Keys, budget: TenantBudget | None = None) -> None:
+    def __init__(
+        self,
+        etcd: Etcd,
+        keys: Keys,
+        budget: TenantBudget | None = None,
+        parts: PartsSums | None = None,
+    ) -> None:
         """`budget`: the tenant's, charged for each block set's key it creates (None: no
-        charge; the tally still counts them, charged 0)."""
+        charge; the tally still counts them, charged 0). `parts`: what the hub's sharded
+        versions' parts of the publisher checksums added up to before (None: added up at
+        each resolve)."""
         self.etcd = etcd
         self.keys = keys
         self.budget = budget
+        self.parts = parts
 
     def _keys(self, at: BlockSetKey) -> tuple[str, str, str]:
         args = (at.tenant, at.model, at.version, at.layout, at.block_set)
@@ -291,8 +293,12 @@ class LayoutRegistry:
             else []
         )
         published = (
-            _publisher_sums(
-                result.responses[5].response_range.kvs, result.responses[6].response_range.kvs, at
+            self._publisher_sums(
+                result.responses[5].response_range.kvs,
+                result.responses[6].response_range,
+                at,
+                result.revision,
+                timeout,
             )
             if resolve
             else []
@@ -418,8 +424,23 @@ class LayoutRegistry:
         keys = self.keys
         return [
             ops.get(keys.publisher_sums(at.tenant, at.model, at.version, at.layout)),
-            ops.page(keys.publisher_parts(at.tenant, at.model, at.version), "", MAX_PARTS_SHARDS),
+            ops.page(keys.publisher_parts(at.tenant, at.model, at.version), "", PARTS_PAGE),
         ]
+
+    def _publisher_sums(
+        self, whole: Sequence[Any], parts: Any, at: BlockSetKey, revision: int,
+        timeout: float | None,
+    ) -> list[int]:  # fmt: skip
+        """The block set's publisher checksums as read at `revision`: from its layout's key
+        (a whole publish), else added up from the shards' parts (`parts`: the first page of
+        them; `consistency.parts_sums`); []: none."""
+        if whole:
+            return decode_publisher_sums(bytes(whole[0].value), at.block_set)
+        return block_set_sums(
+            self.etcd, self.keys.publisher_parts(at.tenant, at.model, at.version), parts,
+            revision, self.parts, (at.tenant, at.model, at.version), at.layout, at.block_set,
+            timeout,
+        )  # fmt: skip
 
     def _holder_key(self, at: BlockSetKey, holder: str) -> str:
         key = self.keys.layout_holder(
@@ -450,8 +471,12 @@ class LayoutRegistry:
             HolderRecord.decode(bytes(kv.value), int(kv.create_revision))
             for kv in result.responses[2].response_range.kvs
         ]
-        published = _publisher_sums(
-            result.responses[3].response_range.kvs, result.responses[4].response_range.kvs, at
+        published = self._publisher_sums(
+            result.responses[3].response_range.kvs,
+            result.responses[4].response_range,
+            at,
+            result.revision,
+            timeout,
         )
         return LayoutHolders(records, sums, result.revision, published)
 
@@ -486,14 +511,16 @@ class LayoutRegistry:
         at = BlockSetKey(tenant, model, version, layout, "")
         second = self.etcd.txn([], [*ranges, *self._publisher_reads(at)], timeout=timeout)
         answers = second.responses[: len(ranges)]
-        whole, parts = (r.response_range.kvs for r in second.responses[len(ranges) :])
+        whole, parts = (r.response_range for r in second.responses[len(ranges) :])
         out = []
         for (name, blocks, sums), answer in zip(described, answers, strict=True):
             holders = [
                 HolderRecord.decode(bytes(kv.value), int(kv.create_revision))
                 for kv in answer.response_range.kvs
             ]
-            published = _publisher_sums(whole, parts, replace(at, block_set=name))
+            published = self._publisher_sums(
+                whole.kvs, parts, replace(at, block_set=name), second.revision, timeout
+            )
             out.append(CoverSet(name, blocks, sums, holders, published))
         return out, second.revision
 

@@ -28,10 +28,23 @@ MAX_PUBLISHER_SUMS = 1 << 16
 """The most chunk checksums one publish may carry for its declared layouts (512 KiB in
 etcd); a publisher with more sends none (its readers take the reader-derived path)."""
 
-MAX_PARTS_SHARDS = 64
-"""The most shards whose parts of the publisher's checksums a version records (a reader's
-resolve reads one key a shard, so it stays bounded); the ranks of a version with more send
-none, and its layout readers take the reader-derived path."""
+MAX_PARTS_SHARDS = 4096
+"""The most shards whose parts of the publisher's checksums a version records: every
+version a hub takes (`consistency.manifests.MAX_SHARDS`). The ranks of a version with more
+send none (the hub refuses parts from one, `InvalidArgument`), and its layout readers take
+the reader-derived path."""
+
+PARTS_PAGE = 64
+"""Part keys a resolve reads at a time (one key a shard, at most `MAX_PARTS_BYTES` each: 16
+MiB a page at most, under the etcd client's 64 MiB message bound). A resolve reads the
+first page in its own transaction; a version of more shards has the others read page by
+page, once: the hub keeps what a version's parts add up to (`consistency.parts_sums`)."""
+
+MAX_PARTS_READ_BYTES = 64 * 1024 * 1024
+"""The most bytes of parts a hub reads to add up one version's publisher checksums; a
+version whose parts take more has no sums (logged): its readers take the reader-derived
+path. Parts are about 30 bytes a chunk of a declared block set a shard touches, so a model
+within `MAX_PUBLISHER_SUMS` chunks a layout stays far below it."""
 
 MAX_PART_SUMS = 1 << 15
 """The most chunk checksums one shard's parts may carry (in all its parts)."""
@@ -156,23 +169,31 @@ def add_parts(values: Sequence[bytes], layout: str, block_set: str) -> list[int]
     a shard), or [] unless every shard of the version wrote its parts, for one revision of
     the declarations: parts with the same tensor and box (replicas) count once, the others
     add up modulo 2**64. A chunk no part touches leaves them incomplete: []."""
+    return add_all_parts(values).get((layout, block_set), [])
+
+
+def add_all_parts(values: Sequence[bytes]) -> dict[tuple[str, str], list[int]]:
+    """`add_parts` of every (layout, block set) the parts name, at once (one decode of each
+    shard's parts); only block sets whose chunks are complete. Empty unless every shard of
+    the version wrote its parts, all for one revision of the declarations."""
     decoded = [json.loads(v) for v in values]
     if not decoded or len({(d["revision"], d["count"]) for d in decoded}) != 1:
-        return []
+        return {}
     if len(decoded) != int(decoded[0]["count"]):
-        return []
-    seen: set[tuple[str, str, str]] = set()
-    sums: dict[int, int] = {}
+        return {}
+    seen: set[tuple[str, str, str, str, str]] = set()
+    added: dict[tuple[str, str], dict[int, int]] = {}
     for d in decoded:
         for lay, bs, tensor, offsets, shape, chunks, part in d["parts"]:
-            if (lay, bs) != (layout, block_set):
-                continue
-            key = (tensor, json.dumps(offsets), json.dumps(shape))
-            if key in seen:
+            key = (lay, bs, tensor, json.dumps(offsets), json.dumps(shape))
+            if key in seen:  # a replica's part: counted once
                 continue
             seen.add(key)
+            sums = added.setdefault((str(lay), str(bs)), {})
             for chunk, value in zip(chunks, part, strict=True):
                 sums[int(chunk)] = (sums.get(int(chunk), 0) + int(value)) % (1 << 64)
-    if not sums or sorted(sums) != list(range(len(sums))):
-        return []
-    return [sums[i] for i in range(len(sums))]
+    return {
+        at: [sums[i] for i in range(len(sums))]
+        for at, sums in added.items()
+        if sums and sorted(sums) == list(range(len(sums)))
+    }

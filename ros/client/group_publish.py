@@ -1,7 +1,10 @@
 """`publish(..., group=PG)`: one hub call per version for a process group's shards.
 
 Every rank of the group builds its shard's PublishRequest exactly as its own publish would:
-its manifest, and its holder record under its own session, naming its own endpoint. So each
+its manifest, its holder record under its own session, naming its own endpoint, and its
+parts of the publisher's checksums of the model's declared layouts with the declarations'
+revision it read (`ros.client.publisher_sums.layout_parts`), which the hub writes with its
+shard as it does a shard published alone. So each
 rank still serves its own memory, and its holder record lives and dies with its own lease:
 a rank that dies stops being offered to readers when its lease expires, within the TTL, as
 a rank that publishes alone does (docs/design-notes.md, "One hub call per version"). Only

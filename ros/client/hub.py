@@ -396,8 +396,9 @@ class Hub:
     ) -> int:
         """Declare `layout` of `model` to the hub: `workers` are the slices of each worker of
         one instance (their tensors' dtypes and shapes, offsets and global shapes; their
-        memory is not read). Every whole version of the model published from then on
-        carries the publisher's checksums of each worker's blocks, and the readers of those
+        memory is not read). Every version of the model published from then on carries
+        the publisher's checksums of each worker's blocks (a whole publish's, or its shards'
+        parts of them, one call a rank or a group's one call), and the readers of those
         blocks in `layout` check every chunk a peer sends against them (docs/sdk.md,
         "Declared layouts"). Declaring it again replaces it. The model must have a version;
         at most `MAX_DECLARED_LAYOUTS` (4) layouts a model (`TooManyDeclaredLayouts`:

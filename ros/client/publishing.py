@@ -299,12 +299,13 @@ class Publisher:
         for view in views:
             request.views.append(pb.PublishView(format=view.fmt, manifest=view.manifest))
         try:
-            if send is not None:
+            if shard is not None:  # a shard, alone or through its group: with its parts
+                self._add_parts(request, held, manifest, shard[1], timeout)
+            if send is not None:  # its group's one call (`ros.client.group_publish`)
                 response = send(request, timeout)
             elif shard is None:  # a whole publish: with its declared layouts' checksums
                 response = self._publish_declared(request, held, timeout)
-            else:  # a shard: with its parts of them
-                self._add_parts(request, held, manifest, shard[1], timeout)
+            else:
                 response = self._publish_rpc(request, timeout)
         except OutcomeUnknown:
             # It may have landed: its holder record would then name this client, so keep

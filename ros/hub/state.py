@@ -21,6 +21,7 @@ from consistency import Etcd, HolderRegistry, Keys, VersionRegistry
 from consistency.declared_layouts import DeclaredLayouts
 from consistency.keepalive import LeaseKeeper
 from consistency.layouts import LayoutRegistry
+from consistency.parts_sums import PartsSums
 from consistency.sessions import SessionRecords
 from consistency.usage import DEFAULT_HISTORY_PERIOD, UsageCache
 from ros.hub.budget import Budgets, layout_budget
@@ -100,6 +101,9 @@ class HubState:
         self.leases = LeaseKeeper(etcd)
         self.sessions = SessionRecords(etcd, keys)
         self.manifest_cache = ManifestCache()
+        # The publisher checksums of versions of many shards, added up from their parts once
+        # (`consistency.parts_sums`).
+        self.parts_sums = PartsSums()
         # The usage keys as this replica last read or wrote them: a publish charges its
         # tenant's budget against them with no read (`consistency.usage.UsageCache`).
         self.usage_cache = UsageCache()
@@ -244,7 +248,7 @@ class HubState:
         the tenant's record as the other registries' are."""
         etcd = self.etcd_for(tenant)
         budget = layout_budget(etcd, self.keys, tenant, self.history_period, self.usage_cache)
-        return LayoutRegistry(etcd, self.keys, budget)
+        return LayoutRegistry(etcd, self.keys, budget, self.parts_sums)
 
     def declared_layouts(self, tenant: Tenant) -> DeclaredLayouts:
         """The tenant's declared layouts (`consistency.declared_layouts`), its writes fenced
