@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ros
-from ros.client import slices as slices_module
+from ros.client import slice_read as slices_module
 from tensorhub.errors import VersionUnavailable
 from tests.ros.test_reshard import global_model, publish_tp, read_tp
 
