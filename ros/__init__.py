@@ -21,14 +21,14 @@ if TYPE_CHECKING:
     from ros.client.handles import Held, Publication
     from ros.client.hub import Hub
     from ros.client.slice import Slice
-    from ros.client.slices import SliceFetch
+    from ros.client.slice_fetch import SliceFetch
 
 _LAZY = {
     "Hub": "ros.client.hub",
     "Held": "ros.client.handles",
     "Publication": "ros.client.handles",
     "Slice": "ros.client.slice",
-    "SliceFetch": "ros.client.slices",
+    "SliceFetch": "ros.client.slice_fetch",
 }
 
 

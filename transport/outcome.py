@@ -113,7 +113,7 @@ def final_error(failures: Mapping[str, BaseException], what: str) -> TensorHubEr
 
 class Moved(Protocol):
     """What counts the bytes a read moved: a `FetchStats`, or a total over several reads
-    (`ros.client.slices.SliceFetch`)."""
+    (`ros.client.slice_fetch.SliceFetch`)."""
 
     bytes_per_source: dict[str, int]
     chunks: int

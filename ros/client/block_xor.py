@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 class Part(Protocol):
-    """One source shard's part of a block (`ros.client.slices._Copy`)."""
+    """One source shard's part of a block (`ros.client.slice_plan.Copy`)."""
 
     @property
     def name(self) -> str: ...

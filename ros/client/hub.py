@@ -56,7 +56,7 @@ from ros.client.rpc import HubRpc, Rpc
 from ros.client.serving import Serving
 from ros.client.session import RECOVERY_JOIN_TIMEOUT, Session
 from ros.client.slice import Slice
-from ros.client.slices import SliceFetch
+from ros.client.slice_fetch import SliceFetch
 from ros.client.watch import HubWatch, holder_from_message
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc

@@ -80,10 +80,10 @@ holders that failed) before what is missing is read from the trainer's shards.""
 
 PIPELINE_STEPS = 8
 """A first reader reads its blocks from the trainer's shards in about this many steps of
-whole blocks (at most `ros.client.slices.STAGING_BUDGET` bytes each), the source shards at
-once, each chunk of its block set served as soon as its own bytes are in place: the steps
-keep the chunks completing in the block set's order (a reader chained behind it asks for
-them in that order) and bound a step's staging copies."""
+whole blocks (at most `ros.client.slice_staging.STAGING_BUDGET` bytes each), the source
+shards at once, each chunk of its block set served as soon as its own bytes are in place:
+the steps keep the chunks completing in the block set's order (a reader chained behind it
+asks for them in that order) and bound a step's staging copies."""
 
 
 @dataclass(frozen=True)

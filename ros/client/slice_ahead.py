@@ -1,6 +1,6 @@
 """A first reader of a block set asks for a step's trainer chunks before the step before it
-has arrived (`ros.client.slices`, a reader in a layout reads each source shard in steps of
-whole blocks: docs/design-notes.md, "Readers in another layout").
+has arrived (`ros.client.slice_read`, a reader in a layout reads each source shard in steps
+of whole blocks: docs/design-notes.md, "Readers in another layout").
 
 Each step of a source shard's pipeline is a read round of its own: a connection to the
 trainer's holder and one GET. Run one after another, every step pays that GET's round trip
@@ -8,9 +8,9 @@ trainer's holder and one GET. Run one after another, every step pays that GET's 
 the trainer queue behind the chunks it serves. So a pipeline starts step k+1 once step k
 has `AHEAD_AT` of the chunks it asked for (`Step.landed`): at most one step ahead, and only
 while the staging of the steps in flight of every pipeline stays within the read's budget
-(`Window`, `slices.STAGING_BUDGET`): a step that does not fit waits for the one before it,
-as it would without this, and so does a step staged in GPU memory (one staging copy there
-at a time).
+(`Window`, `slice_staging.STAGING_BUDGET`): a step that does not fit waits for the one
+before it, as it would without this, and so does a step staged in GPU memory (one staging
+copy there at a time).
 
 What a step reads that the step in flight before it reads too (a trainer chunk both need),
 it does not ask for: it waits for that step to end and takes the chunk from its carry

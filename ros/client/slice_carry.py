@@ -1,4 +1,4 @@
-"""The trainer chunks a layout reader's steps share (`ros.client.slices`, a reader in a
+"""The trainer chunks a layout reader's steps share (`ros.client.slice_read`, a reader in a
 layout reads the trainer's shards in steps of whole blocks: docs/design-notes.md, "Readers
 in another layout").
 

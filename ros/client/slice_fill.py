@@ -1,5 +1,5 @@
 """A first reader of a block set serves each chunk of it as soon as that chunk's own bytes
-are in place (`ros.client.slices`, a reader in a layout: docs/design-notes.md, "Readers in
+are in place (`ros.client.slice_layout`, a reader in a layout: docs/design-notes.md, "Readers in
 another layout").
 
 The first reader reads its blocks from the trainer's shards into staging copies of the
@@ -9,10 +9,11 @@ chunk of the block set's layout still missing, the bytes still to be written int
 the trainer; a chunk whose count reaches zero is marked present (`HeldVersion.mark_present`,
 its xxh3-64 computed then, over those bytes) and served from then on, whatever the rest of
 its blocks. Every element of a block read from the trainer lies in exactly one source
-shard's part (`slices._plan`) and in exactly one chunk of that shard, so it is written once
-and counted once; a chunk is marked only when every byte of it came from verified trainer
-chunks, and nothing writes to it after that but bytes equal to those (a block that a peer
-left torn is written whole, over chunks present already with the same, verified, bytes).
+shard's part (`slice_plan.plan_copies`) and in exactly one chunk of that shard, so it is
+written once and counted once; a chunk is marked only when every byte of it came from
+verified trainer chunks, and nothing writes to it after that but bytes equal to those (a
+block that a peer left torn is written whole, over chunks present already with the same,
+verified, bytes).
 
 Geometry: a trainer chunk holds a flat byte range of each tensor it touches (elements never
 straddle chunks: tensors start on `transport.layout.ALIGN` and chunk sizes are multiples of

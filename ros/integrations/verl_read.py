@@ -32,7 +32,7 @@ from ros.client.handles import Held
 from ros.client.hub import Hub
 from ros.client.manifest import placement_of
 from ros.client.slice import Slice
-from ros.client.slices import SliceFetch
+from ros.client.slice_fetch import SliceFetch
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import DeadlineExceeded
 from transport.layout import torch_dtype

@@ -41,7 +41,7 @@ from ros.client.delta_stats import DeltaStats, summed
 from ros.client.hub import Hub
 from ros.client.manifest import placement_of
 from ros.client.slice import Slice
-from ros.client.slices import SliceFetch
+from ros.client.slice_fetch import SliceFetch
 from ros.integrations.vllm_plan import TensorInfo, learn_blocks, load_blocks
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import InvalidArgument

@@ -1,5 +1,5 @@
 """`fetch_slices` without a layout or deltas reads its source shards at once
-(`ros.client.slices._read_parts`): every shard's holders carry their part of the read from
+(`ros.client.slice_read.read_sources`): every shard's holders carry their part of the read from
 its start, so readers that start together do not all queue on the first shard's holders.
 A shard whose read fails fails the whole read, with that shard's error."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ros
-from ros.client import slices as slices_module
+from ros.client import slice_read as slices_module
 from tensorhub.errors import VersionUnavailable
 from tests.ros.test_reshard import global_model, publish_tp, read_tp
 

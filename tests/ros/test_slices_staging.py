@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ros
-from ros.client import slices as slices_module
+from ros.client import slice_staging as slices_module
 from tests.ros.test_reshard import global_model, publish_tp, read_tp
 
 
