@@ -265,6 +265,7 @@ class ShardCommitter:
         # What its batch's own read would find after its last batch committed (`carried`):
         # the next batch tries its transaction on it before reading.
         self.carried: Carried | None = None
+        self.budget_refused = 0  # shards the budget refused, on a state read (a final say)
 
     # -- keys ------------------------------------------------------------------------------
 
@@ -396,7 +397,7 @@ class ShardCommitter:
             self._rehold(rehold, state, outcomes, remaining)
         if not writing:
             return False
-        compares, puts, visible = self._guards(writing, state, outcomes, remaining)
+        compares, puts, visible = self._guards(writing, state, outcomes, remaining, carried)
         charged = list(puts)
         written = [e for e in writing if id(e) not in outcomes]
         if not written or (carried and len(written) < len(writing)):
@@ -639,9 +640,11 @@ class ShardCommitter:
         state: _Read,
         outcomes: dict[int, Outcome],
         remaining: float,
+        carried: bool = False,
     ) -> tuple[list[ops.Cmp], list[ops.Op], bool]:
         """The batch's shared compares and puts: latest, the counter, the model quota, the
-        budget (entries past it get `QuotaExceeded`), and visibility if this batch
+        budget (entries past it get `QuotaExceeded`; counted in `budget_refused` unless on
+        a `carried` state, which a read decides again), and visibility if this batch
         completes the version."""
         count = state.count or writing[0].count
         compares = [
@@ -670,6 +673,8 @@ class ShardCommitter:
             )
             for entry in writing[admitted:]:
                 outcomes[id(entry)] = refusal or QuotaExceeded("tenant budget")
+            if not carried:
+                self.budget_refused += len(writing) - admitted
             compares += guard
             puts += charge
             writing = writing[:admitted]

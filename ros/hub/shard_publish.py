@@ -28,6 +28,7 @@ from consistency.shard_commit import (
 from ros.hub.budget import BatchBudget
 from ros.hub.group_commit import MAX_KEYS_COUNTED, GroupCommit
 from ros.hub.tenants import Tenant
+from ros.metrics import HUB_PUBLISHES_REFUSED
 from tensorhub.errors import TensorHubError
 from tensorhub.lru import SizedLru
 
@@ -98,6 +99,8 @@ class ShardBatches:
             return committer.commit([job.entry for job in jobs])
         finally:
             self._counted.put(key, max(self._counted.get(key) or 0, committer.arrived))
+            if committer.budget_refused:  # counted on the committer's final say only
+                HUB_PUBLISHES_REFUSED.labels("etcd_budget").inc(committer.budget_refused)
             if committer.carried is None:
                 self._carried.pop(key)
             else:

@@ -416,3 +416,35 @@ def test_a_stale_carried_state_falls_back_to_the_read(
         assert json.loads(counter.value) == {"count": count, "arrived": count}
         info = versions.describe("t", "stale", 1)
         assert [s.index for s in info.shards] == list(range(count))
+
+
+def test_a_refusal_on_a_carried_state_is_decided_again_on_a_read(
+    etcd: Etcd, versions: VersionRegistry
+) -> None:
+    """A budget that refuses shards of a batch tried on a carried state does not have the
+    last word: the batch reads and the budget decides on what it read, and only that
+    decision counts (`budget_refused`, what the hub's refusal metric adds)."""
+    tenant_budget = TenantBudget(
+        etcd, versions.keys, "t", max_bytes=3 * (6 + RECORD_BYTES), publishes_per_minute=600
+    )
+
+    class Bytes:
+        key = tenant_budget.key
+
+        def charge(self, sizes, usage, arrived):  # type: ignore[no-untyped-def]
+            return tenant_budget.charge_read(sizes, usage, 0.25)
+
+    counted = _Counted(etcd)
+    with Session(etcd, ttl=10) as session:
+        committer = versions.shard_committer("t", "full", 1, budget=Bytes())
+        committer.etcd = counted  # type: ignore[assignment]
+        first = committer.commit([stage(versions, "full", i, 5, session.id) for i in (0, 1)])
+        assert not any(isinstance(o, Exception) for o in first)
+        assert committer.carried is not None
+        before = counted.txns
+        outcomes = committer.commit([stage(versions, "full", i, 5, session.id) for i in (2, 3, 4)])
+        assert not isinstance(outcomes[0], Exception)
+        assert [type(o) for o in outcomes[1:]] == [QuotaExceeded, QuotaExceeded]
+        assert counted.txns - before == 2  # no transaction on the carried state: a read, one
+        assert committer.budget_refused == 2  # the read's refusals, each once
+        assert latest(versions, "full") == 0
