@@ -31,7 +31,11 @@ revision, or none of them. The counter names the views (`"views"`), and every sh
 version must carry the same ones (`InvalidArgument` for one that does not).
 
 Every attempt starts with one read-only transaction (latest, the counter, each shard's record
-and holder record), which is also the retry-safe check for our own earlier write: a shard
+and holder record), or, for a version's next batch on the same committer, with its
+transaction alone on the state its last batch wrote (`Carried`: the counter and usage as
+written, `latest` as compared, no shard record), which commits only while nothing changed
+since: a failed compare, or a state that would decide a shard alone, sends the batch to the
+read. The read is also the retry-safe check for our own earlier write: a shard
 whose record is there, written for its holder under its session, succeeded (a retried
 publish after a lost reply is idempotent); one written by the same holder name with the same
 manifest under another session (a rank that restarted) becomes that shard's holder again and
