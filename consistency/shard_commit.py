@@ -31,7 +31,11 @@ revision, or none of them. The counter names the views (`"views"`), and every sh
 version must carry the same ones (`InvalidArgument` for one that does not).
 
 Every attempt starts with one read-only transaction (latest, the counter, each shard's record
-and holder record), which is also the retry-safe check for our own earlier write: a shard
+and holder record), or, for a version's next batch on the same committer, with its
+transaction alone on the state its last batch wrote (`Carried`: the counter and usage as
+written, `latest` as compared, no shard record), which commits only while nothing changed
+since: a failed compare, or a state that would decide a shard alone, sends the batch to the
+read. The read is also the retry-safe check for our own earlier write: a shard
 whose record is there, written for its holder under its session, succeeded (a retried
 publish after a lost reply is idempotent); one written by the same holder name with the same
 manifest under another session (a rank that restarted) becomes that shard's holder again and
@@ -214,6 +218,19 @@ class _Read:
     views: tuple[str, ...] = ()  # the view models the counter names
 
 
+@dataclass(frozen=True)
+class Carried:
+    """What a version's next batch would read right after its last batch committed on this
+    committer (`ShardCommitter.carried`; a hub keeps it from one batch to the next): the
+    counter and usage as that batch wrote them, `latest` as it compared it, no shard
+    record. The next batch sends its transaction on this state instead of reading first;
+    its compares (`latest`, the counter, the usage, each shard's record absent) hold
+    exactly when nothing has changed since, and a transaction that fails, or a state that
+    would decide a shard alone, sends the batch back to the read."""
+
+    state: _Read
+
+
 class ShardCommitter:
     """Commits batches of shards of one version `tenant/model@version` (module docstring).
 
@@ -249,6 +266,10 @@ class ShardCommitter:
         self._holders = keys.holders(tenant, model, version)
         self._found: set[int] = set()  # entries whose earlier write a read found (per commit)
         self.arrived = 0  # the version's shards counted, as this committer last read or wrote
+        # What its batch's own read would find after its last batch committed (`carried`):
+        # the next batch tries its transaction on it before reading.
+        self.carried: Carried | None = None
+        self.budget_refused = 0  # shards the budget refused, on a state read (a final say)
 
     # -- keys ------------------------------------------------------------------------------
 
@@ -342,22 +363,50 @@ class ShardCommitter:
             self.manifests.discard(entry.staged, self._shard_key(entry), entry.record, 2.5)
 
     def _attempt(self, pending: list[ShardEntry], outcomes: dict[int, Outcome]) -> None:
-        """One read and, for what is left to write, one transaction. Sets the outcome of
+        """One read and, for what is left to write, one transaction; or, with a state
+        carried from this version's previous batch (`carried`), first that transaction
+        alone, then the read if it did not commit the batch whole. Sets the outcome of
         every entry it decides; raising `LostRace` (by leaving entries pending) retries."""
         remaining = max(max(e.deadline for e in pending) - time.monotonic(), 0.05)
+        carried, self.carried = self.carried, None
+        if carried is not None:
+            trial: dict[int, Outcome] = {}
+            if self._write(pending, carried.state, trial, remaining, carried=True):
+                outcomes.update(trial)
+                return
         try:
             state = self._read(pending, remaining)
         except (Unavailable, DeadlineExceeded):
             return  # nothing sent: try again while time is left
+        self._write(pending, state, outcomes, remaining)
+
+    def _write(
+        self,
+        pending: list[ShardEntry],
+        state: _Read,
+        outcomes: dict[int, Outcome],
+        remaining: float,
+        *,
+        carried: bool = False,
+    ) -> bool:
+        """Decide on `state` what it decides, then write the rest in one transaction;
+        whether every entry of `pending` committed in it. With `carried` (`state` was not
+        read: `carried`), only a batch that commits whole counts: anything `state` decides
+        alone (a shard found, a refusal) or a transaction that fails leaves the entries to
+        the read that follows, and what was put in `outcomes` is dropped."""
         writing, rehold = self._settle(pending, state, outcomes)
+        if carried and (rehold or len(writing) < len(pending)):
+            return False
         if rehold:
             self._rehold(rehold, state, outcomes, remaining)
         if not writing:
-            return
-        compares, puts, visible = self._guards(writing, state, outcomes, remaining)
-        writing = [e for e in writing if id(e) not in outcomes]
-        if not writing:
-            return
+            return False
+        compares, puts, visible = self._guards(writing, state, outcomes, remaining, carried)
+        charged = list(puts)
+        written = [e for e in writing if id(e) not in outcomes]
+        if not written or (carried and len(written) < len(writing)):
+            return False
+        writing = written
         records = self._pack(writing, puts)
         for entry in writing:
             compares += [ops.absent(self._shard_key(entry)), *entry.staged.compares]
@@ -386,12 +435,13 @@ class ShardCommitter:
                 timeout=max(max(e.deadline for e in writing) - time.monotonic(), 0.05),
             )
         except LeaseNotFound:
-            self._dead_sessions(writing, outcomes)
-            return
+            if not carried:
+                self._dead_sessions(writing, outcomes)
+            return False
         except (Unavailable, DeadlineExceeded, OutcomeUnknown):
             for entry in writing:  # it may have been applied: the next read tells
                 entry.ambiguous = True
-            return
+            return False
         if result.attempts > 1:
             for entry in writing:
                 entry.ambiguous = True
@@ -401,7 +451,11 @@ class ShardCommitter:
                 outcomes[id(entry)] = Published(self.version, result.revision, visible)
             if visible and self._on_visible is not None:
                 self._on_visible(self.tenant, self.model)
-            return
+            if not visible:
+                self.carried = self._carry(state, writing, charged, result.revision)
+            return len(writing) == len(pending)
+        if carried:
+            return False
         for entry, response in zip(paged, result.responses, strict=False):
             if int(response.response_range.count) < entry.staged.header.pages:
                 outcomes[id(entry)] = LeaseLost(
@@ -423,6 +477,29 @@ class ShardCommitter:
                 outcomes[id(entry)] = SessionExpired(
                     f"session {entry.holder.session:x} has expired or was revoked: open a new one"
                 )
+        return False
+
+    def _carry(
+        self, state: _Read, writing: list[ShardEntry], charged: list[ops.Op], revision: int
+    ) -> Carried:
+        """What this version's next batch would read right after `writing` committed at
+        `revision` on `state`: the counter as written, `latest` as compared (a batch that
+        makes the version visible carries nothing), the usage as charged (`charged`: the
+        batch's shared puts, the usage's among them), and no shard of its own yet."""
+        usage = state.usage
+        if self._budget is not None:
+            key = ops.b(self._budget.key)
+            for op in charged:
+                if op.request_put.key == key:
+                    usage = ops.KV(key, bytes(op.request_put.value), 0, revision, 0, 0)
+        views = tuple(writing[0].view_models) if writing[0].views else ()
+        count = state.count or writing[0].count
+        return Carried(
+            _Read(
+                state.latest, state.latest_mod, count, state.arrived + len(writing), revision,
+                {}, {}, usage, views,
+            )
+        )  # fmt: skip
 
     def _pack(self, writing: list[ShardEntry], puts: list[ops.Op]) -> dict[int, bytes]:
         """The pack of the packed manifests among `writing`, added to `puts` under a new id
@@ -567,9 +644,11 @@ class ShardCommitter:
         state: _Read,
         outcomes: dict[int, Outcome],
         remaining: float,
+        carried: bool = False,
     ) -> tuple[list[ops.Cmp], list[ops.Op], bool]:
         """The batch's shared compares and puts: latest, the counter, the model quota, the
-        budget (entries past it get `QuotaExceeded`), and visibility if this batch
+        budget (entries past it get `QuotaExceeded`; counted in `budget_refused` unless on
+        a `carried` state, which a read decides again), and visibility if this batch
         completes the version."""
         count = state.count or writing[0].count
         compares = [
@@ -598,6 +677,8 @@ class ShardCommitter:
             )
             for entry in writing[admitted:]:
                 outcomes[id(entry)] = refusal or QuotaExceeded("tenant budget")
+            if not carried:
+                self.budget_refused += len(writing) - admitted
             compares += guard
             puts += charge
             writing = writing[:admitted]

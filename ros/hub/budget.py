@@ -183,7 +183,9 @@ class BatchBudget:
     one compare and put for the batch, against the usage the batch read. The batch's
     shards arrive as its version's shards number `arrived` on, in batch order, and take
     the publish-rate tokens `consistency.usage.shard_tokens` gives each arrival: a version
-    of N shards takes ceil(N / `SHARDS_PER_TOKEN`) however they are batched."""
+    of N shards takes ceil(N / `SHARDS_PER_TOKEN`) however they are batched. Its refusals
+    are counted by the batch (`ros.hub.shard_publish`), once each, where the usage was read:
+    a batch tried on a carried state decides again on its read."""
 
     def __init__(self, etcd: Etcd, keys: Keys, tenant: Tenant, history_period: float) -> None:
         self._budget = _budget(etcd, keys, tenant, history_period, SHARD_INLINE_BYTES)
@@ -193,7 +195,4 @@ class BatchBudget:
         self, sizes: Sequence[int], usage: ops.KV | None, arrived: int
     ) -> tuple[int, list[ops.Cmp], list[ops.Op], QuotaExceeded | None]:
         tokens = [float(shard_tokens(arrived + i, 1)) for i in range(len(sizes))]
-        admitted, compares, puts, refusal = self._budget.charge_read(sizes, usage, tokens)
-        if refusal is not None:
-            HUB_PUBLISHES_REFUSED.labels("etcd_budget").inc(len(sizes) - admitted)
-        return admitted, compares, puts, refusal
+        return self._budget.charge_read(sizes, usage, tokens)

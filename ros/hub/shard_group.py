@@ -8,7 +8,10 @@ several in its `shards`, as many as the sender framed). The hub treats each shar
 at a time in one worker (a manifest over `SHARD_INLINE_BYTES`, up to `SHARD_PACK_BYTES`,
 hashed and compressed for its batch's pack, `consistency.manifest_packs`, instead of paged
 before the batch: work that releases the GIL, so it runs beside the loop's reading and
-checking of the next shards instead of making the loop wait to take the GIL back), then
+checking of the next shards instead of making the loop wait to take the GIL back; a call's
+chunks are staged one at a time, in order: each manifest's hash and compression release
+the GIL and take it back, so one thread, not one a chunk, takes turns at the GIL with the
+loop that reads the stream), then
 handed to the version's group commits (`ros.hub.shard_publish`) `CHUNK` at a time, so N shards cost
 ceil(N / 61) transactions, whatever else the replica is doing, and the version becomes
 visible with the last one, atomically. Each shard keeps its own holder record under its own
@@ -58,10 +61,17 @@ async def publish_shards(
     """Publish every shard of the stream (module docstring); one outcome each, in order.
     Each shard is checked as it arrives (`check`), every `CHUNK` checked shards are staged
     together (`stage`: each one's staged shard or its error, in order; its manifest ready
-    for a batch's pack) and handed to the batches together (`commit`), so the first
+    for a batch's pack; one chunk of the call at a time) and handed to the batches together
+    (`commit`), so the first
     batches commit, full, while the rest still streams in. If the call ends early
     (cancelled, refused), the shards not yet committed are withdrawn as a Publish whose
     caller left is."""
+    lane = asyncio.Lock()  # a call's chunks staged one at a time, in order (FIFO)
+
+    async def staged_in_turn(checked: list[C]) -> list[J | BaseException]:
+        async with lane:
+            return await stage(checked)
+
     outcomes: list[asyncio.Future[Published]] = []
     indices: list[int] = []
     first: tuple[str, int, int] | None = None
@@ -89,10 +99,10 @@ async def publish_shards(
                 outcomes.append(outcome)
                 chunk.append((asyncio.ensure_future(check(request)), outcome))
                 if len(chunk) >= CHUNK:
-                    handing.append(asyncio.ensure_future(_hand_in(chunk, stage, commit)))
+                    handing.append(asyncio.ensure_future(_hand_in(chunk, staged_in_turn, commit)))
                     chunk = []
         if chunk:
-            handing.append(asyncio.ensure_future(_hand_in(chunk, stage, commit)))
+            handing.append(asyncio.ensure_future(_hand_in(chunk, staged_in_turn, commit)))
         if not outcomes:
             raise InvalidArgument("PublishShards carried no shard")
         results = await asyncio.gather(*outcomes, return_exceptions=True)

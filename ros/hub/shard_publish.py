@@ -17,10 +17,18 @@ from dataclasses import dataclass
 
 from consistency import Etcd, Keys, VersionRegistry
 from consistency.publishing import Admit, Published
-from consistency.shard_commit import FIXED_OPS, MAX_BATCH, MAX_TXN_OPS, ShardEntry, take
+from consistency.shard_commit import (
+    FIXED_OPS,
+    MAX_BATCH,
+    MAX_TXN_OPS,
+    Carried,
+    ShardEntry,
+    take,
+)
 from ros.hub.budget import BatchBudget
 from ros.hub.group_commit import MAX_KEYS_COUNTED, GroupCommit
 from ros.hub.tenants import Tenant
+from ros.metrics import HUB_PUBLISHES_REFUSED
 from tensorhub.errors import TensorHubError
 from tensorhub.lru import SizedLru
 
@@ -50,6 +58,9 @@ class ShardBatches:
         # shards of each version counted in etcd as this replica's last batch of it read or
         # wrote the counter (other replicas' batches included): what a linger still expects
         self._counted: SizedLru[Key, int] = SizedLru(MAX_KEYS_COUNTED, lambda _: 1)
+        # what each version's next batch would read, as its last batch here left it: the
+        # next one sends its transaction without reading first (`ShardCommitter.carried`)
+        self._carried: SizedLru[Key, Carried] = SizedLru(MAX_KEYS_COUNTED, lambda _: 1)
         self.group: GroupCommit[Key, ShardJob, Published] = GroupCommit(
             executor, self._commit, _take, self._abandon, kind="shards", linger=self._linger,
             window=WINDOW,
@@ -74,17 +85,26 @@ class ShardBatches:
 
     def _commit(self, key: Key, jobs: list[ShardJob]) -> Sequence[Published | TensorHubError]:
         """One batch (run in a worker): the first job's tenant, registry and admission
-        speak for the batch (all of one tenant's model)."""
+        speak for the batch (all of one tenant's model). It starts from what the version's
+        previous batch here left (`Carried`: one transaction instead of a read and a
+        transaction while nothing else wrote the version), and leaves its own."""
         tenant, model, version = key
         first = jobs[0]
         committer = first.registry.shard_committer(
             tenant, model, version, admit_model=first.admit_model,
             budget=BatchBudget(self._etcd, self._keys, first.tenant, self._history_period),
         )  # fmt: skip
+        committer.carried = self._carried.get(key)
         try:
             return committer.commit([job.entry for job in jobs])
         finally:
             self._counted.put(key, max(self._counted.get(key) or 0, committer.arrived))
+            if committer.budget_refused:  # counted on the committer's final say only
+                HUB_PUBLISHES_REFUSED.labels("etcd_budget").inc(committer.budget_refused)
+            if committer.carried is None:
+                self._carried.pop(key)
+            else:
+                self._carried.put(key, committer.carried)
 
     def _linger(self, key: Key, jobs: list[ShardJob], submitted: int) -> float:
         """`_linger`, also going at once when the shards counted in etcd (as last read

@@ -3,6 +3,7 @@ transaction per batch, visibility exactly once with the last shard, each failure
 
 from __future__ import annotations
 
+import json
 import math
 import time
 
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 from consistency import Etcd, HolderRecord, Session, VersionRegistry
 from consistency.manifests import PAGE_BYTES
 from consistency.shard_commit import FIXED_OPS, MAX_BATCH, MAX_TXN_OPS, ShardEntry, take
-from consistency.usage import TenantBudget
+from consistency.usage import RECORD_BYTES, TenantBudget, Usage
 from tensorhub.errors import (
     AlreadyExists,
     InvalidArgument,
@@ -323,3 +324,127 @@ def test_a_shards_parts_of_publisher_checksums_weigh_in_its_batch_by_their_bytes
     assert 0 < len(batch) < 8
     assert sum(e.ops for e in batch) <= MAX_TXN_OPS
     assert sum(e.extra_bytes for e in batch) <= MAX_TXN_OPS * EXTRA_OP_BYTES
+
+
+class _Counted:
+    """The committer's etcd client, counting its transactions (each a round trip)."""
+
+    def __init__(self, etcd: Etcd) -> None:
+        self.etcd = etcd
+        self.txns = 0
+
+    def txn(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.txns += 1
+        return self.etcd.txn(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.etcd, name)
+
+
+def _budget(etcd: Etcd, versions: VersionRegistry) -> object:
+    tenant_budget = TenantBudget(
+        etcd, versions.keys, "t", max_bytes=1 << 30, publishes_per_minute=1 << 20
+    )
+
+    class Whole:
+        key = tenant_budget.key
+
+        def charge(self, sizes, usage, arrived):  # type: ignore[no-untyped-def]
+            return tenant_budget.charge_read(sizes, usage, 0.25)
+
+    return Whole()
+
+
+def test_a_versions_next_batch_sends_its_transaction_on_what_the_last_one_wrote(
+    etcd: Etcd, versions: VersionRegistry
+) -> None:
+    """After a batch commits, the version's next batch on the same committer (a hub keeps
+    what it carries from one batch to the next) sends its transaction without reading
+    first: one round trip a batch instead of two, with its compares (latest, the counter,
+    the usage, each shard absent) holding on the state carried; the counter and the usage
+    come out as a read of each batch makes them."""
+    count = 3 * ((MAX_TXN_OPS - FIXED_OPS) // 2)  # three full batches
+    counted = _Counted(etcd)
+    with Session(etcd, ttl=10) as session:
+        queue = [stage(versions, "carry", i, count, session.id) for i in range(count)]
+        held = sum(e.size + RECORD_BYTES for e in queue)
+        committer = versions.shard_committer("t", "carry", 1, budget=_budget(etcd, versions))  # type: ignore[arg-type]
+        committer.etcd = counted  # type: ignore[assignment]
+        txns: list[int] = []
+        while queue:
+            before = counted.txns
+            outcomes = committer.commit(take(queue))
+            assert all(not isinstance(o, Exception) for o in outcomes), outcomes
+            txns.append(counted.txns - before)
+        assert txns == [2, 1, 1]  # the first reads; the next two carry
+        assert committer.carried is None  # the version is visible: nothing more to carry
+        assert latest(versions, "carry") == 1
+        counter, _ = etcd.get(versions.keys.shard_arrivals("t", "carry", 1))
+        assert counter is not None
+        assert json.loads(counter.value) == {"count": count, "arrived": count}
+        usage, _ = etcd.get(_budget(etcd, versions).key)  # type: ignore[attr-defined]
+        assert usage is not None
+        assert Usage.decode(usage.value).held == held
+
+
+def test_a_stale_carried_state_falls_back_to_the_read(
+    etcd: Etcd, versions: VersionRegistry
+) -> None:
+    """A carried state that another committer (another replica's batch) or an earlier
+    write (a retried shard) made stale decides nothing: the transaction on it fails its
+    compares, and the batch reads and commits as without it. The version becomes visible
+    once, with its last shard, and a retried shard gets its first write's revision."""
+    count = 6
+    with Session(etcd, ttl=10) as session:
+        mine = versions.shard_committer("t", "stale", 1)
+        other = versions.shard_committer("t", "stale", 1)
+        first = mine.commit([stage(versions, "stale", i, count, session.id) for i in (0, 1)])
+        assert mine.carried is not None
+        assert not any(isinstance(o, Exception) for o in other.commit(
+            [stage(versions, "stale", i, count, session.id) for i in (2, 3)]
+        ))  # fmt: skip
+        # `mine` carries a counter that `other` moved, and shard 0 is its own earlier write
+        outcomes = mine.commit([stage(versions, "stale", i, count, session.id) for i in (0, 4)])
+        assert not any(isinstance(o, Exception) for o in outcomes), outcomes
+        assert outcomes[0].revision == first[0].revision  # type: ignore[union-attr]
+        assert latest(versions, "stale") == 0
+        last = mine.commit([stage(versions, "stale", 5, count, session.id)])
+        assert last[0].visible  # type: ignore[union-attr]
+        assert latest(versions, "stale") == 1
+        counter, _ = etcd.get(versions.keys.shard_arrivals("t", "stale", 1))
+        assert counter is not None
+        assert json.loads(counter.value) == {"count": count, "arrived": count}
+        info = versions.describe("t", "stale", 1)
+        assert [s.index for s in info.shards] == list(range(count))
+
+
+def test_a_refusal_on_a_carried_state_is_decided_again_on_a_read(
+    etcd: Etcd, versions: VersionRegistry
+) -> None:
+    """A budget that refuses shards of a batch tried on a carried state does not have the
+    last word: the batch reads and the budget decides on what it read, and only that
+    decision counts (`budget_refused`, what the hub's refusal metric adds)."""
+    tenant_budget = TenantBudget(
+        etcd, versions.keys, "t", max_bytes=3 * (6 + RECORD_BYTES), publishes_per_minute=600
+    )
+
+    class Bytes:
+        key = tenant_budget.key
+
+        def charge(self, sizes, usage, arrived):  # type: ignore[no-untyped-def]
+            return tenant_budget.charge_read(sizes, usage, 0.25)
+
+    counted = _Counted(etcd)
+    with Session(etcd, ttl=10) as session:
+        committer = versions.shard_committer("t", "full", 1, budget=Bytes())
+        committer.etcd = counted  # type: ignore[assignment]
+        first = committer.commit([stage(versions, "full", i, 5, session.id) for i in (0, 1)])
+        assert not any(isinstance(o, Exception) for o in first)
+        assert committer.carried is not None
+        before = counted.txns
+        outcomes = committer.commit([stage(versions, "full", i, 5, session.id) for i in (2, 3, 4)])
+        assert not isinstance(outcomes[0], Exception)
+        assert [type(o) for o in outcomes[1:]] == [QuotaExceeded, QuotaExceeded]
+        assert counted.txns - before == 2  # no transaction on the carried state: a read, one
+        assert committer.budget_refused == 2  # the read's refusals, each once
+        assert latest(versions, "full") == 0

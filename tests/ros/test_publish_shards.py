@@ -7,18 +7,21 @@ session dies stops being offered while the others stay."""
 
 from __future__ import annotations
 
+import asyncio
 import math
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 import pytest
 
 from consistency.manifests import SHARD_INLINE_BYTES
+from consistency.publishing import Published
 from consistency.shard_commit import FULL_BATCH
 from consistency.usage import SHARDS_PER_TOKEN, shard_tokens
 from ros.client import shard_frames
 from ros.client.shard_frames import frames
 from ros.errors import from_outcome, from_rpc_error
+from ros.hub import shard_group
 from ros.hub.server import HubServer
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.raw_manifest import RawPublishRequest
@@ -417,3 +420,45 @@ def test_frames_carry_the_requests_as_they_came_within_their_bounds() -> None:
     assert list(frames(requests, shards=1)) == requests
     with pytest.raises(InvalidArgument):
         list(frames(requests, shards=0))
+
+
+def test_a_calls_chunks_are_staged_one_at_a_time_in_order() -> None:
+    """`shard_group.publish_shards` stages a call's chunks one at a time, in the order they
+    filled (each chunk's hashing and compression take turns at the GIL with the loop that
+    reads the stream: one thread at a time, not one a chunk), and each shard still gets its
+    own outcome, in order."""
+    count = 3 * shard_group.CHUNK + 5
+    staging: list[int] = []
+    at_once = 0
+    most = 0
+
+    async def requests() -> AsyncIterator[pb.PublishRequest]:
+        for i in range(count):
+            yield pb.PublishRequest(model="lane", version=1, shard_index=i, shard_count=count)
+
+    async def check(request: pb.PublishRequest) -> int:
+        return int(request.shard_index)
+
+    async def stage(checked: list[int]) -> list[int | BaseException]:
+        nonlocal at_once, most
+        at_once += 1
+        most = max(most, at_once)
+        staging.append(checked[0])
+        await asyncio.sleep(0.01)  # a worker's time: another chunk would start meanwhile
+        at_once -= 1
+        return list(checked)
+
+    def commit(staged: list[int]) -> list[asyncio.Future[Published]]:
+        done: list[asyncio.Future[Published]] = []
+        for index in staged:
+            future = asyncio.get_running_loop().create_future()
+            future.set_result(Published(1, 100 + index, index == count - 1))
+            done.append(future)
+        return done
+
+    answer = asyncio.run(shard_group.publish_shards(requests(), check, stage, commit))
+    assert most == 1
+    assert staging == list(range(0, count, shard_group.CHUNK))  # each chunk's first, in order
+    assert [o.shard_index for o in answer.outcomes] == list(range(count))
+    assert [o.revision for o in answer.outcomes] == [100 + i for i in range(count)]
+    assert not any(o.error for o in answer.outcomes)
