@@ -77,6 +77,7 @@ class Config:
     steps: int = STEPS
     rate_floor: float = DEFAULT_RATE_FLOOR
     fair_queues: bool = False
+    declare: bool = True
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -95,6 +96,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--fair-queues", action="store_true",
                     help="each host's upload queue fair across the hosts it sends to (as "
                     "a Linux host's fq_codel), not one FIFO: bench.emu.netns")  # fmt: skip
+    ap.add_argument("--declare", action=argparse.BooleanOptionalAction, default=True,
+                    help="declare the workers' layout after an unmeasured first version, "
+                    "before the measured ones, as a vLLM rollout declares at start: the first "
+                    "reader of a block set then reads only its blocks' bytes of the trainer's "
+                    "chunks (--no-declare: whole chunks)")  # fmt: skip
 
 
 def config(args: argparse.Namespace) -> Config:
@@ -104,7 +110,9 @@ def config(args: argparse.Namespace) -> Config:
         raise InvalidArgument(f"--readers {args.readers!r}: {exc}") from exc
     if not readers or min(readers) < 1 or args.steps < 1 or args.rate_floor < 0:
         raise InvalidArgument("--readers and --steps take positive numbers, --rate-floor >= 0")
-    return Config(args.trainer_hosts, readers, args.steps, args.rate_floor, args.fair_queues)
+    return Config(
+        args.trainer_hosts, readers, args.steps, args.rate_floor, args.fair_queues, args.declare
+    )
 
 
 def steps(cfg: Config) -> int:
@@ -155,6 +163,8 @@ def run(
         flags += f" --rate-floor {cfg.rate_floor:g}"
     if cfg.fair_queues:
         flags += " --fair-queues"
+    if not cfg.declare:
+        flags += " --no-declare"
     res = Result("reshard", "tensorhub bench reshard" + flags)
     done = progress or (lambda what: None)
     recorded = load()
@@ -168,6 +178,9 @@ def run(
         trainer_names = {n["holder"] for n in names[: cfg.trainer_hosts]}
         measured: dict[str, dict[int, list[Step]]] = {p: {} for p in PATHS}
         version = 0
+        if cfg.declare:  # the hub takes a declaration of a model that has a version
+            version += 1
+            _declare(trainer, pool[0], version, opts)
         for r in cfg.readers:
             for path, layout in PATHS.items():
                 for _ in range(cfg.steps):
@@ -196,6 +209,7 @@ def run(
         "trainer_hosts": cfg.trainer_hosts,
         "rate_mbit": opts.rate_mbit,
         "fair_queues": cfg.fair_queues,
+        "declared": cfg.declare,
         "T": {p: {r: _median_T(s) for r, s in by_r.items()} for p, by_r in measured.items()},
         "steps": {
             p: {r: [s.to_dict() for s in steps_] for r, steps_ in by_r.items()}
@@ -206,6 +220,18 @@ def run(
         res.withhold(f"a plain socket reached only {sat.fraction:.0%} of the link rate")
     res.seconds = time.monotonic() - started
     return res
+
+
+def _declare(trainer: list[Participant], worker: Participant, version: int, opts: Options) -> None:
+    """Publish `version` (not measured), declare the workers' layout from `worker`, and
+    release the version: every measured version carries the publisher's checksums of the
+    workers' blocks."""
+    for rank, p in enumerate(trainer):
+        p.send("shard_publish", model=MODEL, version=version, seed=opts.seed, chunk=opts.chunk,
+               rank=rank, ranks=len(trainer))  # fmt: skip
+    gather(trainer, 120)
+    broadcast([worker], "reshard_declare", 60, model=MODEL, layout=PATHS["layout"])
+    broadcast(trainer, "reshard_release", 60, model=MODEL, version=version)
 
 
 def _layers(bench: BenchModel) -> set[str]:

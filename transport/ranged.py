@@ -16,7 +16,7 @@ from __future__ import annotations
 import socket
 import ssl
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import xxhash
 
@@ -105,11 +105,13 @@ def read_ranges(
     stall: float = 5.0,
     tls: TlsConfig | None = None,
     wait_ms: int = 0,
+    landed: Callable[[int], None] | None = None,
 ) -> int:
     """Ask `source` for `ranges` of `dest`'s version and layout on one connection, and
     write each range's bytes into `dest`'s memory (host memory: a version in GPU memory is
     read in whole chunks). Returns the payload bytes received. Marks nothing present: the
-    caller checks the bytes against the publisher's checksums first.
+    caller checks the bytes against the publisher's checksums first. `landed` is told each
+    chunk once the last of its ranges in `ranges` (sorted by chunk) is in place.
 
     Raises `BadRange` (before any I/O) for ranges the frame refuses or that pass their
     chunk, `RangesUnsupported` when the holder does not know GET_RANGES (read whole chunks
@@ -132,7 +134,7 @@ def read_ranges(
     try:
         arm(sock, deadline, stall)
         sock.sendall(frame)
-        for r in ranges:
+        for k, r in enumerate(ranges):
             arm(sock, deadline, stall)
             ftype, body = read_frame(sock)
             if ftype is FrameType.ERROR:
@@ -162,6 +164,8 @@ def read_ranges(
                     "its checksum"
                 )
             received += r.length
+            if landed is not None and (k + 1 == len(ranges) or ranges[k + 1].chunk != r.chunk):
+                landed(r.chunk)
     except OSError as exc:
         raise TransportError(f"ranges from {source.holder_id}: {exc}") from exc
     finally:

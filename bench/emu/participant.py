@@ -181,7 +181,9 @@ def main() -> int:
     for name in ("train_init", "train_step", "publish_plain", "fetch_into", "drop"):
         ops[name] = getattr(deltas, name)
     reshard = ReshardRole(me._hub, me.read_starts)
-    for name in ("reshard_setup", "shard_publish", "read_blocks", "reshard_release"):
+    for name in (
+        "reshard_setup", "reshard_declare", "shard_publish", "read_blocks", "reshard_release",
+    ):  # fmt: skip
         ops[name] = getattr(reshard, name)
     for name in ("plain_listen", "plain_recv", "serve", "tfetch", "gloo"):
         fn = getattr(baseline_ops, name)

@@ -109,6 +109,20 @@ class ReshardRole:
         self._pubs[version] = pub
         return {"t0": start, "t1": end}
 
+    def reshard_declare(self, model: str, layout: str) -> Any:
+        """Declare `layout` (every TP rank's blocks) to the hub, as a vLLM rollout does at
+        start (`ros.integrations.vllm.declare_layout`): the versions published after it
+        carry the publisher's checksums of each worker's blocks."""
+        bench = self._bench()
+        workers = [
+            {
+                n: ros.Slice(torch.empty(b.shape, dtype=torch.float32), b.offsets, bench.shapes[n])
+                for n, b in sorted(boxes.items())
+            }
+            for boxes in bench.workers
+        ]
+        return {"revision": self._hub().declare_layout(model, layout, workers)}
+
     def read_blocks(self, model: str, version: int, rank: int, layout: str | None,
                     rate_floor: float, timeout: float = 120.0) -> Any:  # fmt: skip
         """Read TP rank `rank`'s blocks of `version` (in `layout`: holding them after)."""
