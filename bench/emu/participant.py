@@ -63,7 +63,9 @@ class Participant:
         agents are made, are in this process's environment from its start."""
         self.hub = ros.connect(
             hub, tenant=tenant, token=token, topology=topology, listen=f"{self.ip}:0",
-            transports=transports, hooks=ClientHooks(read=self.read_starts.hook),
+            transports=transports, hooks=ClientHooks(
+                read=self.read_starts.hook, ranges=self.read_starts.range_hook
+            ),
         )  # fmt: skip
         return {"holder": self.hub.holder_name}
 

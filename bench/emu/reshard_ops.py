@@ -25,8 +25,9 @@ import ros
 from bench.emu.model import digest
 from bench.reshard_layout import BenchModel, bench_model, load, trainer_placements
 from ros.client.handles import Publication
-from ros.client.hooks import RoundReader
+from ros.client.hooks import RangeReader, RoundReader
 from transport.boxes import Box
+from transport.store import HeldVersion
 
 
 def tensors(shapes: Mapping[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:
@@ -61,6 +62,17 @@ class ReadStarts:
             with self._lock:
                 self._first.setdefault((model, version), time.monotonic())
             return read(tenant, model, version, *args, **kwargs)
+
+        return timed
+
+    def range_hook(self, read: RangeReader) -> RangeReader:
+        """The same for a first reader's reads of byte ranges (`ClientHooks.ranges`)."""
+
+        def timed(source: Any, dest: HeldVersion, *args: Any, **kwargs: Any) -> int:
+            _, model, version = dest.key
+            with self._lock:
+                self._first.setdefault((model, version), time.monotonic())
+            return int(read(source, dest, *args, **kwargs))
 
         return timed
 

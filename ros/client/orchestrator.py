@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 from consistency.retry import RetryPolicy
 from ros.client.deadline import Deadline
 from ros.client.holdings import Holdings
-from ros.client.hooks import RoundReader
+from ros.client.hooks import RangeReader, RoundReader
 from ros.client.identity import Identity
 from ros.client.read_token import RenewingToken
 from ros.client.reads import FreshReads
@@ -66,6 +66,7 @@ from transport.backend import TransportKind
 from transport.outcome import FetchStats, final_error
 from transport.pace import DEFAULT_RATE_FLOOR
 from transport.planner import Candidate, Source, pipeline_sources, rank
+from transport.ranged import read_ranges
 from transport.reader import DEFAULT_PARALLEL
 from transport.selection import choose
 from transport.store import HeldVersion
@@ -229,8 +230,10 @@ class Orchestrator:
         readers: ReaderBackends,
         policy: RetryPolicy = FETCH_ROUNDS,
         busy: RetryPolicy = HOLDER_BUSY,
+        ranges: RangeReader = read_ranges,
     ) -> None:
         self._me = me
+        self.read_ranges = ranges  # byte ranges (`transport.ranged.read_ranges`, or a wrapper)
         self._reads = reads  # Resolve, fresh
         self._records = records  # our holder record: register, COMPLETE, delete
         self._holdings = holdings  # what this client serves

@@ -31,7 +31,6 @@ from tensorhub.errors import RangesUnsupported
 from transport.boxes import Box
 from transport.layout import Layout, TensorSpec, torch_dtype
 from transport.outcome import FetchStats
-from transport.ranged import read_ranges
 from transport.wire import MAX_RANGES_PER_GET, ChunkRange
 
 
@@ -167,7 +166,7 @@ def read(
     def one(requests: list[list[ChunkRange]]) -> int:
         got = 0
         for request in requests:
-            got += read_ranges(
+            got += runs.read_ranges(
                 source, target.dest, request, token=token(), deadline=end, tls=me.tls,
                 landed=landed,
             )  # fmt: skip
