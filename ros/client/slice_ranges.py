@@ -18,6 +18,7 @@ are when it is verified).
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -150,33 +151,35 @@ def read(
     deadline: Deadline,
     parallel: int,
     landed: Callable[[int], None],
-) -> FetchStats:
+    moved: FetchStats,
+) -> None:
     """Read `ranges` of `target`'s staging copy from the nearest holder `holders` names over
     TCP, in `parallel` connections; `landed` is told each chunk once all its ranges are in
-    place (unverified: the caller's block-set check decides). Raises what a connection
+    place (unverified: the caller's block-set check decides); `moved` counts the bytes
+    received, those of a read that fails part-way included. Raises what a connection
     raised (`RangesUnsupported` when no holder is on TCP or the holder does not know the
     frame): the caller then reads whole chunks."""
     sources, token = runs.ranged_plan(target, holders, deadline)
     if not sources:
         raise RangesUnsupported("no holder of the source shard is reachable over TCP")
     source = sources[0]
-    stats = FetchStats()
     end = deadline.work_end
+    lock = threading.Lock()
 
-    def one(requests: list[list[ChunkRange]]) -> int:
-        got = 0
+    def one(requests: list[list[ChunkRange]]) -> None:
         for request in requests:
-            got += runs.read_ranges(
+            got = runs.read_ranges(
                 source, target.dest, request, token=token(), deadline=end, tls=me.tls,
                 landed=landed,
             )  # fmt: skip
-        return got
+            with lock:
+                have = moved.bytes_per_source.get(source.holder_id, 0)
+                moved.bytes_per_source[source.holder_id] = have + got
+                moved.chunks += len({r.chunk for r in request})
 
     start = time.monotonic()
     plan = _requests(ranges, parallel)
     with ThreadPoolExecutor(max(1, len(plan)), thread_name_prefix="slices-ranges") as pool:
-        got = sum(pool.map(one, plan))
-    stats.bytes_per_source[source.holder_id] = got
-    stats.chunks = len({r.chunk for r in ranges})
-    stats.duration = time.monotonic() - start
-    return stats
+        for _ in pool.map(one, plan):
+            pass
+    moved.duration += time.monotonic() - start

@@ -127,8 +127,9 @@ def read_group(
             carry.restore(shard, staging, needed)
         missing = [i for i in sorted(needed) if not staging.is_present(i)]
         ranges = None
-        ranged = fill is not None and filling is not None and fill.publisher is not None
-        if ranged and device.type == "cpu" and deltas is None and missing:
+        ranged = FetchStats()  # the bytes of byte ranges, a read that failed included
+        declared = fill is not None and filling is not None and fill.publisher is not None
+        if declared and device.type == "cpu" and deltas is None and missing:
             # only the bytes the blocks take; each chunk of the block set is checked
             # against the publisher's wsum64 before it is served (`Fill`)
             ranges = slice_ranges.needed_ranges(copies, layout, specs, set(missing))
@@ -147,9 +148,9 @@ def read_group(
             stats = FetchStats()  # every chunk carried over from a step before
             if ranges and fill is not None and filling is not None:
                 try:
-                    stats = slice_ranges.read(
+                    slice_ranges.read(
                         runs, me, target, holders, ranges, deadline, parallel,
-                        _landed(fill, filling, copies, landed),
+                        _landed(fill, filling, copies, landed), ranged,
                     )  # fmt: skip
                     ask = []
                 except (TransportError, IntegrityError, BadRange) as exc:
@@ -186,6 +187,7 @@ def read_group(
             kept = Staged(version, layout, tensors, frozenset(needed), companion)
             deltas.staged.put(model, shard, kept)
         add_moved(result, stats)
+        add_moved(result, ranged)
         if fill is None or filling is None:
             copy_parts(copies, staging.tensors, slices)
         else:  # copied out as each chunk was verified
