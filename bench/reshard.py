@@ -48,6 +48,7 @@ from bench.emu.reshard_ops import block_digest, tensors
 from bench.plots import line_chart
 from bench.report import Result
 from bench.reshard_layout import BenchModel, bench_model, layers_for, load
+from ros.client.publishing import DECLARED_TTL
 from tensorhub.errors import InvalidArgument
 from transport.pace import DEFAULT_RATE_FLOOR
 
@@ -225,13 +226,18 @@ def run(
 def _declare(trainer: list[Participant], worker: Participant, version: int, opts: Options) -> None:
     """Publish `version` (not measured), declare the workers' layout from `worker`, and
     release the version: every measured version carries the publisher's checksums of the
-    workers' blocks."""
+    workers' blocks. A shard's publisher uses the declarations it read up to
+    `DECLARED_TTL` before (a whole publish reads them again when refused), so a sharded
+    trainer's measured versions start once that has passed, as they would long after a
+    rollout declared at its start."""
     for rank, p in enumerate(trainer):
         p.send("shard_publish", model=MODEL, version=version, seed=opts.seed, chunk=opts.chunk,
                rank=rank, ranks=len(trainer))  # fmt: skip
     gather(trainer, 120)
     broadcast([worker], "reshard_declare", 60, model=MODEL, layout=PATHS["layout"])
     broadcast(trainer, "reshard_release", 60, model=MODEL, version=version)
+    if len(trainer) > 1:
+        time.sleep(DECLARED_TTL + 0.5)
 
 
 def _layers(bench: BenchModel) -> set[str]:

@@ -8,6 +8,7 @@ blocks it held at an earlier version first get the changes that fall inside them
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 
 from ros.client import layout_cover, layout_delta, layouts, slice_fill, slice_staging
@@ -22,6 +23,8 @@ from ros.client.slice_plan import Copy, plan_copies, shard_of
 from ros.client.slice_read import read_sources, read_steps
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from transport.outcome import FetchStats, add_moved
+
+log = logging.getLogger(__name__)
 
 
 def read_layout(
@@ -118,6 +121,10 @@ def _read_failed_whole(
     failed = fill.unverified()
     if not failed:
         return
+    log.warning(
+        "%s@%d: %d chunks of the block set written from byte ranges differ from the "
+        "publisher's wsum64; reading their blocks in whole chunks", model, version, len(failed),
+    )  # fmt: skip
     dest_layout = fill.layout
     names = {
         dest_layout.tensors[seg.tensor].name for at in failed for seg in dest_layout.segments(at)

@@ -118,20 +118,22 @@ def _merged(ranges: list[ChunkRange]) -> list[ChunkRange]:
 
 
 def _requests(ranges: Sequence[ChunkRange], parts: int) -> list[list[list[ChunkRange]]]:
-    """`ranges` (sorted by chunk) in `parts` runs of whole chunks, each in requests of at
-    most `MAX_RANGES_PER_GET` ranges that never split a chunk's ranges (unless one chunk
-    has more than that)."""
+    """`ranges` (sorted by chunk) for `parts` connections, the chunks dealt out in turn
+    (connection k takes chunks k, k + parts, ...: the connections go through the chunks
+    side by side, so the block set's chunks complete about in order, the order the
+    readers chained behind ask for them in), each connection's in requests of at most
+    `MAX_RANGES_PER_GET` ranges that never split a chunk's ranges (unless one chunk has
+    more than that)."""
     by_chunk: list[list[ChunkRange]] = []
     for r in ranges:
         if by_chunk and by_chunk[-1][0].chunk == r.chunk:
             by_chunk[-1].append(r)
         else:
             by_chunk.append([r])
-    per = max(1, math.ceil(len(by_chunk) / parts))
     out: list[list[list[ChunkRange]]] = []
-    for k in range(0, len(by_chunk), per):
+    for k in range(min(parts, len(by_chunk))):
         requests: list[list[ChunkRange]] = [[]]
-        for group in by_chunk[k : k + per]:
+        for group in by_chunk[k::parts]:
             if requests[-1] and len(requests[-1]) + len(group) > MAX_RANGES_PER_GET:
                 requests.append([])
             for r in group:
