@@ -57,12 +57,13 @@ STEPS = 5
 TP = 2
 SIZE_MB = 16
 RATE_MBIT = 100.0
-# The trainer's chunk. A worker reads whole trainer chunks, and every trainer rank holds the
-# one KV head's k and v (128 KiB each here), which a worker takes from one rank only: a
-# chunk of another rank that holds its rows beside those copies is read whole. At 256 KiB
-# (the other benches' chunk, twice such a tensor) the first worker of a block set read 1.17x
-# its blocks, at 64 KiB 1.05x (`--readers 1,8 --steps 3`); the chunks' own costs (a request,
-# a checksum) stay small at 64 KiB, about 5 ms of a 100 Mbit/s link each.
+# The trainer's chunk. Without a declaration (`--no-declare`) a worker reads whole trainer
+# chunks, and every trainer rank holds the one KV head's k and v (128 KiB each here), which
+# a worker takes from one rank only: a chunk of another rank that holds its rows beside
+# those copies is read whole. At 256 KiB (the other benches' chunk, twice such a tensor)
+# the first worker of a block set read 1.17x its blocks, at 64 KiB 1.05x (`--readers 1,8
+# --steps 3`); declared, it reads only its blocks' byte ranges (1.00x). The chunks' own
+# costs (a request, a checksum) stay small at 64 KiB, about 5 ms of a 100 Mbit/s link each.
 CHUNK_KB = 64
 PATHS: dict[str, str | None] = {"layout": f"vllm-tp{TP}", "slices": None}
 STAGGERED = "layout, one instance after another"  # measured at the highest R only
