@@ -48,6 +48,7 @@ from bench.emu.reshard_ops import block_digest, tensors
 from bench.plots import line_chart
 from bench.report import Result
 from bench.reshard_layout import BenchModel, bench_model, layers_for, load
+from ros.client.publishing import DECLARED_TTL
 from tensorhub.errors import InvalidArgument
 from transport.pace import DEFAULT_RATE_FLOOR
 
@@ -56,12 +57,13 @@ STEPS = 5
 TP = 2
 SIZE_MB = 16
 RATE_MBIT = 100.0
-# The trainer's chunk. A worker reads whole trainer chunks, and every trainer rank holds the
-# one KV head's k and v (128 KiB each here), which a worker takes from one rank only: a
-# chunk of another rank that holds its rows beside those copies is read whole. At 256 KiB
-# (the other benches' chunk, twice such a tensor) the first worker of a block set read 1.17x
-# its blocks, at 64 KiB 1.05x (`--readers 1,8 --steps 3`); the chunks' own costs (a request,
-# a checksum) stay small at 64 KiB, about 5 ms of a 100 Mbit/s link each.
+# The trainer's chunk. Without a declaration (`--no-declare`) a worker reads whole trainer
+# chunks, and every trainer rank holds the one KV head's k and v (128 KiB each here), which
+# a worker takes from one rank only: a chunk of another rank that holds its rows beside
+# those copies is read whole. At 256 KiB (the other benches' chunk, twice such a tensor)
+# the first worker of a block set read 1.17x its blocks, at 64 KiB 1.05x (`--readers 1,8
+# --steps 3`); declared, it reads only its blocks' byte ranges (1.00x). The chunks' own
+# costs (a request, a checksum) stay small at 64 KiB, about 5 ms of a 100 Mbit/s link each.
 CHUNK_KB = 64
 PATHS: dict[str, str | None] = {"layout": f"vllm-tp{TP}", "slices": None}
 STAGGERED = "layout, one instance after another"  # measured at the highest R only
@@ -77,6 +79,7 @@ class Config:
     steps: int = STEPS
     rate_floor: float = DEFAULT_RATE_FLOOR
     fair_queues: bool = False
+    declare: bool = True
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -95,6 +98,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--fair-queues", action="store_true",
                     help="each host's upload queue fair across the hosts it sends to (as "
                     "a Linux host's fq_codel), not one FIFO: bench.emu.netns")  # fmt: skip
+    ap.add_argument("--declare", action=argparse.BooleanOptionalAction, default=True,
+                    help="declare the workers' layout after an unmeasured first version, "
+                    "before the measured ones, as a vLLM rollout declares at start: the first "
+                    "reader of a block set then reads only its blocks' bytes of the trainer's "
+                    "chunks (--no-declare: whole chunks)")  # fmt: skip
 
 
 def config(args: argparse.Namespace) -> Config:
@@ -104,7 +112,9 @@ def config(args: argparse.Namespace) -> Config:
         raise InvalidArgument(f"--readers {args.readers!r}: {exc}") from exc
     if not readers or min(readers) < 1 or args.steps < 1 or args.rate_floor < 0:
         raise InvalidArgument("--readers and --steps take positive numbers, --rate-floor >= 0")
-    return Config(args.trainer_hosts, readers, args.steps, args.rate_floor, args.fair_queues)
+    return Config(
+        args.trainer_hosts, readers, args.steps, args.rate_floor, args.fair_queues, args.declare
+    )
 
 
 def steps(cfg: Config) -> int:
@@ -155,6 +165,8 @@ def run(
         flags += f" --rate-floor {cfg.rate_floor:g}"
     if cfg.fair_queues:
         flags += " --fair-queues"
+    if not cfg.declare:
+        flags += " --no-declare"
     res = Result("reshard", "tensorhub bench reshard" + flags)
     done = progress or (lambda what: None)
     recorded = load()
@@ -168,6 +180,9 @@ def run(
         trainer_names = {n["holder"] for n in names[: cfg.trainer_hosts]}
         measured: dict[str, dict[int, list[Step]]] = {p: {} for p in PATHS}
         version = 0
+        if cfg.declare:  # the hub takes a declaration of a model that has a version
+            version += 1
+            _declare(trainer, pool[0], version, opts)
         for r in cfg.readers:
             for path, layout in PATHS.items():
                 for _ in range(cfg.steps):
@@ -196,6 +211,7 @@ def run(
         "trainer_hosts": cfg.trainer_hosts,
         "rate_mbit": opts.rate_mbit,
         "fair_queues": cfg.fair_queues,
+        "declared": cfg.declare,
         "T": {p: {r: _median_T(s) for r, s in by_r.items()} for p, by_r in measured.items()},
         "steps": {
             p: {r: [s.to_dict() for s in steps_] for r, steps_ in by_r.items()}
@@ -206,6 +222,23 @@ def run(
         res.withhold(f"a plain socket reached only {sat.fraction:.0%} of the link rate")
     res.seconds = time.monotonic() - started
     return res
+
+
+def _declare(trainer: list[Participant], worker: Participant, version: int, opts: Options) -> None:
+    """Publish `version` (not measured), declare the workers' layout from `worker`, and
+    release the version: every measured version carries the publisher's checksums of the
+    workers' blocks. A shard's publisher uses the declarations it read up to
+    `DECLARED_TTL` before (a whole publish reads them again when refused), so a sharded
+    trainer's measured versions start once that has passed, as they would long after a
+    rollout declared at its start."""
+    for rank, p in enumerate(trainer):
+        p.send("shard_publish", model=MODEL, version=version, seed=opts.seed, chunk=opts.chunk,
+               rank=rank, ranks=len(trainer))  # fmt: skip
+    gather(trainer, 120)
+    broadcast([worker], "reshard_declare", 60, model=MODEL, layout=PATHS["layout"])
+    broadcast(trainer, "reshard_release", 60, model=MODEL, version=version)
+    if len(trainer) > 1:
+        time.sleep(DECLARED_TTL + 0.5)
 
 
 def _layers(bench: BenchModel) -> set[str]:

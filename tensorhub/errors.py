@@ -109,6 +109,12 @@ class AlreadyExists(TensorHubError):
     """The object (a version, a tenant, a holder record) already exists."""
 
 
+@_code("INVALID_ARGUMENT")
+class BadRange(InvalidArgument):
+    """A GET_RANGES frame's byte ranges are unacceptable: none or more than
+    `transport.wire.MAX_RANGES_PER_GET`, an empty one, or one past the end of its chunk."""
+
+
 @_code("NOT_FOUND")
 class TenantNotFound(TensorHubError):
     """An admin call names a tenant that does not exist (never created, or deleted)."""
@@ -306,6 +312,12 @@ class SlowHolder(TransportError):
 
     fields = ("rate",)
     rate: float = 0.0  # the bytes/s it delivered over the window it was judged on
+
+
+@_code("UNAVAILABLE")
+class RangesUnsupported(TransportError):
+    """The holder does not know the GET_RANGES frame (it answered `BAD_FRAME`): the reader
+    asks it for whole chunks instead (`transport.ranged`)."""
 
 
 @_code("UNAVAILABLE")

@@ -11,7 +11,9 @@ byte-trickling connections cannot hold the port, even from the readers' own host
 request is checked — frame, names, then `transport.verifier.lookup`: read token (the
 pluggable `verifier`), held version, layout digest, chunk range — before any byte of a
 tensor is touched; a chunk is then sent straight
-from the tensors' memory with one sendmsg of header + memoryviews. Every socket operation
+from the tensors' memory with one sendmsg of header + memoryviews. A GET_RANGES is checked the
+same way, and each of its ranges must lie inside its chunk; each range is then sent as a
+CHUNK of its own, its checksum the xxh3-64 of the range's bytes. Every socket operation
 has a timeout, so a silent or stalled peer costs one thread for a bounded time, and any
 malformed input ends in an ERROR frame and a closed connection, never a crash.
 """
@@ -25,11 +27,14 @@ import ssl
 from collections.abc import Callable
 from typing import Protocol
 
-from tensorhub.errors import TensorHubError, TransportError, VersionUnavailable
+import xxhash
+
+from tensorhub.errors import BadRange, TensorHubError, TransportError, VersionUnavailable
 from transport.admission import Conn
 from transport.backend import TransportKind
 from transport.listener import Listener, shut
 from transport.netio import recv_exact, send_views, set_kernel_timeout
+from transport.ranged import check_in_chunks, ranged_views
 from transport.reader import DEFAULT_PARALLEL
 from transport.staging import StagingBuffer
 from transport.store import HeldVersion, HolderStore
@@ -41,8 +46,10 @@ from transport.wire import (
     ErrorCode,
     FrameType,
     GetRequest,
+    RangeRequest,
     Rejection,
     decode_get,
+    decode_get_ranges,
     encode_chunk_header,
     encode_error,
     parse_header,
@@ -180,10 +187,11 @@ class HolderServer(Listener):
             set_kernel_timeout(conn, 1.0)
             conn.sendall(encode_error(ErrorCode.BUSY, "evicted: too many connections"))
 
-    def _request(self, record: Conn, conn: socket.socket) -> GetRequest:
-        """Receive one GET. The first frame is due within `frame_timeout` of accept; on a
-        connection already served, the next may start within `io_timeout` and must then be
-        complete within `frame_timeout` of its first byte (the accept loop enforces both)."""
+    def _request(self, record: Conn, conn: socket.socket) -> GetRequest | RangeRequest:
+        """Receive one GET or GET_RANGES. The first frame is due within `frame_timeout` of
+        accept; on a connection already served, the next may start within `io_timeout` and
+        must then be complete within `frame_timeout` of its first byte (the accept loop
+        enforces both)."""
         first = bytearray()
         if record.authenticated:
             first = recv_exact(conn, 1)
@@ -194,11 +202,13 @@ class HolderServer(Listener):
         ftype, length = parsed
         body = recv_exact(conn, length)
         self.admission.answering(record)
-        if ftype is not FrameType.GET:
-            raise _Refuse(ErrorCode.BAD_FRAME, f"holder accepts GET, not {ftype.name}")
+        if ftype not in (FrameType.GET, FrameType.GET_RANGES):
+            raise _Refuse(
+                ErrorCode.BAD_FRAME, f"holder accepts GET and GET_RANGES, not {ftype.name}"
+            )
         try:
-            return decode_get(body)
-        except TransportError as exc:
+            return decode_get(body) if ftype is FrameType.GET else decode_get_ranges(body)
+        except (TransportError, BadRange) as exc:
             raise _Refuse(ErrorCode.BAD_REQUEST, str(exc)) from exc
 
     def _handshake(self, record: Conn) -> socket.socket:
@@ -219,11 +229,17 @@ class HolderServer(Listener):
             raise TransportError(f"TLS handshake failed: {exc}") from exc
         return conn
 
-    def _lookup(self, record: Conn, req: GetRequest) -> HeldVersion:
+    def _lookup(self, record: Conn, req: GetRequest | RangeRequest) -> HeldVersion:
         key = (req.tenant, req.model, req.version)
-        found = lookup(self.store, self.verifier, key, req.token, req.layout_digest, req.chunks)
+        chunks = req.chunks if isinstance(req, GetRequest) else [r.chunk for r in req.ranges]
+        found = lookup(self.store, self.verifier, key, req.token, req.layout_digest, chunks)
         if isinstance(found, HeldVersion):
             self.admission.authenticated(record)
+            if isinstance(req, RangeRequest):
+                try:
+                    check_in_chunks(found.layout, req.ranges)
+                except BadRange as exc:
+                    raise _Refuse(ErrorCode.BAD_REQUEST, str(exc)) from exc
             return found
         if found.token_ok:
             self.admission.authenticated(record)
@@ -233,7 +249,7 @@ class HolderServer(Listener):
         self,
         record: Conn,
         conn: socket.socket,
-        req: GetRequest,
+        req: GetRequest | RangeRequest,
         staging: dict[tuple[bool, int], StagingBuffer | None],
     ) -> None:
         held = self._lookup(record, req)
@@ -244,7 +260,10 @@ class HolderServer(Listener):
         try:
             with held.reading():
                 try:
-                    self._send_chunks(conn, req, held, buf)
+                    if isinstance(req, GetRequest):
+                        self._send_chunks(conn, req, held, buf)
+                    else:
+                        self._send_ranges(conn, req, held, buf)
                 finally:
                     if buf is not None:  # no copy may outlive the read (release waits for it)
                         buf.drain()
@@ -280,6 +299,34 @@ class HolderServer(Listener):
                 sum(len(v) for v in views),
                 checksum,
             )
+            self._send(conn, header, views, held.complete)
+            if self._on_served is not None:
+                self._on_served(header.length)
+
+    def _send_ranges(
+        self, conn: socket.socket, req: RangeRequest, held: HeldVersion, buf: StagingBuffer | None
+    ) -> None:
+        """Send the ranges of `req` in order, each as a CHUNK whose offset is the range's in
+        the flat space and whose checksum is the xxh3-64 of its bytes (the publisher's
+        checksums are of whole chunks: the reader checks what the ranges make up). A chunk
+        is waited for as for GET; its views (through staging, its staged copy) serve every
+        consecutive range of it."""
+        wait = min(req.wait_ms / 1000, self._max_wait)
+        last: tuple[int, list[memoryview]] | None = None
+        for r in req.ranges:
+            if last is None or last[0] != r.chunk:
+                if not held.is_present(r.chunk) and not held.wait_present(r.chunk, wait):
+                    raise _Refuse(ErrorCode.NOT_READY, f"chunk {r.chunk} not received yet")
+                last = (r.chunk, held.source_views(r.chunk, buf))
+            views = ranged_views(last[1], r.offset, r.length)
+            hasher = xxhash.xxh3_64()
+            for view in views:
+                hasher.update(view)
+            offset = r.chunk * held.layout.chunk_size + r.offset
+            header = ChunkHeader(
+                req.tenant, req.model, req.version, r.chunk, offset, r.length,
+                hasher.intdigest(),
+            )  # fmt: skip
             self._send(conn, header, views, held.complete)
             if self._on_served is not None:
                 self._on_served(header.length)

@@ -4,8 +4,10 @@ Every frame starts with a 12-byte header: magic `THUB`, wire version, frame type
 (zero) and body length. A reader sends GET (which chunks of which version, with its read
 token); the holder answers one CHUNK per requested chunk — naming tenant, model, version,
 chunk index and offset, with the xxh3-64 of the payload — then the payload bytes, or one
-ERROR frame and closes. Anything malformed raises `TransportError`; decoding never trusts
-a length it has not bounded first.
+ERROR frame and closes. A reader that needs only parts of chunks sends GET_RANGES instead
+(byte ranges within chunks, `ChunkRange`); the holder answers one CHUNK per range, whose
+checksum is the xxh3-64 of that range's bytes. Anything malformed raises `TransportError`;
+decoding never trusts a length it has not bounded first.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import struct
 from dataclasses import dataclass
 
 from tensorhub.errors import (
+    BadRange,
     HolderBusy,
     InvalidArgument,
     PermissionDenied,
@@ -35,6 +38,8 @@ ERROR_FIXED = struct.Struct("!H")  # error code
 MAX_BODY = 64 * 1024  # GET, CHUNK and ERROR bodies are small; payloads are bounded apart
 MAX_CHUNKS_PER_GET = 4096
 MAX_TOKEN = 4096
+RANGE = struct.Struct("!III")  # chunk index, offset within the chunk, length
+MAX_RANGES_PER_GET = 4096  # 48 KiB of ranges: the body stays under MAX_BODY with any token
 FLAG_COMPLETE = 0x1  # on a CHUNK: the holder has every chunk of the version (rate floor)
 
 
@@ -42,6 +47,7 @@ class FrameType(enum.IntEnum):
     GET = 1
     CHUNK = 2
     ERROR = 3
+    GET_RANGES = 4
 
 
 class ErrorCode(enum.IntEnum):
@@ -83,6 +89,43 @@ class GetRequest:
 
 
 @dataclass(frozen=True)
+class ChunkRange:
+    """`length` bytes of chunk `chunk`, from `offset` within it (not in the flat space)."""
+
+    chunk: int
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class RangeRequest:
+    """GET_RANGES: ask for `ranges` of tenant/model@version laid out as `layout_digest`, as
+    GET asks for whole chunks (same token, same wait). The holder answers one CHUNK per
+    range, in request order; whether each range lies inside its chunk only the holder's
+    layout says (`check_ranges`)."""
+
+    tenant: str
+    model: str
+    version: int
+    layout_digest: int
+    token: bytes
+    ranges: tuple[ChunkRange, ...]
+    wait_ms: int
+
+
+def check_ranges(ranges: tuple[ChunkRange, ...] | list[ChunkRange]) -> None:
+    """`BadRange` unless there are 1..`MAX_RANGES_PER_GET` ranges, each of at least one
+    byte, and each fits the frame's u32 fields."""
+    if not 0 < len(ranges) <= MAX_RANGES_PER_GET:
+        raise BadRange(f"GET_RANGES must name 1..{MAX_RANGES_PER_GET} ranges, not {len(ranges)}")
+    for r in ranges:
+        if r.length <= 0:
+            raise BadRange(f"range of chunk {r.chunk} at {r.offset} is empty")
+        if not (0 <= r.chunk < 2**32 and r.offset >= 0 and r.offset + r.length <= 2**32):
+            raise BadRange(f"range {r} does not fit a chunk's u32 fields")
+
+
+@dataclass(frozen=True)
 class ChunkHeader:
     """What a CHUNK frame says about the payload that follows it."""
 
@@ -116,6 +159,22 @@ def encode_get(req: GetRequest) -> bytes:
         + struct.pack(f"!{len(req.chunks)}I", *req.chunks)
     )
     return _frame(FrameType.GET, body)
+
+
+def encode_get_ranges(req: RangeRequest) -> bytes:
+    """A GET_RANGES frame; `BadRange` for too many ranges or an empty one."""
+    check_ranges(req.ranges)
+    if len(req.token) > MAX_TOKEN:
+        raise InvalidArgument("GET_RANGES must carry a token under 4 KiB")
+    body = (
+        GET_FIXED.pack(req.version, req.layout_digest, req.wait_ms, len(req.ranges))
+        + _pack_str(req.tenant)
+        + _pack_str(req.model)
+        + struct.pack("!H", len(req.token))
+        + req.token
+        + b"".join(RANGE.pack(r.chunk, r.offset, r.length) for r in req.ranges)
+    )
+    return _frame(FrameType.GET_RANGES, body)
 
 
 def encode_chunk_header(h: ChunkHeader, complete: bool = False) -> bytes:
@@ -222,6 +281,28 @@ def decode_get(body: bytearray) -> GetRequest:
     except (TransportError, InvalidArgument, struct.error) as exc:
         raise TransportError(f"malformed GET: {exc}") from exc
     return GetRequest(tenant, model, version, digest, token, tuple(chunks), wait_ms)
+
+
+def decode_get_ranges(body: bytearray) -> RangeRequest:
+    """Decode a GET_RANGES body: `TransportError` when malformed, `BadRange` (a
+    `InvalidArgument`) for too many ranges or an empty one."""
+    try:
+        cur = _Cursor(body)
+        version, digest, wait_ms, n = cur.unpack(GET_FIXED)
+        tenant, model = cur.string("tenant"), cur.string("model")
+        (tlen,) = struct.unpack("!H", cur.take(2))
+        token = bytes(cur.take(tlen))
+        if not 0 < n <= MAX_RANGES_PER_GET:
+            raise BadRange(f"GET_RANGES names {n} ranges")
+        ranges = tuple(ChunkRange(*cur.unpack(RANGE)) for _ in range(n))
+        cur.done()
+        check_ranges(ranges)
+        validate_version(version)
+    except BadRange:
+        raise
+    except (TransportError, InvalidArgument, struct.error) as exc:
+        raise TransportError(f"malformed GET_RANGES: {exc}") from exc
+    return RangeRequest(tenant, model, version, digest, token, ranges, wait_ms)
 
 
 def decode_chunk_header(body: bytearray) -> ChunkHeader:

@@ -63,7 +63,9 @@ class Participant:
         agents are made, are in this process's environment from its start."""
         self.hub = ros.connect(
             hub, tenant=tenant, token=token, topology=topology, listen=f"{self.ip}:0",
-            transports=transports, hooks=ClientHooks(read=self.read_starts.hook),
+            transports=transports, hooks=ClientHooks(
+                read=self.read_starts.hook, ranges=self.read_starts.range_hook
+            ),
         )  # fmt: skip
         return {"holder": self.hub.holder_name}
 
@@ -181,7 +183,9 @@ def main() -> int:
     for name in ("train_init", "train_step", "publish_plain", "fetch_into", "drop"):
         ops[name] = getattr(deltas, name)
     reshard = ReshardRole(me._hub, me.read_starts)
-    for name in ("reshard_setup", "shard_publish", "read_blocks", "reshard_release"):
+    for name in (
+        "reshard_setup", "reshard_declare", "shard_publish", "read_blocks", "reshard_release",
+    ):  # fmt: skip
         ops[name] = getattr(reshard, name)
     for name in ("plain_listen", "plain_recv", "serve", "tfetch", "gloo"):
         fn = getattr(baseline_ops, name)

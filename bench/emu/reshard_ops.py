@@ -25,8 +25,9 @@ import ros
 from bench.emu.model import digest
 from bench.reshard_layout import BenchModel, bench_model, load, trainer_placements
 from ros.client.handles import Publication
-from ros.client.hooks import RoundReader
+from ros.client.hooks import RangeReader, RoundReader
 from transport.boxes import Box
+from transport.store import HeldVersion
 
 
 def tensors(shapes: Mapping[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:
@@ -61,6 +62,17 @@ class ReadStarts:
             with self._lock:
                 self._first.setdefault((model, version), time.monotonic())
             return read(tenant, model, version, *args, **kwargs)
+
+        return timed
+
+    def range_hook(self, read: RangeReader) -> RangeReader:
+        """The same for a first reader's reads of byte ranges (`ClientHooks.ranges`)."""
+
+        def timed(source: Any, dest: HeldVersion, *args: Any, **kwargs: Any) -> int:
+            _, model, version = dest.key
+            with self._lock:
+                self._first.setdefault((model, version), time.monotonic())
+            return int(read(source, dest, *args, **kwargs))
 
         return timed
 
@@ -108,6 +120,20 @@ class ReshardRole:
         end = time.monotonic()
         self._pubs[version] = pub
         return {"t0": start, "t1": end}
+
+    def reshard_declare(self, model: str, layout: str) -> Any:
+        """Declare `layout` (every TP rank's blocks) to the hub, as a vLLM rollout does at
+        start (`ros.integrations.vllm.declare_layout`): the versions published after it
+        carry the publisher's checksums of each worker's blocks."""
+        bench = self._bench()
+        workers = [
+            {
+                n: ros.Slice(torch.empty(b.shape, dtype=torch.float32), b.offsets, bench.shapes[n])
+                for n, b in sorted(boxes.items())
+            }
+            for boxes in bench.workers
+        ]
+        return {"revision": self._hub().declare_layout(model, layout, workers)}
 
     def read_blocks(self, model: str, version: int, rank: int, layout: str | None,
                     rate_floor: float, timeout: float = 120.0) -> Any:  # fmt: skip

@@ -12,11 +12,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from consistency.floor import RevisionFloor
+from transport.ranged import read_ranges
 from transport.reader import Round, read_round
 from transport.server import ChunkSender, send_chunk
 
 RoundReader = Callable[..., Round]
 """One round of a fetch: `transport.reader.read_round`'s signature."""
+
+
+RangeReader = Callable[..., int]
+"""A read of byte ranges of chunks: `transport.ranged.read_ranges`'s signature."""
 
 
 def unwrapped_floor(floor: RevisionFloor) -> RevisionFloor:
@@ -29,6 +34,11 @@ def unwrapped_reader(read: RoundReader) -> RoundReader:
     return read
 
 
+def unwrapped_ranges(read: RangeReader) -> RangeReader:
+    """Production's range-reader hook: `read_ranges` itself."""
+    return read
+
+
 @dataclass(frozen=True)
 class ClientHooks:
     """The seams of one client, fixed when it is built."""
@@ -36,10 +46,15 @@ class ClientHooks:
     floor: Callable[[RevisionFloor], RevisionFloor] = unwrapped_floor  # wraps the floor
     read: Callable[[RoundReader], RoundReader] = unwrapped_reader  # wraps `read_round`
     send: ChunkSender = send_chunk  # how this client's holder server sends each chunk
+    ranges: Callable[[RangeReader], RangeReader] = unwrapped_ranges  # wraps `read_ranges`
 
     def reader(self) -> RoundReader:
         """The round reader the client's fetches use."""
         return self.read(read_round)
+
+    def range_reader(self) -> RangeReader:
+        """The reader of byte ranges the client's first layout readers use."""
+        return self.ranges(read_ranges)
 
 
 PRODUCTION = ClientHooks()

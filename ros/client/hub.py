@@ -162,7 +162,14 @@ class Hub:
         if TransportKind.NIXL in kinds:  # its agent now, not in the first fetch's time
             self._readers.get(TransportKind.NIXL)
         self._fetches = Orchestrator(  # stateless: every run keeps its state on its stack
-            me, self._reads, records, self.holdings, self._serving, hooks.reader(), self._readers
+            me,
+            self._reads,
+            records,
+            self.holdings,
+            self._serving,
+            hooks.reader(),
+            self._readers,
+            ranges=hooks.range_reader(),
         )
         layouts = LayoutPeers(  # readers in another layout (`fetch_slices(layout=)`)
             rpc, self.holdings, self._serving, records, LayoutHoldings(), hooks.reader(),

@@ -43,7 +43,7 @@ import hashlib
 import json
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from itertools import pairwise
 
@@ -307,13 +307,17 @@ def start_holding(
     return Holding(dest, int(answer.fence), found)
 
 
-def settle(dest: HeldVersion, done: set[str]) -> int:
+def settle(dest: HeldVersion, done: set[str], unverified: Collection[int] = ()) -> int:
     """Mark present every missing chunk of `dest` whose blocks are all in `done` (every byte
     of them verified and in place), with its xxh3-64 computed now, over those bytes (in GPU
-    memory: when first served, or at `finish_holding`); from then on it is served. How many."""
+    memory: when first served, or at `finish_holding`); from then on it is served. How many.
+    Not the chunks in `unverified` (written from byte ranges and not what the publisher's
+    checksum says: `slice_fill.Fill.failed`)."""
     names = [spec.name for spec in dest.layout.tensors]
     marked = 0
     for index in dest.missing():
+        if index in unverified:
+            continue
         if all(names[seg.tensor] in done for seg in dest.segments(index)):
             dest.mark_present(index, None)
             if not dest.on_cuda:

@@ -39,12 +39,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from consistency.retry import RetryPolicy
 from ros.client.deadline import Deadline
 from ros.client.holdings import Holdings
-from ros.client.hooks import RoundReader
+from ros.client.hooks import RangeReader, RoundReader
 from ros.client.identity import Identity
 from ros.client.read_token import RenewingToken
 from ros.client.reads import FreshReads
@@ -65,7 +65,8 @@ from tensorhub.errors import (
 from transport.backend import TransportKind
 from transport.outcome import FetchStats, final_error
 from transport.pace import DEFAULT_RATE_FLOOR
-from transport.planner import Candidate, Source, pipeline_sources
+from transport.planner import Candidate, Source, pipeline_sources, rank
+from transport.ranged import read_ranges
 from transport.reader import DEFAULT_PARALLEL
 from transport.selection import choose
 from transport.store import HeldVersion
@@ -229,8 +230,10 @@ class Orchestrator:
         readers: ReaderBackends,
         policy: RetryPolicy = FETCH_ROUNDS,
         busy: RetryPolicy = HOLDER_BUSY,
+        ranges: RangeReader = read_ranges,
     ) -> None:
         self._me = me
+        self.read_ranges = ranges  # byte ranges (`transport.ranged.read_ranges`, or a wrapper)
         self._reads = reads  # Resolve, fresh
         self._records = records  # our holder record: register, COMPLETE, delete
         self._holdings = holdings  # what this client serves
@@ -483,6 +486,24 @@ class Orchestrator:
             )  # fmt: skip
             out.append(Candidate(source, int(h.fence), h.state == pb.COMPLETE))
         return out
+
+    def ranged_plan(
+        self, target: Target, resolved: pb.ResolveResponse, deadline: Deadline
+    ) -> tuple[list[Source], RenewingToken]:
+        """What a read of byte ranges of `target` asks (`ros.client.slice_ranges`): the
+        holders `resolved` names, over TCP (GET_RANGES is TCP's: one offered over another
+        transport is asked at its TCP endpoint when it has one), nearest first, and the
+        run's read token."""
+        out = []
+        skipped: dict[str, str] = {}
+        for c in self._candidates(holders_of(resolved, target.shard), skipped, device_memory=False):
+            s = c.source
+            if s.transport is not TransportKind.TCP:
+                if s.tcp is None:
+                    continue
+                s = replace(s, host=s.tcp[0], port=s.tcp[1], transport=TransportKind.TCP)
+            out.append(s)
+        return rank(self._me.topology, out), self._token(target, resolved, deadline)
 
     def _token(
         self, target: Target, resolved: pb.ResolveResponse, deadline: Deadline

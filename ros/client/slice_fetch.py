@@ -34,6 +34,10 @@ class SliceFetch:
     # block sets) that were checked against the publisher's checksums (a layout declared
     # before the version's publish; 0: all against the reader-derived ones)
     publisher_checked: int = 0
+    # layout=... declared before the publish: why reads of the trainer's byte ranges fell
+    # back to whole chunks, and the chunks of the block set that failed the publisher's
+    # check (their trainer chunks then read whole); empty when every range was good
+    range_failures: list[str] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:

@@ -25,6 +25,7 @@ the elements of a box below a flat index are counted in one pass over its dimens
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -33,10 +34,12 @@ from typing import Protocol
 
 import torch
 
-from tensorhub.errors import TensorHubError
+from tensorhub.errors import IntegrityError, TensorHubError
 from transport.boxes import Box, byte_span, chunks_for
 from transport.layout import Layout, torch_dtype
 from transport.store import HeldVersion
+
+log = logging.getLogger(__name__)
 
 
 def flat_boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[Box]:
@@ -115,8 +118,20 @@ class Fill:
     by name, the box of the global tensor each holds). Thread-safe: staging copies of
     several shards, read by several connections each, report chunks at once."""
 
-    def __init__(self, dest: HeldVersion, boxes: Mapping[str, Box], todo: Iterable[str]) -> None:
+    def __init__(
+        self,
+        dest: HeldVersion,
+        boxes: Mapping[str, Box],
+        todo: Iterable[str],
+        publisher: Sequence[int] | None = None,
+    ) -> None:
         self._dest = dest
+        # the publisher's wsum64 of every chunk of `dest` (a layout declared before the
+        # publish): each chunk is checked against it before it is marked present, and the
+        # trainer chunks may then be read in byte ranges (`ros.client.slice_ranges`)
+        self.publisher = publisher
+        self.failed: dict[int, str] = {}  # chunks of `dest` that failed that check: why
+        self.notes: list[str] = []  # reads in byte ranges that fell back to whole chunks
         self._boxes = dict(boxes)
         self._specs = {spec.name: (i, spec) for i, spec in enumerate(dest.layout.tensors)}
         wanted = set(todo)
@@ -213,9 +228,48 @@ class Fill:
                 self._left[at] = left
                 continue
             del self._left[at]
+            if self.publisher is not None and self._dest.wsum64(at) != self.publisher[at]:
+                self.failed[at] = f"chunk {at} of the block set differs from the publisher's"
+                continue  # not served: its trainer chunks are read whole (`reverify`)
             self._dest.mark_present(at, None)
             if not self._dest.on_cuda:
                 self._dest.checksum(at)
+
+    def note(self, why: str) -> None:
+        """Record (and log) why a read of byte ranges fell back to whole chunks."""
+        log.warning("%s", why)
+        with self._lock:
+            self.notes.append(why)
+
+    @property
+    def layout(self) -> Layout:
+        """The block set's layout (of `dest`)."""
+        return self._dest.layout
+
+    def unverified(self) -> set[int]:
+        """The chunks of `dest` that failed the publisher's check so far."""
+        with self._lock:
+            return set(self.failed)
+
+    def reverify(self) -> dict[int, str]:
+        """After the blocks of the `failed` chunks were written again from whole trainer
+        chunks: mark present each one that now has the publisher's wsum64; returns the
+        failures (why each failed at first) and raises `IntegrityError` for a chunk that
+        still differs (the whole chunks were checked against the manifest: the publisher's
+        two checksums disagree)."""
+        with self._lock:
+            failed, self.failed = self.failed, {}
+        sums = self.publisher if self.publisher is not None else ()
+        for at in sorted(failed):
+            if at >= len(sums) or self._dest.wsum64(at) != sums[at]:
+                raise IntegrityError(
+                    f"chunk {at} of the block set differs from the publisher's wsum64 after "
+                    "its trainer chunks were read whole"
+                )
+            self._dest.mark_present(at, None)
+            if not self._dest.on_cuda:
+                self._dest.checksum(at)
+        return failed
 
     def _count(
         self, name: str, into: Box, shape: tuple[int, ...], size: int, filled: dict[int, int]

@@ -8,6 +8,7 @@ blocks it held at an earlier version first get the changes that fall inside them
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 
 from ros.client import layout_cover, layout_delta, layouts, slice_fill, slice_staging
@@ -19,9 +20,11 @@ from ros.client.read_token import RenewingToken
 from ros.client.slice import Slice
 from ros.client.slice_fetch import SliceFetch
 from ros.client.slice_plan import Copy, plan_copies, shard_of
-from ros.client.slice_read import read_steps
+from ros.client.slice_read import read_sources, read_steps
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from transport.outcome import FetchStats, add_moved
+
+log = logging.getLogger(__name__)
 
 
 def read_layout(
@@ -74,11 +77,18 @@ def read_layout(
         layouts.settle(dest, done)
         todo = {name: slices[name] for name in sorted(result.from_trainer)}
         plan = plan_copies(model, version, parts, todo) if todo else {}
-        fill = slice_fill.Fill(dest, {name: want.box for name, want in todo.items()}, todo)
+        published = list(held.found.publisher_sums)
+        fill = slice_fill.Fill(
+            dest, {name: want.box for name, want in todo.items()}, todo,
+            published if len(published) == blocks.layout.num_chunks else None,
+        )  # fmt: skip
         read_steps(
             runs, me, model, version, resolved, parts, _steps(plan, blocks), slices, dest,
             done, deadline, result, rate_floor, progress, fill,
         )  # fmt: skip
+        _read_failed_whole(
+            runs, me, model, version, resolved, parts, slices, fill, deadline, result, rate_floor
+        )
         result.served = layouts.finish_holding(
             peers, me, model, version, layout, blocks, dest, recorded, deadline
         )
@@ -87,6 +97,45 @@ def read_layout(
     except BaseException:
         layouts.release(peers, me, model, version, layouts.cleanup_time(me, deadline))
         raise
+
+
+def _read_failed_whole(
+    runs: Orchestrator,
+    me: Identity,
+    model: str,
+    version: int,
+    resolved: pb.ResolveResponse,
+    parts: list[pb.Manifest],
+    slices: Mapping[str, Slice],
+    fill: slice_fill.Fill,
+    deadline: Deadline,
+    result: SliceFetch,
+    rate_floor: float,
+) -> None:
+    """The chunks of the block set that failed the publisher's check (written from byte
+    ranges that were not the publisher's): the blocks they touch are read again from the
+    trainer's shards in whole chunks, each checked against the manifest, and each such
+    chunk is checked again (`Fill.reverify`: `IntegrityError` if it still differs). Every
+    fallback and failure is named in `result.range_failures`."""
+    result.range_failures.extend(fill.notes)
+    failed = fill.unverified()
+    if not failed:
+        return
+    log.warning(
+        "%s@%d: %d chunks of the block set written from byte ranges differ from the "
+        "publisher's wsum64; reading their blocks in whole chunks", model, version, len(failed),
+    )  # fmt: skip
+    dest_layout = fill.layout
+    names = {
+        dest_layout.tensors[seg.tensor].name for at in failed for seg in dest_layout.segments(at)
+    }
+    todo = {name: slices[name] for name in sorted(names) if name in slices}
+    plan = plan_copies(model, version, parts, todo)
+    read_sources(
+        me, runs, model, version, resolved, parts, plan, todo, deadline, result, rate_floor,
+        None, None,
+    )  # fmt: skip
+    result.range_failures.extend(fill.reverify().values())
 
 
 def _steps(plan: Mapping[int, list[Copy]], blocks: layouts.BlockSet) -> list[dict[int, list[Copy]]]:

@@ -238,7 +238,7 @@ def read_steps(
                     left[c.name] -= 1
                     if left[c.name] == 0:
                         done.add(c.name)
-                layouts.settle(dest, done)
+                layouts.settle(dest, done, fill.unverified())
 
         with ThreadPoolExecutor(2, thread_name_prefix="slices-step") as ahead:
             try:

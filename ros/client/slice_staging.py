@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
 
-from ros.client import slice_ahead, slice_fill
+from ros.client import slice_ahead, slice_fill, slice_ranges
 from ros.client.deadline import Deadline
 from ros.client.delta_bases import Staged
 from ros.client.delta_fetch import DeltaReader
@@ -28,7 +28,13 @@ from ros.client.slice_carry import Carry
 from ros.client.slice_fetch import SliceFetch
 from ros.client.slice_plan import Copy, needed_chunks
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
-from tensorhub.errors import DeadlineExceeded, OutOfMemory
+from tensorhub.errors import (
+    BadRange,
+    DeadlineExceeded,
+    IntegrityError,
+    OutOfMemory,
+    TransportError,
+)
 from transport.boxes import byte_span, chunks_for
 from transport.layout import Layout, TensorSpec, torch_dtype
 from transport.outcome import FetchStats, add_moved
@@ -120,7 +126,16 @@ def read_group(
         if carry is not None:
             carry.restore(shard, staging, needed)
         missing = [i for i in sorted(needed) if not staging.is_present(i)]
-        later = step.later(missing) if step is not None and carry is not None else set()
+        ranges = None
+        ranged = FetchStats()  # the bytes of byte ranges, a read that failed included
+        declared = fill is not None and filling is not None and fill.publisher is not None
+        if declared and device.type == "cpu" and deltas is None and missing:
+            # only the bytes the blocks take; each chunk of the block set is checked
+            # against the publisher's wsum64 before it is served (`Fill`)
+            ranges = slice_ranges.needed_ranges(copies, layout, specs, set(missing))
+        later = (
+            step.later(missing) if step is not None and carry is not None and not ranges else set()
+        )
         ask = [i for i in missing if i not in later]
         if step is not None:
             step.asking(len(ask), last=last)
@@ -131,7 +146,19 @@ def read_group(
         )  # fmt: skip
         try:
             stats = FetchStats()  # every chunk carried over from a step before
-            if carry is None or ask:
+            if ranges and fill is not None and filling is not None:
+                try:
+                    slice_ranges.read(
+                        runs, me, target, holders, ranges, deadline, parallel,
+                        _landed(fill, filling, copies, landed), ranged,
+                    )  # fmt: skip
+                    ask = []
+                except (TransportError, IntegrityError, BadRange) as exc:
+                    fill.note(f"{model}@{version} shard {shard}: byte ranges failed ({exc!r}), "
+                              "its chunks read whole")  # fmt: skip
+                    ask = [i for i in missing if not staging.is_present(i)]
+                    target = Target(model, version, shard, staging, manifest, ask, False)
+            if (carry is None and not ranges) or ask:
                 stats = runs.run(
                     target, holders, deadline, rate_floor=rate_floor, progress=progress,
                     landed=landed, stop=stop, parallel=parallel,
@@ -160,12 +187,31 @@ def read_group(
             kept = Staged(version, layout, tensors, frozenset(needed), companion)
             deltas.staged.put(model, shard, kept)
         add_moved(result, stats)
+        add_moved(result, ranged)
         if fill is None or filling is None:
             copy_parts(copies, staging.tensors, slices)
         else:  # copied out as each chunk was verified
             fill.finish(filling, needed, copies)
         if carry is not None:
             carry.keep(shard, staging, needed)
+
+
+def _landed(
+    fill: slice_fill.Fill,
+    filling: slice_fill.FillStaging,
+    copies: Sequence[Copy],
+    landed: Callable[[int], None] | None,
+) -> Callable[[int], None]:
+    """What a read of byte ranges tells of each trainer chunk whose ranges are all in
+    place: its parts are copied out (each chunk of the block set checked against the
+    publisher's sums once complete: `Fill`), and the step counts it landed."""
+
+    def arrived(index: int) -> None:
+        fill.arrived(filling, index, copies)
+        if landed is not None:
+            landed(index)
+
+    return arrived
 
 
 @contextmanager

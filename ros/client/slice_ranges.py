@@ -1,0 +1,187 @@
+"""The first reader of a declared layout reads only the bytes of each trainer chunk its
+blocks need (GET_RANGES: `transport.ranged`), not whole chunks (docs/design-notes.md,
+"Readers in another layout").
+
+A trainer chunk holds a flat byte range of each tensor it touches; a block's part of a
+source shard is a box of that shard's tensor, whose elements are runs of consecutive bytes
+(`box_runs`: one per row of the dimensions it does not take whole). `needed_ranges` cuts
+those runs at the chunks' bounds: the byte ranges of each trainer chunk that the block set
+takes, and nothing else. A range cannot be checked against the manifest (its checksums are
+of whole chunks); what is checked is each chunk of the reader's own block set, once every
+range it is made of is in place, against the publisher's wsum64 of it (`slice_fill.Fill`,
+with `publisher`): nothing is marked present or served before. `read` asks the trainer's
+holders over TCP, the chunks split into `parallel` connections, and tells `landed` each
+chunk whose ranges have all landed (its parts are copied out then, as a whole chunk's
+are when it is verified).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from ros.client.deadline import Deadline
+from ros.client.identity import Identity
+from ros.client.orchestrator import Orchestrator, Target
+from ros.client.slice_plan import Copy
+from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from tensorhub.errors import RangesUnsupported
+from transport.boxes import Box
+from transport.layout import Layout, TensorSpec, torch_dtype
+from transport.outcome import FetchStats
+from transport.wire import MAX_RANGES_PER_GET, ChunkRange
+
+
+def box_runs(shape: Sequence[int], box: Box) -> list[tuple[int, int]]:
+    """The elements of `box` (local coordinates of a row-major array of `shape`) as runs
+    of consecutive flat indices, (first, count), in flat order: the trailing dimensions the
+    box takes whole merge into one run."""
+    if box.volume == 0:
+        return []
+    n = len(shape)
+    if n == 0:  # a scalar: one element
+        return [(0, 1)]
+    d = n - 1  # the last dimension the box does not take whole (runs span d..n-1)
+    while d > 0 and box.shape[d] == shape[d] and box.offsets[d] == 0:
+        d -= 1
+    inner = math.prod(shape[d + 1 :])
+    length = box.shape[d] * inner
+    strides = [math.prod(shape[k + 1 :]) for k in range(n)]
+    runs: list[tuple[int, int]] = []
+
+    def walk(k: int, base: int) -> None:
+        if k == d:
+            runs.append((base + box.offsets[d] * strides[d], length))
+            return
+        for i in range(box.offsets[k], box.offsets[k] + box.shape[k]):
+            walk(k + 1, base + i * strides[k])
+
+    walk(0, 0)
+    return runs
+
+
+def needed_ranges(
+    copies: Iterable[Copy],
+    layout: Layout,
+    specs: Mapping[str, TensorSpec],
+    chunks: Collection[int],
+) -> list[ChunkRange]:
+    """The byte ranges, within the chunks of `chunks` of a source shard's `layout`, that
+    `copies` take (offsets within each chunk's payload: its segments back to back), sorted,
+    adjacent ones merged."""
+    index_of = {spec.name: i for i, spec in enumerate(layout.tensors)}
+    size = layout.chunk_size
+    placed: dict[int, list[tuple[int, int, int]]] = {}  # chunk: (tensor, flat start, payload at)
+    out: list[ChunkRange] = []
+    for c in copies:
+        spec = specs[c.name]
+        tensor = index_of[c.name]
+        item = torch_dtype(spec.dtype).itemsize
+        local = Box(
+            tuple(p - o for p, o in zip(c.part.offsets, c.source.offsets, strict=True)),
+            c.part.shape,
+        )
+        for first, count in box_runs(spec.shape, local):
+            a = spec.offset + first * item
+            b = a + count * item
+            for chunk in range(a // size, (b - 1) // size + 1):
+                if chunk not in chunks:
+                    continue
+                if chunk not in placed:
+                    at, segs = 0, []
+                    for seg in layout.segments(chunk):
+                        segs.append((seg.tensor, layout.tensors[seg.tensor].offset + seg.start, at))
+                        at += seg.length
+                    placed[chunk] = segs
+                lo_chunk, hi_chunk = chunk * size, (chunk + 1) * size
+                lo, hi = max(a, lo_chunk), min(b, hi_chunk)
+                for t, flat, at in placed[chunk]:
+                    if t == tensor:  # a tensor is one segment of a chunk
+                        out.append(ChunkRange(chunk, at + lo - flat, hi - lo))
+                        break
+    return _merged(out)
+
+
+def _merged(ranges: list[ChunkRange]) -> list[ChunkRange]:
+    out: list[ChunkRange] = []
+    for r in sorted(ranges, key=lambda r: (r.chunk, r.offset)):
+        if out and out[-1].chunk == r.chunk and out[-1].offset + out[-1].length >= r.offset:
+            last = out[-1]
+            end = max(last.offset + last.length, r.offset + r.length)
+            out[-1] = ChunkRange(last.chunk, last.offset, end - last.offset)
+        else:
+            out.append(r)
+    return out
+
+
+def _requests(ranges: Sequence[ChunkRange], parts: int) -> list[list[list[ChunkRange]]]:
+    """`ranges` (sorted by chunk) for `parts` connections, the chunks dealt out in turn
+    (connection k takes chunks k, k + parts, ...: the connections go through the chunks
+    side by side, so the block set's chunks complete about in order, the order the
+    readers chained behind ask for them in), each connection's in requests of at most
+    `MAX_RANGES_PER_GET` ranges that never split a chunk's ranges (unless one chunk has
+    more than that)."""
+    by_chunk: list[list[ChunkRange]] = []
+    for r in ranges:
+        if by_chunk and by_chunk[-1][0].chunk == r.chunk:
+            by_chunk[-1].append(r)
+        else:
+            by_chunk.append([r])
+    out: list[list[list[ChunkRange]]] = []
+    for k in range(min(parts, len(by_chunk))):
+        requests: list[list[ChunkRange]] = [[]]
+        for group in by_chunk[k::parts]:
+            if requests[-1] and len(requests[-1]) + len(group) > MAX_RANGES_PER_GET:
+                requests.append([])
+            for r in group:
+                if len(requests[-1]) == MAX_RANGES_PER_GET:
+                    requests.append([])
+                requests[-1].append(r)
+        out.append(requests)
+    return out
+
+
+def read(
+    runs: Orchestrator,
+    me: Identity,
+    target: Target,
+    holders: pb.ResolveResponse,
+    ranges: Sequence[ChunkRange],
+    deadline: Deadline,
+    parallel: int,
+    landed: Callable[[int], None],
+    moved: FetchStats,
+) -> None:
+    """Read `ranges` of `target`'s staging copy from the nearest holder `holders` names over
+    TCP, in `parallel` connections; `landed` is told each chunk once all its ranges are in
+    place (unverified: the caller's block-set check decides); `moved` counts the bytes
+    received, those of a read that fails part-way included. Raises what a connection
+    raised (`RangesUnsupported` when no holder is on TCP or the holder does not know the
+    frame): the caller then reads whole chunks."""
+    sources, token = runs.ranged_plan(target, holders, deadline)
+    if not sources:
+        raise RangesUnsupported("no holder of the source shard is reachable over TCP")
+    source = sources[0]
+    end = deadline.work_end
+    lock = threading.Lock()
+
+    def one(requests: list[list[ChunkRange]]) -> None:
+        for request in requests:
+            got = runs.read_ranges(
+                source, target.dest, request, token=token(), deadline=end, tls=me.tls,
+                landed=landed,
+            )  # fmt: skip
+            with lock:
+                have = moved.bytes_per_source.get(source.holder_id, 0)
+                moved.bytes_per_source[source.holder_id] = have + got
+                moved.chunks += len({r.chunk for r in request})
+
+    start = time.monotonic()
+    plan = _requests(ranges, parallel)
+    with ThreadPoolExecutor(max(1, len(plan)), thread_name_prefix="slices-ranges") as pool:
+        for _ in pool.map(one, plan):
+            pass
+    moved.duration += time.monotonic() - start
