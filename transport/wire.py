@@ -147,17 +147,22 @@ def _frame(ftype: FrameType, body: bytes, flags: int = 0) -> bytes:
     return HEADER.pack(MAGIC, WIRE_VERSION, ftype, flags, len(body)) + body
 
 
-def encode_get(req: GetRequest) -> bytes:
-    if not 0 < len(req.chunks) <= MAX_CHUNKS_PER_GET or len(req.token) > MAX_TOKEN:
-        raise InvalidArgument("GET must name 1..4096 chunks and a token under 4 KiB")
-    body = (
-        GET_FIXED.pack(req.version, req.layout_digest, req.wait_ms, len(req.chunks))
+def _head_bytes(req: GetRequest | RangeRequest, n: int) -> bytes:
+    """The fields GET and GET_RANGES begin with (`_request_head` reads them), for a request
+    that lists `n` chunks or ranges."""
+    return (
+        GET_FIXED.pack(req.version, req.layout_digest, req.wait_ms, n)
         + _pack_str(req.tenant)
         + _pack_str(req.model)
         + struct.pack("!H", len(req.token))
         + req.token
-        + struct.pack(f"!{len(req.chunks)}I", *req.chunks)
     )
+
+
+def encode_get(req: GetRequest) -> bytes:
+    if not 0 < len(req.chunks) <= MAX_CHUNKS_PER_GET or len(req.token) > MAX_TOKEN:
+        raise InvalidArgument("GET must name 1..4096 chunks and a token under 4 KiB")
+    body = _head_bytes(req, len(req.chunks)) + struct.pack(f"!{len(req.chunks)}I", *req.chunks)
     return _frame(FrameType.GET, body)
 
 
@@ -166,13 +171,8 @@ def encode_get_ranges(req: RangeRequest) -> bytes:
     check_ranges(req.ranges)
     if len(req.token) > MAX_TOKEN:
         raise InvalidArgument("GET_RANGES must carry a token under 4 KiB")
-    body = (
-        GET_FIXED.pack(req.version, req.layout_digest, req.wait_ms, len(req.ranges))
-        + _pack_str(req.tenant)
-        + _pack_str(req.model)
-        + struct.pack("!H", len(req.token))
-        + req.token
-        + b"".join(RANGE.pack(r.chunk, r.offset, r.length) for r in req.ranges)
+    body = _head_bytes(req, len(req.ranges)) + b"".join(
+        RANGE.pack(r.chunk, r.offset, r.length) for r in req.ranges
     )
     return _frame(FrameType.GET_RANGES, body)
 
@@ -266,13 +266,19 @@ def read_flagged_frame(
     return ftype, int(HEADER.unpack(raw)[3]), body
 
 
+def _request_head(cur: _Cursor) -> tuple[int, int, int, int, str, str, bytes]:
+    """The fields GET and GET_RANGES begin with: version, layout digest, wait, the count
+    of what they list, tenant, model and token."""
+    version, digest, wait_ms, n = cur.unpack(GET_FIXED)
+    tenant, model = cur.string("tenant"), cur.string("model")
+    (tlen,) = struct.unpack("!H", cur.take(2))
+    return version, digest, wait_ms, n, tenant, model, bytes(cur.take(tlen))
+
+
 def decode_get(body: bytearray) -> GetRequest:
     try:
         cur = _Cursor(body)
-        version, digest, wait_ms, n = cur.unpack(GET_FIXED)
-        tenant, model = cur.string("tenant"), cur.string("model")
-        (tlen,) = struct.unpack("!H", cur.take(2))
-        token = bytes(cur.take(tlen))
+        version, digest, wait_ms, n, tenant, model, token = _request_head(cur)
         if not 0 < n <= MAX_CHUNKS_PER_GET:
             raise TransportError(f"GET names {n} chunks")
         chunks = struct.unpack(f"!{n}I", cur.take(4 * n))
@@ -288,10 +294,7 @@ def decode_get_ranges(body: bytearray) -> RangeRequest:
     `InvalidArgument`) for too many ranges or an empty one."""
     try:
         cur = _Cursor(body)
-        version, digest, wait_ms, n = cur.unpack(GET_FIXED)
-        tenant, model = cur.string("tenant"), cur.string("model")
-        (tlen,) = struct.unpack("!H", cur.take(2))
-        token = bytes(cur.take(tlen))
+        version, digest, wait_ms, n, tenant, model, token = _request_head(cur)
         if not 0 < n <= MAX_RANGES_PER_GET:
             raise BadRange(f"GET_RANGES names {n} ranges")
         ranges = tuple(ChunkRange(*cur.unpack(RANGE)) for _ in range(n))
