@@ -38,6 +38,7 @@ from tensorhub.declared_records import (
     add_all_parts,
     add_parts,
 )
+from tensorhub.errors import DeadlineExceeded
 from tensorhub.lru import SizedLru
 
 log = logging.getLogger(__name__)
@@ -69,16 +70,25 @@ class PartsSums:
         self._lock = threading.Lock()
 
     def get_or_add(
-        self, key: Key, add: Callable[[], Mapping[tuple[str, str], list[int]]]
+        self,
+        key: Key,
+        add: Callable[[], Mapping[tuple[str, str], list[int]]],
+        timeout: float | None = None,
     ) -> Mapping[tuple[str, str], Sequence[int]]:
         """The sums kept for `key`, else `add()`'s (kept within the bound). Callers of one
-        key wait for the one that adds them up."""
+        key wait for the one that adds them up, at most `timeout` seconds (None: as long as
+        it takes, itself bounded by its reads' timeouts): `DeadlineExceeded` past it."""
         found = self._kept.get(key)
         if found is not None:
             return found
         with self._lock:
             gate = self._loading.setdefault(key, threading.Lock())
-        with gate:
+        if not gate.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+            raise DeadlineExceeded(
+                f"the publisher checksums of {key[1]}@{key[2]} are being added up by another "
+                f"resolve, not done within {timeout:.1f} s"
+            )
+        try:
             found = self._kept.get(key)
             if found is not None:
                 return found
@@ -88,6 +98,8 @@ class PartsSums:
             finally:
                 with self._lock:
                     self._loading.pop(key, None)
+        finally:
+            gate.release()
         return sums
 
     def __len__(self) -> int:
@@ -125,7 +137,7 @@ def block_set_sums(
         return {} if rest is None else add_all_parts(values + rest)
 
     key = (*version, int(first.kvs[0].create_revision))
-    found = cache.get_or_add(key, add) if cache is not None else add()
+    found = cache.get_or_add(key, add, timeout) if cache is not None else add()
     return list(found.get((layout, block_set), []))
 
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from consistency.parts_sums import PartsSums
+from tensorhub.errors import DeadlineExceeded
 
 SUMS = {("tp1", "a" * 32): [1, 2, 3]}
 
@@ -33,6 +36,26 @@ def test_callers_of_one_version_wait_for_the_one_that_adds_its_sums_up() -> None
         thread.join(10)
     assert len(calls) == 1
     assert [{at: list(v) for at, v in g.items()} for g in got] == [SUMS] * 5  # type: ignore[attr-defined]
+
+
+def test_a_caller_waits_for_another_adding_up_only_within_its_timeout() -> None:
+    kept = PartsSums()
+    adding, go = threading.Event(), threading.Event()
+
+    def add() -> dict[tuple[str, str], list[int]]:
+        adding.set()
+        go.wait(10)
+        return SUMS
+
+    key = ("t", "m", 2, 7)
+    first = threading.Thread(target=kept.get_or_add, args=(key, add))
+    first.start()
+    assert adding.wait(10)
+    with pytest.raises(DeadlineExceeded, match="m@2"):
+        kept.get_or_add(key, add, timeout=0.05)
+    go.set()
+    first.join(10)
+    assert {at: list(v) for at, v in kept.get_or_add(key, add, timeout=0.05).items()} == SUMS
 
 
 def test_sums_are_kept_within_the_bound_least_recently_used_first_out() -> None:
