@@ -55,7 +55,8 @@ class World:
         return ros.connect(self.addresses, tenant=TENANT, token=self.token, **kwargs)  # type: ignore[arg-type]
 
     def arm(self, key: str, mode: str, nth: int = 1) -> None:
-        """Both taps stop at the `nth` request carrying `key`, whichever sees it: once."""
+        """Both taps stop at the `nth` request carrying `key` (a key, or any bytes a
+        request carries), whichever sees it: once."""
         group = threading.Event()
         for tap in self.taps:
             tap.arm(key.encode(), mode=mode, nth=nth, group=group)
@@ -158,11 +159,12 @@ SHARDS = [make_model(10 + i) for i in range(2)]  # rank i's shard of mp@1
 
 def kill_mid_last_shard(world: World, ranks: list[ros.Hub]) -> object:
     """Rank 1 publishes its shard of mp@1; rank 0's, the one that makes mp@1 visible, is
-    applied by etcd (its batch's write: the 2nd request naming its holder record, after the
-    batch's opening read) with its reply lost, and the replica is SIGKILLed. What rank 0's
-    publish returned or raised."""
+    applied by etcd (its batch's write: the first request that puts its holder record,
+    whose value names it, whether the batch read first or, on the replica that committed
+    rank 1's batch, sent its transaction on the state that batch left) with its reply
+    lost, and the replica is SIGKILLed. What rank 0's publish returned or raised."""
     ranks[1].publish("mp", 1, SHARDS[1], shard=(1, 2))
-    world.arm(world.keys.holder(TENANT, "mp", 1, ranks[0].holder_name), "apply", nth=2)
+    world.arm(f'"holder": "{ranks[0].holder_name}"', "apply", nth=1)
     outcome: list[object] = []
 
     def publish() -> None:
