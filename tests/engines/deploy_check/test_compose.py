@@ -134,15 +134,17 @@ def _free_port() -> int:
 
 def test_hub_health_check_against_a_real_hub(tmp_path: Path) -> None:
     """deploy/compose/healthcheck.py (the image's HEALTHCHECK and compose's) on a real hub:
-    exit 1 while nothing listens, 0 once `tensorhub serve` serves, 1 after it stops."""
-    port = _free_port()
-    address = f"127.0.0.1:{port}"
-    check = [sys.executable, HEALTHCHECK, address]
-    down = run(check, timeout=30)
+    exit 1 while nothing listens, 0 once `tensorhub serve` serves, 1 after it stops.
+
+    The hub binds port 0 and the test reads the port it got from the ready file: a port picked
+    free beforehand can be taken by then (the embedded etcd's own connections draw their
+    source ports from the same range), and the hub then fails to bind."""
+    nothing = f"127.0.0.1:{_free_port()}"
+    down = run([sys.executable, HEALTHCHECK, nothing], timeout=30)
     assert down.returncode == 1, output(down)
     ready = tmp_path / "ready.json"
     hub = subprocess.Popen(
-        [tool("tensorhub"), "serve", "--listen", address, "--ready-file", ready],
+        [tool("tensorhub"), "serve", "--listen", "127.0.0.1:0", "--ready-file", ready],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         env={**os.environ, "TENSORHUB_ADMIN_TOKEN": "deploy-check-admin-token"},
@@ -154,14 +156,17 @@ def test_hub_health_check_against_a_real_hub(tmp_path: Path) -> None:
             assert hub.poll() is None, hub.stderr.read().decode() if hub.stderr else ""
             assert time.monotonic() < deadline, "the hub did not start in 60 s"
             time.sleep(0.2)
-        up = run(check, timeout=30)
+        address = str(json.loads(ready.read_text())["address"])
+        assert not address.endswith(":0"), address
+        up = run([sys.executable, HEALTHCHECK, address], timeout=30)
         assert up.returncode == 0, output(up)
     finally:
-        os.killpg(hub.pid, signal.SIGTERM)
+        if hub.poll() is None:
+            os.killpg(hub.pid, signal.SIGTERM)
         try:
             hub.wait(timeout=20)
         except subprocess.TimeoutExpired:
             os.killpg(hub.pid, signal.SIGKILL)
             hub.wait()
-    after = run(check, timeout=30)
+    after = run([sys.executable, HEALTHCHECK, address], timeout=30)
     assert after.returncode == 1, output(after)

@@ -11,6 +11,7 @@ ports, one member instead of three, Secret mount paths to the generated files. e
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -197,8 +198,9 @@ def test_auth_job_then_hub_logs_in(member: dict[str, Any], tmp_path: Path) -> No
         f"{mounts['etcd-credentials']}/tls.key": s / "hub.key",
         f"{mounts['admin-token']}/token": s / "admin-token",
     }
-    address = f"127.0.0.1:{_port()}"
-    loopback = {"--listen": address, "--etcd": member["endpoint"], "--metrics-port": str(_port())}
+    # Port 0 for the hub's listeners, read back from its ready file: a port picked free
+    # beforehand can be taken by another connection's source port before the hub binds it.
+    loopback = {"--listen": "127.0.0.1:0", "--etcd": member["endpoint"], "--metrics-port": "0"}
     argv = [c["args"][0]]
     for a in c["args"][1:]:
         k, v = a.split("=", 1)
@@ -216,6 +218,7 @@ def test_auth_job_then_hub_logs_in(member: dict[str, Any], tmp_path: Path) -> No
         )
     try:
         _wait("the hub", ready.exists, proc_hub, log)
+        address = str(json.loads(ready.read_text())["address"])
         health = run([tool("python"), HEALTHCHECK, address], timeout=30)
         assert health.returncode == 0, output(health)
         token = (s / "admin-token").read_text().strip()
