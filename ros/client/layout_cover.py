@@ -23,18 +23,16 @@ from typing import Any
 
 import torch
 
-from ros.client.deadline import Deadline
-from ros.client.identity import Identity
 from ros.client.layouts import PEER_ROUNDS, LayoutPeers, sources_of
 from ros.client.read_token import RenewingToken
 from ros.client.slice import Slice
+from ros.client.slice_plan import SliceRead
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.checksum_kinds import WSUM64, XXH3
 from tensorhub.errors import InvalidArgument
 from transport.boxes import Box, byte_span, chunks_for
 from transport.layout import Layout, dtype_name, torch_dtype
 from transport.outcome import FetchStats
-from transport.pace import DEFAULT_RATE_FLOOR
 from transport.store import HeldVersion
 
 log = logging.getLogger(__name__)
@@ -127,29 +125,25 @@ def _plan(
 
 
 def read_from_cover(
+    read: SliceRead,
     peers: LayoutPeers,
-    me: Identity,
-    model: str,
-    version: int,
     layout: str,
-    slices: Mapping[str, Slice],
     todo: set[str],
     token: RenewingToken,
-    deadline: Deadline,
     stats: FetchStats,
     chunk_size: int,
-    rate_floor: float = DEFAULT_RATE_FLOOR,
 ) -> Covered:
-    """Fill the blocks of `todo` that `layout`'s block sets (in the version's `chunk_size`)
-    cover from their holders (module docstring); what it filled."""
+    """Fill the blocks of `todo` (of `read`'s slices) that `layout`'s block sets (in the
+    version's `chunk_size`) cover from their holders (module docstring); what it filled."""
+    me = read.me
     request = pb.ResolveLayoutCoverRequest(
-        model=model, version=version, layout=layout, holder=me.holder_name,
+        model=read.model, version=read.version, layout=layout, holder=me.holder_name,
         topology=me.topology.labels(),
     )  # fmt: skip
-    answer = peers.rpc("ResolveLayoutCover", request, deadline.work(me.timeout))
+    answer = peers.rpc("ResolveLayoutCover", request, read.deadline.work(me.timeout))
     parsed = (_parse(a, chunk_size) for a in answer.block_sets)
     sets = [d for d in parsed if d is not None and d.holders]
-    plan = _plan(sets, slices, todo)
+    plan = _plan(sets, read.slices, todo)
     by_set: dict[str, list[_Part]] = {}
     described = {d.id: d for d in sets}
     for covering in plan.values():
@@ -160,10 +154,7 @@ def read_from_cover(
     for set_id, needed in by_set.items():
         covering_set = described[set_id]
         before = stats.chunks
-        got = _read_set(
-            peers, me, model, version, covering_set, needed, slices, token, deadline, stats,
-            rate_floor,
-        )  # fmt: skip
+        got = _read_set(read, peers, covering_set, needed, token, stats)
         if covering_set.checksum == WSUM64:
             checked += stats.chunks - before
         arrived.update((set_id, name) for name in got)
@@ -174,21 +165,17 @@ def read_from_cover(
 
 
 def _read_set(
+    read: SliceRead,
     peers: LayoutPeers,
-    me: Identity,
-    model: str,
-    version: int,
     s: _Described,
     parts: list[_Part],
-    slices: Mapping[str, Slice],
     token: RenewingToken,
-    deadline: Deadline,
     stats: FetchStats,
-    rate_floor: float,
 ) -> set[str]:
     """Read the chunks of block set `s` that `parts` need into a staging copy of its layout,
     from its holders (dropping one that fails or sends bad bytes, `PEER_ROUNDS` rounds at
     most), and copy every part whose chunks all arrived; the names of the parts copied."""
+    me, model, version = read.me, read.model, read.version
     specs = {spec.name: spec for spec in s.layout.tensors}
     needs: dict[str, set[int]] = {}
     for p in parts:
@@ -204,9 +191,9 @@ def _read_set(
             break
         done = peers.read(
             me.tenant, model, version, s.layout, staging, sources, token=token,
-            deadline=deadline.work_end, me=me.topology, chunks=wanted, expected=s.expected,
-            checksum=s.checksum, tls=me.tls, stats=stats, readers=peers.readers,
-            rate_floor=rate_floor,
+            deadline=read.deadline.work_end, me=me.topology, chunks=wanted,
+            expected=s.expected, checksum=s.checksum, tls=me.tls, stats=stats,
+            readers=peers.readers, rate_floor=read.rate_floor,
         )  # fmt: skip
         suspects.update(done.failures)
         if done.done:
@@ -217,7 +204,7 @@ def _read_set(
     for p in parts:
         if not all(staging.is_present(i) for i in needs[p.name]):
             continue
-        want = slices[p.name]
+        want = read.slices[p.name]
         dest = want.tensor.detach()[p.part.slices_in(want.box)]
         dest.copy_(staging.tensors[p.name][p.part.slices_in(p.source)])
         copied.add(p.name)

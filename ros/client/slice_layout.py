@@ -10,38 +10,25 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from ros.client import layout_cover, layout_delta, layouts, slice_fill, slice_staging
-from ros.client.deadline import Deadline
 from ros.client.delta_fetch import DeltaReader
-from ros.client.identity import Identity
-from ros.client.orchestrator import Orchestrator, ProgressCallback
 from ros.client.read_token import RenewingToken
-from ros.client.slice import Slice
 from ros.client.slice_fetch import SliceFetch
-from ros.client.slice_plan import Copy, plan_copies, shard_of
+from ros.client.slice_plan import Copy, SliceRead
 from ros.client.slice_read import read_sources, read_steps
-from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from transport.outcome import FetchStats, add_moved
 
 log = logging.getLogger(__name__)
 
 
 def read_layout(
-    runs: Orchestrator,
+    read: SliceRead,
     peers: layouts.LayoutPeers,
-    me: Identity,
-    model: str,
-    version: int,
     layout: str,
     cover: Sequence[str],
     blocks: layouts.BlockSet,
-    slices: Mapping[str, Slice],
-    parts: list[pb.Manifest],
-    resolved: pb.ResolveResponse,
-    deadline: Deadline,
-    rate_floor: float,
-    progress: ProgressCallback | None,
     result: SliceFetch,
     deltas: DeltaReader | None = None,
 ) -> None:
@@ -53,42 +40,36 @@ def read_layout(
     and its pin. With `deltas`, blocks that hold the version remembered for them first
     get the changes that fall inside them (`ros.client.layout_delta`), and the blocks
     served at the end are remembered as the base of the next read."""
-    token = _renewing_token(runs, model, version, resolved, deadline)
+    runs, me, model, version = read.runs, read.me, read.model, read.version
+    slices, deadline = read.slices, read.deadline
+    token = _renewing_token(read)
     base = deltas.layout_bases.take(model, blocks) if deltas is not None else None
     held = layouts.start_holding(peers, me, model, version, layout, blocks, deadline)
     dest = held.dest
     try:
         if base is not None:
-            read = layout_delta.BlockRead(
-                runs, me.tenant, model, version, parts, lambda i: shard_of(resolved, i), slices,
-                blocks, dest, rate_floor,
+            block_read = layout_delta.BlockRead(
+                runs, me.tenant, model, version, read.parts, read.shard_of, slices, blocks,
+                dest, read.rate_floor,
             )  # fmt: skip
             applied = layout_delta.apply_deltas(
-                read, plan_copies(model, version, parts, slices), base, list(held.found.block_sums),
+                block_read, read.plan(slices), base, list(held.found.block_sums),
                 list(held.found.publisher_sums), deadline,
             )  # fmt: skip
             result.deltas.update(applied.stats)
             add_moved(result, applied.moved)
-        recorded = _from_holders(
-            peers, me, model, version, layout, cover, blocks, held, slices, token,
-            deadline, rate_floor, result,
-        )  # fmt: skip
+        recorded = _from_holders(read, peers, layout, cover, blocks, held, token, result)
         done = set(slices) - result.from_trainer
         layouts.settle(dest, done)
         todo = {name: slices[name] for name in sorted(result.from_trainer)}
-        plan = plan_copies(model, version, parts, todo) if todo else {}
+        plan = read.plan(todo) if todo else {}
         published = list(held.found.publisher_sums)
         fill = slice_fill.Fill(
             dest, {name: want.box for name, want in todo.items()}, todo,
             published if len(published) == blocks.layout.num_chunks else None,
         )  # fmt: skip
-        read_steps(
-            runs, me, model, version, resolved, parts, _steps(plan, blocks), slices, dest,
-            done, deadline, result, rate_floor, progress, fill,
-        )  # fmt: skip
-        _read_failed_whole(
-            runs, me, model, version, resolved, parts, slices, fill, deadline, result, rate_floor
-        )
+        read_steps(read, _steps(plan, blocks), dest, done, result, fill)
+        _read_failed_whole(read, fill, result)
         result.served = layouts.finish_holding(
             peers, me, model, version, layout, blocks, dest, recorded, deadline
         )
@@ -99,19 +80,7 @@ def read_layout(
         raise
 
 
-def _read_failed_whole(
-    runs: Orchestrator,
-    me: Identity,
-    model: str,
-    version: int,
-    resolved: pb.ResolveResponse,
-    parts: list[pb.Manifest],
-    slices: Mapping[str, Slice],
-    fill: slice_fill.Fill,
-    deadline: Deadline,
-    result: SliceFetch,
-    rate_floor: float,
-) -> None:
+def _read_failed_whole(read: SliceRead, fill: slice_fill.Fill, result: SliceFetch) -> None:
     """The chunks of the block set that failed the publisher's check (written from byte
     ranges that were not the publisher's): the blocks they touch are read again from the
     trainer's shards in whole chunks, each checked against the manifest, and each such
@@ -123,18 +92,15 @@ def _read_failed_whole(
         return
     log.warning(
         "%s@%d: %d chunks of the block set written from byte ranges differ from the "
-        "publisher's wsum64; reading their blocks in whole chunks", model, version, len(failed),
+        "publisher's wsum64; reading their blocks in whole chunks", read.model, read.version,
+        len(failed),
     )  # fmt: skip
     dest_layout = fill.layout
     names = {
         dest_layout.tensors[seg.tensor].name for at in failed for seg in dest_layout.segments(at)
     }
-    todo = {name: slices[name] for name in sorted(names) if name in slices}
-    plan = plan_copies(model, version, parts, todo)
-    read_sources(
-        me, runs, model, version, resolved, parts, plan, todo, deadline, result, rate_floor,
-        None, None,
-    )  # fmt: skip
+    todo = {name: read.slices[name] for name in sorted(names) if name in read.slices}
+    read_sources(replace(read, progress=None), read.plan(todo), result, None)
     result.range_failures.extend(fill.reverify().values())
 
 
@@ -170,26 +136,22 @@ def _steps(plan: Mapping[int, list[Copy]], blocks: layouts.BlockSet) -> list[dic
 
 
 def _from_holders(
+    read: SliceRead,
     peers: layouts.LayoutPeers,
-    me: Identity,
-    model: str,
-    version: int,
     layout: str,
     cover: Sequence[str],
     blocks: layouts.BlockSet,
     held: layouts.Holding,
-    slices: Mapping[str, Slice],
     token: RenewingToken,
-    deadline: Deadline,
-    rate_floor: float,
     result: SliceFetch,
 ) -> list[int]:
     """Read the blocks into `dest` from the holders of the same blocks, then from the block
     sets of the `cover` layouts; the blocks neither gave go into `result.from_trainer`.
     Returns the checksums recorded for the block set (empty: none yet)."""
     peer = layouts.read_from_peers(
-        peers, me, model, version, layout, blocks, held, token, deadline, rate_floor
-    )
+        peers, read.me, read.model, read.version, layout, blocks, held, token, read.deadline,
+        read.rate_floor,
+    )  # fmt: skip
     add_moved(result, peer.stats)
     if peer.published:
         result.publisher_checked += peer.stats.chunks
@@ -199,9 +161,8 @@ def _from_holders(
             break
         moved = FetchStats()
         covered = layout_cover.read_from_cover(
-            peers, me, model, version, other, slices, missing, token, deadline, moved,
-            blocks.layout.chunk_size, rate_floor,
-        )  # fmt: skip
+            read, peers, other, missing, token, moved, blocks.layout.chunk_size
+        )
         missing -= covered.names
         result.publisher_checked += covered.publisher_checked
         add_moved(result, moved)
@@ -209,14 +170,13 @@ def _from_holders(
     return peer.sums
 
 
-def _renewing_token(
-    runs: Orchestrator, model: str, version: int, resolved: pb.ResolveResponse, deadline: Deadline
-) -> RenewingToken:
+def _renewing_token(read: SliceRead) -> RenewingToken:
     """The read token of a layout read from peers (model@version's, as for the trainer's
     shards), renewed before it expires by a Resolve without the manifest."""
 
     def renew() -> tuple[bytes, int]:
-        again = runs.holders(model, version, None, deadline)
+        again = read.runs.holders(read.model, read.version, None, read.deadline)
         return bytes(again.read_token), int(again.token_expiry_unix)
 
+    resolved = read.resolved
     return RenewingToken(bytes(resolved.read_token), int(resolved.token_expiry_unix), renew)

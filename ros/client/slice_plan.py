@@ -2,10 +2,11 @@
 slices reads, from each source shard, only the chunks that hold its intersection with the
 blocks it wants).
 
-`plan_copies` covers each slice exactly once from the source shards' placements (a `Copy`
-per block part), `needed_chunks` names the chunks of a source shard's layout those parts
-lie in, and `shard_order`, `shard_of` and `holders_of` say in which order and from whom
-the source shards are read.
+`SliceRead` is what every step of one read shares (who reads which version, from whom,
+by when); `plan_copies` covers each slice exactly once from the source shards' placements
+(a `Copy` per block part), `needed_chunks` names the chunks of a source shard's layout those
+parts lie in, `shard_order` says in which order the source shards are read, and
+`SliceRead.source` names a source shard's holders and layout (`SourceShard`).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ros.client.deadline import Deadline
-from ros.client.manifest import placement_of
-from ros.client.orchestrator import Orchestrator
+from ros.client.identity import Identity
+from ros.client.manifest import layout_of, placement_of
+from ros.client.orchestrator import Orchestrator, ProgressCallback
 from ros.client.slice import Slice
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import InvalidArgument
@@ -105,19 +107,65 @@ def shard_order(plan: Mapping[int, list[Copy]]) -> list[int]:
     return order[first:] + order[:first]
 
 
-def shard_of(resolved: pb.ResolveResponse, index: int) -> int | None:
-    """The shard number of source part `index` (None: a version published whole)."""
-    return index if resolved.shards else None
+@dataclass(frozen=True)
+class SourceShard:
+    """One source shard as its reads take it: its `index` among the read's `parts`, its
+    `shard` number (None: a version published whole), the hub's answer naming its
+    `holders`, its `manifest` and that manifest's `layout` (`specs`: its tensors by name)."""
+
+    index: int
+    shard: int | None
+    holders: pb.ResolveResponse
+    manifest: pb.Manifest
+    layout: Layout
+    specs: Mapping[str, TensorSpec]
 
 
-def holders_of(
-    runs: Orchestrator,
-    model: str,
-    version: int,
-    resolved: pb.ResolveResponse,
-    index: int,
-    deadline: Deadline,
-) -> pb.ResolveResponse:
-    """The holders of source shard `index` (a Resolve answers candidates of one shard only)."""
-    shard = shard_of(resolved, index)
-    return resolved if shard is None else runs.holders(model, version, shard, deadline)
+@dataclass(frozen=True)
+class SliceRead:
+    """What every step of one read of slices (`ros.client.slices.fetch_slices`) shares: the
+    client's orchestrator (`runs`) and identity (`me`), the version read (`model`@`version`)
+    and the hub's answer that resolved it (`resolved`, its source shards' manifests:
+    `parts`), the `slices` wanted (by name: each step looks up the ones its copies fill),
+    the `deadline`, the `rate_floor` under which a holder counts slow, and the caller's
+    `progress`. Built once per read and handed down whole, so that each step's signature
+    names only what is its own (a source shard, its copies, its staging, what it adds up
+    into); a step that reports progress otherwise takes a copy (`dataclasses.replace`)."""
+
+    runs: Orchestrator
+    me: Identity
+    model: str
+    version: int
+    resolved: pb.ResolveResponse
+    parts: list[pb.Manifest]
+    slices: Mapping[str, Slice]
+    deadline: Deadline
+    rate_floor: float
+    progress: ProgressCallback | None = None
+
+    def plan(self, slices: Mapping[str, Slice]) -> dict[int, list[Copy]]:
+        """`plan_copies` of `slices` (the read's, or some of them) over the read's shards."""
+        return plan_copies(self.model, self.version, self.parts, slices)
+
+    def shard_of(self, index: int) -> int | None:
+        """The shard number of source part `index` (None: a version published whole)."""
+        return index if self.resolved.shards else None
+
+    def layout(self, index: int) -> tuple[Layout, dict[str, TensorSpec]]:
+        """Source part `index`'s layout and its tensors by name."""
+        layout = layout_of(self.parts[index])
+        return layout, {spec.name: spec for spec in layout.tensors}
+
+    def holders(self, index: int) -> pb.ResolveResponse:
+        """The holders of source part `index` (a Resolve answers candidates of one shard
+        only: the read's own answer for a version published whole)."""
+        shard = self.shard_of(index)
+        if shard is None:
+            return self.resolved
+        return self.runs.holders(self.model, self.version, shard, self.deadline)
+
+    def source(self, index: int, holders: pb.ResolveResponse | None = None) -> SourceShard:
+        """Source part `index` with its `holders` (None: asked for now, `holders`)."""
+        layout, specs = self.layout(index)
+        found = self.holders(index) if holders is None else holders
+        return SourceShard(index, self.shard_of(index), found, self.parts[index], layout, specs)

@@ -23,10 +23,8 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from ros.client.deadline import Deadline
-from ros.client.identity import Identity
-from ros.client.orchestrator import Orchestrator, Target
-from ros.client.slice_plan import Copy
+from ros.client.orchestrator import Target
+from ros.client.slice_plan import Copy, SliceRead
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import RangesUnsupported
 from transport.boxes import Box
@@ -145,33 +143,32 @@ def _requests(ranges: Sequence[ChunkRange], parts: int) -> list[list[list[ChunkR
 
 
 def read(
-    runs: Orchestrator,
-    me: Identity,
+    job: SliceRead,
     target: Target,
     holders: pb.ResolveResponse,
     ranges: Sequence[ChunkRange],
-    deadline: Deadline,
     parallel: int,
     landed: Callable[[int], None],
     moved: FetchStats,
 ) -> None:
-    """Read `ranges` of `target`'s staging copy from the nearest holder `holders` names over
-    TCP, in `parallel` connections; `landed` is told each chunk once all its ranges are in
-    place (unverified: the caller's block-set check decides); `moved` counts the bytes
-    received, those of a read that fails part-way included. Raises what a connection
-    raised (`RangesUnsupported` when no holder is on TCP or the holder does not know the
-    frame): the caller then reads whole chunks."""
-    sources, token = runs.ranged_plan(target, holders, deadline)
+    """Read `ranges` of `target`'s staging copy (of `job`'s read) from the nearest holder
+    `holders` names over TCP, in `parallel` connections, within `job`'s deadline; `landed`
+    is told each chunk once all its ranges are in place (unverified: the caller's block-set
+    check decides); `moved` counts the bytes received, those of a read that fails part-way
+    included. Raises what a connection raised (`RangesUnsupported` when no holder is on TCP
+    or the holder does not know the frame): the caller then reads whole chunks."""
+    runs, tls = job.runs, job.me.tls
+    sources, token = runs.ranged_plan(target, holders, job.deadline)
     if not sources:
         raise RangesUnsupported("no holder of the source shard is reachable over TCP")
     source = sources[0]
-    end = deadline.work_end
+    end = job.deadline.work_end
     lock = threading.Lock()
 
     def one(requests: list[list[ChunkRange]]) -> None:
         for request in requests:
             got = runs.read_ranges(
-                source, target.dest, request, token=token(), deadline=end, tls=me.tls,
+                source, target.dest, request, token=token(), deadline=end, tls=tls,
                 landed=landed,
             )  # fmt: skip
             with lock:

@@ -14,20 +14,16 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import replace
 
 from ros.cli.rss import give_back_freed
 from ros.client import layouts, slice_ahead, slice_fill, slice_staging
-from ros.client.deadline import Deadline
 from ros.client.delta_fetch import DeltaReader
-from ros.client.identity import Identity
-from ros.client.manifest import layout_of
-from ros.client.orchestrator import Orchestrator, Progress, ProgressCallback
-from ros.client.slice import Slice
+from ros.client.orchestrator import Progress, ProgressCallback
 from ros.client.slice_carry import Carry
 from ros.client.slice_fetch import SliceFetch, merge
-from ros.client.slice_plan import Copy, holders_of, needed_chunks, shard_of, shard_order
-from ros.client.slice_staging import read_group, staging_device, staging_groups
-from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from ros.client.slice_plan import Copy, SliceRead, SourceShard, needed_chunks, shard_order
+from ros.client.slice_staging import StagingOptions, read_group, staging_device, staging_groups
 from transport.reader import DEFAULT_PARALLEL
 from transport.store import HeldVersion
 
@@ -38,18 +34,9 @@ each in its own thread, over its own connections, staged in groups of its share 
 
 
 def read_sources(
-    me: Identity,
-    runs: Orchestrator,
-    model: str,
-    version: int,
-    resolved: pb.ResolveResponse,
-    parts: list[pb.Manifest],
+    read: SliceRead,
     plan: Mapping[int, list[Copy]],
-    slices: Mapping[str, Slice],
-    deadline: Deadline,
     result: SliceFetch,
-    rate_floor: float,
-    progress: ProgressCallback | None,
     deltas: DeltaReader | None,
 ) -> None:
     """The source shards of `plan` for a reader that is no holder (the caller holds the
@@ -66,31 +53,24 @@ def read_sources(
     (their reads stop at the deadline), so the caller's pin outlives every read."""
     if deltas is not None or len(plan) == 1:  # a delta's bases: one shard at a time
         for index, copies in plan.items():
-            _read_part(
-                me, runs, model, version, shard_of(resolved, index),
-                holders_of(runs, model, version, resolved, index, deadline), parts[index],
-                copies, slices, deadline, result, rate_floor, progress, deltas,
-            )  # fmt: skip
+            _read_part(read, read.source(index), copies, result, StagingOptions(deltas=deltas))
         return
     order = shard_order(plan)
     at_once = min(SHARDS_AT_ONCE, len(order))
-    budget = max(1, slice_staging.STAGING_BUDGET // at_once)
-    parallel = max(1, DEFAULT_PARALLEL // at_once)
-    gpu = threading.Lock()
-    serialized = _one_at_a_time(progress)
+    options = StagingOptions(
+        gpu=threading.Lock(),
+        budget=max(1, slice_staging.STAGING_BUDGET // at_once),
+        parallel=max(1, DEFAULT_PARALLEL // at_once),
+    )
+    serialized = replace(read, progress=_one_at_a_time(read.progress))
 
-    def read(index: int) -> SliceFetch:
-        mine = SliceFetch(version)
-        _read_part(
-            me, runs, model, version, shard_of(resolved, index),
-            holders_of(runs, model, version, resolved, index, deadline), parts[index],
-            plan[index], slices, deadline, mine, rate_floor, serialized, gpu=gpu, budget=budget,
-            parallel=parallel,
-        )  # fmt: skip
+    def one(index: int) -> SliceFetch:
+        mine = SliceFetch(read.version)
+        _read_part(serialized, read.source(index), plan[index], mine, options)
         return mine
 
     with ThreadPoolExecutor(at_once, thread_name_prefix="slices-shard") as pool:
-        futures = [pool.submit(read, index) for index in order]
+        futures = [pool.submit(one, index) for index in order]
         wait(futures, return_when=FIRST_EXCEPTION)
         for future in futures:
             future.cancel()  # those not started yet; a failure's shards stop here
@@ -103,35 +83,18 @@ def read_sources(
 
 
 def _read_part(
-    me: Identity,
-    runs: Orchestrator,
-    model: str,
-    version: int,
-    shard: int | None,
-    holders: pb.ResolveResponse,
-    manifest: pb.Manifest,
+    read: SliceRead,
+    source: SourceShard,
     copies: list[Copy],
-    slices: Mapping[str, Slice],
-    deadline: Deadline,
     result: SliceFetch,
-    rate_floor: float,
-    progress: ProgressCallback | None,
-    deltas: DeltaReader | None = None,
-    carry: Carry | None = None,
-    gpu: threading.Lock | None = None,
-    fill: slice_fill.Fill | None = None,
+    options: StagingOptions,
     step: slice_ahead.Step | None = None,
-    budget: int | None = None,
-    parallel: int = DEFAULT_PARALLEL,
 ) -> None:
     """Fetch the chunks of one source shard that `copies` need (and only those: the others
-    of the staging copy stay missing), then copy the intersections out, in place. With
-    `carry` (a layout reader's steps), the chunks a step before read are copied from it,
-    not read again, and those a later step needs are kept for it (`ros.client.slice_carry`).
-    With `fill` (a layout reader's), each chunk's intersections are copied out as it is
-    verified, and the block set's chunks served as their bytes are in place.
-    `gpu`, held while a staging copy in GPU memory is in use, keeps reads that run at once
-    to one such copy at a time (the layout steps' pipelines: `read_steps`). `step` (a
+    of the staging copy stay missing), then copy the intersections out, in place, staged
+    as `options` say (`StagingOptions`: a delta base, chunks carried between a layout
+    reader's steps, one GPU staging copy at a time across reads that run at once, the
+    parts copied out as each chunk is verified, the budget and the connections). `step` (a
     layout reader's) is told what each round asks for and what lands, so that the next
     step can ask for its own before this one has arrived (`ros.client.slice_ahead`).
 
@@ -140,33 +103,22 @@ def _read_part(
     (as `fetch(into=...)`: IPC, or TCP -> pinned buffer -> device) and each intersection
     is copied device to device, strided, into the slice's own memory; nothing goes back
     through host memory and no tensor in GPU memory is viewed as numpy."""
-    layout = layout_of(manifest)
-    specs = {s.name: s for s in layout.tensors}
-    groups = staging_groups(copies, layout, specs, budget) if deltas is None else [copies]
+    groups = (
+        staging_groups(copies, source.layout, source.specs, options.budget)
+        if options.deltas is None
+        else [copies]
+    )
     for n, group in enumerate(groups):  # one staging copy at a time (`STAGING_BUDGET`)
-        read_group(
-            me, runs, model, version, shard, holders, manifest, layout, specs, group,
-            slices, deadline, result, rate_floor, progress, deltas, carry, gpu, fill,
-            step, n == len(groups) - 1, parallel,
-        )  # fmt: skip
+        read_group(read, source, group, result, options, step, n == len(groups) - 1)
         give_back_freed()  # its staging, freed as it returned: resident no more
 
 
 def read_steps(
-    runs: Orchestrator,
-    me: Identity,
-    model: str,
-    version: int,
-    resolved: pb.ResolveResponse,
-    parts: list[pb.Manifest],
+    read: SliceRead,
     steps: list[dict[int, list[Copy]]],
-    slices: Mapping[str, Slice],
     dest: HeldVersion,
     done: set[str],
-    deadline: Deadline,
     result: SliceFetch,
-    rate_floor: float,
-    progress: ProgressCallback | None,
     fill: slice_fill.Fill,
 ) -> None:
     """Read `steps` from the trainer's shards: one pipeline per source shard, all at once,
@@ -185,31 +137,25 @@ def read_steps(
     left: dict[str, int] = {}  # per block: the source shards' parts not in place yet
     for step in steps:
         for index, copies in step.items():
-            layout_i = layout_of(parts[index])
-            specs = {spec.name: spec for spec in layout_i.tensors}
-            carry.plan(shard_of(resolved, index), needed_chunks(copies, layout_i, specs))
+            layout_i, specs = read.layout(index)
+            carry.plan(read.shard_of(index), needed_chunks(copies, layout_i, specs))
             pipelines.setdefault(index, []).append(copies)
             for c in copies:
                 left[c.name] = left.get(c.name, 0) + 1
     if not pipelines:
         return
     lock = threading.Lock()
-    gpu = threading.Lock()  # one staging copy in GPU memory at a time, as a plain read
+    # one staging copy in GPU memory at a time, as a plain read
+    options = StagingOptions(carry=carry, gpu=threading.Lock(), fill=fill)
     stop = slice_ahead.Stop()  # the first failure stops every step still out
     window = slice_ahead.Window(slice_staging.STAGING_BUDGET)  # the staging of the steps in flight
-    progress = _one_at_a_time(progress)
+    serialized = replace(read, progress=_one_at_a_time(read.progress))
 
-    def read(
-        index: int, holders: pb.ResolveResponse, copies: list[Copy], step: slice_ahead.Step
-    ) -> SliceFetch:
-        """One step of source shard `index` (in a thread of its pipeline's)."""
-        mine = SliceFetch(version)
+    def one(source: SourceShard, copies: list[Copy], step: slice_ahead.Step) -> SliceFetch:
+        """One step of `source` (in a thread of its pipeline's)."""
+        mine = SliceFetch(read.version)
         try:
-            _read_part(
-                me, runs, model, version, shard_of(resolved, index), holders, parts[index],
-                copies, slices, deadline, mine, rate_floor, progress, carry=carry,
-                gpu=gpu, fill=fill, step=step,
-            )  # fmt: skip
+            _read_part(serialized, source, copies, mine, options, step)
         except BaseException as exc:
             stop.fail(exc)
             step.end(ok=False)
@@ -220,10 +166,9 @@ def read_steps(
     def pipeline(index: int) -> SliceFetch:
         """Source shard `index`'s steps in order, each started once the one before it has
         `slice_ahead.AHEAD_AT` of its chunks (at most one step ahead, within `window`)."""
-        mine = SliceFetch(version)
-        holders = holders_of(runs, model, version, resolved, index, deadline)
-        layout_i = layout_of(parts[index])
-        specs = {spec.name: spec for spec in layout_i.tensors}
+        mine = SliceFetch(read.version)
+        source = read.source(index)
+        layout_i, specs = source.layout, source.specs
         running: list[tuple[slice_ahead.Step, Future[SliceFetch], list[Copy], int]] = []
 
         def settle() -> None:
@@ -247,19 +192,17 @@ def read_steps(
                         break
                     needed = needed_chunks(copies, layout_i, specs)
                     size = len(needed) * layout_i.chunk_size
-                    on_gpu = staging_device([slices[c.name].tensor for c in copies]).type
+                    on_gpu = staging_device([read.slices[c.name].tensor for c in copies]).type
                     before = running[-1][0] if running else None
                     if before is not None:
-                        before.wait_go(deadline)
+                        before.wait_go(read.deadline)
                         if on_gpu == "cuda" or before.ended or not window.try_take(size):
                             settle()  # not ahead: after the step before, as it fits
                             before = None
                     if before is None:
                         window.take(size)
                     step = slice_ahead.Step(needed, before, stop)
-                    running.append(
-                        (step, ahead.submit(read, index, holders, copies, step), copies, size)
-                    )
+                    running.append((step, ahead.submit(one, source, copies, step), copies, size))
                     while len(running) > 1:  # at most one step ahead
                         settle()
                 while running:

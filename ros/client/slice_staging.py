@@ -14,6 +14,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -21,13 +22,11 @@ from ros.client import slice_ahead, slice_fill, slice_ranges
 from ros.client.deadline import Deadline
 from ros.client.delta_bases import Staged
 from ros.client.delta_fetch import DeltaReader
-from ros.client.identity import Identity
-from ros.client.orchestrator import Orchestrator, ProgressCallback, Target
+from ros.client.orchestrator import Target
 from ros.client.slice import Slice
 from ros.client.slice_carry import Carry
 from ros.client.slice_fetch import SliceFetch
-from ros.client.slice_plan import Copy, needed_chunks
-from ros.proto.tensorhub.v1 import hub_pb2 as pb
+from ros.client.slice_plan import Copy, SliceRead, SourceShard, needed_chunks
 from tensorhub.errors import (
     BadRange,
     DeadlineExceeded,
@@ -76,37 +75,45 @@ def staging_groups(
     return groups
 
 
+@dataclass(frozen=True)
+class StagingOptions:
+    """How one reader stages and reads its part of a source shard, the same for each of its
+    staging copies: with `deltas`, the copy kept from the last call is the base the deltas
+    are applied to (and this one is kept for the next); with `carry` (a layout reader's
+    steps), chunks a step before read are taken from it and those a later step needs kept
+    for it; `gpu`, held while a staging copy in GPU memory is in use (reads that run at
+    once: one such copy at a time); with `fill` (a layout reader's), each chunk's parts are
+    copied out as it is verified (`ros.client.slice_fill`); `budget`, the bytes staged at
+    once (None: `STAGING_BUDGET`); `parallel`, the connections of each read."""
+
+    deltas: DeltaReader | None = None
+    carry: Carry | None = None
+    gpu: threading.Lock | None = None
+    fill: slice_fill.Fill | None = None
+    budget: int | None = None
+    parallel: int = DEFAULT_PARALLEL
+
+
 def read_group(
-    me: Identity,
-    runs: Orchestrator,
-    model: str,
-    version: int,
-    shard: int | None,
-    holders: pb.ResolveResponse,
-    manifest: pb.Manifest,
-    layout: Layout,
-    specs: Mapping[str, TensorSpec],
+    read: SliceRead,
+    source: SourceShard,
     copies: list[Copy],
-    slices: Mapping[str, Slice],
-    deadline: Deadline,
     result: SliceFetch,
-    rate_floor: float,
-    progress: ProgressCallback | None,
-    deltas: DeltaReader | None,
-    carry: Carry | None,
-    gpu: threading.Lock | None = None,
-    fill: slice_fill.Fill | None = None,
+    options: StagingOptions,
     step: slice_ahead.Step | None = None,
     last: bool = True,
-    parallel: int = DEFAULT_PARALLEL,
 ) -> None:
     """`slice_read._read_part` for one staging copy: the chunks `copies` need, into a
-    staging copy of the shard's `layout` allocated here (or the delta base kept from the
+    staging copy of the shard's layout allocated here (or the delta base kept from the
     last call), then the intersections copied out. With `step` (`last`: the step's last
     staging copy), the chunks the step in flight before it reads too are not asked for:
     they are taken from `carry` once that step ended (`slice_ahead.Step.later`)."""
+    runs, model, version, deadline = read.runs, read.model, read.version, read.deadline
+    shard, holders, manifest = source.shard, source.holders, source.manifest
+    layout, specs, slices = source.layout, source.specs, read.slices
+    deltas, carry, fill, parallel = options.deltas, options.carry, options.fill, options.parallel
     device = staging_device([slices[c.name].tensor for c in copies])
-    with gpu_slot(gpu if device.type == "cuda" else None, deadline):
+    with gpu_slot(options.gpu if device.type == "cuda" else None, deadline):
         needed = needed_chunks(copies, layout, specs)
         base = deltas.staged.take(model, shard) if deltas is not None else None
         if base is not None and not fits(base, layout, needed, device):
@@ -116,7 +123,7 @@ def read_group(
             layout, device, model, version, shard
         )  # fmt: skip
         filling = None if fill is None else fill.staging(layout, tensors, copies)
-        staging = filling or HeldVersion.reader(me.tenant, model, version, layout, tensors)
+        staging = filling or HeldVersion.reader(read.me.tenant, model, version, layout, tensors)
         applied = None
         if deltas is not None and base is not None and manifest.HasField("delta"):
             applied = deltas.apply(
@@ -149,7 +156,7 @@ def read_group(
             if ranges and fill is not None and filling is not None:
                 try:
                     slice_ranges.read(
-                        runs, me, target, holders, ranges, deadline, parallel,
+                        read, target, holders, ranges, parallel,
                         _landed(fill, filling, copies, landed), ranged,
                     )  # fmt: skip
                     ask = []
@@ -160,7 +167,7 @@ def read_group(
                     target = Target(model, version, shard, staging, manifest, ask, False)
             if (carry is None and not ranges) or ask:
                 stats = runs.run(
-                    target, holders, deadline, rate_floor=rate_floor, progress=progress,
+                    target, holders, deadline, rate_floor=read.rate_floor, progress=read.progress,
                     landed=landed, stop=stop, parallel=parallel,
                 )  # fmt: skip
             if later and step is not None and carry is not None:  # read by the step before
@@ -170,7 +177,7 @@ def read_group(
                 if rest:  # not kept for us (never: `Carry.plan` counts every step)
                     again = Target(model, version, shard, staging, manifest, rest, False)
                     more = runs.run(
-                        again, holders, deadline, rate_floor=rate_floor, stop=stop,
+                        again, holders, deadline, rate_floor=read.rate_floor, stop=stop,
                         parallel=parallel,
                     )  # fmt: skip
                     add_moved(result, more)

@@ -56,7 +56,7 @@ from ros.client.pins import Pins
 from ros.client.slice import Slice
 from ros.client.slice_fetch import SliceFetch
 from ros.client.slice_layout import read_layout
-from ros.client.slice_plan import plan_copies
+from ros.client.slice_plan import SliceRead
 from ros.client.slice_read import read_sources
 from tensorhub.errors import DeadlineExceeded, InvalidArgument, TensorHubError
 from tensorhub.names import validate_name, validate_version
@@ -97,7 +97,10 @@ def fetch_slices(
     resolved = runs.resolve(model, number, None, deadline)
     found = int(resolved.version)
     parts = list(resolved.shards) or [resolved.manifest]
-    plan = plan_copies(model, found, parts, slices)
+    read = SliceRead(
+        runs, me, model, found, resolved, parts, slices, deadline, rate_floor, progress
+    )
+    plan = read.plan(slices)
     result = SliceFetch(found)
     blocks = None
     for other in cover:
@@ -113,20 +116,14 @@ def fetch_slices(
     if blocks is not None and peers is not None and layout is not None:
         # Its PARTIAL registration pins the version, in the same transaction, until it
         # registers COMPLETE or releases (`consistency.layouts`): no Pin or Unpin call.
-        read_layout(
-            runs, peers, me, model, found, layout, cover, blocks, slices, parts, resolved,
-            deadline, rate_floor, progress, result, deltas,
-        )  # fmt: skip
+        read_layout(read, peers, layout, cover, blocks, result, deltas)
         return result
     # A reader of slices that is no holder pins the version itself; the pin is its own
     # (not the holder name, whose pin a concurrent fetch of the version may hold).
     pin_id = f"slices-{secrets.token_hex(6)}"
     pins.pin(model, found, pin_id, deadline.work(me.timeout))
     try:
-        read_sources(
-            me, runs, model, found, resolved, parts, plan, slices, deadline, result, rate_floor,
-            progress, deltas,
-        )  # fmt: skip
+        read_sources(read, plan, result, deltas)
     finally:
         _unpin(pins, me, model, found, pin_id, deadline)
     return result

@@ -26,7 +26,7 @@ def test_source_shards_are_read_at_once_and_the_blocks_are_exact(
     shards: list[int | None] = []
 
     def meeting(*args: object, **kwargs: object) -> None:
-        shards.append(args[4])  # type: ignore[arg-type]
+        shards.append(args[1].shard)  # type: ignore[attr-defined]  # a SourceShard
         both.wait()
         read_part(*args, **kwargs)  # type: ignore[arg-type]
 
@@ -46,7 +46,7 @@ def test_a_shard_whose_read_fails_fails_the_read(
     read_part = slices_module._read_part
 
     def second_fails(*args: object, **kwargs: object) -> None:
-        if args[4] == 1:
+        if args[1].shard == 1:  # type: ignore[attr-defined]  # a SourceShard
             raise VersionUnavailable("shard 1: no holder left")
         read_part(*args, **kwargs)  # type: ignore[arg-type]
 
