@@ -184,6 +184,22 @@ class PeerRead:
     published: bool = False  # peers' chunks were checked against the publisher's sums
 
 
+@dataclass(frozen=True)
+class LayoutRead:
+    """One reader's holding of its block set, as each step of it takes it (`start_holding`,
+    `read_from_peers`, `finish_holding`): the client's `peers` and identity (`me`), the
+    version read (`model`@`version`), the layout's name and the reader's `blocks` in it,
+    and the read's `deadline`."""
+
+    peers: LayoutPeers
+    me: Identity
+    model: str
+    version: int
+    layout: str
+    blocks: BlockSet
+    deadline: Deadline
+
+
 def describe(blocks: Mapping[str, tuple[str, tuple[int, ...], Box]], chunk_size: int) -> bytes:
     """A block set's description: the chunk size and, per block sorted by name, its name,
     dtype, global shape, offsets and shape (canonical JSON: its SHA-256 is the id)."""
@@ -213,20 +229,13 @@ def check_free(
         )
 
 
-def _resolve(
-    peers: LayoutPeers,
-    me: Identity,
-    model: str,
-    version: int,
-    layout: str,
-    blocks: BlockSet,
-    deadline: Deadline,
-) -> pb.ResolveLayoutResponse:
+def _resolve(read: LayoutRead) -> pb.ResolveLayoutResponse:
+    me = read.me
     request = pb.ResolveLayoutRequest(
-        model=model, version=version, layout=layout, block_set=blocks.id,
+        model=read.model, version=read.version, layout=read.layout, block_set=read.blocks.id,
         topology=me.topology.labels(), holder=me.holder_name,
     )  # fmt: skip
-    return peers.rpc("ResolveLayout", request, deadline.work(me.timeout))
+    return read.peers.rpc("ResolveLayout", request, read.deadline.work(me.timeout))
 
 
 def sources_of(holders: list[pb.Holder], suspects: Mapping[str, object]) -> list[Source]:
@@ -275,18 +284,12 @@ class Holding:
     found: pb.ResolveLayoutResponse
 
 
-def start_holding(
-    peers: LayoutPeers,
-    me: Identity,
-    model: str,
-    version: int,
-    layout: str,
-    blocks: BlockSet,
-    deadline: Deadline,
-) -> Holding:
+def start_holding(read: LayoutRead) -> Holding:
     """Serve `blocks`' memory as a PARTIAL holder before any byte arrives (each chunk from
     the moment it is verified) and register so (no checksums yet); the registration
     answers the block set's holders too. `release` undoes it."""
+    peers, me, model, version = read.peers, read.me, read.model, read.version
+    layout, blocks, deadline = read.layout, read.blocks, read.deadline
     dest = HeldVersion.reader(me.tenant, model, version, blocks.layout, blocks.tensors)
     peers.serving.start()
     peers.holdings.hold_layout(dest)
@@ -327,30 +330,18 @@ def settle(dest: HeldVersion, done: set[str], unverified: Collection[int] = ()) 
 
 
 def read_from_peers(
-    peers: LayoutPeers,
-    me: Identity,
-    model: str,
-    version: int,
-    layout: str,
-    blocks: BlockSet,
-    held: Holding,
-    token: RenewingToken,
-    deadline: Deadline,
-    rate_floor: float = DEFAULT_RATE_FLOOR,
+    read: LayoutRead, held: Holding, token: RenewingToken, rate_floor: float = DEFAULT_RATE_FLOOR
 ) -> PeerRead:
     """Read `blocks` into `held.dest` from the holders of their block set (module
     docstring, step 2): the first round from the registration's answer (`held.found`),
     each later one from a fresh `ResolveLayout`; the blocks not read whole from them are
     in `missing_blocks` (all of them when no holder was registered before us)."""
+    peers, me, blocks = read.peers, read.me, read.blocks
     out = PeerRead()
     dest, fence = held.dest, held.fence
     suspects: dict[str, BaseException] = {}
     for round_ in range(PEER_ROUNDS):
-        answer = (
-            held.found
-            if round_ == 0
-            else _resolve(peers, me, model, version, layout, blocks, deadline)
-        )
+        answer = held.found if round_ == 0 else _resolve(read)
         out.sums = list(answer.block_sums)
         expected, checksum = checked_against(blocks, out.sums, list(answer.publisher_sums))
         out.published = checksum == WSUM64
@@ -358,8 +349,8 @@ def read_from_peers(
         if not sources:
             break
         done = peers.read(
-            me.tenant, model, version, blocks.layout, dest, sources, token=token,
-            deadline=deadline.work_end, me=me.topology, expected=expected,
+            me.tenant, read.model, read.version, blocks.layout, dest, sources, token=token,
+            deadline=read.deadline.work_end, me=me.topology, expected=expected,
             checksum=checksum, tls=me.tls, stats=out.stats, readers=peers.readers,
             rate_floor=rate_floor,
         )  # fmt: skip
@@ -389,21 +380,13 @@ def checked_against(
     return None, XXH3
 
 
-def finish_holding(
-    peers: LayoutPeers,
-    me: Identity,
-    model: str,
-    version: int,
-    layout: str,
-    blocks: BlockSet,
-    dest: HeldVersion,
-    recorded: list[int],
-    deadline: Deadline,
-) -> bool:
+def finish_holding(read: LayoutRead, dest: HeldVersion, recorded: list[int]) -> bool:
     """Register as the COMPLETE holder of `blocks` (every byte in `dest` checked against the
     publisher by now, directly or through checksums derived from such bytes), with the
     checksums of its chunks; whether it serves. Blocks whose checksums differ from the
     ones recorded are not served from then on (logged): the reader keeps its bytes."""
+    peers, me, model, version = read.peers, read.me, read.model, read.version
+    layout, blocks, deadline = read.layout, read.blocks, read.deadline
     dest.precompute_checksums()  # in GPU memory: over staged host bytes
     mine = [dest.checksum(i) for i in range(blocks.layout.num_chunks)]
     what = f"{model}@{version} layout {layout!r} blocks {blocks.id}"

@@ -44,7 +44,8 @@ def read_layout(
     slices, deadline = read.slices, read.deadline
     token = _renewing_token(read)
     base = deltas.layout_bases.take(model, blocks) if deltas is not None else None
-    held = layouts.start_holding(peers, me, model, version, layout, blocks, deadline)
+    holder = layouts.LayoutRead(peers, me, model, version, layout, blocks, deadline)
+    held = layouts.start_holding(holder)
     dest = held.dest
     try:
         if base is not None:
@@ -58,7 +59,7 @@ def read_layout(
             )  # fmt: skip
             result.deltas.update(applied.stats)
             add_moved(result, applied.moved)
-        recorded = _from_holders(read, peers, layout, cover, blocks, held, token, result)
+        recorded = _from_holders(read, holder, cover, held, token, result)
         done = set(slices) - result.from_trainer
         layouts.settle(dest, done)
         todo = {name: slices[name] for name in sorted(result.from_trainer)}
@@ -70,9 +71,7 @@ def read_layout(
         )  # fmt: skip
         read_steps(read, _steps(plan, blocks), dest, done, result, fill)
         _read_failed_whole(read, fill, result)
-        result.served = layouts.finish_holding(
-            peers, me, model, version, layout, blocks, dest, recorded, deadline
-        )
+        result.served = layouts.finish_holding(holder, dest, recorded)
         if deltas is not None and result.served:
             deltas.layout_bases.remember(model, blocks, version, dest)
     except BaseException:
@@ -137,21 +136,17 @@ def _steps(plan: Mapping[int, list[Copy]], blocks: layouts.BlockSet) -> list[dic
 
 def _from_holders(
     read: SliceRead,
-    peers: layouts.LayoutPeers,
-    layout: str,
+    holder: layouts.LayoutRead,
     cover: Sequence[str],
-    blocks: layouts.BlockSet,
     held: layouts.Holding,
     token: RenewingToken,
     result: SliceFetch,
 ) -> list[int]:
-    """Read the blocks into `dest` from the holders of the same blocks, then from the block
-    sets of the `cover` layouts; the blocks neither gave go into `result.from_trainer`.
-    Returns the checksums recorded for the block set (empty: none yet)."""
-    peer = layouts.read_from_peers(
-        peers, read.me, read.model, read.version, layout, blocks, held, token, read.deadline,
-        read.rate_floor,
-    )  # fmt: skip
+    """Read the blocks into `held.dest` from the holders of the same blocks, then from the
+    block sets of the `cover` layouts; the blocks neither gave go into
+    `result.from_trainer`. Returns the checksums recorded for the block set (empty: none
+    yet)."""
+    peer = layouts.read_from_peers(holder, held, token, read.rate_floor)
     add_moved(result, peer.stats)
     if peer.published:
         result.publisher_checked += peer.stats.chunks
@@ -161,7 +156,7 @@ def _from_holders(
             break
         moved = FetchStats()
         covered = layout_cover.read_from_cover(
-            read, peers, other, missing, token, moved, blocks.layout.chunk_size
+            read, holder.peers, other, missing, token, moved, holder.blocks.layout.chunk_size
         )
         missing -= covered.names
         result.publisher_checked += covered.publisher_checked
