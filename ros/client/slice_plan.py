@@ -130,7 +130,8 @@ class SliceRead:
     the `deadline`, the `rate_floor` under which a holder counts slow, and the caller's
     `progress`. Built once per read and handed down whole, so that each step's signature
     names only what is its own (a source shard, its copies, its staging, what it adds up
-    into); a step that reports progress otherwise takes a copy (`dataclasses.replace`)."""
+    into); a step that reports progress another way (from threads: serialized; or not at
+    all) takes a copy (`dataclasses.replace`)."""
 
     runs: Orchestrator
     me: Identity
@@ -164,8 +165,8 @@ class SliceRead:
             return self.resolved
         return self.runs.holders(self.model, self.version, shard, self.deadline)
 
-    def source(self, index: int, holders: pb.ResolveResponse | None = None) -> SourceShard:
-        """Source part `index` with its `holders` (None: asked for now, `holders`)."""
+    def source(self, index: int) -> SourceShard:
+        """Source part `index` as its reads take it, with the holders the hub names now."""
         layout, specs = self.layout(index)
-        found = self.holders(index) if holders is None else holders
-        return SourceShard(index, self.shard_of(index), found, self.parts[index], layout, specs)
+        holders = self.holders(index)
+        return SourceShard(index, self.shard_of(index), holders, self.parts[index], layout, specs)
