@@ -460,7 +460,9 @@ def _holders_of(reader: ros.Hub, at_least: int) -> list[pb.Holder]:
     """The holders of TP-2 rank 0's blocks, once at least `at_least` are registered."""
     blocks = block_set(slices_for(0, 2)[1], CHUNK)
     request = pb.ResolveLayoutRequest(model="policy", version=1, layout="tp2", block_set=blocks.id)
-    deadline = time.monotonic() + 15
+    # a holder is a subprocess that imports torch and reads before it registers: on 2 cores
+    # beside other work that took over 15 s once, so the wait allows 60
+    deadline = time.monotonic() + 60
     while len(found := list(reader._rpc("ResolveLayout", request).holders)) < at_least:
         assert time.monotonic() < deadline, f"{len(found)} holders registered, not {at_least}"
         time.sleep(0.05)
