@@ -51,8 +51,8 @@ GAP = 64
 gap's bytes included. A gap that small costs fewer bytes than the separate range's frame
 (`RANGE_FRAME` plus the names: at least 64), so the merge is free on any link and saves a
 frame and an xxh3 at each end. Wider gaps are not merged: measured on loopback, unshaped
-(2 cores, load 1.8, `docs/design-notes.md`), a range costs about 22 µs of wall time, 20 µs
-of the reader's CPU and 10 µs of the holder's whatever its size (64 B to 1 KiB); a gap is
+(2 cores, load 1.5-1.8, `docs/design-notes.md`), a range costs about 22 µs of wall time,
+20 µs of the reader's CPU and 10 µs of the holder's whatever its size (64 B to 1 KiB); a gap is
 worth that time up to 22 µs of the link, about 22 KiB on loopback but 275 B at 100 Mbit/s,
 and every byte of it is a byte more into the reader's host: the half rows of a row-parallel
 tensor (`bench reshard --trainer-hosts 1`: 1 to 2 KiB ranges as far apart) would double."""
