@@ -13,10 +13,19 @@ with `publisher`): nothing is marked present or served before. `read` asks the t
 holders over TCP, the chunks split into `parallel` connections, and tells `landed` each
 chunk whose ranges have all landed (its parts are copied out then, as a whole chunk's
 are when it is verified).
+
+What `read` asks for is `bounded`: a range costs a frame and a checksum at each end
+whatever its size, so ranges of a chunk less than `GAP` bytes apart are asked as one, and a
+chunk whose ranges would number more than one per `SPAN_PER_RANGE` bytes of it, or carry
+`WHOLE_FRACTION` of its bytes with their frames, is asked for whole, as one range. The
+extra bytes are the trainer chunk's own, received into the staging copy beside the blocks'
+and checked as theirs are (each range's xxh3-64 on the way); nothing is marked present or
+served from a staging copy read in ranges, and only the blocks' parts are copied out of it.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import time
@@ -30,7 +39,37 @@ from tensorhub.errors import RangesUnsupported
 from transport.boxes import Box
 from transport.layout import Layout, TensorSpec, torch_dtype
 from transport.outcome import FetchStats
-from transport.wire import MAX_RANGES_PER_GET, ChunkRange
+from transport.wire import CHUNK_FIXED, HEADER, MAX_RANGES_PER_GET, RANGE, ChunkRange
+
+RANGE_FRAME = HEADER.size + CHUNK_FIXED.size + 2 + RANGE.size
+"""Bytes a range puts on the wire besides its own (62): its CHUNK frame's header and fixed
+fields and the two name lengths (the tenant's and model's names come on top), and its entry
+in the GET_RANGES body."""
+
+GAP = 64
+"""Ranges of one chunk fewer than this many bytes apart are asked for as one range, the
+gap's bytes included. A gap that small costs fewer bytes than the separate range's frame
+(`RANGE_FRAME` plus the names: at least 64), so the merge is free on any link and saves a
+frame and an xxh3 at each end. Wider gaps are not merged: measured on loopback, unshaped
+(2 cores, load 1.5-1.8, `docs/design-notes.md`), a range costs about 22 µs of wall time,
+20 µs of the reader's CPU and 10 µs of the holder's whatever its size (64 B to 1 KiB); a gap is
+worth that time up to 22 µs of the link, about 22 KiB on loopback but 275 B at 100 Mbit/s,
+and every byte of it is a byte more into the reader's host: the half rows of a row-parallel
+tensor (`bench reshard --trainer-hosts 1`: 1 to 2 KiB ranges as far apart) would double."""
+
+WHOLE_FRACTION = 0.95
+"""A chunk whose ranges, with their frames (`RANGE_FRAME` each), come to this fraction of
+its bytes or more is asked for whole, as one range: it then moves at most 1/0.95 = 1.053x
+the bytes its ranges would have, the bound `bench reshard` sets on the bytes into a worker's
+host (1.05x its blocks), in one frame."""
+
+SPAN_PER_RANGE = 256
+"""A chunk asked for in more than one range per this many bytes of it is asked for whole,
+as one range: at about 22 µs a range (loopback, measured as `GAP` says), more ranges cost
+more time than the whole chunk takes on a 100 Mbit/s link (256 B is 20 µs there), and on
+faster links the whole chunk is quicker still (a 64 KiB chunk: about 90 µs on loopback, as
+much as four ranges). A 64 KiB chunk takes up to 256 ranges, a 4 MiB one 16,384; the bench's
+half rows (16 or 32 ranges of a 64 KiB chunk) stay ranges."""
 
 
 def box_runs(shape: Sequence[int], box: Box) -> list[tuple[int, int]]:
@@ -69,7 +108,7 @@ def needed_ranges(
 ) -> list[ChunkRange]:
     """The byte ranges, within the chunks of `chunks` of a source shard's `layout`, that
     `copies` take (offsets within each chunk's payload: its segments back to back), sorted,
-    adjacent ones merged."""
+    adjacent ones merged: exactly the bytes they take (what is asked for: `bounded`)."""
     index_of = {spec.name: i for i, spec in enumerate(layout.tensors)}
     size = layout.chunk_size
     placed: dict[int, list[tuple[int, int, int]]] = {}  # chunk: (tensor, flat start, payload at)
@@ -100,13 +139,38 @@ def needed_ranges(
                     if t == tensor:  # a tensor is one segment of a chunk
                         out.append(ChunkRange(chunk, at + lo - flat, hi - lo))
                         break
-    return _merged(out)
+    return _merged(out, 1)
 
 
-def _merged(ranges: list[ChunkRange]) -> list[ChunkRange]:
+def bounded(ranges: Sequence[ChunkRange], layout: Layout) -> list[ChunkRange]:
+    """What a reader asks for to receive `ranges` (sorted by chunk, apart: `needed_ranges`)
+    of `layout`'s chunks: per chunk, the ranges fewer than `GAP` bytes apart merged, or
+    one range of the whole chunk where they would number more than one per
+    `SPAN_PER_RANGE` bytes of it or come to `WHOLE_FRACTION` of it with their frames. A
+    superset of `ranges`, sorted, each chunk's no more than `max_ranges` of it."""
+    out: list[ChunkRange] = []
+    for chunk, group in itertools.groupby(ranges, key=lambda r: r.chunk):
+        merged = _merged(list(group), GAP)
+        size = layout.payload_bytes(chunk)
+        wire = sum(r.length + RANGE_FRAME for r in merged)
+        if len(merged) > max_ranges(size) or wire >= WHOLE_FRACTION * size:
+            out.append(ChunkRange(chunk, 0, size))
+        else:
+            out.extend(merged)
+    return out
+
+
+def max_ranges(size: int) -> int:
+    """The most ranges `bounded` asks of a chunk of `size` payload bytes (at least 1)."""
+    return max(1, size // SPAN_PER_RANGE)
+
+
+def _merged(ranges: list[ChunkRange], gap: int) -> list[ChunkRange]:
+    """`ranges` sorted, those of a chunk fewer than `gap` bytes apart (or overlapping) as
+    one."""
     out: list[ChunkRange] = []
     for r in sorted(ranges, key=lambda r: (r.chunk, r.offset)):
-        if out and out[-1].chunk == r.chunk and out[-1].offset + out[-1].length >= r.offset:
+        if out and out[-1].chunk == r.chunk and out[-1].offset + out[-1].length + gap > r.offset:
             last = out[-1]
             end = max(last.offset + last.length, r.offset + r.length)
             out[-1] = ChunkRange(last.chunk, last.offset, end - last.offset)
@@ -152,7 +216,8 @@ def read(
     moved: FetchStats,
 ) -> None:
     """Read `ranges` of `target`'s staging copy (of `job`'s read) from the nearest holder
-    `holders` names over TCP, in `parallel` connections, within `job`'s deadline; `landed`
+    `holders` names over TCP, as `bounded` asks for them (the gaps' and whole chunks' bytes
+    too), in `parallel` connections, within `job`'s deadline; `landed`
     is told each chunk once all its ranges are in place (unverified: the caller's block-set
     check decides); `moved` counts the bytes received, those of a read that fails part-way
     included. Raises what a connection raised (`RangesUnsupported` when no holder is on TCP
@@ -177,7 +242,7 @@ def read(
                 moved.chunks += len({r.chunk for r in request})
 
     start = time.monotonic()
-    plan = _requests(ranges, parallel)
+    plan = _requests(bounded(ranges, target.dest.layout), parallel)
     with ThreadPoolExecutor(max(1, len(plan)), thread_name_prefix="slices-ranges") as pool:
         for _ in pool.map(one, plan):
             pass
