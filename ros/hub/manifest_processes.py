@@ -15,17 +15,18 @@ replica without these processes (`processes` 0), or whose process died, checks e
 manifest itself, as before.
 
 The processes are forked from the process's one fork server (`tensorhub.fork_server`),
-never from the replica itself (its gRPC threads), and started when the replica starts, in
-the background.
+never from the replica itself (its gRPC threads), and started before the replica serves
+(`start`: the fork server's start and its imports take a second or so of CPU, which would
+otherwise slow the replica's first calls).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 
 from ros.manifest_check import check_manifest_bytes
@@ -37,6 +38,8 @@ ManifestCheck = tuple[
 ]  # a manifest's bytes, its name in a refusal, model, version
 
 log = logging.getLogger(__name__)
+
+START_SECONDS = 60.0  # the most `start` waits for the processes before the replica checks alone
 
 
 def passes(checks: Sequence[ManifestCheck]) -> list[bool]:
@@ -63,10 +66,18 @@ class ManifestProcesses:
             self._pool = ProcessPoolExecutor(
                 processes, mp_context=fork_context("ros.manifest_check")
             )
-            pool = self._pool
-            threading.Thread(  # the first submit starts them: not in the replica's start-up
-                target=lambda: pool.submit(passes, []), name="manifest-processes", daemon=True
-            ).start()
+
+    def start(self, timeout: float = START_SECONDS) -> None:
+        """Start the processes and wait until one has answered (the first submit starts
+        them); if none answers within `timeout`, the replica checks manifests itself."""
+        pool = self._pool
+        if pool is None:
+            return
+        try:
+            pool.submit(passes, []).result(timeout)
+        except (BrokenProcessPool, RuntimeError, FutureTimeout, OSError) as exc:
+            log.warning("manifest checking processes did not start (%s): the replica checks", exc)
+            self.close()
 
     @property
     def active(self) -> bool:

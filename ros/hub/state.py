@@ -132,9 +132,11 @@ class HubState:
 
     def start(self) -> None:
         """Create (or read) the replicas' shared secret now, not in the first caller's
-        deadline, and follow the tenant records, so a deleted tenant's cached tokens are
-        dropped at once (writes are fenced in etcd regardless: `TenantStore.fence`)."""
+        deadline, start the manifest checking processes (if any), and follow the tenant
+        records, so a deleted tenant's cached tokens are dropped at once (writes are fenced
+        in etcd regardless: `TenantStore.fence`)."""
         self.tenants.hub_secret()
+        self.manifest_processes.start()
         if self._tenant_watch is None:
             self._tenant_watch = threading.Thread(
                 target=self.tenants.watch, args=(self._stop_tenant_watch,),
