@@ -393,6 +393,8 @@ def _fill_group(res: Result, c: dict[str, Any], x: str, targets: dict[str, int])
     res.add(f"{what}: the hub's CPU over the call", c.get("hub_cpu_s"), unit="s")
     res.add(f"{what}: the hub's busiest thread's CPU (its event loop)", c.get("hub_loop_cpu_s"),
             unit="s")  # fmt: skip
+    res.add(f"{what}: the hub's checking processes' CPU over the call",
+            c.get("hub_children_cpu_s"), unit="s")  # fmt: skip
     res.add(f"{what}: the sending client's CPU over the call", c.get("client_cpu_s"), unit="s")
     res.add(f"{what}: etcd's CPU over the call", c.get("etcd_cpu_s"), unit="s")
     res.add(f"{what}: etcd's bytes written over the call", c.get("etcd_write_mb"), unit="MB")

@@ -19,8 +19,10 @@ builds its own, at once, before the gather). Time until visible: from the call's
 answer (every shard committed by then), against a one-shard publish in the same World, and as
 shards per second; `hub_cpu_s`, the CPU seconds the hub process used over the call (its
 two Latest reads included), which a loaded machine moves far less than the wall time, and
-`hub_loop_cpu_s`, those of its busiest thread (its event loop, which reads and checks
-every shard: with the GIL, the call's critical path); `client_cpu_s`, the CPU the sending
+`hub_children_cpu_s`, those of the processes it started (its checking processes,
+`ros.hub.manifest_processes`: not the hub's own CPU); `hub_loop_cpu_s`, those of its
+busiest thread (its event loop, which reads and checks every shard: with the GIL, the
+call's critical path); `client_cpu_s`, the CPU the sending
 process used over the call (framing and sending, as the group's first rank does), and
 `etcd_cpu_s` and `etcd_write_mb`, etcd's CPU and the bytes it wrote to disk over the call
 (`/proc/<pid>/io`): all three processes share the machine's cores, so the wall time is
@@ -40,7 +42,7 @@ from typing import Any
 
 import grpc
 
-from bench.scale.procs import etcd_pid, thread_cpu
+from bench.scale.procs import descendants_cpu, etcd_pid, thread_cpu
 from bench.scale.rpc import Hub, first_error, holder
 from bench.scale.world import World
 from ros.client.shard_frames import FRAME_SHARDS, frames, publish_shards
@@ -143,6 +145,7 @@ def group_case(
     rev0 = world.status()["revision"]
     cpu0, etcd0, written0 = world.hub_stats().cpu_s, world.etcd_stats(), written(world)
     threads0 = thread_cpu(world.hub.pid if world.hub is not None else 0)
+    children0 = descendants_cpu(world.hub.pid if world.hub is not None else 0)
     try:
         answer, seconds, client_cpu, before, after = asyncio.run(
             _call(world.address, world.token, model, count, sessions, tensors, timeout, frame)
@@ -151,6 +154,9 @@ def group_case(
         out.update(ok=False, failed=first_error([exc]))
         return out
     out["hub_cpu_s"] = world.hub_stats().cpu_s - cpu0
+    out["hub_children_cpu_s"] = (
+        descendants_cpu(world.hub.pid if world.hub is not None else 0) - children0
+    )
     out["client_cpu_s"] = client_cpu
     out["etcd_cpu_s"] = world.etcd_stats().cpu_s - etcd0.cpu_s
     out["etcd_write_mb"] = (written(world) - written0) / 2**20
@@ -202,7 +208,8 @@ def summary(r: dict[str, Any]) -> str:
         f"  {what} x{r['replicas']}: visible after {r['seconds']:.2f}s "
         f"({'-' if ratio is None else f'{ratio:.0f}'}x one shard, "
         f"{r['shards_per_second']:.0f} shards/s, hub CPU {r.get('hub_cpu_s', 0):.2f}s, its "
-        f"loop {r.get('hub_loop_cpu_s', 0):.2f}s; client CPU {r.get('client_cpu_s', 0):.2f}s; "
+        f"loop {r.get('hub_loop_cpu_s', 0):.2f}s, its checking processes "
+        f"{r.get('hub_children_cpu_s', 0):.2f}s; client CPU {r.get('client_cpu_s', 0):.2f}s; "
         f"etcd CPU {r.get('etcd_cpu_s', 0):.2f}s, {r.get('etcd_write_mb', 0):.1f} MB written), "
         f"etcd revisions {r.get('etcd_writes')}, "
         f"published {r.get('published')}, Latest {r.get('latest_before')}->"

@@ -81,6 +81,28 @@ def thread_cpu(pid: int) -> dict[str, float]:
     return used
 
 
+def descendants_cpu(pid: int) -> float:
+    """CPU seconds used so far by the processes that process `pid` started, and theirs
+    (0 where there are none): a hub's checking processes, forked from its fork server
+    (`ros.hub.manifest_processes`), whose CPU is not the hub's own."""
+    found: list[int] = []
+    parents = [pid]
+    while parents:
+        parent = parents.pop()
+        try:
+            tasks = list(Path(f"/proc/{parent}/task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except (OSError, ValueError):
+                continue
+            found += children
+            parents += children
+    return sum(ProcStats.of(child).cpu_s for child in found)
+
+
 class Server:
     """A server process (`argv`) that writes `{"address": ...}` to a ready file once serving."""
 

@@ -151,6 +151,13 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         help="threads running unary calls (streams need none) (default %(default)s)",
     )
     parser.add_argument(
+        "--check-processes",
+        type=int,
+        default=1,
+        help="processes checking the manifests of PublishShards calls beside the event loop, "
+        "on cores of their own (0: the replica checks them itself) (default %(default)s)",
+    )
+    parser.add_argument(
         "--read-key-period",
         type=float,
         default=READ_KEY_PERIOD,
@@ -283,6 +290,7 @@ def run(args: argparse.Namespace) -> int:
             read_token_ttl=args.read_token_ttl, etcd_credentials=etcd_credentials,
             first_message_seconds=args.first_message_timeout,
             max_streams_per_connection=args.max_streams_per_connection,
+            check_processes=args.check_processes,
         ).start()  # fmt: skip
         collector.tune()  # a burst's garbage is short-lived (ros/hub/collector.py)
         ready: dict[str, object] = {"address": server.address, "etcd": endpoints}

@@ -36,6 +36,9 @@ DEFAULT_MAX_PRIVATE_WATCHES_PER_TENANT = 16
 # publish is normal, so the bound leaves room for many more names than a tenant publishes.
 DEFAULT_MAX_WATCHED_MODELS_PER_TENANT = 1_024
 DEFAULT_WORKERS = 16
+# processes checking group calls' manifests beside a replica (`ros.hub.manifest_processes`);
+# `tensorhub serve` starts one, a replica built in a process of its own (a test) none
+DEFAULT_CHECK_PROCESSES = 0
 
 
 @dataclass(frozen=True)
@@ -49,8 +52,11 @@ class Limits:
     workers: int = DEFAULT_WORKERS
     max_private_watches_per_tenant: int = DEFAULT_MAX_PRIVATE_WATCHES_PER_TENANT
     max_watched_models_per_tenant: int = DEFAULT_MAX_WATCHED_MODELS_PER_TENANT
+    check_processes: int = DEFAULT_CHECK_PROCESSES
 
     def __post_init__(self) -> None:
+        if self.check_processes < 0:
+            raise InvalidArgument(f"check_processes must be 0 or more, got {self.check_processes}")
         for name in (
             "max_streams",
             "max_streams_per_tenant",

@@ -12,6 +12,7 @@ import hashlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from consistency import HolderRecord, HolderState, VersionRegistry
@@ -34,6 +35,7 @@ from ros.hub.fanout import WatchFanout
 from ros.hub.holder_index import HolderIndex
 from ros.hub.limits import StreamLimits
 from ros.hub.manifest_cache import ManifestCache
+from ros.hub.manifest_processes import ManifestCheck, ManifestProcesses
 from ros.hub.rpc import Registries, streaming, unary, unary_async
 from ros.hub.shard_group import publish_shards
 from ros.hub.shard_publish import ShardBatches, ShardJob
@@ -80,6 +82,7 @@ class VersionHub(Registries, Protocol):
     sessions: SessionRecords
     shard_batches: ShardBatches
     manifest_cache: ManifestCache
+    manifest_processes: ManifestProcesses
     holder_index: HolderIndex
     fanout: WatchFanout
     streams: StreamLimits
@@ -119,14 +122,29 @@ class VersionRPCs:
         chunk at a time in a worker. Each request is a `RawPublishRequest`, its manifest
         the bytes it came as (`ros.raw_manifest`; the server reads this call's messages so).
         What every shard of the call shares (its model and version checked, their
-        registry and admission, each session's key) is worked out once (`_CallChecks`)."""
-        shared = _CallChecks()
+        registry and admission, each session's key) is worked out once (`_CallChecks`).
+        Where the replica has checking processes, each chunk's manifests are checked in
+        one of them before the chunk is staged (`_verified`, `ros.hub.manifest_processes`)."""
+        shared = _CallChecks(deferred=self.hub.manifest_processes.active)
         return await publish_shards(
             requests,
             lambda request: self._checked_group_shard(request, call, shared),
             lambda stagings: self.hub.blocking(_stage_all, stagings, deadline_of=call),
             self.hub.shard_batches.publish_all,
+            self._verified,
         )
+
+    async def _verified(self, stagings: list[Staging]) -> list[Staging]:
+        """A chunk of a group call's checked shards, their manifests left to a checking
+        process (`_Deferred`) decided there: one that passed is staged as checked, one that
+        did not is checked again as it is staged, which refuses it with its own error (as is
+        every one, where no process answers)."""
+        checks = [s.check for s in stagings if isinstance(s, _Deferred)]
+        verdicts = await self.hub.manifest_processes.passes(checks) if checks else None
+        if verdicts is None:
+            return stagings
+        passed = iter(verdicts)
+        return [s.then if isinstance(s, _Deferred) and next(passed) else s for s in stagings]
 
     async def _publish_shard(self, request: pb.PublishRequest, call: CallContext) -> Published:
         """One shard: checked and staged, then committed in its version's next batch."""
@@ -313,10 +331,17 @@ class VersionRPCs:
                 tenant, model, version, len(manifest) + views_charge(views),
                 request.shard_count, timeout,
             )  # fmt: skip
+        deferred = False
+        check: ManifestCheck = (manifest, _what(request), request.model, request.version)
         if isinstance(request.manifest, bytes):  # a group call's (`_checked_group_shard`)
-            check_manifest_bytes(  # every rule, before any write
-                manifest, _what(request), model=request.model, version=request.version
-            )
+            # its manifest's rules are the last checked (no parts, views or pages follow):
+            # with checking processes, decided in one of them before it is staged
+            deferred = (
+                shared is not None and shared.deferred and not paged
+                and not request.HasField("declared_revision")
+            )  # fmt: skip
+            if not deferred:
+                _check_manifest(check)  # every rule, before any write
         else:
             check_manifest(  # every rule, before any write
                 request.manifest, _what(request), model=request.model,
@@ -349,7 +374,7 @@ class VersionRPCs:
             )  # fmt: skip
             return model, version, ShardJob(tenant, versions, admit, entry)
 
-        return staging
+        return _Deferred(check, staging) if deferred else staging
 
     @unary
     def Latest(self, request: pb.LatestRequest, context: CallContext) -> pb.LatestResponse:
@@ -626,7 +651,10 @@ class _CallChecks:
     passed is kept, so a refused shard's successor is checked in full again; what depends
     on the shard itself (its limits, its holder, its manifest) is checked every time."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, deferred: bool = False) -> None:
+        """`deferred`: its shards' manifests are checked in a checking process, each
+        chunk's before it is staged (`VersionRPCs._verified`)."""
+        self.deferred = deferred
         self.version: dict[tuple[str, int], tuple[str, int, Admit]] = {}
         self._versions: tuple[Tenant, VersionRegistry] | None = None
         self._sessions: dict[tuple[str, int], str] = {}
@@ -731,6 +759,28 @@ def _digest(header: ManifestHeader, shard: int | None) -> bytes:
     if shard is not None:
         return header.shards[shard].digest
     return header.digest
+
+
+@dataclass(frozen=True)
+class _Deferred:
+    """A group call's shard checked but for its manifest, which a checking process decides
+    before its chunk is staged (`VersionRPCs._verified`): `check`, that manifest;
+    `then`, its staging once it passed. Called itself, it checks the manifest here first,
+    as an undeferred shard's staging follows its check: a refusal is the one its own
+    Publish would get, and nothing is staged."""
+
+    check: ManifestCheck
+    then: Staging
+
+    def __call__(self) -> tuple[str, int, ShardJob]:
+        _check_manifest(self.check)
+        return self.then()
+
+
+def _check_manifest(check: ManifestCheck) -> None:
+    """Every rule of a group call's manifest, from its bytes (`check_manifest_bytes`)."""
+    manifest, what, model, version = check
+    check_manifest_bytes(manifest, what, model=model, version=version)
 
 
 def _stage_all(stagings: list[Staging]) -> list[tuple[str, int, ShardJob] | BaseException]:

@@ -35,6 +35,7 @@ from consistency.compactor import Compactor
 from consistency.credentials import EtcdCredentials
 from ros.hub.guard import DEFAULT_FIRST_MESSAGE_SECONDS, DEFAULT_MAX_PENDING, CallGuard
 from ros.hub.limits import (
+    DEFAULT_CHECK_PROCESSES,
     DEFAULT_MAX_PRIVATE_WATCHES,
     DEFAULT_MAX_PRIVATE_WATCHES_PER_TENANT,
     DEFAULT_MAX_STREAMS,
@@ -118,6 +119,7 @@ class HubServer:
         read_token_ttl: float = READ_TOKEN_TTL,
         max_private_watches_per_tenant: int = DEFAULT_MAX_PRIVATE_WATCHES_PER_TENANT,
         max_watched_models_per_tenant: int = DEFAULT_MAX_WATCHED_MODELS_PER_TENANT,
+        check_processes: int = DEFAULT_CHECK_PROCESSES,
     ) -> None:
         self._first_message_seconds = first_message_seconds
         self._max_streams_per_connection = max_streams_per_connection
@@ -128,6 +130,7 @@ class HubServer:
             workers=max_workers,
             max_private_watches_per_tenant=max_private_watches_per_tenant,
             max_watched_models_per_tenant=max_watched_models_per_tenant,
+            check_processes=check_processes,
         )
         self.etcd = Etcd(etcd_endpoints, credentials=etcd_credentials)
         self.keys = keys or Keys()

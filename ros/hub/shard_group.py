@@ -57,6 +57,7 @@ async def publish_shards(
     check: Callable[[pb.PublishRequest], Awaitable[C]],
     stage: Callable[[list[C]], Awaitable[list[J | BaseException]]],
     commit: Callable[[list[J]], list[asyncio.Future[Published]]],
+    verify: Callable[[list[C]], Awaitable[list[C]]] | None = None,
 ) -> pb.PublishShardsResponse:
     """Publish every shard of the stream (module docstring); one outcome each, in order.
     Each shard is checked as it arrives (`check`), every `CHUNK` checked shards are staged
@@ -65,12 +66,19 @@ async def publish_shards(
     (`commit`), so the first
     batches commit, full, while the rest still streams in. If the call ends early
     (cancelled, refused), the shards not yet committed are withdrawn as a Publish whose
-    caller left is."""
+    caller left is. `verify`: a step over each chunk's checked shards before they are
+    staged (the same shards, in order, each as `stage` takes it), started as soon as the
+    chunk is checked, beside the staging of the chunks before it."""
     lane = asyncio.Lock()  # a call's chunks staged one at a time, in order (FIFO)
 
     async def staged_in_turn(checked: list[C]) -> list[J | BaseException]:
-        async with lane:
-            return await stage(checked)
+        verified = asyncio.ensure_future(verify(checked)) if verify is not None else None
+        try:
+            async with lane:
+                return await stage(checked if verified is None else await verified)
+        finally:
+            if verified is not None:
+                verified.cancel()  # no-op once done
 
     outcomes: list[asyncio.Future[Published]] = []
     indices: list[int] = []

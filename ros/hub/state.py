@@ -30,6 +30,7 @@ from ros.hub.fanout import WatchFanout
 from ros.hub.holder_index import HolderIndex
 from ros.hub.limits import Limits, StreamLimits
 from ros.hub.manifest_cache import ManifestCache
+from ros.hub.manifest_processes import ManifestProcesses
 from ros.hub.model_feed import ModelFeeds
 from ros.hub.session_marks import SessionMarks
 from ros.hub.shard_publish import ShardBatches
@@ -101,6 +102,8 @@ class HubState:
         self.leases = LeaseKeeper(etcd)
         self.sessions = SessionRecords(etcd, keys)
         self.manifest_cache = ManifestCache()
+        # Group calls' manifests checked in processes of their own, beside the loop.
+        self.manifest_processes = ManifestProcesses(self.limits.check_processes)
         # The publisher checksums of versions of many shards, added up from their parts once
         # (`consistency.parts_sums`).
         self.parts_sums = PartsSums()
@@ -129,9 +132,11 @@ class HubState:
 
     def start(self) -> None:
         """Create (or read) the replicas' shared secret now, not in the first caller's
-        deadline, and follow the tenant records, so a deleted tenant's cached tokens are
-        dropped at once (writes are fenced in etcd regardless: `TenantStore.fence`)."""
+        deadline, start the manifest checking processes (if any), and follow the tenant
+        records, so a deleted tenant's cached tokens are dropped at once (writes are fenced
+        in etcd regardless: `TenantStore.fence`)."""
         self.tenants.hub_secret()
+        self.manifest_processes.start()
         if self._tenant_watch is None:
             self._tenant_watch = threading.Thread(
                 target=self.tenants.watch, args=(self._stop_tenant_watch,),
@@ -151,6 +156,7 @@ class HubState:
         self.holder_index.close()
         self.feeds.close()
         self.leases.close()
+        self.manifest_processes.close()
 
     # -- running blocking work -------------------------------------------------------------
 

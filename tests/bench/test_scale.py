@@ -53,6 +53,7 @@ def test_shards_bursts_smoke() -> None:
         assert case["ok"], case
         if case["case"].startswith("group-"):  # the busiest thread is one of the process's
             assert 0.0 <= case["hub_loop_cpu_s"] <= case["hub_cpu_s"] + 0.05, case
+            assert case["hub_children_cpu_s"] >= 0.0, case  # its checking processes'
             # the other processes of the call: the sender and etcd (it wrote the batches)
             assert case["client_cpu_s"] > 0.0, case
             assert case["etcd_cpu_s"] >= 0.0, case

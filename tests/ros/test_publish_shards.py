@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc
 import pytest
 
+from consistency import EtcdCluster, Keys
 from consistency.manifests import SHARD_INLINE_BYTES
 from consistency.publishing import Published
 from consistency.shard_commit import FULL_BATCH
@@ -32,6 +33,7 @@ from tensorhub.errors import (
     SessionExpired,
     TensorHubError,
 )
+from tests.ros.conftest import ADMIN
 from tests.ros.test_hostile_publishers import (
     Metadata,
     publish,
@@ -322,6 +324,29 @@ def test_manifests_pass_as_sent_bytes_and_bad_bytes_are_refused_alone(
             pb.ResolveRequest(model="mp", version=1, shard=2), metadata=metadata, timeout=10
         )
         assert resolved.manifest == head
+
+
+@pytest.fixture
+def checking_hub(etcd_cluster: EtcdCluster, keys: Keys) -> Iterator[HubServer]:
+    """A hub that checks group calls' manifests in a process of its own, as `tensorhub
+    serve` does (`ros.hub.manifest_processes`)."""
+    server = HubServer(
+        etcd_cluster.endpoints, admin_token=ADMIN, keys=keys, check_processes=1
+    ).start()
+    yield server
+    server.stop(grace=0.2)
+
+
+def test_manifests_checked_in_a_process_of_their_own_are_refused_alike(
+    checking_hub: HubServer,
+) -> None:
+    """With the manifests of a group call checked in a checking process, a bad shard is
+    still refused alone with its own named error (the same as without: its manifest checked
+    again where it is staged), nothing partial is visible, and a retry is idempotent; and
+    the process did decide them."""
+    test_a_bad_shard_is_refused_alone_and_nothing_partial_is_visible(checking_hub)
+    test_manifests_pass_as_sent_bytes_and_bad_bytes_are_refused_alone(checking_hub)
+    assert checking_hub.servicer.hub.manifest_processes.answered > 0
 
 
 def test_shards_framed_many_a_message_are_each_their_own_publish(hub_server: HubServer) -> None:
