@@ -4,8 +4,8 @@ public API.
 The control plane goes through the hub (gRPC); weight bytes go holder → reader directly over
 the data plane (`transport`). Every client that holds a version serves it to others until
 released. `Hub` checks its arguments, has `ros.client.parts` build and join its parts (which
-helper gets which narrow handle: that module's docstring), keeps them, and forwards each
-call of its API to the part that does it.
+helper gets which narrow handle: that module's docstring), keeps them, and answers each
+call of its API through them.
 
 No helper holds the `Hub` (nor a bound method of it), and none calls a private method of
 another object.
