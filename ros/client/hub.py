@@ -3,19 +3,9 @@ public API.
 
 The control plane goes through the hub (gRPC); weight bytes go holder → reader directly over
 the data plane (`transport`). Every client that holds a version serves it to others until
-released. `Hub` builds its parts and hands each helper only the narrow handles it needs:
-
-- `ros.client.rpc` (`HubRpc`: every unary call, and its one retry), `ros.client.reads`
-  (`FreshReads`: reads never older than the revision floor);
-- `ros.client.session` (`Session`: the lease, its keepalive, its recovery, the read keys);
-- `ros.client.holdings` (what the client serves), `ros.client.serving` (the servers it
-  serves from), `ros.client.records` (its holder records), `ros.client.pins`;
-- `ros.client.publishing` (`Publisher`), `ros.client.orchestrator` (`Orchestrator`: every
-  fetch's steps after its Resolve) with `ros.client.fetching`, `ros.client.slices` and
-  `ros.client.delta_fetch` (`DeltaReader`: a delta's companion is one more target of the
-  fetch's orchestrator), and `ros.client.retention` (release, spills);
-- `ros.client.handles` (`Handles`: what publish and fetch return), given how to release,
-  this client's holder name, and how to open a watch.
+released. `Hub` checks its arguments, has `ros.client.parts` build and join its parts (which
+helper gets which narrow handle: that module's docstring), keeps them, and answers each
+call of its API through them.
 
 No helper holds the `Hub` (nor a bound method of it), and none calls a private method of
 another object.
@@ -28,48 +18,37 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from consistency.floor import RevisionFloor
 from consistency.records import HolderRecord
 from consistency.retry import DEFAULT_POLICY, RetryPolicy
-from ros.client import fetching, shard_frames
+from ros.client import fetching
 from ros.client import slices as reshard
-from ros.client.channel import open_channel, parse_address
-from ros.client.delta_fetch import DEFAULT_HOLD_BYTES, DeltaReader
+from ros.client.channel import parse_address
+from ros.client.delta_fetch import DEFAULT_HOLD_BYTES
 from ros.client.fetching import DEFAULT_FETCH_TIMEOUT
 from ros.client.group_publish import ProcessGroup
-from ros.client.handles import Handles, Held, Publication
-from ros.client.holdings import Holdings
+from ros.client.handles import Held, Publication
 from ros.client.hooks import PRODUCTION, ClientHooks
 from ros.client.identity import DEFAULT_TIMEOUT, Identity, default_holder_name
-from ros.client.layouts import LayoutHoldings, LayoutPeers
 from ros.client.layouts import release as release_layout
-from ros.client.layouts import reregister as reregister_layout
 from ros.client.manifest import Placements
-from ros.client.orchestrator import Orchestrator, ProgressCallback
-from ros.client.pins import Pins
+from ros.client.orchestrator import ProgressCallback
+from ros.client.parts import assemble
 from ros.client.publisher_sums import check_declaration
-from ros.client.publishing import Publisher
-from ros.client.reads import FreshReads
-from ros.client.records import HolderRecords
-from ros.client.retention import Retention, SpillStats
-from ros.client.rpc import HubRpc, Rpc
-from ros.client.serving import Serving
-from ros.client.session import RECOVERY_JOIN_TIMEOUT, Session
+from ros.client.retention import SpillStats
+from ros.client.session import RECOVERY_JOIN_TIMEOUT
 from ros.client.slice import Slice
 from ros.client.slice_fetch import SliceFetch
 from ros.client.watch import HubWatch, holder_from_message
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
-from ros.proto.tensorhub.v1 import hub_pb2_grpc
 from tensorhub.delta_rules import SUFFIX, is_companion
 from tensorhub.endpoints import format_endpoint
 from tensorhub.errors import InvalidArgument
 from tensorhub.names import validate_name
 from tensorhub.view_rules import view_model
-from transport.backend import TransportKind, enabled_transports
+from transport.backend import enabled_transports
 from transport.pace import DEFAULT_RATE_FLOOR
 from transport.tls import TlsConfig
 from transport.topology import Topology
-from transport.transports import ReaderBackends
 
 __all__ = ["CLOSE_SESSION_TIMEOUT", "DEFAULT_FETCH_TIMEOUT", "DEFAULT_TIMEOUT", "Hub",
            "default_holder_name"]  # fmt: skip
@@ -101,10 +80,12 @@ class Hub:
         transports: Sequence[str] | None = None,
         delta_hold_bytes: int = DEFAULT_HOLD_BYTES,
     ) -> None:
-        addresses = [endpoints] if isinstance(endpoints, str) else list(endpoints)
-        # what it serves and reads over: TCP, and RDMA/IPC where the machine has them, or
-        # the kinds named (here or in TENSORHUB_TRANSPORTS); NIXL only when named
-        kinds = enabled_transports(transports)
+        if (
+            isinstance(delta_hold_bytes, bool)
+            or not isinstance(delta_hold_bytes, int)
+            or (delta_hold_bytes < 0)
+        ):
+            raise InvalidArgument(f"delta_hold_bytes {delta_hold_bytes!r}: a byte count >= 0")
         me = Identity(
             tenant=validate_name(tenant, "tenant"),
             holder_name=validate_name(name or default_holder_name(), "holder"),
@@ -115,89 +96,26 @@ class Hub:
         listen_at = parse_address(listen, allow_zero=True)
         if advertise is not None:
             format_endpoint(advertise, 1)  # a host no reader could use fails here, not later
+        parts = assemble(
+            [endpoints] if isinstance(endpoints, str) else list(endpoints), me, token,
+            listen_at=listen_at, advertise=advertise, session_ttl=session_ttl, hooks=hooks,
+            spill_budget=spill_budget, retry=retry, delta_hold_bytes=delta_hold_bytes,
+            # what it serves and reads over: TCP, and RDMA/IPC where the machine has them,
+            # or the kinds named (here or in TENSORHUB_TRANSPORTS); NIXL only when named
+            kinds=enabled_transports(transports),
+        )  # fmt: skip
         self._me = me
         self.retry = retry  # how reads and watches are tried again (`consistency.retry`)
-        # The tenant travels on every call: the hub refuses a token of another tenant.
-        self._metadata = (("authorization", f"Bearer {token}"), ("tensorhub-tenant", me.tenant))
-        self._channel = open_channel(addresses, tls=tls)
-        self._stub = hub_pb2_grpc.TensorHubStub(self._channel)  # type: ignore[no-untyped-call]
-        # a group's leader sends its ranks' requests framed as they were serialized
-        self._stub.PublishShards = shard_frames.publish_shards(self._channel)
-        self.floor = hooks.floor(RevisionFloor())  # invariant 3 (chaos may wrap it)
-        self.holdings = Holdings(me.tenant)  # what this client serves: the one owner of it
-        self.session = Session(
-            HubRpc(self._stub, self._metadata, timeout, lambda: None, policy=None),
-            tenant=me.tenant, ttl=session_ttl, timeout=timeout, stub=self._stub,
-            metadata=self._metadata, keepalive=retry, holdings=self.holdings,
-            observe=self.floor.observe,
-        )  # fmt: skip
-        # every unary hub call, typed by method; its `once` for callers with their own policy
-        session = self.session  # the getter closes over it, not over this client
-        rpc = HubRpc(self._stub, self._metadata, timeout, lambda: session.current)
-        self._rpc: Rpc = rpc
-        self._reads = FreshReads(
-            rpc.once, self.floor, retry, timeout=timeout, holder_name=me.holder_name,
-            topology=me.topology,
-        )  # fmt: skip
-        self._serving = Serving(
-            self.holdings.store, self.session.verify, listen_at, advertise=advertise, tls=tls,
-            send=hooks.send, kinds=kinds,
-        )  # fmt: skip
-        records = HolderRecords(
-            rpc, self.floor, self._serving, self.session, holder_name=me.holder_name,
-            topology=me.topology,
-        )  # fmt: skip
-        self._retention = Retention(records, self.holdings, spill_budget)
-        stub, metadata, floor = self._stub, self._metadata, self.floor
-
-        def open_watch(model: str, since: int) -> HubWatch:  # what a Publication waits on
-            return HubWatch(stub, metadata, model, since, floor, False, retry)
-
-        self._handles = Handles(self._retention, me.holder_name, open_watch)
-        self._pins = Pins(rpc, self.session)
-        self._publisher = Publisher(
-            me, rpc.once, self._reads, records, self.holdings, self._serving, self._handles
-        )
-        self._readers = ReaderBackends(kinds)  # this client's reader side of each transport
-        if TransportKind.NIXL in kinds:  # its agent now, not in the first fetch's time
-            self._readers.get(TransportKind.NIXL)
-        self._fetches = Orchestrator(  # stateless: every run keeps its state on its stack
-            me,
-            self._reads,
-            records,
-            self.holdings,
-            self._serving,
-            hooks.reader(),
-            self._readers,
-            ranges=hooks.range_reader(),
-        )
-        layouts = LayoutPeers(  # readers in another layout (`fetch_slices(layout=)`)
-            rpc, self.holdings, self._serving, records, LayoutHoldings(), hooks.reader(),
-            self._readers,
-        )  # fmt: skip
-        self._layouts = layouts
-        # a session recovery registers the held blocks again: the closure holds the layout
-        # readers, not the Hub (tests/ros/test_no_helper_holds_the_hub.py)
-        self.holdings.register_layout = lambda m, v: reregister_layout(layouts, me, m, v)
-        if (
-            isinstance(delta_hold_bytes, bool)
-            or not isinstance(delta_hold_bytes, int)
-            or (delta_hold_bytes < 0)
-        ):
-            raise InvalidArgument(f"delta_hold_bytes {delta_hold_bytes!r}: a byte count >= 0")
-        self._deltas = DeltaReader(self._fetches, self.holdings, self._handles, delta_hold_bytes)
+        self.floor = parts.floor  # invariant 3 (chaos may wrap it)
+        self.holdings = parts.holdings  # what this client serves: the one owner of it
+        self.session = parts.session
+        self._metadata, self._channel, self._stub = parts.metadata, parts.channel, parts.stub
+        self._rpc, self._reads, self._pins = parts.rpc, parts.reads, parts.pins
+        self._serving, self._readers = parts.serving, parts.readers
+        self._retention, self._handles = parts.retention, parts.handles
+        self._publisher, self._fetches = parts.publisher, parts.fetches
+        self._layouts, self._deltas = parts.layouts, parts.deltas
         self._closed = False
-        try:
-            self.session.open(
-                lambda model, version, complete, shard: int(
-                    records.register(
-                        model, version, complete=complete, shard=shard, rpc=rpc.once
-                    ).fence
-                )
-            )
-        except BaseException:  # refused at connect (a bad token, another tenant's token)
-            self._channel.close()
-            raise
 
     # -- who this client is --------------------------------------------------------------
 

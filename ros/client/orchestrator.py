@@ -9,10 +9,11 @@ fetch's one `Deadline`:
 1. **register** (holders only): a PARTIAL record, which pins the version against retention
    and whose answer carries the candidates as seen from our fence (no second Resolve); the
    destination is in this client's holdings from here on, so it serves chunks as they land.
-2. **plan**: the candidates we can read (`transport.selection` picks the transport per
-   holder, and says why it passed a better one over), less the holders suspected so far,
-   through the pipeline policy (`transport.planner.pipeline_sources`: one predecessor, so
-   readers starting together form chains instead of all reading the publisher). A reader
+2. **plan** (`ros.client.fetch_plan`): the candidates we can read (`transport.selection`
+   picks the transport per holder, and says why it passed a better one over), less the
+   holders suspected so far, through the pipeline policy (`transport.planner.pipeline_sources`:
+   one predecessor, so readers starting together form chains instead of all reading the
+   publisher). A reader
    that is no holder, or one with no predecessor, reads from all of them (nearest tier).
 3. **round**: `transport.reader.read_round` reads the wanted chunks still missing from
    exactly those sources, once, and says which holders failed and why. A holder that
@@ -22,9 +23,9 @@ fetch's one `Deadline`:
    (`VersionUnavailable`, `IntegrityError`) is followed, after the policy's backoff, by a
    Resolve without the manifest (who holds it now) and a fresh plan by the same policy, less
    every suspect (when only holders suspected for being slower than the rate floor are
-   left, each gets one more round under a lower floor: `_slow_ones`). The rounds end when
-   the chunks are in, the policy's tries are spent, no usable holder is left, or the
-   deadline passes.
+   left, each gets one more round under a lower floor: `SourcePlanner.slow_ones`). The
+   rounds end when the chunks are in, the policy's tries are spent, no usable holder is
+   left, or the deadline passes.
 5. **COMPLETE** (holders only): UpdateHolder marks our record complete (and drops the pin
    it held). A failure anywhere before that stops serving and deletes the PARTIAL record,
    within the deadline (the session's lease removes what does not fit).
@@ -38,11 +39,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 
 from consistency.retry import RetryPolicy
 from ros.client.deadline import Deadline
+from ros.client.fetch_plan import SLOW_ONLY_DIVISOR, SourcePlanner, nobody_left
 from ros.client.holdings import Holdings
 from ros.client.hooks import RangeReader, RoundReader
 from ros.client.identity import Identity
@@ -57,20 +59,16 @@ from tensorhub.errors import (
     HolderBusy,
     IntegrityError,
     InvalidArgument,
-    SlowHolder,
     TensorHubError,
     TransportError,
     VersionUnavailable,
 )
-from transport.backend import TransportKind
 from transport.outcome import FetchStats, final_error
 from transport.pace import DEFAULT_RATE_FLOOR
-from transport.planner import Candidate, Source, pipeline_sources, rank
+from transport.planner import Source
 from transport.ranged import read_ranges
 from transport.reader import DEFAULT_PARALLEL
-from transport.selection import choose
 from transport.store import HeldVersion
-from transport.topology import Topology
 from transport.transports import ReaderBackends
 
 log = logging.getLogger(__name__)
@@ -85,10 +83,6 @@ def _another_round(exc: BaseException) -> bool:
 FETCH_ROUNDS = RetryPolicy(initial=0.05, maximum=1.0, tries=6, retry_on=_another_round)
 """The rounds of one fetch: up to 6, backing off 50 ms doubling to 1 s (full jitter),
 within the fetch's deadline."""
-
-SLOW_ONLY_DIVISOR = 4
-"""The rate floor of a round whose only holders were judged slow is the fetch's divided by
-this (`Orchestrator._slow_ones`): 64 KiB/s for the default floor."""
 
 HOLDER_BUSY = RetryPolicy(initial=0.05, maximum=1.0, retry_on=lambda e: isinstance(e, HolderBusy))
 """A holder that answered BUSY, asked again inside the round: backing off 50 ms doubling to
@@ -240,6 +234,7 @@ class Orchestrator:
         self._serving = serving  # started before a record names its endpoints
         self._read = read  # one round (`transport.reader.read_round`, or a chaos wrapper)
         self._readers = readers  # this client's reader backends (one per transport)
+        self._planner = SourcePlanner(me, readers)  # each round's sources
         self._policy = policy
         self._busy = busy
 
@@ -340,6 +335,7 @@ class Orchestrator:
         relaxed: set[str] = set()  # slow holders given their round under a lower floor
         wanted = target.wanted()
         digests = result_digests(target.manifest)
+        planner, cuda = self._planner, dest.on_cuda
 
         def stopped() -> bool:
             return stop is not None and stop.is_set()
@@ -352,13 +348,18 @@ class Orchestrator:
                 again = self.holders(model, version, shard, deadline)
                 tokens.offer(bytes(again.read_token), int(again.token_expiry_unix))
                 candidates = holders_of(again, shard)
-            sources = self._plan(candidates, fence, suspects, skipped, target)
+            # a holder reads through the pipeline policy, under the fence a session
+            # recovery may have changed since it registered
+            ours = self._holdings.fence(model, version, fence) if target.holder else None
+            sources = planner.plan(candidates, suspects, skipped, device_memory=cuda, fence=ours)
             floor = rate_floor
             if not sources:  # only the slow may be left: a slow read beats none
-                sources = self._slow_ones(candidates, fence, suspects, relaxed, skipped, target)
+                sources = planner.slow_ones(
+                    candidates, suspects, relaxed, skipped, device_memory=cuda, fence=ours
+                )
                 floor = rate_floor / SLOW_ONLY_DIVISOR
             if not sources:
-                raise _nobody_left(what, suspects, skipped)
+                raise nobody_left(what, suspects, skipped)
             stats.rounds += 1
             result = self._read(
                 me.tenant, model, version, dest.layout, dest, sources,
@@ -389,104 +390,6 @@ class Orchestrator:
             stats.failed_sources.setdefault(name, reason)
         return stats
 
-    def _plan(
-        self,
-        holders: Sequence[pb.Holder],
-        fence: int,
-        suspects: Collection[str],
-        skipped: dict[str, str],
-        target: Target,
-    ) -> list[Source]:
-        """The sources of the next round: the usable candidates less the suspects; the
-        same-host CUDA IPC ones alone when there are any (a device-to-device copy costs the
-        holder no NIC and next to no CPU, so colocated rollouts need not chain); else
-        through the pipeline policy for a holder (one predecessor), else all of them."""
-        usable = [
-            c
-            for c in self._candidates(holders, skipped, device_memory=target.dest.on_cuda)
-            if c.source.holder_id not in suspects
-        ]
-        local = [c.source for c in usable if c.source.transport is TransportKind.IPC]
-        if local:
-            return local
-        if target.holder:
-            fence = self._holdings.fence(target.model, target.version, fence)
-            first = pipeline_sources(self._me.topology, fence, usable)
-            if first:
-                return first
-        return [c.source for c in usable]
-
-    def _slow_ones(
-        self,
-        holders: Sequence[pb.Holder],
-        fence: int,
-        suspects: dict[str, BaseException],
-        relaxed: set[str],
-        skipped: dict[str, str],
-        target: Target,
-    ) -> list[Source]:
-        """The sources of a round when every usable holder is a suspect: those suspected
-        only for being slower than the rate floor (`SlowHolder`), once each (added to
-        `relaxed`), read under the floor divided by `SLOW_ONLY_DIVISOR`. The floor is there
-        to move a reader off a trickler onto a holder that has the bytes; with no other
-        holder left, failing the fetch helps nobody, while a link shared by many readers
-        (16 connections on a 40 Mbit/s trainer link in `bench reshard`) can put an honest
-        holder's connections under it. A trickler (far below the floor) is still caught."""
-        slow = {
-            holder
-            for holder, why in suspects.items()
-            if isinstance(why, SlowHolder) and holder not in relaxed
-        }
-        if not slow:
-            return []
-        others = {holder for holder in suspects if holder not in slow}
-        sources = [
-            s for s in self._plan(holders, fence, others, skipped, target) if s.holder_id in slow
-        ]
-        relaxed.update(s.holder_id for s in sources)
-        if sources:
-            log.info(
-                "only holders slower than the rate floor are left (%s): reading them at a "
-                "floor %d times lower", ", ".join(s.holder_id for s in sources), SLOW_ONLY_DIVISOR,
-            )  # fmt: skip
-        return sources
-
-    def _candidates(
-        self, holders: Sequence[pb.Holder], skipped: dict[str, str], *, device_memory: bool
-    ) -> list[Candidate]:
-        """The holders we can read from, each over the best transport both sides have (nixl
-        → rdma → same-host CUDA IPC → tcp: `transport.selection`); why a better one was passed
-        over is logged and travels in `Source.fallback` into `stats.fallbacks`. A holder
-        whose endpoints we cannot use (written by an older hub, or naming only a transport
-        we lack or did not enable; RDMA into device memory) is skipped, not fatal: it goes
-        into `skipped` with the reason, logged once per fetch, and the others are read."""
-        me = self._me.holder_name
-        tls = self._me.tls is not None
-        out = []
-        for h in holders:
-            if h.name == me:
-                continue
-            try:
-                route = choose(
-                    h.endpoints, complete=h.state == pb.COMPLETE, tls=tls,
-                    device_memory=device_memory, verdicts=self._readers.verdicts,
-                    local=self._readers.kinds,
-                )  # fmt: skip
-            except InvalidArgument as exc:
-                if h.name not in skipped:
-                    log.warning("skipping holder %s: %s", h.name, exc)
-                skipped[h.name] = f"skipped: {exc}"
-                continue
-            if route.fallback:
-                log.info("reading holder %s over %s: %s", h.name, route.kind.value, route.fallback)
-            topology = Topology.of(h.topology)
-            source = Source(
-                h.name, route.host, route.port, topology,
-                transport=route.kind, fallback=route.fallback, tcp=route.tcp,
-            )  # fmt: skip
-            out.append(Candidate(source, int(h.fence), h.state == pb.COMPLETE))
-        return out
-
     def ranged_plan(
         self, target: Target, resolved: pb.ResolveResponse, deadline: Deadline
     ) -> tuple[list[Source], RenewingToken]:
@@ -494,16 +397,8 @@ class Orchestrator:
         holders `resolved` names, over TCP (GET_RANGES is TCP's: one offered over another
         transport is asked at its TCP endpoint when it has one), nearest first, and the
         run's read token."""
-        out = []
-        skipped: dict[str, str] = {}
-        for c in self._candidates(holders_of(resolved, target.shard), skipped, device_memory=False):
-            s = c.source
-            if s.transport is not TransportKind.TCP:
-                if s.tcp is None:
-                    continue
-                s = replace(s, host=s.tcp[0], port=s.tcp[1], transport=TransportKind.TCP)
-            out.append(s)
-        return rank(self._me.topology, out), self._token(target, resolved, deadline)
+        sources = self._planner.tcp_sources(holders_of(resolved, target.shard))
+        return sources, self._token(target, resolved, deadline)
 
     def _token(
         self, target: Target, resolved: pb.ResolveResponse, deadline: Deadline
@@ -555,15 +450,3 @@ class Orchestrator:
                 "the session's lease (they go at close(), or when it expires)",
                 model, version, exc,
             )  # fmt: skip
-
-
-def _nobody_left(
-    what: str, suspects: dict[str, BaseException], skipped: dict[str, str]
-) -> TensorHubError:
-    """The error when no usable holder is left: the most telling of the suspects' reasons
-    (bad bytes from all: `IntegrityError`), naming the holders skipped for their endpoints."""
-    error = final_error(suspects, what) if suspects else VersionUnavailable(f"{what}: no holder")
-    if skipped:
-        why = "; ".join(f"{name}: {reason}" for name, reason in sorted(skipped.items()))
-        error = type(error)(f"{error} (holders skipped: {why})")
-    return error

@@ -12,8 +12,8 @@ import torch
 
 import ros
 from chaos.holder_faults import Fault
+from ros.client.fetch_plan import SLOW_ONLY_DIVISOR
 from ros.client.hooks import ClientHooks
-from ros.client.orchestrator import SLOW_ONLY_DIVISOR
 from tensorhub.errors import VersionUnavailable
 from tests.ros.helpers import digest
 
