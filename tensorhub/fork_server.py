@@ -14,6 +14,9 @@ first worker starts: whichever caller starts the server, each finds its modules 
 from __future__ import annotations
 
 import multiprocessing
+import os
+import select
+import threading
 from multiprocessing.context import ForkServerContext
 
 _PRELOAD: list[str] = []
@@ -29,3 +32,24 @@ def fork_context(*preload: str) -> ForkServerContext:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(_PRELOAD))
     return context
+
+
+def exit_with(pid: int) -> None:
+    """In a forked worker: exit as soon as process `pid` (the one it works for) has ended.
+
+    A worker's parent is the fork server, not its caller, and a pool's worker holds both
+    ends of its own task pipe, so it never sees its caller go: a caller killed with SIGKILL
+    would leave its idle workers, and the fork server they keep alive, running for good.
+    A daemon thread waits on a pidfd of `pid` (readable once it has exited; `pid` is
+    alive when a pool starts its workers, so the pidfd names that process and no later one
+    with its number) and ends the worker then. Meant as a pool's `initializer`."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:  # already gone
+        os._exit(0)
+
+    def wait() -> None:
+        select.select([fd], [], [])
+        os._exit(0)
+
+    threading.Thread(target=wait, name=f"exit-with-{pid}", daemon=True).start()

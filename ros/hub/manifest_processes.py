@@ -17,13 +17,15 @@ manifest itself, as before.
 The processes are forked from the process's one fork server (`tensorhub.fork_server`),
 never from the replica itself (its gRPC threads), and started before the replica serves
 (`start`: the fork server's start and its imports take a second or so of CPU, which would
-otherwise slow the replica's first calls).
+otherwise slow the replica's first calls). Each ends when the replica's process does, even
+one killed with SIGKILL that cannot stop them (`tensorhub.fork_server.exit_with`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -31,7 +33,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 from ros.manifest_check import check_manifest_bytes
 from tensorhub.errors import TensorHubError
-from tensorhub.fork_server import fork_context
+from tensorhub.fork_server import exit_with, fork_context
 
 ManifestCheck = tuple[
     bytes, str, str, int
@@ -63,9 +65,10 @@ class ManifestProcesses:
         self._pool: ProcessPoolExecutor | None = None
         self.answered = 0  # manifests a process decided (for tests and metrics)
         if processes > 0:
-            self._pool = ProcessPoolExecutor(
-                processes, mp_context=fork_context("ros.manifest_check")
-            )
+            self._pool = ProcessPoolExecutor(  # each ends with the replica's process
+                processes, mp_context=fork_context("ros.manifest_check"),
+                initializer=exit_with, initargs=(os.getpid(),),
+            )  # fmt: skip
 
     def start(self, timeout: float = START_SECONDS) -> None:
         """Start the processes and wait until one has answered (the first submit starts

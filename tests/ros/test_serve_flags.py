@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -150,3 +151,50 @@ def test_read_token_ttl_sets_what_resolve_issues(
             resolved = hub.resolve("policy", 1)
             left = resolved.token_expiry_unix - time.time()  # issued before now: <= 7
             assert 0 < left <= 7  # not the 300 s default
+
+
+def _children(pid: int) -> set[int]:
+    """The pids of every descendant of `pid` (read from /proc)."""
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            kids = (task / "children").read_text().split() if (task / "children").exists() else []
+            for kid in map(int, kids):
+                if kid not in found:
+                    found.add(kid)
+                    todo.append(kid)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_a_hub_killed_with_sigkill_leaves_no_checking_process(
+    etcd_cluster: EtcdCluster, keys: Keys, tmp_path: Path
+) -> None:
+    """The manifest checking process (`--check-processes 1`, the default) and the fork
+    server it comes from end with the hub, even when the hub is killed outright and
+    cannot stop them: each worker waits on a pidfd of the hub (`tensorhub.fork_server.
+    exit_with`)."""
+    with _serve(etcd_cluster, keys, tmp_path, "--check-processes", "1") as (_, proc):
+        helpers = _children(proc.pid)
+        assert helpers, "serve started no checking process"
+        proc.kill()
+        proc.wait(10)
+        try:
+            wait_until(
+                "the hub's helper processes end",
+                lambda: not any(_alive(p) for p in helpers),
+                20,
+            )
+        finally:  # none outlives the test, whatever it found
+            for p in helpers:
+                if _alive(p):
+                    os.kill(p, signal.SIGKILL)
