@@ -40,13 +40,6 @@ PRELOAD = (
 )
 
 
-def free_port() -> int:
-    """A loopback TCP port free now (for the group's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Rank:
     """One rank process: its pid and exit code, its stdout read a line at a time, and its
     stdin, which the test closes to end its serving."""
@@ -115,8 +108,17 @@ def launch(
     """`world` rank processes of `module`: what each said (in rank order), while they serve.
     A rank that exits without a line says `{"exit": code, "stderr": its tail}`; one that
     says nothing in `RANK_SECONDS` fails the test."""
+    import torch.distributed as dist
+
+    # The group's rendezvous store is served from here, on a port the kernel gave it, and
+    # every rank connects to it (`rank_session`): a port picked free for rank 0 to bind
+    # later was once taken by then, and the other ranks timed out connecting to it. It
+    # serves while this generator runs: until every rank is stopped.
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=GROUP_TIMEOUT
+    )
     base = {**os.environ, "PYTHONPATH": os.getcwd(), "WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
             "OMP_NUM_THREADS": "1", **(env or {})}  # fmt: skip
     with ExitStack() as stack:
         errs = [stack.enter_context(tempfile.NamedTemporaryFile("w+")) for _ in range(world)]
@@ -159,7 +161,11 @@ def rank_session() -> Iterator[tuple[int, int]]:
     import torch.distributed as dist
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=GROUP_TIMEOUT)
+    store = dist.TCPStore(  # type: ignore[attr-defined]  # `launch` serves it
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        timeout=GROUP_TIMEOUT,
+    )  # fmt: skip
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=GROUP_TIMEOUT)
     try:
         yield rank, world
     finally:

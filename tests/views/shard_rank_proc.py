@@ -59,8 +59,13 @@ def _slice(case: str, rank: int) -> tuple[torch.Tensor, tuple[int, int], tuple[i
 
 
 def main(out: str) -> None:
-    rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = timedelta(seconds=30)
+    store = dist.TCPStore(  # type: ignore[attr-defined]  # the test serves it
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        timeout=timeout,
+    )  # fmt: skip
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     got: dict[str, object] = {}
     try:
         for case, (fmt, shape, _, _) in CASES.items():
