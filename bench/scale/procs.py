@@ -81,10 +81,9 @@ def thread_cpu(pid: int) -> dict[str, float]:
     return used
 
 
-def descendants_cpu(pid: int) -> float:
-    """CPU seconds used so far by the processes that process `pid` started, and theirs
-    (0 where there are none): a hub's checking processes, forked from its fork server
-    (`ros.hub.manifest_processes`), whose CPU is not the hub's own."""
+def descendants(pid: int) -> list[int]:
+    """The pids of the processes that process `pid` started, and theirs (from /proc: those
+    alive now; none for a process gone)."""
     found: list[int] = []
     parents = [pid]
     while parents:
@@ -100,7 +99,14 @@ def descendants_cpu(pid: int) -> float:
                 continue
             found += children
             parents += children
-    return sum(ProcStats.of(child).cpu_s for child in found)
+    return found
+
+
+def descendants_cpu(pid: int) -> float:
+    """CPU seconds used so far by the processes that process `pid` started, and theirs
+    (0 where there are none): a hub's checking processes, forked from its fork server
+    (`ros.hub.manifest_processes`), whose CPU is not the hub's own."""
+    return sum(ProcStats.of(child).cpu_s for child in descendants(pid))
 
 
 class Server:

@@ -19,6 +19,7 @@ import grpc
 import pytest
 
 import ros
+from bench.scale.procs import descendants
 from consistency import EtcdCluster, Keys
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
@@ -153,21 +154,6 @@ def test_read_token_ttl_sets_what_resolve_issues(
             assert 0 < left <= 7  # not the 300 s default
 
 
-def _children(pid: int) -> set[int]:
-    """The pids of every descendant of `pid` (read from /proc)."""
-    found: set[int] = set()
-    todo = [pid]
-    while todo:
-        parent = todo.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            kids = (task / "children").read_text().split() if (task / "children").exists() else []
-            for kid in map(int, kids):
-                if kid not in found:
-                    found.add(kid)
-                    todo.append(kid)
-    return found
-
-
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -184,7 +170,7 @@ def test_a_hub_killed_with_sigkill_leaves_no_checking_process(
     cannot stop them: each worker waits on a pidfd of the hub (`tensorhub.fork_server.
     exit_with`)."""
     with _serve(etcd_cluster, keys, tmp_path, "--check-processes", "1") as (_, proc):
-        helpers = _children(proc.pid)
+        helpers = descendants(proc.pid)
         assert helpers, "serve started no checking process"
         proc.kill()
         proc.wait(10)
