@@ -12,6 +12,7 @@ here, nowhere else.
 {p}/t/{tenant}/mp/{model}/{version:020d}/arrived       (shard counter: count, arrived)
 {p}/t/{tenant}/lb/{model}/{version:020d}/{layout}/s/{block_set}   (its blocks and checksums)
 {p}/t/{tenant}/lb/{model}/{version:020d}/{layout}/h/{block_set}/{holder}
+{p}/t/{tenant}/lb/{model}/{version:020d}/{layout}/c/{block_set}/{holder}   (a COMPLETE one's mark)
 {p}/t/{tenant}/lb/{model}/charged/{version:020d}       (its layouts' block sets, bytes charged)
 {p}/t/{tenant}/lb/{model}/declared                     (its declared layouts)
 {p}/t/{tenant}/lb/{model}/{version:020d}/{layout}/p    (the publisher's checksums of its block sets)
@@ -233,6 +234,22 @@ class Keys:
         self, tenant: str, model: str, version: int, layout: str, block_set: str, holder: str
     ) -> str:
         prefix = self.layout_holders(tenant, model, version, layout, block_set)
+        return f"{prefix}{validate_name(holder, 'holder')}"
+
+    def layout_complete_holders(
+        self, tenant: str, model: str, version: int, layout: str, block_set: str
+    ) -> str:
+        """The COMPLETE holders of one block set, one key each (the record again, on the
+        same lease, written and deleted in the transactions that write and delete its
+        `h/` key): what a cover lists, so that a bounded range of it finds only holders
+        that can serve every chunk, however many PARTIAL ones sort first under `h/`."""
+        prefix = self.layout(tenant, model, version, layout)
+        return f"{prefix}c/{validate_name(block_set, 'block set')}/"
+
+    def layout_complete_holder(
+        self, tenant: str, model: str, version: int, layout: str, block_set: str, holder: str
+    ) -> str:
+        prefix = self.layout_complete_holders(tenant, model, version, layout, block_set)
         return f"{prefix}{validate_name(holder, 'holder')}"
 
     # -- parsing ---------------------------------------------------------------------------

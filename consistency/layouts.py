@@ -6,13 +6,24 @@ A reader that reads its blocks of model@version in a layout other than the publi
 ```
 {tenant}/lb/{model}/{version:020d}/{layout}/s/{block_set}          its blocks and checksums
 {tenant}/lb/{model}/{version:020d}/{layout}/h/{block_set}/{name}   a holder, under its lease
+{tenant}/lb/{model}/{version:020d}/{layout}/c/{block_set}/{name}   the same, while it is COMPLETE
 ```
 
 `block_set` names one worker's blocks (a digest of their description: boxes, dtypes and
 chunk size), so readers of the same blocks find each other under one prefix, and a Resolve
 of them is one bounded range read: O(K) in the holders it answers, whatever the number of
 holders. A reader covered by another layout's block sets lists that layout's `s/` keys (at
-most `MAX_BLOCK_SETS_READ`) and a few holders of each, in two bounded reads.
+most `MAX_BLOCK_SETS_READ`) and a few COMPLETE holders of each (their `c/` keys), in two
+bounded reads.
+
+A COMPLETE holder's record is also put under `c/` (same value, same lease) by the
+transaction that registers it COMPLETE; a PARTIAL registration and the release delete that
+key in theirs, and lease expiry takes both. So `c/{block_set}/` lists exactly the COMPLETE
+holders of `h/{block_set}/`, and a cover's range of `COVER_HOLDERS_EACH` keys under it names
+COMPLETE holders whenever the block set has any, however many PARTIAL holders (readers
+still reading) sort before them under `h/`. A bounded window of `h/` keys filtered for
+COMPLETE ones could not promise that for any window size; the second key costs each
+COMPLETE holder one more small key on its lease and each registration one more operation.
 
 The block set's key (its description and chunk checksums) is written once (create only) by
 the first reader that registers COMPLETE, from bytes verified against the publisher's chunk
@@ -80,7 +91,10 @@ MAX_BLOCK_SETS_READ = 64
 """How many block sets of a layout a reader covered by it is told of (a TP-64 layout)."""
 
 COVER_HOLDERS_EACH = 4
-"""How many holders of each of them it is told of."""
+"""How many holders of each of them it is told of: COMPLETE ones only (the `c/` keys), a
+range of at most 4 x `MAX_BLOCK_SETS_READ` = 256 records in the cover's second read. A
+cover reads each block set in one pass, not pipelined, so a PARTIAL holder (missing chunks)
+is of no use to it (what no COMPLETE holder covers is read from the trainer's shards)."""
 
 MAX_BLOCKS_BYTES = 256 * 1024
 """The longest description of a block set (its blocks' names, dtypes, boxes)."""
@@ -270,7 +284,11 @@ class LayoutRegistry:
         publisher checksums (as `resolve` does, at the transaction's revision; else [])."""
         manifest_key, sums_key, holders = self._keys(at)
         key = self._holder_key(at, record.holder)
-        writes = [ops.put(key, record.encode(), lease=record.session), self._pinning(at, record)]
+        writes = [
+            ops.put(key, record.encode(), lease=record.session),
+            self._pinning(at, record),
+            self._marking(at, record),
+        ]
         reads = [ops.get(key), ops.get(sums_key)]
         if resolve:
             reads.append(ops.page(holders, "", MAX_LAYOUT_HOLDERS_READ))
@@ -282,20 +300,21 @@ class LayoutRegistry:
             timeout=timeout,
         )
         self._refused(at, record, result)
-        held, found = result.responses[2].response_range, result.responses[3].response_range
+        answers = result.responses[len(writes) :]  # the reads, in their order
+        held, found = answers[0].response_range, answers[1].response_range
         recorded = decode_block_set(bytes(found.kvs[0].value))[1] if found.kvs else []
         records = (
             [
                 HolderRecord.decode(bytes(kv.value), int(kv.create_revision))
-                for kv in result.responses[4].response_range.kvs
+                for kv in answers[2].response_range.kvs
             ]
             if resolve
             else []
         )
         published = (
             self._publisher_sums(
-                result.responses[5].response_range.kvs,
-                result.responses[6].response_range,
+                answers[3].response_range.kvs,
+                answers[4].response_range,
                 at,
                 result.revision,
                 timeout,
@@ -360,6 +379,7 @@ class LayoutRegistry:
             [
                 ops.put(key, record.encode(), lease=record.session),
                 self._pinning(at, record),
+                self._marking(at, record),
                 ops.put(sums_key, value),
                 ops.put(tally_key, tally.add(at.layout, charged).encode()),
                 *puts,
@@ -416,6 +436,19 @@ class LayoutRegistry:
         if record.complete:
             return ops.delete(pin)
         return ops.put(pin, b"", lease=record.session)
+
+    def _complete_key(self, at: BlockSetKey, holder: str) -> str:
+        return self.keys.layout_complete_holder(
+            at.tenant, at.model, at.version, at.layout, at.block_set, holder
+        )
+
+    def _marking(self, at: BlockSetKey, record: HolderRecord) -> ops.Op:
+        """A COMPLETE record is put under `c/` too, on its lease (what a cover lists); a
+        PARTIAL one deletes it (a holder registered again PARTIAL is listed no more)."""
+        key = self._complete_key(at, record.holder)
+        if record.complete:
+            return ops.put(key, record.encode(), lease=record.session)
+        return ops.delete(key)
 
     def _publisher_reads(self, at: BlockSetKey) -> list[Any]:
         """The reads `_publisher_sums` decodes, in its order: the publisher's checksums of
@@ -484,9 +517,12 @@ class LayoutRegistry:
         self, tenant: str, model: str, version: int, layout: str, *, timeout: float | None = None
     ) -> tuple[list[CoverSet], int]:
         """The block sets of `layout` of model@version (at most `MAX_BLOCK_SETS_READ`) with
-        at most `COVER_HOLDERS_EACH` holders of each and the publisher's checksums of each
-        (a layout declared before the publish; else none), and the revision read at, in
-        two bounded reads; `VersionNotFound` if the version is not published."""
+        at most `COVER_HOLDERS_EACH` COMPLETE holders of each (a range of its `c/` keys:
+        COMPLETE ones whenever it has any, whatever the number of its PARTIAL holders; a
+        record's `revision` is its `c/` key's create revision, when it turned COMPLETE) and
+        the publisher's checksums of each (a layout declared before the publish; else
+        none), and the revision read at, in two bounded reads; `VersionNotFound` if the
+        version is not published."""
         manifest_key = self.keys.manifest(tenant, model, version)
         sets = self.keys.layout_block_sets(tenant, model, version, layout)
         first = self.etcd.txn(
@@ -504,8 +540,8 @@ class LayoutRegistry:
         if not described:
             return [], first.revision
         ranges = [
-            ops.page(self.keys.layout_holders(tenant, model, version, layout, name), "",
-                     COVER_HOLDERS_EACH)
+            ops.page(self.keys.layout_complete_holders(tenant, model, version, layout, name),
+                     "", COVER_HOLDERS_EACH)
             for name, _, _ in described
         ]  # fmt: skip
         at = BlockSetKey(tenant, model, version, layout, "")
@@ -527,8 +563,8 @@ class LayoutRegistry:
     def release(
         self, at: BlockSetKey, holder: str, session: int, *, timeout: float | None = None
     ) -> int:
-        """Delete the holder's key and its pin if `session` owns it (gone already: done);
-        `PermissionDenied` if another session's lease holds it."""
+        """Delete the holder's key, its `c/` key and its pin if `session` owns it (gone
+        already: done); `PermissionDenied` if another session's lease holds it."""
         _, _, holders = self._keys(at)
         key = self.keys.layout_holder(
             at.tenant, at.model, at.version, at.layout, at.block_set, holder
@@ -536,7 +572,11 @@ class LayoutRegistry:
         assert key.startswith(holders)
         result = self.etcd.txn(
             [ops.lease(key, "==", session)],
-            [ops.delete(key), ops.delete(self._pin_key(at, holder))],
+            [
+                ops.delete(key),
+                ops.delete(self._complete_key(at, holder)),
+                ops.delete(self._pin_key(at, holder)),
+            ],
             [ops.get(key, count_only=True)],
             timeout=timeout,
         )

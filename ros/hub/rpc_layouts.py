@@ -157,7 +157,7 @@ class LayoutRPCs:
                     blocks=s.blocks,
                     block_sums=s.sums,
                     publisher_sums=s.publisher_sums,
-                    holders=[  # COMPLETE only: a cover is read in one pass, not pipelined
+                    holders=[  # COMPLETE only (`cover` lists them): one pass, not pipelined
                         holder_to_pb(h)
                         for h in _nearest(
                             [h for h in s.holders if h.complete], topology, request.holder

@@ -351,6 +351,41 @@ def test_a_tp1_reader_is_covered_by_tp2_holders(clients: Callable[..., ros.Hub])
     assert second.bytes_per_source == {whole.holder_name: block_bytes(0, 1)}
 
 
+def test_a_cover_names_complete_holders_past_more_partial_ones_than_it_lists(
+    clients: Callable[..., ros.Hub],
+) -> None:
+    """Each TP-2 block set has more PARTIAL holders (readers still reading) than a cover
+    lists, all sorting before its COMPLETE holder in key order (their names): the TP-1 reader
+    is still told of the COMPLETE ones and reads every byte from them, none from the trainer.
+    (The PARTIAL ones register after the COMPLETE ones read: a PARTIAL holder registered
+    before would be a TP-2 reader's predecessor, and these serve nothing.)"""
+    trainers = publish_tp(clients, 2)
+    tp2 = [clients(name=f"z{rank}") for rank in range(2)]
+    for rank, worker in enumerate(tp2):
+        worker.fetch_slices("policy", 1, slices=slices_for(rank, 2)[1], layout="tp2", timeout=30)
+    for i in range(layouts_module.COVER_HOLDERS_EACH + 1):
+        reading = clients(name=f"a{i}")
+        reading._layouts.serving.start()  # a record names the endpoints it serves on
+        for rank in range(2):
+            blocks = block_set(slices_for(rank, 2)[1], CHUNK)
+            reading._rpc(
+                "RegisterLayoutHolder",
+                pb.RegisterLayoutHolderRequest(
+                    model="policy", version=1, layout="tp2", block_set=blocks.id,
+                    holder=reading._layouts.records.record(False), blocks=blocks.description,
+                ),
+            )  # fmt: skip
+    assert _offered(clients(), "tp2", 0, 2) == layouts_module.COVER_HOLDERS_EACH + 2
+    whole = clients()
+    out, slices = slices_for(0, 1)
+    got = whole.fetch_slices("policy", 1, slices=slices, layout="tp1", cover=("tp2",), timeout=30)
+    _same(out, 0, 1)
+    assert got.from_trainer == set()
+    assert _trainer_bytes(got, trainers) == 0
+    assert set(got.bytes_per_source) == {"z0", "z1"}
+    assert got.failed_sources == {}
+
+
 def test_blocks_a_cover_lacks_are_read_from_the_trainer(clients: Callable[..., ros.Hub]) -> None:
     trainers = publish_tp(clients, 2)
     half = clients()  # only TP-2 rank 1's blocks are held: rank 0's halves are missing

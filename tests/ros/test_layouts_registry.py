@@ -149,6 +149,40 @@ def test_a_cover_lists_a_layouts_block_sets_with_a_few_holders_each(
     assert registry.cover("t", "m", 1, "tp4")[0] == []  # a layout nobody declared
 
 
+def test_a_cover_names_complete_holders_however_many_partial_ones_sort_first(
+    etcd: Etcd, registry: LayoutRegistry, keys: Keys, session: Session
+) -> None:
+    """More PARTIAL holders than a cover lists, all sorting before the COMPLETE ones (in key
+    order, which is name order, and registered before them): the cover names the COMPLETE
+    ones, a PARTIAL registration again unlists a holder, and a release or the lease's end
+    takes a holder out of the cover with its record."""
+    mark = keys.session("t", session.id)
+    partials = [f"a{i:02d}" for i in range(COVER_HOLDERS_EACH + 2)]
+    for name in partials:
+        partial = replace(rec(session, name), state=HolderState.PARTIAL)
+        registry.register_partial(AT, partial, session_key=mark)
+    registry.register(AT, rec(session, "y"), [5], session_key=mark, blocks=b"{}")
+    registry.register_partial(AT, replace(rec(session, "z"), state=HolderState.PARTIAL),
+                              session_key=mark)  # fmt: skip
+    registry.register(AT, rec(session, "z"), [5], session_key=mark)  # PARTIAL, then COMPLETE
+    assert [h.holder for h in registry.resolve(AT).holders][:COVER_HOLDERS_EACH] == partials[
+        :COVER_HOLDERS_EACH
+    ]  # what a range of the holder keys would have offered: no COMPLETE one
+    (found,), _ = registry.cover("t", "m", 1, "tp2")
+    assert [(h.holder, h.complete) for h in found.holders] == [("y", True), ("z", True)]
+    registry.register_partial(AT, replace(rec(session, "y"), state=HolderState.PARTIAL),
+                              session_key=mark)  # fmt: skip
+    assert [h.holder for h in registry.cover("t", "m", 1, "tp2")[0][0].holders] == ["z"]
+    registry.release(AT, "z", session.id)
+    assert registry.cover("t", "m", 1, "tp2")[0][0].holders == []
+    with Session(etcd, ttl=10) as other:
+        etcd.put(keys.session("t", other.id), b"", lease=other.id)
+        registry.register(AT, rec(other, "x"), [5], session_key=keys.session("t", other.id))
+        assert [h.holder for h in registry.cover("t", "m", 1, "tp2")[0][0].holders] == ["x"]
+    assert registry.cover("t", "m", 1, "tp2")[0][0].holders == []  # its lease took both keys
+    assert etcd.range(keys.layout("t", "m", 1, "tp2") + "c/", prefix=True).kvs == []
+
+
 def test_a_block_set_past_the_layouts_bound_is_refused_with_nothing_written(
     registry: LayoutRegistry, keys: Keys, session: Session, monkeypatch: pytest.MonkeyPatch
 ) -> None:
