@@ -27,6 +27,7 @@ from consistency.manifests import (
 )
 from consistency.publishing import Admit, Published
 from consistency.sessions import SessionRecords
+from ros.hub import manifest_reads
 from ros.hub.budget import Budgets, model_serial
 from ros.hub.call import AioContext, CallContext
 from ros.hub.companions import check_companion
@@ -245,7 +246,10 @@ class VersionRPCs:
         # bounds first: a limit answers before any work
         _check_publish_limits(request, None if manifest is None else len(manifest))
         check_companion(  # a reserved name: only a delta publish's own companion
-            request, lambda base_model, base: self._header(tenant, base_model, base, timeout)
+            request,
+            lambda base_model, base: manifest_reads.header(
+                self.hub, tenant, base_model, base, timeout
+            ),
         )
         refuse_view_name(request)  # a reserved name: views come only with their version
         if manifest is None:
@@ -441,7 +445,9 @@ class VersionRPCs:
             tenant, model, version, shard, request, floor, request.fence, timeout
         )
         if not request.omit_manifest:
-            self._put_manifests(response, tenant, model, version, header, shard, timeout)
+            manifest_reads.put_manifests(
+                self.hub, response, tenant, model, version, header, shard, timeout
+            )
         if request.with_companion and (shard is not None or not header.shard_count):
             self._put_companion(response, tenant, model, version, header, shard, request, timeout)
         return response
@@ -464,7 +470,7 @@ class VersionRPCs:
             min_revision=floor, timeout=timeout, topology=dict(request.topology),
             fence=fence, exclude=request.holder,
         )  # fmt: skip
-        header = self._header(tenant, model, version, timeout, found.published)
+        header = manifest_reads.header(self.hub, tenant, model, version, timeout, found.published)
         _check_shard(model, version, shard, header.shard_count)
         token, expiry = issue_read_token(
             self.hub.tenants.signing_key(tenant),
@@ -502,7 +508,7 @@ class VersionRPCs:
         into `response.companion`: a reader applying the delta reads the companion next, and
         this spares it a call. Nothing when the version has no delta, or its companion is
         gone (the reader then resolves it itself, and is told why)."""
-        section = self._manifest(tenant, model, version, shard, timeout).delta
+        section = manifest_reads.manifest(self.hub, tenant, model, version, shard, timeout).delta
         if not section.companion:
             return
         companion = section.companion
@@ -512,7 +518,9 @@ class VersionRPCs:
                     topology=request.topology, holder=request.holder
                 ), response.revision, 0, timeout,
             )  # fmt: skip
-            self._put_manifests(answer, tenant, companion, version, part, shard, timeout)
+            manifest_reads.put_manifests(
+                self.hub, answer, tenant, companion, version, part, shard, timeout
+            )
         except TensorHubError as exc:
             log.info("resolve %s@%d: its companion %s is not there (%s)",
                      model, version, companion, exc)  # fmt: skip
@@ -559,12 +567,14 @@ class VersionRPCs:
         if version == 0:
             raise VersionNotFound(f"{model} has no published version")
         validate_version(version)
-        header = self._header(tenant, model, version, timeout)
+        header = manifest_reads.header(self.hub, tenant, model, version, timeout)
         page = self.hub.holders(tenant).page(
             tenant.name, model, version, after=after, size=size, timeout=timeout
         )
         if header.published_revision != page.published_revision:  # deleted, published again
-            header = self._header(tenant, model, version, timeout, page.published_revision)
+            header = manifest_reads.header(
+                self.hub, tenant, model, version, timeout, page.published_revision
+            )
         response = pb.InspectResponse(
             version=version,
             latest=latest,
@@ -578,7 +588,9 @@ class VersionRPCs:
             shard_count=header.shard_count,
         )
         if not request.omit_manifest:
-            self._put_manifests(response, tenant, model, version, header, None, timeout)
+            manifest_reads.put_manifests(
+                self.hub, response, tenant, model, version, header, None, timeout
+            )
         return response
 
     def _latest_kv(self, tenant: Tenant, model: str, timeout: float) -> tuple[int, int]:
@@ -587,55 +599,6 @@ class VersionRPCs:
         if latest == 0:
             raise VersionNotFound(f"{model} has no published version")
         return latest, moved
-
-    def _header(
-        self, tenant: Tenant, model: str, version: int, timeout: float, published: int = 0
-    ) -> ManifestHeader:
-        """The version's manifest header (shards, digests), cached: it never changes, but a
-        model deleted (`DeleteModel`) may publish the same version number again. So a
-        caller that knows the create revision of the version's manifest key (`published`)
-        passes it, and a cached header of an earlier incarnation is dropped, with its
-        manifests, and read again."""
-        versions = self.hub.versions(tenant)
-        key = (tenant.name, model, version)
-
-        def load() -> ManifestHeader:
-            return versions.header(tenant.name, model, version, timeout=timeout)
-
-        header = self.hub.manifest_cache.header(key, load)
-        if published and header.published_revision != published:
-            self.hub.manifest_cache.forget(key, header.shard_count)
-            header = self.hub.manifest_cache.header(key, load)
-        return header
-
-    def _put_manifests(
-        self,
-        response: pb.ResolveResponse | pb.InspectResponse,
-        tenant: Tenant,
-        model: str,
-        version: int,
-        header: ManifestHeader,
-        shard: int | None,
-        timeout: float,
-    ) -> None:
-        """The manifest asked for: the whole version's, shard `shard`'s, or (a model-parallel
-        version, no shard asked) one per shard; each read from etcd once per replica."""
-        if header.shard_count and shard is None:
-            for index in range(header.shard_count):
-                response.shards.append(self._manifest(tenant, model, version, index, timeout))
-        else:
-            response.manifest.CopyFrom(self._manifest(tenant, model, version, shard, timeout))
-
-    def _manifest(
-        self, tenant: Tenant, model: str, version: int, part: int | None, timeout: float
-    ) -> pb.Manifest:
-        """The manifest of `model@version` (of shard `part`), from this replica's cache or read
-        once from etcd; shared: never change it."""
-        versions = self.hub.versions(tenant)
-        return self.hub.manifest_cache.manifest(
-            (tenant.name, model, version, part),
-            lambda: versions.manifest(tenant.name, model, version, part, timeout=timeout),
-        )
 
 
 HUB_PUBLISH_LIMIT.labels("manifest_bytes").set(MAX_MANIFEST_BYTES)
