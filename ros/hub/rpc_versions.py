@@ -15,14 +15,10 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from consistency import HolderRecord, HolderState, VersionRegistry
+from consistency import HolderRecord, HolderState
 from consistency.declared_layouts import DeclaredLayouts
 from consistency.manifests import (
-    MAX_MANIFEST_BYTES,
-    MAX_SHARDS,
     ManifestHeader,
-    check_manifest_size,
-    check_shard_count,
     written_before_batch,
 )
 from consistency.publishing import Admit, Published
@@ -37,6 +33,13 @@ from ros.hub.holder_index import HolderIndex
 from ros.hub.limits import StreamLimits
 from ros.hub.manifest_cache import ManifestCache
 from ros.hub.manifest_processes import ManifestCheck, ManifestProcesses
+from ros.hub.publish_checks import (
+    CallChecks,
+    check_publish_limits,
+    layout_parts,
+    layout_sums,
+    manifest_name,
+)
 from ros.hub.rpc import Registries, streaming, unary, unary_async
 from ros.hub.shard_group import publish_shards
 from ros.hub.shard_publish import ShardBatches, ShardJob
@@ -49,18 +52,10 @@ from ros.hub.views import (
     views_charge,
 )
 from ros.manifest_check import check_manifest, check_manifest_bytes, check_topology
-from ros.metrics import HUB_PUBLISH_LIMIT, HUB_PUBLISHES_REFUSED, HUB_WATCHES
+from ros.metrics import HUB_WATCHES
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.raw_manifest import full_request
 from ros.tokens import issue_read_token
-from tensorhub.declared_records import (
-    MAX_PART_SUMS,
-    MAX_PARTS_BYTES,
-    MAX_PARTS_SHARDS,
-    MAX_PUBLISHER_SUMS,
-    Part,
-    encode_parts,
-)
 from tensorhub.delta_rules import is_companion
 from tensorhub.errors import InvalidArgument, TensorHubError, VersionNotFound
 from tensorhub.names import validate_name, validate_version
@@ -123,10 +118,10 @@ class VersionRPCs:
         chunk at a time in a worker. Each request is a `RawPublishRequest`, its manifest
         the bytes it came as (`ros.raw_manifest`; the server reads this call's messages so).
         What every shard of the call shares (its model and version checked, their
-        registry and admission, each session's key) is worked out once (`_CallChecks`).
+        registry and admission, each session's key) is worked out once (`CallChecks`).
         Where the replica has checking processes, each chunk's manifests are checked in
         one of them before the chunk is staged (`_verified`, `ros.hub.manifest_processes`)."""
-        shared = _CallChecks(deferred=self.hub.manifest_processes.active)
+        shared = CallChecks(deferred=self.hub.manifest_processes.active)
         return await publish_shards(
             requests,
             lambda request: self._checked_group_shard(request, call, shared),
@@ -173,7 +168,7 @@ class VersionRPCs:
         )
 
     def _checked_group_shard(
-        self, raw: Any, call: CallContext, shared: _CallChecks
+        self, raw: Any, call: CallContext, shared: CallChecks
     ) -> asyncio.Future[Staging]:
         """A group call's shard (a `RawPublishRequest`: its manifest as the bytes it came,
         `ros.raw_manifest`) checked (as `_staged_shard`), with its staging left for its
@@ -211,7 +206,7 @@ class VersionRPCs:
         *,
         session: bool,
         manifest: bytes | None = None,
-        shared: _CallChecks | None = None,
+        shared: CallChecks | None = None,
     ) -> tuple[Tenant, float, str, int, bytes, HolderRecord, Admit]:
         """What every publish checks first: the caller, the bounds, its session (with
         `session`; else the batch's own transaction does); and the model quota's admission.
@@ -233,7 +228,7 @@ class VersionRPCs:
             raise InvalidArgument("a whole publish carries the publisher's checksums whole")
         known = shared.version.get((request.model, request.version)) if shared else None
         if known is not None:  # a shard of the version its call's first shard checked
-            _check_publish_limits(request, None if manifest is None else len(manifest))
+            check_publish_limits(request, None if manifest is None else len(manifest))
             holder = holder_from_pb(request.holder, default_state=HolderState.COMPLETE)
             if session:
                 self.hub.sessions.own(tenant.name, holder.session, timeout)
@@ -244,7 +239,7 @@ class VersionRPCs:
         model = validate_name(request.model, "model")
         version = validate_version(request.version)
         # bounds first: a limit answers before any work
-        _check_publish_limits(request, None if manifest is None else len(manifest))
+        check_publish_limits(request, None if manifest is None else len(manifest))
         check_companion(  # a reserved name: only a delta publish's own companion
             request,
             lambda base_model, base: manifest_reads.header(
@@ -274,11 +269,11 @@ class VersionRPCs:
         # the etcd budget: refused here, before any write
         charge = self.hub.budgets.whole(tenant, len(manifest) + views_charge(views), timeout)
         check_manifest(  # every rule, before any write
-            request.manifest, _what(request), model=request.model, version=request.version
+            request.manifest, manifest_name(request), model=request.model, version=request.version
         )
         declared = (
             self.hub.declared_layouts(tenant).publish_ops(
-                tenant.name, model, version, request.declared_revision, _layout_sums(request)
+                tenant.name, model, version, request.declared_revision, layout_sums(request)
             )
             if request.HasField("declared_revision")
             else None
@@ -316,7 +311,7 @@ class VersionRPCs:
         call: CallContext,
         group: bool,
         serialized: bytes,
-        shared: _CallChecks | None = None,
+        shared: CallChecks | None = None,
     ) -> Staging:
         """A shard publish checked, every rule before any write; its staging (of its
         manifest, `serialized`) to run next: a job for its version's next batch. Its session
@@ -336,7 +331,7 @@ class VersionRPCs:
                 request.shard_count, timeout,
             )  # fmt: skip
         deferred = False
-        check: ManifestCheck = (manifest, _what(request), request.model, request.version)
+        check: ManifestCheck = (manifest, manifest_name(request), request.model, request.version)
         if isinstance(request.manifest, bytes):  # a group call's (`_checked_group_shard`)
             # its manifest's rules are the last checked (no parts, views or pages follow):
             # with checking processes, decided in one of them before it is staged
@@ -348,7 +343,7 @@ class VersionRPCs:
                 _check_manifest(check)  # every rule, before any write
         else:
             check_manifest(  # every rule, before any write
-                request.manifest, _what(request), model=request.model,
+                request.manifest, manifest_name(request), model=request.model,
                 version=request.version, serialized=manifest,
             )  # fmt: skip
         versions = shared.versions(self.hub, tenant) if shared else self.hub.versions(tenant)
@@ -359,7 +354,7 @@ class VersionRPCs:
         index, count = request.shard_index, request.shard_count
         parts = (
             [(versions.keys.publisher_part(tenant.name, model, version, index),
-              _layout_parts(request))]
+              layout_parts(request))]
             if request.HasField("declared_revision")
             else []
         )  # fmt: skip
@@ -599,111 +594,6 @@ class VersionRPCs:
         if latest == 0:
             raise VersionNotFound(f"{model} has no published version")
         return latest, moved
-
-
-HUB_PUBLISH_LIMIT.labels("manifest_bytes").set(MAX_MANIFEST_BYTES)
-HUB_PUBLISH_LIMIT.labels("shards").set(MAX_SHARDS)
-
-
-class _CallChecks:
-    """What the shards of one `PublishShards` call share, worked out for its first shard
-    and reused by the rest (thousands of shards of one version): the model and version as
-    checked, with the model quota's admission, by the (model, version) the request named
-    (the rest of a call's shards of another version are refused by `ros.hub.shard_group`
-    before their checks); the tenant's version registry; each session's key. Only what
-    passed is kept, so a refused shard's successor is checked in full again; what depends
-    on the shard itself (its limits, its holder, its manifest) is checked every time."""
-
-    def __init__(self, *, deferred: bool = False) -> None:
-        """`deferred`: its shards' manifests are checked in a checking process, each
-        chunk's before it is staged (`VersionRPCs._verified`)."""
-        self.deferred = deferred
-        self.version: dict[tuple[str, int], tuple[str, int, Admit]] = {}
-        self._versions: tuple[Tenant, VersionRegistry] | None = None
-        self._sessions: dict[tuple[str, int], str] = {}
-
-    def versions(self, hub: VersionHub, tenant: Tenant) -> VersionRegistry:
-        """`hub.versions(tenant)`, looked up once a call (a call's caller is one tenant)."""
-        if self._versions is None or self._versions[0] is not tenant:
-            self._versions = (tenant, hub.versions(tenant))
-        return self._versions[1]
-
-    def session_key(self, sessions: SessionRecords, tenant: str, session: int) -> str:
-        """`sessions.key(tenant, session)`, made once a session."""
-        key = self._sessions.get((tenant, session))
-        if key is None:
-            key = self._sessions[(tenant, session)] = sessions.key(tenant, session)
-        return key
-
-
-def _check_publish_limits(request: pb.PublishRequest, size: int | None = None) -> None:
-    """The scale envelope's bounds (docs/design.md), before any work: `InvalidArgument` past
-    `MAX_SHARDS`,
-    `ManifestTooLarge` past `MAX_MANIFEST_BYTES` (counted in the refusal metric by limit).
-    `size`: the manifest's bytes, where the caller has them counted."""
-    limit = "shards"
-    try:
-        if request.shard_count:
-            check_shard_count(request.shard_count)
-        limit = "manifest_bytes"
-        check_manifest_size(request.manifest.ByteSize() if size is None else size)
-    except InvalidArgument:
-        HUB_PUBLISHES_REFUSED.labels(limit).inc()
-        raise
-
-
-def _layout_sums(request: pb.PublishRequest) -> dict[str, dict[str, list[int]]]:
-    """A whole publish's checksums of its declared layouts' block sets, checked: names,
-    each block set once, at most `MAX_PUBLISHER_SUMS` in all (`InvalidArgument`)."""
-    out: dict[str, dict[str, list[int]]] = {}
-    total = 0
-    for entry in request.layout_sums:
-        sets = out.setdefault(validate_name(entry.layout, "layout"), {})
-        block_set = validate_name(entry.block_set, "block set")
-        if block_set in sets or len(block_set) != 32:
-            raise InvalidArgument(
-                f"publisher checksums of block set {block_set!r}: one 32-digit id, once"
-            )
-        total += len(entry.sums)
-        if total > MAX_PUBLISHER_SUMS:
-            raise InvalidArgument(f"over {MAX_PUBLISHER_SUMS} publisher checksums in one publish")
-        sets[block_set] = list(entry.sums)
-    return out
-
-
-def _layout_parts(request: pb.PublishRequest) -> bytes:
-    """A shard's parts of the publisher's checksums of declared layouts, checked (names,
-    lengths, at most `MAX_PART_SUMS` sums, at most `MAX_PARTS_SHARDS` shards) and encoded
-    with the declarations' revision its rank read (`InvalidArgument`)."""
-    if request.shard_count > MAX_PARTS_SHARDS:
-        raise InvalidArgument(
-            f"parts of publisher checksums from {request.shard_count} shards: at most "
-            f"{MAX_PARTS_SHARDS}"
-        )
-    parts = []
-    total = 0
-    for p in request.layout_parts:
-        if len(p.chunks) != len(p.sums) or len(p.offsets) != len(p.shape):
-            raise InvalidArgument("a part of publisher checksums names as many chunks as sums")
-        total += len(p.sums)
-        if total > MAX_PART_SUMS:
-            raise InvalidArgument(f"over {MAX_PART_SUMS} publisher checksums in one shard")
-        parts.append(Part(
-            validate_name(p.layout, "layout"), validate_name(p.block_set, "block set"),
-            p.tensor, (tuple(p.offsets), tuple(p.shape)), tuple(p.chunks), tuple(p.sums),
-        ))  # fmt: skip
-    encoded = encode_parts(request.declared_revision, request.shard_count, parts)
-    if len(encoded) > MAX_PARTS_BYTES:
-        raise InvalidArgument(
-            f"a shard's parts of publisher checksums take {len(encoded)} bytes: at most "
-            f"{MAX_PARTS_BYTES}"
-        )
-    return encoded
-
-
-def _what(request: pb.PublishRequest) -> str:
-    """How a refusal names the manifest of a publish (the SDK names it the same way)."""
-    return f"manifest of shard {request.shard_index}" if request.shard_count else "manifest"
 
 
 def _check_shard(model: str, version: int, shard: int | None, count: int) -> None:
