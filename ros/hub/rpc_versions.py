@@ -11,8 +11,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Protocol
 
 from consistency import HolderRecord, HolderState
@@ -28,6 +27,7 @@ from ros.hub.budget import Budgets, model_serial
 from ros.hub.call import AioContext, CallContext
 from ros.hub.companions import check_companion
 from ros.hub.convert import holder_from_pb, holder_to_pb
+from ros.hub.deferred_checks import Deferred, Staging, check_group_manifest, stage_all, verified
 from ros.hub.fanout import WatchFanout
 from ros.hub.holder_index import HolderIndex
 from ros.hub.limits import StreamLimits
@@ -51,7 +51,7 @@ from ros.hub.views import (
     refuse_view_name,
     views_charge,
 )
-from ros.manifest_check import check_manifest, check_manifest_bytes, check_topology
+from ros.manifest_check import check_manifest, check_topology
 from ros.metrics import HUB_WATCHES
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.raw_manifest import full_request
@@ -59,8 +59,6 @@ from ros.tokens import issue_read_token
 from tensorhub.delta_rules import is_companion
 from tensorhub.errors import InvalidArgument, TensorHubError, VersionNotFound
 from tensorhub.names import validate_name, validate_version
-
-Staging = Callable[[], tuple[str, int, ShardJob]]  # a checked shard's staging (`_check_shard`)
 
 DEFAULT_PAGE_SIZE = 500  # holders per Inspect page when the caller names no size
 MAX_PAGE_SIZE = 5000  # the most holders one Inspect page lists
@@ -120,27 +118,16 @@ class VersionRPCs:
         What every shard of the call shares (its model and version checked, their
         registry and admission, each session's key) is worked out once (`CallChecks`).
         Where the replica has checking processes, each chunk's manifests are checked in
-        one of them before the chunk is staged (`_verified`, `ros.hub.manifest_processes`)."""
+        one of them before the chunk is staged (`ros.hub.deferred_checks`,
+        `ros.hub.manifest_processes`)."""
         shared = CallChecks(deferred=self.hub.manifest_processes.active)
         return await publish_shards(
             requests,
             lambda request: self._checked_group_shard(request, call, shared),
-            lambda stagings: self.hub.blocking(_stage_all, stagings, deadline_of=call),
+            lambda stagings: self.hub.blocking(stage_all, stagings, deadline_of=call),
             self.hub.shard_batches.publish_all,
-            self._verified,
+            lambda stagings: verified(self.hub.manifest_processes, stagings),
         )
-
-    async def _verified(self, stagings: list[Staging]) -> list[Staging]:
-        """A chunk of a group call's checked shards, their manifests left to a checking
-        process (`_Deferred`) decided there: one that passed is staged as checked, one that
-        did not is checked again as it is staged, which refuses it with its own error (as is
-        every one, where no process answers)."""
-        checks = [s.check for s in stagings if isinstance(s, _Deferred)]
-        verdicts = await self.hub.manifest_processes.passes(checks) if checks else None
-        if verdicts is None:
-            return stagings
-        passed = iter(verdicts)
-        return [s.then if isinstance(s, _Deferred) and next(passed) else s for s in stagings]
 
     async def _publish_shard(self, request: pb.PublishRequest, call: CallContext) -> Published:
         """One shard: checked and staged, then committed in its version's next batch."""
@@ -172,7 +159,7 @@ class VersionRPCs:
     ) -> asyncio.Future[Staging]:
         """A group call's shard (a `RawPublishRequest`: its manifest as the bytes it came,
         `ros.raw_manifest`) checked (as `_staged_shard`), with its staging left for its
-        chunk's worker (`_stage_all`): its manifest ready for its batch's pack
+        chunk's worker (`stage_all`): its manifest ready for its batch's pack
         (`consistency.manifest_packs`). Checked here, on the loop, into a future already
         done (no task a shard: a call is thousands of them); a shard whose manifest is
         paged (written before its batch), or a companion's, is parsed whole and staged in
@@ -340,7 +327,7 @@ class VersionRPCs:
                 and not request.HasField("declared_revision")
             )  # fmt: skip
             if not deferred:
-                _check_manifest(check)  # every rule, before any write
+                check_group_manifest(check)  # every rule, before any write
         else:
             check_manifest(  # every rule, before any write
                 request.manifest, manifest_name(request), model=request.model,
@@ -373,7 +360,7 @@ class VersionRPCs:
             )  # fmt: skip
             return model, version, ShardJob(tenant, versions, admit, entry)
 
-        return _Deferred(check, staging) if deferred else staging
+        return Deferred(check, staging) if deferred else staging
 
     @unary
     def Latest(self, request: pb.LatestRequest, context: CallContext) -> pb.LatestResponse:
@@ -612,37 +599,3 @@ def _digest(header: ManifestHeader, shard: int | None) -> bytes:
     if shard is not None:
         return header.shards[shard].digest
     return header.digest
-
-
-@dataclass(frozen=True)
-class _Deferred:
-    """A group call's shard checked but for its manifest, which a checking process decides
-    before its chunk is staged (`VersionRPCs._verified`): `check`, that manifest;
-    `then`, its staging once it passed. Called itself, it checks the manifest here first,
-    as an undeferred shard's staging follows its check: a refusal is the one its own
-    Publish would get, and nothing is staged."""
-
-    check: ManifestCheck
-    then: Staging
-
-    def __call__(self) -> tuple[str, int, ShardJob]:
-        _check_manifest(self.check)
-        return self.then()
-
-
-def _check_manifest(check: ManifestCheck) -> None:
-    """Every rule of a group call's manifest, from its bytes (`check_manifest_bytes`)."""
-    manifest, what, model, version = check
-    check_manifest_bytes(manifest, what, model=model, version=version)
-
-
-def _stage_all(stagings: list[Staging]) -> list[tuple[str, int, ShardJob] | BaseException]:
-    """A chunk of a group call's checked shards staged, in a worker: each one's job, or the
-    error that refuses it alone."""
-    staged: list[tuple[str, int, ShardJob] | BaseException] = []
-    for staging in stagings:
-        try:
-            staged.append(staging())
-        except Exception as exc:  # the shard's own refusal, as its Publish would name it
-            staged.append(exc)
-    return staged
