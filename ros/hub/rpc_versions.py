@@ -1,8 +1,9 @@
-"""Version handlers: latest, watch, resolve (with a read token), list, inspect.
+"""Version handlers: latest, watch, resolve (with a read token).
 
 They depend on `VersionHub`, the part of the replica they use, not on the whole
 `ros.hub.state.HubState`, which provides it; every etcd request they make goes through a
-registry of `consistency`. Publishing a version is `ros.hub.rpc_publish`'s.
+registry of `consistency`. Publishing a version is `ros.hub.rpc_publish`'s; listing models
+and inspecting a version, `ros.hub.rpc_listing`'s.
 """
 
 from __future__ import annotations
@@ -29,9 +30,6 @@ from ros.tokens import issue_read_token
 from tensorhub.errors import InvalidArgument, TensorHubError, VersionNotFound
 from tensorhub.names import validate_name, validate_version
 
-DEFAULT_PAGE_SIZE = 500  # holders per Inspect page when the caller names no size
-MAX_PAGE_SIZE = 5000  # the most holders one Inspect page lists
-
 log = logging.getLogger(__name__)
 
 
@@ -49,7 +47,7 @@ class VersionHub(Registries, Protocol):
 
 
 class VersionRPCs:
-    """Version handlers: latest, watch, resolve (with a read token), list, inspect."""
+    """Version handlers: latest, watch, resolve (with a read token)."""
 
     def __init__(self, hub: VersionHub) -> None:
         self.hub = hub
@@ -200,72 +198,6 @@ class VersionRPCs:
                      model, version, companion, exc)  # fmt: skip
             return
         response.companion.CopyFrom(answer)
-
-    @unary
-    def ListModels(
-        self, request: pb.ListModelsRequest, context: CallContext
-    ) -> pb.ListModelsResponse:
-        tenant = context.tenant()
-        timeout = self.hub.timeout(context)
-        versions = self.hub.versions(tenant)
-        response = pb.ListModelsResponse()
-        for model in versions.models(tenant.name, timeout=timeout):
-            latest, revision = versions.latest(tenant.name, model, timeout=timeout)
-            response.models.append(
-                pb.ModelSummary(
-                    name=model,
-                    latest=latest,
-                    versions=versions.versions(tenant.name, model, timeout=timeout),
-                )
-            )
-            response.revision = max(response.revision, revision)
-        if not response.revision:
-            response.revision = versions.revision(tenant.name, timeout=timeout)
-        return response
-
-    @unary
-    def Inspect(self, request: pb.InspectRequest, context: CallContext) -> pb.InspectResponse:
-        """Everything about one version, with its holders listed by name, one page at a
-        time (`page_size`, at most `MAX_PAGE_SIZE`; `page_token`: the last name of the
-        previous page). Each page is one etcd read-only transaction (one revision)."""
-        tenant = context.tenant()
-        timeout = self.hub.timeout(context)
-        model = validate_name(request.model, "model")
-        if request.page_size < 0:
-            raise InvalidArgument(f"page_size must not be negative, got {request.page_size}")
-        size = min(request.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
-        after = validate_name(request.page_token, "page token") if request.page_token else ""
-        versions = self.hub.versions(tenant)
-        latest, _ = versions.latest(tenant.name, model, timeout=timeout)
-        version = request.version or latest
-        if version == 0:
-            raise VersionNotFound(f"{model} has no published version")
-        validate_version(version)
-        header = manifest_reads.header(self.hub, tenant, model, version, timeout)
-        page = self.hub.holders(tenant).page(
-            tenant.name, model, version, after=after, size=size, timeout=timeout
-        )
-        if header.published_revision != page.published_revision:  # deleted, published again
-            header = manifest_reads.header(
-                self.hub, tenant, model, version, timeout, page.published_revision
-            )
-        response = pb.InspectResponse(
-            version=version,
-            latest=latest,
-            holders=[holder_to_pb(h) for h in page.holders],
-            pins=page.pins,
-            published_revision=header.published_revision,
-            revision=page.revision,
-            retained=version in versions.retained(tenant.name, model, timeout=timeout),
-            next_page_token=page.next_after,
-            total_holders=page.total,
-            shard_count=header.shard_count,
-        )
-        if not request.omit_manifest:
-            manifest_reads.put_manifests(
-                self.hub, response, tenant, model, version, header, None, timeout
-            )
-        return response
 
     def _latest_kv(self, tenant: Tenant, model: str, timeout: float) -> tuple[int, int]:
         """(latest version, the revision `latest` was moved at): one linearizable get."""
