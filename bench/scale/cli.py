@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import signal
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 from bench.report import Result, emit
-from bench.scale import rows, shard_rows
+from bench.scale import rows, runners, shard_rows
 
 PARTS = ("clients", "holders", "manifest", "history", "shards", "herd", "reconnect")
 
@@ -145,10 +144,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON (- = stdout)")
 
 
-def _log(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
-
-
 def _timed(
     name: str,
     command: str,
@@ -158,7 +153,7 @@ def _timed(
     """Run one part; any exception becomes the part's note (a failed part, not a crash)."""
     res = Result(name, command)
     start = time.monotonic()
-    _log(f"== {name} ...")
+    runners.log(f"== {name} ...")
     try:
         data = fn()
         res.details = data
@@ -167,122 +162,6 @@ def _timed(
         res.note = f"failed: {type(exc).__name__}: {exc}"[:300]
     res.seconds = time.monotonic() - start
     return res
-
-
-def _clients(args: argparse.Namespace) -> dict[str, Any]:
-    """At each N: the ceiling, then the hub, measured by the same client processes."""
-    from bench.scale.clients import Fleet
-    from bench.scale.load import RoundSpec
-    from bench.scale.sessions import ceiling_round, hub_round, summary
-    from consistency.embedded import EtcdCluster
-
-    rounds = []
-    with EtcdCluster(size=1, extra_args=_etcd_limits(args).args()) as etcd:
-        for n in [int(x) for x in args.clients.split(",") if x]:
-            spec = RoundSpec(clients=n, versions=args.versions, gap=args.gap,
-                             workers=args.workers, ttl=args.ttl,
-                             connect_seconds=args.connect_seconds)  # fmt: skip
-            fleet = Fleet(args.workers)
-            try:
-                for name in ("ceiling", "hub"):
-                    t0 = time.monotonic()
-                    if name == "ceiling":
-                        r = ceiling_round(spec, _log, fleet)
-                    else:
-                        r = hub_round(etcd.endpoints, spec, _log, tree=args.hub_tree, fleet=fleet)
-                    r["round_s"] = round(time.monotonic() - t0, 1)
-                    _log(summary(r))
-                    rounds.append(r)
-                    if r.get("fleet_broken"):  # the next round gets fresh processes
-                        fleet.close()
-                        fleet = Fleet(args.workers)
-            finally:
-                fleet.close()
-    return {"rounds": rounds, "hub_tree": args.hub_tree}
-
-
-def _etcd_limits(args: argparse.Namespace) -> Any:
-    from bench.scale.world import EtcdLimits
-
-    return EtcdLimits(args.max_txn_ops, args.max_request_bytes)
-
-
-def _replicas(args: argparse.Namespace) -> tuple[int, ...]:
-    return tuple(int(x) for x in args.replicas.split(",") if x)
-
-
-def _herd(args: argparse.Namespace) -> dict[str, Any]:
-    """At each replica count: the ceiling, then the hub, with the same client processes."""
-    from bench.scale.clients import Fleet
-    from bench.scale.herd import HerdSpec, ceiling_herd, herd_round, summary
-    from bench.scale.procs import ServerStartError
-    from bench.scale.world import World
-
-    limits = _etcd_limits(args)
-    spec = HerdSpec(
-        clients=args.herd_clients, workers=args.workers, ttl=args.ttl,
-        hold=float(args.ttl) if args.herd_hold is None else args.herd_hold,
-        connect_seconds=args.connect_seconds, open_seconds=args.herd_open_seconds,
-    )  # fmt: skip
-    _log(f"  etcd at {limits.describe()}")
-    rounds = []
-    fleet = Fleet(args.workers, prober=False)
-    try:
-        for r in _replicas(args):
-            for name in ("ceiling", "hub"):
-                t0 = time.monotonic()
-                if name == "ceiling":
-                    res = ceiling_herd(r, spec, fleet, _log)
-                else:
-                    world = World(max_sessions=2 * spec.clients + 64, replicas=r,
-                                  tree=args.hub_tree, limits=limits, metrics=True)  # fmt: skip
-                    try:
-                        with world:
-                            res = herd_round("hub", world.hubs, world.token, spec, fleet, _log)
-                    except ServerStartError as exc:
-                        res = {"server": "hub", "replicas": r, "failed": str(exc)}
-                res["round_s"] = round(time.monotonic() - t0, 1)
-                _log(summary(res))
-                rounds.append(res)
-                if res.get("fleet_broken"):  # the next round gets fresh processes
-                    fleet.close()
-                    fleet = Fleet(args.workers, prober=False)
-    finally:
-        fleet.close()
-    return {
-        "clients": spec.clients,
-        "rounds": rounds,
-        "hub_tree": args.hub_tree,
-        "limits": {"max_txn_ops": limits.max_txn_ops,
-                   "max_request_bytes": limits.max_request_bytes},
-    }  # fmt: skip
-
-
-def _shards(args: argparse.Namespace) -> dict[str, Any]:
-    from bench.scale import shards
-
-    cases = tuple(c for c in args.shard_cases.split(",") if c)
-    unknown = set(cases) - set(shards.CASES)
-    if unknown:
-        raise SystemExit(f"unknown shard cases: {', '.join(sorted(unknown))}")
-    return shards.run(
-        args.shards, args.ranks, args.inflight, _replicas(args), sequential=args.sequential,
-        group_tensors=args.group_tensors, group_frame=args.group_frame, cases=cases,
-        workers=args.workers, timeout=args.shard_timeout, tree=args.hub_tree,
-        limits=_etcd_limits(args), log=_log,
-    )  # fmt: skip
-
-
-def _reconnect(args: argparse.Namespace) -> dict[str, Any]:
-    from bench.scale import reconnect
-
-    out = reconnect.run(
-        args.reconnect_clients, workers=args.reconnect_workers, ttl=args.ttl,
-        observe=args.reconnect_observe, concurrency=args.reconnect_connecting,
-        tree=args.hub_tree, limits=_etcd_limits(args), log=_log,
-    )  # fmt: skip
-    _log(reconnect.summary(out))
-    return out
 
 
 def results(args: argparse.Namespace) -> list[Result]:
@@ -300,7 +179,7 @@ def results(args: argparse.Namespace) -> list[Result]:
     runs: dict[str, tuple[str, Callable[[], dict[str, Any]], Any]] = {
         "clients": (
             f"{cmd}clients --clients {args.clients}",
-            lambda: _clients(args),
+            lambda: runners.run_clients(args),
             rows.fill_clients,
         ),
         "holders": (
@@ -329,19 +208,19 @@ def results(args: argparse.Namespace) -> list[Result]:
             f" --group-frame {args.group_frame}"
             f" --shard-cases {args.shard_cases}"
             f" --replicas {args.replicas}{limits}{tree}",
-            lambda: _shards(args),
+            lambda: runners.run_shards(args),
             shard_rows.fill_shards,
         ),
         "herd": (
             f"{cmd}herd --herd-clients {args.herd_clients} --replicas {args.replicas} "
             f"--ttl {args.ttl} --herd-open-seconds {args.herd_open_seconds:g}{limits}{tree}",
-            lambda: _herd(args),
+            lambda: runners.run_herd(args),
             rows.fill_herd,
         ),
         "reconnect": (
             f"{cmd}reconnect --reconnect-clients {args.reconnect_clients} --ttl {args.ttl}"
             f"{limits}{tree}",
-            lambda: _reconnect(args),
+            lambda: runners.run_reconnect(args),
             rows.fill_reconnect,
         ),
     }
