@@ -17,8 +17,8 @@ call.
 The wrappers apply to methods of any object with a `hub` that runs calls (`Runs`; the
 replica's `ros.hub.state.HubState` is one): the handler groups and the servicer. Each group
 declares its `hub` as a protocol that adds to `Runs` only what its handlers use
-(`SessionHub`, `VersionHub`, `HolderHub`, `ModelHub`, `TenantHub`; docs/design-notes.md,
-"What each handler group receives").
+(`SessionHub`, `PublishHub`, `VersionHub`, `ListingHub`, `HolderHub`, `ModelHub`,
+`TenantHub`, `LayoutHub`; docs/design-notes.md, "What each handler group receives").
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ class Runs(Protocol):
 
 class Registries(Runs, Protocol):
     """A replica that runs calls, times them and gives each tenant's registries: what the
-    version and holder handlers (`VersionHub`, `HolderHub`) both build on."""
+    publish, version, listing and holder handlers (`PublishHub`, `VersionHub`, `ListingHub`,
+    `HolderHub`) build on."""
 
     def timeout(self, context: CallContext) -> float: ...
 

@@ -1,380 +1,56 @@
-"""Version handlers: publish, latest, watch, resolve (with a read token), list, inspect.
+"""Version handlers: latest, watch, resolve (with a read token).
 
 They depend on `VersionHub`, the part of the replica they use, not on the whole
 `ros.hub.state.HubState`, which provides it; every etcd request they make goes through a
-registry of `consistency` or through `Budgets` (`ros.hub.budget`).
+registry of `consistency`. Publishing a version is `ros.hub.rpc_publish`'s; listing models
+and inspecting a version, `ros.hub.rpc_listing`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import AsyncGenerator
+from typing import Protocol
 
-from consistency import HolderRecord, HolderState, VersionRegistry
-from consistency.declared_layouts import DeclaredLayouts
-from consistency.manifests import (
-    MAX_MANIFEST_BYTES,
-    MAX_SHARDS,
-    ManifestHeader,
-    check_manifest_size,
-    check_shard_count,
-    written_before_batch,
-)
-from consistency.publishing import Admit, Published
-from consistency.sessions import SessionRecords
-from ros.hub.budget import Budgets, model_serial
+from consistency.manifests import ManifestHeader
+from ros.hub import manifest_reads
 from ros.hub.call import AioContext, CallContext
-from ros.hub.companions import check_companion
-from ros.hub.convert import holder_from_pb, holder_to_pb
+from ros.hub.convert import holder_to_pb
 from ros.hub.fanout import WatchFanout
 from ros.hub.holder_index import HolderIndex
 from ros.hub.limits import StreamLimits
 from ros.hub.manifest_cache import ManifestCache
-from ros.hub.manifest_processes import ManifestCheck, ManifestProcesses
-from ros.hub.rpc import Registries, streaming, unary, unary_async
-from ros.hub.shard_group import publish_shards
-from ros.hub.shard_publish import ShardBatches, ShardJob
+from ros.hub.rpc import Registries, streaming, unary
 from ros.hub.tenants import Tenant, TenantStore
-from ros.hub.views import (
-    check_pages,
-    check_shard_pages,
-    checked_views,
-    refuse_view_name,
-    views_charge,
-)
-from ros.manifest_check import check_manifest, check_manifest_bytes, check_topology
-from ros.metrics import HUB_PUBLISH_LIMIT, HUB_PUBLISHES_REFUSED, HUB_WATCHES
+from ros.manifest_check import check_topology
+from ros.metrics import HUB_WATCHES
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
-from ros.raw_manifest import full_request
 from ros.tokens import issue_read_token
-from tensorhub.declared_records import (
-    MAX_PART_SUMS,
-    MAX_PARTS_BYTES,
-    MAX_PARTS_SHARDS,
-    MAX_PUBLISHER_SUMS,
-    Part,
-    encode_parts,
-)
-from tensorhub.delta_rules import is_companion
 from tensorhub.errors import InvalidArgument, TensorHubError, VersionNotFound
 from tensorhub.names import validate_name, validate_version
-
-Staging = Callable[[], tuple[str, int, ShardJob]]  # a checked shard's staging (`_check_shard`)
-
-DEFAULT_PAGE_SIZE = 500  # holders per Inspect page when the caller names no size
-MAX_PAGE_SIZE = 5000  # the most holders one Inspect page lists
 
 log = logging.getLogger(__name__)
 
 
 class VersionHub(Registries, Protocol):
     """What the version handlers use of a replica besides `Registries` (running calls, their
-    timeout, the tenant's registries): the quota checks of a publish, sessions (a publish
-    names one), the caches and shared watches that answer reads, and the read keys of
-    Resolve."""
+    timeout, the tenant's registries): the caches and shared watches that answer reads, and
+    the read keys of Resolve."""
 
-    budgets: Budgets
-    sessions: SessionRecords
-    shard_batches: ShardBatches
     manifest_cache: ManifestCache
-    manifest_processes: ManifestProcesses
     holder_index: HolderIndex
     fanout: WatchFanout
     streams: StreamLimits
     tenants: TenantStore
     read_token_ttl: float
 
-    def declared_layouts(self, tenant: Tenant) -> DeclaredLayouts: ...
-
 
 class VersionRPCs:
-    """Version handlers: publish, latest, watch, resolve (with a read token), list, inspect."""
+    """Version handlers: latest, watch, resolve (with a read token)."""
 
     def __init__(self, hub: VersionHub) -> None:
         self.hub = hub
-
-    @unary_async
-    async def Publish(self, request: pb.PublishRequest, call: CallContext) -> pb.PublishResponse:
-        """Publish a whole version (in a worker, as any unary call), or one shard of a
-        model-parallel version: checked and staged in a worker, then committed with the
-        other shards of its version waiting on this replica (`ros.hub.shard_publish`)."""
-        if not request.shard_count:
-            published = await self.hub.blocking(
-                self._publish_whole, request, call, deadline_of=call
-            )
-        else:
-            published = await self._publish_shard(request, call)
-        return pb.PublishResponse(
-            version=published.version, revision=published.revision, visible=published.visible
-        )
-
-    @unary_async
-    async def PublishShards(
-        self, requests: AsyncIterator[Any], call: CallContext
-    ) -> pb.PublishShardsResponse:
-        """The shards of one version a process group gathered, in one call: each committed
-        as its own `Publish` would be (`ros.hub.shard_group`): checked on the loop, staged a
-        chunk at a time in a worker. Each request is a `RawPublishRequest`, its manifest
-        the bytes it came as (`ros.raw_manifest`; the server reads this call's messages so).
-        What every shard of the call shares (its model and version checked, their
-        registry and admission, each session's key) is worked out once (`_CallChecks`).
-        Where the replica has checking processes, each chunk's manifests are checked in
-        one of them before the chunk is staged (`_verified`, `ros.hub.manifest_processes`)."""
-        shared = _CallChecks(deferred=self.hub.manifest_processes.active)
-        return await publish_shards(
-            requests,
-            lambda request: self._checked_group_shard(request, call, shared),
-            lambda stagings: self.hub.blocking(_stage_all, stagings, deadline_of=call),
-            self.hub.shard_batches.publish_all,
-            self._verified,
-        )
-
-    async def _verified(self, stagings: list[Staging]) -> list[Staging]:
-        """A chunk of a group call's checked shards, their manifests left to a checking
-        process (`_Deferred`) decided there: one that passed is staged as checked, one that
-        did not is checked again as it is staged, which refuses it with its own error (as is
-        every one, where no process answers)."""
-        checks = [s.check for s in stagings if isinstance(s, _Deferred)]
-        verdicts = await self.hub.manifest_processes.passes(checks) if checks else None
-        if verdicts is None:
-            return stagings
-        passed = iter(verdicts)
-        return [s.then if isinstance(s, _Deferred) and next(passed) else s for s in stagings]
-
-    async def _publish_shard(self, request: pb.PublishRequest, call: CallContext) -> Published:
-        """One shard: checked and staged, then committed in its version's next batch."""
-        model, version, job = await self._staged_shard(request, call)
-        return await self.hub.shard_batches.publish(model, version, job)
-
-    async def _staged_shard(
-        self, request: pb.PublishRequest, call: CallContext
-    ) -> tuple[str, int, ShardJob]:
-        """One shard checked and staged. Its manifest is serialized once, here: its size,
-        its check (`check_manifest(serialized=)`), its digest and what is stored all come
-        from those bytes."""
-        manifest = request.manifest.SerializeToString()
-        if (
-            not written_before_batch(len(manifest), False)
-            and not is_companion(request.model)
-            and not request.views  # its view shards' manifests are staged first
-        ):
-            # Nothing to read or write before the batch: checked here, on the loop,
-            # without a trip through the worker pool (a burst is thousands of these).
-            # A companion's shard may read its base's header: in a worker.
-            return self._stage_shard(request, call, False, manifest)
-        return await self.hub.blocking(
-            self._stage_shard, request, call, False, manifest, deadline_of=call
-        )
-
-    def _checked_group_shard(
-        self, raw: Any, call: CallContext, shared: _CallChecks
-    ) -> asyncio.Future[Staging]:
-        """A group call's shard (a `RawPublishRequest`: its manifest as the bytes it came,
-        `ros.raw_manifest`) checked (as `_staged_shard`), with its staging left for its
-        chunk's worker (`_stage_all`): its manifest ready for its batch's pack
-        (`consistency.manifest_packs`). Checked here, on the loop, into a future already
-        done (no task a shard: a call is thousands of them); a shard whose manifest is
-        paged (written before its batch), or a companion's, is parsed whole and staged in
-        a worker, in a task."""
-        manifest: bytes = raw.manifest
-        if (
-            not written_before_batch(len(manifest), True)
-            and not is_companion(raw.model)
-            and not raw.views  # its view shards' manifests are staged whole, in a worker
-        ):
-            checked: asyncio.Future[Staging] = asyncio.get_running_loop().create_future()
-            try:
-                checked.set_result(self._check_shard(raw, call, True, manifest, shared))
-            except Exception as exc:  # its refusal, the shard's outcome
-                checked.set_exception(exc)
-            return checked
-        return asyncio.ensure_future(self._staged_whole(raw, call, manifest))
-
-    async def _staged_whole(self, raw: Any, call: CallContext, manifest: bytes) -> Staging:
-        """A group call's shard parsed whole, then checked and staged in a worker."""
-        request = full_request(raw)
-        staged = await self.hub.blocking(
-            self._stage_shard, request, call, True, manifest, deadline_of=call
-        )
-        return lambda: staged
-
-    def _publish_checks(
-        self,
-        request: pb.PublishRequest,
-        call: CallContext,
-        *,
-        session: bool,
-        manifest: bytes | None = None,
-        shared: _CallChecks | None = None,
-    ) -> tuple[Tenant, float, str, int, bytes, HolderRecord, Admit]:
-        """What every publish checks first: the caller, the bounds, its session (with
-        `session`; else the batch's own transaction does); and the model quota's admission.
-        The callers check the budget next (one etcd read: a refusal costs little) and then
-        every manifest rule (a walk over every tensor), all before any write. `manifest`:
-        the request's manifest as serialized by the caller (a shard's), else serialized here.
-        `shared`: what the shards of one group call share, checked by its first shard (a
-        shard with views or of a companion is not checked with it: its checks read them)."""
-        tenant = call.tenant()
-        timeout = self.hub.timeout(call)
-        if request.shards:  # a message of a PublishShards stream carries them, none else
-            raise InvalidArgument(
-                "a publish carries no `shards` of its own (a PublishShards message carries "
-                "either its own shard or its shards)"
-            )
-        if request.shard_count and request.layout_sums:
-            raise InvalidArgument("a shard carries its parts of the publisher's checksums")
-        if not request.shard_count and request.layout_parts:
-            raise InvalidArgument("a whole publish carries the publisher's checksums whole")
-        known = shared.version.get((request.model, request.version)) if shared else None
-        if known is not None:  # a shard of the version its call's first shard checked
-            _check_publish_limits(request, None if manifest is None else len(manifest))
-            holder = holder_from_pb(request.holder, default_state=HolderState.COMPLETE)
-            if session:
-                self.hub.sessions.own(tenant.name, holder.session, timeout)
-            if manifest is None:
-                manifest = request.manifest.SerializeToString()
-            model, version, admit = known
-            return tenant, timeout, model, version, manifest, holder, admit
-        model = validate_name(request.model, "model")
-        version = validate_version(request.version)
-        # bounds first: a limit answers before any work
-        _check_publish_limits(request, None if manifest is None else len(manifest))
-        check_companion(  # a reserved name: only a delta publish's own companion
-            request, lambda base_model, base: self._header(tenant, base_model, base, timeout)
-        )
-        refuse_view_name(request)  # a reserved name: views come only with their version
-        if manifest is None:
-            manifest = request.manifest.SerializeToString()
-        holder = holder_from_pb(request.holder, default_state=HolderState.COMPLETE)
-        if session:
-            self.hub.sessions.own(tenant.name, holder.session, timeout)
-        admit = self.hub.budgets.admission(tenant, self.hub.versions(tenant), model)
-        if shared is not None:
-            shared.version[(request.model, request.version)] = (model, version, admit)
-        return tenant, timeout, model, version, manifest, holder, admit
-
-    def _publish_whole(self, request: pb.PublishRequest, call: CallContext) -> Published:
-        # The session is compared in the publish's own writes (`session_key`), not read
-        # before them; the budget is checked against the replica's cached usage.
-        tenant, timeout, model, version, manifest, holder, admit = self._publish_checks(
-            request, call, session=False
-        )
-        views = checked_views(request) if request.views else []  # docs/views.md
-        if views:
-            check_pages(len(manifest), views)
-        # the etcd budget: refused here, before any write
-        charge = self.hub.budgets.whole(tenant, len(manifest) + views_charge(views), timeout)
-        check_manifest(  # every rule, before any write
-            request.manifest, _what(request), model=request.model, version=request.version
-        )
-        declared = (
-            self.hub.declared_layouts(tenant).publish_ops(
-                tenant.name, model, version, request.declared_revision, _layout_sums(request)
-            )
-            if request.HasField("declared_revision")
-            else None
-        )
-        published = self.hub.versions(tenant).publish(
-            tenant.name, model, version, manifest, holder, timeout=timeout, declared=declared,
-            admit_model=admit, charge=charge, serial=model_serial(tenant.name, model),
-            session_key=self.hub.sessions.key(tenant.name, holder.session), views=views,
-            admit_views=(
-                self.hub.budgets.admission_of(
-                    tenant, self.hub.versions(tenant), [model, *(name for name, _ in views)]
-                ) if views else None
-            ),
-        )  # fmt: skip
-        # what its readers' Resolves ask next: the header and manifest as stored (`stage`)
-        parsed = pb.Manifest()
-        parsed.CopyFrom(request.manifest)
-        header = ManifestHeader(
-            published.revision, len(manifest), hashlib.sha256(manifest).digest(),
-            session=holder.session,
-        )  # fmt: skip
-        self.hub.manifest_cache.seed((tenant.name, model, version), header, parsed, len(manifest))
-        return published
-
-    def _stage_shard(
-        self, request: pb.PublishRequest, call: CallContext, group: bool, serialized: bytes
-    ) -> tuple[str, int, ShardJob]:
-        """A shard publish checked and its manifest (`serialized`) staged: a job for its
-        version's next batch (`_check_shard`, then its staging)."""
-        return self._check_shard(request, call, group, serialized)()
-
-    def _check_shard(
-        self,
-        request: pb.PublishRequest,
-        call: CallContext,
-        group: bool,
-        serialized: bytes,
-        shared: _CallChecks | None = None,
-    ) -> Staging:
-        """A shard publish checked, every rule before any write; its staging (of its
-        manifest, `serialized`) to run next: a job for its version's next batch. Its session
-        and budget are checked in the batch's own transaction, race-free and once per
-        batch; only a shard whose manifest is paged (a write before the batch) checks them
-        first, so that a refused publish writes nothing."""
-        views = checked_views(request) if request.views else []  # docs/views.md
-        paged = written_before_batch(len(serialized), group) or bool(views)
-        tenant, timeout, model, version, manifest, holder, admit = self._publish_checks(
-            request, call, session=paged, manifest=serialized, shared=shared
-        )
-        if views:
-            check_shard_pages(len(manifest), views)
-        if paged:  # the tokens its arrival takes, as far as the version's counter says now
-            self.hub.budgets.shard(
-                tenant, model, version, len(manifest) + views_charge(views),
-                request.shard_count, timeout,
-            )  # fmt: skip
-        deferred = False
-        check: ManifestCheck = (manifest, _what(request), request.model, request.version)
-        if isinstance(request.manifest, bytes):  # a group call's (`_checked_group_shard`)
-            # its manifest's rules are the last checked (no parts, views or pages follow):
-            # with checking processes, decided in one of them before it is staged
-            deferred = (
-                shared is not None and shared.deferred and not paged
-                and not request.HasField("declared_revision")
-            )  # fmt: skip
-            if not deferred:
-                _check_manifest(check)  # every rule, before any write
-        else:
-            check_manifest(  # every rule, before any write
-                request.manifest, _what(request), model=request.model,
-                version=request.version, serialized=manifest,
-            )  # fmt: skip
-        versions = shared.versions(self.hub, tenant) if shared else self.hub.versions(tenant)
-        if views:  # the model quota's admission of the model and its view models
-            admit = self.hub.budgets.admission_of(
-                tenant, versions, [model, *(name for name, _ in views)]
-            )
-        index, count = request.shard_index, request.shard_count
-        parts = (
-            [(versions.keys.publisher_part(tenant.name, model, version, index),
-              _layout_parts(request))]
-            if request.HasField("declared_revision")
-            else []
-        )  # fmt: skip
-        session_key = (
-            shared.session_key(self.hub.sessions, tenant.name, holder.session)
-            if shared
-            else self.hub.sessions.key(tenant.name, holder.session)
-        )
-        deadline = time.monotonic() + timeout
-
-        def staging() -> tuple[str, int, ShardJob]:
-            entry = versions.stage_shard(
-                tenant.name, model, version, index, count, manifest, holder,
-                timeout=max(deadline - time.monotonic(), 0.0), session_key=session_key,
-                pack=group, views=views, extra=parts,
-            )  # fmt: skip
-            return model, version, ShardJob(tenant, versions, admit, entry)
-
-        return _Deferred(check, staging) if deferred else staging
 
     @unary
     def Latest(self, request: pb.LatestRequest, context: CallContext) -> pb.LatestResponse:
@@ -441,7 +117,9 @@ class VersionRPCs:
             tenant, model, version, shard, request, floor, request.fence, timeout
         )
         if not request.omit_manifest:
-            self._put_manifests(response, tenant, model, version, header, shard, timeout)
+            manifest_reads.put_manifests(
+                self.hub, response, tenant, model, version, header, shard, timeout
+            )
         if request.with_companion and (shard is not None or not header.shard_count):
             self._put_companion(response, tenant, model, version, header, shard, request, timeout)
         return response
@@ -464,7 +142,7 @@ class VersionRPCs:
             min_revision=floor, timeout=timeout, topology=dict(request.topology),
             fence=fence, exclude=request.holder,
         )  # fmt: skip
-        header = self._header(tenant, model, version, timeout, found.published)
+        header = manifest_reads.header(self.hub, tenant, model, version, timeout, found.published)
         _check_shard(model, version, shard, header.shard_count)
         token, expiry = issue_read_token(
             self.hub.tenants.signing_key(tenant),
@@ -502,7 +180,7 @@ class VersionRPCs:
         into `response.companion`: a reader applying the delta reads the companion next, and
         this spares it a call. Nothing when the version has no delta, or its companion is
         gone (the reader then resolves it itself, and is told why)."""
-        section = self._manifest(tenant, model, version, shard, timeout).delta
+        section = manifest_reads.manifest(self.hub, tenant, model, version, shard, timeout).delta
         if not section.companion:
             return
         companion = section.companion
@@ -512,74 +190,14 @@ class VersionRPCs:
                     topology=request.topology, holder=request.holder
                 ), response.revision, 0, timeout,
             )  # fmt: skip
-            self._put_manifests(answer, tenant, companion, version, part, shard, timeout)
+            manifest_reads.put_manifests(
+                self.hub, answer, tenant, companion, version, part, shard, timeout
+            )
         except TensorHubError as exc:
             log.info("resolve %s@%d: its companion %s is not there (%s)",
                      model, version, companion, exc)  # fmt: skip
             return
         response.companion.CopyFrom(answer)
-
-    @unary
-    def ListModels(
-        self, request: pb.ListModelsRequest, context: CallContext
-    ) -> pb.ListModelsResponse:
-        tenant = context.tenant()
-        timeout = self.hub.timeout(context)
-        versions = self.hub.versions(tenant)
-        response = pb.ListModelsResponse()
-        for model in versions.models(tenant.name, timeout=timeout):
-            latest, revision = versions.latest(tenant.name, model, timeout=timeout)
-            response.models.append(
-                pb.ModelSummary(
-                    name=model,
-                    latest=latest,
-                    versions=versions.versions(tenant.name, model, timeout=timeout),
-                )
-            )
-            response.revision = max(response.revision, revision)
-        if not response.revision:
-            response.revision = versions.revision(tenant.name, timeout=timeout)
-        return response
-
-    @unary
-    def Inspect(self, request: pb.InspectRequest, context: CallContext) -> pb.InspectResponse:
-        """Everything about one version, with its holders listed by name, one page at a
-        time (`page_size`, at most `MAX_PAGE_SIZE`; `page_token`: the last name of the
-        previous page). Each page is one etcd read-only transaction (one revision)."""
-        tenant = context.tenant()
-        timeout = self.hub.timeout(context)
-        model = validate_name(request.model, "model")
-        if request.page_size < 0:
-            raise InvalidArgument(f"page_size must not be negative, got {request.page_size}")
-        size = min(request.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
-        after = validate_name(request.page_token, "page token") if request.page_token else ""
-        versions = self.hub.versions(tenant)
-        latest, _ = versions.latest(tenant.name, model, timeout=timeout)
-        version = request.version or latest
-        if version == 0:
-            raise VersionNotFound(f"{model} has no published version")
-        validate_version(version)
-        header = self._header(tenant, model, version, timeout)
-        page = self.hub.holders(tenant).page(
-            tenant.name, model, version, after=after, size=size, timeout=timeout
-        )
-        if header.published_revision != page.published_revision:  # deleted, published again
-            header = self._header(tenant, model, version, timeout, page.published_revision)
-        response = pb.InspectResponse(
-            version=version,
-            latest=latest,
-            holders=[holder_to_pb(h) for h in page.holders],
-            pins=page.pins,
-            published_revision=header.published_revision,
-            revision=page.revision,
-            retained=version in versions.retained(tenant.name, model, timeout=timeout),
-            next_page_token=page.next_after,
-            total_holders=page.total,
-            shard_count=header.shard_count,
-        )
-        if not request.omit_manifest:
-            self._put_manifests(response, tenant, model, version, header, None, timeout)
-        return response
 
     def _latest_kv(self, tenant: Tenant, model: str, timeout: float) -> tuple[int, int]:
         """(latest version, the revision `latest` was moved at): one linearizable get."""
@@ -587,160 +205,6 @@ class VersionRPCs:
         if latest == 0:
             raise VersionNotFound(f"{model} has no published version")
         return latest, moved
-
-    def _header(
-        self, tenant: Tenant, model: str, version: int, timeout: float, published: int = 0
-    ) -> ManifestHeader:
-        """The version's manifest header (shards, digests), cached: it never changes, but a
-        model deleted (`DeleteModel`) may publish the same version number again. So a
-        caller that knows the create revision of the version's manifest key (`published`)
-        passes it, and a cached header of an earlier incarnation is dropped, with its
-        manifests, and read again."""
-        versions = self.hub.versions(tenant)
-        key = (tenant.name, model, version)
-
-        def load() -> ManifestHeader:
-            return versions.header(tenant.name, model, version, timeout=timeout)
-
-        header = self.hub.manifest_cache.header(key, load)
-        if published and header.published_revision != published:
-            self.hub.manifest_cache.forget(key, header.shard_count)
-            header = self.hub.manifest_cache.header(key, load)
-        return header
-
-    def _put_manifests(
-        self,
-        response: pb.ResolveResponse | pb.InspectResponse,
-        tenant: Tenant,
-        model: str,
-        version: int,
-        header: ManifestHeader,
-        shard: int | None,
-        timeout: float,
-    ) -> None:
-        """The manifest asked for: the whole version's, shard `shard`'s, or (a model-parallel
-        version, no shard asked) one per shard; each read from etcd once per replica."""
-        if header.shard_count and shard is None:
-            for index in range(header.shard_count):
-                response.shards.append(self._manifest(tenant, model, version, index, timeout))
-        else:
-            response.manifest.CopyFrom(self._manifest(tenant, model, version, shard, timeout))
-
-    def _manifest(
-        self, tenant: Tenant, model: str, version: int, part: int | None, timeout: float
-    ) -> pb.Manifest:
-        """The manifest of `model@version` (of shard `part`), from this replica's cache or read
-        once from etcd; shared: never change it."""
-        versions = self.hub.versions(tenant)
-        return self.hub.manifest_cache.manifest(
-            (tenant.name, model, version, part),
-            lambda: versions.manifest(tenant.name, model, version, part, timeout=timeout),
-        )
-
-
-HUB_PUBLISH_LIMIT.labels("manifest_bytes").set(MAX_MANIFEST_BYTES)
-HUB_PUBLISH_LIMIT.labels("shards").set(MAX_SHARDS)
-
-
-class _CallChecks:
-    """What the shards of one `PublishShards` call share, worked out for its first shard
-    and reused by the rest (thousands of shards of one version): the model and version as
-    checked, with the model quota's admission, by the (model, version) the request named
-    (the rest of a call's shards of another version are refused by `ros.hub.shard_group`
-    before their checks); the tenant's version registry; each session's key. Only what
-    passed is kept, so a refused shard's successor is checked in full again; what depends
-    on the shard itself (its limits, its holder, its manifest) is checked every time."""
-
-    def __init__(self, *, deferred: bool = False) -> None:
-        """`deferred`: its shards' manifests are checked in a checking process, each
-        chunk's before it is staged (`VersionRPCs._verified`)."""
-        self.deferred = deferred
-        self.version: dict[tuple[str, int], tuple[str, int, Admit]] = {}
-        self._versions: tuple[Tenant, VersionRegistry] | None = None
-        self._sessions: dict[tuple[str, int], str] = {}
-
-    def versions(self, hub: VersionHub, tenant: Tenant) -> VersionRegistry:
-        """`hub.versions(tenant)`, looked up once a call (a call's caller is one tenant)."""
-        if self._versions is None or self._versions[0] is not tenant:
-            self._versions = (tenant, hub.versions(tenant))
-        return self._versions[1]
-
-    def session_key(self, sessions: SessionRecords, tenant: str, session: int) -> str:
-        """`sessions.key(tenant, session)`, made once a session."""
-        key = self._sessions.get((tenant, session))
-        if key is None:
-            key = self._sessions[(tenant, session)] = sessions.key(tenant, session)
-        return key
-
-
-def _check_publish_limits(request: pb.PublishRequest, size: int | None = None) -> None:
-    """The scale envelope's bounds (docs/design.md), before any work: `InvalidArgument` past
-    `MAX_SHARDS`,
-    `ManifestTooLarge` past `MAX_MANIFEST_BYTES` (counted in the refusal metric by limit).
-    `size`: the manifest's bytes, where the caller has them counted."""
-    limit = "shards"
-    try:
-        if request.shard_count:
-            check_shard_count(request.shard_count)
-        limit = "manifest_bytes"
-        check_manifest_size(request.manifest.ByteSize() if size is None else size)
-    except InvalidArgument:
-        HUB_PUBLISHES_REFUSED.labels(limit).inc()
-        raise
-
-
-def _layout_sums(request: pb.PublishRequest) -> dict[str, dict[str, list[int]]]:
-    """A whole publish's checksums of its declared layouts' block sets, checked: names,
-    each block set once, at most `MAX_PUBLISHER_SUMS` in all (`InvalidArgument`)."""
-    out: dict[str, dict[str, list[int]]] = {}
-    total = 0
-    for entry in request.layout_sums:
-        sets = out.setdefault(validate_name(entry.layout, "layout"), {})
-        block_set = validate_name(entry.block_set, "block set")
-        if block_set in sets or len(block_set) != 32:
-            raise InvalidArgument(
-                f"publisher checksums of block set {block_set!r}: one 32-digit id, once"
-            )
-        total += len(entry.sums)
-        if total > MAX_PUBLISHER_SUMS:
-            raise InvalidArgument(f"over {MAX_PUBLISHER_SUMS} publisher checksums in one publish")
-        sets[block_set] = list(entry.sums)
-    return out
-
-
-def _layout_parts(request: pb.PublishRequest) -> bytes:
-    """A shard's parts of the publisher's checksums of declared layouts, checked (names,
-    lengths, at most `MAX_PART_SUMS` sums, at most `MAX_PARTS_SHARDS` shards) and encoded
-    with the declarations' revision its rank read (`InvalidArgument`)."""
-    if request.shard_count > MAX_PARTS_SHARDS:
-        raise InvalidArgument(
-            f"parts of publisher checksums from {request.shard_count} shards: at most "
-            f"{MAX_PARTS_SHARDS}"
-        )
-    parts = []
-    total = 0
-    for p in request.layout_parts:
-        if len(p.chunks) != len(p.sums) or len(p.offsets) != len(p.shape):
-            raise InvalidArgument("a part of publisher checksums names as many chunks as sums")
-        total += len(p.sums)
-        if total > MAX_PART_SUMS:
-            raise InvalidArgument(f"over {MAX_PART_SUMS} publisher checksums in one shard")
-        parts.append(Part(
-            validate_name(p.layout, "layout"), validate_name(p.block_set, "block set"),
-            p.tensor, (tuple(p.offsets), tuple(p.shape)), tuple(p.chunks), tuple(p.sums),
-        ))  # fmt: skip
-    encoded = encode_parts(request.declared_revision, request.shard_count, parts)
-    if len(encoded) > MAX_PARTS_BYTES:
-        raise InvalidArgument(
-            f"a shard's parts of publisher checksums take {len(encoded)} bytes: at most "
-            f"{MAX_PARTS_BYTES}"
-        )
-    return encoded
-
-
-def _what(request: pb.PublishRequest) -> str:
-    """How a refusal names the manifest of a publish (the SDK names it the same way)."""
-    return f"manifest of shard {request.shard_index}" if request.shard_count else "manifest"
 
 
 def _check_shard(model: str, version: int, shard: int | None, count: int) -> None:
@@ -759,37 +223,3 @@ def _digest(header: ManifestHeader, shard: int | None) -> bytes:
     if shard is not None:
         return header.shards[shard].digest
     return header.digest
-
-
-@dataclass(frozen=True)
-class _Deferred:
-    """A group call's shard checked but for its manifest, which a checking process decides
-    before its chunk is staged (`VersionRPCs._verified`): `check`, that manifest;
-    `then`, its staging once it passed. Called itself, it checks the manifest here first,
-    as an undeferred shard's staging follows its check: a refusal is the one its own
-    Publish would get, and nothing is staged."""
-
-    check: ManifestCheck
-    then: Staging
-
-    def __call__(self) -> tuple[str, int, ShardJob]:
-        _check_manifest(self.check)
-        return self.then()
-
-
-def _check_manifest(check: ManifestCheck) -> None:
-    """Every rule of a group call's manifest, from its bytes (`check_manifest_bytes`)."""
-    manifest, what, model, version = check
-    check_manifest_bytes(manifest, what, model=model, version=version)
-
-
-def _stage_all(stagings: list[Staging]) -> list[tuple[str, int, ShardJob] | BaseException]:
-    """A chunk of a group call's checked shards staged, in a worker: each one's job, or the
-    error that refuses it alone."""
-    staged: list[tuple[str, int, ShardJob] | BaseException] = []
-    for staging in stagings:
-        try:
-            staged.append(staging())
-        except Exception as exc:  # the shard's own refusal, as its Publish would name it
-            staged.append(exc)
-    return staged

@@ -1,8 +1,9 @@
 """The hub's gRPC servicer: `tensorhub.v1.TensorHub`, delegating each call to its handler group.
 
 One `ros.hub.state.HubState` per replica is shared by the groups: sessions
-(`ros.hub.rpc_sessions`), versions (`rpc_versions`), holders (`rpc_holders`), models
-(`rpc_models`) and tenants (`rpc_tenants`). Each group authenticates nothing itself: the
+(`ros.hub.rpc_sessions`), publishing (`rpc_publish`), versions (`rpc_versions`),
+listing (`rpc_listing`), holders (`rpc_holders`), models (`rpc_models`), tenants
+(`rpc_tenants`) and layouts (`rpc_layouts`). Each group authenticates nothing itself: the
 caller comes with the call (`ros.hub.call`), and confines every key to its tenant's prefix.
 Construct it, `start()` it (its first etcd I/O), `close()` it.
 """
@@ -19,7 +20,9 @@ from ros.hub.call import AioContext
 from ros.hub.limits import Limits
 from ros.hub.rpc_holders import HolderRPCs
 from ros.hub.rpc_layouts import LayoutRPCs
+from ros.hub.rpc_listing import ListingRPCs
 from ros.hub.rpc_models import ModelRPCs
+from ros.hub.rpc_publish import PublishRPCs
 from ros.hub.rpc_sessions import SessionRPCs
 from ros.hub.rpc_tenants import TenantRPCs
 from ros.hub.rpc_versions import VersionRPCs
@@ -52,7 +55,9 @@ class HubServicer(hub_pb2_grpc.TensorHubServicer):
             history_period=history_period, etcd_quota_bytes=etcd_quota_bytes,
         )  # fmt: skip
         self.session_rpcs = SessionRPCs(self.hub)
+        self.publish_rpcs = PublishRPCs(self.hub)
         self.version_rpcs = VersionRPCs(self.hub)
+        self.listing_rpcs = ListingRPCs(self.hub)
         self.holder_rpcs = HolderRPCs(self.hub)
         self.model_rpcs = ModelRPCs(self.hub)
         self.tenant_rpcs = TenantRPCs(self.hub)
@@ -95,13 +100,13 @@ class HubServicer(hub_pb2_grpc.TensorHubServicer):
         return await self.session_rpcs.CloseSession(request, context)
 
     async def Publish(self, request: pb.PublishRequest, context: AioContext) -> pb.PublishResponse:
-        return await self.version_rpcs.Publish(request, context)
+        return await self.publish_rpcs.Publish(request, context)
 
     async def PublishShards(
         self, requests: AsyncIterator[Any], context: AioContext
     ) -> pb.PublishShardsResponse:
         """Each request a `RawPublishRequest` (`ros.hub.server` reads this call's so)."""
-        return await self.version_rpcs.PublishShards(requests, context)
+        return await self.publish_rpcs.PublishShards(requests, context)
 
     async def Latest(self, request: pb.LatestRequest, context: AioContext) -> pb.LatestResponse:
         return await self.version_rpcs.Latest(request, context)
@@ -112,10 +117,10 @@ class HubServicer(hub_pb2_grpc.TensorHubServicer):
     async def ListModels(
         self, request: pb.ListModelsRequest, context: AioContext
     ) -> pb.ListModelsResponse:
-        return await self.version_rpcs.ListModels(request, context)
+        return await self.listing_rpcs.ListModels(request, context)
 
     async def Inspect(self, request: pb.InspectRequest, context: AioContext) -> pb.InspectResponse:
-        return await self.version_rpcs.Inspect(request, context)
+        return await self.listing_rpcs.Inspect(request, context)
 
     async def RegisterHolder(
         self, request: pb.RegisterHolderRequest, context: AioContext

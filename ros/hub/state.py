@@ -3,9 +3,10 @@ pools, the caches and the shared watches; and the few operations they all need
 (authentication, deadlines, the tenant's registries).
 
 One `HubState` per replica, passed to each handler group (`ros.hub.rpc_sessions`,
-`rpc_versions`, `rpc_holders`, `rpc_models`, `rpc_tenants`) and to the servicer that
-delegates to them. Constructing it does no I/O and starts no thread; `start()` does both
-(the hub secret, the tenant-records watch), `close()` undoes them.
+`rpc_publish`, `rpc_versions`, `rpc_listing`, `rpc_holders`, `rpc_models`, `rpc_tenants`,
+`rpc_layouts`) and to the servicer that delegates to them. Constructing it does no I/O and
+starts no thread; `start()` does both (the hub secret, the tenant-records watch), `close()`
+undoes them.
 """
 
 from __future__ import annotations

@@ -124,9 +124,10 @@ def test_what_a_calls_shards_share_is_checked_once_and_each_shards_own_every_tim
     hub_server: HubServer,
 ) -> None:
     """A call's shards share their model and version, checked with its first shard that
-    passed and reused by the rest (`_CallChecks`); what is each shard's own is still checked
-    for each: a first shard refused for its holder leaves the next checked in full, and a
-    later shard's bad endpoint, foreign session or invalid manifest is refused alone."""
+    passed and reused by the rest (`CallChecks`, `ros.hub.publish_checks`); what is each
+    shard's own is still checked for each: a first shard refused for its holder leaves the
+    next checked in full, and a later shard's bad endpoint, foreign session or invalid
+    manifest is refused alone."""
     count = 6
     token = tenant(hub_server, "shared-checks")
     with raw_client(hub_server, token) as (stub, metadata, session):
