@@ -37,25 +37,23 @@ over `Fleet` worker processes so no one client process serializes them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
-from multiprocessing.connection import Connection
 from typing import Any
 
 import grpc
 
 from bench.scale import group
-from bench.scale.clients import Fleet, WorkerLost, serve_pipe
+from bench.scale.clients import Fleet, WorkerLost
 from bench.scale.procs import ServerStartError, ceiling_server
-from bench.scale.rpc import OPTIONS, Hub, first_error, holder, tiny_manifest
+from bench.scale.rpc import Hub, first_error, holder, tiny_manifest
+from bench.scale.shard_ranks import SESSION_TTL, rank_worker, shard_request
 from bench.scale.world import EtcdLimits, World
 from ros.client.shard_frames import FRAME_SHARDS
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
-from ros.proto.tensorhub.v1 import hub_pb2_grpc
 
 Log = Callable[[str], None]
 # The etcd operations one shard's publish writes, counted from consistency/versions.py
@@ -68,9 +66,6 @@ Log = Callable[[str], None]
 OPS_PER_SHARD = 3
 REVISION_SLACK = 10
 SINGLE_MODEL = "single"
-SESSION_TTL = 300  # the ranks' sessions outlive the slowest burst without a KeepAlive
-OPEN_CONCURRENCY = 16  # OpenSession calls in flight per worker while the ranks get ready
-CHANNEL_OPTIONS = [*OPTIONS, ("grpc.use_local_subchannel_pool", 1)]  # a connection each
 BARRIER_SECONDS = 1.0
 CASES = ("ranks", "inflight", "sequential", "group-shards", "group-ranks")
 SEQUENTIAL_TARGET = 1.5  # a sequential shard's publish, at most this many one-shard versions
@@ -80,139 +75,6 @@ def revision_target(shards: int, limits: EtcdLimits) -> int:
     """The most revisions a version of `shards` shards should take: its operations packed
     into transactions of `--max-txn-ops`, plus `REVISION_SLACK`."""
     return math.ceil(shards * OPS_PER_SHARD / limits.max_txn_ops) + REVISION_SLACK
-
-
-def _request(model: str, i: int, count: int, session: int) -> pb.PublishRequest:
-    return pb.PublishRequest(
-        model=model,
-        version=1,
-        manifest=tiny_manifest(),
-        holder=holder(f"rank-{i:05d}", session, complete=True, shard=i),
-        shard_index=i,
-        shard_count=count,
-    )
-
-
-class Ranks:
-    """A worker's share of the ranks (`prepare`), then their Publishes (`go`)."""
-
-    def __init__(self) -> None:
-        self.channels: list[grpc.aio.Channel] = []
-        self.ranks: list[tuple[int, hub_pb2_grpc.TensorHubStub, int]] = []  # index, stub, session
-        self.model = ""
-        self.count = 0
-        self.metadata: tuple[tuple[str, str], ...] = ()
-
-    async def prepare(
-        self,
-        targets: list[str],
-        token: str,
-        indices: list[int],
-        count: int,
-        model: str,
-        per_rank: bool,
-    ) -> dict[str, Any]:
-        """`per_rank`: every rank its own channel and session (to replica index mod R);
-        else one channel per replica and one session for this worker's shards."""
-        await self.close()
-        self.model, self.count = model, count
-        self.metadata = (("authorization", f"Bearer {token}"),)
-        errors: Counter[str] = Counter()
-        gate = asyncio.Semaphore(OPEN_CONCURRENCY)
-
-        def channel(target: str) -> grpc.aio.Channel:
-            made = grpc.aio.insecure_channel(target, CHANNEL_OPTIONS)
-            self.channels.append(made)
-            return made
-
-        async def session(stub: hub_pb2_grpc.TensorHubStub) -> int:
-            async with gate:
-                opened = await stub.OpenSession(
-                    pb.OpenSessionRequest(ttl_seconds=SESSION_TTL),
-                    metadata=self.metadata,
-                    timeout=60.0,
-                )
-            return int(opened.session_id)
-
-        async def rank(i: int, stub: hub_pb2_grpc.TensorHubStub, shared: int) -> None:
-            try:
-                self.ranks.append((i, stub, shared or await session(stub)))
-            except grpc.aio.AioRpcError as exc:
-                errors[f"open: {exc.code().name}"] += 1
-
-        if per_rank:
-            stubs = [
-                hub_pb2_grpc.TensorHubStub(channel(targets[i % len(targets)]))  # type: ignore[no-untyped-call]
-                for i in indices
-            ]
-            await asyncio.gather(*(rank(i, s, 0) for i, s in zip(indices, stubs, strict=True)))
-        else:
-            per_target = [hub_pb2_grpc.TensorHubStub(channel(t)) for t in targets]  # type: ignore[no-untyped-call]
-            shared = await session(per_target[0])
-            for i in indices:
-                await rank(i, per_target[i % len(targets)], shared)
-        self.ranks.sort(key=lambda r: r[0])
-        return {"ready": len(self.ranks), "errors": dict(errors)}
-
-    async def go(self, start_at: float, inflight: int | None, timeout: float) -> dict[str, Any]:
-        """At `start_at`, every rank's Publish (at most `inflight` at once; None: all)."""
-        gate: asyncio.Semaphore | contextlib.nullcontext[None] = (
-            contextlib.nullcontext() if inflight is None else asyncio.Semaphore(inflight)
-        )
-        visible: list[tuple[int, int, float]] = []  # index, revision, reply time
-        revisions: list[int] = []
-        results: list[object] = []
-
-        async def one(i: int, stub: hub_pb2_grpc.TensorHubStub, session: int) -> None:
-            async with gate:
-                try:
-                    reply = await stub.Publish(
-                        _request(self.model, i, self.count, session),
-                        metadata=self.metadata,
-                        timeout=timeout,
-                    )
-                except grpc.aio.AioRpcError as exc:
-                    results.append(exc)
-                    return
-            results.append(reply)
-            if reply.visible:
-                visible.append((i, int(reply.revision), time.monotonic()))
-            else:
-                revisions.append(int(reply.revision))
-
-        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
-        await asyncio.gather(*(one(*r) for r in self.ranks))
-        failed = [r for r in results if isinstance(r, BaseException)]
-        codes = Counter(
-            r.code().name if isinstance(r, grpc.aio.AioRpcError) else type(r).__name__
-            for r in failed
-        )
-        return {
-            "published": len(results) - len(failed),
-            "failures": dict(codes),
-            "first_error": first_error(failed),
-            "visible": visible,
-            "max_revision": max(revisions, default=0),  # of the shards that said not visible
-            "last_reply_at": time.monotonic(),
-        }
-
-    async def handle(self, command: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-        if command == "prepare":
-            return await self.prepare(**kwargs)
-        if command == "go":
-            return await self.go(**kwargs)
-        if command == "close":
-            await self.close()
-        return {}
-
-    async def close(self) -> None:
-        await asyncio.gather(*(c.close(0) for c in self.channels), return_exceptions=True)
-        self.channels, self.ranks = [], []
-
-
-def rank_worker(conn: Connection) -> None:
-    """Entry point of a rank worker process (`Fleet(..., target=rank_worker)`)."""
-    asyncio.run(serve_pipe(conn, Ranks()))
 
 
 async def _one_shard(address: str, token: str, times: int) -> list[float]:
@@ -261,7 +123,7 @@ async def _last_shard(
     hub = Hub(address, token)
     try:
         try:
-            reply = await hub.call("Publish", _request(model, index, count, session), timeout)
+            reply = await hub.call("Publish", shard_request(model, index, count, session), timeout)
             return reply, "", time.monotonic()
         except Exception as exc:  # the figure says it failed, and why
             return None, first_error([exc]), time.monotonic()
@@ -426,7 +288,7 @@ async def _sequential(
                 latest_before = int(
                     (await hubs[0].call("Latest", pb.LatestRequest(model="sequential"))).version
                 )
-            request = _request("sequential", i, count, opened[i % sessions])
+            request = shard_request("sequential", i, count, opened[i % sessions])
             t0 = time.monotonic()
             reply = await hubs[i % len(hubs)].call("Publish", request, timeout)
             shard_ms.append((time.monotonic() - t0) * 1000)
