@@ -4,9 +4,9 @@ sends every rank's shard Publish at the barrier's instant, at most K in flight
 (`Ranks.go`), answering what came back: replies that said visible, the highest revision of
 those that did not, failures by code.
 
-Apart from the cases that drive them and the part's loop (`bench.scale.shards`): what runs
-in the worker processes, so that no one client process serializes a thousand ranks.
-`shard_request` is the one shard Publish every case sends.
+Apart from the cases that drive them (`bench.scale.shard_bursts`) and the part's loop
+(`bench.scale.shards`): what runs in the worker processes, so that no one client process
+serializes a thousand ranks. `shard_request` is the one shard Publish every case sends.
 """
 
 from __future__ import annotations
