@@ -76,24 +76,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import threading
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 
-import ros
 from consistency.events import EventKind
-from ros.client.handles import Held, Publication
+from ros.client.handles import Publication
 from ros.client.hub import Hub
-from ros.integrations import verl_shards
 from ros.integrations.verl_ranks import RankPublish, publish_shard
-from ros.integrations.verl_read import ShardsRead, read_shards
+from ros.integrations.verl_read import read_shards
 from ros.integrations.verl_shards import ShardedParams
+from ros.integrations.verl_state import DEFAULT_TIMEOUT, EngineState
 from tensorhub.errors import (
     DeadlineExceeded,
     InvalidArgument,
@@ -104,9 +101,6 @@ log = logging.getLogger(__name__)
 
 BACKEND = "tensorhub"
 """The name this backend is registered under (`checkpoint_engine.backend`)."""
-
-DEFAULT_TIMEOUT = 300.0
-"""Seconds one `send_weights` or `receive_weights` may take, waits and transfer included."""
 
 ACTOR, ROLLOUT = "actor", "rollout"
 
@@ -124,15 +118,8 @@ async def _items(weights: Weights) -> AsyncIterator[tuple[str, torch.Tensor]]:
             yield item
 
 
-def _env(value: str | None, name: str, what: str) -> str:
-    found = value or os.environ.get(name)
-    if not found:
-        raise InvalidArgument(f"tensorhub checkpoint engine: no {what}: pass it or set {name}")
-    return found
-
-
 @CheckpointEngineRegistry.register(BACKEND)
-class TensorHubCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is untyped (Any)
+class TensorHubCheckpointEngine(EngineState, CheckpointEngine):  # type: ignore[misc]  # verl is untyped (Any)
     """verl checkpoint engine that moves each weight update through TensorHub.
 
     Built by verl with `bucket_size` (unused: the hub chunks versions itself) and, on actor
@@ -146,79 +133,6 @@ class TensorHubCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl
     """
 
     wire_format = "named_tensors"
-
-    def __init__(
-        self,
-        bucket_size: int = 0,
-        is_master: bool | None = None,
-        *,
-        hub: str | Sequence[str] | None = None,
-        tenant: str | None = None,
-        token: str | None = None,
-        model: str = "policy",
-        timeout: float = DEFAULT_TIMEOUT,
-        topology: Mapping[str, str] | None = None,
-        listen: str = "127.0.0.1:0",
-        advertise: str | None = None,
-        session_ttl: int = 10,
-        spill_budget: int | None = None,
-        delta: bool = True,
-        base_copy: str = "host",
-        shards: bool = True,
-        group: bool = True,
-        client: Hub | None = None,
-    ) -> None:
-        self.bucket_size = bucket_size
-        self.is_master = bool(is_master)
-        self.shards = bool(shards)  # every actor rank publishes its own shard (FSDP2)
-        self.group = bool(group)  # ... in one hub call per version over the actor ranks
-        if self.shards and is_master is not None:  # an actor: hook verl's FSDP engine
-            verl_shards.install()
-        self.model = model
-        self.timeout = float(timeout)
-        self.delta = bool(delta)  # publish (rank 0) and apply (rollouts) delta versions
-        self.base_copy = base_copy  # where rank 0 keeps its copy for the next delta
-        self._owned = client is None  # a client passed in is its owner's to close
-        self._hub: Hub | None = client
-        if client is None:
-            self._endpoints: list[str] = (
-                _env(hub, "TENSORHUB_HUB", "hub address").split(",")
-                if hub is None or isinstance(hub, str)
-                else list(hub)
-            )
-            self._tenant = _env(tenant, "TENSORHUB_TENANT", "tenant")
-            self._token = _env(token, "TENSORHUB_TOKEN", "token")
-        self._options: dict[str, Any] = {
-            "topology": dict(topology) if topology else None,
-            "listen": listen,
-            "advertise": advertise,
-            "session_ttl": session_ttl,
-            "spill_budget": spill_budget,
-        }
-        self._lock = threading.Lock()
-        # this update (from build_topology): the role and rank in it, and its version
-        self.role: str | None = None
-        self.rank: int | None = None
-        self.version: int | None = None
-        # what this engine serves: the last publication or fetch, and those kept serving
-        # because releasing them would have dropped a retained version (retried each update)
-        self.publication: Publication | None = None
-        self.held: Held | None = None
-        self.shards_read: ShardsRead | None = None  # a version of shards, read whole
-        self._kept: list[Publication | Held] = []
-        self.last_version = 0
-
-    # -- the client ---------------------------------------------------------------------
-
-    @property
-    def hub(self) -> Hub:
-        """This worker's hub client, connected on first use."""
-        with self._lock:
-            if self._hub is None:
-                self._hub = ros.connect(
-                    self._endpoints, tenant=self._tenant, token=self._token, **self._options
-                )
-            return self._hub
 
     # -- the manager's protocol ---------------------------------------------------------
 
@@ -518,15 +432,6 @@ class TensorHubCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl
         if previous is not None:
             return previous.tensors
         return None if read is None else read.tensors
-
-    def _retry_kept(self) -> None:
-        still: list[Publication | Held] = []
-        for handle in self._kept:
-            try:
-                handle.release()
-            except RetentionViolation:
-                still.append(handle)
-        self._kept = still
 
 
 __all__ = ["BACKEND", "DEFAULT_TIMEOUT", "TensorHubCheckpointEngine"]
