@@ -70,6 +70,12 @@ is checked or `shards=False` is passed.
 `hub`, `tenant` and `token` default to `TENSORHUB_HUB`, `TENSORHUB_TENANT` and
 `TENSORHUB_TOKEN` in the workers' environment (keep the token out of the config).
 This module imports verl (and Ray): only import it where verl is installed.
+
+This module is verl's protocol (prepare, build_topology, init_process_group, send_weights,
+receive_weights, finalize, close) and the backend's registration. The engine's
+configuration, hub client and served handles are `ros.integrations.verl_state`; the actor's
+publishing, `ros.integrations.verl_send`; the rollout's reading,
+`ros.integrations.verl_receive`: none of those imports verl.
 """
 
 from __future__ import annotations
@@ -83,17 +89,11 @@ from typing import Any
 import torch
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 
-from consistency.events import EventKind
-from ros.client.hub import Hub
-from ros.integrations.verl_read import read_shards
+from ros.integrations.verl_receive import Receiving
 from ros.integrations.verl_send import Sending, Weights, weight_items
 from ros.integrations.verl_shards import ShardedParams
 from ros.integrations.verl_state import DEFAULT_TIMEOUT
-from tensorhub.errors import (
-    DeadlineExceeded,
-    InvalidArgument,
-    RetentionViolation,
-)
+from tensorhub.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ ACTOR, ROLLOUT = "actor", "rollout"
 
 
 @CheckpointEngineRegistry.register(BACKEND)
-class TensorHubCheckpointEngine(Sending, CheckpointEngine):  # type: ignore[misc]  # verl is untyped (Any)
+class TensorHubCheckpointEngine(Sending, Receiving, CheckpointEngine):  # type: ignore[misc]  # verl is untyped (Any)
     """verl checkpoint engine that moves each weight update through TensorHub.
 
     Built by verl with `bucket_size` (unused: the hub chunks versions itself) and, on actor
@@ -237,98 +237,6 @@ class TensorHubCheckpointEngine(Sending, CheckpointEngine):  # type: ignore[misc
                 hub, self._hub = self._hub, None
             if hub is not None and self._owned:
                 hub.close()
-
-    # -- receiving ----------------------------------------------------------------------
-
-    def _receive(self, version: int | None) -> dict[str, torch.Tensor]:
-        """Wait for `version` (without a topology: any version newer than the last one
-        received), free the previous one's memory and read into it, within the deadline:
-        that memory holds the previous version, so a delta version moves only its changes
-        (`Held.delta` says what they were: `self.held`, or each of `self.shards_read.held`)."""
-        deadline = time.monotonic() + self.timeout
-        hub = self.hub
-        wanted = self._wait_for(hub, version, deadline)
-        self._retry_kept()
-        staging = self._free_held()
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise DeadlineExceeded(f"{self.model}@{wanted}: no time left to fetch")
-        resolved = hub.resolve(self.model, wanted, timeout=remaining)
-        if resolved.shards:
-            self.shards_read = read_shards(
-                hub, self.model, wanted, resolved, staging or {}, rank=self.rank or 0,
-                base=self.last_version if staging else None, delta=self.delta,
-                deadline=deadline,
-            )  # fmt: skip
-            self.last_version = wanted
-            return self.shards_read.tensors
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise DeadlineExceeded(f"{self.model}@{wanted}: no time left to fetch")
-        try:
-            held = hub.fetch(self.model, wanted, into=staging, timeout=remaining, delta=self.delta)
-        except InvalidArgument:
-            if staging is None:
-                raise
-            log.info("%s@%d has a new layout: fetching into fresh memory", self.model, wanted)
-            held = hub.fetch(
-                self.model, wanted, timeout=max(deadline - time.monotonic(), 0.1),
-                delta=self.delta,
-            )  # fmt: skip
-        self.held = held
-        self.last_version = held.version
-        return held.tensors
-
-    def _wait_for(self, hub: Hub, version: int | None, deadline: float) -> int:
-        """Block until `version` (or, if None, one newer than the last received) is
-        published; returns the version to fetch. `DeadlineExceeded` at the deadline."""
-        target = version if version is not None else self.last_version + 1
-
-        def ready() -> int | None:
-            latest = hub.latest(self.model, timeout=max(deadline - time.monotonic(), 0.1))
-            if latest >= target:
-                return target if version is not None else latest
-            return None
-
-        found = ready()
-        if found is not None:
-            return found
-        with hub.watch(self.model, versions_only=True) as events:
-            found = ready()  # published between the first look and the watch
-            while found is None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise DeadlineExceeded(
-                        f"{self.model}@{target} not published within {self.timeout:.0f}s"
-                    )
-                event = events.get(remaining)
-                if (
-                    event is not None
-                    and event.kind in (EventKind.VERSION_PUBLISHED, EventKind.RESYNC)
-                    and event.version >= target
-                ):
-                    found = target if version is not None else event.version
-        return found
-
-    def _free_held(self) -> dict[str, torch.Tensor] | None:
-        """Release the version read before (whole, or its shards); its memory, or None if
-        any of it stays served."""
-        previous, self.held = self.held, None
-        read, self.shards_read = self.shards_read, None
-        handles = [previous] if previous is not None else (read.held if read else [])
-        kept = False
-        for handle in handles:
-            try:
-                handle.release()
-            except RetentionViolation:
-                log.warning("%r stays served (retained, no spill budget): fresh memory", handle)
-                self._kept.append(handle)
-                kept = True
-        if kept:
-            return None
-        if previous is not None:
-            return previous.tensors
-        return None if read is None else read.tensors
 
 
 __all__ = ["BACKEND", "DEFAULT_TIMEOUT", "TensorHubCheckpointEngine"]
