@@ -43,14 +43,29 @@ expiry and session close remove it.
 from __future__ import annotations
 
 import hashlib
-import struct
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from consistency import ops
 from consistency.etcd import Etcd, TxnResult
 from consistency.keys import Keys
+from consistency.layout_limits import (
+    COVER_HOLDERS_EACH,
+    MAX_BLOCK_SETS_PER_LAYOUT,
+    MAX_BLOCK_SETS_READ,
+    MAX_BLOCK_SUMS,
+    MAX_BLOCKS_BYTES,
+    MAX_LAYOUT_HOLDERS_READ,
+    MAX_LAYOUTS_PER_VERSION,
+)
+from consistency.layout_records import (
+    BlockSetKey,
+    CoverSet,
+    LayoutHolders,
+    decode_block_set,
+    encode_block_set,
+)
 from consistency.layout_tally import LayoutTally
 from consistency.parts_sums import PartsSums, block_set_sums
 from consistency.records import HolderRecord
@@ -66,113 +81,12 @@ from tensorhub.errors import (
     VersionNotFound,
 )
 
-MAX_BLOCK_SUMS = 1 << 16
-"""The most chunks one block set's checksums may name (512 KiB in etcd): a worker's blocks
-at the default 4 MiB chunks up to 256 GiB; more answers `InvalidArgument`."""
-
-MAX_LAYOUT_HOLDERS_READ = 64
-"""How many holder keys one Resolve of a block set reads (the range's limit): the cost of
-a Resolve is bounded by it, however many holders the block set has."""
-
-MAX_BLOCK_SETS_PER_LAYOUT = 4096
-"""The most block sets one layout of a version records (one per worker of a TP-4096 layout,
-the bound on a version's shards); a reader whose block set would pass it is refused with
-`QuotaExceeded`."""
-
-MAX_LAYOUTS_PER_VERSION = 16
-"""The most layouts whose block sets one version records: an RL job's rollouts take a few
-layouts (a TP per rollout size, one per engine), and an elastic job that changes TP adds
-one each time, all within a version's life of a few steps. A reader whose block set would
-open one more is refused with `QuotaExceeded` (it keeps its bytes and serves none). With
-`MAX_BLOCK_SETS_PER_LAYOUT`, it bounds a version's block-set keys; the tenant's etcd budget
-bounds their bytes."""
-
-MAX_BLOCK_SETS_READ = 64
-"""How many block sets of a layout a reader covered by it is told of (a TP-64 layout)."""
-
-COVER_HOLDERS_EACH = 4
-"""How many holders of each of them it is told of: COMPLETE ones only (the `c/` keys), a
-range of at most 4 x `MAX_BLOCK_SETS_READ` = 256 records in the cover's second read. A
-cover reads each block set in one pass, not pipelined, so a PARTIAL holder (missing chunks)
-is of no use to it (what no COMPLETE holder covers is read from the trainer's shards)."""
-
-MAX_BLOCKS_BYTES = 256 * 1024
-"""The longest description of a block set (its blocks' names, dtypes, boxes)."""
-
-_SUM = struct.Struct(">Q")
-_LEN = struct.Struct(">I")
-
-MAX_BLOCK_SET_BYTES = _LEN.size + MAX_BLOCKS_BYTES + _SUM.size * MAX_BLOCK_SUMS
-"""The longest value of a block set's key (about 768 KiB)."""
-
 
 def layout_pin_id(holder: str) -> str:
     """The id of the pin a PARTIAL layout holder takes on its version: apart from the
     `pin/{holder}` of a PARTIAL holder of the whole version (another path of the same
     client), and a valid name whatever the holder's length."""
     return "lb-" + hashlib.sha256(holder.encode()).hexdigest()[:32]
-
-
-def encode_sums(sums: list[int]) -> bytes:
-    return b"".join(_SUM.pack(s) for s in sums)
-
-
-def decode_sums(raw: bytes) -> list[int]:
-    if len(raw) % _SUM.size:
-        raise InvalidArgument("malformed layout block checksums")
-    return [s for (s,) in _SUM.iter_unpack(raw)]
-
-
-def encode_block_set(blocks: bytes, sums: list[int]) -> bytes:
-    """A block set's key: its description's length, the description, then its checksums."""
-    return _LEN.pack(len(blocks)) + blocks + encode_sums(sums)
-
-
-def decode_block_set(raw: bytes) -> tuple[bytes, list[int]]:
-    """(description, checksums) of a block set's key."""
-    if len(raw) < _LEN.size:
-        raise InvalidArgument("malformed layout block set record")
-    (n,) = _LEN.unpack_from(raw)
-    end = _LEN.size + n
-    if end > len(raw):
-        raise InvalidArgument("malformed layout block set record")
-    return raw[_LEN.size : end], decode_sums(raw[end:])
-
-
-@dataclass(frozen=True)
-class BlockSetKey:
-    """Which blocks: model@version, the layout's name, and the block set's id."""
-
-    tenant: str
-    model: str
-    version: int
-    layout: str
-    block_set: str
-
-
-@dataclass(frozen=True)
-class CoverSet:
-    """One block set of a layout, for a reader it may cover: its id, description,
-    checksums and a few of its holders."""
-
-    block_set: str
-    blocks: bytes
-    sums: list[int]
-    holders: list[HolderRecord]
-    publisher_sums: list[int] = field(default_factory=list)  # declared before the publish
-
-
-@dataclass(frozen=True)
-class LayoutHolders:
-    """What a Resolve of a block set finds: its holders (at most the range's limit), their
-    recorded checksums (empty: none yet), the revision it read at, and the publisher's
-    checksums of the block set (`consistency.declared_layouts`; empty: its layout was not
-    declared before the version's publish)."""
-
-    holders: list[HolderRecord]
-    sums: list[int]
-    revision: int
-    publisher_sums: list[int] = field(default_factory=list)  # declared before the publish
 
 
 class LayoutRegistry:

@@ -32,30 +32,31 @@ All report `etcd_writes`: the revisions etcd used between the barrier and the la
 (every session was opened before). Every shard is a raw PublishRequest (shard_index,
 shard_count) of a tiny inline manifest and its rank's holder record; the ranks are spread
 over `Fleet` worker processes so no one client process serializes them.
+
+This module runs the cases at each replica count and writes their summary lines. The cases
+are in `bench.scale.shard_bursts` (ranks, inflight), `bench.scale.shard_sequential` and
+`bench.scale.group`; the worker processes in `bench.scale.shard_ranks`; the report's rows
+in `bench.scale.shard_rows`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import statistics
 import time
-from collections import Counter
 from collections.abc import Callable
-from multiprocessing.connection import Connection
 from typing import Any
 
-import grpc
-
 from bench.scale import group
-from bench.scale.clients import Fleet, WorkerLost, serve_pipe
-from bench.scale.procs import ServerStartError, ceiling_server
-from bench.scale.rpc import OPTIONS, Hub, first_error, holder, tiny_manifest
+from bench.scale.clients import Fleet, WorkerLost
+from bench.scale.rpc import Hub, holder, tiny_manifest
+from bench.scale.shard_bursts import ceiling_inflight, inflight_case, ranks_case
+from bench.scale.shard_ranks import rank_worker
+from bench.scale.shard_sequential import SEQUENTIAL_SESSIONS, sequential_case
 from bench.scale.world import EtcdLimits, World
 from ros.client.shard_frames import FRAME_SHARDS
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
-from ros.proto.tensorhub.v1 import hub_pb2_grpc
 
 Log = Callable[[str], None]
 # The etcd operations one shard's publish writes, counted from consistency/versions.py
@@ -68,10 +69,6 @@ Log = Callable[[str], None]
 OPS_PER_SHARD = 3
 REVISION_SLACK = 10
 SINGLE_MODEL = "single"
-SESSION_TTL = 300  # the ranks' sessions outlive the slowest burst without a KeepAlive
-OPEN_CONCURRENCY = 16  # OpenSession calls in flight per worker while the ranks get ready
-CHANNEL_OPTIONS = [*OPTIONS, ("grpc.use_local_subchannel_pool", 1)]  # a connection each
-BARRIER_SECONDS = 1.0
 CASES = ("ranks", "inflight", "sequential", "group-shards", "group-ranks")
 SEQUENTIAL_TARGET = 1.5  # a sequential shard's publish, at most this many one-shard versions
 
@@ -80,139 +77,6 @@ def revision_target(shards: int, limits: EtcdLimits) -> int:
     """The most revisions a version of `shards` shards should take: its operations packed
     into transactions of `--max-txn-ops`, plus `REVISION_SLACK`."""
     return math.ceil(shards * OPS_PER_SHARD / limits.max_txn_ops) + REVISION_SLACK
-
-
-def _request(model: str, i: int, count: int, session: int) -> pb.PublishRequest:
-    return pb.PublishRequest(
-        model=model,
-        version=1,
-        manifest=tiny_manifest(),
-        holder=holder(f"rank-{i:05d}", session, complete=True, shard=i),
-        shard_index=i,
-        shard_count=count,
-    )
-
-
-class Ranks:
-    """A worker's share of the ranks (`prepare`), then their Publishes (`go`)."""
-
-    def __init__(self) -> None:
-        self.channels: list[grpc.aio.Channel] = []
-        self.ranks: list[tuple[int, hub_pb2_grpc.TensorHubStub, int]] = []  # index, stub, session
-        self.model = ""
-        self.count = 0
-        self.metadata: tuple[tuple[str, str], ...] = ()
-
-    async def prepare(
-        self,
-        targets: list[str],
-        token: str,
-        indices: list[int],
-        count: int,
-        model: str,
-        per_rank: bool,
-    ) -> dict[str, Any]:
-        """`per_rank`: every rank its own channel and session (to replica index mod R);
-        else one channel per replica and one session for this worker's shards."""
-        await self.close()
-        self.model, self.count = model, count
-        self.metadata = (("authorization", f"Bearer {token}"),)
-        errors: Counter[str] = Counter()
-        gate = asyncio.Semaphore(OPEN_CONCURRENCY)
-
-        def channel(target: str) -> grpc.aio.Channel:
-            made = grpc.aio.insecure_channel(target, CHANNEL_OPTIONS)
-            self.channels.append(made)
-            return made
-
-        async def session(stub: hub_pb2_grpc.TensorHubStub) -> int:
-            async with gate:
-                opened = await stub.OpenSession(
-                    pb.OpenSessionRequest(ttl_seconds=SESSION_TTL),
-                    metadata=self.metadata,
-                    timeout=60.0,
-                )
-            return int(opened.session_id)
-
-        async def rank(i: int, stub: hub_pb2_grpc.TensorHubStub, shared: int) -> None:
-            try:
-                self.ranks.append((i, stub, shared or await session(stub)))
-            except grpc.aio.AioRpcError as exc:
-                errors[f"open: {exc.code().name}"] += 1
-
-        if per_rank:
-            stubs = [
-                hub_pb2_grpc.TensorHubStub(channel(targets[i % len(targets)]))  # type: ignore[no-untyped-call]
-                for i in indices
-            ]
-            await asyncio.gather(*(rank(i, s, 0) for i, s in zip(indices, stubs, strict=True)))
-        else:
-            per_target = [hub_pb2_grpc.TensorHubStub(channel(t)) for t in targets]  # type: ignore[no-untyped-call]
-            shared = await session(per_target[0])
-            for i in indices:
-                await rank(i, per_target[i % len(targets)], shared)
-        self.ranks.sort(key=lambda r: r[0])
-        return {"ready": len(self.ranks), "errors": dict(errors)}
-
-    async def go(self, start_at: float, inflight: int | None, timeout: float) -> dict[str, Any]:
-        """At `start_at`, every rank's Publish (at most `inflight` at once; None: all)."""
-        gate: asyncio.Semaphore | contextlib.nullcontext[None] = (
-            contextlib.nullcontext() if inflight is None else asyncio.Semaphore(inflight)
-        )
-        visible: list[tuple[int, int, float]] = []  # index, revision, reply time
-        revisions: list[int] = []
-        results: list[object] = []
-
-        async def one(i: int, stub: hub_pb2_grpc.TensorHubStub, session: int) -> None:
-            async with gate:
-                try:
-                    reply = await stub.Publish(
-                        _request(self.model, i, self.count, session),
-                        metadata=self.metadata,
-                        timeout=timeout,
-                    )
-                except grpc.aio.AioRpcError as exc:
-                    results.append(exc)
-                    return
-            results.append(reply)
-            if reply.visible:
-                visible.append((i, int(reply.revision), time.monotonic()))
-            else:
-                revisions.append(int(reply.revision))
-
-        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
-        await asyncio.gather(*(one(*r) for r in self.ranks))
-        failed = [r for r in results if isinstance(r, BaseException)]
-        codes = Counter(
-            r.code().name if isinstance(r, grpc.aio.AioRpcError) else type(r).__name__
-            for r in failed
-        )
-        return {
-            "published": len(results) - len(failed),
-            "failures": dict(codes),
-            "first_error": first_error(failed),
-            "visible": visible,
-            "max_revision": max(revisions, default=0),  # of the shards that said not visible
-            "last_reply_at": time.monotonic(),
-        }
-
-    async def handle(self, command: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-        if command == "prepare":
-            return await self.prepare(**kwargs)
-        if command == "go":
-            return await self.go(**kwargs)
-        if command == "close":
-            await self.close()
-        return {}
-
-    async def close(self) -> None:
-        await asyncio.gather(*(c.close(0) for c in self.channels), return_exceptions=True)
-        self.channels, self.ranks = [], []
-
-
-def rank_worker(conn: Connection) -> None:
-    """Entry point of a rank worker process (`Fleet(..., target=rank_worker)`)."""
-    asyncio.run(serve_pipe(conn, Ranks()))
 
 
 async def _one_shard(address: str, token: str, times: int) -> list[float]:
@@ -235,296 +99,6 @@ async def _one_shard(address: str, token: str, times: int) -> list[float]:
         return out
     finally:
         await hub.close()
-
-
-async def _latest(address: str, token: str, model: str) -> tuple[int, int]:
-    hub = Hub(address, token)
-    try:
-        reply = await hub.call("Latest", pb.LatestRequest(model=model))
-        return int(reply.version), int(reply.revision)
-    finally:
-        await hub.close()
-
-
-async def _session(address: str, token: str) -> int:
-    hub = Hub(address, token)
-    try:
-        return await hub.session(SESSION_TTL)
-    finally:
-        await hub.close()
-
-
-async def _last_shard(
-    address: str, token: str, model: str, index: int, count: int, session: int, timeout: float
-) -> tuple[pb.PublishResponse | None, str, float]:
-    """The last shard alone, under `session`: (reply or None, error, reply time)."""
-    hub = Hub(address, token)
-    try:
-        try:
-            reply = await hub.call("Publish", _request(model, index, count, session), timeout)
-            return reply, "", time.monotonic()
-        except Exception as exc:  # the figure says it failed, and why
-            return None, first_error([exc]), time.monotonic()
-    finally:
-        await hub.close()
-
-
-def _merge(replies: list[dict[str, Any]]) -> dict[str, Any]:
-    failures: Counter[str] = Counter()
-    for r in replies:
-        failures.update(r.get("failures", {}))
-        if "failed" in r:
-            failures[f"worker: {r['failed']}"] += 1
-    return {
-        "published": sum(int(r.get("published", 0)) for r in replies),
-        "failures": dict(failures),
-        "first_error": next((r["first_error"] for r in replies if r.get("first_error")), ""),
-        "visible": sorted(v for r in replies for v in r.get("visible", [])),
-        "max_revision": max((int(r.get("max_revision", 0)) for r in replies), default=0),
-    }
-
-
-def _split(indices: list[int], parts: int) -> list[list[int]]:
-    return [indices[w::parts] for w in range(parts)]
-
-
-def ranks_case(world: World, fleet: Fleet, ranks: int, timeout: float) -> dict[str, Any]:
-    """N ranks, a channel and a session each, at one barrier; see the module docstring."""
-    model = "ranks"
-    workers = fleet.workers
-    out: dict[str, Any] = {"case": "ranks", "shards": ranks, "replicas": len(world.hubs)}
-    prepared = fleet.call(
-        "prepare",
-        [{"targets": world.addresses, "token": world.token, "indices": part, "count": ranks,
-          "model": model, "per_rank": True} for part in _split(list(range(ranks)), len(workers))],
-        300.0,
-    )  # fmt: skip
-    out["sessions"] = sum(int(p.get("ready", 0)) for p in prepared)
-    out["latest_before"], _ = asyncio.run(_latest(world.address, world.token, model))
-    rev0 = world.status()["revision"]
-    start_at = time.monotonic() + BARRIER_SECONDS
-    replies = fleet.call(
-        "go", [{"start_at": start_at, "inflight": None, "timeout": timeout}] * len(workers),
-        BARRIER_SECONDS + timeout + 60,
-    )  # fmt: skip
-    out["etcd_writes"] = world.status()["revision"] - rev0
-    out["latest_after"], latest_revision = asyncio.run(_latest(world.address, world.token, model))
-    fleet.call("close", [{}] * len(workers), 60.0)
-    merged = _merge(replies)
-    out.update(merged)
-    visible = merged["visible"]
-    out["visible_replies"] = len(visible)
-    if visible:  # the first reply that says visible: when the version became visible
-        revision = min(v[1] for v in visible)
-        out["seconds"] = min(v[2] for v in visible) - start_at
-        out["visible_revision"] = revision
-        # one transaction (a group commit) may carry several shards: did every reply that
-        # said visible come from the one that moved Latest?
-        out["visible_transactions"] = len({v[1] for v in visible})
-        out["ordered"] = merged["max_revision"] <= revision <= latest_revision
-    else:
-        out["seconds"], out["ordered"] = None, False
-    out["ok"] = bool(
-        out["ordered"]
-        and out["visible_transactions"] == 1
-        and out["sessions"] == ranks
-        and merged["published"] == ranks
-        and not merged["failures"]
-        and out["latest_before"] == 0
-        and out["latest_after"] == 1
-    )
-    return out
-
-
-def inflight_case(
-    world: World, fleet: Fleet, count: int, inflight: int, timeout: float
-) -> dict[str, Any]:
-    """N-1 shards with `inflight` in flight, then the last alone; see the module docstring."""
-    model = "shards"
-    workers = fleet.workers
-    out: dict[str, Any] = {
-        "case": "inflight", "shards": count, "inflight": inflight, "replicas": len(world.hubs),
-    }  # fmt: skip
-    fleet.call(
-        "prepare",
-        [{"targets": world.addresses, "token": world.token, "indices": part, "count": count,
-          "model": model, "per_rank": False}
-         for part in _split(list(range(count - 1)), len(workers))],
-        300.0,
-    )  # fmt: skip
-    out["latest_at_start"], _ = asyncio.run(_latest(world.address, world.token, model))
-    last_address = world.addresses[(count - 1) % len(world.addresses)]
-    last_session = asyncio.run(_session(last_address, world.token))  # before rev0
-    each = max(1, inflight // len(workers))
-    rev0 = world.status()["revision"]
-    start_at = time.monotonic() + BARRIER_SECONDS
-    replies = fleet.call(
-        "go", [{"start_at": start_at, "inflight": each, "timeout": timeout}] * len(workers),
-        BARRIER_SECONDS + timeout * count / max(1, inflight) + 120,
-    )  # fmt: skip
-    merged = _merge(replies)
-    out["latest_before"], _ = asyncio.run(_latest(world.address, world.token, model))
-    reply, error, at = asyncio.run(
-        _last_shard(last_address, world.token, model, count - 1, count, last_session, timeout)
-    )
-    out["etcd_writes"] = world.status()["revision"] - rev0
-    out["latest_after"], latest_revision = asyncio.run(_latest(world.address, world.token, model))
-    fleet.call("close", [{}] * len(workers), 60.0)
-    out.update(merged)
-    out["visible_before_last"] = len(merged["visible"])
-    out["last_visible"] = bool(reply is not None and reply.visible)
-    out["visible_replies"] = len(merged["visible"]) + int(out["last_visible"])
-    if error:
-        out["last_error"] = error
-    out["seconds"] = at - start_at if out["last_visible"] else None
-    revision = int(reply.revision) if reply is not None else 0
-    out["ordered"] = out["last_visible"] and merged["max_revision"] <= revision <= latest_revision
-    out["published"] = merged["published"] + (1 if reply is not None else 0)
-    out["ok"] = bool(
-        out["ordered"]
-        and out["visible_before_last"] == 0
-        and out["published"] == count
-        and not merged["failures"]
-        and out["latest_at_start"] == 0
-        and out["latest_before"] == 0
-        and out["latest_after"] == 1
-    )
-    return out
-
-
-SEQUENTIAL_SESSIONS = 4
-SINGLE_EVERY = 32  # sequential shards between two one-shard versions published alone
-
-
-async def _sessions(addresses: list[str], token: str, count: int) -> list[int]:
-    """`count` sessions, session j opened on replica j mod R."""
-    hubs = [Hub(a, token) for a in addresses]
-    try:
-        return [await hubs[j % len(hubs)].session(SESSION_TTL) for j in range(count)]
-    finally:
-        for hub in hubs:
-            await hub.close()
-
-
-async def _sequential(
-    addresses: list[str], token: str, count: int, opened: list[int], timeout: float
-) -> dict[str, Any]:
-    """The sequential case's publishes (one client, raw gRPC): shard i to replica i mod R
-    under session i mod S, one after another, and the interleaved one-shard versions of
-    model `sequential-single` (versions 1, 2, ...) on the first replica."""
-    sessions = len(opened)
-    hubs = [Hub(a, token) for a in addresses]
-    try:
-        shard_ms: list[float] = []
-        single_ms: list[float] = []
-        last: pb.PublishResponse | None = None
-        visible_early = 0
-        latest_before = 0
-        revisions: set[int] = set()  # the transactions that committed the version's shards
-        for i in range(count):
-            if i == count - 1:
-                latest_before = int(
-                    (await hubs[0].call("Latest", pb.LatestRequest(model="sequential"))).version
-                )
-            request = _request("sequential", i, count, opened[i % sessions])
-            t0 = time.monotonic()
-            reply = await hubs[i % len(hubs)].call("Publish", request, timeout)
-            shard_ms.append((time.monotonic() - t0) * 1000)
-            revisions.add(int(reply.revision))
-            if i == count - 1:
-                last = reply
-            elif reply.visible:
-                visible_early += 1
-            if i % SINGLE_EVERY == SINGLE_EVERY - 1:
-                single = pb.PublishRequest(
-                    model="sequential-single", version=len(single_ms) + 1,
-                    manifest=tiny_manifest(), holder=holder("single", opened[0], complete=True),
-                )  # fmt: skip
-                t0 = time.monotonic()
-                await hubs[0].call("Publish", single, timeout)
-                single_ms.append((time.monotonic() - t0) * 1000)
-        latest_after = int(
-            (await hubs[0].call("Latest", pb.LatestRequest(model="sequential"))).version
-        )
-        return {
-            "shard_ms": shard_ms, "single_ms": single_ms, "visible_early": visible_early,
-            "last_visible": bool(last is not None and last.visible),
-            "latest_before": latest_before, "latest_after": latest_after,
-            "transactions": len(revisions),
-        }  # fmt: skip
-    finally:
-        for hub in hubs:
-            await hub.close()
-
-
-def sequential_case(world: World, count: int, sessions: int, timeout: float) -> dict[str, Any]:
-    """N shards one after another from one client; see the module docstring."""
-    out: dict[str, Any] = {
-        "case": "sequential", "shards": count, "sessions": sessions, "replicas": len(world.hubs),
-    }  # fmt: skip
-    opened = asyncio.run(_sessions(world.addresses, world.token, sessions))
-    rev0 = world.status()["revision"]
-    t0 = time.monotonic()
-    try:
-        got = asyncio.run(_sequential(world.addresses, world.token, count, opened, timeout))
-    except grpc.aio.AioRpcError as exc:
-        out.update(ok=False, failed=first_error([exc]))
-        return out
-    out["seconds"] = time.monotonic() - t0
-    # every revision of the run (the one-shard versions and their retention's included)
-    out["etcd_writes"] = world.status()["revision"] - rev0
-    shard_ms = sorted(got.pop("shard_ms"))
-    single_ms = got.pop("single_ms")
-    out.update(got)
-    out["shard_ms_median"] = statistics.median(shard_ms)
-    out["shard_ms_mean"] = statistics.fmean(shard_ms)
-    out["shard_ms_p95"] = shard_ms[min(len(shard_ms) - 1, int(0.95 * len(shard_ms)))]
-    out["single_ms_median"] = statistics.median(single_ms) if single_ms else None
-    out["published"] = count
-    out["failures"] = {}
-    out["ok"] = bool(
-        out["last_visible"]
-        and out["visible_early"] == 0
-        and out["latest_before"] == 0
-        and out["latest_after"] == 1
-    )
-    return out
-
-
-def ceiling_inflight(
-    fleet: Fleet, count: int, inflight: int, replicas: int, timeout: float
-) -> float | None:
-    """The in-flight burst's N publishes, from the same worker processes, against
-    `replicas` do-nothing grpc.aio servers (`bench.scale.ceiling`): the seconds until the
-    last reply, what Python's gRPC alone costs on this machine (None if it could not run)."""
-    servers = [ceiling_server() for _ in range(replicas)]
-    try:
-        for server in servers:
-            server.start()
-        workers = fleet.workers
-        fleet.call(
-            "prepare",
-            [{"targets": [s.address for s in servers], "token": "ceiling.none", "indices": part,
-              "count": count, "model": "shards", "per_rank": False}
-             for part in _split(list(range(count)), len(workers))],
-            300.0,
-        )  # fmt: skip
-        start_at = time.monotonic() + BARRIER_SECONDS
-        replies = fleet.call(
-            "go",
-            [{"start_at": start_at, "inflight": max(1, inflight // len(workers)),
-              "timeout": timeout}] * len(workers),
-            BARRIER_SECONDS + timeout * count / max(1, inflight) + 120,
-        )  # fmt: skip
-        fleet.call("close", [{}] * len(workers), 60.0)
-        if any(r.get("failures") for r in replies):
-            return None
-        return max(float(r["last_reply_at"]) for r in replies) - start_at
-    except (ServerStartError, WorkerLost):
-        return None
-    finally:
-        for server in servers:
-            server.stop()
 
 
 def run(

@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from consistency import Etcd, Keys, ops
-from consistency.layouts import MAX_BLOCK_SET_BYTES
+from consistency.layout_records import MAX_BLOCK_SET_BYTES
 from consistency.manifests import INLINE_BYTES, SHARD_INLINE_BYTES
 from consistency.publishing import Admit, Charge
 from consistency.quota import CountedCreate

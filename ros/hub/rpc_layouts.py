@@ -8,7 +8,8 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from consistency.declared_layouts import DeclaredLayouts
-from consistency.layouts import BlockSetKey, LayoutRegistry
+from consistency.layout_records import BlockSetKey
+from consistency.layouts import LayoutRegistry
 from consistency.records import HolderRecord
 from consistency.sessions import SessionRecords
 from ros.hub.call import CallContext

@@ -70,69 +70,41 @@ is checked or `shards=False` is passed.
 `hub`, `tenant` and `token` default to `TENSORHUB_HUB`, `TENSORHUB_TENANT` and
 `TENSORHUB_TOKEN` in the workers' environment (keep the token out of the config).
 This module imports verl (and Ray): only import it where verl is installed.
+
+This module is verl's protocol (prepare, build_topology, init_process_group, send_weights,
+receive_weights, finalize, close) and the backend's registration. The engine's
+configuration, hub client and served handles are `ros.integrations.verl_state`; the actor's
+publishing, `ros.integrations.verl_send`; the rollout's reading,
+`ros.integrations.verl_receive`: none of those imports verl.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import threading
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 
-import ros
-from consistency.events import EventKind
-from ros.client.handles import Held, Publication
-from ros.client.hub import Hub
-from ros.integrations import verl_shards
-from ros.integrations.verl_ranks import RankPublish, publish_shard
-from ros.integrations.verl_read import ShardsRead, read_shards
+from ros.integrations.verl_receive import Receiving
+from ros.integrations.verl_send import Sending, Weights, weight_items
 from ros.integrations.verl_shards import ShardedParams
-from tensorhub.errors import (
-    DeadlineExceeded,
-    InvalidArgument,
-    RetentionViolation,
-)
+from ros.integrations.verl_state import DEFAULT_TIMEOUT
+from tensorhub.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
 BACKEND = "tensorhub"
 """The name this backend is registered under (`checkpoint_engine.backend`)."""
 
-DEFAULT_TIMEOUT = 300.0
-"""Seconds one `send_weights` or `receive_weights` may take, waits and transfer included."""
-
 ACTOR, ROLLOUT = "actor", "rollout"
-
-Weights = Iterable[tuple[str, torch.Tensor]] | AsyncIterable[tuple[str, torch.Tensor]]
-
-
-async def _items(weights: Weights) -> AsyncIterator[tuple[str, torch.Tensor]]:
-    """Both kinds of stream verl hands over: a plain generator (`get_per_tensor_param`) or an
-    async one (another engine's `receive_weights`), walked on the caller's thread."""
-    if isinstance(weights, AsyncIterable):
-        async for item in weights:
-            yield item
-    else:
-        for item in weights:
-            yield item
-
-
-def _env(value: str | None, name: str, what: str) -> str:
-    found = value or os.environ.get(name)
-    if not found:
-        raise InvalidArgument(f"tensorhub checkpoint engine: no {what}: pass it or set {name}")
-    return found
 
 
 @CheckpointEngineRegistry.register(BACKEND)
-class TensorHubCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is untyped (Any)
+class TensorHubCheckpointEngine(Sending, Receiving, CheckpointEngine):  # type: ignore[misc]  # verl is untyped (Any)
     """verl checkpoint engine that moves each weight update through TensorHub.
 
     Built by verl with `bucket_size` (unused: the hub chunks versions itself) and, on actor
@@ -146,79 +118,6 @@ class TensorHubCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl
     """
 
     wire_format = "named_tensors"
-
-    def __init__(
-        self,
-        bucket_size: int = 0,
-        is_master: bool | None = None,
-        *,
-        hub: str | Sequence[str] | None = None,
-        tenant: str | None = None,
-        token: str | None = None,
-        model: str = "policy",
-        timeout: float = DEFAULT_TIMEOUT,
-        topology: Mapping[str, str] | None = None,
-        listen: str = "127.0.0.1:0",
-        advertise: str | None = None,
-        session_ttl: int = 10,
-        spill_budget: int | None = None,
-        delta: bool = True,
-        base_copy: str = "host",
-        shards: bool = True,
-        group: bool = True,
-        client: Hub | None = None,
-    ) -> None:
-        self.bucket_size = bucket_size
-        self.is_master = bool(is_master)
-        self.shards = bool(shards)  # every actor rank publishes its own shard (FSDP2)
-        self.group = bool(group)  # ... in one hub call per version over the actor ranks
-        if self.shards and is_master is not None:  # an actor: hook verl's FSDP engine
-            verl_shards.install()
-        self.model = model
-        self.timeout = float(timeout)
-        self.delta = bool(delta)  # publish (rank 0) and apply (rollouts) delta versions
-        self.base_copy = base_copy  # where rank 0 keeps its copy for the next delta
-        self._owned = client is None  # a client passed in is its owner's to close
-        self._hub: Hub | None = client
-        if client is None:
-            self._endpoints: list[str] = (
-                _env(hub, "TENSORHUB_HUB", "hub address").split(",")
-                if hub is None or isinstance(hub, str)
-                else list(hub)
-            )
-            self._tenant = _env(tenant, "TENSORHUB_TENANT", "tenant")
-            self._token = _env(token, "TENSORHUB_TOKEN", "token")
-        self._options: dict[str, Any] = {
-            "topology": dict(topology) if topology else None,
-            "listen": listen,
-            "advertise": advertise,
-            "session_ttl": session_ttl,
-            "spill_budget": spill_budget,
-        }
-        self._lock = threading.Lock()
-        # this update (from build_topology): the role and rank in it, and its version
-        self.role: str | None = None
-        self.rank: int | None = None
-        self.version: int | None = None
-        # what this engine serves: the last publication or fetch, and those kept serving
-        # because releasing them would have dropped a retained version (retried each update)
-        self.publication: Publication | None = None
-        self.held: Held | None = None
-        self.shards_read: ShardsRead | None = None  # a version of shards, read whole
-        self._kept: list[Publication | Held] = []
-        self.last_version = 0
-
-    # -- the client ---------------------------------------------------------------------
-
-    @property
-    def hub(self) -> Hub:
-        """This worker's hub client, connected on first use."""
-        with self._lock:
-            if self._hub is None:
-                self._hub = ros.connect(
-                    self._endpoints, tenant=self._tenant, token=self._token, **self._options
-                )
-            return self._hub
 
     # -- the manager's protocol ---------------------------------------------------------
 
@@ -286,7 +185,7 @@ class TensorHubCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl
         if self.shards and isinstance(weights, ShardedParams):
             return await self._send_shard(weights, global_steps)
         if not self.is_master:
-            async for _ in _items(weights):
+            async for _ in weight_items(weights):
                 pass
             return {}
         start = time.monotonic()
@@ -338,195 +237,6 @@ class TensorHubCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl
                 hub, self._hub = self._hub, None
             if hub is not None and self._owned:
                 hub.close()
-
-    # -- sending ------------------------------------------------------------------------
-
-    async def _send_shard(
-        self, weights: ShardedParams, global_steps: int | None
-    ) -> dict[str, float]:
-        """Every actor rank: publish its own shard of the DTensor state dict behind verl's
-        stream, which is closed unwalked (nothing gathered)."""
-        start = time.monotonic()
-        deadline = start + self.timeout
-        state = weights.state()
-        weights.close()
-        reuse = await asyncio.to_thread(self._free_publication)
-        group = dist.group.WORLD if self.group else None
-        done: RankPublish = await asyncio.to_thread(
-            publish_shard, self.hub, self.model, self.version, state, reuse, group=group,
-            delta=self.delta, base_copy=self.base_copy, deadline=deadline,
-        )  # fmt: skip
-        self.publication = done.publication
-        self.last_version = done.version
-        companion = None if done.publication is None else done.publication.companion
-        encoded = 0 if companion is None else sum(t.nbytes for t in companion.tensors.values())
-        seconds = time.monotonic() - start
-        log.info(
-            "published shard %s of %s@%d (%.1f MiB, its delta %.1f MiB, base copies %.1f MiB, "
-            "global step %s) in %.2fs", done.shard, self.model, done.version,
-            done.staged_bytes / 2**20, encoded / 2**20, done.base_bytes / 2**20, global_steps,
-            seconds,
-        )  # fmt: skip
-        if not self.is_master:
-            return {}  # verl merges the ranks' metrics: rank 0's stand for the update
-        return {
-            "tensorhub/version": float(done.version),
-            "tensorhub/send_s": seconds,
-            "tensorhub/send_mb": done.staged_bytes / 2**20,  # this rank's shard
-            "tensorhub/delta_mb": encoded / 2**20,
-            "tensorhub/shards": float(0 if done.shard is None else done.shard[1]),
-        }
-
-    def _free_publication(self) -> dict[str, torch.Tensor]:
-        """Release the previous publication and return its memory for reuse ({} if it has
-        to stay served: the last copy of a retained version, past the spill budget)."""
-        self._retry_kept()
-        previous, self.publication = self.publication, None
-        if previous is None:
-            return {}
-        try:
-            previous.release()
-        except RetentionViolation:
-            log.warning("%r stays served (retained, no spill budget): new staging", previous)
-            self._kept.append(previous)
-            return {}
-        return previous.tensors
-
-    async def _gather(
-        self, weights: Weights, staging: dict[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
-        """Copy the stream into contiguous host tensors, reusing `staging`'s where the name,
-        shape and dtype match."""
-        tensors: dict[str, torch.Tensor] = {}
-        with torch.no_grad():
-            async for name, tensor in _items(weights):
-                if name in tensors:
-                    raise InvalidArgument(f"tensorhub checkpoint engine: {name!r} sent twice")
-                source = tensor.detach()
-                target = staging.get(name)
-                if target is None or target.shape != source.shape or target.dtype != source.dtype:
-                    target = torch.empty(source.shape, dtype=source.dtype, device="cpu")
-                target.copy_(source)
-                tensors[name] = target
-        if not tensors:
-            raise InvalidArgument("tensorhub checkpoint engine: no weights to send")
-        return tensors
-
-    def _publish(
-        self, tensors: dict[str, torch.Tensor], version: int | None, deadline: float
-    ) -> Publication:
-        hub = self.hub
-        remaining = deadline - time.monotonic()
-        if version is None:  # driven without build_topology (verl's own engine tests do that)
-            version = hub.latest(self.model, timeout=max(remaining, 0.1)) + 1
-            remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise DeadlineExceeded(f"{self.model}@{version}: no time left to publish")
-        return hub.publish(
-            self.model, version, tensors, timeout=remaining, delta=self.delta,
-            base_copy=self.base_copy,
-        )  # fmt: skip
-
-    # -- receiving ----------------------------------------------------------------------
-
-    def _receive(self, version: int | None) -> dict[str, torch.Tensor]:
-        """Wait for `version` (without a topology: any version newer than the last one
-        received), free the previous one's memory and read into it, within the deadline:
-        that memory holds the previous version, so a delta version moves only its changes
-        (`Held.delta` says what they were: `self.held`, or each of `self.shards_read.held`)."""
-        deadline = time.monotonic() + self.timeout
-        hub = self.hub
-        wanted = self._wait_for(hub, version, deadline)
-        self._retry_kept()
-        staging = self._free_held()
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise DeadlineExceeded(f"{self.model}@{wanted}: no time left to fetch")
-        resolved = hub.resolve(self.model, wanted, timeout=remaining)
-        if resolved.shards:
-            self.shards_read = read_shards(
-                hub, self.model, wanted, resolved, staging or {}, rank=self.rank or 0,
-                base=self.last_version if staging else None, delta=self.delta,
-                deadline=deadline,
-            )  # fmt: skip
-            self.last_version = wanted
-            return self.shards_read.tensors
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise DeadlineExceeded(f"{self.model}@{wanted}: no time left to fetch")
-        try:
-            held = hub.fetch(self.model, wanted, into=staging, timeout=remaining, delta=self.delta)
-        except InvalidArgument:
-            if staging is None:
-                raise
-            log.info("%s@%d has a new layout: fetching into fresh memory", self.model, wanted)
-            held = hub.fetch(
-                self.model, wanted, timeout=max(deadline - time.monotonic(), 0.1),
-                delta=self.delta,
-            )  # fmt: skip
-        self.held = held
-        self.last_version = held.version
-        return held.tensors
-
-    def _wait_for(self, hub: Hub, version: int | None, deadline: float) -> int:
-        """Block until `version` (or, if None, one newer than the last received) is
-        published; returns the version to fetch. `DeadlineExceeded` at the deadline."""
-        target = version if version is not None else self.last_version + 1
-
-        def ready() -> int | None:
-            latest = hub.latest(self.model, timeout=max(deadline - time.monotonic(), 0.1))
-            if latest >= target:
-                return target if version is not None else latest
-            return None
-
-        found = ready()
-        if found is not None:
-            return found
-        with hub.watch(self.model, versions_only=True) as events:
-            found = ready()  # published between the first look and the watch
-            while found is None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise DeadlineExceeded(
-                        f"{self.model}@{target} not published within {self.timeout:.0f}s"
-                    )
-                event = events.get(remaining)
-                if (
-                    event is not None
-                    and event.kind in (EventKind.VERSION_PUBLISHED, EventKind.RESYNC)
-                    and event.version >= target
-                ):
-                    found = target if version is not None else event.version
-        return found
-
-    def _free_held(self) -> dict[str, torch.Tensor] | None:
-        """Release the version read before (whole, or its shards); its memory, or None if
-        any of it stays served."""
-        previous, self.held = self.held, None
-        read, self.shards_read = self.shards_read, None
-        handles = [previous] if previous is not None else (read.held if read else [])
-        kept = False
-        for handle in handles:
-            try:
-                handle.release()
-            except RetentionViolation:
-                log.warning("%r stays served (retained, no spill budget): fresh memory", handle)
-                self._kept.append(handle)
-                kept = True
-        if kept:
-            return None
-        if previous is not None:
-            return previous.tensors
-        return None if read is None else read.tensors
-
-    def _retry_kept(self) -> None:
-        still: list[Publication | Held] = []
-        for handle in self._kept:
-            try:
-                handle.release()
-            except RetentionViolation:
-                still.append(handle)
-        self._kept = still
 
 
 __all__ = ["BACKEND", "DEFAULT_TIMEOUT", "TensorHubCheckpointEngine"]

@@ -14,7 +14,8 @@ import pytest
 import consistency.layouts as layouts_module
 from consistency import Etcd, HolderRecord, HolderState, Keys, Session, VersionRegistry
 from consistency.deletion import delete_model
-from consistency.layouts import BlockSetKey, LayoutRegistry, encode_block_set
+from consistency.layout_records import BlockSetKey, encode_block_set
+from consistency.layouts import LayoutRegistry
 from consistency.usage import RECORD_BYTES, TenantBudget, Usage
 from tensorhub.errors import QuotaExceeded
 

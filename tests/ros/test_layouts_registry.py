@@ -12,13 +12,9 @@ import pytest
 
 import consistency.layouts as layouts_module
 from consistency import Etcd, HolderRecord, HolderState, Keys, Session, VersionRegistry
-from consistency.layouts import (
-    COVER_HOLDERS_EACH,
-    MAX_LAYOUT_HOLDERS_READ,
-    BlockSetKey,
-    LayoutRegistry,
-    layout_pin_id,
-)
+from consistency.layout_limits import COVER_HOLDERS_EACH, MAX_LAYOUT_HOLDERS_READ
+from consistency.layout_records import BlockSetKey
+from consistency.layouts import LayoutRegistry, layout_pin_id
 from ros.hub.rpc_layouts import MAX_LAYOUT_CANDIDATES, _nearest
 from tensorhub.errors import PermissionDenied, QuotaExceeded, SessionExpired, VersionNotFound
 
