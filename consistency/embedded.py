@@ -4,6 +4,13 @@
 `EtcdCluster(size=3)` is the loopback cluster for failover tests, with helpers to kill,
 restart and find the leader. Every wait is bounded.
 
+Every member ends with the process that started the cluster, however that process ends:
+SIGKILL included (the OOM killer, a node agent), when nothing of it can stop the members.
+Each is spawned under Linux's parent-death signal on one thread the cluster owns until
+`stop` (`consistency/spawner.py`), so a caller's thread that ends (a chaos thread that
+called `restart`) takes no member along; `member.process` is still etcd itself. The data
+directory of a killed process stays behind in the temp dir; its ports are free again.
+
 Auth (`auth=True`: what `tensorhub serve` without `--etcd`, the demo, the chaos cluster and
 the benches use). The members listen on loopback TCP, where every local process can reach
 them, and the hub keeps its secret and the tenants' read keys in etcd. So the cluster turns
@@ -57,6 +64,7 @@ from etcd3 import etcdrpc
 
 from consistency.credentials import EtcdCredentials
 from consistency.etcdbin import find_etcd_binary
+from consistency.spawner import Spawner, parent_bound
 from tensorhub.errors import DeadlineExceeded, EtcdStartError, InvalidArgument, TensorHubError
 
 _handed: collections.deque[int] = collections.deque(maxlen=1024)  # ports given out lately
@@ -151,6 +159,7 @@ class EtcdCluster:
         self.members = [
             Member(f"m{i}", free_port(), free_port(), self.root / f"m{i}") for i in range(size)
         ]
+        self._spawner = Spawner(f"etcd-spawner-{self.root.name}")
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -171,10 +180,12 @@ class EtcdCluster:
             except EtcdStartError:
                 if attempt == START_ATTEMPTS or not self._lost_a_port():
                     self._terminate_all()
+                    self._spawner.close()
                     raise
                 self._start_afresh()
             except BaseException:
                 self._terminate_all()
+                self._spawner.close()
                 raise
         if self.credentials is not None:
             try:
@@ -185,8 +196,10 @@ class EtcdCluster:
         return self
 
     def stop(self) -> None:
-        """Stop every member (`_terminate_all`) and remove the data dir we made."""
+        """Stop every member (`_terminate_all`), end the thread that started them, and
+        remove the data dir we made."""
         self._terminate_all()
+        self._spawner.close()
         if self._own_root:
             shutil.rmtree(self.root, ignore_errors=True)
 
@@ -305,6 +318,9 @@ class EtcdCluster:
             member.client_port, member.peer_port = free_port(), free_port()
 
     def _spawn(self, member: Member, initial_state: str) -> None:
+        """Start `member`'s etcd on the cluster's spawner thread, bound to this process's
+        life (`consistency.spawner`): SIGKILL when the process ends, however it ends.
+        `member.process` is etcd itself (the wrappers exec it, same pid)."""
         member.data_dir.mkdir(parents=True, exist_ok=True)
         initial_cluster = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
         args = [
@@ -326,8 +342,13 @@ class EtcdCluster:
         ]  # fmt: skip
         log = open(member.data_dir / "etcd.log", "ab")  # noqa: SIM115  (owned by the child)
         try:
-            member.process = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            member.process = self._spawner.call(
+                lambda: subprocess.Popen(
+                    parent_bound(args),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                )
             )
         finally:
             log.close()

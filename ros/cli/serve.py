@@ -1,7 +1,8 @@
 """`tensorhub serve`: run one hub replica until SIGINT/SIGTERM.
 
 Without `--etcd`, starts one embedded etcd member in a temporary directory (development),
-with etcd auth on and a root password only this process knows (`consistency.embedded`);
+with etcd auth on and a root password only this process knows (`consistency.embedded`),
+that ends with this process even when it is killed with SIGKILL;
 with `--etcd`, the `--etcd-*` options (or `TENSORHUB_ETCD_*`) give its user, password and TLS;
 without `--admin-token`, generates one and prints it. Several replicas over the same etcd
 (and the same `--prefix`) serve the same data; any of them can serve any client.

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,6 +23,7 @@ import pytest
 import ros
 from bench.scale.procs import descendants
 from consistency import EtcdCluster, Keys
+from consistency.spawner import parent_death_signal_available
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
 from tests.ros.helpers import make_model
@@ -184,3 +187,48 @@ def test_a_hub_killed_with_sigkill_leaves_no_checking_process(
             for p in helpers:
                 if _alive(p):
                     os.kill(p, signal.SIGKILL)
+
+
+@pytest.mark.skipif(
+    not parent_death_signal_available(), reason="no setpriv with a parent-death signal here"
+)
+@pytest.mark.timeout(90)
+def test_a_hub_killed_with_sigkill_leaves_no_embedded_etcd(tmp_path: Path) -> None:
+    """`serve` without `--etcd` starts its own etcd member; killed outright, the hub cannot
+    stop it, and the kernel does (`consistency/spawner.py`): the member's ports are free
+    again, none of its processes left running for good."""
+    ready = tmp_path / "ready.json"
+    env = {k: v for k, v in os.environ.items() if k != "TENSORHUB_ADMIN_TOKEN"}
+    with (tmp_path / "serve.log").open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ros.cli", "serve", "--listen", "127.0.0.1:0",
+             "--check-processes", "0", "--ready-file", str(ready)],
+            stdout=log, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+    etcd: list[int] = []
+    try:
+        wait_until("serve is ready", lambda: ready.exists() or proc.poll() is not None, 60)
+        assert proc.poll() is None, _output(tmp_path)
+        etcd = [p for p in descendants(proc.pid) if _comm(p) == "etcd"]
+        assert len(etcd) == 1, f"serve's children: {descendants(proc.pid)}"
+        proc.kill()
+        proc.wait(10)
+        wait_until("the embedded etcd ends with its hub", lambda: not _alive(etcd[0]), 10)
+    finally:  # nothing outlives the test, whatever it found
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        for p in etcd:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+        data = re.search(r"\(data in (\S+);", _output(tmp_path))
+        if data:  # the killed hub could not remove its member's temp dir
+            shutil.rmtree(data.group(1), ignore_errors=True)
+
+
+def _comm(pid: int) -> str:
+    """The process's command name ("" once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
