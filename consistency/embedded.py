@@ -203,6 +203,13 @@ class EtcdCluster:
         if self._own_root:
             shutil.rmtree(self.root, ignore_errors=True)
 
+    @property
+    def binary(self) -> str:
+        """The etcd binary every member runs (what a test starts a second cluster of, so
+        that a module rerun on etcd 3.5 stays on it). Not the members' `argv[0]`: where
+        `setpriv` binds them to this process, that is `setpriv` (`consistency.spawner`)."""
+        return self._binary
+
     def __enter__(self) -> EtcdCluster:
         return self.start()
 

@@ -44,6 +44,9 @@ _T = TypeVar("_T")
 _SH = "/bin/sh"
 # $0 is the pid of the process that spawned it; "$@" the program and its arguments.
 _PARENT_CHECK = '[ "$PPID" = "$0" ] || exit 111; exec "$@"'
+START_S = 60.0
+"""The most `Spawner.call` waits for one start: a fork and an exec take milliseconds, so
+only a stopped or starved process takes this long."""
 
 
 def parent_bound(argv: Sequence[str]) -> list[str]:
@@ -102,15 +105,15 @@ class Spawner:
 
     def call(self, start: Callable[[], _T]) -> _T:
         """`start()` run on the spawner's thread (e.g. a `subprocess.Popen`); its result,
-        or its exception raised here. Waits only for `start` itself: a `Popen` returns once
-        the child has exec'd its program."""
+        or its exception raised here. Waits only for `start` itself (a `Popen` returns once
+        the child has exec'd its program), and at most `START_S`: `TimeoutError` after."""
         with self._lock:
             worker = self._worker
             if worker is None or worker.pid != os.getpid():
                 worker = self._worker = _Worker(self._name)
             future: Future[_T] = Future()
             worker.jobs.put(functools.partial(_run_into, start, future))
-        return future.result()
+        return future.result(timeout=START_S)
 
     def close(self) -> None:
         """End the thread (bounded wait); children it started and still running get SIGKILL."""

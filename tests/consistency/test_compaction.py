@@ -32,9 +32,7 @@ QUOTA = 2 << 20  # etcd's NOSPACE comes after about 90 puts of 60 KB
 @pytest.fixture
 def binary(etcd_cluster: EtcdCluster) -> str:
     """The etcd binary of the session's member (so `test_etcd35` reruns these on 3.5)."""
-    process = etcd_cluster.members[0].process
-    assert process is not None
-    return str(process.args[0])  # type: ignore[index]
+    return etcd_cluster.binary
 
 
 @pytest.fixture

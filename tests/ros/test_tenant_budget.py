@@ -174,9 +174,7 @@ def test_each_replica_s_cached_usage_stays_exact_across_replicas(
 @pytest.fixture
 def nospace_hub(etcd_cluster: EtcdCluster) -> Iterator[tuple[HubServer, Etcd]]:
     """A hub over a member of its own whose NOSPACE alarm the test raises (no compactor)."""
-    process = etcd_cluster.members[0].process
-    assert process is not None
-    binary = str(process.args[0])  # type: ignore[index]
+    binary = etcd_cluster.binary
     with EtcdCluster(size=1, binary=binary) as cluster:
         server = HubServer(
             cluster.endpoints, admin_token=ADMIN, keys=Keys("/test/nospace"), compact_interval=0
