@@ -55,7 +55,7 @@ import json
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Protocol
 
 from consistency import manifest_packs, ops
@@ -66,6 +66,7 @@ from consistency.publishing import Admit, Published
 from consistency.records import HolderRecord, PartHeader, ShardRecord
 from consistency.retry import CAS_POLICY, LostRace
 from consistency.shard_entries import Outcome, ShardEntry
+from consistency.shard_state import BatchRead, Carried, decode_counter
 from tensorhub.errors import (
     AlreadyExists,
     DeadlineExceeded,
@@ -96,34 +97,6 @@ class Budget(Protocol):
     def charge(
         self, sizes: Sequence[int], usage: ops.KV | None, arrived: int
     ) -> tuple[int, list[ops.Cmp], list[ops.Op], QuotaExceeded | None]: ...
-
-
-@dataclass(frozen=True)
-class _Read:
-    """What an attempt read: `latest`, the counter, and each pending shard's own records."""
-
-    latest: int
-    latest_mod: int
-    count: int  # 0: no shard arrived yet
-    arrived: int
-    arrived_mod: int
-    records: dict[int, ops.KV]  # shard index -> its shard record, where one exists
-    holders: dict[int, ops.KV]  # shard index -> the entry's holder record, where one exists
-    usage: ops.KV | None = None  # the tenant's usage key, with a budget
-    views: tuple[str, ...] = ()  # the view models the counter names
-
-
-@dataclass(frozen=True)
-class Carried:
-    """What a version's next batch would read right after its last batch committed on this
-    committer (`ShardCommitter.carried`; a hub keeps it from one batch to the next): the
-    counter and usage as that batch wrote them, `latest` as it compared it, no shard
-    record. The next batch sends its transaction on this state instead of reading first;
-    its compares (`latest`, the counter, the usage, each shard's record absent) hold
-    exactly when nothing has changed since, and a transaction that fails, or a state that
-    would decide a shard alone, sends the batch back to the read."""
-
-    state: _Read
 
 
 class ShardCommitter:
@@ -278,7 +251,7 @@ class ShardCommitter:
     def _write(
         self,
         pending: list[ShardEntry],
-        state: _Read,
+        state: BatchRead,
         outcomes: dict[int, Outcome],
         remaining: float,
         *,
@@ -375,7 +348,7 @@ class ShardCommitter:
         return False
 
     def _carry(
-        self, state: _Read, writing: list[ShardEntry], charged: list[ops.Op], revision: int
+        self, state: BatchRead, writing: list[ShardEntry], charged: list[ops.Op], revision: int
     ) -> Carried:
         """What this version's next batch would read right after `writing` committed at
         `revision` on `state`: the counter as written, `latest` as compared (a batch that
@@ -390,7 +363,7 @@ class ShardCommitter:
         views = tuple(writing[0].view_models) if writing[0].views else ()
         count = state.count or writing[0].count
         return Carried(
-            _Read(
+            BatchRead(
                 state.latest, state.latest_mod, count, state.arrived + len(writing), revision,
                 {}, {}, usage, views,
             )
@@ -418,7 +391,7 @@ class ShardCommitter:
             for e, at in zip(packed, offsets, strict=True)
         }  # fmt: skip
 
-    def _read(self, pending: list[ShardEntry], remaining: float) -> _Read:
+    def _read(self, pending: list[ShardEntry], remaining: float) -> BatchRead:
         """latest, the counter, and each pending shard's records, at one revision."""
         gets = [ops.get(self._latest), ops.get(self._arrived)]
         for entry in pending:
@@ -430,11 +403,11 @@ class ShardCommitter:
                  for r in result.responses]  # fmt: skip
         usage = found.pop() if self._budget is not None else None
         latest, arrived = found[0], found[1]
-        count, so_far, views = _counter(arrived.value if arrived is not None else None)
+        count, so_far, views = decode_counter(arrived.value if arrived is not None else None)
         self.arrived = max(self.arrived, so_far)
         records = {e.index: kv for e, kv in zip(pending, found[2::2], strict=True) if kv}
         holders = {e.index: kv for e, kv in zip(pending, found[3::2], strict=True) if kv}
-        return _Read(
+        return BatchRead(
             int(latest.value) if latest is not None else 0,
             latest.mod_revision if latest is not None else 0,
             count, so_far,
@@ -443,7 +416,7 @@ class ShardCommitter:
         )  # fmt: skip
 
     def _settle(
-        self, pending: list[ShardEntry], state: _Read, outcomes: dict[int, Outcome]
+        self, pending: list[ShardEntry], state: BatchRead, outcomes: dict[int, Outcome]
     ) -> tuple[list[ShardEntry], list[ShardEntry]]:
         """Decide what the read already decides (our own earlier write, another holder's
         shard, a stale version, a disagreeing shard count); the entries left to write, and
@@ -491,7 +464,7 @@ class ShardCommitter:
     def _rehold(
         self,
         entries: list[ShardEntry],
-        state: _Read,
+        state: BatchRead,
         outcomes: dict[int, Outcome],
         remaining: float,
     ) -> None:
@@ -536,7 +509,7 @@ class ShardCommitter:
     def _guards(
         self,
         writing: list[ShardEntry],
-        state: _Read,
+        state: BatchRead,
         outcomes: dict[int, Outcome],
         remaining: float,
         carried: bool = False,
@@ -634,24 +607,3 @@ def _same_shard(record: ops.KV, entry: ShardEntry) -> bool:
         and written.part.size == mine.size
         and written.part.digest == mine.digest
     )
-
-
-def arrivals(etcd: Etcd, keys: Keys, tenant: str, model: str, version: int, timeout: float) -> int:
-    """How many shards of `model@version` have committed so far (one read of its
-    counter): what a shard checked against the budget before its batch expects to arrive
-    after. Only an estimate: the batch's own charge, on the counter it compares, decides."""
-    kv, _ = etcd.get(keys.shard_arrivals(tenant, model, version), timeout=timeout)
-    return _counter(kv.value if kv is not None else None)[1]
-
-
-def _counter(raw: bytes | None) -> tuple[int, int, tuple[str, ...]]:
-    """(shard count, shards arrived, view models) from the counter's value; (0, 0, ())
-    without one."""
-    if raw is None:
-        return 0, 0, ()
-    try:
-        data = json.loads(raw)
-        views = tuple(str(v) for v in data.get("views", ()))
-        return int(data["count"]), int(data["arrived"]), views
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise InvalidArgument(f"unreadable shard counter {raw[:80]!r}") from exc

@@ -13,7 +13,7 @@ from consistency.layout_records import MAX_BLOCK_SET_BYTES
 from consistency.manifests import INLINE_BYTES, SHARD_INLINE_BYTES
 from consistency.publishing import Admit, Charge
 from consistency.quota import CountedCreate
-from consistency.shard_commit import arrivals
+from consistency.shard_state import arrivals
 from consistency.usage import Guard, TenantBudget, UsageCache, shard_tokens
 from consistency.versions import VersionRegistry
 from ros.hub.tenants import Tenant

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from consistency import Etcd, Keys, VersionRegistry
 from consistency.publishing import Admit, Published
-from consistency.shard_commit import Carried
 from consistency.shard_entries import FIXED_OPS, MAX_BATCH, MAX_TXN_OPS, ShardEntry, take
+from consistency.shard_state import Carried
 from ros.hub.budget import BatchBudget
 from ros.hub.group_commit import MAX_KEYS_COUNTED, GroupCommit
 from ros.hub.tenants import Tenant
