@@ -179,7 +179,7 @@ class _Counted:
 
 
 class BatchBudget:
-    """The charge of a batch of one version's shards (`consistency.shard_commit.Budget`):
+    """The charge of a batch of one version's shards (`consistency.shard_guards.Budget`):
     one compare and put for the batch, against the usage the batch read. The batch's
     shards arrive as its version's shards number `arrived` on, in batch order, and take
     the publish-rate tokens `consistency.usage.shard_tokens` gives each arrival: a version
