@@ -46,6 +46,12 @@ commits: a shard count that disagrees (`InvalidArgument`), a budget that is full
 a whole transaction that writes under a missing lease, so the batch finds the dead leases and
 commits again without them), pages that vanished with their lease (`LeaseLost`). Pages of a
 shard that definitely failed are deleted at once.
+
+Here: the committer's attempts, its transaction and their retries. Beside it, by job: a
+waiting shard and `take` (`consistency.shard_entries`), the counter, a read's state and the
+carried one (`consistency.shard_state`), the read and what it decides
+(`consistency.shard_reads`), the batch's shared compares and the budget
+(`consistency.shard_guards`).
 """
 
 from __future__ import annotations
@@ -61,27 +67,24 @@ from consistency.etcd import Etcd
 from consistency.keys import Keys
 from consistency.manifests import ManifestStore
 from consistency.publishing import Admit, Published
-from consistency.records import HolderRecord, ShardRecord
+from consistency.records import ShardRecord
 from consistency.retry import CAS_POLICY, LostRace
 from consistency.shard_entries import Outcome, ShardEntry
 from consistency.shard_guards import Budget, ShardGuards
-from consistency.shard_state import BatchRead, Carried, decode_counter
+from consistency.shard_reads import ShardReads
+from consistency.shard_state import BatchRead, Carried
 from tensorhub.errors import (
-    AlreadyExists,
     DeadlineExceeded,
-    InvalidArgument,
     LeaseLost,
     LeaseNotFound,
     OutcomeUnknown,
     SessionExpired,
-    StaleVersion,
     TensorHubError,
     Unavailable,
 )
-from tensorhub.names import validate_name
 
 
-class ShardCommitter(ShardGuards):
+class ShardCommitter(ShardReads, ShardGuards):
     """Commits batches of shards of one version `tenant/model@version` (module docstring).
 
     `admit_model` (the model quota) is asked while the model has no `latest`; `budget`
@@ -120,20 +123,6 @@ class ShardCommitter(ShardGuards):
         # the next batch tries its transaction on it before reading.
         self.carried: Carried | None = None
         self.budget_refused = 0  # shards the budget refused, on a state read (a final say)
-
-    # -- keys ------------------------------------------------------------------------------
-
-    def _shard_key(self, entry: ShardEntry) -> str:
-        """`Keys.shard` of the entry, its version's prefix built once (a batch builds a
-        few keys a shard, and each `Keys` call validates every name of the prefix again)."""
-        index = entry.index
-        if type(index) is not int or index < 0:
-            return self.keys.shard(self.tenant, self.model, self.version, index)  # its error
-        return f"{self._shards}{index:06d}"
-
-    def _holder_key(self, entry: ShardEntry) -> str:
-        """`Keys.holder` of the entry's holder, its version's prefix built once."""
-        return f"{self._holders}{validate_name(entry.holder.holder, 'holder')}"
 
     def _view_writes(self, entry: ShardEntry) -> tuple[list[ops.Cmp], list[ops.Op]]:
         """The compares and puts of the entry's view shards: each absent and its pages
@@ -185,11 +174,6 @@ class ShardCommitter(ShardGuards):
             if id(entry) in self._found or not isinstance(outcomes[id(entry)], Published):
                 self._discard(entry, outcomes[id(entry)])
         return [outcomes[id(e)] for e in entries]
-
-    def what(self, entry: ShardEntry | None = None) -> str:
-        if entry is None:
-            return f"{self.model}@{self.version}"
-        return f"shard {entry.index} of {self.model}@{self.version}"
 
     def _expired(self, entry: ShardEntry) -> TensorHubError:
         if entry.ambiguous:
@@ -329,28 +313,6 @@ class ShardCommitter(ShardGuards):
                 )
         return False
 
-    def _carry(
-        self, state: BatchRead, writing: list[ShardEntry], charged: list[ops.Op], revision: int
-    ) -> Carried:
-        """What this version's next batch would read right after `writing` committed at
-        `revision` on `state`: the counter as written, `latest` as compared (a batch that
-        makes the version visible carries nothing), the usage as charged (`charged`: the
-        batch's shared puts, the usage's among them), and no shard of its own yet."""
-        usage = state.usage
-        if self._budget is not None:
-            key = ops.b(self._budget.key)
-            for op in charged:
-                if op.request_put.key == key:
-                    usage = ops.KV(key, bytes(op.request_put.value), 0, revision, 0, 0)
-        views = tuple(writing[0].view_models) if writing[0].views else ()
-        count = state.count or writing[0].count
-        return Carried(
-            BatchRead(
-                state.latest, state.latest_mod, count, state.arrived + len(writing), revision,
-                {}, {}, usage, views,
-            )
-        )  # fmt: skip
-
     def _pack(self, writing: list[ShardEntry], puts: list[ops.Op]) -> dict[int, bytes]:
         """The pack of the packed manifests among `writing`, added to `puts` under a new id
         (one per transaction: an attempt that fails wrote nothing), and the shard records
@@ -372,76 +334,6 @@ class ShardCommitter(ShardGuards):
             ).encode()
             for e, at in zip(packed, offsets, strict=True)
         }  # fmt: skip
-
-    def _read(self, pending: list[ShardEntry], remaining: float) -> BatchRead:
-        """latest, the counter, and each pending shard's records, at one revision."""
-        gets = [ops.get(self._latest), ops.get(self._arrived)]
-        for entry in pending:
-            gets += [ops.get(self._shard_key(entry)), ops.get(self._holder_key(entry))]
-        if self._budget is not None:
-            gets.append(ops.get(self._budget.key))
-        result = self.etcd.txn([], gets, timeout=remaining)
-        found = [ops.KV.from_pb(r.response_range.kvs[0]) if r.response_range.kvs else None
-                 for r in result.responses]  # fmt: skip
-        usage = found.pop() if self._budget is not None else None
-        latest, arrived = found[0], found[1]
-        count, so_far, views = decode_counter(arrived.value if arrived is not None else None)
-        self.arrived = max(self.arrived, so_far)
-        records = {e.index: kv for e, kv in zip(pending, found[2::2], strict=True) if kv}
-        holders = {e.index: kv for e, kv in zip(pending, found[3::2], strict=True) if kv}
-        return BatchRead(
-            int(latest.value) if latest is not None else 0,
-            latest.mod_revision if latest is not None else 0,
-            count, so_far,
-            arrived.mod_revision if arrived is not None else 0,
-            records, holders, usage, views,
-        )  # fmt: skip
-
-    def _settle(
-        self, pending: list[ShardEntry], state: BatchRead, outcomes: dict[int, Outcome]
-    ) -> tuple[list[ShardEntry], list[ShardEntry]]:
-        """Decide what the read already decides (our own earlier write, another holder's
-        shard, a stale version, a disagreeing shard count); the entries left to write, and
-        those that only need to hold a shard already written with their bytes."""
-        visible = state.latest >= self.version
-        count = state.count
-        views = state.views if state.count else None  # the first shard's, once counted
-        writing: list[ShardEntry] = []
-        rehold: list[ShardEntry] = []
-        for entry in pending:
-            record = state.records.get(entry.index)
-            holder = state.holders.get(entry.index)
-            if record is not None:
-                if holder is not None and _ours(record, holder, entry):
-                    outcomes[id(entry)] = Published(self.version, holder.mod_revision, visible)
-                    self._found.add(id(entry))
-                elif _same_shard(record, entry):
-                    rehold.append(entry)  # its rank again, under a new session
-                else:
-                    outcomes[id(entry)] = AlreadyExists(
-                        f"{self.what(entry)} was already published by another holder"
-                    )
-            elif state.latest >= self.version:
-                outcomes[id(entry)] = StaleVersion(
-                    f"{self.model}@{self.version} is not newer than latest "
-                    f"{self.model}@{state.latest}"
-                )
-            elif count and entry.count != count:
-                outcomes[id(entry)] = InvalidArgument(
-                    f"shard {entry.index} says {self.what()} has {entry.count} shards; "
-                    f"the shards published before it say {count}"
-                )
-            elif views is not None and tuple(entry.view_models) != views:
-                outcomes[id(entry)] = InvalidArgument(
-                    f"shard {entry.index} of {self.what()} has views {entry.view_models}; "
-                    f"the shards published before it have {list(views)}: every shard of a "
-                    "version carries the same views"
-                )
-            else:
-                count = count or entry.count
-                views = tuple(entry.view_models)
-                writing.append(entry)
-        return writing, rehold
 
     def _rehold(
         self,
@@ -504,24 +396,3 @@ class ShardCommitter(ShardGuards):
                     f"the session {entry.holder.session:x} publishing {self.what(entry)} "
                     "expired before its shard committed: open a new one"
                 )
-
-
-def _ours(record: ops.KV, holder: ops.KV, entry: ShardEntry) -> bool:
-    """Whether a shard record and holder record read back are the entry's own earlier
-    write: its shard as it would write it, held under its session."""
-    if holder.lease != entry.holder.session or not _same_shard(record, entry):
-        return False
-    return HolderRecord.decode(holder.value).shard == entry.index
-
-
-def _same_shard(record: ops.KV, entry: ShardEntry) -> bool:
-    """Whether a shard record already written is the entry's shard as it would write it:
-    the same holder name, shard count and manifest (size and SHA-256)."""
-    written = ShardRecord.decode(record.value)
-    mine = entry.staged.header
-    return (
-        written.holder == entry.holder.holder
-        and written.count == entry.count
-        and written.part.size == mine.size
-        and written.part.digest == mine.digest
-    )
