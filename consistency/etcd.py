@@ -30,6 +30,7 @@ from consistency import ops
 from consistency.credentials import EtcdCredentials
 from consistency.etcd_auth import STREAM_TOKEN_AGE, Token, TokenInterceptor
 from consistency.etcd_errors import translate
+from consistency.etcd_results import Alarm, MemberStatus, RangeResult, TxnResult
 from consistency.ops import KV, Cmp, Op
 from consistency.protowire import scan_fields
 from consistency.retry import DEFAULT_POLICY, RetryPolicy, is_retryable
@@ -49,56 +50,6 @@ T = TypeVar("T")
 
 DEFAULT_TIMEOUT = 5.0
 _SKIP_FAILED_FOR = 1.0  # seconds a failed member is passed over before it is tried again
-
-
-@dataclass(frozen=True)
-class MemberStatus:
-    """One member's maintenance status: who it is, who leads, and how big its database is.
-
-    `db_size` is the backend file's size (what etcd's quota counts); `db_size_in_use` is the
-    part holding live pages (the rest is freed by a defragment). etcd reports the latter from
-    3.4 on; it is None when the member does not. `errors` lists the member's active alarms
-    as etcd words them (3.4+; empty before).
-    """
-
-    endpoint: str
-    member_id: int
-    leader: int
-    version: str
-    db_size: int
-    db_size_in_use: int | None
-    raft_index: int
-    errors: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Alarm:
-    """An active cluster alarm: the member that raised it and its type (`NOSPACE`, `CORRUPT`)."""
-
-    member_id: int
-    kind: str
-
-
-@dataclass(frozen=True)
-class RangeResult:
-    """The keys a range read found, and the store revision it was served at."""
-
-    kvs: list[KV]
-    revision: int
-
-
-@dataclass(frozen=True)
-class TxnResult:
-    """Whether a transaction's compares held, its revision, and how many attempts it took.
-
-    `attempts > 1` means an earlier attempt may have been applied before its reply was lost,
-    so a failed compare can be the caller's own write: callers check ownership then.
-    """
-
-    succeeded: bool
-    revision: int
-    responses: list[Any]
-    attempts: int
 
 
 class _Endpoint:
