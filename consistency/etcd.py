@@ -10,6 +10,10 @@ Credentials (`consistency.credentials.EtcdCredentials`) add TLS to every channel
 (`consistency.etcd_auth`): the hub logs in on first use, resends once a call refused for its
 token, and opens streams with tokens younger than `STREAM_TOKEN_AGE`. gRPC errors become
 `TensorHubError`s in `consistency.etcd_errors`.
+
+Here: the client's calls (KV, transactions and their fence, leases, maintenance, watch
+streams). Its members and how one call reaches them (channels, failover, retries, the token's
+resend) are `consistency.etcd_members`; what the calls answer, `consistency.etcd_results`.
 """
 
 from __future__ import annotations
@@ -28,11 +32,13 @@ from etcd3 import etcdrpc
 
 from consistency import ops
 from consistency.credentials import EtcdCredentials
-from consistency.etcd_auth import STREAM_TOKEN_AGE, Token, TokenInterceptor
+from consistency.etcd_auth import STREAM_TOKEN_AGE, Token
 from consistency.etcd_errors import translate
+from consistency.etcd_members import DEFAULT_TIMEOUT, Endpoint, EtcdMembers
+from consistency.etcd_results import Alarm, MemberStatus, RangeResult, TxnResult
 from consistency.ops import KV, Cmp, Op
 from consistency.protowire import scan_fields
-from consistency.retry import DEFAULT_POLICY, RetryPolicy, is_retryable
+from consistency.retry import DEFAULT_POLICY, RetryPolicy
 from tensorhub.errors import (
     DeadlineExceeded,
     InvalidArgument,
@@ -47,91 +53,6 @@ __all__ = ["DEFAULT_TIMEOUT", "Alarm", "Etcd", "MemberStatus", "RangeResult", "T
 
 T = TypeVar("T")
 
-DEFAULT_TIMEOUT = 5.0
-_SKIP_FAILED_FOR = 1.0  # seconds a failed member is passed over before it is tried again
-
-
-@dataclass(frozen=True)
-class MemberStatus:
-    """One member's maintenance status: who it is, who leads, and how big its database is.
-
-    `db_size` is the backend file's size (what etcd's quota counts); `db_size_in_use` is the
-    part holding live pages (the rest is freed by a defragment). etcd reports the latter from
-    3.4 on; it is None when the member does not. `errors` lists the member's active alarms
-    as etcd words them (3.4+; empty before).
-    """
-
-    endpoint: str
-    member_id: int
-    leader: int
-    version: str
-    db_size: int
-    db_size_in_use: int | None
-    raft_index: int
-    errors: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Alarm:
-    """An active cluster alarm: the member that raised it and its type (`NOSPACE`, `CORRUPT`)."""
-
-    member_id: int
-    kind: str
-
-
-@dataclass(frozen=True)
-class RangeResult:
-    """The keys a range read found, and the store revision it was served at."""
-
-    kvs: list[KV]
-    revision: int
-
-
-@dataclass(frozen=True)
-class TxnResult:
-    """Whether a transaction's compares held, its revision, and how many attempts it took.
-
-    `attempts > 1` means an earlier attempt may have been applied before its reply was lost,
-    so a failed compare can be the caller's own write: callers check ownership then.
-    """
-
-    succeeded: bool
-    revision: int
-    responses: list[Any]
-    attempts: int
-
-
-class _Endpoint:
-    def __init__(
-        self, target: str, credentials: EtcdCredentials | None = None, token: Token | None = None
-    ) -> None:
-        self.target = target
-        options = [
-            ("grpc.max_receive_message_length", 64 << 20),
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000),
-        ]
-        if credentials is not None and credentials.tls:
-            tls = grpc.ssl_channel_credentials(
-                root_certificates=credentials.ca,
-                private_key=credentials.key,
-                certificate_chain=credentials.cert,
-            )
-            self._raw = grpc.secure_channel(target, tls, options=options)
-        else:
-            self._raw = grpc.insecure_channel(target, options=options)
-        self.authenticator = etcdrpc.AuthStub(self._raw)  # Authenticate goes without a token
-        self.channel: grpc.Channel = self._raw
-        if token is not None:
-            interceptor = TokenInterceptor(token, self.authenticator, DEFAULT_TIMEOUT)
-            self.channel = grpc.intercept_channel(self._raw, interceptor)
-        self.auth = etcdrpc.AuthStub(self.channel)
-        self.kv = etcdrpc.KVStub(self.channel)
-        self.lease = etcdrpc.LeaseStub(self.channel)
-        self.watch = etcdrpc.WatchStub(self.channel)
-        self.maintenance = etcdrpc.MaintenanceStub(self.channel)
-        self.failed_at = 0.0
-
 
 @dataclass(frozen=True)
 class Fence:
@@ -145,7 +66,7 @@ class Fence:
     refusal: Callable[[], TensorHubError]
 
 
-class Etcd:
+class Etcd(EtcdMembers):
     """Connection to an etcd cluster given as `host:port` endpoints (one or several members).
 
     `credentials` (None: no auth, no TLS) are what a production etcd needs: a user and
@@ -180,7 +101,7 @@ class Etcd:
             if credentials is not None and credentials.auth
             else None
         )
-        self._members = [_Endpoint(e, credentials, self._token) for e in self.endpoints]
+        self._members = [Endpoint(e, credentials, self._token) for e in self.endpoints]
         self._lock = threading.Lock()
         self._current = 0
         self._counter = itertools.count()
@@ -209,52 +130,6 @@ class Etcd:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-    # -- member selection ------------------------------------------------------------------
-
-    def member(self) -> _Endpoint:
-        """The member to talk to now: the current one unless it failed very recently."""
-        with self._lock:
-            now = time.monotonic()
-            for step in range(len(self._members)):
-                index = (self._current + step) % len(self._members)
-                if now - self._members[index].failed_at >= _SKIP_FAILED_FOR:
-                    self._current = index
-                    return self._members[index]
-            return self._members[self._current]
-
-    def mark_failed(self, member: _Endpoint) -> None:
-        """Pass over `member` for a moment and move on to the next one."""
-        with self._lock:
-            member.failed_at = time.monotonic()
-            if self._members[self._current] is member:
-                self._current = (self._current + 1) % len(self._members)
-
-    def call(self, fn: Callable[[_Endpoint, float], T], *, timeout: float | None = None) -> T:
-        """Run `fn(member, attempt_timeout)`, retrying transient errors until the deadline."""
-        budget = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + budget
-        try:
-            for attempt in self.policy.retrying(deadline):
-                with attempt:
-                    member = self.member()
-                    remaining = max(deadline - time.monotonic(), 0.01)
-                    try:
-                        # Half the budget per attempt, so a hung member leaves time for another.
-                        return self._with_token(fn, member, min(remaining, max(budget / 2, 0.5)))
-                    except grpc.RpcError as exc:
-                        if is_retryable(exc):
-                            self.mark_failed(member)
-                        raise
-        except grpc.RpcError as exc:
-            raise translate(exc, budget) from exc
-        raise DeadlineExceeded(f"etcd call did not complete within {budget:.1f}s")
-
-    def _with_token(self, fn: Callable[[_Endpoint, float], T], member: _Endpoint, t: float) -> T:
-        """`fn(member, t)`, sent once more if etcd refused its token (`Token.resend_refused`)."""
-        if self._token is None:
-            return fn(member, t)
-        return self._token.resend_refused(lambda: fn(member, t), member.authenticator, t)
 
     # -- KV --------------------------------------------------------------------------------
 
@@ -340,7 +215,7 @@ class Etcd:
         request = ops.txn_request(compare, success, failure)
         attempts = 0
 
-        def send(member: _Endpoint, t: float) -> Any:
+        def send(member: Endpoint, t: float) -> Any:
             nonlocal attempts
             attempts += 1
             return member.kv.Txn(request, timeout=t)
@@ -416,7 +291,7 @@ class Etcd:
         """Renew a lease once; returns its new TTL, or 0 if it has already expired."""
         request = etcdrpc.LeaseKeepAliveRequest(ID=lease_id)
 
-        def renew(member: _Endpoint, t: float) -> int:
+        def renew(member: Endpoint, t: float) -> int:
             for response in member.lease.LeaseKeepAlive(iter([request]), timeout=t):
                 return int(response.TTL)
             return 0
@@ -440,7 +315,7 @@ class Etcd:
         return int(response.header.member_id), int(response.leader)
 
     def call_member(
-        self, endpoint: str, fn: Callable[[_Endpoint, float], T], *, timeout: float | None = None
+        self, endpoint: str, fn: Callable[[Endpoint, float], T], *, timeout: float | None = None
     ) -> T:
         """Run `fn` on the member at `endpoint` only (no failover), retrying until the deadline.
 
@@ -509,7 +384,7 @@ class Etcd:
         )
         self.call(lambda m, t: m.maintenance.Alarm(request, timeout=t), timeout=timeout)
 
-    def watch_stream(self, requests: Iterator[Any]) -> tuple[_Endpoint, Any]:
+    def watch_stream(self, requests: Iterator[Any]) -> tuple[Endpoint, Any]:
         """Open a raw watch stream on the current member (used by `consistency.watch_mux`)."""
         member = self.member()
         return member, member.watch.Watch(requests)

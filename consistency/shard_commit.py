@@ -46,192 +46,45 @@ commits: a shard count that disagrees (`InvalidArgument`), a budget that is full
 a whole transaction that writes under a missing lease, so the batch finds the dead leases and
 commits again without them), pages that vanished with their lease (`LeaseLost`). Pages of a
 shard that definitely failed are deleted at once.
+
+Here: the committer's attempts, its transaction and their retries. Beside it, by job: a
+waiting shard and `take` (`consistency.shard_entries`), the counter, a read's state and the
+carried one (`consistency.shard_state`), the read and what it decides
+(`consistency.shard_reads`), the batch's shared compares and the budget
+(`consistency.shard_guards`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import operator
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Protocol
+from dataclasses import replace
 
 from consistency import manifest_packs, ops
 from consistency.etcd import Etcd
 from consistency.keys import Keys
-from consistency.manifests import ManifestStore, Staged
+from consistency.manifests import ManifestStore
 from consistency.publishing import Admit, Published
-from consistency.records import HolderRecord, PartHeader, ShardRecord
+from consistency.records import ShardRecord
 from consistency.retry import CAS_POLICY, LostRace
+from consistency.shard_entries import Outcome, ShardEntry
+from consistency.shard_guards import Budget, ShardGuards
+from consistency.shard_reads import ShardReads
+from consistency.shard_state import BatchRead, Carried
 from tensorhub.errors import (
-    AlreadyExists,
     DeadlineExceeded,
-    InvalidArgument,
     LeaseLost,
     LeaseNotFound,
     OutcomeUnknown,
-    QuotaExceeded,
     SessionExpired,
-    StaleVersion,
     TensorHubError,
     Unavailable,
 )
-from tensorhub.names import validate_name
-
-MAX_TXN_OPS = 128  # etcd's default --max-txn-ops, which we never ask an operator to raise
-FIXED_OPS = 5  # per batch: the counter, the usage, the model fence, `latest`, the header
-MAX_BATCH = (MAX_TXN_OPS - 3) // 2  # the opening read: 2 gets per shard, 3 for the batch
-MIN_OPS = 2  # the fewest operations a shard adds to a batch (`ShardEntry.ops`)
-EXTRA_OP_BYTES = 8 * 1024
-"""A shard's other puts (`ShardEntry.extra`: its parts of publisher checksums) count as one
-more operation of its batch per this many bytes of their values, so the operation limit
-also bounds a batch's bytes of them (128 such: 1 MiB, under etcd's 1.5 MiB request)."""
-PACK_BYTES = manifest_packs.PACK_BYTES  # a batch's packed manifests, at most
-FULL_BATCH = (MAX_TXN_OPS - FIXED_OPS - 1) // 2  # shards of a batch with a pack (61), at most
 
 
-@dataclass
-class ViewShard:
-    """A shard's part of one view of its version: the view model, its manifest staged under
-    the rank's lease (pages only for a manifest too large to be inline) and its record."""
-
-    model: str
-    staged: Staged
-    record: bytes
-
-    @property
-    def ops(self) -> int:
-        """Its puts in a batch: its record, its holder record and its pages' commits."""
-        return 2 + self.staged.header.pages
-
-
-@dataclass
-class ShardEntry:
-    """One rank's shard publish, staged (its pages, if any, written under its lease) and
-    waiting for a batch. `size` is what the tenant's budget is charged for it. `record`: its
-    shard record as written, or `b""` for a packed one (`packed` set), whose record names
-    its batch's pack and is made by the batch (`ShardCommitter._pack`)."""
-
-    index: int
-    count: int
-    holder: HolderRecord
-    staged: Staged
-    record: bytes
-    size: int
-    deadline: float
-    session_key: str = ""  # the session's mark that must exist (a hub: the tenant's own)
-    ambiguous: bool = field(default=False, compare=False)
-    packed: bytes = field(default=b"", repr=False)  # its manifest for the batch's pack
-    views: list[ViewShard] = field(default_factory=list)  # its shards of the version's views
-    extra: list[ops.Op] = field(default_factory=list)  # its other puts (publisher parts)
-    extra_bytes: int = 0  # their values' bytes (`EXTRA_OP_BYTES`)
-
-    @property
-    def ops(self) -> int:
-        """The operations this shard adds to a batch's largest list (its puts and its view
-        shards', its other puts weighed by their bytes; the pack its manifest goes in is
-        the batch's one more)."""
-        own = 2 + self.staged.header.pages + len(self.extra) + self.extra_bytes // EXTRA_OP_BYTES
-        return own + sum(view.ops for view in self.views) if self.views else own
-
-    @property
-    def view_models(self) -> list[str]:
-        return [view.model for view in self.views]
-
-
-class Budget(Protocol):
-    """The tenant's budget for a batch (`consistency.usage.TenantBudget`): the key it keeps
-    the usage in (read with the batch's opening read, so charging costs no round trip of
-    its own), and how many of the batch's `sizes`, in order, fit the usage as read, with
-    the compare and put that charge them and the refusal for the rest. `arrived`: how many
-    shards of the version earlier batches committed (the counter as read, compared in the
-    batch's transaction), so the batch's shards are its arrivals `arrived`, `arrived` + 1,
-    ... (what `consistency.usage.shard_tokens` charges by)."""
-
-    key: str
-
-    def charge(
-        self, sizes: Sequence[int], usage: ops.KV | None, arrived: int
-    ) -> tuple[int, list[ops.Cmp], list[ops.Op], QuotaExceeded | None]: ...
-
-
-Outcome = Published | TensorHubError
-
-
-def take(queue: list[ShardEntry]) -> list[ShardEntry]:
-    """The next batch from `queue`, oldest first, within etcd's operation limit (a pack is
-    one operation more) and `PACK_BYTES` of packed manifests, with at most one entry per
-    shard index (a second publish of an index waits for the next batch, where it finds the
-    first one's record). Removes what it takes from `queue`. The scan stops where the batch
-    is full (`MAX_BATCH` entries, or no room for the smallest entry's `MIN_OPS`): a burst
-    queues thousands of shards, and each batch looks at about its own."""
-    batch: list[ShardEntry] = []
-    indices: set[int] = set()
-    used = FIXED_OPS + view_ops(queue)
-    packed = 0
-    rest: list[ShardEntry] = []
-    for at, entry in enumerate(queue):
-        if len(batch) >= MAX_BATCH or used + MIN_OPS > MAX_TXN_OPS:
-            rest += queue[at:]  # nothing more fits: the rest stays, in order
-            break
-        more = entry.ops + (1 if entry.packed and not packed else 0)
-        if (
-            len(batch) < MAX_BATCH
-            and entry.index not in indices
-            and used + more <= MAX_TXN_OPS
-            and (not entry.packed or packed + len(entry.packed) <= PACK_BYTES)
-        ):
-            batch.append(entry)
-            indices.add(entry.index)
-            used += more
-            packed += len(entry.packed)
-        else:
-            rest.append(entry)
-    queue[:] = rest
-    return batch
-
-
-def view_ops(entries: Sequence[ShardEntry]) -> int:
-    """The operations a batch of `entries` may add for its views beyond each entry's own:
-    each view's header and `latest`, in the batch that completes the version."""
-    return 2 * max(map(len, map(_views_of, entries)), default=0)  # in C: bursts queue thousands
-
-
-_views_of = operator.attrgetter("views")
-
-
-@dataclass(frozen=True)
-class _Read:
-    """What an attempt read: `latest`, the counter, and each pending shard's own records."""
-
-    latest: int
-    latest_mod: int
-    count: int  # 0: no shard arrived yet
-    arrived: int
-    arrived_mod: int
-    records: dict[int, ops.KV]  # shard index -> its shard record, where one exists
-    holders: dict[int, ops.KV]  # shard index -> the entry's holder record, where one exists
-    usage: ops.KV | None = None  # the tenant's usage key, with a budget
-    views: tuple[str, ...] = ()  # the view models the counter names
-
-
-@dataclass(frozen=True)
-class Carried:
-    """What a version's next batch would read right after its last batch committed on this
-    committer (`ShardCommitter.carried`; a hub keeps it from one batch to the next): the
-    counter and usage as that batch wrote them, `latest` as it compared it, no shard
-    record. The next batch sends its transaction on this state instead of reading first;
-    its compares (`latest`, the counter, the usage, each shard's record absent) hold
-    exactly when nothing has changed since, and a transaction that fails, or a state that
-    would decide a shard alone, sends the batch back to the read."""
-
-    state: _Read
-
-
-class ShardCommitter:
+class ShardCommitter(ShardReads, ShardGuards):
     """Commits batches of shards of one version `tenant/model@version` (module docstring).
 
     `admit_model` (the model quota) is asked while the model has no `latest`; `budget`
@@ -270,20 +123,6 @@ class ShardCommitter:
         # the next batch tries its transaction on it before reading.
         self.carried: Carried | None = None
         self.budget_refused = 0  # shards the budget refused, on a state read (a final say)
-
-    # -- keys ------------------------------------------------------------------------------
-
-    def _shard_key(self, entry: ShardEntry) -> str:
-        """`Keys.shard` of the entry, its version's prefix built once (a batch builds a
-        few keys a shard, and each `Keys` call validates every name of the prefix again)."""
-        index = entry.index
-        if type(index) is not int or index < 0:
-            return self.keys.shard(self.tenant, self.model, self.version, index)  # its error
-        return f"{self._shards}{index:06d}"
-
-    def _holder_key(self, entry: ShardEntry) -> str:
-        """`Keys.holder` of the entry's holder, its version's prefix built once."""
-        return f"{self._holders}{validate_name(entry.holder.holder, 'holder')}"
 
     def _view_writes(self, entry: ShardEntry) -> tuple[list[ops.Cmp], list[ops.Op]]:
         """The compares and puts of the entry's view shards: each absent and its pages
@@ -336,11 +175,6 @@ class ShardCommitter:
                 self._discard(entry, outcomes[id(entry)])
         return [outcomes[id(e)] for e in entries]
 
-    def what(self, entry: ShardEntry | None = None) -> str:
-        if entry is None:
-            return f"{self.model}@{self.version}"
-        return f"shard {entry.index} of {self.model}@{self.version}"
-
     def _expired(self, entry: ShardEntry) -> TensorHubError:
         if entry.ambiguous:
             return OutcomeUnknown(
@@ -383,7 +217,7 @@ class ShardCommitter:
     def _write(
         self,
         pending: list[ShardEntry],
-        state: _Read,
+        state: BatchRead,
         outcomes: dict[int, Outcome],
         remaining: float,
         *,
@@ -479,28 +313,6 @@ class ShardCommitter:
                 )
         return False
 
-    def _carry(
-        self, state: _Read, writing: list[ShardEntry], charged: list[ops.Op], revision: int
-    ) -> Carried:
-        """What this version's next batch would read right after `writing` committed at
-        `revision` on `state`: the counter as written, `latest` as compared (a batch that
-        makes the version visible carries nothing), the usage as charged (`charged`: the
-        batch's shared puts, the usage's among them), and no shard of its own yet."""
-        usage = state.usage
-        if self._budget is not None:
-            key = ops.b(self._budget.key)
-            for op in charged:
-                if op.request_put.key == key:
-                    usage = ops.KV(key, bytes(op.request_put.value), 0, revision, 0, 0)
-        views = tuple(writing[0].view_models) if writing[0].views else ()
-        count = state.count or writing[0].count
-        return Carried(
-            _Read(
-                state.latest, state.latest_mod, count, state.arrived + len(writing), revision,
-                {}, {}, usage, views,
-            )
-        )  # fmt: skip
-
     def _pack(self, writing: list[ShardEntry], puts: list[ops.Op]) -> dict[int, bytes]:
         """The pack of the packed manifests among `writing`, added to `puts` under a new id
         (one per transaction: an attempt that fails wrote nothing), and the shard records
@@ -523,80 +335,10 @@ class ShardCommitter:
             for e, at in zip(packed, offsets, strict=True)
         }  # fmt: skip
 
-    def _read(self, pending: list[ShardEntry], remaining: float) -> _Read:
-        """latest, the counter, and each pending shard's records, at one revision."""
-        gets = [ops.get(self._latest), ops.get(self._arrived)]
-        for entry in pending:
-            gets += [ops.get(self._shard_key(entry)), ops.get(self._holder_key(entry))]
-        if self._budget is not None:
-            gets.append(ops.get(self._budget.key))
-        result = self.etcd.txn([], gets, timeout=remaining)
-        found = [ops.KV.from_pb(r.response_range.kvs[0]) if r.response_range.kvs else None
-                 for r in result.responses]  # fmt: skip
-        usage = found.pop() if self._budget is not None else None
-        latest, arrived = found[0], found[1]
-        count, so_far, views = _counter(arrived.value if arrived is not None else None)
-        self.arrived = max(self.arrived, so_far)
-        records = {e.index: kv for e, kv in zip(pending, found[2::2], strict=True) if kv}
-        holders = {e.index: kv for e, kv in zip(pending, found[3::2], strict=True) if kv}
-        return _Read(
-            int(latest.value) if latest is not None else 0,
-            latest.mod_revision if latest is not None else 0,
-            count, so_far,
-            arrived.mod_revision if arrived is not None else 0,
-            records, holders, usage, views,
-        )  # fmt: skip
-
-    def _settle(
-        self, pending: list[ShardEntry], state: _Read, outcomes: dict[int, Outcome]
-    ) -> tuple[list[ShardEntry], list[ShardEntry]]:
-        """Decide what the read already decides (our own earlier write, another holder's
-        shard, a stale version, a disagreeing shard count); the entries left to write, and
-        those that only need to hold a shard already written with their bytes."""
-        visible = state.latest >= self.version
-        count = state.count
-        views = state.views if state.count else None  # the first shard's, once counted
-        writing: list[ShardEntry] = []
-        rehold: list[ShardEntry] = []
-        for entry in pending:
-            record = state.records.get(entry.index)
-            holder = state.holders.get(entry.index)
-            if record is not None:
-                if holder is not None and _ours(record, holder, entry):
-                    outcomes[id(entry)] = Published(self.version, holder.mod_revision, visible)
-                    self._found.add(id(entry))
-                elif _same_shard(record, entry):
-                    rehold.append(entry)  # its rank again, under a new session
-                else:
-                    outcomes[id(entry)] = AlreadyExists(
-                        f"{self.what(entry)} was already published by another holder"
-                    )
-            elif state.latest >= self.version:
-                outcomes[id(entry)] = StaleVersion(
-                    f"{self.model}@{self.version} is not newer than latest "
-                    f"{self.model}@{state.latest}"
-                )
-            elif count and entry.count != count:
-                outcomes[id(entry)] = InvalidArgument(
-                    f"shard {entry.index} says {self.what()} has {entry.count} shards; "
-                    f"the shards published before it say {count}"
-                )
-            elif views is not None and tuple(entry.view_models) != views:
-                outcomes[id(entry)] = InvalidArgument(
-                    f"shard {entry.index} of {self.what()} has views {entry.view_models}; "
-                    f"the shards published before it have {list(views)}: every shard of a "
-                    "version carries the same views"
-                )
-            else:
-                count = count or entry.count
-                views = tuple(entry.view_models)
-                writing.append(entry)
-        return writing, rehold
-
     def _rehold(
         self,
         entries: list[ShardEntry],
-        state: _Read,
+        state: BatchRead,
         outcomes: dict[int, Outcome],
         remaining: float,
     ) -> None:
@@ -638,70 +380,6 @@ class ShardCommitter:
                 )
                 self._found.add(id(entry))  # its own staged pages are not the live ones
 
-    def _guards(
-        self,
-        writing: list[ShardEntry],
-        state: _Read,
-        outcomes: dict[int, Outcome],
-        remaining: float,
-        carried: bool = False,
-    ) -> tuple[list[ops.Cmp], list[ops.Op], bool]:
-        """The batch's shared compares and puts: latest, the counter, the model quota, the
-        budget (entries past it get `QuotaExceeded`; counted in `budget_refused` unless on
-        a `carried` state, which a read decides again), and visibility if this batch
-        completes the version."""
-        count = state.count or writing[0].count
-        compares = [
-            ops.mod(self._latest, "==", state.latest_mod),
-            ops.mod(self._arrived, "==", state.arrived_mod),
-        ]
-        puts: list[ops.Op] = []
-        new_views = bool(writing[0].views)  # a view model may be new while its model is not
-        if (
-            self._admit is not None
-            and (not state.latest_mod or new_views)
-            and not state.arrived_mod
-        ):
-            # (a counter means an earlier batch counted the model: its shards are keys of it)
-            try:
-                guard, bump = self._admit(remaining)
-            except QuotaExceeded as exc:
-                for entry in writing:
-                    outcomes[id(entry)] = exc
-                return [], [], False
-            compares += guard
-            puts += bump
-        if self._budget is not None:
-            admitted, guard, charge, refusal = self._budget.charge(
-                [e.size for e in writing], state.usage, state.arrived
-            )
-            for entry in writing[admitted:]:
-                outcomes[id(entry)] = refusal or QuotaExceeded("tenant budget")
-            if not carried:
-                self.budget_refused += len(writing) - admitted
-            compares += guard
-            puts += charge
-            writing = writing[:admitted]
-        arrived = state.arrived + len(writing)
-        views = writing[0].view_models if writing else []
-        counter: dict[str, object] = {"count": count, "arrived": arrived}
-        if views:
-            counter["views"] = views
-        puts.append(ops.put(self._arrived, json.dumps(counter)))
-        visible = arrived == count
-        if visible:
-            header = PartHeader(0, b"", shards=count).encode()
-            puts += [
-                ops.put(self._latest, str(self.version)),
-                ops.put(self.keys.manifest(self.tenant, self.model, self.version), header),
-            ]
-            for view in views:  # the views become visible with their version
-                at = self.keys.manifest(self.tenant, view, self.version)
-                compares.append(ops.absent(at))
-                puts += [ops.put(at, header), ops.put(self.keys.latest(self.tenant, view),
-                                                      str(self.version))]  # fmt: skip
-        return compares, puts, visible
-
     def _dead_sessions(self, writing: list[ShardEntry], outcomes: dict[int, Outcome]) -> None:
         """etcd refused the batch for a lease it does not know: find which sessions died
         (one TimeToLive each) and fail their shards; the rest go again."""
@@ -718,45 +396,3 @@ class ShardCommitter:
                     f"the session {entry.holder.session:x} publishing {self.what(entry)} "
                     "expired before its shard committed: open a new one"
                 )
-
-
-def _ours(record: ops.KV, holder: ops.KV, entry: ShardEntry) -> bool:
-    """Whether a shard record and holder record read back are the entry's own earlier
-    write: its shard as it would write it, held under its session."""
-    if holder.lease != entry.holder.session or not _same_shard(record, entry):
-        return False
-    return HolderRecord.decode(holder.value).shard == entry.index
-
-
-def _same_shard(record: ops.KV, entry: ShardEntry) -> bool:
-    """Whether a shard record already written is the entry's shard as it would write it:
-    the same holder name, shard count and manifest (size and SHA-256)."""
-    written = ShardRecord.decode(record.value)
-    mine = entry.staged.header
-    return (
-        written.holder == entry.holder.holder
-        and written.count == entry.count
-        and written.part.size == mine.size
-        and written.part.digest == mine.digest
-    )
-
-
-def arrivals(etcd: Etcd, keys: Keys, tenant: str, model: str, version: int, timeout: float) -> int:
-    """How many shards of `model@version` have committed so far (one read of its
-    counter): what a shard checked against the budget before its batch expects to arrive
-    after. Only an estimate: the batch's own charge, on the counter it compares, decides."""
-    kv, _ = etcd.get(keys.shard_arrivals(tenant, model, version), timeout=timeout)
-    return _counter(kv.value if kv is not None else None)[1]
-
-
-def _counter(raw: bytes | None) -> tuple[int, int, tuple[str, ...]]:
-    """(shard count, shards arrived, view models) from the counter's value; (0, 0, ())
-    without one."""
-    if raw is None:
-        return 0, 0, ()
-    try:
-        data = json.loads(raw)
-        views = tuple(str(v) for v in data.get("views", ()))
-        return int(data["count"]), int(data["arrived"]), views
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise InvalidArgument(f"unreadable shard counter {raw[:80]!r}") from exc

@@ -229,7 +229,7 @@ class TenantBudget:
         publishes: float | Sequence[float] = 1.0,
     ) -> tuple[int, list[ops.Cmp], list[ops.Op], QuotaExceeded | None]:
         """`charge_many` against the usage key as the caller read it (`kv`; None: it does
-        not exist), with no read of its own (`consistency.shard_commit.Budget`)."""
+        not exist), with no read of its own (`consistency.shard_guards.Budget`)."""
         costs = (
             [float(publishes)] * len(sizes)
             if isinstance(publishes, int | float)

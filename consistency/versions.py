@@ -35,7 +35,9 @@ from consistency.manifests import (
 from consistency.publishing import DEFAULT_TIMEOUT, Admit, Charge, Published, Publisher
 from consistency.records import HolderRecord, HolderState, PartHeader, ShardRecord
 from consistency.retry import USAGE_RACES, LostRace
-from consistency.shard_commit import Budget, ShardCommitter, ShardEntry, ViewShard
+from consistency.shard_commit import ShardCommitter
+from consistency.shard_entries import ShardEntry, ViewShard
+from consistency.shard_guards import Budget
 from consistency.view_publish import StagedViews, ViewsCharge
 from tensorhub.errors import InvalidArgument, OutcomeUnknown, TensorHubError
 from tensorhub.names import validate_name, validate_version

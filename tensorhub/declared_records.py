@@ -51,7 +51,7 @@ MAX_PART_SUMS = 1 << 15
 
 MAX_PARTS_BYTES = 256 * 1024
 """The longest value of one shard's parts as written (`encode_parts`): with
-`consistency.shard_commit.EXTRA_OP_BYTES`, 32 operations of its batch at most."""
+`consistency.shard_entries.EXTRA_OP_BYTES`, 32 operations of its batch at most."""
 
 _ID = 32  # a block set's id: 128 bits in hex (`ros.client.layouts.block_set`)
 _HEAD = struct.Struct(">I")

@@ -13,7 +13,7 @@ from consistency.layout_records import MAX_BLOCK_SET_BYTES
 from consistency.manifests import INLINE_BYTES, SHARD_INLINE_BYTES
 from consistency.publishing import Admit, Charge
 from consistency.quota import CountedCreate
-from consistency.shard_commit import arrivals
+from consistency.shard_state import arrivals
 from consistency.usage import Guard, TenantBudget, UsageCache, shard_tokens
 from consistency.versions import VersionRegistry
 from ros.hub.tenants import Tenant
@@ -179,7 +179,7 @@ class _Counted:
 
 
 class BatchBudget:
-    """The charge of a batch of one version's shards (`consistency.shard_commit.Budget`):
+    """The charge of a batch of one version's shards (`consistency.shard_guards.Budget`):
     one compare and put for the batch, against the usage the batch read. The batch's
     shards arrive as its version's shards number `arrived` on, in batch order, and take
     the publish-rate tokens `consistency.usage.shard_tokens` gives each arrival: a version

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from consistency import Etcd
 from consistency.retry import CAS_POLICY, LostRace
 from consistency.sessions import SessionRecords
-from consistency.shard_commit import MAX_TXN_OPS
+from consistency.shard_entries import MAX_TXN_OPS
 from ros.hub.group_commit import GroupCommit
 from ros.hub.tenants import Tenant
 from tensorhub.errors import (

@@ -40,7 +40,7 @@ from typing import TypeVar
 
 from consistency.manifests import MAX_SHARDS
 from consistency.publishing import Published
-from consistency.shard_commit import FULL_BATCH
+from consistency.shard_entries import FULL_BATCH
 from ros.errors import ERROR_METADATA_KEY, FIELDS_METADATA_KEY, error_metadata
 from ros.hub.call import internal
 from ros.proto.tensorhub.v1 import hub_pb2 as pb

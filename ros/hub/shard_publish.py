@@ -17,14 +17,8 @@ from dataclasses import dataclass
 
 from consistency import Etcd, Keys, VersionRegistry
 from consistency.publishing import Admit, Published
-from consistency.shard_commit import (
-    FIXED_OPS,
-    MAX_BATCH,
-    MAX_TXN_OPS,
-    Carried,
-    ShardEntry,
-    take,
-)
+from consistency.shard_entries import FIXED_OPS, MAX_BATCH, MAX_TXN_OPS, ShardEntry, take
+from consistency.shard_state import Carried
 from ros.hub.budget import BatchBudget
 from ros.hub.group_commit import MAX_KEYS_COUNTED, GroupCommit
 from ros.hub.tenants import Tenant
@@ -145,7 +139,7 @@ def _linger(jobs: list[ShardJob], submitted: int) -> float:
 
 
 def _take(jobs: list[ShardJob]) -> list[ShardJob]:
-    """`consistency.shard_commit.take` over jobs: one etcd transaction's worth."""
+    """`consistency.shard_entries.take` over jobs: one etcd transaction's worth."""
     chosen = {id(e) for e in take([job.entry for job in jobs])}
     taken: list[ShardJob] = []
     kept: list[ShardJob] = []

@@ -27,7 +27,7 @@ from consistency.manifests import (
     SHARD_INLINE_BYTES,
     check_manifest_size,
 )
-from consistency.shard_commit import FIXED_OPS, MAX_TXN_OPS
+from consistency.shard_entries import FIXED_OPS, MAX_TXN_OPS
 from consistency.usage import RECORD_BYTES
 from ros.manifest_check import check_manifest
 from ros.proto.tensorhub.v1 import hub_pb2 as pb

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from consistency.publishing import DEFAULT_TIMEOUT, Admit, Published
 from consistency.records import HolderRecord
-from consistency.shard_commit import Budget
+from consistency.shard_guards import Budget
 from consistency.versions import VersionRegistry
 from tensorhub.errors import TensorHubError
 

@@ -17,7 +17,7 @@ from consistency import Etcd, HolderRecord, Session, VersionRegistry, manifest_p
 from consistency.manifest_packs import PACK_BYTES, SHARD_PACK_BYTES
 from consistency.manifests import SHARD_INLINE_BYTES
 from consistency.records import PartHeader, ShardRecord
-from consistency.shard_commit import FULL_BATCH, MAX_TXN_OPS, ShardEntry, take
+from consistency.shard_entries import FULL_BATCH, MAX_TXN_OPS, ShardEntry, take
 from tensorhub.errors import AlreadyExists, IntegrityError, InvalidArgument
 
 

@@ -35,7 +35,7 @@ from consistency.manifests import (
     SHARD_INLINE_BYTES,
 )
 from consistency.quota import CountedCreate
-from consistency.shard_commit import FULL_BATCH, ShardEntry, take
+from consistency.shard_entries import FULL_BATCH, ShardEntry, take
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from tensorhub.errors import (
     DeadlineExceeded,

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from consistency import Etcd, HolderRecord, Session, VersionRegistry
 from consistency.manifests import PAGE_BYTES
-from consistency.shard_commit import FIXED_OPS, MAX_BATCH, MAX_TXN_OPS, ShardEntry, take
+from consistency.shard_entries import FIXED_OPS, MAX_BATCH, MAX_TXN_OPS, ShardEntry, take
 from consistency.usage import RECORD_BYTES, TenantBudget, Usage
 from tensorhub.errors import (
     AlreadyExists,
@@ -228,7 +228,7 @@ def test_a_restarted_rank_holds_the_shard_its_dead_predecessor_committed(
 def _take_scanning_all(queue: list[ShardEntry]) -> list[ShardEntry]:
     """`take` as its rules state it, looking at every entry of the queue (the reference the
     scan that stops where the batch is full is held to)."""
-    from consistency.shard_commit import PACK_BYTES, view_ops
+    from consistency.shard_entries import PACK_BYTES, view_ops
 
     batch: list[ShardEntry] = []
     indices: set[int] = set()
@@ -276,7 +276,7 @@ def test_take_stops_where_the_batch_is_full_and_takes_what_a_whole_scan_takes(
     from typing import cast
 
     from consistency.manifests import Staged
-    from consistency.shard_commit import ViewShard
+    from consistency.shard_entries import ViewShard
 
     def entry(index: int, pages: int, packed: int, views: int) -> ShardEntry:
         staged = cast(Staged, SimpleNamespace(header=SimpleNamespace(pages=pages)))
@@ -306,7 +306,7 @@ def test_a_shards_parts_of_publisher_checksums_weigh_in_its_batch_by_their_bytes
 
     from consistency import ops
     from consistency.manifests import Staged
-    from consistency.shard_commit import EXTRA_OP_BYTES, MAX_TXN_OPS
+    from consistency.shard_entries import EXTRA_OP_BYTES, MAX_TXN_OPS
     from tensorhub.declared_records import MAX_PARTS_BYTES
 
     def entry(index: int, nbytes: int) -> ShardEntry:

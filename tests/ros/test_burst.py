@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 
 from consistency import Keys
-from consistency.shard_commit import FIXED_OPS, MAX_TXN_OPS
+from consistency.shard_entries import FIXED_OPS, MAX_TXN_OPS
 from ros.errors import ERROR_METADATA_KEY
 from ros.hub.server import HubServer
 from ros.hub.session_marks import MAX_BATCH as MARK_BATCH

@@ -17,7 +17,7 @@ import pytest
 from consistency import EtcdCluster, Keys
 from consistency.manifests import SHARD_INLINE_BYTES
 from consistency.publishing import Published
-from consistency.shard_commit import FULL_BATCH
+from consistency.shard_entries import FULL_BATCH
 from consistency.usage import SHARDS_PER_TOKEN, shard_tokens
 from ros.client import shard_frames
 from ros.client.shard_frames import frames
