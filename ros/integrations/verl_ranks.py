@@ -54,16 +54,20 @@ def stage(
 ) -> dict[str, torch.Tensor]:
     """Contiguous host copies of `tensors`, written into `reuse`'s where name, shape and
     dtype match (the previous version's memory), new ones elsewhere."""
-    out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        for name, tensor in tensors.items():
-            source = tensor.detach()
-            target = reuse.get(name)
-            if target is None or target.shape != source.shape or target.dtype != source.dtype:
-                target = torch.empty(source.shape, dtype=source.dtype, device="cpu")
-            target.copy_(source)
-            out[name] = target
-    return out
+        return {name: host_copy(tensor, reuse.get(name)) for name, tensor in tensors.items()}
+
+
+def host_copy(tensor: torch.Tensor, reuse: torch.Tensor | None) -> torch.Tensor:
+    """A contiguous host copy of `tensor`, written into `reuse` where its shape and dtype
+    match (the previous version's memory of that name), a new tensor elsewhere. Call it
+    under `torch.no_grad()`."""
+    source = tensor.detach()
+    target = reuse
+    if target is None or target.shape != source.shape or target.dtype != source.dtype:
+        target = torch.empty(source.shape, dtype=source.dtype, device="cpu")
+    target.copy_(source)
+    return target
 
 
 def agree_on_version(hub: Hub, model: str, group: ProcessGroup, timeout: float) -> int:

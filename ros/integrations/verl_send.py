@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ros.client.handles import Publication
-from ros.integrations.verl_ranks import RankPublish, publish_shard
+from ros.integrations.verl_ranks import RankPublish, host_copy, publish_shard
 from ros.integrations.verl_shards import ShardedParams
 from ros.integrations.verl_state import EngineState
 from tensorhub.errors import DeadlineExceeded, InvalidArgument, RetentionViolation
@@ -106,12 +106,7 @@ class Sending(EngineState):
             async for name, tensor in weight_items(weights):
                 if name in tensors:
                     raise InvalidArgument(f"tensorhub checkpoint engine: {name!r} sent twice")
-                source = tensor.detach()
-                target = staging.get(name)
-                if target is None or target.shape != source.shape or target.dtype != source.dtype:
-                    target = torch.empty(source.shape, dtype=source.dtype, device="cpu")
-                target.copy_(source)
-                tensors[name] = target
+                tensors[name] = host_copy(tensor, staging.get(name))
         if not tensors:
             raise InvalidArgument("tensorhub checkpoint engine: no weights to send")
         return tensors
