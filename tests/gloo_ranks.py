@@ -108,15 +108,7 @@ def launch(
     """`world` rank processes of `module`: what each said (in rank order), while they serve.
     A rank that exits without a line says `{"exit": code, "stderr": its tail}`; one that
     says nothing in `RANK_SECONDS` fails the test."""
-    import torch.distributed as dist
-
-    # The group's rendezvous store is served from here, on a port the kernel gave it, and
-    # every rank connects to it (`rank_session`): a port picked free for rank 0 to bind
-    # later was once taken by then, and the other ranks timed out connecting to it. It
-    # serves while this generator runs: until every rank is stopped.
-    store = dist.TCPStore(  # type: ignore[attr-defined]
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=GROUP_TIMEOUT
-    )
+    store = rendezvous_store(GROUP_TIMEOUT)  # serves while this generator runs
     base = {**os.environ, "PYTHONPATH": os.getcwd(), "WORLD_SIZE": str(world),
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
             "OMP_NUM_THREADS": "1", **(env or {})}  # fmt: skip
@@ -155,17 +147,38 @@ def _stop(ranks: Sequence[Rank]) -> None:
         rank.close()
 
 
+def rendezvous_store(timeout: timedelta) -> Any:
+    """The ranks' rendezvous store (a `torch.distributed.TCPStore`), served from the test's
+    process on a loopback port the kernel gave it (`.port`: the ranks' `MASTER_PORT`); it
+    serves while the caller keeps it. Not a port picked free for rank 0 to bind later: one
+    was once taken by then, and the other ranks timed out connecting to it."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout
+    )
+
+
+def join_group(timeout: timedelta) -> tuple[int, int]:
+    """Join the gloo group of this process's environment (`RANK`, `WORLD_SIZE`, and the
+    test's `rendezvous_store` at `MASTER_ADDR`:`MASTER_PORT`); this rank and the world."""
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        timeout=timeout,
+    )  # fmt: skip
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    return rank, world
+
+
 @contextmanager
 def rank_session() -> Iterator[tuple[int, int]]:
     """This process's (rank, world) in the gloo group of its environment, left at the end."""
     import torch.distributed as dist
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(  # type: ignore[attr-defined]  # `launch` serves it
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-        timeout=GROUP_TIMEOUT,
-    )  # fmt: skip
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=GROUP_TIMEOUT)
+    rank, world = join_group(GROUP_TIMEOUT)
     try:
         yield rank, world
     finally:

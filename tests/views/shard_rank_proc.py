@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ros.views.sharded import ShardSlice, quantize_shard, quantize_shards
 from tensorhub.errors import InvalidArgument
+from tests.gloo_ranks import join_group
 
 # case -> (format, global shape, dimension split, where rank 1's slice starts)
 CASES: dict[str, tuple[str, tuple[int, int], int, int]] = {
@@ -59,13 +60,7 @@ def _slice(case: str, rank: int) -> tuple[torch.Tensor, tuple[int, int], tuple[i
 
 
 def main(out: str) -> None:
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    timeout = timedelta(seconds=30)
-    store = dist.TCPStore(  # type: ignore[attr-defined]  # the test serves it
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-        timeout=timeout,
-    )  # fmt: skip
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    rank, _ = join_group(timedelta(seconds=30))
     got: dict[str, object] = {}
     try:
         for case, (fmt, shape, _, _) in CASES.items():

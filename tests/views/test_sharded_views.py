@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from ros.views import quantize_fp8_block128, quantize_mxfp8
+from tests.gloo_ranks import rendezvous_store
 from tests.views.shard_rank_proc import CASES, part, weight
 
 pytestmark = pytest.mark.slow  # two torch processes start (about 15 s on 2 shared cores)
@@ -24,11 +24,7 @@ pytestmark = pytest.mark.slow  # two torch processes start (about 15 s on 2 shar
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, object]]:
     """What each of 2 rank processes got for every case (`tests/views/shard_rank_proc.py`)."""
     out = tmp_path_factory.mktemp("ranks")
-    # the ranks' rendezvous store, served from here on a port the kernel gave it (a port
-    # picked free for rank 0 to bind later can be taken by then): both ranks connect to it
-    store = dist.TCPStore(  # type: ignore[attr-defined]
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
-    )
+    store = rendezvous_store(timedelta(seconds=60))  # both ranks connect to it
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "WORLD_SIZE": "2",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}  # fmt: skip
     procs = [
