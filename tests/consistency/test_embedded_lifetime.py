@@ -16,7 +16,8 @@ from consistency.spawner import parent_death_signal_available
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.skipif(
-    not parent_death_signal_available(), reason="no setpriv with a parent-death signal here"
+    not parent_death_signal_available(),
+    reason="needs Linux and util-linux 2.33+ (setpriv --pdeathsig), which this machine lacks",
 )
 
 

@@ -190,7 +190,8 @@ def test_a_hub_killed_with_sigkill_leaves_no_checking_process(
 
 
 @pytest.mark.skipif(
-    not parent_death_signal_available(), reason="no setpriv with a parent-death signal here"
+    not parent_death_signal_available(),
+    reason="needs Linux and util-linux 2.33+ (setpriv --pdeathsig), which this machine lacks",
 )
 @pytest.mark.timeout(90)
 def test_a_hub_killed_with_sigkill_leaves_no_embedded_etcd(tmp_path: Path) -> None:
