@@ -113,6 +113,11 @@ class TenantStore:
         # names recently found missing (bounded: made-up names), and the bound on reads of
         # names never seen (see `authenticate`).
         self._records: dict[str, _Record] = {}
+        # Names read as real tenants. Not an authority (nothing is authenticated from it):
+        # it only keeps a known tenant out of the bound on never-seen names after its record
+        # is dropped from `_records` (its record changed, the watch had a gap), so a flood of
+        # made-up names cannot refuse it. Real tenants only; a read finding none removes one.
+        self._seen: set[str] = set()
         self._missing: SizedLru[str, float] = SizedLru(MAX_MISSING_NAMES, lambda _: 1)
         self._unknown = threading.BoundedSemaphore(MAX_UNKNOWN_LOOKUPS)
         self._inflight: dict[str, _Lookup] = {}  # by name: concurrent callers share one read
@@ -158,11 +163,13 @@ class TenantStore:
         """The tenant a token belongs to, or `PermissionDenied`.
 
         Authentication reads etcd only for a tenant record this replica does not have
-        fresh, and callers asking for the same name at once share one read. Names never
-        seen (every token an attacker makes up) are read at most `MAX_UNKNOWN_LOOKUPS` at a
-        time, past which a caller is `Overloaded` at once, and a name found missing is
-        refused from memory for `_MISSING_SECONDS`. So a flood of made-up tokens costs a
-        few etcd reads at a time, and the worker pool keeps serving the tenants it knows.
+        fresh, and callers asking for the same name at once share one read. Names this
+        replica has never read as a tenant (every token an attacker makes up) are read at
+        most `MAX_UNKNOWN_LOOKUPS` at a time, past which a caller is `Overloaded` at once (a
+        tenant read once is not, even after its record left the cache), and a name found
+        missing is refused from memory for `_MISSING_SECONDS`. So a flood of made-up tokens
+        costs a few etcd reads at a time, and the worker pool keeps serving the tenants it
+        knows.
         """
         hit = self.cached(token)
         if hit is not None:
@@ -184,7 +191,7 @@ class TenantStore:
             pending = self._inflight.get(name)
             mine = pending is None
             if pending is None:
-                unknown = name not in self._records
+                unknown = name not in self._seen
                 if unknown and not self._unknown.acquire(blocking=False):
                     HUB_UNKNOWN_TOKENS_REFUSED.inc()
                     raise Overloaded(
@@ -219,10 +226,14 @@ class TenantStore:
         HUB_TENANT_RECORD_READS.inc()
         record = self._records_db.read(name)
         if record is None:
-            self._records.pop(name, None)
+            with self._lock:
+                self._records.pop(name, None)
+                self._seen.discard(name)
             self._missing.put(name, time.monotonic() + _MISSING_SECONDS)
             return None
-        self._records[name] = _Record(record, time.monotonic() + _CACHE_SECONDS)
+        with self._lock:
+            self._records[name] = _Record(record, time.monotonic() + _CACHE_SECONDS)
+            self._seen.add(name)
         self._missing.pop(name)
         return record
 

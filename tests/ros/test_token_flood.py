@@ -14,7 +14,10 @@ metric.
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
+import signal
+import threading
 import time
 from collections.abc import Callable
 
@@ -24,8 +27,10 @@ import pytest
 from prometheus_client import REGISTRY
 
 import ros
+from consistency import Etcd, EtcdCluster, Keys
 from ros.errors import ERROR_METADATA_KEY
 from ros.hub.server import HubServer
+from ros.hub.tenants import MAX_UNKNOWN_LOOKUPS, Tenant, TenantStore
 from ros.proto.tensorhub.v1 import hub_pb2 as pb
 from ros.proto.tensorhub.v1 import hub_pb2_grpc
 from tests.ros.helpers import make_model
@@ -119,3 +124,53 @@ def test_a_flood_of_made_up_names_leaves_known_tenants_served(
         }
     finally:
         client.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_tenant_whose_record_was_dropped_is_not_refused_with_the_made_up_names() -> None:
+    """A tenant's record leaves the cache whenever the watch of the tenant records sees it
+    change, even its own creation seen after the first read (`forget`), or has a gap. Before,
+    the tenant then counted as a name never seen, so while made-up names held every place
+    for those, its calls were `Overloaded`: this failed CI once, two of 550 calls refused.
+    Here etcd is frozen (SIGSTOP) while made-up names hold the places; the known tenant's
+    read waits for etcd like any read instead of being refused."""
+    with EtcdCluster(size=1) as cluster, Etcd(cluster.endpoints, timeout=5.0) as etcd:
+        store = TenantStore(etcd, Keys(f"/dropped/{os.getpid()}"))
+        token = store.create("team-a")
+        assert store.authenticate(token).name == "team-a"
+        store.forget("team-a")  # what the watch does when it sees the record change
+        process = cluster.members[0].process
+        assert process is not None
+        results: dict[str, Tenant | BaseException] = {}
+
+        def auth(label: str, token: str) -> None:
+            try:
+                results[label] = store.authenticate(token)
+            except BaseException as exc:  # the test reads what was raised
+                results[label] = exc
+
+        before = _reads()
+        os.kill(process.pid, signal.SIGSTOP)
+        try:
+            ghosts = [
+                threading.Thread(
+                    target=auth, args=(f"ghost{i}", f"ghost{i}.{secrets.token_urlsafe(32)}")
+                )
+                for i in range(MAX_UNKNOWN_LOOKUPS)
+            ]
+            for thread in ghosts:
+                thread.start()
+            deadline = time.monotonic() + 10
+            while _reads() - before < MAX_UNKNOWN_LOOKUPS and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert _reads() - before == MAX_UNKNOWN_LOOKUPS  # every place taken, reads stuck
+            mine = threading.Thread(target=auth, args=("mine", token))
+            mine.start()
+            mine.join(0.5)
+            assert "mine" not in results, results.get("mine")  # waiting on etcd, not refused
+        finally:
+            os.kill(process.pid, signal.SIGCONT)
+        for thread in [*ghosts, mine]:
+            thread.join(20)
+        assert isinstance(results["mine"], Tenant), results["mine"]
+        assert results["mine"].name == "team-a"
