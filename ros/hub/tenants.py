@@ -325,6 +325,8 @@ class TenantStore:
         if deleted is None:
             raise TenantNotFound(f"no tenant {name!r}")
         self.forget(name)
+        with self._lock:
+            self._seen.discard(name)  # a tenant no more: its name counts as never seen again
         self._records_db.revoke(deleted.leases, timeout)
         return deleted.revision
 
