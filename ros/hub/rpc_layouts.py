@@ -158,11 +158,8 @@ class LayoutRPCs:
                     blocks=s.blocks,
                     block_sums=s.sums,
                     publisher_sums=s.publisher_sums,
-                    holders=[  # COMPLETE only (`cover` lists them): one pass, not pipelined
-                        holder_to_pb(h)
-                        for h in _nearest(
-                            [h for h in s.holders if h.complete], topology, request.holder
-                        )
+                    holders=[  # COMPLETE only (`cover` lists its `c/` keys): one pass
+                        holder_to_pb(h) for h in _nearest(s.holders, topology, request.holder)
                     ],
                 )
                 for s in found
